@@ -1,0 +1,43 @@
+"""asyncload: load PyTorch distributed checkpoints fast, from local disk or object storage.
+
+Public names live here; everything else is private (``asyncload._*``).
+"""
+
+from ._api import LoadHandle, aload, load, start_load
+from ._dcp import PipelinedLoadPlanner, PipelinedReader
+from ._errors import (
+    AsyncLoadError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ChunkTimeoutError,
+    DistributedLoadError,
+    LoadCancelledError,
+    StateDictMismatchError,
+    StorageReadError,
+    UnsafeCheckpointError,
+)
+from ._options import LoadOptions
+from ._stats import LoadStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load",
+    "aload",
+    "start_load",
+    "LoadHandle",
+    "LoadOptions",
+    "LoadStats",
+    "PipelinedReader",
+    "PipelinedLoadPlanner",
+    "AsyncLoadError",
+    "ChunkTimeoutError",
+    "StorageReadError",
+    "CheckpointNotFoundError",
+    "CheckpointFormatError",
+    "UnsafeCheckpointError",
+    "StateDictMismatchError",
+    "DistributedLoadError",
+    "LoadCancelledError",
+    "__version__",
+]

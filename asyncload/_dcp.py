@@ -1,0 +1,572 @@
+"""The torch.distributed.checkpoint faces: PipelinedReader (a StorageReader) and
+PipelinedLoadPlanner (a DefaultLoadPlanner), thin over the async core.
+
+Planner hooks (``resolve_tensor``, ``commit_tensor``, ``load_bytes``) run on the
+caller's thread; only reads and copies run elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import io
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
+
+from ._crc import CrcTracker
+from ._errors import (
+    AsyncLoadError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    StateDictMismatchError,
+)
+from ._loop import loop_thread, run_sync
+from ._options import LoadOptions
+from ._pipeline import Pipeline
+from ._plan import Piece, make_chunks, plan_tensor
+from ._retry import fetch_with_retry, translate
+from ._safe_pickle import safe_loads
+from ._stats import LoadStats, StatsRecorder
+from ._storage import FsspecStorage, Storage, open_storage
+from ._torchsave import HEAD_PROBE, TAIL_PROBE, ByteWindow, aparse_archive, materialize, parse_archive, tensor_location
+
+__all__ = ["PipelinedReader", "PipelinedLoadPlanner", "KNOWN_DCP_VERSIONS"]
+
+log = logging.getLogger("asyncload.dcp")
+
+#: DCP metadata versions this reader understands (``None``: written before versions existed).
+KNOWN_DCP_VERSIONS = (None, "1.0.0")
+_UNSET: Any = object()
+
+
+class PipelinedLoadPlanner(DefaultLoadPlanner):
+    """A ``DefaultLoadPlanner`` that carries the load's knobs, checks the destination
+    against the checkpoint with clear errors, and decodes objects with the allow-list.
+
+    ``chunk_size``, ``min_chunk_size`` and ``timeout`` override the same fields of
+    ``options``; other keyword arguments go to ``DefaultLoadPlanner``.
+    """
+
+    def __init__(self, *, chunk_size: int | None = None, min_chunk_size: int | None = None,
+                 timeout: float | None = _UNSET, options: LoadOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        changes: dict[str, Any] = {}
+        if chunk_size is not None:
+            changes["chunk_size"] = chunk_size
+        if min_chunk_size is not None:
+            changes["min_chunk_size"] = min_chunk_size
+        if timeout is not _UNSET:
+            changes["timeout"] = timeout
+        base = options or LoadOptions()
+        if "chunk_size" in changes and "min_chunk_size" not in changes and base.min_chunk_size > changes["chunk_size"]:
+            changes["min_chunk_size"] = changes["chunk_size"]
+        self.options: LoadOptions = dataclasses.replace(base, **changes) if changes else base
+        #: Whether this planner's knobs were set explicitly (they then govern the load).
+        self.has_options = options is not None or bool(changes)
+        #: Keys the checkpoint holds that the destination lacks (filled by create_local_plan).
+        self.unexpected_keys: list[str] = []
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata
+        if md is None:  # pragma: no cover - dcp always sets it up
+            raise CheckpointFormatError("the planner was not set up with metadata")
+        saved = md.state_dict_metadata
+        cast_ok = self.options.allow_dtype_cast
+        for fqn, obj in self.state_dict.items():
+            smd = saved.get(fqn)
+            if smd is None:
+                if self.allow_partial_load:
+                    continue
+                # older (torch < 2.4) checkpoints flatten differently: let the default planner decide
+                if any(k not in self.state_dict for k in saved):
+                    continue
+                raise StateDictMismatchError(
+                    f"key {fqn!r} is in the destination state dict but not in the checkpoint "
+                    f"(the checkpoint has {len(saved)} keys; pass allow_partial_load=True to the planner to skip it)")
+            if isinstance(obj, torch.Tensor):
+                if not isinstance(smd, TensorStorageMetadata):
+                    raise StateDictMismatchError(f"key {fqn!r}: the destination is a tensor, the checkpoint holds an object")
+                shape = list(obj.size())
+                if list(smd.size) != shape:
+                    raise StateDictMismatchError(
+                        f"key {fqn!r}: the destination has shape {shape}, the checkpoint {list(smd.size)}")
+                if obj.dtype != smd.properties.dtype and not cast_ok:
+                    raise StateDictMismatchError(
+                        f"key {fqn!r}: the destination has dtype {obj.dtype}, the checkpoint {smd.properties.dtype} "
+                        "(set LoadOptions.allow_dtype_cast=True to convert on load)")
+        self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
+        try:
+            return super().create_local_plan()
+        except RuntimeError as exc:
+            if "Missing key" in str(exc):
+                raise StateDictMismatchError(str(exc)) from exc
+            raise
+        except ValueError as exc:
+            if "Size mismatch" in str(exc):
+                raise StateDictMismatchError(str(exc)) from exc
+            raise
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Decode an object with the allow-list (torch's planner uses ``torch.load(weights_only=False)``)."""
+        self.load_object(read_item, decode_object(value.getvalue(), what=f"object {read_item.dest_index.fqn!r}"))
+
+    def load_object(self, read_item: ReadItem, obj: Any) -> None:
+        """Place an already decoded object (the reader calls this with what it decoded)."""
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
+        from torch.distributed.checkpoint._traverse import set_element
+
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def decode_object(raw: bytes | memoryview, *, what: str, max_pickle: int = 1 << 30) -> Any:
+    """A non-tensor object saved by DCP (a torch.save archive), decoded with the allow-list."""
+    win = ByteWindow()
+    win.add(0, raw)
+    layout = parse_archive(win, 0, len(raw), what, max_pickle=max_pickle)
+    return materialize(layout, win)
+
+
+@dataclass
+class _Record:
+    """One saved item (a torch.save archive inside a .distcp file) and the reads that need it."""
+
+    name: str
+    offset: int
+    length: int
+    fqn: str
+    tensor_items: list[tuple[ReadItem, torch.Tensor]] = field(default_factory=list)
+    byte_items: list[ReadItem] = field(default_factory=list)
+    chunk_md: Any = None
+    dtype: torch.dtype | None = None
+    window: ByteWindow = field(default_factory=ByteWindow)
+    raw: bytes | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def where(self) -> str:
+        return f"record {self.fqn!r} at [{self.offset}, {self.end}) of {self.name}"
+
+
+class PipelinedReader(StorageReader):
+    """A ``torch.distributed.checkpoint.StorageReader`` that reads through asyncload's pipeline.
+
+    ``checkpoint`` is a local path, a ``PathLike``, a ``file://`` URL or any fsspec URL;
+    ``storage_options`` go to the fsspec filesystem. After a load, ``stats`` holds its
+    :class:`LoadStats`.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike[str], *, options: LoadOptions | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.options = options or LoadOptions()
+        self.storage_options = dict(storage_options or {})
+        self.stats: LoadStats | None = None
+        self.metadata: Metadata | None = None
+        self.storage_data: dict[Any, Any] = {}
+        #: ``progress(bytes_done, bytes_total)``, called from the loop thread as chunks land.
+        self.progress: Callable[[int, int], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._storage: Storage | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._recorder = StatsRecorder()
+        self._t0: float | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self.rank: int | None = None
+        self.is_coordinator = False
+
+    # --- running the async core --------------------------------------------------------
+
+    def _use_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Run this reader's coroutines on ``loop`` (aload: the caller's loop) instead of the library's."""
+        self._loop = loop
+
+    def _run(self, coro: Any) -> Any:
+        if self._cancelled.is_set():
+            coro.close()
+            raise asyncio.CancelledError()
+        loop = self._loop or loop_thread(self.options.use_uvloop)
+        return run_sync(coro, loop, on_task=self._track_task)
+
+    def _track_task(self, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._tasks.add(task)
+        task.add_done_callback(self._untrack)
+        if self._cancelled.is_set():
+            task.cancel()
+
+    def _untrack(self, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+
+    def cancel(self) -> None:
+        """Cancel the load in progress (from any thread); it raises CancelledError."""
+        self._cancelled.set()
+        with self._lock:
+            tasks = list(self._tasks)
+        for t in tasks:
+            loop = t.get_loop()
+            loop.call_soon_threadsafe(t.cancel)
+
+    def _io_threads(self, options: LoadOptions) -> int:
+        if options.io_threads is not None:
+            return options.io_threads
+        return max(2, min(8, options.max_in_flight))
+
+    async def _ensure_storage(self, options: LoadOptions) -> Storage:
+        if self._storage is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(self._io_threads(options),
+                                                                   thread_name_prefix="asyncload-io")
+            self._storage = open_storage(self.checkpoint, self.storage_options, self._executor)
+        return self._storage
+
+    async def aclose(self) -> None:
+        """Close files and sessions and stop the I/O threads (waits for running reads)."""
+        storage, self._storage = self._storage, None
+        executor, self._executor = self._executor, None
+        if storage is not None:
+            await storage.aclose()
+        if executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: executor.shutdown(wait=True, cancel_futures=True))
+
+    def close(self) -> None:
+        """Sync :meth:`aclose`."""
+        if self._storage is None and self._executor is None:
+            return
+        loop = self._loop or loop_thread(self.options.use_uvloop)
+        self._cancelled.clear()
+        run_sync(self.aclose(), loop)
+
+    # --- StorageReader -----------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.checkpoint = checkpoint_id
+        self._recorder = StatsRecorder()
+        self._t0 = time.monotonic()
+        self.stats = None
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self.checkpoint
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._t0 is None:
+            self._t0 = time.monotonic()
+        return self._run(self.aread_metadata(rank=kwargs.get("rank")))
+
+    async def aread_metadata(self, rank: int | None = None) -> Metadata:
+        """Read and decode ``.metadata`` with the allow-list; check its version."""
+        options = self.options
+        storage = await self._ensure_storage(options)
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        url = storage.url(name)
+        try:
+            size = await storage.size(name)
+        except Exception as exc:  # noqa: BLE001 - translated once below
+            err = translate(exc, url=url, byte_range=None, attempts=1)
+            if isinstance(err, CheckpointNotFoundError):
+                raise CheckpointNotFoundError(
+                    f"{url} does not exist: {self.checkpoint} is not a DCP checkpoint, or its save did not finish "
+                    "(DCP writes .metadata last)", path=url, status=404) from exc
+            raise err from exc
+        if size > options.max_metadata_size:
+            raise CheckpointFormatError(f"{url} is {size} bytes, more than LoadOptions.max_metadata_size="
+                                        f"{options.max_metadata_size}")
+        if size == 0:
+            raise CheckpointFormatError(f"{url} is empty: the checkpoint is incomplete or damaged")
+        raw = await fetch_with_retry(lambda: storage.read(name, 0, size), options=options, stats=self._recorder,
+                                     url=url, byte_range=(0, size))
+        md = safe_loads(raw, what=url, max_size=options.max_metadata_size)
+        if not isinstance(md, Metadata):
+            raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
+        version = getattr(md, "version", None)
+        if version not in KNOWN_DCP_VERSIONS:
+            raise CheckpointFormatError(f"{url} was written by an unknown DCP version {version!r}; "
+                                        f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}")
+        if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
+                getattr(md, "storage_data", None), dict):
+            raise CheckpointFormatError(f"{url}: metadata lacks its key or storage tables")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        self._recorder.add(files=1)
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.metadata = metadata
+        self.storage_data = metadata.storage_data
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        if self.storage_data is None:
+            raise CheckpointFormatError(f"{self.checkpoint}: metadata has no storage table")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _effective_options(self, planner: LoadPlanner) -> LoadOptions:
+        if isinstance(planner, PipelinedLoadPlanner) and planner.has_options:
+            return planner.options
+        return self.options
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        options = self._effective_options(planner)
+        records = self._collect(plan, planner)
+        if isinstance(planner, PipelinedLoadPlanner):
+            self._recorder.stats.unexpected_keys = list(planner.unexpected_keys)
+            if planner.unexpected_keys and options.strict_unexpected_keys:
+                raise StateDictMismatchError(
+                    f"the checkpoint holds {len(planner.unexpected_keys)} keys the destination lacks: "
+                    f"{planner.unexpected_keys[:10]} (LoadOptions.strict_unexpected_keys=True)")
+        self._run(self._aread(records, options))
+        # hooks on the caller's thread
+        for rec in records:
+            for item, dest in rec.tensor_items:
+                planner.commit_tensor(item, dest)
+        for rec in records:
+            for item in rec.byte_items:
+                assert rec.raw is not None
+                obj = decode_object(rec.raw, what=f"object {rec.fqn!r} in {rec.where}",
+                                    max_pickle=options.max_metadata_size)
+                if isinstance(planner, PipelinedLoadPlanner):
+                    planner.load_object(item, obj)
+                else:  # bytes were checked by the allow-list above; the planner decodes them its own way
+                    planner.load_bytes(item, io.BytesIO(rec.raw))
+        self._finish_stats()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _finish_stats(self) -> None:
+        if self._t0 is not None:
+            self._recorder.stats.seconds = time.monotonic() - self._t0
+        self.stats = self._recorder.snapshot()
+
+    def _collect(self, plan: LoadPlan, planner: LoadPlanner) -> list[_Record]:
+        """Group the plan's read items by saved record; resolve destinations (caller's thread)."""
+        assert self.metadata is not None
+        records: dict[tuple[str, int, int], _Record] = {}
+        for item in plan.items:
+            sinfo = self.storage_data.get(item.storage_index)
+            if sinfo is None:
+                raise CheckpointFormatError(f"{self.checkpoint}: metadata has no storage entry for "
+                                            f"{item.storage_index}")
+            name, offset, length = getattr(sinfo, "relative_path", None), getattr(sinfo, "offset", None), \
+                getattr(sinfo, "length", None)
+            if not isinstance(name, str) or not isinstance(offset, int) or not isinstance(length, int) or \
+                    offset < 0 or length <= 0 or "/" in name.replace(os.sep, "/") and ".." in name:
+                raise CheckpointFormatError(f"{self.checkpoint}: malformed storage entry {sinfo!r:.200} for "
+                                            f"{item.storage_index.fqn!r}")
+            if getattr(sinfo, "transform_descriptors", None):
+                raise CheckpointFormatError(
+                    f"{item.storage_index.fqn!r} in {name} was saved with stream transforms "
+                    f"{list(sinfo.transform_descriptors)}, which asyncload does not read yet")
+            key = (name, offset, length)
+            rec = records.get(key)
+            if rec is None:
+                rec = records[key] = _Record(name, offset, length, item.storage_index.fqn)
+            if item.type == LoadItemType.BYTE_IO:
+                rec.byte_items.append(item)
+            else:
+                smd = self.metadata.state_dict_metadata.get(item.storage_index.fqn)
+                if isinstance(smd, TensorStorageMetadata):
+                    rec.dtype = smd.properties.dtype
+                    idx = item.storage_index.index
+                    if idx is not None and 0 <= idx < len(smd.chunks) and \
+                            smd.chunks[idx].offsets == item.storage_index.offset:
+                        rec.chunk_md = smd.chunks[idx]
+                    else:
+                        rec.chunk_md = next((c for c in smd.chunks if c.offsets == item.storage_index.offset), None)
+                dest = planner.resolve_tensor(item).detach()
+                rec.tensor_items.append((item, dest))
+        return sorted(records.values(), key=lambda r: (r.name, r.offset))
+
+    async def _aread(self, records: list[_Record], options: LoadOptions) -> None:
+        storage = await self._ensure_storage(options)
+        assert self._executor is not None
+        pipeline = Pipeline(storage, options, self._recorder, self._executor)
+        total = sum(dest.numel() * dest.element_size() for r in records for _, dest in r.tensor_items)
+        if self.progress is not None:
+            done = [0]
+            cb = self.progress
+
+            def on_progress(n: int) -> None:
+                done[0] += n
+                cb(done[0], total)
+
+            pipeline.on_progress = on_progress
+        await self._check_files(storage, records)
+        small = max(min(options.min_chunk_size, options.effective_chunk_size), HEAD_PROBE + TAIL_PROBE)
+        trackers: list[tuple[CrcTracker, _Record]] = []
+        # Phase A: whole small records and objects; head and tail probes of large records
+        pieces: list[Piece] = []
+        large: list[_Record] = []
+        for rec in records:
+            if rec.length <= small or rec.byte_items:
+                if rec.length > options.effective_chunk_size:
+                    raise CheckpointFormatError(
+                        f"{rec.where}: an object record of {rec.length} bytes exceeds the memory budget; "
+                        "raise LoadOptions.memory_budget and chunk_size")
+                pieces.append(Piece(rec.name, rec.offset, rec.end, deliver=self._whole_record(rec, options)))
+            else:
+                large.append(rec)
+                head = min(HEAD_PROBE, rec.length)
+                tail = min(TAIL_PROBE, rec.length)
+                pieces.append(Piece(rec.name, rec.offset, rec.offset + head, deliver=_store(rec.window, rec.offset)))
+                pieces.append(Piece(rec.name, rec.end - tail, rec.end, deliver=_store(rec.window, rec.end - tail)))
+        chunks = make_chunks(pieces, chunk_size=options.effective_chunk_size, min_chunk_size=options.min_chunk_size)
+        for c in chunks:
+            for s in c.segments:
+                s.payload = False
+        await pipeline.run(chunks)
+        # Phase B: locate each large record's tensor, then read the boxes each item needs
+        data_pieces: list[Piece] = []
+        for rec in large:
+            async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes:
+                return await fetch_with_retry(lambda: storage.read(rec.name, lo, hi), options=options,
+                                              stats=self._recorder, url=storage.url(rec.name), byte_range=(lo, hi))
+            layout = await aparse_archive(rec.window, rec.offset, rec.length, f"{storage.url(rec.name)} {rec.where}",
+                                          fetch, max_pickle=options.max_metadata_size)
+            loc = tensor_location(layout, rec.name)
+            self._check_against_metadata(rec, loc)
+            tracker = None
+            if options.verify and _covers_whole_storage(rec, loc):
+                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32 or 0)
+                trackers.append((tracker, rec))
+            for item, dest in rec.tensor_items:
+                ps = plan_tensor(loc, item.storage_offsets, item.lengths, dest,
+                                 chunk_size=options.effective_chunk_size, min_chunk_size=options.min_chunk_size,
+                                 allow_cast=options.allow_dtype_cast, key=item.dest_index.fqn)
+                for p in ps:
+                    p.tracker = tracker
+                data_pieces.extend(ps)
+            rec.window = ByteWindow()  # probes are no longer needed
+        chunks = make_chunks(data_pieces, chunk_size=options.effective_chunk_size,
+                             min_chunk_size=options.min_chunk_size)
+        await pipeline.run(chunks)
+        for tracker, rec in trackers:
+            self._check_crc(tracker, rec, storage)
+
+    async def _check_files(self, storage: Storage, records: list[_Record]) -> None:
+        """Every file exists and is long enough for its records, before any destination is touched."""
+        ends: dict[str, int] = {}
+        for r in records:
+            ends[r.name] = max(ends.get(r.name, 0), r.end)
+
+        async def size_of(name: str) -> int:
+            try:
+                return await fetch_with_retry(lambda: storage.size(name), options=self.options, stats=self._recorder,
+                                              url=storage.url(name), byte_range=(0, 0))
+            except CheckpointNotFoundError as exc:
+                raise CheckpointNotFoundError(
+                    f"{storage.url(name)} is named by the checkpoint's metadata but does not exist: "
+                    "the checkpoint is incomplete", path=storage.url(name), status=404) from exc
+
+        sizes = await asyncio.gather(*(size_of(n) for n in ends))
+        for (name, end), size in zip(ends.items(), sizes):
+            if size < end:
+                raise CheckpointFormatError(
+                    f"{storage.url(name)} is {size} bytes but the metadata places a record up to byte {end}: "
+                    "the file is truncated")
+        self._recorder.add(files=len(ends))
+
+    def _whole_record(self, rec: _Record, options: LoadOptions) -> Callable[[memoryview], None]:
+        recorder = self._recorder
+
+        def deliver(data: memoryview) -> None:
+            if rec.byte_items:
+                rec.raw = bytes(data)
+            if not rec.tensor_items:
+                return
+            win = ByteWindow()
+            win.add(rec.offset, data)
+            layout = parse_archive(win, rec.offset, rec.length, rec.where, max_pickle=options.max_metadata_size)
+            loc = tensor_location(layout, rec.name)
+            self._check_against_metadata(rec, loc)
+            if options.verify and loc.crc32 is not None:
+                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
+                tracker.add(rec.offset, data)
+                _raise_on_bad_crc(tracker, rec, rec.name)
+                recorder.add(verified_records=1)
+            n = 0
+            for item, dest in rec.tensor_items:
+                for p in plan_tensor(loc, item.storage_offsets, item.lengths, dest, chunk_size=1 << 62,
+                                     min_chunk_size=1 << 62, allow_cast=options.allow_dtype_cast,
+                                     key=item.dest_index.fqn):
+                    part = data[p.start - rec.offset : p.end - rec.offset]
+                    if p.into is not None:
+                        p.into[:] = part
+                    elif p.deliver is not None:
+                        p.deliver(part)
+                n += dest.numel() * dest.element_size()
+            recorder.add(bytes_assembled=n)
+
+        return deliver
+
+    def _check_against_metadata(self, rec: _Record, loc: Any) -> None:
+        if rec.dtype is not None and loc.dtype != rec.dtype:
+            raise CheckpointFormatError(f"{rec.where}: the record holds {loc.dtype}, the metadata says {rec.dtype}")
+        if rec.chunk_md is not None and tuple(rec.chunk_md.sizes) != tuple(loc.size):
+            raise CheckpointFormatError(f"{rec.where}: the record holds shape {list(loc.size)}, the metadata says "
+                                        f"{list(rec.chunk_md.sizes)}")
+
+    def _check_crc(self, tracker: CrcTracker, rec: _Record, storage: Storage) -> None:
+        if not tracker.complete:  # pragma: no cover - covered reads always complete
+            return
+        _raise_on_bad_crc(tracker, rec, storage.url(rec.name))
+        self._recorder.add(verified_records=1)
+
+
+def _raise_on_bad_crc(tracker: CrcTracker, rec: _Record, url: str) -> None:
+    got = tracker.value()
+    if got != tracker.expected:
+        raise CheckpointFormatError(
+            f"checksum mismatch in {url}, {rec.where}, tensor bytes [{tracker.start}, {tracker.end}): "
+            f"CRC-32 {got:#010x}, the record says {tracker.expected:#010x}: the file is damaged")
+
+
+def _covers_whole_storage(rec: _Record, loc: Any) -> bool:
+    numel = math.prod(loc.size)
+    if numel * loc.itemsize != loc.storage_nbytes:
+        return False
+    covered = sum(math.prod(item.lengths) for item, _ in rec.tensor_items)
+    return covered == numel
+
+
+def _store(win: ByteWindow, start: int) -> Callable[[memoryview], None]:
+    def deliver(data: memoryview) -> None:
+        win.add(start, bytes(data))
+    return deliver

@@ -1,0 +1,105 @@
+"""The exceptions asyncload raises.
+
+Every error the library raises on purpose derives from :class:`AsyncLoadError`;
+leaves also derive from the builtin a caller would naturally catch::
+
+    AsyncLoadError
+    ├── ChunkTimeoutError          (also TimeoutError)   one chunk read ran out of time on every attempt
+    ├── StorageReadError           (also OSError)        storage refused or failed a read
+    │   └── CheckpointNotFoundError (also FileNotFoundError) a file of the checkpoint does not exist
+    ├── CheckpointFormatError      (also ValueError)     corrupt, truncated or not a checkpoint
+    ├── UnsafeCheckpointError      (also ValueError)     the checkpoint asks to run code or import a non-allowed name
+    ├── StateDictMismatchError     (also ValueError)     the destination does not fit the checkpoint
+    ├── DistributedLoadError       (also RuntimeError)   another rank failed or stalled during a load
+    └── LoadCancelledError         (also CancelledError) the load was cancelled through its handle
+
+Storage errors are translated into these classes in one place
+(:mod:`asyncload._retry`), parser errors in the format modules, always with
+``raise ... from exc`` so the original cause stays attached.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+__all__ = [
+    "AsyncLoadError",
+    "ChunkTimeoutError",
+    "StorageReadError",
+    "CheckpointNotFoundError",
+    "CheckpointFormatError",
+    "UnsafeCheckpointError",
+    "StateDictMismatchError",
+    "DistributedLoadError",
+    "LoadCancelledError",
+]
+
+
+class AsyncLoadError(Exception):
+    """Base class of every error asyncload raises on purpose."""
+
+
+class ChunkTimeoutError(AsyncLoadError, TimeoutError):
+    """Raised when one chunk read did not finish within ``timeout`` on every attempt.
+
+    Attributes name where: ``path``, ``byte_range`` (half-open), ``attempts``.
+    """
+
+    def __init__(self, message: str, *, path: str = "", byte_range: tuple[int, int] = (0, 0), attempts: int = 0):
+        super().__init__(message)
+        self.path = path
+        self.byte_range = byte_range
+        self.attempts = attempts
+
+
+class StorageReadError(AsyncLoadError, OSError):
+    """Raised when storage failed a read and retrying did not help (or could not).
+
+    Attributes: ``path``, ``byte_range`` (half-open, or ``None`` for whole-file
+    operations), ``attempts``, ``status`` (HTTP status where known).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str = "",
+        byte_range: tuple[int, int] | None = None,
+        attempts: int = 0,
+        status: int | None = None,
+    ):
+        # OSError's constructor interprets positional args; keep the message whole.
+        super().__init__(message)
+        self.path = path
+        self.byte_range = byte_range
+        self.attempts = attempts
+        self.status = status
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointNotFoundError(StorageReadError, FileNotFoundError):
+    """Raised when the checkpoint, its ``.metadata`` or one of its data files does not exist."""
+
+
+class CheckpointFormatError(AsyncLoadError, ValueError):
+    """Raised when a checkpoint is corrupt, truncated, of an unknown version, or not a checkpoint."""
+
+
+class UnsafeCheckpointError(AsyncLoadError, ValueError):
+    """Raised when the metadata or an object in the checkpoint asks to run code or
+    import something outside the allow-list. Nothing from it was executed."""
+
+
+class StateDictMismatchError(AsyncLoadError, ValueError):
+    """Raised when the destination state dict does not fit the checkpoint: a missing
+    key, a wrong shape or a wrong dtype. The message names the key and both sides."""
+
+
+class DistributedLoadError(AsyncLoadError, RuntimeError):
+    """Raised on every rank when another rank failed or stalled during a collective load."""
+
+
+class LoadCancelledError(AsyncLoadError, concurrent.futures.CancelledError):
+    """Raised by ``LoadHandle.result()`` after ``LoadHandle.cancel()``."""

@@ -1,0 +1,110 @@
+"""The sync face: a dedicated, named event-loop thread that runs the async core.
+
+One per process and loop kind (uvloop or asyncio), started on first use, recreated
+in a forked child (the parent's thread does not survive a fork). Works when the
+calling thread already runs an event loop: the caller blocks, our loop works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from typing import Any, Coroutine, TypeVar
+
+__all__ = ["run_sync", "loop_thread", "uvloop_available"]
+
+log = logging.getLogger("asyncload.loop")
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_threads: dict[bool, "_LoopThread"] = {}
+
+
+def uvloop_available() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _LoopThread:
+    def __init__(self, use_uvloop: bool) -> None:
+        self.uvloop = use_uvloop
+        if use_uvloop:
+            import uvloop
+
+            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        else:
+            self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+        ready = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(ready.set)
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, name=f"asyncload-loop{'-uvloop' if use_uvloop else ''}", daemon=True)
+        self.thread.start()
+        ready.wait()
+
+
+def loop_thread(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    """The library's loop (started on first use), uvloop when asked and installed."""
+    use_uvloop = use_uvloop and uvloop_available()
+    with _lock:
+        lt = _threads.get(use_uvloop)
+        if lt is None or lt.pid != os.getpid() or not lt.thread.is_alive():
+            lt = _threads[use_uvloop] = _LoopThread(use_uvloop)
+        return lt.loop
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    _threads.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def run_sync(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, grace: float = 30.0,
+             on_task: Any = None) -> T:
+    """Run ``coro`` on ``loop`` (another thread's) and wait for it.
+
+    On KeyboardInterrupt (or any exception) while waiting, the task is cancelled and
+    given up to ``grace`` seconds to clean up (close files and sessions) before re-raising.
+    ``on_task(task)`` is called on the loop thread once the task exists (for cancellation).
+    """
+    done = threading.Event()
+    box: dict[str, asyncio.Task[T]] = {}
+
+    def start() -> None:
+        task = loop.create_task(coro)
+        box["task"] = task
+        task.add_done_callback(lambda _t: done.set())
+        if on_task is not None:
+            on_task(task)
+
+    def cancel() -> None:
+        task = box.get("task")
+        if task is not None:
+            task.cancel()
+
+    loop.call_soon_threadsafe(start)
+    try:
+        done.wait()
+        return box["task"].result()
+    except BaseException:
+        if not done.is_set():
+            loop.call_soon_threadsafe(cancel)
+            try:
+                done.wait(timeout=grace)
+            except BaseException:  # noqa: BLE001 - a second Ctrl-C: stop waiting
+                pass
+        raise

@@ -1,0 +1,373 @@
+"""The reader pool: chunks dispatched under a byte budget and a concurrency limit,
+read with timeouts/retries/hedges, handed to assembly off the event loop.
+
+Invariants (each has a test):
+
+- The budget is reserved before a chunk's read starts and released only after its
+  bytes are assembled, so ``peak_buffered_bytes <= memory_budget`` always. No chunk
+  is larger than the budget (chunks are cut to ``LoadOptions.effective_chunk_size``).
+- Chunks are assembled one by one, independently: no chunk waits for another, so the
+  budget cannot deadlock.
+- A short read is an error (retried), never a smaller tensor.
+- Every task started is awaited or cancelled on every path (one TaskGroup); after an
+  error or a cancel the budget is whole again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from ._crc import CrcTracker
+from ._errors import AsyncLoadError
+from ._options import LoadOptions
+from ._retry import HedgePolicy, fetch_with_retry
+from ._stats import StatsRecorder
+from ._storage import Storage
+
+__all__ = ["ByteBudget", "Limiter", "Segment", "Chunk", "Pipeline", "copy_bytes"]
+
+log = logging.getLogger("asyncload.pipeline")
+
+
+class ByteBudget:
+    """Bytes read but not yet assembled, bounded by ``capacity``; FIFO waiters.
+
+    ``acquire(n)`` waits until ``n`` more bytes fit; ``release(n)`` gives them back.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.peak = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    async def acquire(self, n: int) -> None:
+        if n > self.capacity:
+            raise ValueError(f"a chunk of {n} bytes cannot fit a budget of {self.capacity} bytes")
+        if not self._waiters and self.used + n <= self.capacity:
+            self._take(n)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as we were cancelled: give it back
+            else:
+                try:
+                    self._waiters.remove(entry)
+                except ValueError:
+                    pass
+                self._wake()
+            raise
+
+    def _take(self, n: int) -> None:
+        self.used += n
+        if self.used > self.peak:
+            self.peak = self.used
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        if self.used < 0:  # pragma: no cover - a bookkeeping bug, never user input
+            raise AssertionError("byte budget released more than it reserved")
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.used + self._waiters[0][0] <= self.capacity:
+            n, fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            self._take(n)
+            fut.set_result(None)
+
+    def statistics(self) -> dict[str, int]:
+        return {"capacity": self.capacity, "used": self.used, "peak": self.peak, "waiting": len(self._waiters)}
+
+
+class Limiter:
+    """A semaphore whose limit can change while it is in use (for ``concurrency="auto"``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        self.peak = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        if not self._waiters and self.active < self.limit:
+            self._enter()
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()
+            else:
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def _enter(self) -> None:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+
+    def release(self) -> None:
+        self.active -= 1
+        self._wake()
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.active < self.limit:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self._enter()
+                fut.set_result(None)
+
+
+def copy_bytes(dst: memoryview, src: memoryview | bytes | bytearray) -> None:
+    """memcpy that releases the GIL for large copies (numpy does)."""
+    n = len(dst)
+    if n < 1 << 16:
+        dst[:] = src
+        return
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8, count=n))
+
+
+@dataclass
+class Segment:
+    """Bytes ``[start, end)`` of a file and where they go: straight into ``into`` (the
+    destination's own memory) or through ``deliver`` (called on an assembly thread with
+    exactly those bytes)."""
+
+    start: int
+    end: int
+    into: memoryview | None = None
+    deliver: Callable[[memoryview], None] | None = None
+    #: Counted in ``bytes_assembled`` (0 for header probes and gaps).
+    payload: bool = True
+
+
+@dataclass
+class Chunk:
+    """One read request: ``[start, end)`` of file ``name``, cut into segments."""
+
+    name: str
+    start: int
+    end: int
+    segments: list[Segment]
+    trackers: Sequence[CrcTracker] = field(default_factory=tuple)
+    #: The planned pieces this chunk serves (keeps destination tensors alive).
+    pieces: list[Any] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def tiles_into(self) -> bool:
+        """Every byte of the chunk has a direct destination, in order, without gaps."""
+        pos = self.start
+        for s in self.segments:
+            if s.into is None or s.start != pos:
+                return False
+            pos = s.end
+        return pos == self.end
+
+
+class _StagingPool:
+    """Reusable staging buffers: memory already touched, so reads run at full speed."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._free: list[bytearray] = []
+        self._limit = limit_bytes
+        self._held = 0
+
+    def get(self, n: int) -> bytearray:
+        best = None
+        for i, b in enumerate(self._free):
+            if len(b) >= n and (best is None or len(b) < len(self._free[best])):
+                best = i
+        if best is not None:
+            buf = self._free.pop(best)
+            self._held -= len(buf)
+            return buf
+        return bytearray(n)
+
+    def put(self, buf: bytearray) -> None:
+        if self._held + len(buf) <= self._limit:
+            self._free.append(buf)
+            self._held += len(buf)
+
+
+class Pipeline:
+    """Reads chunks from one storage with ``concurrency`` reads in flight under a budget."""
+
+    def __init__(self, storage: Storage, options: LoadOptions, stats: StatsRecorder,
+                 executor: concurrent.futures.Executor, budget: ByteBudget | None = None) -> None:
+        self.storage = storage
+        self.options = options
+        self.stats = stats
+        self.executor = executor
+        self.budget = budget or ByteBudget(options.memory_budget)
+        self.limiter = Limiter(options.initial_concurrency)
+        self.hedge = HedgePolicy(options, stats) if storage.hedgeable else None
+        self._pool = _StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
+        self._throttled = 0
+        self.on_progress: Callable[[int], None] | None = None
+
+    def _note_throttle(self) -> None:
+        self._throttled += 1
+
+    async def run(self, chunks: Iterable[Chunk]) -> None:
+        """Read and assemble every chunk; raise the first error (others are cancelled)."""
+        errors: list[BaseException] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tuner = tg.create_task(self._autotune()) if self.options.concurrency == "auto" else None
+                for chunk in chunks:
+                    t0 = time.monotonic()
+                    await self.budget.acquire(chunk.nbytes)
+                    try:
+                        await self.limiter.acquire()
+                    except BaseException:
+                        self.budget.release(chunk.nbytes)
+                        raise
+                    self.stats.add(budget_wait_seconds=time.monotonic() - t0)
+                    self.stats.maximum("peak_concurrency", self.limiter.active)
+                    tg.create_task(self._one(chunk))
+                if tuner is not None:
+                    tuner.cancel()
+        except BaseExceptionGroup as group:
+            errors = _flatten(group)
+        finally:
+            self.stats.maximum("peak_buffered_bytes", self.budget.peak)
+        if errors:
+            # the first real error, not the cancellations it caused
+            real = [e for e in errors if not isinstance(e, asyncio.CancelledError)]
+            if not real:
+                raise asyncio.CancelledError()
+            chosen = next((e for e in real if isinstance(e, AsyncLoadError)), real[0])
+            raise chosen.with_traceback(chosen.__traceback__)
+
+    async def _autotune(self) -> None:
+        """Grow reads in flight while throughput rises; back off on throttling (AIMD)."""
+        last_bytes = 0
+        last_rate = 0.0
+        interval = 0.25
+        while True:
+            await asyncio.sleep(interval)
+            snap = self.stats.stats.bytes_read
+            rate = (snap - last_bytes) / interval
+            last_bytes = snap
+            limit = self.limiter.limit
+            if self._throttled:
+                self._throttled = 0
+                self.limiter.set_limit(max(1, limit // 2))
+            elif rate >= last_rate * 1.05 and self.limiter.active >= limit and limit < self.options.max_in_flight:
+                self.limiter.set_limit(min(self.options.max_in_flight, limit + max(1, limit // 4)))
+            last_rate = max(rate, last_rate * 0.9)
+
+    async def _one(self, chunk: Chunk) -> None:
+        try:
+            await self._read_and_assemble(chunk)
+        finally:
+            self.budget.release(chunk.nbytes)
+            self.limiter.release()
+
+    async def _read_and_assemble(self, chunk: Chunk) -> None:
+        loop = asyncio.get_running_loop()
+        storage = self.storage
+        url = storage.url(chunk.name)
+        rng = (chunk.start, chunk.end)
+        t0 = time.monotonic()
+        if storage.supports_readinto and chunk.tiles_into():
+            views = [s.into for s in chunk.segments]  # type: ignore[misc]
+
+            def direct() -> None:
+                storage.readinto_sync(chunk.name, chunk.start, views)  # type: ignore[attr-defined]
+
+            await fetch_with_retry(lambda: loop.run_in_executor(self.executor, direct), options=self.options,
+                                   stats=self.stats, url=url, byte_range=rng, hedge=None)
+            t1 = time.monotonic()
+            self.stats.add(bytes_read=chunk.nbytes, chunks=1, storage_wait_seconds=t1 - t0)
+            if chunk.trackers:
+                await loop.run_in_executor(self.executor, _track, chunk, views)
+            self._count_assembled(chunk, t1)
+            return
+
+        pooled: bytearray | None = None
+        if storage.supports_readinto:
+            pooled = self._pool.get(chunk.nbytes)
+            view = memoryview(pooled)[: chunk.nbytes]
+
+            def staged() -> None:
+                storage.readinto_sync(chunk.name, chunk.start, [view])  # type: ignore[attr-defined]
+
+            await fetch_with_retry(lambda: loop.run_in_executor(self.executor, staged), options=self.options,
+                                   stats=self.stats, url=url, byte_range=rng, hedge=None)
+            data: memoryview = view
+        else:
+            raw = await fetch_with_retry(lambda: storage.read(chunk.name, chunk.start, chunk.end),
+                                         options=self.options, stats=self.stats, url=url, byte_range=rng,
+                                         hedge=self.hedge, on_throttle=self._note_throttle)
+            data = memoryview(raw)
+        t1 = time.monotonic()
+        self.stats.add(bytes_read=chunk.nbytes, chunks=1, storage_wait_seconds=t1 - t0)
+        try:
+            await loop.run_in_executor(self.executor, _assemble, chunk, data)
+        finally:
+            if pooled is not None:
+                self._pool.put(pooled)
+        self._count_assembled(chunk, t1)
+
+    def _count_assembled(self, chunk: Chunk, t1: float) -> None:
+        payload = sum(s.end - s.start for s in chunk.segments if s.payload)
+        self.stats.add(bytes_assembled=payload, assembly_seconds=time.monotonic() - t1)
+        if self.on_progress is not None and payload:
+            self.on_progress(payload)
+
+
+def _track(chunk: Chunk, views: Sequence[memoryview]) -> None:
+    pos = chunk.start
+    for v in views:
+        for tr in chunk.trackers:
+            tr.add(pos, v)
+        pos += len(v)
+
+
+def _assemble(chunk: Chunk, data: memoryview) -> None:
+    for tr in chunk.trackers:
+        tr.add(chunk.start, data)
+    base = chunk.start
+    for seg in chunk.segments:
+        part = data[seg.start - base : seg.end - base]
+        if seg.into is not None:
+            copy_bytes(seg.into, part)
+        elif seg.deliver is not None:
+            seg.deliver(part)
+
+
+def _flatten(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            out.extend(_flatten(e))
+        else:
+            out.append(e)
+    return out

@@ -1,0 +1,258 @@
+"""What to read: a tensor's bytes in a file, a box of it, a destination view ->
+byte-range pieces; pieces -> chunks (small neighbours coalesced, large ranges split).
+
+Pure planning, no I/O. A saved tensor may have any dense layout (a transposed
+tensor is saved with its strides): dimensions are ordered by stride, so the storage
+is row-major in that order, and a box of the tensor is a set of runs. A run whose
+destination memory is contiguous in the same order is read straight into it; other
+runs, and runs whose gaps are small enough to read through (``min_chunk_size``), go
+through a staging buffer and one strided copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ._errors import CheckpointFormatError, StateDictMismatchError
+from ._pipeline import Chunk, Segment
+
+__all__ = ["TensorLocation", "Piece", "plan_tensor", "make_chunks", "tensor_over", "memory_of"]
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a saved tensor's elements are: the format-independent answer of every format module."""
+
+    #: File name relative to the checkpoint root.
+    name: str
+    #: Absolute byte offset, in that file, of storage element 0.
+    data_start: int
+    #: Bytes of the storage.
+    storage_nbytes: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    #: In elements.
+    storage_offset: int = 0
+    #: CRC-32 of the storage's bytes, where the format stores one.
+    crc32: int | None = None
+    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of __0_0.distcp"``.
+    where: str = ""
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+    def check(self) -> None:
+        """Raise CheckpointFormatError unless every element lies inside the storage."""
+        if any(s < 0 for s in self.size) or any(s < 0 for s in self.stride) or self.storage_offset < 0:
+            raise CheckpointFormatError(f"{self.where}: negative size, stride or offset")
+        if math.prod(self.size) == 0:
+            return
+        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+        if (last + 1) * self.itemsize > self.storage_nbytes:
+            raise CheckpointFormatError(
+                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at offset "
+                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has {self.storage_nbytes}")
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        n = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return n
+
+
+def memory_of(t: torch.Tensor) -> memoryview:
+    """A writable memoryview over a contiguous CPU tensor's bytes (any dtype)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def tensor_over(data: memoryview | bytes | bytearray, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of ``dtype`` over ``data`` without copying (``data`` must outlive it)."""
+    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    if len(mv) == 0:
+        return torch.empty(0, dtype=dtype)
+    if mv.readonly:  # torch warns on read-only buffers; we never write through this view
+        addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+        mv = memoryview((ctypes.c_char * len(mv)).from_address(addr)).cast("B")
+    return torch.frombuffer(mv, dtype=torch.uint8).view(dtype)
+
+
+@dataclass
+class Piece:
+    """Bytes ``[start, end)`` of file ``name`` and where they go (see :class:`Segment`)."""
+
+    name: str
+    start: int
+    end: int
+    into: memoryview | None = None
+    deliver: Callable[[memoryview], None] | None = None
+    #: Keeps destination tensors alive while a raw memoryview points into them.
+    keep: object = None
+    #: Checksum of the storage these bytes belong to (``verify=True``).
+    tracker: object = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _contiguous_box(lens: Sequence[int], strides: Sequence[int]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(lens), reversed(strides)):
+        if n == 1:
+            continue
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _span_elems(lens: Sequence[int], strides: Sequence[int]) -> int:
+    return sum((n - 1) * s for n, s in zip(lens, strides)) + 1
+
+
+def _max_gap_elems(lens: Sequence[int], strides: Sequence[int]) -> int:
+    gap = 0
+    for i, n in enumerate(lens):
+        if n > 1:
+            inner = _span_elems(lens[i + 1 :], strides[i + 1 :])
+            gap = max(gap, strides[i] - inner)
+    return gap
+
+
+def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[int], dest: torch.Tensor, *,
+                chunk_size: int, min_chunk_size: int, allow_cast: bool = False, key: str = "",
+                direct_ok: bool = True) -> list[Piece]:
+    """Pieces that copy box ``[offsets, offsets + lengths)`` of the saved tensor into ``dest``.
+
+    ``dest`` has shape ``lengths`` (already narrowed to the destination box).
+    """
+    loc.check()
+    n = len(loc.size)
+    if len(offsets) != n or len(lengths) != n or any(o < 0 or o + l > s for o, l, s in zip(offsets, lengths, loc.size)):
+        raise CheckpointFormatError(f"{loc.where}: read of box offsets {list(offsets)} lengths {list(lengths)} "
+                                    f"does not fit the saved chunk of size {list(loc.size)}")
+    if tuple(dest.shape) != tuple(lengths):
+        raise StateDictMismatchError(f"{key or loc.where}: destination has shape {list(dest.shape)}, "
+                                     f"the checkpoint's piece has shape {list(lengths)}")
+    if dest.dtype != loc.dtype and not allow_cast:
+        raise StateDictMismatchError(f"{key or loc.where}: destination dtype {dest.dtype} differs from the saved "
+                                     f"{loc.dtype} (set LoadOptions.allow_dtype_cast=True to convert on load)")
+    if math.prod(lengths) == 0:
+        return []
+    isz = loc.itemsize
+    perm = sorted(range(n), key=lambda i: (-loc.stride[i], i))
+    strides_p = [loc.stride[i] for i in perm]
+    offs_p = [offsets[i] for i in perm]
+    lens_p = [lengths[i] for i in perm]
+    dest_p = dest.permute(perm) if n > 1 else dest
+    can_direct = direct_ok and dest.dtype == loc.dtype and dest.device.type == "cpu"
+    src_dtype = loc.dtype
+    pieces: list[Piece] = []
+
+    def base_elem(o: Sequence[int]) -> int:
+        return loc.storage_offset + sum(a * s for a, s in zip(o, strides_p))
+
+    def emit_direct(start_b: int, nbytes: int, view: torch.Tensor) -> None:
+        mv = memory_of(view)
+        for lo in range(0, nbytes, chunk_size):
+            hi = min(nbytes, lo + chunk_size)
+            pieces.append(Piece(loc.name, start_b + lo, start_b + hi, into=mv[lo:hi], keep=view))
+
+    def emit_staged(start_b: int, end_b: int, lens: list[int], view: torch.Tensor) -> None:
+        shape = list(lens)
+        strides = list(strides_p)
+
+        def deliver(data: memoryview, shape: list[int] = shape, strides: list[int] = strides,
+                    view: torch.Tensor = view) -> None:
+            src = tensor_over(data, src_dtype).as_strided(shape, strides, 0)
+            view.copy_(src)
+
+        pieces.append(Piece(loc.name, start_b, end_b, deliver=deliver, keep=view))
+
+    def visit(o: list[int], lens: list[int]) -> None:
+        view = dest_p
+        for d, (a, ln) in enumerate(zip(o, lens)):
+            rel = a - offs_p[d]
+            if rel != 0 or ln != view.shape[d]:
+                view = view.narrow(d, rel, ln)
+        start_e = base_elem(o)
+        span = _span_elems(lens, strides_p)
+        start_b = loc.data_start + start_e * isz
+        end_b = start_b + span * isz
+        if _contiguous_box(lens, strides_p):
+            if can_direct and view.is_contiguous():
+                emit_direct(start_b, end_b - start_b, view)
+                return
+            if end_b - start_b <= chunk_size:
+                emit_staged(start_b, end_b, lens, view)
+                return
+        elif end_b - start_b <= chunk_size and _max_gap_elems(lens, strides_p) * isz <= min_chunk_size:
+            emit_staged(start_b, end_b, lens, view)
+            return
+        # split along the outermost dimension that has more than one index; rows are
+        # grouped into one staged read when the gaps between them are small
+        d = next(i for i, ln in enumerate(lens) if ln > 1)
+        row_bytes = max(1, strides_p[d] * isz)
+        row_gap = (strides_p[d] - _span_elems(lens[d + 1 :], strides_p[d + 1 :])) * isz
+        group = 1
+        if row_gap <= min_chunk_size and _max_gap_elems(lens[d + 1 :], strides_p[d + 1 :]) * isz <= min_chunk_size:
+            group = max(1, chunk_size // row_bytes)
+        if group >= lens[d]:
+            group = max(1, lens[d] // 2)
+        for a in range(0, lens[d], group):
+            sub_o = list(o)
+            sub_l = list(lens)
+            sub_o[d] = o[d] + a
+            sub_l[d] = min(group, lens[d] - a)
+            visit(sub_o, sub_l)
+
+    visit(list(offs_p), list(lens_p))
+    return pieces
+
+
+def make_chunks(pieces: Iterable[Piece], *, chunk_size: int, min_chunk_size: int) -> list[Chunk]:
+    """Group pieces into read requests: sorted by file and offset; neighbours joined when
+    the gap is small (``min_chunk_size``) and the request stays within ``chunk_size``."""
+    by_file: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_file.setdefault(p.name, []).append(p)
+    chunks: list[Chunk] = []
+    for name, ps in by_file.items():
+        ps.sort(key=lambda p: (p.start, p.end))
+        cur: list[Piece] = []
+        cur_start = cur_end = 0
+        for p in ps:
+            if cur:
+                gap = p.start - cur_end
+                small = p.nbytes < min_chunk_size and (cur_end - cur_start) < min_chunk_size
+                if (gap == 0 or (0 < gap <= min_chunk_size and small) or gap < 0) and \
+                        max(cur_end, p.end) - cur_start <= chunk_size:
+                    cur.append(p)
+                    cur_end = max(cur_end, p.end)
+                    continue
+                chunks.append(_chunk(name, cur, cur_start, cur_end))
+            cur, cur_start, cur_end = [p], p.start, p.end
+        if cur:
+            chunks.append(_chunk(name, cur, cur_start, cur_end))
+    return chunks
+
+
+def _chunk(name: str, ps: list[Piece], start: int, end: int) -> Chunk:
+    segs = [Segment(p.start, p.end, into=p.into, deliver=p.deliver, payload=True) for p in ps]
+    trackers = {id(p.tracker): p.tracker for p in ps if p.tracker is not None}
+    return Chunk(name, start, end, segs, trackers=tuple(trackers.values()), pieces=ps)  # type: ignore[arg-type]

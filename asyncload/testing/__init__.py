@@ -1,0 +1,90 @@
+"""Test helpers for asyncload: real storage servers on 127.0.0.1 and a fault proxy.
+
+* :mod:`asyncload.testing.servers` - :class:`S3Server` (moto), :class:`GCSServer`
+  (fake-gcs-server), :class:`HTTPRangeServer` (aiohttp, exact ``Range``),
+  optional :class:`S3rverServer` (Node s3rver), and :func:`configure_env`
+  (call it before importing s3fs/gcsfs).
+* :mod:`asyncload.testing.faults` - :class:`FaultProxy`, an HTTP/1.1 proxy that
+  delays, fails, resets, truncates, stalls or slows chosen requests.
+* :mod:`asyncload.testing.pytest_fixtures` - session fixtures ``s3_server``,
+  ``gcs_server``, ``http_server`` and the ``fault_proxy`` factory
+  (``from asyncload.testing.pytest_fixtures import *`` in a conftest).
+
+Nothing here talks to anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+from asyncload.testing.faults import (
+    Action,
+    Delay,
+    FaultProxy,
+    FaultProxyError,
+    LogEntry,
+    Reset,
+    Rule,
+    Stall,
+    Status,
+    Trickle,
+    Truncate,
+    delay,
+    reset,
+    stall,
+    status,
+    trickle,
+    truncate,
+)
+from asyncload.testing.servers import (
+    LOOPBACK,
+    TEST_ENV,
+    GCSServer,
+    HTTPRangeServer,
+    LoopbackServer,
+    RangeNotSatisfiable,
+    S3rverServer,
+    S3Server,
+    ServerError,
+    ServerNotAvailableError,
+    ServerNotRunningError,
+    ServerStartError,
+    configure_env,
+    free_port,
+    parse_byte_range,
+)
+
+__all__ = [
+    # servers
+    "LOOPBACK",
+    "TEST_ENV",
+    "configure_env",
+    "free_port",
+    "parse_byte_range",
+    "RangeNotSatisfiable",
+    "LoopbackServer",
+    "S3Server",
+    "S3rverServer",
+    "GCSServer",
+    "HTTPRangeServer",
+    "ServerError",
+    "ServerNotAvailableError",
+    "ServerNotRunningError",
+    "ServerStartError",
+    # faults
+    "FaultProxy",
+    "FaultProxyError",
+    "Rule",
+    "LogEntry",
+    "Action",
+    "Delay",
+    "Status",
+    "Reset",
+    "Truncate",
+    "Stall",
+    "Trickle",
+    "delay",
+    "status",
+    "reset",
+    "truncate",
+    "stall",
+    "trickle",
+]
