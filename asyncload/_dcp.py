@@ -238,7 +238,9 @@ class PipelinedReader(StorageReader):
     def _io_threads(self, options: LoadOptions) -> int:
         if options.io_threads is not None:
             return options.io_threads
-        return max(2, min(8, options.max_in_flight))
+        # page-cache copies scale with cores, not with threads; more threads than cores
+        # measured slower here (docs/performance.md)
+        return max(2, min(16, options.max_in_flight, os.cpu_count() or 2))
 
     async def _ensure_storage(self, options: LoadOptions) -> Storage:
         if self._storage is None:
@@ -428,7 +430,9 @@ class PipelinedReader(StorageReader):
                 cb(done[0], total)
 
             pipeline.on_progress = on_progress
+        t_start = time.monotonic()
         await self._check_files(storage, records)
+        t_checked = time.monotonic()
         small = max(min(options.min_chunk_size, options.effective_chunk_size), HEAD_PROBE + TAIL_PROBE)
         trackers: list[tuple[CrcTracker, _Record]] = []
         # Phase A: whole small records and objects; head and tail probes of large records
@@ -452,6 +456,7 @@ class PipelinedReader(StorageReader):
             for s in c.segments:
                 s.payload = False
         await pipeline.run(chunks)
+        t_phase_a = time.monotonic()
         # Phase B: locate each large record's tensor, then read the boxes each item needs
         data_pieces: list[Piece] = []
         for rec in large:
@@ -476,7 +481,11 @@ class PipelinedReader(StorageReader):
             rec.window = ByteWindow()  # probes are no longer needed
         chunks = make_chunks(data_pieces, chunk_size=options.effective_chunk_size,
                              min_chunk_size=options.min_chunk_size)
+        t_planned = time.monotonic()
         await pipeline.run(chunks)
+        log.debug("read %d records: files checked in %.4f s, probes and small records %.4f s, "
+                  "layouts and planning %.4f s (%d chunks), data %.4f s", len(records), t_checked - t_start,
+                  t_phase_a - t_checked, t_planned - t_phase_a, len(chunks), time.monotonic() - t_planned)
         for tracker, rec in trackers:
             self._check_crc(tracker, rec, storage)
 

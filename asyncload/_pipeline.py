@@ -236,6 +236,12 @@ class Pipeline:
 
     async def run(self, chunks: Iterable[Chunk]) -> None:
         """Read and assemble every chunk; raise the first error (others are cancelled)."""
+        if self.storage.supports_readinto:
+            chunks = list(chunks)
+            if chunks and all(c.nbytes <= _BATCH_CHUNK for c in chunks):
+                # Many tiny local reads (header probes, small records): one thread hop per
+                # batch instead of per read. Same budget; errors translated the same way.
+                chunks = _batches(chunks, min(self.budget.capacity, _BATCH_BYTES))
         errors: list[BaseException] = []
         try:
             async with asyncio.TaskGroup() as tg:
@@ -291,6 +297,9 @@ class Pipeline:
             self.limiter.release()
 
     async def _read_and_assemble(self, chunk: Chunk) -> None:
+        if isinstance(chunk, _Batch):
+            await self._run_batch(chunk)
+            return
         loop = asyncio.get_running_loop()
         storage = self.storage
         url = storage.url(chunk.name)
@@ -336,11 +345,63 @@ class Pipeline:
                 self._pool.put(pooled)
         self._count_assembled(chunk, t1)
 
+    async def _run_batch(self, batch: "_Batch") -> None:
+        loop = asyncio.get_running_loop()
+        storage = self.storage
+        t0 = time.monotonic()
+
+        def job() -> None:
+            for c in batch.members:
+                buf = bytearray(c.nbytes)
+                try:
+                    storage.readinto_sync(c.name, c.start, [memoryview(buf)])  # type: ignore[attr-defined]
+                except Exception as exc:  # noqa: BLE001 - translated like any read
+                    from ._retry import translate
+
+                    raise translate(exc, url=storage.url(c.name), byte_range=(c.start, c.end), attempts=1) from exc
+                _assemble(c, memoryview(buf))
+
+        await loop.run_in_executor(self.executor, job)
+        self.stats.add(bytes_read=batch.nbytes, chunks=len(batch.members), storage_wait_seconds=time.monotonic() - t0)
+        for c in batch.members:
+            self._count_assembled(c, time.monotonic())
+
     def _count_assembled(self, chunk: Chunk, t1: float) -> None:
         payload = sum(s.end - s.start for s in chunk.segments if s.payload)
         self.stats.add(bytes_assembled=payload, assembly_seconds=time.monotonic() - t1)
         if self.on_progress is not None and payload:
             self.on_progress(payload)
+
+
+_BATCH_CHUNK = 64 << 10
+_BATCH_BYTES = 4 << 20
+
+
+class _Batch(Chunk):
+    """Several tiny local chunks read in one thread hop."""
+
+    members: list[Chunk]
+
+
+def _batches(chunks: list[Chunk], limit: int) -> list[Chunk]:
+    out: list[Chunk] = []
+    cur: list[Chunk] = []
+    size = 0
+    for c in chunks:
+        if cur and size + c.nbytes > limit:
+            out.append(_make_batch(cur, size))
+            cur, size = [], 0
+        cur.append(c)
+        size += c.nbytes
+    if cur:
+        out.append(_make_batch(cur, size))
+    return out
+
+
+def _make_batch(members: list[Chunk], size: int) -> Chunk:
+    b = _Batch(members[0].name, 0, size, [])
+    b.members = members
+    return b
 
 
 def _track(chunk: Chunk, views: Sequence[memoryview]) -> None:

@@ -945,15 +945,15 @@ class FaultProxy:
         done = before
         for off in range(0, len(data), step):
             piece = view[off : off + step]
+            done += len(piece)
+            if rate is not None:  # the slice's last byte leaves on schedule
+                wait = start + done / rate - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
             if bandwidth:
                 await self._bucket.take(len(piece), bandwidth)
             writer.write(piece)
             await writer.drain()
-            done += len(piece)
-            if rate is not None:
-                wait = start + done / rate - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
 
     async def _stall(self, conn: _Conn, seconds: float | None) -> None:
         """Hold the connection silent until ``seconds`` pass, the client leaves, or stop."""

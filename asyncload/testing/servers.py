@@ -634,8 +634,9 @@ class S3rverServer(_S3CompatibleServer):
     ``npm install --prefix ~/.cache/asyncload-s3rver s3rver@3.7.1`` and set
     ``ASYNCLOAD_S3RVER=~/.cache/asyncload-s3rver/node_modules/.bin/s3rver``.
 
-    Known bug: a suffix range ``bytes=-N`` returns the *first* N+1 bytes, so
-    never rely on suffix ranges against it. Credentials ``S3RVER``/``S3RVER``.
+    Known bugs of 3.7.1: a suffix range ``bytes=-N`` returns the *first* N+1
+    bytes, and ``bytes=0-0`` (a one-byte read at offset 0) returns the whole
+    object; never rely on either against it. Credentials ``S3RVER``/``S3RVER``.
     Objects are stored in a temporary directory deleted by ``stop()``.
     """
 

@@ -1,0 +1,87 @@
+"""Shared pieces of the benchmarks: a transformer-like state dict, peak-RSS measurement."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def transformer_state_dict(total_bytes: int, *, hidden: int = 2048, dtype: torch.dtype = torch.float32,
+                           seed: int = 0) -> dict[str, torch.Tensor]:
+    """Layers of a few large matrices (attention, MLP) and many small norms/biases, ~``total_bytes``."""
+    g = torch.Generator().manual_seed(seed)
+    item = torch.empty((), dtype=dtype).element_size()
+    per_layer = (4 * hidden * hidden + 2 * hidden * 4 * hidden) * item
+    layers = max(1, total_bytes // per_layer)
+    sd: dict[str, torch.Tensor] = {}
+    sd["embed.weight"] = torch.randn(8192, hidden, generator=g).to(dtype)
+    for i in range(layers):
+        p = f"layers.{i}."
+        for name in ("q", "k", "v", "o"):
+            sd[p + f"attn.{name}.weight"] = torch.randn(hidden, hidden, generator=g).to(dtype)
+        sd[p + "mlp.up.weight"] = torch.randn(4 * hidden, hidden, generator=g).to(dtype)
+        sd[p + "mlp.down.weight"] = torch.randn(hidden, 4 * hidden, generator=g).to(dtype)
+        for name in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.o.bias", "mlp.down.bias"):
+            sd[p + name] = torch.randn(hidden, generator=g).to(dtype)
+        sd[p + "mlp.up.bias"] = torch.randn(4 * hidden, generator=g).to(dtype)
+    sd["norm.weight"] = torch.randn(hidden, generator=g).to(dtype)
+    return sd
+
+
+def nbytes(sd: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+
+
+def zeros_like(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Destinations made by torch.zeros: memory already touched, like a model's state dict."""
+    return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark of this process (Linux: VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def rss_bytes(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(fn: Callable[[], Any]) -> tuple[float, int]:
+    """(seconds, peak RSS above the RSS before the call) for one call of ``fn``."""
+    base = rss_bytes()
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    peak = rss_bytes("VmHWM")
+    return dt, max(0, peak - base)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,173 @@
+"""Shared test helpers: checkpoints written by torch's own ``dcp.save``, and exact comparisons.
+
+Import from a test module as ``from _ckpt import make_checkpoint, zeros_like_tree, assert_bitwise_equal``
+(pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+__all__ = [
+    "make_checkpoint",
+    "zeros_like_tree",
+    "assert_bitwise_equal",
+    "tensor_bytes",
+    "total_tensor_bytes",
+    "iter_tensors",
+    "random_tensor",
+    "float8_dtypes",
+    "SAVEABLE_DTYPES",
+    "copy_dir_to_fsspec",
+    "open_fds_under",
+    "asyncload_threads",
+]
+
+
+def make_checkpoint(path: str | os.PathLike[str], state_dict: dict[str, Any], **dcp_save_kwargs: Any) -> Path:
+    """Write ``state_dict`` with torch's own ``dcp.save`` (single process) to ``path``; return the path.
+
+    Extra keyword arguments go to ``dcp.save`` (e.g. ``storage_writer=FileSystemWriter(path,
+    single_file_per_rank=False)``). Without a ``storage_writer``, ``path`` is the checkpoint id.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(dcp_save_kwargs)
+    if "storage_writer" not in kwargs:
+        kwargs["checkpoint_id"] = path
+    kwargs.setdefault("no_dist", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state_dict, **kwargs)
+    assert (path / ".metadata").is_file(), f"dcp.save wrote no .metadata in {path}"
+    return path
+
+
+_KEEP: Any = object()
+
+
+def zeros_like_tree(obj: Any, *, object_placeholder: Any = _KEEP) -> Any:
+    """The same tree with every tensor replaced by zeros of its shape and dtype (fresh,
+    contiguous memory). Non-tensor leaves are kept, or replaced by ``object_placeholder``
+    when one is given (so a test can see that the load really put the saved object back)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros(obj.shape, dtype=obj.dtype)
+    if isinstance(obj, dict):
+        return {k: zeros_like_tree(v, object_placeholder=object_placeholder) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [zeros_like_tree(v, object_placeholder=object_placeholder) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(zeros_like_tree(v, object_placeholder=object_placeholder) for v in obj)
+    return obj if object_placeholder is _KEEP else object_placeholder
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's elements as raw bytes in row-major order (any dtype, any layout)."""
+    c = t.detach().cpu().contiguous()
+    if c.numel() == 0:
+        return b""
+    return bytes(c.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    """Every tensor equal in dtype, shape and every bit (NaN payloads and -0.0 included);
+    every other leaf equal with ``==``; containers of the same type and keys."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: {type(a)} vs {type(b)}"
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
+        assert tuple(a.shape) == tuple(b.shape), f"{where}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        ba, bb = tensor_bytes(a), tensor_bytes(b)
+        if ba != bb:
+            n = next(i for i, (x, y) in enumerate(zip(ba, bb)) if x != y)
+            raise AssertionError(f"{where}: tensors differ, first at byte {n} of {len(ba)}")
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict), f"{where}: dict vs {type(b)}"
+        assert list(a.keys()) == list(b.keys()) or set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}" if where else str(k))
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+        return
+    assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from iter_tensors(v, f"{prefix}.{i}")
+
+
+def total_tensor_bytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
+
+
+def float8_dtypes() -> list[torch.dtype]:
+    names = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    return [getattr(torch, n) for n in names if hasattr(torch, n)]
+
+
+SAVEABLE_DTYPES: list[torch.dtype] = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    *float8_dtypes(),
+    torch.complex64, torch.complex128, torch.bool,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    *[getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)],
+]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bits of ``dtype`` (every bit pattern, NaNs included for floats), except bool (0/1)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    if dtype == torch.bool:
+        return (torch.randint(0, 2, (n,), generator=g) == 1).reshape(shape)
+    isz = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * isz,), dtype=torch.int64, generator=g).to(torch.uint8)
+    return raw.view(dtype).reshape(shape).clone()
+
+
+def copy_dir_to_fsspec(local_dir: str | os.PathLike[str], fs: Any, root: str) -> None:
+    """Copy every file of ``local_dir`` (recursively) to ``root`` on fsspec filesystem ``fs``."""
+    local_dir = Path(local_dir)
+    for p in sorted(local_dir.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(local_dir).as_posix()
+            fs.pipe_file(f"{root.rstrip('/')}/{rel}", p.read_bytes())
+
+
+def open_fds_under(directory: str | os.PathLike[str]) -> list[str]:
+    """Paths under ``directory`` that this process holds open (from /proc/self/fd)."""
+    d = os.path.realpath(directory)
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target == d or target.startswith(d + os.sep):
+            out.append(target)
+    return out
+
+
+def asyncload_threads(prefix: str = "asyncload-io") -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
