@@ -17,6 +17,7 @@ from ._errors import (
     UnsafeCheckpointError,
 )
 from ._options import LoadOptions
+from ._sharded import ShardedLoadPlanner
 from ._stats import LoadStats
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "LoadStats",
     "PipelinedReader",
     "PipelinedLoadPlanner",
+    "ShardedLoadPlanner",
     "AsyncLoadError",
     "ChunkTimeoutError",
     "StorageReadError",

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from ._dcp import PipelinedLoadPlanner, PipelinedReader
 from ._errors import AsyncLoadError, DistributedLoadError, LoadCancelledError
 from ._options import LoadOptions
+from ._sharded import collective_load
 from ._stats import LoadStats
 
 __all__ = ["load", "aload", "start_load", "LoadHandle"]
@@ -27,6 +28,22 @@ log = logging.getLogger("asyncload")
 
 # dcp.load warns on every single-process load; asyncload passes no_dist on purpose.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class _QuietDcpFallback(logging.Filter):
+    """dcp.load logs "Global metadata is not found..." with a traceback on the *root* logger
+    when the reader's read_metadata raises, then tries rank-local metadata; with no logging
+    configured Python prints that to stderr. When the error is asyncload's own (it is raised
+    to the caller anyway, as one clear exception), drop the record: the library never prints."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, AsyncLoadError) and record.name == "root"
+                    and "metadata is not found" in str(record.msg))
+
+
+if not any(isinstance(f, _QuietDcpFallback) for f in logging.getLogger().filters):
+    logging.getLogger().addFilter(_QuietDcpFallback())
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -42,6 +59,7 @@ def _prepare(checkpoint: str | os.PathLike[str], options: LoadOptions | None,
     elif not isinstance(options, LoadOptions):
         raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
     reader = PipelinedReader(checkpoint, options=options, storage_options=dict(storage_options or {}))
+    reader._close_after_metadata = False  # _load_sync closes it when the load ends
     reader.progress = progress
     if planner is None:
         planner = PipelinedLoadPlanner(options=options)
@@ -65,10 +83,17 @@ def _load_sync(state_dict: dict[str, Any], reader: PipelinedReader, planner: Loa
     rank = dist.get_rank(process_group) if use_dist else 0
     log.debug("loading %s into %d keys", reader.checkpoint, len(state_dict))
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                 no_dist=not use_dist)
+        if use_dist and dist.get_world_size(process_group) > 1:
+            # dcp.load's collective steps, with every wait on another rank bounded by
+            # LoadOptions.collective_timeout and one rank's failure raised on all of them
+            collective_load(state_dict, reader, planner, process_group)
+        else:
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                     no_dist=not use_dist)
     except CheckpointException as exc:
         err = _unwrap(exc, rank)
+        if isinstance(err, AssertionError) and reader.metadata_error is not None:
+            err = reader.metadata_error  # dcp.load's "metadata is None" hides the real cause
         raise err from (None if err.__traceback__ is not None else exc)
     finally:
         try:
@@ -146,7 +171,8 @@ class LoadHandle:
     ``result(timeout)`` waits and returns :class:`LoadStats` (or raises the load's error,
     :class:`LoadCancelledError` after ``cancel()``, ``TimeoutError`` if it is still running);
     ``done()`` says whether it finished; ``cancel()`` stops it; ``progress`` is
-    ``(bytes_done, bytes_total)`` so far.
+    ``(bytes_done, bytes_total)`` so far (``(0, 0)`` until the plan is made);
+    ``statistics()`` a live :class:`LoadStats` snapshot.
     """
 
     def __init__(self, reader: PipelinedReader, future: concurrent.futures.Future[LoadStats],
@@ -167,6 +193,11 @@ class LoadHandle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def statistics(self) -> LoadStats:
+        """A snapshot of the load's :class:`LoadStats` so far (retries, bytes, latencies...);
+        ``seconds`` counts from the start of the load. The final stats once it is done."""
+        return self._reader.live_stats()
 
     def cancel(self) -> bool:
         """Ask the load to stop; returns False if it had already finished."""

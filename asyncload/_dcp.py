@@ -12,12 +12,11 @@ import concurrent.futures
 import dataclasses
 import io
 import logging
-import math
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
@@ -32,7 +31,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from ._crc import CrcTracker
+from . import _cuda, _formats
+from ._crc import CrcTracker, gaps
 from ._errors import (
     AsyncLoadError,
     CheckpointFormatError,
@@ -41,10 +41,10 @@ from ._errors import (
 )
 from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
-from ._pipeline import Pipeline
+from ._pipeline import Chunk, Pipeline
 from ._plan import Piece, make_chunks, plan_tensor
 from ._retry import fetch_with_retry, translate
-from ._safe_pickle import safe_loads
+from ._safe_pickle import check_metadata, safe_loads, short_repr
 from ._stats import LoadStats, StatsRecorder
 from ._storage import FsspecStorage, Storage, open_storage
 from ._torchsave import HEAD_PROBE, TAIL_PROBE, ByteWindow, aparse_archive, materialize, parse_archive, tensor_location
@@ -84,6 +84,14 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         self.has_options = options is not None or bool(changes)
         #: Keys the checkpoint holds that the destination lacks (filled by create_local_plan).
         self.unexpected_keys: list[str] = []
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        # a torch.save / safetensors file whose keys sit under a prefix ("model.", "module."):
+        # load the destination from there (docs/formats.md)
+        rebased = _formats.rebase(self.metadata, list(self.state_dict.keys()))
+        if rebased is not None:
+            self.metadata = rebased
 
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata
@@ -162,6 +170,11 @@ class _Record:
     dtype: torch.dtype | None = None
     window: ByteWindow = field(default_factory=ByteWindow)
     raw: bytes | None = None
+    #: A ``_formats`` entry (KnownTensor, BlobTensor, KnownObject): bytes already located, no probes.
+    entry: Any = None
+    #: The located tensor of ``entry`` (a TensorLocation), and the decoded object of a KnownObject.
+    known: Any = None
+    value: Any = None
 
     @property
     def end(self) -> int:
@@ -196,11 +209,23 @@ class PipelinedReader(StorageReader):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._recorder = StatsRecorder()
         self._t0: float | None = None
+        self._report: Callable[[int], None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self.rank: int | None = None
         self.is_coordinator = False
+        #: The first error of ``read_metadata`` in this load (dcp.load hides it behind an AssertionError).
+        self.metadata_error: BaseException | None = None
+        #: file name -> Storage.fingerprint when the load first looked at it (a save
+        #: rewriting the checkpoint during the load is an error, not a torn tensor)
+        self._fingerprints: dict[str, object] = {}
+        #: asyncload's own load()/aload()/start_load() close the reader at the end and set this False.
+        self._close_after_metadata = True
+        #: Where storage is opened when not at ``checkpoint`` (the directory of a file checkpoint).
+        self._storage_root: str | None = None
+        #: The device path of the load in progress (``_cuda.DeviceStager``), if any.
+        self._stager: Any = None
 
     # --- running the async core --------------------------------------------------------
 
@@ -244,10 +269,22 @@ class PipelinedReader(StorageReader):
 
     async def _ensure_storage(self, options: LoadOptions) -> Storage:
         if self._storage is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(self._io_threads(options),
-                                                                   thread_name_prefix="asyncload-io")
-            self._storage = open_storage(self.checkpoint, self.storage_options, self._executor)
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(self._io_threads(options),
+                                                                       thread_name_prefix="asyncload-io")
+            root = self._storage_root if self._storage_root is not None else self.checkpoint
+            self._storage = open_storage(root, self.storage_options, self._executor)
         return self._storage
+
+    async def _open_root(self, root: str | None) -> Storage:
+        """Storage at ``root`` instead (a file checkpoint is read relative to its directory)."""
+        if self._storage is not None and self._storage_root == root:
+            return self._storage
+        storage, self._storage = self._storage, None
+        if storage is not None:
+            await storage.aclose()
+        self._storage_root = root
+        return await self._ensure_storage(self.options)
 
     async def aclose(self) -> None:
         """Close files and sessions and stop the I/O threads (waits for running reads)."""
@@ -257,6 +294,12 @@ class PipelinedReader(StorageReader):
             await storage.aclose()
         if executor is not None:
             await asyncio.get_running_loop().run_in_executor(None, lambda: executor.shutdown(wait=True, cancel_futures=True))
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - closing must not mask the load's own outcome
+            log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
 
     def close(self) -> None:
         """Sync :meth:`aclose`."""
@@ -271,9 +314,12 @@ class PipelinedReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.checkpoint = checkpoint_id
+            self._storage_root = None
         self._recorder = StatsRecorder()
         self._t0 = time.monotonic()
         self.stats = None
+        self.metadata_error = None
+        self._fingerprints = {}
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -284,13 +330,42 @@ class PipelinedReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._t0 is None:
+        if self._t0 is None or "rank" not in kwargs:
+            # dcp.load's first call of every load (it calls reset() only when given a checkpoint_id):
+            # a reader used for several loads reports each on its own
+            self._recorder = StatsRecorder()
             self._t0 = time.monotonic()
-        return self._run(self.aread_metadata(rank=kwargs.get("rank")))
+            self.stats = None
+            self.metadata_error = None
+        try:
+            md = self._run(self.aread_metadata(rank=kwargs.get("rank")))
+        except Exception as exc:
+            # dcp.load swallows this into "AssertionError: metadata is None"; load() raises ours instead
+            if self.metadata_error is None:
+                self.metadata_error = exc
+            self._close_quietly()  # no read_data follows a failed metadata read
+            raise
+        self.metadata_error = None
+        if self._close_after_metadata:
+            # under a plain dcp.load nothing would close the storage if planning fails next
+            # (StorageReader has no close hook); read_data opens it again
+            self._close_quietly()
+        return md
 
     async def aread_metadata(self, rank: int | None = None) -> Metadata:
-        """Read and decode ``.metadata`` with the allow-list; check its version."""
+        """Read and decode ``.metadata`` with the allow-list; check its version.
+
+        A checkpoint that is not a DCP directory (safetensors, a torch.save file: see
+        :mod:`asyncload._formats`) gets a synthesised ``Metadata`` instead.
+        """
         options = self.options
+        if rank is None:
+            if self._storage_root is not None:
+                await self._open_root(None)  # back to the checkpoint itself
+            found = await _formats.aprobe_first(self.checkpoint, self._open_root, options, self._recorder)
+            if found is not None:
+                return found
+            await self._open_root(None)  # probing may have opened the directory of a would-be file
         storage = await self._ensure_storage(options)
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         url = storage.url(name)
@@ -298,30 +373,41 @@ class PipelinedReader(StorageReader):
             size = await storage.size(name)
         except Exception as exc:  # noqa: BLE001 - translated once below
             err = translate(exc, url=url, byte_range=None, attempts=1)
+            if isinstance(err, CheckpointNotFoundError) and rank is None:
+                found = await _formats.aprobe_fallback(self.checkpoint, storage, self._open_root, options,
+                                                       self._recorder)
+                if found is not None:
+                    return found
             if isinstance(err, CheckpointNotFoundError):
                 raise CheckpointNotFoundError(
                     f"{url} does not exist: {self.checkpoint} is not a DCP checkpoint, or its save did not finish "
-                    "(DCP writes .metadata last)", path=url, status=404) from exc
+                    "(DCP writes .metadata last); nor is it a safetensors or torch.save checkpoint (docs/formats.md)",
+                    path=url, status=404) from exc
             raise err from exc
         if size > options.max_metadata_size:
             raise CheckpointFormatError(f"{url} is {size} bytes, more than LoadOptions.max_metadata_size="
                                         f"{options.max_metadata_size}")
         if size == 0:
             raise CheckpointFormatError(f"{url} is empty: the checkpoint is incomplete or damaged")
+        fp = await storage.fingerprint(name)
+        if fp is not None:
+            self._fingerprints[name] = fp
         raw = await fetch_with_retry(lambda: storage.read(name, 0, size), options=options, stats=self._recorder,
                                      url=url, byte_range=(0, size))
-        md = safe_loads(raw, what=url, max_size=options.max_metadata_size)
+        md = safe_loads(raw, what=url, max_size=options.max_metadata_size, check_structure=False, expect=Metadata)
         if not isinstance(md, Metadata):
             raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
         version = getattr(md, "version", None)
         if version not in KNOWN_DCP_VERSIONS:
-            raise CheckpointFormatError(f"{url} was written by an unknown DCP version {version!r}; "
+            raise CheckpointFormatError(f"{url} was written by an unknown DCP version {short_repr(version)}; "
                                         f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}")
+        check_metadata(md, url)  # every field has the type and range DCP writes
         if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
                 getattr(md, "storage_data", None), dict):
             raise CheckpointFormatError(f"{url}: metadata lacks its key or storage tables")
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
+        _formats.mark_dcp_safetensors(md)  # files saved with SerializationFormat.SAFETENSORS
         self._recorder.add(files=1)
         return md
 
@@ -346,20 +432,46 @@ class PipelinedReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         options = self._effective_options(planner)
-        records = self._collect(plan, planner)
-        if isinstance(planner, PipelinedLoadPlanner):
-            self._recorder.stats.unexpected_keys = list(planner.unexpected_keys)
-            if planner.unexpected_keys and options.strict_unexpected_keys:
-                raise StateDictMismatchError(
-                    f"the checkpoint holds {len(planner.unexpected_keys)} keys the destination lacks: "
-                    f"{planner.unexpected_keys[:10]} (LoadOptions.strict_unexpected_keys=True)")
-        self._run(self._aread(records, options))
+        # a planner that shares bytes across ranks (asyncload.ShardedLoadPlanner) takes over
+        # the reads: session.run replaces Pipeline.run, session.fail tells the other ranks
+        hook = getattr(planner, "share_session", None)
+        session = hook(self, options) if callable(hook) else None
+        try:
+            records = self._collect(plan, planner)
+            # CUDA destinations: pinned staging ring + side stream (caller's thread: stream order)
+            self._stager = _cuda.stager_for((d for r in records for _, d in r.tensor_items), options)
+            if isinstance(planner, PipelinedLoadPlanner):
+                self._recorder.stats.unexpected_keys = list(planner.unexpected_keys)
+                if planner.unexpected_keys and options.strict_unexpected_keys:
+                    raise StateDictMismatchError(
+                        f"the checkpoint holds {len(planner.unexpected_keys)} keys the destination lacks: "
+                        f"{planner.unexpected_keys[:10]} (LoadOptions.strict_unexpected_keys=True)")
+            self._run(self._aread(records, options, session.run if session is not None else None))
+        except BaseException as exc:
+            if session is not None:
+                session.fail(exc)
+            raise
+        finally:
+            stager, self._stager = self._stager, None
+            try:
+                if stager is not None:
+                    stager.finish_sync()  # every device copy has finished before the load returns
+            finally:
+                # the reads are over (done, failed or cancelled); dcp.load gives a StorageReader no
+                # close hook, so files, sessions and I/O threads are closed here
+                self._close_quietly()
         # hooks on the caller's thread
         for rec in records:
             for item, dest in rec.tensor_items:
                 planner.commit_tensor(item, dest)
         for rec in records:
             for item in rec.byte_items:
+                if isinstance(rec.entry, _formats.KnownObject):  # decoded from a torch.save pickle
+                    if isinstance(planner, PipelinedLoadPlanner):
+                        planner.load_object(item, rec.value)
+                    else:
+                        planner.load_bytes(item, _formats.object_bytes(rec.value))
+                    continue
                 assert rec.raw is not None
                 obj = decode_object(rec.raw, what=f"object {rec.fqn!r} in {rec.where}",
                                     max_pickle=options.max_metadata_size)
@@ -372,6 +484,15 @@ class PipelinedReader(StorageReader):
         fut.set_result(None)
         return fut
 
+    def live_stats(self) -> LoadStats:
+        """The statistics so far (``seconds`` is the time since the load started); final once done."""
+        if self.stats is not None:
+            return self.stats
+        snap = self._recorder.snapshot()
+        if self._t0 is not None:
+            snap.seconds = time.monotonic() - self._t0
+        return snap
+
     def _finish_stats(self) -> None:
         if self._t0 is not None:
             self._recorder.stats.seconds = time.monotonic() - self._t0
@@ -381,11 +502,21 @@ class PipelinedReader(StorageReader):
         """Group the plan's read items by saved record; resolve destinations (caller's thread)."""
         assert self.metadata is not None
         records: dict[tuple[str, int, int], _Record] = {}
+        located: list[_Record] = []
         for item in plan.items:
             sinfo = self.storage_data.get(item.storage_index)
             if sinfo is None:
                 raise CheckpointFormatError(f"{self.checkpoint}: metadata has no storage entry for "
                                             f"{item.storage_index}")
+            if isinstance(sinfo, (_formats.KnownTensor, _formats.BlobTensor, _formats.KnownObject)):
+                # safetensors / torch.save files, DCP saved as safetensors: one record per item
+                rec = _Record(sinfo.relative_path, sinfo.offset, sinfo.length, item.storage_index.fqn, entry=sinfo)
+                if item.type == LoadItemType.BYTE_IO:
+                    rec.byte_items.append(item)
+                else:
+                    rec.tensor_items.append((item, planner.resolve_tensor(item).detach()))
+                located.append(rec)
+                continue
             name, offset, length = getattr(sinfo, "relative_path", None), getattr(sinfo, "offset", None), \
                 getattr(sinfo, "length", None)
             if not isinstance(name, str) or not isinstance(offset, int) or not isinstance(length, int) or \
@@ -414,36 +545,56 @@ class PipelinedReader(StorageReader):
                         rec.chunk_md = next((c for c in smd.chunks if c.offsets == item.storage_index.offset), None)
                 dest = planner.resolve_tensor(item).detach()
                 rec.tensor_items.append((item, dest))
-        return sorted(records.values(), key=lambda r: (r.name, r.offset))
+        return sorted(records.values(), key=lambda r: (r.name, r.offset)) + located
 
-    async def _aread(self, records: list[_Record], options: LoadOptions) -> None:
+    async def _aread(self, records: list[_Record], options: LoadOptions,
+                     run_chunks: Callable[[Pipeline, list[Chunk]], Awaitable[None]] | None = None) -> None:
+        run = run_chunks or Pipeline.run  # (pipeline, chunks): ShardedLoadPlanner's session shares reads
         storage = await self._ensure_storage(options)
         assert self._executor is not None
+        stager = self._stager
+        if stager is not None:  # CUDA destinations: chunks fit the pinned ring's slots
+            options = stager.plan_options(options)
         pipeline = Pipeline(storage, options, self._recorder, self._executor)
+        pipeline.staging = stager
         total = sum(dest.numel() * dest.element_size() for r in records for _, dest in r.tensor_items)
+        self._report = None
         if self.progress is not None:
             done = [0]
             cb = self.progress
+            progress_lock = threading.Lock()
 
             def on_progress(n: int) -> None:
-                done[0] += n
-                cb(done[0], total)
+                # called from the loop and from assembly threads: one at a time, so the
+                # callback sees bytes_done increase; clamped because a staged read may
+                # carry a few bytes of gap between a destination's rows
+                with progress_lock:
+                    done[0] = min(total, done[0] + n)
+                    cb(done[0], total)
 
             pipeline.on_progress = on_progress
+            self._report = on_progress
         t_start = time.monotonic()
         await self._check_files(storage, records)
+        located = await self._locate(storage, records, options)
         t_checked = time.monotonic()
         small = max(min(options.min_chunk_size, options.effective_chunk_size), HEAD_PROBE + TAIL_PROBE)
         trackers: list[tuple[CrcTracker, _Record]] = []
         # Phase A: whole small records and objects; head and tail probes of large records
         pieces: list[Piece] = []
         large: list[_Record] = []
+        ecs = options.effective_chunk_size
         for rec in records:
-            if rec.length <= small or rec.byte_items:
-                if rec.length > options.effective_chunk_size:
-                    raise CheckpointFormatError(
-                        f"{rec.where}: an object record of {rec.length} bytes exceeds the memory budget; "
-                        "raise LoadOptions.memory_budget and chunk_size")
+            if rec.entry is not None:
+                continue  # located already (safetensors, torch.save files)
+            if rec.byte_items and not rec.tensor_items and rec.length > ecs:
+                # an object larger than one read: fetched in chunk_size pieces into one buffer
+                buf = bytearray(rec.length)
+                rec.raw = buf  # type: ignore[assignment]  # complete once phase A has run
+                for lo in range(0, rec.length, ecs):
+                    hi = min(rec.length, lo + ecs)
+                    pieces.append(Piece(rec.name, rec.offset + lo, rec.offset + hi, into=memoryview(buf)[lo:hi]))
+            elif rec.byte_items or rec.length <= min(small, ecs):
                 pieces.append(Piece(rec.name, rec.offset, rec.end, deliver=self._whole_record(rec, options)))
             else:
                 large.append(rec)
@@ -451,49 +602,113 @@ class PipelinedReader(StorageReader):
                 tail = min(TAIL_PROBE, rec.length)
                 pieces.append(Piece(rec.name, rec.offset, rec.offset + head, deliver=_store(rec.window, rec.offset)))
                 pieces.append(Piece(rec.name, rec.end - tail, rec.end, deliver=_store(rec.window, rec.end - tail)))
-        chunks = make_chunks(pieces, chunk_size=options.effective_chunk_size, min_chunk_size=options.min_chunk_size)
+        # gaps here are the data of large records, which phase B reads (only the boxes this
+        # rank needs): reading through them would fetch that data twice
+        chunks = make_chunks(pieces, chunk_size=options.effective_chunk_size,
+                             min_chunk_size=min(options.min_chunk_size, HEAD_PROBE + TAIL_PROBE))
         for c in chunks:
             for s in c.segments:
                 s.payload = False
-        await pipeline.run(chunks)
+        await run(pipeline, chunks)
         t_phase_a = time.monotonic()
         # Phase B: locate each large record's tensor, then read the boxes each item needs
         data_pieces: list[Piece] = []
-        for rec in large:
-            async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes:
-                return await fetch_with_retry(lambda: storage.read(rec.name, lo, hi), options=options,
-                                              stats=self._recorder, url=storage.url(rec.name), byte_range=(lo, hi))
-            layout = await aparse_archive(rec.window, rec.offset, rec.length, f"{storage.url(rec.name)} {rec.where}",
-                                          fetch, max_pickle=options.max_metadata_size)
-            loc = tensor_location(layout, rec.name)
-            self._check_against_metadata(rec, loc)
+        for rec in large + located:
+            if rec.known is not None:
+                loc = rec.known
+            else:
+                async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes:
+                    return await fetch_with_retry(lambda: storage.read(rec.name, lo, hi), options=options,
+                                                  stats=self._recorder, url=storage.url(rec.name),
+                                                  byte_range=(lo, hi))
+                layout = await aparse_archive(rec.window, rec.offset, rec.length,
+                                              f"{storage.url(rec.name)} {rec.where}", fetch,
+                                              max_pickle=options.max_metadata_size)
+                loc = tensor_location(layout, rec.name)
+                self._check_against_metadata(rec, loc)
             tracker = None
-            if options.verify and _covers_whole_storage(rec, loc):
-                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32 or 0)
+            if options.verify and loc.crc32 is not None:
+                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
                 trackers.append((tracker, rec))
+            rec_pieces: list[Piece] = []
             for item, dest in rec.tensor_items:
-                ps = plan_tensor(loc, item.storage_offsets, item.lengths, dest,
-                                 chunk_size=options.effective_chunk_size, min_chunk_size=options.min_chunk_size,
-                                 allow_cast=options.allow_dtype_cast, key=item.dest_index.fqn)
-                for p in ps:
+                rec_pieces.extend(plan_tensor(loc, item.storage_offsets, item.lengths, dest,
+                                              chunk_size=options.effective_chunk_size,
+                                              min_chunk_size=options.min_chunk_size,
+                                              allow_cast=options.allow_dtype_cast, key=item.dest_index.fqn,
+                                              stager=stager))
+            if tracker is not None:
+                for p in rec_pieces:
                     p.tracker = tracker
-                data_pieces.extend(ps)
+                # a narrow read (a rank's slice of a saved chunk) leaves bytes of the storage
+                # out: read them too, only to checksum them, so that verify=True never hands
+                # over bytes it did not check (docs/integrity.md)
+                for lo, hi in gaps([(p.start, p.end) for p in rec_pieces], tracker.start, tracker.end):
+                    for a in range(lo, hi, ecs):
+                        rec_pieces.append(Piece(rec.name, a, min(hi, a + ecs), tracker=tracker))
+            data_pieces.extend(rec_pieces)
             rec.window = ByteWindow()  # probes are no longer needed
         chunks = make_chunks(data_pieces, chunk_size=options.effective_chunk_size,
                              min_chunk_size=options.min_chunk_size)
+        for c in chunks:
+            for s in c.segments:
+                if s.into is None and s.deliver is None:
+                    s.payload = False  # read only to be checksummed
         t_planned = time.monotonic()
-        await pipeline.run(chunks)
+        await run(pipeline, chunks)
         log.debug("read %d records: files checked in %.4f s, probes and small records %.4f s, "
                   "layouts and planning %.4f s (%d chunks), data %.4f s", len(records), t_checked - t_start,
                   t_phase_a - t_checked, t_planned - t_phase_a, len(chunks), time.monotonic() - t_planned)
         for tracker, rec in trackers:
             self._check_crc(tracker, rec, storage)
+        await self._check_unchanged(storage)
+
+    async def _check_unchanged(self, storage: Storage) -> None:
+        """Raise if a file of the checkpoint was rewritten or replaced while this load read
+        it (a save in progress into the same directory): the bytes may be torn."""
+        names = list(self._fingerprints)
+        now = await asyncio.gather(*(storage.fingerprint(n) for n in names), return_exceptions=True)
+        for name, fp in zip(names, now):
+            if fp != self._fingerprints[name]:
+                raise CheckpointFormatError(
+                    f"{storage.url(name)} changed while it was being read: a save is writing into this checkpoint "
+                    "(or replaced it); the destination holds a mix, load again once the save has finished")
+
+    async def _locate(self, storage: Storage, records: list[_Record], options: LoadOptions) -> list[_Record]:
+        """Records of already located formats: tensors' locations (safetensors blobs in DCP
+        files: their headers are read now), objects decoded (tensors inside them read)."""
+        located = [r for r in records if r.entry is not None]
+
+        async def fetch(name: str, lo: int, hi: int) -> bytes:
+            data = await fetch_with_retry(lambda: storage.read(name, lo, hi), options=options, stats=self._recorder,
+                                          url=storage.url(name), byte_range=(lo, hi))
+            self._recorder.add(bytes_read=hi - lo)
+            return bytes(data)
+
+        async def size_of(name: str) -> int:
+            return int(await fetch_with_retry(lambda: storage.size(name), options=options, stats=self._recorder,
+                                              url=storage.url(name), byte_range=(0, 0)))
+
+        blobs = [r for r in located if isinstance(r.entry, _formats.BlobTensor)]
+        if blobs:
+            locs = await _formats.aresolve_blob_tensors([r.entry for r in blobs], fetch, size_of, url=storage.url,
+                                                        max_header_size=options.max_metadata_size)
+            for r in blobs:
+                r.known = locs[r.entry]
+        for r in located:
+            if isinstance(r.entry, _formats.KnownTensor):
+                r.known = r.entry.location
+            elif isinstance(r.entry, _formats.KnownObject):
+                r.value = await _formats.amaterialize(r.entry, fetch)
+        return [r for r in located if r.known is not None]
 
     async def _check_files(self, storage: Storage, records: list[_Record]) -> None:
         """Every file exists and is long enough for its records, before any destination is touched."""
         ends: dict[str, int] = {}
+        last: dict[str, _Record] = {}
         for r in records:
-            ends[r.name] = max(ends.get(r.name, 0), r.end)
+            if r.end > ends.get(r.name, -1):
+                ends[r.name], last[r.name] = r.end, r
 
         async def size_of(name: str) -> int:
             try:
@@ -505,11 +720,15 @@ class PipelinedReader(StorageReader):
                     "the checkpoint is incomplete", path=storage.url(name), status=404) from exc
 
         sizes = await asyncio.gather(*(size_of(n) for n in ends))
+        fps = await asyncio.gather(*(storage.fingerprint(n) for n in ends))
+        for n, fp in zip(ends, fps):
+            if fp is not None:
+                self._fingerprints.setdefault(n, fp)
         for (name, end), size in zip(ends.items(), sizes):
             if size < end:
                 raise CheckpointFormatError(
-                    f"{storage.url(name)} is {size} bytes but the metadata places a record up to byte {end}: "
-                    "the file is truncated")
+                    f"{storage.url(name)} is {size} bytes but the metadata places a record up to byte {end} "
+                    f"(key {last[name].fqn!r}): the file is truncated, or a save is rewriting it")
         self._recorder.add(files=len(ends))
 
     def _whole_record(self, rec: _Record, options: LoadOptions) -> Callable[[memoryview], None]:
@@ -534,7 +753,7 @@ class PipelinedReader(StorageReader):
             for item, dest in rec.tensor_items:
                 for p in plan_tensor(loc, item.storage_offsets, item.lengths, dest, chunk_size=1 << 62,
                                      min_chunk_size=1 << 62, allow_cast=options.allow_dtype_cast,
-                                     key=item.dest_index.fqn):
+                                     key=item.dest_index.fqn, stager=self._stager):
                     part = data[p.start - rec.offset : p.end - rec.offset]
                     if p.into is not None:
                         p.into[:] = part
@@ -542,6 +761,9 @@ class PipelinedReader(StorageReader):
                         p.deliver(part)
                 n += dest.numel() * dest.element_size()
             recorder.add(bytes_assembled=n)
+            report = self._report
+            if report is not None and n:
+                report(n)
 
         return deliver
 
@@ -553,8 +775,9 @@ class PipelinedReader(StorageReader):
                                         f"{list(rec.chunk_md.sizes)}")
 
     def _check_crc(self, tracker: CrcTracker, rec: _Record, storage: Storage) -> None:
-        if not tracker.complete:  # pragma: no cover - covered reads always complete
-            return
+        if not tracker.complete:  # pragma: no cover - every byte of a verified storage is read
+            raise CheckpointFormatError(f"{storage.url(rec.name)}, {rec.where}: verify=True read only "
+                                        f"{tracker.covered} of {tracker.end - tracker.start} bytes of the tensor")
         _raise_on_bad_crc(tracker, rec, storage.url(rec.name))
         self._recorder.add(verified_records=1)
 
@@ -563,16 +786,9 @@ def _raise_on_bad_crc(tracker: CrcTracker, rec: _Record, url: str) -> None:
     got = tracker.value()
     if got != tracker.expected:
         raise CheckpointFormatError(
-            f"checksum mismatch in {url}, {rec.where}, tensor bytes [{tracker.start}, {tracker.end}): "
-            f"CRC-32 {got:#010x}, the record says {tracker.expected:#010x}: the file is damaged")
-
-
-def _covers_whole_storage(rec: _Record, loc: Any) -> bool:
-    numel = math.prod(loc.size)
-    if numel * loc.itemsize != loc.storage_nbytes:
-        return False
-    covered = sum(math.prod(item.lengths) for item, _ in rec.tensor_items)
-    return covered == numel
+            f"checksum mismatch in {url}: key {rec.fqn!r}, {rec.where}, tensor bytes [{tracker.start}, "
+            f"{tracker.end}) of the file: CRC-32 {got:#010x}, the record says {tracker.expected:#010x}: "
+            "the file is damaged")
 
 
 def _store(win: ByteWindow, start: int) -> Callable[[memoryview], None]:

@@ -98,7 +98,16 @@ class StateDictMismatchError(AsyncLoadError, ValueError):
 
 
 class DistributedLoadError(AsyncLoadError, RuntimeError):
-    """Raised on every rank when another rank failed or stalled during a collective load."""
+    """Raised on every rank when another rank failed or stalled during a collective load.
+
+    Attributes: ``rank`` (the group rank that failed or stalled, where known) and
+    ``doing`` (what that rank was doing, e.g. ``"reading and sharing tensor data"``).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, doing: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.doing = doing
 
 
 class LoadCancelledError(AsyncLoadError, concurrent.futures.CancelledError):

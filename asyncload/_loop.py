@@ -98,7 +98,10 @@ def run_sync(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, g
 
     loop.call_soon_threadsafe(start)
     try:
-        done.wait()
+        # a timed wait, so that a Ctrl-C the main thread did not receive itself (delivered to
+        # another thread, or _thread.interrupt_main) is seen within 0.1 s
+        while not done.wait(0.1):
+            pass
         return box["task"].result()
     except BaseException:
         if not done.is_set():

@@ -32,6 +32,10 @@ class LoadOptions:
     min_chunk_size: int = 1 * MiB
     #: Seconds allowed for one attempt at one chunk; ``None`` = no limit.
     timeout: float | None = 30.0
+    #: Multi-rank loads: seconds a rank may go without progress (no chunk read or shared,
+    #: no step done, no heartbeat while it waits on others) before the other ranks give up
+    #: on it and raise DistributedLoadError naming it; ``None`` = wait forever.
+    collective_timeout: float | None = 300.0
     #: Extra attempts after the first failed one (0 = no retry).
     retries: int = 4
     #: First backoff delay in seconds; doubles per attempt, with full jitter.
@@ -46,10 +50,11 @@ class LoadOptions:
     verify: bool = False
     #: Re-issue a chunk that is much slower than its peers (remote stores only).
     hedge: bool = True
-    #: A chunk becomes a straggler after ``max(hedge_min_delay, hedge_factor x p90 latency)``.
+    #: A chunk becomes a straggler after ``max(hedge_min_delay, hedge_factor x p90 latency)``
+    #: of recent comparable reads (``4 x hedge_min_delay`` before there are any; docs/remote.md).
     hedge_factor: float = 3.0
     #: Floor for the hedge delay, seconds.
-    hedge_min_delay: float = 1.0
+    hedge_min_delay: float = 0.5
     #: Allow loading into a destination whose dtype differs from the saved one (cast on copy).
     allow_dtype_cast: bool = False
     #: Raise when the checkpoint holds keys the destination lacks (they are always
@@ -81,6 +86,10 @@ class LoadOptions:
             or math.isinf(self.timeout)
         ):
             bad("timeout", self.timeout, "expected a positive number of seconds or None")
+        ct = self.collective_timeout
+        if ct is not None and (isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0
+                               or math.isinf(ct)):
+            bad("collective_timeout", ct, "expected a positive number of seconds or None")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             bad("retries", self.retries, "expected an int >= 0")
         for name in ("backoff", "max_backoff", "hedge_min_delay"):

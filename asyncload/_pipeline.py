@@ -21,14 +21,14 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ._crc import CrcTracker
 from ._errors import AsyncLoadError
 from ._options import LoadOptions
-from ._retry import HedgePolicy, fetch_with_retry
+from ._retry import HedgePolicy, clock_of, fetch_with_retry
 from ._stats import StatsRecorder
 from ._storage import Storage
 
@@ -121,6 +121,11 @@ class Limiter:
                     pass
             raise
 
+    @property
+    def waiting(self) -> int:
+        """Acquirers waiting for a slot."""
+        return len(self._waiters)
+
     def _enter(self) -> None:
         self.active += 1
         self.peak = max(self.peak, self.active)
@@ -162,6 +167,9 @@ class Segment:
     deliver: Callable[[memoryview], None] | None = None
     #: Counted in ``bytes_assembled`` (0 for header probes and gaps).
     payload: bool = True
+    #: ``deliver`` copies to a device: the bytes must sit in pinned host memory
+    #: (:attr:`Pipeline.staging` reads such chunks into its pinned ring).
+    pinned: bool = False
 
 
 @dataclass
@@ -179,6 +187,11 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
+
+    @property
+    def needs_pinned(self) -> bool:
+        """Some segment goes to a device (see :attr:`Segment.pinned`)."""
+        return any(s.pinned for s in self.segments)
 
     def tiles_into(self) -> bool:
         """Every byte of the chunk has a direct destination, in order, without gaps."""
@@ -229,7 +242,13 @@ class Pipeline:
         self.hedge = HedgePolicy(options, stats) if storage.hedgeable else None
         self._pool = _StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
         self._throttled = 0
+        #: ``concurrency="auto"``: (time, new limit, why) for every change.
+        self.limit_history: list[tuple[float, int, str]] = []
+        self._tuner: _AutoTuner | None = None
         self.on_progress: Callable[[int], None] | None = None
+        #: Hook for chunks feeding device destinations (``_cuda.DeviceStager``): reads them
+        #: through its pinned ring and waits for their device copies.
+        self.staging: Any = None
 
     def _note_throttle(self) -> None:
         self._throttled += 1
@@ -238,7 +257,8 @@ class Pipeline:
         """Read and assemble every chunk; raise the first error (others are cancelled)."""
         if self.storage.supports_readinto:
             chunks = list(chunks)
-            if chunks and all(c.nbytes <= _BATCH_CHUNK for c in chunks):
+            if chunks and all(c.nbytes <= _BATCH_CHUNK for c in chunks) and \
+                    (self.staging is None or not any(c.needs_pinned for c in chunks)):
                 # Many tiny local reads (header probes, small records): one thread hop per
                 # batch instead of per read. Same budget; errors translated the same way.
                 chunks = _batches(chunks, min(self.budget.capacity, _BATCH_BYTES))
@@ -246,6 +266,8 @@ class Pipeline:
         try:
             async with asyncio.TaskGroup() as tg:
                 tuner = tg.create_task(self._autotune()) if self.options.concurrency == "auto" else None
+                if self.storage.hedgeable:
+                    chunks = self._spread(chunks)
                 for chunk in chunks:
                     t0 = time.monotonic()
                     await self.budget.acquire(chunk.nbytes)
@@ -256,7 +278,7 @@ class Pipeline:
                         raise
                     self.stats.add(budget_wait_seconds=time.monotonic() - t0)
                     self.stats.maximum("peak_concurrency", self.limiter.active)
-                    tg.create_task(self._one(chunk))
+                    self._dispatch(tg, chunk)
                 if tuner is not None:
                     tuner.cancel()
         except BaseExceptionGroup as group:
@@ -271,34 +293,65 @@ class Pipeline:
             chosen = next((e for e in real if isinstance(e, AsyncLoadError)), real[0])
             raise chosen.with_traceback(chosen.__traceback__)
 
+    @staticmethod
+    def _spread(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+        """Dispatch order for remote stores: round-robin over files (each file's chunks in
+        order). Reads are spread over objects (and so over the store's partitions and
+        per-object limits) instead of piling onto one object at a time; a chunk that
+        stalls holds only its own slot while the other readers move on (and is hedged)."""
+        queues: dict[str, collections.deque[Chunk]] = {}
+        for c in chunks:
+            queues.setdefault(c.name, collections.deque()).append(c)
+        ring = collections.deque(queues.values())
+        while ring:
+            q = ring.popleft()
+            yield q.popleft()
+            if q:
+                ring.append(q)
+
     async def _autotune(self) -> None:
-        """Grow reads in flight while throughput rises; back off on throttling (AIMD)."""
-        last_bytes = 0
-        last_rate = 0.0
-        interval = 0.25
+        """``concurrency="auto"``: adjust the limiter every few ticks (see :class:`_AutoTuner`)."""
+        if self._tuner is None:  # one per pipeline: its state carries over the load's phases
+            self._tuner = _AutoTuner(self)
         while True:
-            await asyncio.sleep(interval)
-            snap = self.stats.stats.bytes_read
-            rate = (snap - last_bytes) / interval
-            last_bytes = snap
-            limit = self.limiter.limit
-            if self._throttled:
-                self._throttled = 0
-                self.limiter.set_limit(max(1, limit // 2))
-            elif rate >= last_rate * 1.05 and self.limiter.active >= limit and limit < self.options.max_in_flight:
-                self.limiter.set_limit(min(self.options.max_in_flight, limit + max(1, limit // 4)))
-            last_rate = max(rate, last_rate * 0.9)
+            await asyncio.sleep(_AutoTuner.TICK)
+            self._tuner.tick()
+
+    def _set_limit(self, limit: int, why: str) -> None:
+        old = self.limiter.limit
+        if limit == old:
+            return
+        self.limiter.set_limit(limit)
+        self.limit_history.append((time.monotonic(), limit, why))
+        log.debug("concurrency %d -> %d: %s", old, limit, why)
+
+    def _dispatch(self, tg: asyncio.TaskGroup, chunk: Chunk) -> None:
+        """Start reading ``chunk`` (its budget and slot are held). They are given back when
+        the task ends, by a done callback: a task that a failing TaskGroup cancels before
+        it first runs never enters its own ``finally``, and ``create_task`` itself raises
+        once the group is shutting down."""
+        coro = self._one(chunk)
+        try:
+            task = tg.create_task(coro)
+        except BaseException:
+            coro.close()
+            self._release(chunk)
+            raise
+        task.add_done_callback(lambda _t: self._release(chunk))
+
+    def _release(self, chunk: Chunk) -> None:
+        self.budget.release(chunk.nbytes)
+        self.limiter.release()
 
     async def _one(self, chunk: Chunk) -> None:
-        try:
-            await self._read_and_assemble(chunk)
-        finally:
-            self.budget.release(chunk.nbytes)
-            self.limiter.release()
+        await self._read_and_assemble(chunk)
 
     async def _read_and_assemble(self, chunk: Chunk) -> None:
         if isinstance(chunk, _Batch):
             await self._run_batch(chunk)
+            return
+        if self.staging is not None and chunk.needs_pinned:
+            await self.staging.read_and_assemble(self, chunk)
             return
         loop = asyncio.get_running_loop()
         storage = self.storage
@@ -317,7 +370,7 @@ class Pipeline:
             self.stats.add(bytes_read=chunk.nbytes, chunks=1, storage_wait_seconds=t1 - t0)
             if chunk.trackers:
                 await loop.run_in_executor(self.executor, _track, chunk, views)
-            self._count_assembled(chunk, t1)
+            self._count_assembled(chunk, t1, t0)
             return
 
         pooled: bytearray | None = None
@@ -343,7 +396,7 @@ class Pipeline:
         finally:
             if pooled is not None:
                 self._pool.put(pooled)
-        self._count_assembled(chunk, t1)
+        self._count_assembled(chunk, t1, t0)
 
     async def _run_batch(self, batch: "_Batch") -> None:
         loop = asyncio.get_running_loop()
@@ -366,11 +419,84 @@ class Pipeline:
         for c in batch.members:
             self._count_assembled(c, time.monotonic())
 
-    def _count_assembled(self, chunk: Chunk, t1: float) -> None:
+    def _count_assembled(self, chunk: Chunk, t1: float, t0: float | None = None) -> None:
         payload = sum(s.end - s.start for s in chunk.segments if s.payload)
-        self.stats.add(bytes_assembled=payload, assembly_seconds=time.monotonic() - t1)
+        t2 = time.monotonic()
+        self.stats.add(bytes_assembled=payload, assembly_seconds=t2 - t1)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("chunk %s [%d, %d) %d bytes in %d segments: read %.2f ms, assembled %.2f ms",
+                      chunk.name, chunk.start, chunk.end, chunk.nbytes, len(chunk.segments),
+                      (t1 - (t1 if t0 is None else t0)) * 1e3, (t2 - t1) * 1e3)
         if self.on_progress is not None and payload:
             self.on_progress(payload)
+
+
+class _AutoTuner:
+    """``concurrency="auto"``: find the number of reads in flight (docs/remote.md).
+
+    Each window (>= 0.2 s with >= 4 reads finished) it compares throughput with the last
+    window's. Throttling (429/503/SlowDown) halves the limit at once and holds it for a
+    second. Otherwise, only when the limiter (not the memory budget, not the plan) was
+    what held reads back: a gain of 10% or more grows the limit (doubling until the first
+    window without gain, then +25%); no gain with the median latency per byte up by half
+    over the best seen (reads queue behind each other: the link is full) shrinks it by a
+    fifth. Always within 1 and ``LoadOptions.max_in_flight``.
+    """
+
+    TICK = 0.05
+    WINDOW = 0.2
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.p = pipeline
+        self.clock = clock_of(pipeline.stats)
+        self.slow_start = True
+        self.prev_rate: float | None = None
+        self.base_cost: float | None = None
+        self.hold_until = 0.0
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.t_w = time.monotonic()
+        self.bytes_w = self.p.stats.stats.bytes_read
+        self.done_w = self.clock.total_samples
+        self.ticks = self.saturated = 0
+
+    def tick(self) -> None:
+        p = self.p
+        now = time.monotonic()
+        limit = p.limiter.limit
+        self.ticks += 1
+        if p.limiter.active >= limit or p.limiter.waiting:
+            self.saturated += 1
+        if p._throttled:
+            p._throttled = 0
+            p._set_limit(max(1, limit // 2), "throttled")
+            self.slow_start = False
+            self.hold_until = now + 1.0
+            self.prev_rate = None
+            self._new_window()
+            return
+        finished = self.clock.total_samples - self.done_w
+        if now - self.t_w < self.WINDOW or (finished < 4 and now - self.t_w < 10 * self.WINDOW):
+            return
+        rate = (p.stats.stats.bytes_read - self.bytes_w) / (now - self.t_w)
+        recent = sorted(t / n for t, n in list(self.clock.samples)[-finished:] if n > 0) if finished else []
+        cost = recent[len(recent) // 2] if recent else None
+        was_saturated = self.saturated * 2 >= self.ticks
+        self._new_window()
+        if now < self.hold_until or not was_saturated:
+            return
+        if cost is not None:
+            self.base_cost = cost if self.base_cost is None else min(self.base_cost, cost)
+        if self.prev_rate is None or rate >= self.prev_rate * 1.10:
+            new = limit * 2 if self.slow_start else limit + max(1, limit // 4)
+            p._set_limit(min(p.options.max_in_flight, new), f"throughput {rate / 2**20:.1f} MiB/s rising")
+        else:
+            self.slow_start = False
+            if cost is not None and self.base_cost is not None and cost > 1.5 * self.base_cost and limit > 1:
+                p._set_limit(max(1, limit - max(1, limit // 5)),
+                             f"throughput flat at {rate / 2**20:.1f} MiB/s, latency rising")
+        self.prev_rate = rate
 
 
 _BATCH_CHUNK = 64 << 10

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -104,6 +104,8 @@ class Piece:
     keep: object = None
     #: Checksum of the storage these bytes belong to (``verify=True``).
     tracker: object = None
+    #: ``deliver`` copies to a device and needs its bytes in pinned memory (see ``_cuda``).
+    pinned: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -136,10 +138,12 @@ def _max_gap_elems(lens: Sequence[int], strides: Sequence[int]) -> int:
 
 def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[int], dest: torch.Tensor, *,
                 chunk_size: int, min_chunk_size: int, allow_cast: bool = False, key: str = "",
-                direct_ok: bool = True) -> list[Piece]:
+                direct_ok: bool = True, stager: Any = None) -> list[Piece]:
     """Pieces that copy box ``[offsets, offsets + lengths)`` of the saved tensor into ``dest``.
 
-    ``dest`` has shape ``lengths`` (already narrowed to the destination box).
+    ``dest`` has shape ``lengths`` (already narrowed to the destination box). When
+    ``stager`` (a ``_cuda.DeviceStager``) claims ``dest``, every piece is staged through
+    pinned memory and copied to the device by the stager's deliverer (``pinned=True``).
     """
     loc.check()
     n = len(loc.size)
@@ -160,7 +164,8 @@ def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[i
     offs_p = [offsets[i] for i in perm]
     lens_p = [lengths[i] for i in perm]
     dest_p = dest.permute(perm) if n > 1 else dest
-    can_direct = direct_ok and dest.dtype == loc.dtype and dest.device.type == "cpu"
+    on_device = stager is not None and stager.claims(dest)
+    can_direct = direct_ok and dest.dtype == loc.dtype and dest.device.type == "cpu" and not on_device
     src_dtype = loc.dtype
     pieces: list[Piece] = []
 
@@ -176,6 +181,10 @@ def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[i
     def emit_staged(start_b: int, end_b: int, lens: list[int], view: torch.Tensor) -> None:
         shape = list(lens)
         strides = list(strides_p)
+        if on_device:
+            pieces.append(Piece(loc.name, start_b, end_b, deliver=stager.deliverer(view, src_dtype, shape, strides),
+                                keep=view, pinned=True))
+            return
 
         def deliver(data: memoryview, shape: list[int] = shape, strides: list[int] = strides,
                     view: torch.Tensor = view) -> None:
@@ -253,6 +262,6 @@ def make_chunks(pieces: Iterable[Piece], *, chunk_size: int, min_chunk_size: int
 
 
 def _chunk(name: str, ps: list[Piece], start: int, end: int) -> Chunk:
-    segs = [Segment(p.start, p.end, into=p.into, deliver=p.deliver, payload=True) for p in ps]
+    segs = [Segment(p.start, p.end, into=p.into, deliver=p.deliver, payload=True, pinned=p.pinned) for p in ps]
     trackers = {id(p.tracker): p.tracker for p in ps if p.tracker is not None}
     return Chunk(name, start, end, segs, trackers=tuple(trackers.values()), pieces=ps)  # type: ignore[arg-type]

@@ -1,5 +1,29 @@
-"""One chunk read: per-attempt timeout, retries with backoff and jitter, hedging of
-stragglers, and the one place where storage errors become asyncload errors."""
+"""One chunk read: timeout, retries with backoff and jitter, hedging of stragglers,
+and the one place where storage errors become asyncload errors.
+
+The policy (the same for every store: the fsspec filesystems' own retry loops are
+turned off in :mod:`asyncload._storage`):
+
+* **Timeout with a shared, progress-extended deadline.** An attempt fails with a
+  timeout once ``LoadOptions.timeout`` seconds have passed both since it started and
+  since *any* read of the same load last finished. A dead store (nothing finishes)
+  fails an attempt after exactly ``timeout`` seconds; a slow store that keeps
+  delivering (a bandwidth-capped link with many reads queued behind each other) does
+  not fail however long one chunk takes. One slow request among fast ones is the
+  hedging's job, not the timeout's.
+* **Retries**: ``LoadOptions.retries`` more attempts per chunk for retryable failures
+  (timeouts, 5xx, 429/SlowDown, connection resets, bodies cut short), after a full-jitter
+  exponential backoff (``backoff`` doubling up to ``max_backoff``), at least the
+  server's ``Retry-After``. Counted in ``LoadStats.retries`` and ``retries_by_cause``.
+  403/404/missing objects and other 4xx fail at once.
+* **Hedging**: an attempt still running after ``max(hedge_min_delay, hedge_factor x p90)``
+  of recent comparable reads (same size or larger, scaled to this chunk's size) gets one
+  duplicate request; the first to succeed wins, the other is cancelled (its connection
+  closed). With fewer than 4 comparable reads finished the delay is
+  ``4 x hedge_min_delay``. The delay is re-evaluated while the attempt waits, so reads
+  that started before any history existed are hedged as soon as their peers show
+  they are stragglers. Counted in ``LoadStats.hedges``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +32,8 @@ import errno
 import logging
 import random
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -22,13 +48,17 @@ from ._options import LoadOptions
 from ._stats import StatsRecorder
 from ._storage import ShortReadError
 
-__all__ = ["Failure", "classify", "fetch_with_retry", "translate"]
+__all__ = ["Failure", "HedgePolicy", "LoadClock", "classify", "fetch_with_retry", "translate"]
 
 log = logging.getLogger("asyncload.retry")
 T = TypeVar("T")
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
                    "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed"}
+_SLOW_DOWN_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}
+#: Exceptions that mean "the body was cut short" (aiohttp, botocore, http.client).
+_SHORT_BODY_ERRORS = {"ClientPayloadError", "ContentLengthError", "TransferEncodingError", "IncompleteReadError",
+                      "ResponseStreamingError", "IncompleteRead"}
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
 _DENIED_CODES = {"AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "401"}
 
@@ -42,6 +72,8 @@ class Failure:
     not_found: bool = False
     #: The file is damaged (a truncated object): a format error, not a storage one.
     format_error: bool = False
+    #: The store asks to slow down (429, 503, SlowDown...): concurrency="auto" backs off.
+    throttle: bool = False
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -85,14 +117,18 @@ def classify(exc: BaseException) -> Failure:
     """Whether a failed read can succeed if tried again, and why it failed."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return Failure(True, "timeout")
-    if isinstance(exc, ShortReadError):
-        return Failure(True, "short_read")
+    if isinstance(exc, ShortReadError):  # a local file's end is final: truncated, not flaky
+        return Failure(not exc.local, "short_read", format_error=exc.local)
     # walk the cause chain: s3fs and gcsfs wrap the HTTP error
     chain: list[BaseException] = []
     e: BaseException | None = exc
     while e is not None and len(chain) < 8:
         chain.append(e)
         e = e.__cause__ or e.__context__
+    if any(type(e).__name__ in _SHORT_BODY_ERRORS for e in chain):
+        # the connection ended before Content-Length bytes arrived: never data (aiohttp's
+        # ContentLengthError carries a client-side "400", not the server's status)
+        return Failure(True, "short_read")
     for e in chain:
         code = _error_code(e)
         status = _status_of(e)
@@ -103,15 +139,17 @@ def classify(exc: BaseException) -> Failure:
         if status == 416:
             return Failure(False, "range_not_satisfiable", 416, format_error=True)
         if code in _THROTTLE_CODES or status in (408, 429, 500, 502, 503, 504):
-            return Failure(True, f"status_{status}" if status else f"code_{code}", status, _retry_after(e))
+            throttle = status in (429, 503) or code in _SLOW_DOWN_CODES
+            return Failure(True, f"status_{status}" if status else f"code_{code}", status, _retry_after(e),
+                           throttle=throttle)
         if status is not None and 400 <= status < 500:
             return Failure(False, f"status_{status}", status)
         if status is not None and status >= 500:
             return Failure(True, f"status_{status}", status, _retry_after(e))
     if isinstance(exc, FileNotFoundError):
         return Failure(False, "not_found", 404, not_found=True)
-    if isinstance(exc, PermissionError):
-        return Failure(False, "denied", 403)
+    if isinstance(exc, PermissionError) or (type(exc) is OSError and str(exc).startswith("Forbidden:")):
+        return Failure(False, "denied", 403)  # gcsfs raises a bare OSError("Forbidden: ...") for 403
     if isinstance(exc, IsADirectoryError):
         return Failure(False, "is_a_directory")
     mod = type(exc).__module__
@@ -137,7 +175,9 @@ def translate(exc: BaseException, *, url: str, byte_range: tuple[int, int] | Non
     where = f"{url} bytes [{byte_range[0]}, {byte_range[1]})" if byte_range else url
     tries = f"after {attempts} attempt{'s' if attempts != 1 else ''}"
     if f.not_found:
-        return CheckpointNotFoundError(f"{url} does not exist ({type(exc).__name__}: {exc})",
+        what = f"reading {where} failed: the object does not exist" if byte_range and byte_range[1] else \
+            f"{url} does not exist"
+        return CheckpointNotFoundError(f"{what} ({type(exc).__name__}: {exc})"[:800],
                                        path=url, byte_range=byte_range, attempts=attempts, status=404)
     if f.format_error or (isinstance(exc, ShortReadError) and not f.retryable):
         return CheckpointFormatError(f"{where} lies past the end of the file: the file is truncated ({exc})")
@@ -152,20 +192,76 @@ def translate(exc: BaseException, *, url: str, byte_range: tuple[int, int] | Non
                             path=url, byte_range=byte_range, attempts=attempts, status=f.status)
 
 
+class LoadClock:
+    """What the reads of one load share: when a read last finished (the timeout's
+    progress clock), recent read latencies by size (the hedge's yardstick), and how
+    many hedged requests are in flight. One per :class:`StatsRecorder` (one per load)."""
+
+    WINDOW = 256
+
+    def __init__(self) -> None:
+        self.last_progress = time.monotonic()
+        self.samples: deque[tuple[float, int]] = deque(maxlen=self.WINDOW)
+        self.hedges_in_flight = 0
+        #: Reads finished so far (``samples`` keeps only the last WINDOW).
+        self.total_samples = 0
+
+    def finished(self, seconds: float, nbytes: int) -> None:
+        self.last_progress = time.monotonic()
+        self.samples.append((seconds, nbytes))
+        self.total_samples += 1
+
+    def deadline(self, started: float, timeout: float) -> float:
+        """When an attempt started at ``started`` times out, as things stand."""
+        return max(started, self.last_progress) + timeout
+
+    def straggler_time(self, nbytes: int, q: float = 0.9) -> float | None:
+        """The ``q`` quantile of recent comparable read times, scaled to ``nbytes``; None
+        with fewer than 4 comparable reads (same size or up to 4x smaller)."""
+        lo = nbytes / 4
+        times = sorted(t * max(1.0, nbytes / n) if n > 0 else t for t, n in self.samples if n >= lo)
+        if len(times) < 4:
+            return None
+        return times[min(len(times) - 1, int(q * len(times)))]
+
+
+_clocks: "weakref.WeakKeyDictionary[StatsRecorder, LoadClock]" = weakref.WeakKeyDictionary()
+
+
+def clock_of(stats: StatsRecorder) -> LoadClock:
+    """The :class:`LoadClock` of the load ``stats`` records."""
+    clock = _clocks.get(stats)
+    if clock is None:
+        clock = _clocks[stats] = LoadClock()
+    return clock
+
+
 class HedgePolicy:
-    """When a chunk counts as a straggler: ``max(floor, factor x p90 of recent latencies)``."""
+    """When a read counts as a straggler: ``max(hedge_min_delay, hedge_factor x p90)`` of
+    recent comparable reads, or ``4 x hedge_min_delay`` before 4 of them have finished."""
+
+    #: Hedge delay before any comparable read has finished, in units of ``hedge_min_delay``.
+    COLD_FACTOR = 4.0
+    #: How often a waiting read re-checks whether it has become a straggler, seconds.
+    POLL = 0.05
 
     def __init__(self, options: LoadOptions, stats: StatsRecorder) -> None:
         self.enabled = options.hedge
         self.factor = options.hedge_factor
         self.floor = options.hedge_min_delay
         self.stats = stats
+        self.clock = clock_of(stats)
+        #: Duplicate requests in flight at once, at most (hedging must not double the load).
+        self.max_in_flight = max(2, options.max_in_flight // 4)
 
-    def delay(self) -> float | None:
+    def delay(self, nbytes: int = 0) -> float | None:
+        """Seconds after which a read of ``nbytes`` still running is hedged (None: never)."""
         if not self.enabled:
             return None
-        p90 = self.stats.recent_latency_quantile(0.9)
-        return self.floor if p90 is None else max(self.floor, self.factor * p90)
+        p90 = self.clock.straggler_time(nbytes)
+        if p90 is None:
+            return self.floor * self.COLD_FACTOR
+        return max(self.floor, self.factor * p90)
 
 
 async def _cancel_and_wait(tasks: set[asyncio.Task[Any]]) -> None:
@@ -179,25 +275,42 @@ async def _cancel_and_wait(tasks: set[asyncio.Task[Any]]) -> None:
 
 
 async def _attempt(op: Callable[[], Awaitable[T]], timeout: float | None, hedge: HedgePolicy | None,
-                   stats: StatsRecorder) -> T:
-    """One attempt, with at most one hedged duplicate; the first success wins."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    first = asyncio.ensure_future(op())
-    pending: set[asyncio.Task[Any]] = {first}
+                   stats: StatsRecorder, clock: LoadClock, nbytes: int) -> T:
+    """One attempt, with at most one hedged duplicate; the first success wins.
+
+    Raises ``asyncio.TimeoutError`` when ``timeout`` passes without progress (see the
+    module docstring), or the error of the last request to fail."""
+    started = time.monotonic()
+    pending: set[asyncio.Future[Any]] = {asyncio.ensure_future(op())}
+    hedged = False
+    last_exc: BaseException | None = None
     try:
-        hedge_after = hedge.delay() if hedge is not None else None
-        if hedge_after is not None and (timeout is None or hedge_after < timeout):
-            done, _ = await asyncio.wait(pending, timeout=hedge_after)
-            if not done:
-                stats.add(hedges=1)
-                log.debug("hedging a read still running after %.3f s", hedge_after)
-                pending.add(asyncio.ensure_future(op()))
-        last_exc: BaseException | None = None
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise asyncio.TimeoutError()
+            now = time.monotonic()
+            wait: float | None = None
+            if timeout is not None:
+                deadline = clock.deadline(started, timeout)
+                if now >= deadline:
+                    raise asyncio.TimeoutError()
+                wait = deadline - now
+            if hedge is not None and not hedged:
+                after = hedge.delay(nbytes)
+                if after is not None:
+                    if now - started >= after and clock.hedges_in_flight < hedge.max_in_flight:
+                        hedged = True
+                        stats.add(hedges=1)
+                        clock.hedges_in_flight += 1
+                        log.debug("hedging a read of %d bytes still running after %.3f s (delay %.3f s)",
+                                  nbytes, now - started, after)
+                        dup = asyncio.ensure_future(op())
+                        dup.add_done_callback(lambda _f: _hedge_done(clock))
+                        pending.add(dup)
+                        continue
+                    # re-check soon: the delay shrinks as peers finish and build history
+                    step = max(hedge.POLL, after - (now - started)) if now - started < after else hedge.POLL
+                    step = min(step, hedge.POLL * 4)
+                    wait = step if wait is None else min(wait, step)
+            done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 if t.exception() is None:
                     return t.result()
@@ -206,29 +319,41 @@ async def _attempt(op: Callable[[], Awaitable[T]], timeout: float | None, hedge:
         raise last_exc
     finally:
         if pending:
-            await _cancel_and_wait(pending)
+            await _cancel_and_wait(pending)  # type: ignore[arg-type]
+
+
+def _hedge_done(clock: LoadClock) -> None:
+    clock.hedges_in_flight -= 1
 
 
 async def fetch_with_retry(op: Callable[[], Awaitable[T]], *, options: LoadOptions, stats: StatsRecorder,
                            url: str, byte_range: tuple[int, int], hedge: HedgePolicy | None = None,
                            on_throttle: Callable[[], None] | None = None) -> T:
-    """Run ``op`` with the load's timeout, retry and hedge policy; translate the final error."""
+    """Run ``op`` (one read of ``byte_range`` of ``url``) with the load's timeout, retry
+    and hedge policy (module docstring); translate the final error.
+
+    Raised: :class:`ChunkTimeoutError` when every attempt timed out (it names the URL,
+    byte range and attempts), :class:`CheckpointNotFoundError` / :class:`StorageReadError`
+    / :class:`CheckpointFormatError` for other failures, at once when retrying cannot help.
+    """
     attempts = options.retries + 1
+    clock = clock_of(stats)
+    nbytes = max(0, byte_range[1] - byte_range[0])
     for attempt in range(1, attempts + 1):
         t0 = time.monotonic()
         try:
-            result = await _attempt(op, options.timeout, hedge, stats)
+            result = await _attempt(op, options.timeout, hedge, stats, clock, nbytes)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - classified below
             failure = classify(exc)
-            if failure.status in (429, 503) and on_throttle is not None:
+            if failure.throttle and on_throttle is not None:
                 on_throttle()
             if not failure.retryable or attempt == attempts:
                 if failure.cause == "timeout":
                     stats.add(timeouts=1)
                     raise ChunkTimeoutError(
-                        f"reading {url} bytes [{byte_range[0]}, {byte_range[1]}) did not finish within "
+                        f"reading {url} bytes [{byte_range[0]}, {byte_range[1]}) made no progress within "
                         f"{options.timeout} s on any of {attempt} attempt{'s' if attempt != 1 else ''} "
                         "(raise LoadOptions.timeout or LoadOptions.retries, or lower chunk_size)",
                         path=url, byte_range=byte_range, attempts=attempt) from exc
@@ -242,6 +367,8 @@ async def fetch_with_retry(op: Callable[[], Awaitable[T]], *, options: LoadOptio
                       url, byte_range[0], byte_range[1], failure.cause, attempt, attempts, delay)
             await asyncio.sleep(delay)
         else:
-            stats.latency(time.monotonic() - t0)
+            elapsed = time.monotonic() - t0
+            stats.latency(elapsed)
+            clock.finished(elapsed, nbytes)
             return result
     raise AssertionError("unreachable")  # pragma: no cover

@@ -2,26 +2,42 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 __all__ = ["LoadStats"]
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least ``q`` of the values at or below it."""
     if not sorted_values:
         return 0.0
-    k = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
-    return sorted_values[k]
+    n = len(sorted_values)
+    rank = math.ceil(q * n - 1e-9)
+    return sorted_values[min(n - 1, max(0, rank - 1))]
 
 
 def _fmt_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"`` (binary units; bytes without decimals)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+def _fmt_seconds(s: float) -> str:
+    """A duration for people: ``0.0042`` -> ``"4.2 ms"``, ``12.3`` -> ``"12.30 s"``."""
+    if s < 1.0:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"  # every word used here takes a plain "s"
 
 
 @dataclass
@@ -68,22 +84,59 @@ class LoadStats:
         """Bytes assembled per second of wall time."""
         return self.bytes_assembled / self.seconds if self.seconds > 0 else 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field plus ``throughput`` (bytes/s), as plain JSON-serialisable values."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, list):
+                v = list(v)
+            elif isinstance(v, dict):
+                v = dict(v)
+            out[f.name] = v
+        out["throughput"] = self.throughput
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoadStats:
+        """The inverse of :meth:`to_dict` (unknown keys, such as ``throughput``, are ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
     def __str__(self) -> str:
-        causes = ", ".join(f"{k} {v}" for k, v in sorted(self.retries_by_cause.items())) or "none"
-        return (
-            f"Loaded {_fmt_bytes(self.bytes_assembled)} in {self.seconds:.3f} s "
-            f"({_fmt_bytes(self.throughput)}/s) from {self.files} file(s): "
-            f"{_fmt_bytes(self.bytes_read)} read in {self.chunks} chunks, "
-            f"peak {_fmt_bytes(self.peak_buffered_bytes)} buffered, up to {self.peak_concurrency} reads in flight; "
-            f"chunk latency p50 {self.latency_p50 * 1e3:.1f} ms, p90 {self.latency_p90 * 1e3:.1f} ms, "
-            f"p99 {self.latency_p99 * 1e3:.1f} ms, max {self.latency_max * 1e3:.1f} ms; "
-            f"{self.retries} retries ({causes}), {self.timeouts} timeouts, {self.hedges} hedges; "
-            f"time waiting on storage {self.storage_wait_seconds:.3f} s, on budget {self.budget_wait_seconds:.3f} s, "
-            f"assembling {self.assembly_seconds:.3f} s"
-            + (f"; {self.verified_records} records verified" if self.verified_records else "")
-            + (f"; {len(self.unexpected_keys)} unexpected keys in checkpoint" if self.unexpected_keys else "")
-            + "."
+        """One readable paragraph: what was loaded, how fast, where the time went, what went wrong."""
+        parts = [(
+            f"Loaded {_fmt_bytes(self.bytes_assembled)} in {self.seconds:.3f} s ({_fmt_bytes(self.throughput)}/s) "
+            f"from {_plural(self.files, 'file')}: {_fmt_bytes(self.bytes_read)} read in {_plural(self.chunks, 'request')}, "
+            f"up to {self.peak_concurrency} in flight, at most {_fmt_bytes(self.peak_buffered_bytes)} buffered."
+        )]
+        if self.chunks:
+            parts.append(
+                f"Request latency p50 {_fmt_seconds(self.latency_p50)}, p90 {_fmt_seconds(self.latency_p90)}, "
+                f"p99 {_fmt_seconds(self.latency_p99)}, max {_fmt_seconds(self.latency_max)}."
+            )
+        parts.append(
+            f"Time summed over requests: {self.storage_wait_seconds:.3f} s waiting for storage, "
+            f"{self.assembly_seconds:.3f} s assembling; {self.budget_wait_seconds:.3f} s waiting for memory budget."
         )
+        if self.retries or self.timeouts or self.hedges:
+            causes = ", ".join(f"{k} {v}" for k, v in sorted(self.retries_by_cause.items()))
+            parts.append(
+                (f"{self.retries} retries" if self.retries != 1 else "1 retry")
+                + (f" ({causes})" if causes else "")
+                + f", {_plural(self.timeouts, 'timeout')}, {_plural(self.hedges, 'hedged request')}."
+            )
+        else:
+            parts.append("No retries, timeouts or hedged requests.")
+        if self.verified_records:
+            parts.append(f"{_plural(self.verified_records, 'record')} verified against stored CRC-32.")
+        if self.bytes_received or self.bytes_sent:
+            parts.append(f"{_fmt_bytes(self.bytes_received)} received from and {_fmt_bytes(self.bytes_sent)} "
+                         "sent to other ranks.")
+        if self.unexpected_keys:
+            shown = ", ".join(self.unexpected_keys[:3]) + (", ..." if len(self.unexpected_keys) > 3 else "")
+            parts.append(f"{_plural(len(self.unexpected_keys), 'checkpoint key')} not in the destination ({shown}).")
+        return " ".join(parts)
 
 
 class StatsRecorder:

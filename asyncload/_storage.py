@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+import types
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import unquote, urlparse
@@ -24,11 +25,13 @@ log = logging.getLogger("asyncload.storage")
 
 
 class ShortReadError(OSError):
-    """A read returned fewer bytes than asked for."""
+    """A read returned fewer bytes than asked for. ``local``: from a local file, whose
+    end of file is final (the file is truncated: not worth a retry)."""
 
-    def __init__(self, path: str, start: int, end: int, got: int) -> None:
+    def __init__(self, path: str, start: int, end: int, got: int, *, local: bool = False) -> None:
         super().__init__(f"short read of {path} [{start}, {end}): got {got} of {end - start} bytes")
         self.path, self.start, self.end, self.got = path, start, end, got
+        self.local = local
 
 
 class Storage:
@@ -58,6 +61,11 @@ class Storage:
 
     async def size(self, name: str) -> int:
         raise NotImplementedError
+
+    async def fingerprint(self, name: str) -> object | None:
+        """A value that changes when file ``name`` is rewritten or replaced, or ``None`` when
+        the store cannot tell cheaply. A load compares it before and after reading."""
+        return None
 
     async def exists(self, name: str) -> bool:
         try:
@@ -109,7 +117,7 @@ class LocalStorage(Storage):
         while bufs:
             n = os.preadv(fd, bufs, pos)
             if n <= 0:
-                raise ShortReadError(self._path(name), start, start + want, done)
+                raise ShortReadError(self._path(name), start, start + want, done, local=True)
             done += n
             pos += n
             while bufs and n >= len(bufs[0]):
@@ -134,6 +142,10 @@ class LocalStorage(Storage):
     async def size(self, name: str) -> int:
         return os.stat(self._path(name)).st_size
 
+    async def fingerprint(self, name: str) -> object | None:
+        st = os.stat(self._path(name))
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
     async def aclose(self) -> None:
         with self._lock:
             self._closed = True
@@ -147,7 +159,17 @@ class LocalStorage(Storage):
 
 class FsspecStorage(Storage):
     """Any fsspec filesystem: async ones (s3fs, gcsfs, HTTP) natively on our loop,
-    sync ones (memory://, ...) in threads. Sessions are opened per load and closed after."""
+    sync ones (memory://, ...) in threads.
+
+    One filesystem (and so one HTTP session and connection pool) per storage, opened on
+    first use and closed by :meth:`aclose` when the load ends, fails or is cancelled.
+
+    The filesystems' own retry loops are turned off (s3fs/botocore retry 5xx, throttling
+    and resets for up to 39 s on their own; gcsfs retries 5xx six times): asyncload's
+    per-chunk policy (:mod:`asyncload._retry`) is then the only one, the same for every
+    store, with its timeouts, backoff, hedging and ``LoadStats.retries`` counting. Options
+    the caller gives in ``storage_options`` (e.g. ``config_kwargs={"retries": ...}``) win.
+    """
 
     hedgeable = True
 
@@ -161,6 +183,7 @@ class FsspecStorage(Storage):
         self._cls = fsspec.get_filesystem_class(protocol)
         self._options = dict(storage_options)
         self._fs: Any = None
+        self._fs_lock: asyncio.Lock | None = None
         self._root_path = self._cls._strip_protocol(root)
         self.is_async = bool(getattr(self._cls, "async_impl", False))
 
@@ -169,19 +192,53 @@ class FsspecStorage(Storage):
             return f"{self.root.rstrip('/')}/{name}"
         return f"{self._root_path.rstrip('/')}/{name}" if name else self._root_path
 
+    def _constructor_options(self) -> dict[str, Any]:
+        """The caller's storage options plus asyncload's defaults (the caller's win)."""
+        opts = dict(self._options)
+        if self.is_async:
+            opts.setdefault("skip_instance_cache", True)
+        if _is_s3(self._cls):
+            config = dict(opts.get("config_kwargs") or {})
+            # botocore: one attempt, no retry of its own (asyncload retries)
+            config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+            # botocore's pool of 10 connections would cap reads in flight
+            config.setdefault("max_pool_connections", 128)
+            opts["config_kwargs"] = config
+        return opts
+
+    def _disable_own_retries(self, fs: Any) -> None:
+        if _is_s3(self._cls) and "retries" not in self._options:
+            fs.retries = 1  # s3fs's _error_wrapper: one try
+        elif _is_gcs(self._cls):
+            # gcsfs decorates _request with a fixed retry loop (6 tries, up to 32 s apart);
+            # bind the undecorated method to this instance only
+            inner = getattr(type(fs)._request, "__wrapped__", None)
+            if inner is not None:
+                fs._request = types.MethodType(inner, fs)
+
     async def _get_fs(self) -> Any:
-        if self._fs is None:
-            opts = dict(self._options)
-            if self.is_async:
-                opts.setdefault("skip_instance_cache", True)
-                fs = self._cls(asynchronous=True, loop=asyncio.get_running_loop(), **opts)
-                set_session = getattr(fs, "set_session", None)
-                if set_session is not None:
-                    await set_session()
-            else:
-                loop = asyncio.get_running_loop()
-                fs = await loop.run_in_executor(self._executor, lambda: self._cls(**opts))
-            self._fs = fs
+        if self._fs is not None:
+            return self._fs
+        if self._fs_lock is None:
+            self._fs_lock = asyncio.Lock()
+        async with self._fs_lock:  # concurrent first reads must not open two sessions
+            if self._fs is None:
+                opts = self._constructor_options()
+                if self.is_async:
+                    fs = self._cls(asynchronous=True, loop=asyncio.get_running_loop(), **opts)
+                    self._disable_own_retries(fs)
+                    try:
+                        set_session = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
+                        if set_session is not None:
+                            await set_session()
+                    except BaseException:
+                        await _close_async_fs(fs, self.protocol)
+                        raise
+                else:
+                    loop = asyncio.get_running_loop()
+                    fs = await loop.run_in_executor(self._executor, lambda: self._cls(**opts))
+                    self._disable_own_retries(fs)
+                self._fs = fs
         return self._fs
 
     async def read(self, name: str, start: int, end: int) -> bytes:
@@ -219,23 +276,47 @@ class FsspecStorage(Storage):
         return await loop.run_in_executor(self._executor, fs.cat_file, path)
 
     async def aclose(self) -> None:
+        """Close the filesystem's HTTP session and its connections. Safe to call twice."""
         fs, self._fs = self._fs, None
         if fs is None or not self.is_async:
             return
-        # Each async filesystem keeps its session under another name.
-        for attr in ("_s3", "session", "_session"):
-            sess = getattr(fs, attr, None)
-            if sess is None:
-                continue
-            close = getattr(sess, "close", None)
-            try:
-                if close is not None:
-                    res = close()
-                    if asyncio.iscoroutine(res):
-                        await res
-            except Exception:  # closing must not mask the load's own outcome
-                log.debug("closing %s session failed", self.protocol, exc_info=True)
-            break
+        await _close_async_fs(fs, self.protocol)
+
+
+def _is_s3(cls: type) -> bool:
+    return any(c.__module__.startswith("s3fs") for c in cls.__mro__)
+
+
+def _is_gcs(cls: type) -> bool:
+    return any(c.__module__.startswith("gcsfs") for c in cls.__mro__)
+
+
+async def _close_async_fs(fs: Any, protocol: str) -> None:
+    """Close the session of an ``asynchronous=True`` s3fs / gcsfs / HTTP filesystem.
+
+    Each keeps it under another name: s3fs an aiobotocore client made by ``_s3creator``
+    (its ``__aexit__`` closes the client's aiohttp session), gcsfs and HTTPFileSystem an
+    aiohttp ``ClientSession`` in ``_session``. Errors are logged, never raised: closing
+    must not mask the load's own outcome.
+    """
+    try:
+        creator = getattr(fs, "_s3creator", None)
+        if creator is not None:
+            fs._s3creator = None
+            fs._s3 = None
+            await creator.__aexit__(None, None, None)
+        else:
+            client = getattr(fs, "_s3", None)
+            if client is not None:
+                fs._s3 = None
+                await client.close()
+        session = getattr(fs, "_session", None)
+        if session is not None and hasattr(session, "closed") and not session.closed:
+            await session.close()
+        # let the transports' close callbacks run on this loop
+        await asyncio.sleep(0)
+    except Exception:  # noqa: BLE001
+        log.debug("closing the %s session failed", protocol, exc_info=True)
 
 
 def is_local(checkpoint: str | os.PathLike[str]) -> bool:

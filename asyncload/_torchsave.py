@@ -6,6 +6,7 @@ storage located by its local header. Used for every record of a DCP ``.distcp`` 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -65,21 +66,43 @@ class ArchiveLayout:
     where: str
 
 
-def _walk_refs(obj: Any, out: list[TensorRef], depth: int = 0) -> None:
-    if depth > 200:
-        raise CheckpointFormatError("object is nested more than 200 levels deep")
-    if isinstance(obj, TensorRef):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _walk_refs(v, out, depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _walk_refs(v, out, depth + 1)
+def _walk_refs(obj: Any, out: list[TensorRef]) -> None:
+    """Every TensorRef in ``obj`` (iterative; shared and self-referencing objects once)."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, TensorRef):
+            out.append(o)
+            continue
+        if id(o) in seen:
+            continue
+        if isinstance(o, dict):
+            seen.add(id(o))
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            seen.add(id(o))
+            stack.extend(o)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            seen.add(id(o))
+            stack.extend(vars(o).values())
 
 
 def parse_archive(win: ByteWindow, start: int, size: int, where: str, *, max_pickle: int = 1 << 30) -> ArchiveLayout:
-    """Parse the archive at file bytes ``[start, start + size)``; raises NeedBytes for missing bytes."""
+    """Parse the archive at file bytes ``[start, start + size)``; raises NeedBytes for missing
+    bytes inside the archive, CheckpointFormatError for anything that points outside it or
+    does not hold together (never an exception from ``struct`` or ``zipfile``)."""
+    try:
+        return _parse_archive(win, start, size, where, max_pickle)
+    except NeedBytes as need:
+        if need.start < start or need.end > start + size or need.end < need.start:
+            raise CheckpointFormatError(
+                f"{where}: the archive points at bytes [{need.start - start}, {need.end - start}) of a "
+                f"{size}-byte record: the record is damaged or its length in the metadata is wrong") from None
+        raise
+
+
+def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickle: int) -> ArchiveLayout:
     if size < 22:
         raise CheckpointFormatError(f"{where}: {size} bytes is too small to be a torch.save archive")
     tail_len = min(size, TAIL_PROBE)
@@ -95,7 +118,9 @@ def parse_archive(win: ByteWindow, start: int, size: int, where: str, *, max_pic
     if pkl.size > max_pickle:
         raise CheckpointFormatError(f"{where}: data.pkl of {pkl.size} bytes exceeds the {max_pickle} allowed")
     bo = entries.get(prefix + "byteorder")
-    if bo is not None and bo.size <= 16:
+    if bo is not None:
+        if bo.size > 16:
+            raise CheckpointFormatError(f"{where}: byteorder entry of {bo.size} bytes")
         ds = _data_start(win, start, bo.header_offset, bo.name, where)
         order = bytes(win.get(start + ds, start + ds + bo.size))
         if order not in (b"little",):
@@ -132,23 +157,30 @@ def _data_start(win: ByteWindow, start: int, header_offset: int, name: str, wher
     nl = len(name.encode("utf-8"))
     head = win.get(start + header_offset, start + header_offset + LOCAL_HEADER_SIZE + nl)
     ds = local_data_start(head, header_offset, name, where)
-    if ds is None:  # pragma: no cover - get() returned the bytes asked for
-        raise NeedBytes(start + header_offset, start + header_offset + LOCAL_HEADER_SIZE + nl)
+    if ds is None:  # the local header's name is longer than the directory's
+        raise CheckpointFormatError(f"{where}: the local header of {name[:200]!r} at {header_offset} does not "
+                                    "match the central directory")
     return ds
 
 
 async def aparse_archive(win: ByteWindow, start: int, size: int, where: str,
                          fetch: Callable[[int, int], Awaitable[bytes | memoryview]], *,
                          max_pickle: int = 1 << 30) -> ArchiveLayout:
-    """:func:`parse_archive`, fetching missing bytes with ``fetch(start, end)`` (at most 16 rounds)."""
+    """:func:`parse_archive`, fetching missing bytes with ``fetch(start, end)``: at most 16
+    rounds and ``max_pickle`` + 1 MiB in all (a damaged directory cannot make it read a
+    whole multi-gigabyte record into memory)."""
+    fetched = 0
+    limit = max_pickle + (1 << 20)
     for _ in range(16):
         try:
             return parse_archive(win, start, size, where, max_pickle=max_pickle)
         except NeedBytes as need:
             lo = max(start, need.start)
             hi = min(start + size, max(need.end, need.start + HEAD_PROBE))
-            if hi <= lo:
-                raise CheckpointFormatError(f"{where}: needs bytes [{need.start}, {need.end}) outside the record") from None
+            fetched += hi - lo
+            if fetched > limit:
+                raise CheckpointFormatError(f"{where}: finding the record's tensor needs more than {limit} bytes "
+                                            "of headers: the record is damaged") from None
             win.add(lo, await fetch(lo, hi))
     raise CheckpointFormatError(f"{where}: layout did not resolve after 16 reads")
 
@@ -167,34 +199,92 @@ def tensor_location(layout: ArchiveLayout, name: str, ref: TensorRef | None = No
 
 
 def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
-    """The archive's object with every tensor built from the bytes in ``win`` (copied)."""
+    """The archive's object with every tensor built from the bytes in ``win``.
+
+    Like ``torch.load``: each storage is copied once, tensors are views of it (so two
+    tensors that shared a storage still do, and a stride-0 tensor costs its storage, not
+    its apparent size). Lists, dicts and dataclasses are updated in place, tuples and
+    sets rebuilt; shared and self-referencing objects are handled once (iteratively, no
+    recursion)."""
+    refs: list[TensorRef] = []
+    _walk_refs(layout.obj, refs)
+    if not refs:
+        return layout.obj
+    storages: dict[str, torch.Tensor] = {}
+
     def build(ref: TensorRef) -> torch.Tensor:
         st = layout.storages[ref.storage.key]
-        data = win.get(st.data_start, st.data_start + st.nbytes)
-        loc = tensor_location(layout, "", ref)
+        loc = tensor_location(layout, "", ref)  # checks that every element lies in the storage
         if st.nbytes % loc.itemsize:
             raise CheckpointFormatError(f"{layout.where}: storage of {st.nbytes} bytes is not whole {ref.dtype} elements")
-        flat = tensor_over(data, ref.dtype)
-        t = flat.as_strided(ref.size, ref.stride, ref.storage_offset).clone()
+        raw = storages.get(st.key)
+        if raw is None:
+            raw = torch.empty(st.nbytes, dtype=torch.uint8)
+            if st.nbytes:
+                raw.copy_(tensor_over(win.get(st.data_start, st.data_start + st.nbytes), torch.uint8))
+            storages[st.key] = raw
+        try:
+            t = raw.view(ref.dtype).as_strided(ref.size, ref.stride, ref.storage_offset)
+        except RuntimeError as exc:
+            raise CheckpointFormatError(f"{layout.where}: tensor of size {list(ref.size)} cannot be built "
+                                        f"({exc})"[:400]) from None
         if ref.is_parameter:
             return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
         return t.requires_grad_(ref.requires_grad) if ref.requires_grad and t.is_floating_point() else t
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            return build(obj)
-        if isinstance(obj, dict):
-            out = type(obj)() if type(obj) in (dict,) or hasattr(type(obj), "fromkeys") else {}
-            for k, v in obj.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields") and type(obj) is tuple:
-            return tuple(walk(v) for v in obj)
-        return obj
+    done: dict[int, Any] = {}  # id(original) -> replacement
+    keep: list[Any] = []  # keeps originals alive while their ids are keys
+    stack: list[tuple[Any, bool]] = [(layout.obj, False)]
+    while stack:
+        o, children_done = stack.pop()
+        oid = id(o)
+        if not children_done:
+            if oid in done:
+                continue
+            if isinstance(o, TensorRef):
+                done[oid] = build(o)
+                keep.append(o)
+                continue
+            if isinstance(o, dict):
+                kids: Any = o.values()
+            elif isinstance(o, (list, tuple, set, frozenset)):
+                kids = o
+            elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+                kids = vars(o).values()
+            else:
+                continue
+            done[oid] = o  # placeholder: a cycle back to ``o`` sees ``o`` itself
+            keep.append(o)
+            stack.append((o, True))
+            stack.extend((k, False) for k in kids if id(k) not in done)
+            continue
+        new = _rebuilt(o, done)
+        done[oid] = new
+    return done.get(id(layout.obj), layout.obj)
 
-    return walk(layout.obj)
+
+def _rebuilt(o: Any, done: dict[int, Any]) -> Any:
+    def sub(v: Any) -> Any:
+        return done.get(id(v), v)
+
+    if isinstance(o, list):
+        for i, v in enumerate(o):
+            o[i] = sub(v)
+        return o
+    if isinstance(o, dict):
+        for k, v in o.items():
+            o[k] = sub(v)
+        return o
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        d = vars(o)
+        for k, v in d.items():
+            d[k] = sub(v)
+        return o
+    if type(o) is tuple:
+        return tuple(sub(v) for v in o)
+    if isinstance(o, (set, frozenset)):
+        return type(o)(sub(v) for v in o)
+    return o  # a tuple subclass (torch.Size...) holds no tensors
 
 
 def storage_ref_dtype(ref: StorageRef) -> torch.dtype:  # pragma: no cover - tiny helper for formats

@@ -106,7 +106,10 @@ def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size
         if 0xFFFFFFFF in (csize, usize, lho):
             usize, csize, lho = _zip64_extra(extra, usize, csize, lho, where)
         _need(lho + LOCAL_HEADER_SIZE + csize <= archive_size, where,
-              f"entry {name!r} of {csize} bytes at {lho} runs past the end of the {archive_size}-byte archive")
+              f"entry {name[:200]!r} of {csize} bytes at {lho} runs past the end of the {archive_size}-byte archive")
+        _need(method != 0 or csize == usize, where,
+              f"stored entry {name[:200]!r} claims {csize} bytes stored but {usize} bytes of data")
+        _need(name not in entries, where, f"entry {name[:200]!r} appears twice in the central directory")
         entries[name] = ZipEntry(name, lho, csize, usize, crc, method)
         pos = end
     return CentralDirectory(entries, 0, len(cd))
@@ -141,10 +144,12 @@ def local_data_start(head: bytes | memoryview, header_offset: int, expected_name
         return None
     f = _LFH.unpack_from(head, 0)
     _need(f[0] == _SIG_LFH, where, f"no local header for {expected_name!r} at archive offset {header_offset}")
-    _need(f[3] == 0, where, f"entry {expected_name!r} is compressed (method {f[3]}); torch.save stores entries uncompressed")
+    _need(f[3] == 0, where,
+          f"entry {expected_name[:200]!r} is compressed (method {f[3]}); torch.save stores entries uncompressed")
     nl, el = f[9], f[10]
     if len(head) < LOCAL_HEADER_SIZE + nl:
         return None
     name = bytes(head[LOCAL_HEADER_SIZE : LOCAL_HEADER_SIZE + nl]).decode("utf-8", "replace")
-    _need(name == expected_name, where, f"local header at {header_offset} names {name!r}, the directory says {expected_name!r}")
+    _need(name == expected_name, where,
+          f"local header at {header_offset} names {name[:200]!r}, the directory says {expected_name[:200]!r}")
     return header_offset + LOCAL_HEADER_SIZE + nl + el

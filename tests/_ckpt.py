@@ -27,6 +27,7 @@ __all__ = [
     "copy_dir_to_fsspec",
     "open_fds_under",
     "asyncload_threads",
+    "live_threads",
 ]
 
 
@@ -69,10 +70,11 @@ def zeros_like_tree(obj: Any, *, object_placeholder: Any = _KEEP) -> Any:
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The tensor's elements as raw bytes in row-major order (any dtype, any layout)."""
-    c = t.detach().cpu().contiguous()
-    if c.numel() == 0:
+    if t.numel() == 0:
         return b""
-    return bytes(c.reshape(-1).view(torch.uint8).numpy().tobytes())
+    # a fresh tensor has standard strides (``contiguous()`` may keep odd strides of size-1 dims)
+    c = torch.empty((t.numel(),), dtype=t.dtype).copy_(t.detach().cpu().reshape(-1))
+    return c.view(torch.uint8).numpy().tobytes()
 
 
 def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
@@ -167,7 +169,15 @@ def open_fds_under(directory: str | os.PathLike[str]) -> list[str]:
     return out
 
 
-def asyncload_threads(prefix: str = "asyncload-io") -> list[str]:
+def live_threads(prefix: str = "asyncload-") -> set[Any]:
+    """The live threads whose name starts with ``prefix`` (thread objects, not names: two
+    executors may both have an ``asyncload-io_0``)."""
     import threading
 
-    return [t.name for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+    return {t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()}
+
+
+def asyncload_threads(prefix: str = "asyncload-io", *, ignore: set[Any] | frozenset[Any] = frozenset()) -> list[str]:
+    """Names of live threads starting with ``prefix``, except those in ``ignore`` (a
+    :func:`live_threads` snapshot taken before the code under test ran)."""
+    return sorted(t.name for t in live_threads(prefix) if t not in ignore)

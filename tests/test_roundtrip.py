@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
@@ -18,7 +20,10 @@ from _ckpt import (
     zeros_like_tree,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+]
 
 #: Defaults: every record here is small, so it is fetched whole and parsed in one go.
 DEFAULT = asyncload.LoadOptions()
@@ -84,6 +89,8 @@ def test_nested_dicts_lists_and_objects(tmp_path, options):
         "ratio": 0.125,
         "flags": [True, False, None],
         "config": {"hidden": 48, "names": ["a", "b"], "nested": {"k": (1, 2)}},
+        # an object record larger than TINY's chunk_size: read in several pieces
+        "big_obj": {"text": "y" * 20000, "ints": list(range(3000))},
     }
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
     dst = zeros_like_tree(sd, object_placeholder=None)
@@ -235,3 +242,62 @@ def test_large_tensor_split_into_many_chunks(tmp_path):
     assert stats.chunks >= math.ceil(t.numel() / opts.chunk_size)
     assert stats.peak_buffered_bytes <= opts.memory_budget
     assert stats.bytes_assembled == total_tensor_bytes(sd)
+
+
+def test_load_into_a_modules_own_state_dict(tmp_path):
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8, bias=False))
+    src[1].weight.data.uniform_()
+    ckpt = make_checkpoint(tmp_path / "ckpt", src.state_dict())
+    dst = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8, bias=False))
+    sd = dst.state_dict()  # detached tensors sharing the parameters' memory
+    asyncload.load(sd, ckpt, options=TINY)
+    for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
+        assert_bitwise_equal(a.detach(), b.detach(), name)
+        assert b.requires_grad
+
+
+# --- property: random state dicts, random layouts, random knobs ------------------------------
+
+@st.composite
+def _tensor_cases(draw):
+    dtype = draw(st.sampled_from(SAVEABLE_DTYPES))
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 40), min_size=ndim, max_size=ndim)))
+    perm = draw(st.permutations(range(ndim))) if ndim else []
+    dest_kind = draw(st.sampled_from(["plain", "transposed", "padded"]))
+    return dtype, shape, perm, dest_kind
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(cases=st.lists(_tensor_cases(), min_size=1, max_size=6),
+       chunk_size=st.sampled_from([4096, 5000, 65536, 16 << 20]),
+       min_chunk_size=st.sampled_from([1, 512, 4096, 1 << 20]),
+       concurrency=st.sampled_from([1, 3, 64, "auto"]),
+       budget=st.sampled_from([64 << 10, 100_000, 512 << 20]))
+def test_property_random_state_dicts_round_trip(tmp_path_factory, cases, chunk_size, min_chunk_size, concurrency,
+                                                budget):
+    sd, dst = {}, {}
+    for i, (dtype, shape, perm, dest_kind) in enumerate(cases):
+        phys = [shape[p] for p in perm]
+        inv = [perm.index(d) for d in range(len(perm))]
+        base = random_tensor(tuple(phys), dtype, seed=i)
+        sd[f"t{i}"] = base.permute(inv) if shape else base
+        if dest_kind == "transposed" and len(shape) >= 2:
+            dst[f"t{i}"] = torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(*reversed(range(len(shape))))
+        elif dest_kind == "padded" and len(shape) >= 1:
+            big = torch.zeros(tuple(n + 2 for n in shape), dtype=dtype)
+            v = big
+            for d, n in enumerate(shape):
+                v = v.narrow(d, 1, n)
+            dst[f"t{i}"] = v
+        else:
+            dst[f"t{i}"] = torch.zeros(shape, dtype=dtype)
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("prop") / "ckpt", sd)
+    opts = asyncload.LoadOptions(chunk_size=chunk_size, min_chunk_size=min(min_chunk_size, chunk_size),
+                                 concurrency=concurrency, memory_budget=budget)
+    stats = asyncload.load(dst, ckpt, options=opts)
+    assert_bitwise_equal(sd, dst)
+    assert stats.bytes_assembled == total_tensor_bytes(sd)
+    assert stats.peak_buffered_bytes <= budget

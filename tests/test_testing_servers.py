@@ -19,17 +19,19 @@ from typing import Any, TypeVar
 
 import pytest
 
+# The fixtures s3_server, gcs_server, http_server, fault_proxy and bucket_name
+# come from asyncload.testing.pytest_fixtures, imported by tests/conftest.py.
 from asyncload.testing import configure_env
 
 configure_env()  # before gcsfs is imported
 
-import aiohttp  # noqa: E402
-import fsspec  # noqa: E402
-import gcsfs  # noqa: E402
-import s3fs  # noqa: E402
-from fsspec.implementations.http import HTTPFileSystem  # noqa: E402
+import aiohttp
+import fsspec
+import gcsfs
+import s3fs
+from fsspec.implementations.http import HTTPFileSystem
 
-from asyncload.testing import (  # noqa: E402
+from asyncload.testing import (
     FaultProxy,
     GCSServer,
     HTTPRangeServer,
@@ -39,6 +41,9 @@ from asyncload.testing import (  # noqa: E402
     S3Server,
     ServerNotAvailableError,
     ServerNotRunningError,
+    ServerStartError,
+    aclose_filesystem,
+    close_filesystem,
     delay,
     parse_byte_range,
     reset,
@@ -46,13 +51,6 @@ from asyncload.testing import (  # noqa: E402
     status,
     trickle,
     truncate,
-)
-from asyncload.testing.pytest_fixtures import (  # noqa: E402,F401 - fixtures
-    bucket_name,
-    fault_proxy,
-    gcs_server,
-    http_server,
-    s3_server,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,23 +99,27 @@ def http_files(http_server: HTTPRangeServer, payload_dir: Path) -> str:
     return http_server.upload_dir(payload_dir, "faults", "")
 
 
-async def _close_async_fs(fs: Any) -> None:
-    """Close the aiohttp/aiobotocore session of an ``asynchronous=True`` filesystem."""
-    if isinstance(fs, s3fs.S3FileSystem):
-        creator = getattr(fs, "_s3creator", None)
-        if creator is not None:
-            await creator.__aexit__(None, None, None)
-        return
-    session = getattr(fs, "_session", None)
-    if session is not None and not session.closed:
-        await session.close()
+@pytest.fixture
+def closing() -> Iterator[Callable[[T], T]]:
+    """``closing(fs)`` returns ``fs`` and closes its session when the test ends."""
+    made: list[Any] = []
+
+    def keep(fs: T) -> T:
+        made.append(fs)
+        return fs
+
+    yield keep
+    for fs in made:
+        close_filesystem(fs)
 
 
 # ---------------------------------------------------------------------------
 # servers
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("server_name", ["s3_server", "gcs_server", "http_server"])
-def test_server_serves_exact_ranges(server_name: str, request: pytest.FixtureRequest, payload_dir: Path) -> None:
+def test_server_serves_exact_ranges(
+    server_name: str, request: pytest.FixtureRequest, payload_dir: Path, closing: Callable[[Any], Any]
+) -> None:
     server: LoopbackServer = request.getfixturevalue(server_name)
     url = server.upload_dir(payload_dir, "roundtrip", "run1/")
     expected_prefix = {"s3": "s3://roundtrip/run1", "gs": "gs://roundtrip/run1"}.get(
@@ -125,7 +127,7 @@ def test_server_serves_exact_ranges(server_name: str, request: pytest.FixtureReq
     )
     assert url == expected_prefix
 
-    fs = fsspec.filesystem(server.protocol, **server.storage_options())
+    fs = closing(fsspec.filesystem(server.protocol, **server.storage_options()))
     assert type(fs) in (s3fs.S3FileSystem, gcsfs.GCSFileSystem, HTTPFileSystem)
     a, b = f"{url}/a.bin", f"{url}/sub/b.bin"
     assert fs.info(a)["size"] == len(A)
@@ -140,24 +142,28 @@ def test_server_serves_exact_ranges(server_name: str, request: pytest.FixtureReq
             parts = await asyncio.gather(*(afs._cat_file(a, start=s, end=e) for s, e in RANGES))
             return [whole, *parts]
         finally:
-            await _close_async_fs(afs)
+            await aclose_filesystem(afs)
 
     whole, *parts = run(read_async())
     assert whole == B
     assert parts == [A[s:e] for s, e in RANGES]
 
 
-def test_put_object_and_listing(s3_server: S3Server, gcs_server: GCSServer, http_server: HTTPRangeServer) -> None:
+def test_put_object_and_listing(
+    s3_server: S3Server, gcs_server: GCSServer, http_server: HTTPRangeServer, closing: Callable[[Any], Any]
+) -> None:
     for server in (s3_server, gcs_server, http_server):
         url = server.put_object("listing", "dir/x.bin", b"xyz")
         assert url == server.url("listing", "dir/x.bin")
-        fs = server.filesystem()
+        fs = closing(server.filesystem())
         assert fs.cat_file(url) == b"xyz"
         listed = fs.ls(server.url("listing", "dir"), detail=False)
         assert [p.rstrip("/").rsplit("/", 1)[-1] for p in listed] == ["x.bin"], server
 
 
-def test_http_server_range_semantics(http_server: HTTPRangeServer, http_files: str) -> None:
+def test_http_server_range_semantics(
+    http_server: HTTPRangeServer, http_files: str, closing: Callable[[Any], Any]
+) -> None:
     size = len(A)
     url = f"{http_files}/a.bin"
     empty = http_server.put_object("faults", "empty.bin", b"")
@@ -186,8 +192,14 @@ def test_http_server_range_semantics(http_server: HTTPRangeServer, http_files: s
             assert (st, body) == (206, A[-5:])
             st, h, body = await get(url, f"bytes={size - 5}-{size + 100}")  # end clamped
             assert (st, h["Content-Range"], body) == (206, f"bytes {size - 5}-{size - 1}/{size}", A[-5:])
-            for bad in (f"bytes={size}-", f"bytes={size + 10}-{size + 20}", "bytes=20-10", "bytes=-0",
-                        "bytes=0-1,5-6", "bytes=abc"):  # fmt: skip
+            for bad in (
+                f"bytes={size}-",
+                f"bytes={size + 10}-{size + 20}",
+                "bytes=20-10",
+                "bytes=-0",
+                "bytes=0-1,5-6",
+                "bytes=abc",
+            ):
                 st, h, body = await get(url, bad)
                 assert (st, h["Content-Range"]) == (416, f"bytes */{size}"), bad
             st, h, body = await get(url, "items=0-5")  # unknown unit: ignored
@@ -204,7 +216,7 @@ def test_http_server_range_semantics(http_server: HTTPRangeServer, http_files: s
 
     run(main())
 
-    fs = HTTPFileSystem(skip_instance_cache=True)
+    fs = closing(HTTPFileSystem(skip_instance_cache=True))
     with pytest.raises(aiohttp.ClientResponseError) as info:
         fs.cat_file(url, start=size, end=size + 10)
     assert info.value.status == 416
@@ -238,6 +250,11 @@ def test_server_stop_leaves_no_process(cls: type[LoopbackServer]) -> None:
         assert server.endpoint_url == f"http://127.0.0.1:{port}"
         server.start()  # no-op while running
         assert server.pid == pid
+        url = server.put_object("lifecycle", "k", b"v")
+        assert url == server.url("lifecycle", "k")
+        if isinstance(server, S3Server):
+            server.reset()  # moto: every bucket gone
+            assert server.client().list_buckets()["Buckets"] == []
     assert not server.running
     assert not alive(pid), f"{cls.__name__} pid {pid} still exists"
     assert not Path(f"/proc/{pid}").exists()
@@ -248,6 +265,27 @@ def test_server_stop_leaves_no_process(cls: type[LoopbackServer]) -> None:
     server.stop()  # idempotent
 
 
+def test_moto_sends_one_server_header(s3_server: S3Server) -> None:
+    # two Server headers (werkzeug's and moto's) make aiohttp's strict parser
+    # (python -X dev, PYTHONASYNCIODEBUG=1) reject every response
+    sock = socket.create_connection(("127.0.0.1", s3_server.port), timeout=5)
+    with sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        head = _recv_all(sock).partition(b"\r\n\r\n")[0].lower()
+    assert head.count(b"\r\nserver:") == 1, head
+
+
+def test_server_start_failure_is_reported(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))  # taken (not listening): the child cannot bind it
+        server = HTTPRangeServer(tmp_path, port=holder.getsockname()[1])
+        with pytest.raises(ServerStartError, match="(?i)address already in use"):
+            server.start()
+    assert not server.running
+    with pytest.raises(ServerNotRunningError):
+        _ = server.pid
+
+
 def test_s3rver_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(S3rverServer, "find_executable", staticmethod(lambda executable=None: None))
     with pytest.raises(ServerNotAvailableError, match=r"npm install .*s3rver@3\.7\.1"):
@@ -255,10 +293,10 @@ def test_s3rver_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.skipif(S3rverServer.find_executable() is None, reason="s3rver (npm) is not installed")
-def test_s3rver_serves_exact_ranges(payload_dir: Path) -> None:
+def test_s3rver_serves_exact_ranges(payload_dir: Path, closing: Callable[[Any], Any]) -> None:
     with S3rverServer() as server:
         url = server.upload_dir(payload_dir, "roundtrip", "run1")
-        fs = server.filesystem()
+        fs = closing(server.filesystem())
         assert fs.cat_file(f"{url}/sub/b.bin") == B
         # s3rver 3.7.1 gets two ranges wrong: bytes=-N (first N+1 bytes) and
         # bytes=0-0 (the whole object), so neither is asked here.
@@ -303,7 +341,9 @@ def _recv_all(sock: socket.socket) -> bytes:
     return data
 
 
-def test_proxy_passthrough_keepalive_bit_exact(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
+def test_proxy_passthrough_keepalive_bit_exact(
+    http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy
+) -> None:
     proxy = fault_proxy(http_server)
     assert proxy.flavor == "http"
     base = http_server.url("faults", endpoint_url=proxy.endpoint_url)
@@ -346,14 +386,16 @@ def test_proxy_delay_targets_one_request(http_server: HTTPRangeServer, http_file
     (s1, b1, t1), (s2, b2, t2), (s3, b3, t3), (s4, b4, t4) = run(main())
     assert (s1, b1, s2, b2, s3, b3, s4, b4) == (200, A, 200, B, 200, B, 200, A)
     assert t2 >= 0.5
-    assert max(t1, t3, t4) < 0.4
+    assert max(t1, t3, t4) < t2 - 0.3  # relative: robust on a loaded machine
     assert (rule.matched, rule.fired) == (2, 1)
     assert [e.action for e in proxy.log] == ["forward", "delay(0.5)", "forward", "forward"]
     assert proxy.log[1].rule is rule
     assert proxy.connections_accepted == 1
 
 
-def test_proxy_error_statuses_keep_the_connection(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
+def test_proxy_error_statuses_keep_the_connection(
+    http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy
+) -> None:
     proxy = fault_proxy(http_server)
     r503 = proxy.add_rule(status(503, retry_after=2), path="/a.bin", range_only=True, times=1)
     r429 = proxy.add_rule(status(429), path="b.bin", times=1)
@@ -364,7 +406,10 @@ def test_proxy_error_statuses_keep_the_connection(http_server: HTTPRangeServer, 
         async with _session() as s:
             async with s.get(f"{base}/a.bin", headers={"Range": "bytes=0-9"}) as r:
                 assert (r.status, r.headers["Retry-After"], await r.text()) == (
-                    503, "2", "503 Service Unavailable (fault proxy)\n")  # fmt: skip
+                    503,
+                    "2",
+                    "503 Service Unavailable (fault proxy)\n",
+                )
             async with s.get(f"{base}/sub/b.bin") as r:
                 assert r.status == 429 and "Retry-After" not in r.headers
             async with s.head(f"{base}/small.txt") as r:
@@ -376,7 +421,14 @@ def test_proxy_error_statuses_keep_the_connection(http_server: HTTPRangeServer, 
 
     run(main())
     assert (r503.fired, r429.fired, r500.fired) == (1, 1, 2)
-    assert [e.action for e in proxy.log] == ["status(503)", "status(429)", "status(500)", "forward", "forward", "status(500)"]
+    assert [e.action for e in proxy.log] == [
+        "status(503)",
+        "status(429)",
+        "status(500)",
+        "forward",
+        "forward",
+        "status(500)",
+    ]
     assert proxy.connections_accepted == 1
     assert proxy.faults_applied == 4
 
@@ -409,7 +461,16 @@ def test_proxy_reset_sends_rst_on_the_targeted_request(
             assert (await _get(s, f"{base}/sub/b.bin"))[:2] == (200, B)
 
     run(main())
-    assert [e.action for e in proxy.log] == ["reset", "forward", "reset", "forward", "reset", "reset", "forward", "forward"]
+    assert [e.action for e in proxy.log] == [
+        "reset",
+        "forward",
+        "reset",
+        "forward",
+        "reset",
+        "reset",
+        "forward",
+        "forward",
+    ]
 
     # reset after part of the body: the headers arrive, the body breaks
     proxy.clear()
@@ -473,8 +534,9 @@ def test_proxy_stall(http_server: HTTPRangeServer, http_files: str, fault_proxy:
             with pytest.raises(aiohttp.ServerDisconnectedError):
                 await _get(s, f"{base}/small.txt")  # stalled, closed, retried by aiohttp, stalled, closed
             assert 0.6 <= time.monotonic() - t0 < 2.5
-            async with s.get(f"{base}/a.bin", headers={"Range": "bytes=0-99999"},
-                             timeout=aiohttp.ClientTimeout(sock_read=0.4)) as r:  # fmt: skip
+            async with s.get(
+                f"{base}/a.bin", headers={"Range": "bytes=0-99999"}, timeout=aiohttp.ClientTimeout(sock_read=0.4)
+            ) as r:
                 assert r.status == 206
                 assert await r.content.readexactly(5000) == A[:5000]
                 with pytest.raises(asyncio.TimeoutError):
@@ -494,7 +556,7 @@ def test_proxy_stall(http_server: HTTPRangeServer, http_files: str, fault_proxy:
         assert proxy.wait_for_requests(seen + 1, timeout=5)
         t0 = time.monotonic()
         proxy.stop()
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0
         try:
             assert _recv_all(sock) == b""
         except ConnectionResetError:
@@ -517,20 +579,20 @@ def test_proxy_trickle_latency_bandwidth(http_server: HTTPRangeServer, http_file
             return out
 
     slow, fast = run(timed(f"{base}/sub/b.bin", 2))
-    assert slow >= len(B) / 200_000 * 0.95 and fast < 0.2
+    assert slow >= len(B) / 200_000 * 0.95 and fast < slow / 2
     assert rule.fired == 1
 
     proxy.latency = 0.1  # one way: +0.2 s per request
     (t,) = run(timed(f"{base}/small.txt"))
-    assert 0.2 <= t < 0.6
+    assert 0.2 <= t < 1.5
     proxy.latency = 0.0
 
     proxy.bandwidth = 1_000_000  # 300 KiB at 1 MB/s: about 0.3 s
-    (t,) = run(timed(f"{base}/a.bin"))
-    assert 0.25 <= t < 1.5
+    (capped,) = run(timed(f"{base}/a.bin"))
+    assert 0.25 <= capped < 2.0
     proxy.bandwidth = None
     (t,) = run(timed(f"{base}/a.bin"))
-    assert t < 0.2
+    assert t < capped / 2
 
 
 def test_proxy_skip_and_probability(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
@@ -592,16 +654,19 @@ def test_proxy_stop_leaves_no_thread(http_server: HTTPRangeServer, http_files: s
 # fault proxy with the cloud clients
 # ---------------------------------------------------------------------------
 def test_proxy_s3_errors_reach_s3fs_as_the_right_exceptions(
-    s3_server: S3Server, fault_proxy: MakeProxy, bucket_name: str
+    s3_server: S3Server, fault_proxy: MakeProxy, bucket_name: str, closing: Callable[[Any], Any]
 ) -> None:
     url = s3_server.put_object(bucket_name, "dir/obj.bin", A)
     proxy = fault_proxy(s3_server)
     assert proxy.flavor == "s3"
-    fs = s3fs.S3FileSystem(**s3_server.storage_options(proxy.endpoint_url))
+    fs = closing(s3fs.S3FileSystem(**s3_server.storage_options(proxy.endpoint_url)))
 
     # PUT through the proxy (request bodies are forwarded), then read it back
     fs.pipe_file(f"{bucket_name}/dir/put.bin", B)
     assert fs.cat_file(f"{bucket_name}/dir/put.bin", start=0, end=len(B)) == B
+
+    # moto closes after every response; the proxy still keeps s3fs's connection alive
+    assert proxy.requests_seen == 2 and proxy.connections_accepted == 1
 
     proxy.reset_counters()
     slow = proxy.add_rule(status(503), data_only=True, times=1)
@@ -623,12 +688,14 @@ def test_proxy_s3_errors_reach_s3fs_as_the_right_exceptions(
     assert proxy.log[-1].action == "forward" and "list-type=2" in proxy.log[-1].query
 
 
-def test_proxy_gcs_error_then_success(gcs_server: GCSServer, fault_proxy: MakeProxy, bucket_name: str) -> None:
+def test_proxy_gcs_error_then_success(
+    gcs_server: GCSServer, fault_proxy: MakeProxy, bucket_name: str, closing: Callable[[Any], Any]
+) -> None:
     url = gcs_server.put_object(bucket_name, "obj.bin", A)
     proxy = fault_proxy(gcs_server)
     assert proxy.flavor == "gcs"
     rule = proxy.add_rule(status(503), data_only=True, times=1)
-    fs = gcsfs.GCSFileSystem(**gcs_server.storage_options(proxy.endpoint_url))
+    fs = closing(gcsfs.GCSFileSystem(**gcs_server.storage_options(proxy.endpoint_url)))
     assert fs.cat_file(url, start=10, end=5000) == A[10:5000]  # gcsfs retries 5xx
     assert rule.fired == 1
     data_log = [e for e in proxy.log if "alt=media" in e.query]

@@ -15,8 +15,11 @@ It parses HTTP/1.1 framing in both directions (``Content-Length`` and
 chunked bodies, bodies read until close, ``HEAD``/204/304 without body,
 ``Expect: 100-continue``), so faults target *one request* even on a keep-alive
 connection that carries many. Each client connection gets its own upstream
-connection, kept alive across requests while both sides allow it; ``Host``
-and every other header pass through untouched (S3 signatures stay valid).
+connection, kept alive while the upstream allows it and reopened when it does
+not: a client asking for keep-alive keeps its connection even in front of a
+server that closes after every response (werkzeug/moto), as long as the body
+is framed; only that ``Connection: close`` header is dropped. ``Host`` and
+every other header pass through untouched (S3 signatures stay valid).
 
 Rules are tried in the order added; the first whose matcher matches *and*
 that fires (``skip``/``times``/``probability``) applies its action to that
@@ -57,30 +60,33 @@ import urllib.parse
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from xml.sax.saxutils import escape as xml_escape
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 logger = logging.getLogger("asyncload.testing")
 
 __all__ = [
     "Action",
     "Delay",
-    "Status",
-    "Reset",
-    "Truncate",
-    "Stall",
-    "Trickle",
-    "delay",
-    "status",
-    "reset",
-    "truncate",
-    "stall",
-    "trickle",
-    "Rule",
-    "LogEntry",
     "FaultProxy",
     "FaultProxyError",
     "Flavor",
+    "LogEntry",
+    "Reset",
+    "Rule",
+    "Stall",
+    "Status",
+    "Trickle",
+    "Truncate",
+    "delay",
+    "reset",
+    "stall",
+    "status",
+    "trickle",
+    "truncate",
 ]
 
 Flavor = Literal["s3", "gcs", "http"]
@@ -290,11 +296,14 @@ class _Request:
 
 # S3 sub-resources whose GET is not an object read.
 _S3_SUBRESOURCES = frozenset(
-    "accelerate acl analytics attributes cors delete encryption intelligent-tiering inventory legal-hold "
-    "lifecycle list-type location logging metrics notification object-lock ownershipControls policy "
-    "policyStatus publicAccessBlock replication requestPayment restore retention select tagging torrent "
-    "uploadId uploads versioning versions website".split()
-)
+    {
+        "accelerate", "acl", "analytics", "attributes", "cors", "delete", "encryption", "intelligent-tiering",
+        "inventory", "legal-hold", "lifecycle", "list-type", "location", "logging", "metrics", "notification",
+        "object-lock", "ownershipControls", "policy", "policyStatus", "publicAccessBlock", "replication",
+        "requestPayment", "restore", "retention", "select", "tagging", "torrent", "uploadId", "uploads",
+        "versioning", "versions", "website",
+    }
+)  # fmt: skip
 
 
 def _is_data_request(req: _Request, flavor: Flavor) -> bool:
@@ -355,9 +364,7 @@ class Rule:
                 return False
         if self.range_only and req.header("range") is None:
             return False
-        if self.data_only and not _is_data_request(req, flavor):
-            return False
-        return True
+        return not self.data_only or _is_data_request(req, flavor)
 
     @property
     def exhausted(self) -> bool:
@@ -423,13 +430,11 @@ class _Conn:
     writer: asyncio.StreamWriter
     up_reader: asyncio.StreamReader | None = None
     up_writer: asyncio.StreamWriter | None = None
-    up_requests: int = 0  # requests already sent on the current upstream connection
 
     def close_upstream(self) -> None:
         if self.up_writer is not None:
             self.up_writer.transport.abort()
         self.up_reader = self.up_writer = None
-        self.up_requests = 0
 
     def client_gone(self) -> bool:
         return self.reader.at_eof() or self.writer.transport.is_closing()
@@ -495,7 +500,7 @@ class FaultProxy:
         self._stopping = False
 
     # -- lifecycle ----------------------------------------------------------
-    def start(self) -> FaultProxy:
+    def start(self) -> Self:
         """Listen on 127.0.0.1 and serve from a daemon thread; returns self.
 
         Raised: FaultProxyError when the port cannot be bound. No-op if running.
@@ -524,7 +529,7 @@ class FaultProxy:
         try:
             fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
             fut.result(timeout)
-        except Exception:  # noqa: BLE001 - keep going: the loop must stop
+        except Exception:  # keep going: the loop must stop
             logger.exception("fault proxy shutdown did not finish cleanly")
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
@@ -536,7 +541,7 @@ class FaultProxy:
             self._cond.notify_all()
         logger.info("fault proxy %s stopped", self.thread_name)
 
-    def __enter__(self) -> FaultProxy:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(
@@ -603,9 +608,8 @@ class FaultProxy:
 
     def remove_rule(self, rule: Rule) -> None:
         """Remove one rule (no error if already gone)."""
-        with self._lock:
-            with contextlib.suppress(ValueError):
-                self._rules.remove(rule)
+        with self._lock, contextlib.suppress(ValueError):
+            self._rules.remove(rule)
 
     def clear(self) -> None:
         """Remove every rule (counters and log are kept; see :meth:`reset_counters`)."""
@@ -665,9 +669,7 @@ class FaultProxy:
         try:
             try:
                 server = loop.run_until_complete(
-                    asyncio.start_server(
-                        self._on_client, "127.0.0.1", self._requested_port or 0, limit=_HEAD_LIMIT
-                    )
+                    asyncio.start_server(self._on_client, "127.0.0.1", self._requested_port or 0, limit=_HEAD_LIMIT)
                 )
             except BaseException as exc:  # noqa: BLE001 - reported to start()
                 error.append(exc)
@@ -726,7 +728,7 @@ class FaultProxy:
             pass
         except (ConnectionError, asyncio.IncompleteReadError, _ProtocolError, asyncio.LimitOverrunError) as exc:
             logger.debug("fault proxy connection ended: %r", exc)
-        except Exception:  # noqa: BLE001 - a proxy bug must not kill the loop
+        except Exception:  # a proxy bug must not kill the loop
             logger.exception("fault proxy: unexpected error on a connection")
         finally:
             conn.close_upstream()
@@ -788,10 +790,8 @@ class FaultProxy:
                 chosen = rule
                 break
             action = chosen.action if chosen else None
-            self._log.append(
-                LogEntry(req.method, req.path, req.query, req.header("range"),
-                         action.describe() if action else "forward", chosen)  # fmt: skip
-            )
+            description = action.describe() if action else "forward"
+            self._log.append(LogEntry(req.method, req.path, req.query, req.header("range"), description, chosen))
             self._cond.notify_all()
         if chosen is not None:
             logger.debug("fault proxy %s: %s %s -> %s", self.thread_name, req.method, req.target, action)
@@ -821,17 +821,13 @@ class FaultProxy:
         try:
             head, code, resp_headers = await self._exchange(conn, req)
         except (OSError, asyncio.IncompleteReadError, _ProtocolError) as exc:
-            logger.warning("fault proxy: upstream %s failed for %s %s: %r",
-                           self.upstream_url, req.method, req.target, exc)  # fmt: skip
+            logger.warning(
+                "fault proxy: upstream %s failed for %s %s: %r", self.upstream_url, req.method, req.target, exc
+            )
             conn.close_upstream()
             conn.writer.write(_simple_response(502, b"fault proxy: upstream failed\n", close=True))
             await conn.writer.drain()
             return False
-        if self.latency > 0:
-            await asyncio.sleep(self.latency)
-        conn.writer.write(head)
-        await conn.writer.drain()
-
         assert conn.up_reader is not None
         up_reader = conn.up_reader
         te = {t.strip().lower() for k, v in resp_headers if k.lower() == "transfer-encoding" for t in v.split(",")}
@@ -849,6 +845,18 @@ class FaultProxy:
                 body = _read_until_eof(up_reader)
             else:
                 body = _read_exact(up_reader, length)
+        upstream_keeps = not until_close and "close" not in resp_conn and head.startswith(b"HTTP/1.1")
+        client_keeps = req.keep_alive and not until_close
+        if client_keeps and "close" in resp_conn:
+            # The upstream closes after each response (werkzeug, so moto, always
+            # does); the body is framed, so keep the client's connection alive
+            # and reconnect upstream for the next request, as real S3 would.
+            head = _without_connection_close(head)
+
+        if self.latency > 0:
+            await asyncio.sleep(self.latency)
+        conn.writer.write(head)
+        await conn.writer.drain()
 
         limit: int | None = None
         if isinstance(action, Truncate):
@@ -865,10 +873,9 @@ class FaultProxy:
             elif isinstance(action, Stall):
                 await self._stall(conn, action.seconds)
             return False
-        upstream_keeps = not until_close and "close" not in resp_conn and head.startswith(b"HTTP/1.1")
         if not upstream_keeps:
             conn.close_upstream()
-        return req.keep_alive and not until_close and "close" not in resp_conn
+        return client_keeps
 
     async def _exchange(self, conn: _Conn, req: _Request) -> tuple[bytes, int, list[tuple[str, str]]]:
         """Send ``req`` upstream and read the final response head (1xx skipped)."""
@@ -896,7 +903,6 @@ class FaultProxy:
                     code = int(parts[1])
                     if 100 <= code < 200 and code != 101:
                         continue
-                    conn.up_requests += 1
                     return head, code, _parse_headers(header_lines)
             except (ConnectionError, asyncio.IncompleteReadError) as exc:
                 # A kept-alive upstream connection may have been closed by the
@@ -921,8 +927,9 @@ class FaultProxy:
                     await self._send(conn.writer, piece, rate, start, sent)
                     sent += len(piece)
         except (asyncio.IncompleteReadError, _ProtocolError, ConnectionError) as exc:
-            # upstream broke mid-body: the client must see a broken body too
-            logger.warning("fault proxy: upstream body failed after %d bytes: %r", sent, exc)
+            # The upstream broke mid-body (the client must see a broken body
+            # too) or the client left: either way this connection is done.
+            logger.debug("fault proxy: body relay ended after %d bytes: %r", sent, exc)
             conn.writer.transport.abort()
             return False
         return limit is None
@@ -988,8 +995,13 @@ class FaultProxy:
         elif self.flavor == "gcs":
             reason = action.error_code or _GCS_REASONS.get(code, "backendError" if code >= 500 else "invalid")
             message = f"{phrase} (fault proxy)"
-            doc = {"error": {"code": code, "message": message,
-                             "errors": [{"domain": "global", "reason": reason, "message": message}]}}  # fmt: skip
+            doc = {
+                "error": {
+                    "code": code,
+                    "message": message,
+                    "errors": [{"domain": "global", "reason": reason, "message": message}],
+                }
+            }
             body = json.dumps(doc).encode()
             ctype = "application/json; charset=UTF-8"
         else:
@@ -1091,6 +1103,13 @@ async def _read_chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
                 raise asyncio.IncompleteReadError(b"", left)
             left -= len(data)
             yield data
+
+
+def _without_connection_close(head: bytes) -> bytes:
+    """A response head with its ``Connection`` header(s) removed (HTTP/1.1: keep-alive)."""
+    lines = head[:-4].split(b"\r\n")
+    kept = [lines[0]] + [ln for ln in lines[1:] if not ln.lower().startswith(b"connection:")]
+    return b"\r\n".join(kept) + b"\r\n\r\n"
 
 
 def _build_response(code: int, phrase: str, headers: list[tuple[str, str]], body: bytes, *, close: bool) -> bytes:

@@ -51,7 +51,7 @@ from asyncload.testing.servers import (
     configure_env,
 )
 
-__all__ = ["s3_server", "gcs_server", "http_server", "fault_proxy", "bucket_name"]
+__all__ = ["bucket_name", "fault_proxy", "gcs_server", "http_server", "s3_server"]
 
 configure_env()
 

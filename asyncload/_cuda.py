@@ -1,0 +1,579 @@
+"""Destinations on a CUDA device: storage -> pinned host ring -> device, overlapped.
+
+A chunk whose bytes go to device tensors is read into one slot of a small ring of
+pinned (page-locked) host buffers - straight from the file for local storage, or copied
+from the network's bytes for remote stores - and each destination's piece is copied
+with ``non_blocking=True`` on a side stream. The slot goes back to the ring only when
+an event recorded after those copies has completed, so reads of later chunks, host
+staging and host-to-device copies overlap, and at most ``slots x slot_size`` bytes
+(<= ``LoadOptions.memory_budget``) are pinned. The load returns only after every copy
+has finished (the side streams are synchronised).
+
+Nothing pageable or mmap-backed is handed to the device: a piece whose bytes arrive in
+ordinary memory (a small DCP record read whole) is first copied into a pinned bounce
+buffer. A destination view that is not contiguous, or needs a dtype cast, is filled on
+the device: the raw bytes go to a device scratch buffer, then one strided copy on the
+side stream.
+
+The side streams first wait for the caller's current stream, so that work already
+queued on the destination tensors (their initialisation, say) finishes before the
+copies land.
+
+CI has no GPU: :func:`fake_device` makes chosen CPU tensors take the very same path
+(ring, staging, deliverers, events) with a :class:`FakeCopier` whose "stream" is a
+worker thread and whose "pinned" memory is tracked, so tests can check that every
+copy's source was a ring slot or a bounce buffer and that the bytes are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._options import LoadOptions
+from ._pipeline import Chunk, _assemble, copy_bytes
+from ._plan import memory_of
+from ._retry import fetch_with_retry
+
+__all__ = [
+    "CudaCopier",
+    "DeviceCopier",
+    "DeviceStager",
+    "FakeCopier",
+    "PinnedRing",
+    "fake_device",
+    "ring_geometry",
+    "stager_for",
+]
+
+log = logging.getLogger("asyncload.cuda")
+
+#: The most slots a ring gets, and the fewest.
+MAX_SLOTS = 8
+MIN_SLOTS = 2
+#: The smallest slot (a budget of 64 KiB gives two 32 KiB slots).
+MIN_SLOT_SIZE = 32 * 1024
+
+
+def ring_geometry(options: LoadOptions) -> tuple[int, int]:
+    """``(slots, slot_size)`` of the pinned ring for ``options``: slots of one chunk,
+    2 to 8 of them, all within ``memory_budget``."""
+    slot = min(options.effective_chunk_size, max(MIN_SLOT_SIZE, options.memory_budget // MIN_SLOTS))
+    slots = max(MIN_SLOTS, min(MAX_SLOTS, options.memory_budget // slot))
+    return slots, slot
+
+
+def _address(data: memoryview | bytes | bytearray) -> int:
+    if len(data) == 0:
+        return 0
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
+
+
+# --- copiers: what a "device" is ------------------------------------------------------------
+
+
+class DeviceCopier:
+    """What the staging code needs from a device: pinned host memory, a side stream per
+    device, events. :class:`CudaCopier` for CUDA, :class:`FakeCopier` for tests."""
+
+    name = "device"
+
+    def claims(self, t: torch.Tensor) -> bool:
+        """Whether destination ``t`` is filled through this copier."""
+        raise NotImplementedError
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 host tensor of ``nbytes``."""
+        raise NotImplementedError
+
+    def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Scratch uint8 memory on ``device``, usable by the side stream."""
+        raise NotImplementedError
+
+    def begin(self, devices: Iterable[torch.device]) -> None:
+        """On the caller's thread: side streams for ``devices``, ordered after the caller's current streams."""
+
+    def submit(self, device: torch.device, op: Callable[[], None], src: torch.Tensor) -> None:
+        """Run ``op`` (copies from pinned ``src``) on ``device``'s side stream."""
+        raise NotImplementedError
+
+    def record(self) -> Any:
+        """An event after everything submitted so far (all side streams)."""
+        raise NotImplementedError
+
+    def query(self, token: Any) -> bool:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Block until everything submitted has finished."""
+        raise NotImplementedError
+
+
+class CudaCopier(DeviceCopier):
+    """CUDA side streams (one per device), events, pinned memory from torch's host allocator."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+
+    def claims(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def _stream(self, device: torch.device) -> Any:
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = self._streams[device] = torch.cuda.Stream(device=device)
+                s.wait_stream(torch.cuda.current_stream(device))
+            return s
+
+    def begin(self, devices: Iterable[torch.device]) -> None:
+        for d in devices:
+            self._stream(d)
+
+    def submit(self, device: torch.device, op: Callable[[], None], src: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream(device)):
+            op()
+
+    def record(self) -> Any:
+        with self._lock:
+            streams = list(self._streams.values())
+        events = []
+        for s in streams:
+            ev = torch.cuda.Event()
+            ev.record(s)
+            events.append(ev)
+        return events
+
+    def query(self, token: Any) -> bool:
+        return all(ev.query() for ev in token)
+
+    def synchronize(self) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            s.synchronize()
+
+
+class FakeCopier(DeviceCopier):
+    """A stand-in device for CPU-only machines: claimed CPU tensors are "device" memory,
+    a worker thread is the side stream (ops run later, in order, after ``delay`` seconds
+    each), and host buffers it handed out are "pinned". Counters say what happened.
+
+    Use through :func:`fake_device`.
+    """
+
+    name = "fake"
+
+    def __init__(self, claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0) -> None:
+        self._claim = claim
+        self.delay = delay
+        self._pinned: set[int] = set()
+        self._lock = threading.Lock()
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+        #: Copies run, bytes they read from host memory, copies whose source was not pinned.
+        self.copies = 0
+        self.bytes_copied = 0
+        self.pageable_sources = 0
+        #: Host bytes handed out (ring slots and bounce buffers) and the most pinned at once.
+        self.pinned_bytes = 0
+        self.peak_pinned_bytes = 0
+        #: Loads that set up side streams (``begin``) and synchronised them.
+        self.begun = 0
+        self.synchronized = 0
+        #: Ops submitted but not yet run, at most.
+        self.peak_pending = 0
+        self._pending = 0
+
+    def start(self) -> FakeCopier:
+        self._thread = threading.Thread(target=self._work, name="asyncload-fake-stream", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _work(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            kind, payload = item
+            if kind == "op":
+                op, src, _ptr = payload
+                try:
+                    if self.delay:
+                        time.sleep(self.delay)
+                    op()
+                except BaseException as exc:  # noqa: BLE001 - surfaced by synchronize()
+                    self._errors.append(exc)
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+                    del op, src
+            else:
+                payload.set()
+
+    def claims(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and (self._claim is None or bool(self._claim(t)))
+
+    def _register(self, t: torch.Tensor) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        n = t.untyped_storage().nbytes()
+        with self._lock:
+            self._pinned.add(ptr)
+            self.pinned_bytes += n
+            self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
+
+    def _unregister(self, ptr: int, n: int) -> None:
+        with self._lock:
+            self._pinned.discard(ptr)
+            self.pinned_bytes -= n
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        t = torch.empty(max(1, nbytes), dtype=torch.uint8)[:nbytes]
+        self._register(t)
+        return t
+
+    def release_host(self, t: torch.Tensor) -> None:
+        """Give back a host buffer (slots at the end of a load; bounce buffers after their copy)."""
+        self._unregister(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+    def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def begin(self, devices: Iterable[torch.device]) -> None:
+        with self._lock:
+            self.begun += 1
+
+    def submit(self, device: torch.device, op: Callable[[], None], src: torch.Tensor) -> None:
+        ptr = src.untyped_storage().data_ptr()
+        with self._lock:
+            pinned = ptr in self._pinned
+            self.copies += 1
+            self.bytes_copied += src.numel()
+            if not pinned:
+                self.pageable_sources += 1
+            self._pending += 1
+            self.peak_pending = max(self.peak_pending, self._pending)
+        self._q.put(("op", (op, src, ptr)))
+
+    def submit_release(self, t: torch.Tensor) -> None:
+        """Un-pin a bounce buffer once the ops before it have run."""
+        ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        self._q.put(("op", (lambda: self._unregister(ptr, n), t, ptr)))
+        with self._lock:
+            self._pending += 1
+
+    def record(self) -> threading.Event:
+        ev = threading.Event()
+        self._q.put(("event", ev))
+        return ev
+
+    def query(self, token: threading.Event) -> bool:
+        return token.is_set()
+
+    def synchronize(self) -> None:
+        ev = self.record()
+        ev.wait()
+        with self._lock:
+            self.synchronized += 1
+        if self._errors:
+            err = self._errors.pop(0)
+            self._errors.clear()
+            raise err
+
+
+_FAKE: FakeCopier | None = None
+
+
+@contextlib.contextmanager
+def fake_device(claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0) -> Iterator[FakeCopier]:
+    """Test hook: within the block, CPU destinations for which ``claim(t)`` is true (all, by
+    default) are filled through the device path with a :class:`FakeCopier`, which it yields."""
+    global _FAKE
+    copier = FakeCopier(claim, delay).start()
+    prev, _FAKE = _FAKE, copier
+    try:
+        yield copier
+    finally:
+        _FAKE = prev
+        copier.stop()
+
+
+# --- the ring ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    index: int
+    tensor: torch.Tensor
+    view: memoryview
+    address: int
+
+
+class PinnedRing:
+    """``slots`` pinned host buffers of ``slot_size`` bytes; a chunk holds one while its
+    bytes are read and copied to the device."""
+
+    def __init__(self, copier: DeviceCopier, slots: int, slot_size: int) -> None:
+        self.copier = copier
+        self.slot_size = slot_size
+        self._slots: list[_Slot] = []
+        for i in range(slots):
+            t = copier.host_empty(slot_size)
+            self._slots.append(_Slot(i, t, memory_of(t), int(t.data_ptr())))
+        self._free: asyncio.Queue[_Slot] | None = None
+        #: Times a chunk waited for a free slot.
+        self.waits = 0
+
+    def _queue(self) -> asyncio.Queue[_Slot]:
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for s in self._slots:
+                self._free.put_nowait(s)
+        return self._free
+
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    async def acquire(self) -> _Slot:
+        q = self._queue()
+        if q.empty():
+            self.waits += 1
+        return await q.get()
+
+    def release(self, slot: _Slot) -> None:
+        self._queue().put_nowait(slot)
+
+    def find(self, address: int, nbytes: int) -> tuple[_Slot, int] | None:
+        """The slot holding ``[address, address + nbytes)`` and the offset in it, if any."""
+        for s in self._slots:
+            off = address - s.address
+            if 0 <= off and off + nbytes <= self.slot_size:
+                return s, off
+        return None
+
+    def close(self) -> None:
+        """Drop the buffers (after the copier synchronised)."""
+        release = getattr(self.copier, "release_host", None)
+        for s in self._slots:
+            if release is not None:
+                release(s.tensor)
+        self._slots = []
+
+
+# --- one load's device path -------------------------------------------------------------------
+
+
+def _row_major(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+class DeviceStager:
+    """The device path of one load: the ring, deliverers for the planner, the pipeline hook."""
+
+    def __init__(self, copier: DeviceCopier, options: LoadOptions) -> None:
+        self.copier = copier
+        self.slots, self.slot_size = ring_geometry(options)
+        self._ring: PinnedRing | None = None
+        self._lock = threading.Lock()
+        #: Copies to the device, bytes they moved, bytes bounced through extra pinned memory.
+        self.copies = 0
+        self.bytes_to_device = 0
+        self.bounced_bytes = 0
+        self.waited_seconds = 0.0
+
+    # caller's thread
+    def claims(self, t: torch.Tensor) -> bool:
+        return self.copier.claims(t)
+
+    def begin(self, dests: Iterable[torch.Tensor]) -> None:
+        """Side streams for the destinations' devices, and the ring (the caller's thread: pinning
+        memory takes a while and must not stall the event loop)."""
+        self.copier.begin({t.device for t in dests if self.copier.claims(t)})
+        self.ring  # noqa: B018 - allocated now
+
+    def plan_options(self, options: LoadOptions) -> LoadOptions:
+        """``options`` with chunks no larger than one ring slot."""
+        if options.effective_chunk_size <= self.slot_size:
+            return options
+        return options.replace(chunk_size=self.slot_size, min_chunk_size=min(options.min_chunk_size, self.slot_size))
+
+    @property
+    def ring(self) -> PinnedRing:
+        if self._ring is None:
+            with self._lock:
+                if self._ring is None:
+                    self._ring = PinnedRing(self.copier, self.slots, self.slot_size)
+        return self._ring
+
+    # planner: a deliver function for one staged piece
+    def deliverer(self, view: torch.Tensor, src_dtype: torch.dtype, shape: Sequence[int],
+                  strides: Sequence[int]) -> Callable[[memoryview], None]:
+        """``deliver(data)``: the piece's raw bytes (``data``, as stored) into ``view`` on the device."""
+        shape, strides = list(shape), list(strides)
+        device = view.device
+        raw = view.is_contiguous() and view.dtype == src_dtype and _row_major(shape, strides)
+        copier = self.copier
+
+        def deliver(data: memoryview) -> None:
+            src, bounced = self._pinned(data)
+            n = len(data)
+            if raw:
+                dst = view.reshape(-1).view(torch.uint8)
+
+                def op() -> None:
+                    dst.copy_(src, non_blocking=True)
+            else:
+                def op() -> None:
+                    scratch = copier.device_empty(n, device)
+                    scratch.copy_(src, non_blocking=True)
+                    view.copy_(scratch.view(src_dtype).as_strided(shape, strides, 0), non_blocking=True)
+            copier.submit(device, op, src)
+            if bounced is not None:
+                release = getattr(copier, "submit_release", None)
+                if release is not None:
+                    release(bounced)
+            with self._lock:
+                self.copies += 1
+                self.bytes_to_device += n
+
+        return deliver
+
+    def _pinned(self, data: memoryview) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pinned uint8 tensor holding ``data``: the slot slice it lies in, or a bounce copy."""
+        n = len(data)
+        hit = self.ring.find(_address(data), n) if n else None
+        if hit is not None:
+            slot, off = hit
+            return slot.tensor[off : off + n], None
+        buf = self.copier.host_empty(n)
+        if n:
+            copy_bytes(memory_of(buf), data)
+        with self._lock:
+            self.bounced_bytes += n
+        return buf, buf
+
+    # pipeline hook: a chunk that feeds device destinations
+    async def read_and_assemble(self, pipeline: Any, chunk: Chunk) -> None:
+        """Read ``chunk`` into a ring slot, deliver its pieces, and return the slot once the
+        device copies finished (the pipeline's budget is held until then)."""
+        loop = asyncio.get_running_loop()
+        storage = pipeline.storage
+        url = storage.url(chunk.name)
+        rng = (chunk.start, chunk.end)
+        n = chunk.nbytes
+        ring = self.ring
+        t0 = time.monotonic()
+        raw: Any = None
+        if not storage.supports_readinto:
+            raw = await fetch_with_retry(lambda: storage.read(chunk.name, chunk.start, chunk.end),
+                                         options=pipeline.options, stats=pipeline.stats, url=url, byte_range=rng,
+                                         hedge=pipeline.hedge, on_throttle=pipeline._note_throttle)
+        slot = await ring.acquire()
+        done = False
+        try:
+            view = slot.view[:n]
+            if raw is None:
+                # the job holds ``slot`` (its tensor owns the memory): a cancelled load's thread
+                # may still be reading into it after the ring was dropped
+                def direct(slot: _Slot = slot) -> None:
+                    storage.readinto_sync(chunk.name, chunk.start, [view])
+
+                await fetch_with_retry(lambda: loop.run_in_executor(pipeline.executor, direct),
+                                       options=pipeline.options, stats=pipeline.stats, url=url, byte_range=rng)
+            t1 = time.monotonic()
+            pipeline.stats.add(bytes_read=n, chunks=1, storage_wait_seconds=t1 - t0)
+            token = await loop.run_in_executor(pipeline.executor, self._stage, chunk, view, raw, slot)
+            pipeline._count_assembled(chunk, t1)
+            t2 = time.monotonic()
+            delay = 0.00005
+            while not self.copier.query(token):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.002)
+            self.waited_seconds += time.monotonic() - t2
+            done = True
+        finally:
+            if done:
+                ring.release(slot)
+            # else: copies from this slot may still be in flight; the slot stays out of the
+            # ring until finish() has synchronised (the load is failing anyway)
+
+    def _stage(self, chunk: Chunk, view: memoryview, raw: Any, slot: _Slot) -> Any:
+        """Raw bytes into the slot (remote stores), pieces delivered, an event after their copies.
+        ``slot`` is held for the memory's sake (see :meth:`read_and_assemble`)."""
+        if raw is not None:
+            copy_bytes(view, memoryview(raw))
+        _assemble(chunk, view)
+        return self.copier.record()
+
+    async def afinish(self, executor: concurrent.futures.Executor | None = None) -> None:
+        """Wait (off the loop) for every copy to finish, then free the ring."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(executor, self.copier.synchronize)
+        finally:
+            ring, self._ring = self._ring, None
+            if ring is not None:
+                ring.close()
+        log.debug("device path: %d copies, %d bytes to the device, %d bounced, %.3f s waiting for copies",
+                  self.copies, self.bytes_to_device, self.bounced_bytes, self.waited_seconds)
+
+    def finish_sync(self) -> None:
+        """:meth:`afinish` for a caller without a loop."""
+        try:
+            self.copier.synchronize()
+        finally:
+            ring, self._ring = self._ring, None
+            if ring is not None:
+                ring.close()
+
+
+def stager_for(dests: Iterable[torch.Tensor], options: LoadOptions) -> DeviceStager | None:
+    """A :class:`DeviceStager` when some destination is on a CUDA device (or claimed by
+    :func:`fake_device`), else ``None``. Call on the caller's thread."""
+    dests = list(dests)
+    copier: DeviceCopier | None = None
+    if _FAKE is not None and any(_FAKE.claims(t) for t in dests):
+        copier = _FAKE
+    elif any(t.device.type == "cuda" for t in dests):
+        copier = CudaCopier()
+    if copier is None:
+        return None
+    stager = DeviceStager(copier, options)
+    stager.begin(dests)
+    return stager
+

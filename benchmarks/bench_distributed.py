@@ -1,0 +1,333 @@
+"""Multi-rank loading: bytes read per rank and wall time, torch's dcp.load against asyncload.
+
+Cases (each in fresh processes: ``--world`` ranks of a gloo process group on 127.0.0.1):
+
+* replicated: every rank loads the whole model into plain tensors (DDP-style), with
+  torch's ``dcp.load`` (``FileSystemReader`` locally, ``FsspecReader`` over HTTP),
+  ``asyncload.load`` with ``PipelinedLoadPlanner`` and with ``ShardedLoadPlanner``;
+* 1->N: a single-process checkpoint loaded into DTensors with ``Shard(0)`` on N ranks
+  (torch ``dcp.load``, asyncload with each planner).
+
+Stores (``--store``):
+
+* ``local`` - the checkpoint directory on local disk (warm page cache);
+* ``http`` (default) - a loopback object store with a bandwidth cap: asyncload.testing's
+  ``HTTPRangeServer`` (exact ``Range``) behind a ``FaultProxy`` with ``bandwidth`` set to
+  ``--bandwidth-mib`` MiB/s for all ranks together: the ranks of one node sharing its
+  network link, where bytes not read are time saved;
+* ``s3`` - moto's S3 server behind the same proxy (correct but slow: moto reads the whole
+  object for every ranged GET, see docs/TESTBED; keep ``--size-mib`` small).
+
+Bytes read: asyncload's ``LoadStats.bytes_read``; for torch (which has no counter), from
+local disk the growth of ``rchar`` in ``/proc/self/io`` during the load (every byte its
+process read through ``read()``: the files, plus its few small collectives), over HTTP
+the bytes its Python sockets received (response headers included).
+Wall time: from a barrier before the load to the slowest rank's end. Peak RSS: the
+most any rank's resident memory grew above what it held just before the load.
+Every rank hashes what it loaded; all variants must agree (checked, printed ``ok``).
+
+Run:  python benchmarks/bench_distributed.py                       # http at 50 MiB/s, 64 MiB, 4 ranks
+      python benchmarks/bench_distributed.py --store local --size-mib 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import queue
+import resource
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+MiB = 1 << 20
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def shapes(size_mib: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Transformer-like: per layer 4 attention matrices (512x512), 2 MLP matrices (512x2048),
+    2 norms (512); about 12 MiB per layer in float32."""
+    d = 512
+    layers = max(1, round(size_mib / 12))
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"embed": ((2048, d), torch.float32)}
+    for i in range(layers):
+        for name in ("q", "k", "v", "o"):
+            out[f"layers.{i}.attn.{name}"] = ((d, d), torch.float32)
+        out[f"layers.{i}.mlp.up"] = ((4 * d, d), torch.float32)
+        out[f"layers.{i}.mlp.down"] = ((d, 4 * d), torch.float32)
+        out[f"layers.{i}.norm1"] = ((d,), torch.float32)
+        out[f"layers.{i}.norm2"] = ((d,), torch.float32)
+    return out
+
+
+def model(size_mib: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g, dtype=dt) for k, (s, dt) in shapes(size_mib).items()}
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+# --- one rank ------------------------------------------------------------------------------------
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+_socket_bytes = [0]
+
+
+def _count_socket_reads() -> None:
+    """Count bytes received on Python sockets (fsspec's asyncio loop reads HTTP through them;
+    gloo and the TCPStore use their own C++ sockets, so they are not counted)."""
+    import socket as _s
+
+    recv, recv_into = _s.socket.recv, _s.socket.recv_into
+
+    def counted_recv(self: Any, *a: Any, **k: Any) -> bytes:
+        data = recv(self, *a, **k)
+        _socket_bytes[0] += len(data)
+        return data
+
+    def counted_recv_into(self: Any, *a: Any, **k: Any) -> int:
+        n = recv_into(self, *a, **k)
+        _socket_bytes[0] += n
+        return n
+
+    _s.socket.recv = counted_recv  # type: ignore[method-assign]
+    _s.socket.recv_into = counted_recv_into  # type: ignore[method-assign]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _digest(sd: dict[str, Any]) -> str:
+    h = hashlib.sha1()
+    for k in sorted(sd):
+        t = sd[k]
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(k.encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def rank_main(rank: int, world: int, port: int, out: Any, case: str, url: str, size_mib: int,
+              storage_options: dict[str, Any]) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import asyncload
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        layout, _, how = case.partition(":")
+        sd: dict[str, Any] = {}
+        if layout == "replicated":
+            sd = {k: torch.zeros(s, dtype=dt) for k, (s, dt) in shapes(size_mib).items()}
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Shard
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            mesh = init_device_mesh("cpu", (world,))
+            for k, (s, dt) in shapes(size_mib).items():
+                local_shape, _ = compute_local_shape_and_global_offset(s, mesh, [Shard(0)])
+                sd[k] = DTensor.from_local(torch.zeros(local_shape, dtype=dt), mesh, [Shard(0)], run_check=False,
+                                           shape=torch.Size(s), stride=_contiguous_stride(s))
+        remote = url.startswith(("http://", "https://", "s3://"))
+        if how == "torch" and remote:
+            _count_socket_reads()
+        rss0 = _rss()
+        rchar0 = _rchar()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if how == "torch":
+            if remote:
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+                reader: Any = FsspecReader(url, **storage_options)
+            else:
+                reader = dcp.FileSystemReader(url)
+            dcp.load(sd, storage_reader=reader)
+            read = _socket_bytes[0] if remote else _rchar() - rchar0
+            received = 0
+        else:
+            planner = asyncload.ShardedLoadPlanner() if how == "sharded" else asyncload.PipelinedLoadPlanner()
+            stats = asyncload.load(sd, url, planner=planner, storage_options=storage_options)
+            read, received = stats.bytes_read, stats.bytes_received
+        seconds = time.perf_counter() - t0
+        dist.barrier()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+        out.put((rank, {"read": read, "received": received, "seconds": seconds, "peak": max(0, peak),
+                        "digest": _digest(sd)}))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+    finally:
+        out.close()
+        out.join_thread()
+        time.sleep(0.5)  # rank 0 hosts the store: let the others leave first
+        os._exit(0)
+
+
+# --- the parent ----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_case(case: str, url: str, world: int, size_mib: int, timeout: float,
+             storage_options: dict[str, Any]) -> list[dict[str, Any]]:
+    ctx = mp.get_context("forkserver")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, q, case, url, size_mib, storage_options),
+                         daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, res = q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    if len(results) < world:
+        raise SystemExit(f"{case}: only {len(results)} of {world} ranks answered within {timeout} s")
+    errors = [f"rank {r}: {res['error']}" for r, res in results.items() if "error" in res]
+    if errors:
+        raise SystemExit(f"{case} failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", choices=("http", "local", "s3"), default="http")
+    ap.add_argument("--size-mib", type=int, default=64, help="checkpoint size (default 64)")
+    ap.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    ap.add_argument("--bandwidth-mib", type=float, default=50.0,
+                    help="http/s3: the store's bandwidth cap for all ranks together, MiB/s (default 50)")
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="http/s3: one-way latency added per request")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per case")
+    ap.add_argument("--cases", default="replicated:torch,replicated:pipelined,replicated:sharded,"
+                                        "shard0:torch,shard0:pipelined,shard0:sharded")
+    args = ap.parse_args()
+
+    mp.get_context("forkserver").set_forkserver_preload(
+        ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
+         "asyncload"])
+    work = tempfile.mkdtemp(prefix="asyncload-bench-dist-")
+    servers: list[Any] = []
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        ckpt = os.path.join(work, "ckpt")
+        sd = model(args.size_mib)
+        dcp.save(sd, checkpoint_id=ckpt, no_dist=True)
+        del sd
+        ckpt_bytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+        url = ckpt
+        storage_options: dict[str, Any] = {}
+        where = "local disk (warm page cache)"
+        if args.store != "local":
+            from asyncload.testing import FaultProxy, HTTPRangeServer, S3Server, configure_env
+
+            configure_env()
+            server: Any = HTTPRangeServer(root=work) if args.store == "http" else S3Server()
+            server.start()
+            servers.append(server)
+            proxy = FaultProxy(server, bandwidth=args.bandwidth_mib * MiB, latency=args.latency_ms / 1000).start()
+            servers.append(proxy)
+            if args.store == "http":
+                url = server.url("ckpt", endpoint_url=proxy.endpoint_url)
+            else:
+                url = server.upload_dir(ckpt, "bench", "ckpt")
+                storage_options = server.storage_options(proxy.endpoint_url)
+            where = (f"{args.store} on 127.0.0.1 behind a FaultProxy: {args.bandwidth_mib:g} MiB/s for all ranks "
+                     f"together, {args.latency_ms:g} ms one-way latency")
+
+        print(f"checkpoint: {_mib(ckpt_bytes)} MiB in {len(os.listdir(ckpt)) - 1} data file(s); {args.world} ranks "
+              f"(gloo, 127.0.0.1); store: {where}; torch {torch.__version__}, {os.cpu_count()} CPUs")
+        header = (f"{'case':<44} {'total read MiB':>14} {'x ckpt':>7} {'per-rank read MiB':>26} {'max/min':>8} "
+                  f"{'recv MiB/rank':>13} {'wall s':>7} {'peak RSS +MiB':>13}")
+        print(header)
+        print("-" * len(header))
+        names = {"torch": "torch dcp.load", "pipelined": "asyncload PipelinedLoadPlanner",
+                 "sharded": "asyncload ShardedLoadPlanner"}
+        digests: dict[str, list[str]] = {}
+        rows: dict[str, tuple[float, float]] = {}
+        for case in args.cases.split(","):
+            layout, _, how = case.partition(":")
+            res = run_case(case, url, args.world, args.size_mib, args.timeout, storage_options)
+            reads = [r["read"] for r in res]
+            total = sum(reads)
+            wall = max(r["seconds"] for r in res)
+            label = f"{'replicated' if layout == 'replicated' else f'1->{args.world} Shard(0)'}: {names[how]}"
+            per_rank = " ".join(_mib(x) for x in reads)
+            ratio = max(reads) / max(1, min(reads))
+            recv = sum(r["received"] for r in res) / len(res)
+            peak = max(r["peak"] for r in res)
+            print(f"{label:<44} {_mib(total):>14} {total / ckpt_bytes:>7.2f} {per_rank:>26} {ratio:>8.2f} "
+                  f"{_mib(recv):>13} {wall:>7.2f} {_mib(peak):>13}", flush=True)
+            rows[case] = (total, wall)
+            got = [r["digest"] for r in res]
+            if layout in digests and digests[layout] != got:
+                raise SystemExit(f"{case}: loaded tensors differ from the first {layout} case")
+            digests.setdefault(layout, got)
+        print("every variant loaded identical tensors on every rank: ok")
+        for layout in ("replicated", "shard0"):
+            base = rows.get(f"{layout}:torch")
+            if base is None:
+                continue
+            for how in ("pipelined", "sharded"):
+                r = rows.get(f"{layout}:{how}")
+                if r is not None:
+                    print(f"{layout} {names[how]} vs torch: {r[0] / base[0]:.2f}x the bytes, "
+                          f"{base[1] / r[1]:.2f}x the speed")
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

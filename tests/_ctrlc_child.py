@@ -1,0 +1,109 @@
+"""Child process of tests/test_robustness.py: loads a checkpoint again and again, each time
+interrupted (SIGINT delivered to the main thread, or ``_thread.interrupt_main``) after a
+given delay; after each, reports what was left behind. Prints one JSON line.
+
+    python _ctrlc_child.py CKPT MODE DELAY [DELAY ...]      MODE: signal | interrupt_main
+"""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import warnings
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+import asyncload
+from asyncload import LoadOptions
+from asyncload._pipeline import ByteBudget
+
+CKPT, MODE = sys.argv[1], sys.argv[2]
+DELAYS = [float(x) for x in sys.argv[3:]]
+N, ROWS, COLS = 16, 1024, 2048  # 16 x 8 MiB float32, as the test wrote them
+OPTS = LoadOptions(chunk_size=1 << 20, min_chunk_size=1 << 16, concurrency=8, memory_budget=8 << 20)
+
+
+def fresh() -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.zeros(ROWS, COLS) for i in range(N)}
+
+
+def leftovers() -> dict[str, object]:
+    deadline = time.monotonic() + 3.0
+    while True:  # executor threads finish their current read, then exit
+        threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncload-io"))
+        if not threads or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(os.path.realpath(CKPT)):
+            fds.append(target)
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated torch attributes
+        warnings.simplefilter("ignore")
+        budgets = [b.used for b in gc.get_objects() if isinstance(b, ByteBudget)]
+    from asyncload import _loop
+
+    tasks = 0
+    for lt in list(_loop._threads.values()):
+        async def count() -> int:
+            return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
+        tasks += asyncio.run_coroutine_threadsafe(count(), lt.loop).result(5)
+    return {"threads": threads, "fds": fds, "budget_used": [u for u in budgets if u], "tasks": tasks}
+
+
+def main() -> None:
+    main_ident = threading.main_thread().ident
+    out = []
+    for delay in DELAYS:
+        sent: dict[str, float] = {}
+
+        def fire() -> None:
+            sent["t"] = time.monotonic()
+            if MODE == "signal":
+                signal.pthread_kill(main_ident, signal.SIGINT)  # type: ignore[arg-type]
+            else:
+                _thread.interrupt_main()
+
+        dest = fresh()
+        timer = threading.Timer(delay, fire)
+        outcome, returned = "completed", 0.0
+        try:
+            try:
+                timer.start()
+                asyncload.load(dest, CKPT, options=OPTS)
+                returned = time.monotonic()
+                while timer.is_alive() or "t" not in sent:  # a late Ctrl-C must land here
+                    time.sleep(0.001)
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                returned = time.monotonic()
+                outcome = "interrupted"
+        except KeyboardInterrupt:  # arrived between the load and the wait: the load completed
+            returned = time.monotonic()
+        timer.join()
+        if outcome == "interrupted":
+            lag = returned - sent["t"]
+        else:
+            lag = 0.0
+        out.append({"delay": delay, "outcome": outcome, "lag": lag, **leftovers()})
+    # the library still works after all that
+    dest = fresh()
+    asyncload.load(dest, CKPT, options=OPTS)
+    ok = all(torch.equal(dest[f"t{i}"], torch.full((ROWS, COLS), float(i))) for i in range(N))
+    print(json.dumps({"runs": out, "final_load_ok": ok}))
+
+
+if __name__ == "__main__":
+    main()

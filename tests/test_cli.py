@@ -1,0 +1,385 @@
+"""The ``asyncload`` command: inspect, load, verify; sizes, storage options, exit codes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from asyncload import cli
+from asyncload.cli import main, parse_size, parse_storage_options
+from asyncload.testing import TEST_ENV, stall
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _source() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model": {
+            "embed": torch.randn(256, 128, generator=g).to(torch.bfloat16),
+            "layers": {"0": {"w": torch.randn(128, 512, generator=g), "norm": torch.ones(128)}},
+        },
+        "ids": torch.arange(10, dtype=torch.int16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "step": 7,
+        "tag": "run-7",
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    dcp.save(_source(), checkpoint_id=str(path))
+    return path
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(TEST_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,value", [
+    ("4096", 4096), ("16MiB", 16 << 20), ("1GiB", 1 << 30), ("512KiB", 512 << 10), ("1.5GiB", 3 << 29),
+    ("16m", 16 << 20), ("2G", 2 << 30), ("1MB", 1_000_000), ("3 kb", 3000), ("1TiB", 1 << 40), ("7B", 7),
+])
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "16XiB", "-1", "0", "1.5", "0.1KiB", "16 MiB extra", "1e3"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_parse_storage_options() -> None:
+    got = parse_storage_options(["endpoint_url=http://127.0.0.1:9000", "anon=true", "key=abc",
+                                 "config_kwargs.max_pool_connections=64", "client_kwargs={\"region_name\": \"x\"}",
+                                 "token=null", "name=a=b"])
+    assert got == {"endpoint_url": "http://127.0.0.1:9000", "anon": True, "key": "abc",
+                   "config_kwargs": {"max_pool_connections": 64}, "client_kwargs": {"region_name": "x"},
+                   "token": None, "name": "a=b"}
+    for bad in (["novalue"], ["=x"], ["a..b=1"], ["a=1", "a.b=2"]):
+        with pytest.raises(ValueError):
+            parse_storage_options(bad)
+
+
+# --- inspect -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_inspect_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["inspect", str(ckpt), "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    keys = {k["key"]: k for k in info["keys"]}
+    assert set(keys) == {"model.embed", "model.layers.0.w", "model.layers.0.norm", "ids", "scalar", "step", "tag"}
+    assert keys["model.embed"] == {"key": "model.embed", "kind": "tensor", "dtype": "bfloat16", "shape": [256, 128],
+                                   "shards": 1, "nbytes": 256 * 128 * 2,
+                                   "stored_bytes": keys["model.embed"]["stored_bytes"],
+                                   "chunks": [{"offsets": [0, 0], "sizes": [256, 128]}]}
+    assert keys["scalar"]["shape"] == [] and keys["scalar"]["dtype"] == "float64"
+    assert keys["ids"]["dtype"] == "int16" and keys["ids"]["nbytes"] == 20
+    assert keys["step"]["kind"] == "object" and keys["tag"]["kind"] == "object"
+    assert info["tensors"] == 5 and info["objects"] == 2
+    assert info["tensor_bytes"] == 256 * 128 * 2 + 128 * 512 * 4 + 128 * 4 + 20 + 8
+    assert info["dcp_version"] == "1.0.0"
+    files = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp")
+    assert [f["name"] for f in info["files"]] == files
+    assert info["stored_bytes"] == sum(f["bytes"] for f in info["files"])
+    assert sum(f["records"] for f in info["files"]) == 7
+    assert info["stored_bytes"] <= sum((ckpt / f).stat().st_size for f in files)
+
+
+@pytest.mark.timeout(60)
+def test_inspect_text(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["inspect", str(ckpt)], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"checkpoint   {ckpt}"
+    assert lines[1] == "DCP version  1.0.0"
+    assert lines[2].startswith("tensors      5 keys, ")
+    row = next(line for line in lines if line.startswith("model.embed "))
+    assert row.split() == ["model.embed", "bfloat16", "[256,", "128]", "1", "64.00", "KiB"]
+    assert any(line.split()[:3] == ["step", "object", "1"] for line in lines)
+
+
+# --- load --------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_load_prints_stats(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["load", str(ckpt), "--chunk-size", "64KiB", "--concurrency", "3", "--budget", "256KiB",
+                           "--no-progress"], capsys)
+    assert code == 0, err
+    assert out.startswith("Loaded 320.53 KiB in ") and out.count("\n") == 1
+    assert "at most" in out and "No retries" in out
+    assert "%|" not in err  # no progress bar off a terminal
+
+
+@pytest.mark.timeout(60)
+def test_load_json_reflects_options(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["load", str(ckpt), "--json", "--chunk-size", "64KiB", "--budget", "128KiB",
+                           "--concurrency", "1", "--verify"], capsys)
+    assert code == 0, err
+    stats = json.loads(out)
+    assert stats["bytes_assembled"] == 256 * 128 * 2 + 128 * 512 * 4 + 128 * 4 + 20 + 8
+    assert stats["peak_buffered_bytes"] <= 128 << 10
+    assert stats["peak_concurrency"] == 1
+    assert stats["verified_records"] == 5
+
+
+@pytest.mark.timeout(60)
+def test_load_compare_torch_local(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["load", str(ckpt), "--compare-torch", "--no-progress"], capsys)
+    assert code == 0, err
+    assert "torch FileSystemReader" in out
+    assert "Both results are identical bit for bit." in out
+    row = next(line for line in out.splitlines() if line.startswith("asyncload "))
+    assert row.split()[-1].endswith("x")
+
+
+@pytest.mark.timeout(120)
+def test_load_and_inspect_from_s3(ckpt: Path, s3_server, bucket_name, capsys: pytest.CaptureFixture[str]) -> None:
+    url = s3_server.upload_dir(ckpt, bucket_name, "run/ck")
+    opts = ["--storage-option", f"endpoint_url={s3_server.endpoint_url}", "-o", "key=testing", "-o", "secret=testing",
+            "-o", "skip_instance_cache=true"]
+    code, out, err = _run(["inspect", url, "--json", *opts], capsys)
+    assert code == 0, err
+    assert json.loads(out)["tensors"] == 5
+    code, out, err = _run(["load", url, "--compare-torch", "--no-progress", *opts], capsys)
+    assert code == 0, err
+    assert "torch FsspecReader" in out and "Both results are identical bit for bit." in out
+
+
+# --- verify ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_verify_ok(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["verify", str(ckpt), "--json"], capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["ok"] is True and res["tensor_records"] == 5
+    assert res["verified_records"] + res["unchecked_records"] == 5
+    assert res["verified_records"] == 5
+    code, out, _ = _run(["verify", str(ckpt)], capsys)
+    assert code == 0 and out.startswith("OK: 5 of 5 tensor records match their stored CRC-32")
+
+
+def _damaged_copy(src: Path, dst: Path, keys: list[str]) -> Path:
+    """A copy of ``src`` with one byte flipped in the middle of each key's tensor data."""
+    import shutil
+
+    from asyncload.cli import read_metadata
+
+    shutil.copytree(src, dst)
+    md = read_metadata(str(dst), {})
+    for index, info in md.storage_data.items():
+        if index.fqn in keys:
+            f = dst / info.relative_path
+            data = bytearray(f.read_bytes())
+            # the tensor bytes are the end of the record (the zip's last entries are small)
+            pos = info.offset + info.length - 1200
+            data[pos] ^= 0xFF
+            f.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.timeout(60)
+def test_verify_reports_every_damaged_key(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _damaged_copy(ckpt, tmp_path / "bad", ["model.embed", "model.layers.0.w"])
+    code, out, err = _run(["verify", str(bad), "--no-progress"], capsys)
+    assert code == 3, err
+    damaged = sorted(line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("DAMAGED"))
+    assert damaged == ["model.embed", "model.layers.0.w"]
+    assert "checksum mismatch" in out
+    assert out.rstrip().endswith("2 of 7 keys damaged.")
+    code, out, _ = _run(["verify", str(bad), "--json", "--no-progress"], capsys)
+    assert code == 3
+    assert sorted(d["key"] for d in json.loads(out)["damaged"]) == ["model.embed", "model.layers.0.w"]
+    # a plain load with --verify fails with the same status; without it, the damage goes unnoticed
+    assert _run(["load", str(bad), "--verify", "--no-progress"], capsys)[0] == 3
+    assert _run(["load", str(bad), "--no-progress"], capsys)[0] == 0
+
+
+@pytest.mark.timeout(60)
+def test_verify_missing_data_file_is_damage(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    bad = tmp_path / "incomplete"
+    shutil.copytree(ckpt, bad)
+    for f in bad.glob("*.distcp"):
+        f.unlink()
+    code, out, err = _run(["verify", str(bad), "--no-progress"], capsys)
+    assert code == 3, err
+    assert out.rstrip().endswith("7 of 7 keys damaged.")
+
+
+# --- errors and exit codes ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_not_found_is_4_and_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in ("inspect", "load", "verify"):
+        code, out, err = _run([cmd, str(tmp_path / "nope")], capsys)
+        assert code == 4
+        assert out == ""
+        assert err.startswith("asyncload: error: ") and err.count("\n") == 1
+        assert "does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_debug_shows_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["inspect", str(tmp_path / "nope"), "--debug"], capsys)
+    assert code == 4
+    assert "Traceback (most recent call last)" in err and "CheckpointNotFoundError" in err
+
+
+@pytest.mark.timeout(60)
+def test_not_a_checkpoint_is_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / ".metadata").write_bytes(b"this is not a pickle")
+    code, _, err = _run(["load", str(tmp_path / "junk")], capsys)
+    assert code == 3 and err.startswith("asyncload: error: ")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv", [
+    ["load"],
+    ["frobnicate", "x"],
+    ["load", "x", "--chunk-size", "12XB"],
+    ["load", "x", "--concurrency", "0"],
+    ["load", "x", "--timeout", "soon"],
+    ["load", "x", "--retries", "-1"],
+])
+def test_usage_errors_are_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_invalid_option_values_are_2(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["load", str(ckpt), "--budget", "1KiB"], capsys)
+    assert code == 2 and err == "asyncload: error: --budget 1024 is invalid: must be at least 65536 bytes\n"
+    code, _, err = _run(["load", str(ckpt), "--chunk-size", "64KiB", "--min-chunk-size", "1MiB"], capsys)
+    assert code == 2 and "--min-chunk-size" in err
+    code, _, err = _run(["inspect", str(ckpt), "-o", "novalue"], capsys)
+    assert code == 2 and "key=value" in err
+
+
+@pytest.mark.timeout(60)
+def test_storage_error_is_1(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncload.testing import free_port
+
+    port = free_port()  # nothing listens there
+    code, _, err = _run(["inspect", "s3://b/ck", "-o", f"endpoint_url=http://127.0.0.1:{port}", "-o", "key=k",
+                         "-o", "secret=s"], capsys)
+    assert code == 1
+    assert err.startswith("asyncload: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_exit_codes_are_documented() -> None:
+    assert cli.EXIT_CODES.keys() == {0, 1, 2, 3, 4, 130}
+    doc = (REPO / "docs" / "cli.md").read_text()
+    for code in cli.EXIT_CODES:
+        assert f"| {code} " in doc
+
+
+# --- the real entry points, a terminal, Ctrl-C --------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_entry_points(ckpt: Path) -> None:
+    script = Path(sys.executable).with_name("asyncload")
+    for argv in ([sys.executable, "-m", "asyncload"], [str(script)]):
+        res = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60, env=_env())
+        assert res.returncode == 0 and res.stdout.strip().startswith("asyncload ")
+    res = subprocess.run([sys.executable, "-m", "asyncload", "load", str(ckpt)], capture_output=True, text=True,
+                         timeout=60, env=_env())
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("Loaded ")
+    assert "%|" not in res.stderr and "\r" not in res.stderr  # stderr is a pipe: no progress bar
+
+
+def _run_in_pty(argv: list[str], timeout: float = 60.0) -> tuple[int, str]:
+    pid, fd = pty.fork()
+    if pid == 0:  # child
+        try:
+            fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+            os.execve(argv[0], argv, _env())
+        finally:
+            os._exit(127)
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace")
+
+
+@pytest.mark.timeout(120)
+def test_progress_bar_on_a_terminal(ckpt: Path) -> None:
+    code, text = _run_in_pty([sys.executable, "-m", "asyncload", "load", str(ckpt), "--compare-torch"])
+    assert code == 0, text
+    frames = [f for f in text.replace("\n", "\r").split("\r") if "%|" in f]
+    assert any(f.startswith("asyncload: 100%|") and "321k/321k" in f for f in frames), frames
+    assert any(f.startswith("torch FileSystemReader: 100%|") for f in frames), frames
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_exits_130_and_cleans_up(ckpt: Path, http_server, fault_proxy, bucket_name) -> None:
+    http_server.upload_dir(ckpt, bucket_name, "ck")
+    proxy = fault_proxy(http_server)
+    proxy.add_rule(stall(), data_only=True, range_only=True, times=None)  # every data read hangs
+    url = http_server.url(bucket_name, "ck", endpoint_url=proxy.endpoint_url)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncload", "load", url, "--timeout", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proxy.wait_for_requests(2, timeout=60)  # the load is under way and stuck
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - t0 < 15
+    assert err.rstrip().endswith("asyncload: interrupted") and "Traceback" not in err
+    assert out == ""

@@ -1,0 +1,223 @@
+"""Faults from a scripted proxy in front of real S3 / GCS / HTTP servers: transient ones are
+retried by asyncload's own policy (the filesystems' own retry loops are off) and the load
+ends bit-exact with ``stats.retries`` counting them; a dead chunk ends in ChunkTimeoutError
+in bounded time; a body cut short is never data; after any failure or cancellation no task
+is left, every connection is closed and the byte budget is whole."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+import torch
+
+import asyncload
+from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
+from asyncload._pipeline import Chunk, Pipeline, Segment
+from asyncload._stats import StatsRecorder
+from asyncload._storage import open_storage
+from asyncload.testing import reset, stall, status, truncate
+from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
+from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
+
+pytestmark = pytest.mark.timeout(60)
+
+OPTS = LoadOptions(chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=2.0, retries=3, backoff=0.02,
+                   max_backoff=0.1, hedge=False)
+#: Only ranged reads of tensor data (not .metadata, not HEAD/info requests).
+DATA = dict(path=".distcp", range_only=True, data_only=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    sd = small_state_dict(seed=10)
+    return make_checkpoint(tmp_path_factory.mktemp("faults") / "ckpt", sd), sd
+
+
+# (id, action, times, retries seen (min, max), cause)
+TRANSIENT = [
+    ("500", status(500), 2, (2, 2), "status_500"),
+    ("503", status(503), 2, (2, 2), "status_503"),
+    ("429", status(429), 2, (2, 2), "status_429"),
+    ("body-cut-short", truncate(1000), 2, (2, 2), "short_read"),
+    ("reset-mid-body", reset(after_bytes=1000), 2, (2, 2), "short_read"),
+    # aiohttp itself retries an idempotent request once when a reused connection breaks
+    # before the response headers, so one of the two resets may be invisible
+    ("reset-before-headers", reset(), 2, (1, 2), "connection"),
+]
+#: Faults whose count aiohttp's own silent resend can blur are run one read at a time.
+SERIAL = {"reset-before-headers"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,action,times,expect,cause", TRANSIENT, ids=[t[0] for t in TRANSIENT])
+def test_transient_fault_is_retried_bit_exact(request, backend, name, action, times, expect, cause, ckpt,
+                                              bucket_name, fault_proxy):
+    path, sd = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    rule = r.proxy.add_rule(action, times=times, **DATA)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    opts = OPTS.replace(concurrency=1) if name in SERIAL else OPTS
+    with no_unclosed_session_warnings():
+        stats = asyncload.load(dst, r.url, options=opts, storage_options=r.storage_options)
+    assert_bitwise_equal(dst, sd)
+    assert rule.fired == times
+    assert expect[0] <= stats.retries <= expect[1]
+    assert stats.retries_by_cause == {cause: stats.retries}
+    assert stats.timeouts == 0
+    assert wait_closed(r.proxy.port) == []
+
+
+@pytest.mark.parametrize("backend", ["s3", "http"])  # gcsfs drops the response headers of errors
+def test_retry_after_is_honoured(request, backend, ckpt, bucket_name, fault_proxy):
+    path, sd = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    rule = r.proxy.add_rule(status(429, retry_after=0.6), times=1, **DATA)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    t0 = time.monotonic()
+    stats = asyncload.load(dst, r.url, options=OPTS.replace(max_backoff=2.0), storage_options=r.storage_options)
+    took = time.monotonic() - t0
+    assert_bitwise_equal(dst, sd)
+    assert rule.fired == 1 and stats.retries == 1 and stats.retries_by_cause == {"status_429": 1}
+    # the retried request went out no earlier than Retry-After (0.6 s; backoff alone is <= 0.02 s)
+    log = r.proxy.log
+    first = next(i for i, e in enumerate(log) if e.rule is rule)
+    assert took >= 0.6
+    assert any(e.path == log[first].path and e.range == log[first].range for e in log[first + 1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_short_stall_is_a_timeout_retried(request, backend, ckpt, bucket_name, fault_proxy):
+    path, sd = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    # two: aiohttp may silently resend a request whose reused connection dies before headers
+    rule = r.proxy.add_rule(stall(3.0), times=2, **DATA)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    stats = asyncload.load(dst, r.url, options=OPTS.replace(timeout=0.5), storage_options=r.storage_options)
+    assert_bitwise_equal(dst, sd)
+    assert rule.fired >= 1
+    assert stats.retries_by_cause.get("timeout", 0) >= 1 and stats.timeouts == stats.retries_by_cause["timeout"]
+    assert wait_closed(r.proxy.port) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_body_always_cut_short_fails_and_is_never_assembled(request, backend, ckpt, bucket_name, fault_proxy):
+    path, sd = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    r.proxy.add_rule(truncate(100), times=None, **DATA)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    with pytest.raises(StorageReadError) as ei:
+        asyncload.load(dst, r.url, options=OPTS.replace(retries=1), storage_options=r.storage_options)
+    err = ei.value
+    assert err.attempts == 2 and ".distcp" in err.path and err.byte_range is not None
+    # no tensor got the 100 bytes that did arrive: every destination is still all zeros
+    for t in (dst["w"], dst["emb"], dst["layers"]["0"]["q"], dst["c"]):
+        assert not t.view(torch.uint8).any()
+    assert wait_closed(r.proxy.port) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_chunk_ends_in_chunk_timeout_error_in_bounded_time(request, backend, ckpt, bucket_name, fault_proxy):
+    path, sd = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    r.proxy.add_rule(stall(None), times=None, **DATA)  # never answers
+    opts = OPTS.replace(timeout=0.5, retries=2)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    t0 = time.monotonic()
+    with no_unclosed_session_warnings():
+        with pytest.raises(ChunkTimeoutError) as ei:
+            asyncload.load(dst, r.url, options=opts, storage_options=r.storage_options)
+    took = time.monotonic() - t0
+    # timeout x attempts plus backoff (<= 0.1 s per retry) plus set-up and metadata
+    assert took < 0.5 * 3 + 2 * 0.1 + 1.5
+    err = ei.value
+    assert err.attempts == 3 and ".distcp" in err.path and err.path.startswith(r.url.split("://")[0])
+    lo, hi = err.byte_range
+    assert 0 <= lo < hi and f"[{lo}, {hi})" in str(err) and "3 attempts" in str(err)
+    assert "LoadOptions.timeout" in str(err)
+    assert wait_closed(r.proxy.port) == []  # the stalled requests' connections were closed
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_pipeline_state_after_dead_chunk_and_after_cancel(request, backend, ckpt, bucket_name, fault_proxy):
+    """The reader pool itself, on a real store: budget and limiter whole, no task, no connection."""
+    path, _ = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    name = sorted(p.name for p in path.glob("*.distcp"))[0]
+    size = (path / name).stat().st_size
+    data = (path / name).read_bytes()
+    opts = OPTS.replace(timeout=0.3, retries=1, memory_budget=256 << 10, concurrency=4)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        for how in ("dead", "cancel"):
+            r.proxy.clear()
+            rule = r.proxy.add_rule(stall(None), times=None, skip=3, **DATA)
+            storage = open_storage(r.url, r.storage_options, ex)
+            pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+            dest = bytearray(size)
+            mv = memoryview(dest)
+            step = 32 << 10
+            chunks = [Chunk(name, lo, min(size, lo + step), [Segment(lo, min(size, lo + step),
+                                                                     into=mv[lo:min(size, lo + step)])])
+                      for lo in range(0, size, step)]
+            if how == "dead":
+                with pytest.raises(ChunkTimeoutError):
+                    await pipe.run(chunks)
+            else:
+                task = asyncio.ensure_future(pipe.run(chunks))
+                while rule.fired < 1:
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert pipe.budget.used == 0 and pipe.limiter.active == 0
+            assert pipe.budget.statistics()["waiting"] == 0
+            # a chunk is written whole and exact, or not at all
+            done = [lo for lo in range(0, size, step) if dest[lo:lo + step] == data[lo:lo + step]]
+            assert len(done) >= (1 if how == "dead" else 0)
+            assert all(not any(dest[lo:lo + step]) for lo in range(0, size, step) if lo not in done)
+            await storage.aclose()
+            await asyncio.sleep(0)
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+            assert await asyncio.to_thread(wait_closed, r.proxy.port) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_cancelled_aload_leaves_nothing_behind(request, backend, ckpt, bucket_name, fault_proxy):
+    path, sd = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    rule = r.proxy.add_rule(stall(None), times=None, **DATA)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    before = {t for t in threading.enumerate() if t.name.startswith("asyncload-io")}
+    with no_unclosed_session_warnings():
+        task = asyncio.ensure_future(asyncload.aload(dst, r.url, options=OPTS.replace(timeout=30),
+                                                     storage_options=r.storage_options))
+        while rule.fired < 1:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    assert await asyncio.to_thread(wait_closed, r.proxy.port) == []
+    left = {t for t in threading.enumerate() if t.name.startswith("asyncload-io")} - before
+    assert left == set()
+
+
+def test_slow_link_with_steady_progress_does_not_time_out(request, ckpt, bucket_name, fault_proxy):
+    """A bandwidth cap makes every read slower than ``timeout``; reads keep finishing, so
+    the shared deadline keeps moving and nothing fails (a dead link fails: test above)."""
+    path, sd = ckpt
+    total = sum(p.stat().st_size for p in path.glob("*.distcp"))
+    # ~1.5 s for the whole load; 8 reads of 128 KiB in flight each take ~0.9 s > timeout
+    r = make_remote(request, "http", path, bucket_name, fault_proxy, bandwidth=total / 1.5)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    stats = asyncload.load(dst, r.url, options=OPTS.replace(timeout=0.6, retries=0, concurrency=8),
+                           storage_options=r.storage_options)
+    assert_bitwise_equal(dst, sd)
+    assert stats.timeouts == 0 and stats.retries == 0
+    assert stats.latency_max > 0.6  # single reads did take longer than the timeout

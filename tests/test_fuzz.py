@@ -1,0 +1,82 @@
+"""Fuzzing the record parser and the metadata decoder with hypothesis, on mutated real
+bytes (records and .metadata written by torch's own dcp.save). Bounded: a fixed number
+of derandomized examples per target (about 10-20 s in all); ``benchmarks/fuzz_long.py``
+runs the open-ended campaign. Only asyncload's own errors may escape a target.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from _fuzzing import TARGETS, Seeds, make_seeds, mutate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncload import CheckpointFormatError, UnsafeCheckpointError
+
+pytestmark = pytest.mark.timeout(180)
+
+_SEEDS: Seeds | None = None
+
+
+def _seeds() -> Seeds:
+    global _SEEDS
+    if _SEEDS is None:
+        _SEEDS = make_seeds()
+    return _SEEDS
+
+
+_EXAMPLES = {
+    "record parser (parse_archive + tensor_location/materialize)": 4000,
+    "record parser, probed (aparse_archive)": 1500,
+    "metadata decoder (safe_loads + check_metadata)": 3000,
+    "record pickle decoder (safe_loads, record allow-list)": 4000,
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_only_our_errors_escape(target: str) -> None:
+    fn, seed_attr, pickle_aware = TARGETS[target]
+    seeds: list[bytes] = getattr(_seeds(), seed_attr)
+    slowest = [0.0]
+    outcomes = {"ok": 0, "error": 0}
+
+    @settings(max_examples=_EXAMPLES[target], deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(seed_index=st.integers(0, len(seeds) - 1), rng_seed=st.integers(0, 2**32 - 1),
+           rounds=st.integers(1, 8))
+    def run(seed_index: int, rng_seed: int, rounds: int) -> None:
+        data = mutate(random.Random(rng_seed), seeds[seed_index], pickle_aware=pickle_aware, rounds=rounds)
+        t0 = time.perf_counter()
+        try:
+            fn(data)
+            outcomes["ok"] += 1
+        except (CheckpointFormatError, UnsafeCheckpointError):
+            outcomes["error"] += 1
+        slowest[0] = max(slowest[0], time.perf_counter() - t0)
+
+    run()
+    assert sum(outcomes.values()) >= _EXAMPLES[target]
+    assert outcomes["error"] > _EXAMPLES[target] // 4  # the mutations do break things
+    assert slowest[0] < 5.0, f"{target}: one example took {slowest[0]:.2f} s"
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_unmutated_seeds_decode(target: str) -> None:
+    """The seeds themselves are valid: the fuzzer starts from inputs that go deep."""
+    fn, seed_attr, _ = TARGETS[target]
+    for data in getattr(_seeds(), seed_attr):
+        fn(data)
+
+
+@given(data=st.binary(max_size=512))
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+def test_random_bytes_as_metadata_and_records(data: bytes) -> None:
+    """Bytes from nowhere: not a single real structure to lean on."""
+    for fn, _, _ in TARGETS.values():
+        try:
+            fn(data)
+        except (CheckpointFormatError, UnsafeCheckpointError):
+            pass

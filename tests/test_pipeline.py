@@ -1,0 +1,323 @@
+"""The reader pool's building blocks: ByteBudget and Limiter invariants, and Pipeline.run
+against a real file (budget bound, state after success, failure and cancellation)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+
+import pytest
+
+from asyncload import AsyncLoadError, LoadOptions
+from asyncload._pipeline import ByteBudget, Chunk, Limiter, Pipeline, Segment
+from asyncload._stats import StatsRecorder
+from asyncload._storage import LocalStorage
+from _ckpt import open_fds_under
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _settle(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+# --- ByteBudget ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_budget_take_release_peak_and_statistics():
+    b = ByteBudget(100)
+    await b.acquire(60)
+    await b.acquire(40)
+    assert (b.used, b.peak) == (100, 100)
+    b.release(70)
+    await b.acquire(10)
+    assert b.statistics() == {"capacity": 100, "used": 40, "peak": 100, "waiting": 0}
+    b.release(40)
+    assert b.used == 0 and b.peak == 100
+
+
+@pytest.mark.asyncio
+async def test_budget_rejects_a_request_larger_than_capacity():
+    b = ByteBudget(100)
+    with pytest.raises(ValueError, match="101 bytes.*100"):
+        await b.acquire(101)
+    assert b.used == 0
+    await b.acquire(100)  # exactly the capacity is fine
+    assert b.used == 100
+
+
+@pytest.mark.asyncio
+async def test_budget_waiters_are_served_fifo_and_small_ones_do_not_overtake():
+    b = ByteBudget(100)
+    await b.acquire(90)
+    order: list[str] = []
+
+    async def take(name: str, n: int) -> None:
+        await b.acquire(n)
+        order.append(name)
+
+    big = asyncio.create_task(take("big", 50))
+    await _settle()
+    small = asyncio.create_task(take("small", 5))  # fits now, but must queue behind "big"
+    await _settle()
+    assert order == [] and b.statistics()["waiting"] == 2 and b.used == 90
+    b.release(40)  # 50 used: big is granted (100); small (105) must wait for the next release
+    await _settle()
+    assert order == ["big"] and b.used == 100
+    b.release(5)
+    await _settle()
+    assert order == ["big", "small"] and b.used == 100
+    await asyncio.gather(big, small)
+    assert b.peak == 100
+
+
+@pytest.mark.asyncio
+async def test_budget_cancelled_waiter_leaves_queue_and_unblocks_the_next():
+    b = ByteBudget(100)
+    await b.acquire(60)
+    head = asyncio.create_task(b.acquire(50))  # does not fit
+    await _settle()
+    nxt = asyncio.create_task(b.acquire(30))  # would fit, waits behind head (FIFO)
+    await _settle()
+    assert b.statistics()["waiting"] == 2 and not nxt.done()
+    head.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await head
+    await _settle()
+    assert nxt.done() and nxt.exception() is None
+    assert b.used == 90 and b.statistics()["waiting"] == 0
+
+
+@pytest.mark.asyncio
+async def test_budget_waiter_cancelled_right_after_its_grant_gives_the_bytes_back():
+    b = ByteBudget(100)
+    await b.acquire(80)
+    waiter = asyncio.create_task(b.acquire(50))
+    await _settle()
+    b.release(80)  # grants the waiter synchronously: used 50 ...
+    assert b.used == 50
+    waiter.cancel()  # ... but it is cancelled before it could run
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert b.used == 0 and b.statistics()["waiting"] == 0
+
+
+@pytest.mark.asyncio
+async def test_budget_never_exceeds_capacity_under_churn():
+    b = ByteBudget(1000)
+    sizes = [(i * 37) % 400 + 1 for i in range(300)]
+    high = 0
+
+    async def worker(n: int) -> None:
+        nonlocal high
+        await b.acquire(n)
+        high = max(high, b.used)
+        assert b.used <= b.capacity
+        await asyncio.sleep(0)
+        b.release(n)
+
+    await asyncio.gather(*(worker(n) for n in sizes))
+    assert b.used == 0 and b.peak == high and 0 < high <= 1000
+
+
+# --- Limiter -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_limiter_bounds_active_and_tracks_peak():
+    lim = Limiter(2)
+    await lim.acquire()
+    await lim.acquire()
+    third = asyncio.create_task(lim.acquire())
+    await _settle()
+    assert not third.done() and lim.active == 2
+    lim.release()
+    await _settle()
+    assert third.done() and lim.active == 2 and lim.peak == 2
+
+
+@pytest.mark.asyncio
+async def test_limiter_is_fifo():
+    lim = Limiter(1)
+    await lim.acquire()
+    order: list[int] = []
+
+    async def take(i: int) -> None:
+        await lim.acquire()
+        order.append(i)
+
+    tasks = [asyncio.create_task(take(i)) for i in range(5)]
+    await _settle()
+    for _ in range(5):
+        lim.release()
+        await _settle()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.asyncio
+async def test_limiter_set_limit_wakes_waiters_and_clamps_to_one():
+    lim = Limiter(1)
+    await lim.acquire()
+    waiters = [asyncio.create_task(lim.acquire()) for _ in range(3)]
+    await _settle()
+    assert lim.active == 1
+    lim.set_limit(3)
+    await _settle()
+    assert lim.active == 3 and sum(w.done() for w in waiters) == 2
+    lim.set_limit(0)
+    assert lim.limit == 1
+    for _ in range(3):
+        lim.release()
+    await _settle()
+    # the last waiter got in once active dropped below the new limit of 1
+    assert all(w.done() for w in waiters) and lim.active == 1 and lim.peak == 3
+
+
+@pytest.mark.asyncio
+async def test_limiter_cancelled_waiter_is_removed():
+    lim = Limiter(1)
+    await lim.acquire()
+    a = asyncio.create_task(lim.acquire())
+    bb = asyncio.create_task(lim.acquire())
+    await _settle()
+    a.cancel()
+    await _settle()
+    lim.release()
+    await _settle()
+    assert a.cancelled() and bb.done() and lim.active == 1
+
+
+@pytest.mark.asyncio
+async def test_limiter_waiter_cancelled_right_after_its_grant_releases():
+    lim = Limiter(1)
+    await lim.acquire()
+    w = asyncio.create_task(lim.acquire())
+    await _settle()
+    lim.release()  # grants w synchronously
+    assert lim.active == 1
+    w.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await w
+    assert lim.active == 0
+
+
+# --- Pipeline against a real file ----------------------------------------------------------
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = os.urandom(1 << 20)
+    (tmp_path / "f.bin").write_bytes(data)
+    return tmp_path, data
+
+
+def _chunks_into(dest: bytearray, name: str, size: int, chunk: int, staged_every: int = 0) -> list[Chunk]:
+    out = []
+    mv = memoryview(dest)
+    for i, lo in enumerate(range(0, size, chunk)):
+        hi = min(size, lo + chunk)
+        if staged_every and i % staged_every == 0:
+            def deliver(part: memoryview, lo: int = lo, hi: int = hi) -> None:
+                mv[lo:hi] = part
+            seg = Segment(lo, hi, deliver=deliver)
+        else:
+            seg = Segment(lo, hi, into=mv[lo:hi])
+        out.append(Chunk(name, lo, hi, [seg]))
+    return out
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("concurrency", [1, 4, 64])
+async def test_pipeline_reads_everything_within_budget(data_file, concurrency):
+    root, data = data_file
+    opts = LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=concurrency)
+    with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-io") as ex:
+        storage = LocalStorage(str(root), ex)
+        rec = StatsRecorder()
+        pipe = Pipeline(storage, opts, rec, ex)
+        dest = bytearray(len(data))
+        await pipe.run(_chunks_into(dest, "f.bin", len(data), 4096, staged_every=3))
+        await storage.aclose()
+    assert bytes(dest) == data
+    s = rec.snapshot()
+    assert s.chunks == len(data) // 4096
+    assert s.bytes_read == len(data) and s.bytes_assembled == len(data)
+    assert 0 < s.peak_buffered_bytes <= opts.memory_budget
+    assert s.peak_concurrency <= concurrency
+    assert pipe.budget.used == 0 and pipe.limiter.active == 0
+    assert open_fds_under(root) == []
+
+
+@pytest.mark.asyncio
+async def test_pipeline_error_leaves_budget_and_limiter_whole(data_file):
+    root, data = data_file
+    opts = LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=4, retries=0)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        storage = LocalStorage(str(root), ex)
+        pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+        dest = bytearray(len(data) + 4096)
+        chunks = _chunks_into(dest, "f.bin", len(data) + 4096, 4096)  # the last one runs past the end
+        with pytest.raises(AsyncLoadError) as ei:
+            await pipe.run(chunks)
+        assert "f.bin" in str(ei.value)
+        assert pipe.budget.used == 0 and pipe.limiter.active == 0
+        await storage.aclose()
+    assert open_fds_under(root) == []
+
+
+@pytest.mark.asyncio
+async def test_pipeline_missing_file_is_checkpoint_not_found(data_file):
+    from asyncload import CheckpointNotFoundError
+
+    root, _ = data_file
+    opts = LoadOptions(retries=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        storage = LocalStorage(str(root), ex)
+        pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+        with pytest.raises(CheckpointNotFoundError, match="nope.bin"):
+            await pipe.run(_chunks_into(bytearray(100), "nope.bin", 100, 100))
+        assert pipe.budget.used == 0
+        await storage.aclose()
+
+
+@pytest.mark.asyncio
+async def test_pipeline_cancelled_mid_run_leaves_budget_and_limiter_whole(data_file):
+    root, data = data_file
+    opts = LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=2)
+    entered = threading.Event()
+    unblock = threading.Event()
+    dest = bytearray(len(data))
+    mv = memoryview(dest)
+    chunks = _chunks_into(dest, "f.bin", len(data), 4096)
+
+    def blocking_deliver(part: memoryview) -> None:  # a scripted slow assembly step
+        entered.set()
+        unblock.wait(10)
+        mv[40960:45056] = part
+
+    chunks[10] = Chunk("f.bin", 40960, 45056, [Segment(40960, 45056, deliver=blocking_deliver)])
+    ex = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        storage = LocalStorage(str(root), ex)
+        rec = StatsRecorder()
+        pipe = Pipeline(storage, opts, rec, ex)
+        task = asyncio.create_task(pipe.run(chunks))
+        assert await asyncio.to_thread(entered.wait, 10)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pipe.budget.used == 0 and pipe.limiter.active == 0
+        assert pipe.budget.statistics()["waiting"] == 0
+        assert rec.snapshot().chunks < len(chunks)
+        assert 0 < rec.snapshot().peak_buffered_bytes <= opts.memory_budget
+    finally:
+        unblock.set()
+        ex.shutdown(wait=True)
+    await storage.aclose()
+    assert open_fds_under(root) == []
