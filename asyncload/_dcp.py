@@ -43,7 +43,7 @@ from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
 from ._pipeline import Chunk, Pipeline
 from ._plan import Piece, make_chunks, plan_tensor
-from ._retry import fetch_with_retry, translate
+from ._retry import HedgePolicy, fetch_with_retry, translate
 from ._safe_pickle import check_metadata, safe_loads, short_repr
 from ._stats import LoadStats, StatsRecorder
 from ._storage import FsspecStorage, Storage, open_storage
@@ -369,8 +369,9 @@ class PipelinedReader(StorageReader):
         storage = await self._ensure_storage(options)
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         url = storage.url(name)
-        try:
-            size = await storage.size(name)
+        try:  # retried like any read: a 503 on this first request must not fail the load
+            size = await fetch_with_retry(lambda: storage.size(name), options=options, stats=self._recorder,
+                                          url=url, byte_range=(0, 0))
         except Exception as exc:  # noqa: BLE001 - translated once below
             err = translate(exc, url=url, byte_range=None, attempts=1)
             if isinstance(err, CheckpointNotFoundError) and rank is None:
@@ -393,7 +394,8 @@ class PipelinedReader(StorageReader):
         if fp is not None:
             self._fingerprints[name] = fp
         raw = await fetch_with_retry(lambda: storage.read(name, 0, size), options=options, stats=self._recorder,
-                                     url=url, byte_range=(0, size))
+                                     url=url, byte_range=(0, size),
+                                     hedge=HedgePolicy(options, self._recorder) if storage.hedgeable else None)
         md = safe_loads(raw, what=url, max_size=options.max_metadata_size, check_structure=False, expect=Metadata)
         if not isinstance(md, Metadata):
             raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
@@ -578,7 +580,10 @@ class PipelinedReader(StorageReader):
         await self._check_files(storage, records)
         located = await self._locate(storage, records, options)
         t_checked = time.monotonic()
-        small = max(min(options.min_chunk_size, options.effective_chunk_size), HEAD_PROBE + TAIL_PROBE)
+        # Records up to min_chunk_size (plus the probes' size) are read whole: cheaper than
+        # two round trips, and it guarantees that a large record's head and tail probes are
+        # more than min_chunk_size apart, so coalescing never reads through its data.
+        small = options.min_chunk_size + HEAD_PROBE + TAIL_PROBE
         trackers: list[tuple[CrcTracker, _Record]] = []
         # Phase A: whole small records and objects; head and tail probes of large records
         pieces: list[Piece] = []
@@ -602,10 +607,7 @@ class PipelinedReader(StorageReader):
                 tail = min(TAIL_PROBE, rec.length)
                 pieces.append(Piece(rec.name, rec.offset, rec.offset + head, deliver=_store(rec.window, rec.offset)))
                 pieces.append(Piece(rec.name, rec.end - tail, rec.end, deliver=_store(rec.window, rec.end - tail)))
-        # gaps here are the data of large records, which phase B reads (only the boxes this
-        # rank needs): reading through them would fetch that data twice
-        chunks = make_chunks(pieces, chunk_size=options.effective_chunk_size,
-                             min_chunk_size=min(options.min_chunk_size, HEAD_PROBE + TAIL_PROBE))
+        chunks = make_chunks(pieces, chunk_size=options.effective_chunk_size, min_chunk_size=options.min_chunk_size)
         for c in chunks:
             for s in c.segments:
                 s.payload = False
@@ -710,7 +712,11 @@ class PipelinedReader(StorageReader):
             if r.end > ends.get(r.name, -1):
                 ends[r.name], last[r.name] = r.end, r
 
+        listed = await storage.sizes(list(ends), self.options.timeout)  # one LIST instead of a HEAD per file
+
         async def size_of(name: str) -> int:
+            if name in listed:
+                return listed[name]
             try:
                 return await fetch_with_retry(lambda: storage.size(name), options=self.options, stats=self._recorder,
                                               url=storage.url(name), byte_range=(0, 0))

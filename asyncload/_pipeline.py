@@ -167,6 +167,9 @@ class Segment:
     deliver: Callable[[memoryview], None] | None = None
     #: Counted in ``bytes_assembled`` (0 for header probes and gaps).
     payload: bool = True
+    #: Bytes this segment places into destinations when that is not ``end - start``
+    #: (a staged read through small gaps, a cast to another dtype).
+    useful: int | None = None
     #: ``deliver`` copies to a device: the bytes must sit in pinned host memory
     #: (:attr:`Pipeline.staging` reads such chunks into its pinned ring).
     pinned: bool = False
@@ -363,13 +366,13 @@ class Pipeline:
 
             def direct() -> None:
                 storage.readinto_sync(chunk.name, chunk.start, views)  # type: ignore[attr-defined]
+                if chunk.trackers:  # verify=True: checksummed on this thread, in the same hop
+                    _track(chunk, views)
 
             await fetch_with_retry(lambda: loop.run_in_executor(self.executor, direct), options=self.options,
                                    stats=self.stats, url=url, byte_range=rng, hedge=None)
             t1 = time.monotonic()
             self.stats.add(bytes_read=chunk.nbytes, chunks=1, storage_wait_seconds=t1 - t0)
-            if chunk.trackers:
-                await loop.run_in_executor(self.executor, _track, chunk, views)
             self._count_assembled(chunk, t1, t0)
             return
 
@@ -420,7 +423,7 @@ class Pipeline:
             self._count_assembled(c, time.monotonic())
 
     def _count_assembled(self, chunk: Chunk, t1: float, t0: float | None = None) -> None:
-        payload = sum(s.end - s.start for s in chunk.segments if s.payload)
+        payload = sum(s.end - s.start if s.useful is None else s.useful for s in chunk.segments if s.payload)
         t2 = time.monotonic()
         self.stats.add(bytes_assembled=payload, assembly_seconds=t2 - t1)
         if log.isEnabledFor(logging.DEBUG):

@@ -106,6 +106,8 @@ class Piece:
     tracker: object = None
     #: ``deliver`` copies to a device and needs its bytes in pinned memory (see ``_cuda``).
     pinned: bool = False
+    #: Destination bytes this piece fills, when not ``end - start`` (gaps read through, casts).
+    useful: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -181,9 +183,10 @@ def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[i
     def emit_staged(start_b: int, end_b: int, lens: list[int], view: torch.Tensor) -> None:
         shape = list(lens)
         strides = list(strides_p)
+        useful = view.numel() * view.element_size()
         if on_device:
             pieces.append(Piece(loc.name, start_b, end_b, deliver=stager.deliverer(view, src_dtype, shape, strides),
-                                keep=view, pinned=True))
+                                keep=view, pinned=True, useful=useful))
             return
 
         def deliver(data: memoryview, shape: list[int] = shape, strides: list[int] = strides,
@@ -191,7 +194,7 @@ def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[i
             src = tensor_over(data, src_dtype).as_strided(shape, strides, 0)
             view.copy_(src)
 
-        pieces.append(Piece(loc.name, start_b, end_b, deliver=deliver, keep=view))
+        pieces.append(Piece(loc.name, start_b, end_b, deliver=deliver, keep=view, useful=useful))
 
     def visit(o: list[int], lens: list[int]) -> None:
         view = dest_p
@@ -262,6 +265,7 @@ def make_chunks(pieces: Iterable[Piece], *, chunk_size: int, min_chunk_size: int
 
 
 def _chunk(name: str, ps: list[Piece], start: int, end: int) -> Chunk:
-    segs = [Segment(p.start, p.end, into=p.into, deliver=p.deliver, payload=True, pinned=p.pinned) for p in ps]
+    segs = [Segment(p.start, p.end, into=p.into, deliver=p.deliver, payload=True, pinned=p.pinned, useful=p.useful)
+            for p in ps]
     trackers = {id(p.tracker): p.tracker for p in ps if p.tracker is not None}
     return Chunk(name, start, end, segs, trackers=tuple(trackers.values()), pieces=ps)  # type: ignore[arg-type]

@@ -34,32 +34,31 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import io
 import os
 import pathlib
-import pickle
 import reprlib
 import struct
 import sys
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 from ._errors import CheckpointFormatError, UnsafeCheckpointError
 
 __all__ = [
-    "safe_loads",
-    "metadata_globals",
-    "record_globals",
-    "TensorRef",
+    "MAX_DEPTH",
     "StorageRef",
-    "storage_persistent_load",
+    "TensorRef",
     "check_metadata",
     "check_relative_path",
+    "metadata_globals",
+    "record_globals",
+    "safe_loads",
     "short_repr",
-    "MAX_DEPTH",
+    "storage_persistent_load",
 ]
 
 #: Deepest nesting of containers accepted in a decoded object (Python's own pickler
@@ -337,13 +336,13 @@ def _bad_args(what: str, args: Any) -> CheckpointFormatError:
     return CheckpointFormatError(f"{what} called with malformed arguments {short_repr(args)}")
 
 
-def _args_none(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_none(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if args:
         raise _bad_args(what, args)
     return 1
 
 
-def _args_mapping_ctor(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_mapping_ctor(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if not args:
         return 1
     if len(args) != 1 or type(args[0]) not in (list, tuple):
@@ -356,7 +355,7 @@ def _args_mapping_ctor(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
     return 1 + 2 * len(items)
 
 
-def _args_set_ctor(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_set_ctor(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if not args:
         return 1
     if len(args) != 1 or type(args[0]) not in (list, tuple, set, frozenset):
@@ -369,32 +368,32 @@ def _num(v: Any) -> bool:
     return type(v) in (int, float) and (type(v) is float or -_I64 <= v < _I64)
 
 
-def _args_complex(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_complex(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if not (1 <= len(args) <= 2) or not all(_num(a) for a in args):
         raise _bad_args(what, args)
     return 1
 
 
-def _args_slice(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_slice(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if not (1 <= len(args) <= 3) or not all(a is None or _is_int(a) for a in args):
         raise _bad_args(what, args)
     return 1
 
 
-def _args_path(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_path(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if len(args) > 4096 or not all(type(a) is str for a in args) or sum(len(a) for a in args) > 65536:
         raise _bad_args(what, args)
     return 1 + sum(len(a) for a in args) // 8
 
 
-def _args_size(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_size(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if len(args) > 1 or (args and (type(args[0]) not in (list, tuple) or len(args[0]) > 1024
                                    or not all(_is_int(v) for v in args[0]))):
         raise _bad_args(what, args)
     return 1 + (len(args[0]) if args else 0)
 
 
-def _args_device(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_device(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if not (1 <= len(args) <= 2) or type(args[0]) not in (str, int) or \
             (type(args[0]) is str and len(args[0]) > 64) or \
             (len(args) == 2 and not (type(args[1]) is int and -1 <= args[1] < 1 << 16)):
@@ -402,20 +401,20 @@ def _args_device(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
     return 1
 
 
-def _args_layout(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_layout(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if len(args) != 1 or type(args[0]) is not str or len(args[0]) > 64:
         raise _bad_args(what, args)
     return 1
 
 
-def _args_encode(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_encode(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if not (1 <= len(args) <= 2) or type(args[0]) is not str or \
             (len(args) == 2 and args[1] not in ("latin1", "latin-1", "utf-8", "utf8", "ascii")):
         raise _bad_args(what, args)
     return 1 + len(args[0]) // 8
 
 
-def _args_bytes(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_bytes(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if len(args) > 2 or (args and type(args[0]) not in (bytes, str)) or \
             (len(args) == 2 and args[1] not in ("latin1", "latin-1", "utf-8", "utf8", "ascii")) or \
             (len(args) == 1 and type(args[0]) is str):
@@ -423,23 +422,23 @@ def _args_bytes(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
     return 1 + (len(args[0]) // 8 if args else 0)
 
 
-def _args_enum(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_enum(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if len(args) != 1 or type(args[0]) not in (int, str) or (type(args[0]) is str and len(args[0]) > 64):
         raise _bad_args(what, args)
     return 1
 
 
-def _args_rebuild(u: "_Decoder", args: tuple[Any, ...], what: str) -> int:
+def _args_rebuild(u: _Decoder, args: tuple[Any, ...], what: str) -> int:
     if not (2 <= len(args) <= 8):
         raise _bad_args(what, args)
     return 1 + sum(len(a) for a in args if type(a) in (tuple, list))
 
 
 #: Objects a pickle may call (REDUCE, OBJ, INST), by identity, with their argument check.
-_CALLABLE_CHECKS: dict[int, tuple[Any, Callable[["_Decoder", tuple[Any, ...], str], int]]] = {}
+_CALLABLE_CHECKS: dict[int, tuple[Any, Callable[[_Decoder, tuple[Any, ...], str], int]]] = {}
 
 
-def _allow_call(obj: Any, check: Callable[["_Decoder", tuple[Any, ...], str], int]) -> None:
+def _allow_call(obj: Any, check: Callable[[_Decoder, tuple[Any, ...], str], int]) -> None:
     _CALLABLE_CHECKS[id(obj)] = (obj, check)
 
 
@@ -643,7 +642,7 @@ class _Decoder:
             raise self._unsafe(f"asks to create a {short_repr(name)} object, which is not a checkpoint data class")
         if args or kwargs:
             raise self._bad(f"{cls.__name__} created with arguments")
-        obj = cls.__new__(cls)
+        obj: Any = object.__new__(cls)  # the DCP dataclasses define no __new__ of their own
         self._fresh[id(obj)] = obj
         self._charge(4)
         return obj
@@ -665,7 +664,7 @@ class _Decoder:
                   and _MEM_ENUM is not None and isinstance(state[3], _MEM_ENUM) and type(state[4]) is bool)
             if not ok:
                 raise self._bad(f"TensorProperties with malformed state {short_repr(state)}")
-            inst.__setstate__(state)
+            inst.__setstate__(state)  # type: ignore[union-attr]
             return
         if type(state) is tuple and len(state) == 2 and state[1] is None:
             state = state[0]
@@ -718,7 +717,7 @@ class _Decoder:
 
     # -- the machine --
 
-    def load(self) -> Any:  # noqa: C901 - one loop, one branch per opcode, on purpose
+    def load(self) -> Any:
         data = self._data
         end = len(data)
         pos = 0
@@ -860,9 +859,7 @@ class _Decoder:
                 stack = metastack.pop()
                 append = stack.append
                 target = stack[-1]
-                if type(target) is list:
-                    target.extend(items)
-                elif type(target) is bytearray:
+                if type(target) is list or type(target) is bytearray:
                     target.extend(items)
                 else:
                     raise self._bad(f"APPENDS on a {type(target).__name__}")
@@ -987,7 +984,7 @@ class _Decoder:
                 append(_F8(data, pos)[0])
                 pos += 8
             elif op == 0x46:  # FLOAT
-                s, pos, pos = self._line(pos)
+                s, pos = self._line(pos)
                 append(float(s))
             elif op == 0x49:  # INT
                 s, pos = self._line(pos)
@@ -1184,9 +1181,9 @@ def safe_loads(data: bytes | bytearray | memoryview, *, what: str,
         raise
     except RecursionError as exc:  # pragma: no cover - the decoder is iterative
         raise CheckpointFormatError(f"{what} is nested too deeply to decode") from exc
-    except MemoryError as exc:
+    except MemoryError:
         raise CheckpointFormatError(f"{what} asks for more memory than it can hold") from None
-    except Exception as exc:  # pickle.UnpicklingError, EOFError, ValueError, struct.error... from a damaged stream
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, ValueError, struct.error... of a damaged stream
         raise CheckpointFormatError(f"{what} is not a valid pickle ({type(exc).__name__}: "
                                     f"{str(exc)[:200]})") from None
     finally:
@@ -1287,7 +1284,7 @@ def check_metadata(md: Any, what: str) -> None:
         where = f"{what}: storage entry of {idx.fqn!r:.200}"
         check_relative_path(getattr(info, "relative_path", None), where)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not (_is_int(offset) and offset >= 0 and _is_int(length) and length >= 0):
+        if not (_is_int(offset) and offset >= 0 and _is_int(length) and length >= 0):  # type: ignore[operator]
             raise CheckpointFormatError(f"{where} has offset {short_repr(offset)} and length {short_repr(length)}")
         td = getattr(info, "transform_descriptors", None)
         if td is not None and (not isinstance(td, (list, tuple)) or not all(type(t) is str for t in td)):

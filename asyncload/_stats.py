@@ -66,7 +66,8 @@ class LoadStats:
     unexpected_keys: list[str] = field(default_factory=list)
     #: Retries by cause: ``timeout``, ``status_503``, ``connection``, ``short_read`` ...
     retries_by_cause: dict[str, int] = field(default_factory=dict)
-    #: Per-chunk latency percentiles, seconds (successful attempts).
+    #: Latency percentiles of storage requests, seconds: successful attempts of chunk reads (and of the
+    #: few metadata, size and header requests a load makes besides).
     latency_p50: float = 0.0
     latency_p90: float = 0.0
     latency_p99: float = 0.0

@@ -7,8 +7,9 @@ storage located by its local header. Used for every record of a DCP ``.distcp`` 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import torch
 
@@ -17,8 +18,18 @@ from ._plan import TensorLocation, tensor_over
 from ._safe_pickle import StorageRef, TensorRef, record_globals, safe_loads, storage_persistent_load
 from ._zip import EOCD_SEARCH, LOCAL_HEADER_SIZE, local_data_start, locate_central_directory, parse_central_directory
 
-__all__ = ["NeedBytes", "ByteWindow", "ArchiveLayout", "StorageLoc", "parse_archive", "aparse_archive",
-           "tensor_location", "materialize", "HEAD_PROBE", "TAIL_PROBE"]
+__all__ = [
+    "HEAD_PROBE",
+    "TAIL_PROBE",
+    "ArchiveLayout",
+    "ByteWindow",
+    "NeedBytes",
+    "StorageLoc",
+    "aparse_archive",
+    "materialize",
+    "parse_archive",
+    "tensor_location",
+]
 
 #: Bytes read at a large record's start and end to find its layout (one request each,
 #: and the tail of one record is read together with the head of the next).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ._errors import CheckpointFormatError
 
-__all__ = ["ZipEntry", "parse_central_directory", "local_data_start", "EOCD_SEARCH", "LOCAL_HEADER_SIZE"]
+__all__ = ["EOCD_SEARCH", "LOCAL_HEADER_SIZE", "ZipEntry", "local_data_start", "parse_central_directory"]
 
 _EOCD = struct.Struct("<IHHHHIIH")  # sig, disk, cd disk, entries disk, entries, cd size, cd offset, comment len
 _EOCD64_LOC = struct.Struct("<IIQI")  # sig, disk, eocd64 offset, disks

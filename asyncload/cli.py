@@ -323,6 +323,7 @@ def describe(metadata: Any, url: str) -> dict[str, Any]:
             keys.append({"key": fqn, "kind": "object", "stored_bytes": stored_by_key.get(fqn, 0)})
     return {
         "checkpoint": url,
+        "format": getattr(metadata, "format", "dcp"),
         "dcp_version": getattr(metadata, "version", None),
         "tensors": sum(1 for k in keys if k["kind"] == "tensor"),
         "objects": sum(1 for k in keys if k["kind"] == "object"),
@@ -375,7 +376,10 @@ def _cmd_inspect(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         return EXIT_OK
     dtypes = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in info["tensor_bytes_by_dtype"].items())
     _print(f"checkpoint   {info['checkpoint']}")
-    _print(f"DCP version  {info['dcp_version'] or 'unversioned (torch < 2.4)'}")
+    if info["format"] == "dcp":
+        _print(f"DCP version  {info['dcp_version'] or 'unversioned (torch < 2.4)'}")
+    else:
+        _print(f"format       {info['format']} (no DCP metadata: asyncload reads the files directly)")
     _print(f"tensors      {info['tensors']} keys, {_fmt_bytes(info['tensor_bytes'])}" + (f" ({dtypes})" if dtypes else ""))
     _print(f"objects      {info['objects']} keys")
     _print(f"files        {len(info['files'])}, {_fmt_bytes(info['stored_bytes'])} stored")
@@ -455,6 +459,9 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     options = _options(args, verify=bool(args.verify))
     md = read_metadata(args.url, storage_options, options)
     info = describe(md, args.url)
+    if args.compare_torch and info["format"] != "dcp":
+        raise UsageError(f"--compare-torch compares with torch's DCP readers, and {args.url} is a {info['format']} "
+                         "checkpoint, not a DCP one")
     dest = build_destination(md)
     _note(f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({info['tensors']} tensors, {info['objects']} "
           f"objects) from {args.url}")
@@ -604,6 +611,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     undo_logging = _setup_logging(2 if args.debug else args.verbose)
+    # torch's dcp.load logs failures with tracebacks on the root logger; with no logging
+    # configured Python would print them: the CLI says what failed in one sentence instead
+    root = logging.getLogger()
+    quiet_root = logging.NullHandler() if not root.handlers else None
+    if quiet_root is not None:
+        root.addHandler(quiet_root)
 
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -639,6 +652,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     finally:
         undo_logging()
+        if quiet_root is not None:
+            root.removeHandler(quiet_root)
         if previous is not None:
             try:
                 signal.signal(signal.SIGTERM, previous)

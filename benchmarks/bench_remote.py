@@ -40,9 +40,9 @@ configure_env()
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from _common import nbytes, transformer_state_dict  # noqa: E402
 
 import asyncload  # noqa: E402
-from _common import nbytes, transformer_state_dict  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MiB = 1 << 20
@@ -87,10 +87,16 @@ def find_s3rver() -> str | None:
     return S3rverServer.find_executable(str(local) if local.exists() else None)
 
 
+_SESSION: list[Any] = []
+
+
 async def raw_bound(url: str, so: dict[str, Any], files: list[tuple[str, int]], block: int, conc: int) -> None:
+    import aiobotocore.session
     import s3fs
 
-    fs = s3fs.S3FileSystem(asynchronous=True, **so)
+    if not _SESSION:  # reused across runs, as asyncload reuses its own: no service-model parsing per run
+        _SESSION.append(aiobotocore.session.AioSession())
+    fs = s3fs.S3FileSystem(asynchronous=True, session=_SESSION[0], **so)
     await fs.set_session()
     sem = asyncio.Semaphore(conc)
     base = url[len("s3://"):].rstrip("/")

@@ -65,6 +65,7 @@ def main() -> None:
         planner = RenamingPlanner(prefix="module.", keep=lambda key: key.startswith("encoder."))
         stats = asyncload.load(state, ckpt, planner=planner)
         fresh.load_state_dict(state)
+        print(stats)
 
         assert torch.equal(fresh.encoder.weight, trained.module.encoder.weight)
         assert torch.equal(fresh.encoder.bias, trained.module.encoder.bias)

@@ -1,6 +1,7 @@
 """Load a checkpoint from S3 (or any S3-compatible store) with asyncload.
 
     python examples/load_from_s3.py s3://bucket/prefix/step-4000 [--endpoint-url URL]
+    ASYNCLOAD_S3_URL=s3://bucket/prefix/step-4000 python examples/load_from_s3.py
     python examples/load_from_s3.py          # no bucket: a loopback S3 server is started for you
 
 With a URL, credentials come from the usual places (environment, ~/.aws) through s3fs;
@@ -72,6 +73,8 @@ def main() -> None:
     parser.add_argument("url", nargs="?", help="s3://bucket/prefix of a DCP checkpoint")
     parser.add_argument("--endpoint-url", help="an S3-compatible store's endpoint (MinIO, Ceph, R2...)")
     args = parser.parse_args()
+    args.url = args.url or os.environ.get("ASYNCLOAD_S3_URL")
+    args.endpoint_url = args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if args.url is None:
         with_loopback_server()
         return

@@ -9,15 +9,26 @@ import io
 import os
 import pickle
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["RecordInfo", "records", "record_of", "read_metadata", "write_metadata", "mutate_metadata",
-           "sentinel_like", "is_sentinel", "flip_byte", "SENTINEL"]
+__all__ = [
+    "SENTINEL",
+    "RecordInfo",
+    "flip_byte",
+    "is_sentinel",
+    "mutate_metadata",
+    "read_metadata",
+    "record_of",
+    "records",
+    "sentinel_like",
+    "write_metadata",
+]
 
 #: Every byte of a sentinel destination: loads must overwrite it, failed loads must not.
 SENTINEL = 0xA5
@@ -42,7 +53,7 @@ class RecordInfo:
 def read_metadata(ckpt: str | os.PathLike[str]) -> Metadata:
     """The checkpoint's .metadata, with plain ``pickle`` (the tests wrote it: trusted)."""
     with open(Path(ckpt) / ".metadata", "rb") as f:
-        return pickle.load(f)  # noqa: S301 - our own test checkpoint
+        return pickle.load(f)
 
 
 def write_metadata(ckpt: str | os.PathLike[str], md: Any, *, raw: bytes | None = None) -> None:

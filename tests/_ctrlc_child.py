@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import _thread
 import asyncio
-import warnings
 import gc
 import json
 import os
@@ -17,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
@@ -26,6 +26,12 @@ from asyncload._pipeline import ByteBudget
 
 CKPT, MODE = sys.argv[1], sys.argv[2]
 DELAYS = [float(x) for x in sys.argv[3:]]
+#: MODE "http": the checkpoint is read over HTTP through a proxy adding 5 ms each way, and
+#: after each interrupt no connection to it may remain open; the Ctrl-C is a real SIGINT
+REMOTE = MODE == "http"
+SOURCE: str = CKPT
+STORAGE_OPTIONS: dict[str, object] = {}
+PROXY_PORT = 0
 N, ROWS, COLS = 16, 1024, 2048  # 16 x 8 MiB float32, as the test wrote them
 OPTS = LoadOptions(chunk_size=1 << 20, min_chunk_size=1 << 16, concurrency=8, memory_budget=8 << 20)
 
@@ -49,6 +55,17 @@ def leftovers() -> dict[str, object]:
             continue
         if target.startswith(os.path.realpath(CKPT)):
             fds.append(target)
+    conns = []
+    if REMOTE:
+        import psutil
+
+        deadline = time.monotonic() + 3.0
+        while True:
+            conns = [str(c.laddr) for c in psutil.Process().net_connections(kind="tcp")
+                     if c.raddr and c.raddr.port == PROXY_PORT and c.fd != -1]
+            if not conns or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
     gc.collect()
     with warnings.catch_warnings():  # isinstance on every object touches deprecated torch attributes
         warnings.simplefilter("ignore")
@@ -60,7 +77,8 @@ def leftovers() -> dict[str, object]:
         async def count() -> int:
             return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
         tasks += asyncio.run_coroutine_threadsafe(count(), lt.loop).result(5)
-    return {"threads": threads, "fds": fds, "budget_used": [u for u in budgets if u], "tasks": tasks}
+    return {"threads": threads, "fds": fds, "budget_used": [u for u in budgets if u], "tasks": tasks,
+            "connections": conns}
 
 
 def main() -> None:
@@ -69,9 +87,9 @@ def main() -> None:
     for delay in DELAYS:
         sent: dict[str, float] = {}
 
-        def fire() -> None:
+        def fire(sent: dict[str, float] = sent) -> None:
             sent["t"] = time.monotonic()
-            if MODE == "signal":
+            if MODE in ("signal", "http"):
                 signal.pthread_kill(main_ident, signal.SIGINT)  # type: ignore[arg-type]
             else:
                 _thread.interrupt_main()
@@ -79,19 +97,22 @@ def main() -> None:
         dest = fresh()
         timer = threading.Timer(delay, fire)
         outcome, returned = "completed", 0.0
+        loaded = False
         try:
             try:
                 timer.start()
-                asyncload.load(dest, CKPT, options=OPTS)
+                asyncload.load(dest, SOURCE, options=OPTS, storage_options=STORAGE_OPTIONS)
+                loaded = True
                 returned = time.monotonic()
                 while timer.is_alive() or "t" not in sent:  # a late Ctrl-C must land here
                     time.sleep(0.001)
                 time.sleep(0.05)
             except KeyboardInterrupt:
-                returned = time.monotonic()
-                outcome = "interrupted"
+                if not loaded:
+                    returned = time.monotonic()
+                    outcome = "interrupted"
         except KeyboardInterrupt:  # arrived between the load and the wait: the load completed
-            returned = time.monotonic()
+            pass
         timer.join()
         if outcome == "interrupted":
             lag = returned - sent["t"]
@@ -100,10 +121,22 @@ def main() -> None:
         out.append({"delay": delay, "outcome": outcome, "lag": lag, **leftovers()})
     # the library still works after all that
     dest = fresh()
-    asyncload.load(dest, CKPT, options=OPTS)
+    asyncload.load(dest, SOURCE, options=OPTS, storage_options=STORAGE_OPTIONS)
     ok = all(torch.equal(dest[f"t{i}"], torch.full((ROWS, COLS), float(i))) for i in range(N))
     print(json.dumps({"runs": out, "final_load_ok": ok}))
 
 
 if __name__ == "__main__":
-    main()
+    if REMOTE:
+        from pathlib import Path
+
+        from asyncload.testing import FaultProxy, HTTPRangeServer
+
+        ckpt = Path(CKPT)
+        with HTTPRangeServer(ckpt.parent) as server, FaultProxy(server, latency=0.005) as proxy:
+            PROXY_PORT = proxy.port
+            SOURCE = server.url("", ckpt.name, endpoint_url=proxy.endpoint_url)
+            STORAGE_OPTIONS = server.storage_options()
+            main()
+    else:
+        main()

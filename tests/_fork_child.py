@@ -52,6 +52,9 @@ def main() -> None:
     if pid == 0:
         code = 1
         try:
+            # what DataLoader workers do first: GNU OpenMP's thread pool does not survive a
+            # fork, and any parallel torch op in the child would wait for it forever
+            torch.set_num_threads(1)
             import asyncio
 
             good = load_and_check() and asyncio.run(aload_and_check()) and load_and_check()
@@ -65,7 +68,7 @@ def main() -> None:
     handle.result(timeout=60)
     res["parent_background"] = ok(dest_bg)
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(2) as pool:
+    with ctx.Pool(2, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         res["fork_pool"] = pool.map(load_and_check, range(4))
     res["parent_after"] = load_and_check()
     print(json.dumps(res))

@@ -14,13 +14,14 @@ import pickletools
 import random
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["Seeds", "make_seeds", "mutate", "TARGETS", "OUR_ERRORS", "INTERESTING"]
+__all__ = ["INTERESTING", "OUR_ERRORS", "TARGETS", "Seeds", "make_seeds", "mutate"]
 
 #: Values that break parsers: boundaries of 1/2/4/8-byte fields.
 INTERESTING = {
@@ -61,7 +62,7 @@ def make_seeds() -> Seeds:
             warnings.simplefilter("ignore")
             dcp.save(sd, checkpoint_id=d, no_dist=True)
         md_bytes = (Path(d) / ".metadata").read_bytes()
-        md = pickle.loads(md_bytes)  # noqa: S301 - written just now
+        md = pickle.loads(md_bytes)
         records: list[bytes] = []
         for info in md.storage_data.values():
             blob = (Path(d) / info.relative_path).read_bytes()
@@ -114,8 +115,8 @@ def mutate(rng: random.Random, data: bytes, *, pickle_aware: bool = False, round
 
 def _parse_record(data: bytes) -> Any:
     """A DCP record as asyncload reads it: layout, then the tensor's location or the object."""
-    from asyncload._torchsave import ByteWindow, materialize, parse_archive, tensor_location
     from asyncload._safe_pickle import TensorRef
+    from asyncload._torchsave import ByteWindow, materialize, parse_archive, tensor_location
 
     win = ByteWindow()
     win.add(0, data)

@@ -14,20 +14,20 @@ from __future__ import annotations
 import builtins
 import functools
 import io
-import operator
 import os
 import pickle
 import struct
 import subprocess
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Hostile", "corpus", "replace_record_pickle", "record_pickle", "colliding_int_pairs"]
+__all__ = ["Hostile", "colliding_int_pairs", "corpus", "record_pickle", "replace_record_pickle"]
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def replace_record_pickle(ckpt: str | os.PathLike[str], fqn: str, pkl: bytes) ->
     valid zip), spliced into its .distcp file, and .metadata's offsets updated."""
     ckpt = Path(ckpt)
     with open(ckpt / ".metadata", "rb") as f:
-        md = pickle.load(f)  # noqa: S301 - our own test checkpoint
+        md = pickle.load(f)
     target = next(info for idx, info in md.storage_data.items() if idx.fqn == fqn)
     path = ckpt / target.relative_path
     blob = path.read_bytes()

@@ -8,18 +8,15 @@ Import from a test module as ``from _remote import ...`` (pytest puts ``tests/``
 from __future__ import annotations
 
 import gc
-import os
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import psutil
 import pytest
 import torch
-
-from _ckpt import make_checkpoint, random_tensor
+from _ckpt import random_tensor
 
 __all__ = ["BACKENDS", "Remote", "small_state_dict", "make_remote", "established_to", "wait_closed",
            "no_unclosed_session_warnings"]

@@ -107,7 +107,7 @@ def test_inspect_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert keys["step"]["kind"] == "object" and keys["tag"]["kind"] == "object"
     assert info["tensors"] == 5 and info["objects"] == 2
     assert info["tensor_bytes"] == 256 * 128 * 2 + 128 * 512 * 4 + 128 * 4 + 20 + 8
-    assert info["dcp_version"] == "1.0.0"
+    assert info["dcp_version"] == "1.0.0" and info["format"] == "dcp"
     files = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp")
     assert [f["name"] for f in info["files"]] == files
     assert info["stored_bytes"] == sum(f["bytes"] for f in info["files"])
@@ -383,3 +383,21 @@ def test_ctrl_c_exits_130_and_cleans_up(ckpt: Path, http_server, fault_proxy, bu
     assert time.monotonic() - t0 < 15
     assert err.rstrip().endswith("asyncload: interrupted") and "Traceback" not in err
     assert out == ""
+
+
+@pytest.mark.timeout(60)
+def test_other_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+
+    (tmp_path / "st").mkdir()
+    save_file({"a": torch.randn(10, 10), "b": torch.ones(3, dtype=torch.bfloat16)}, str(tmp_path / "st" / "model.safetensors"))
+    code, out, err = _run(["inspect", str(tmp_path / "st"), "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["format"] == "safetensors"
+    assert {k["key"]: (k["dtype"], k["shape"]) for k in info["keys"]} == {"a": ("float32", [10, 10]), "b": ("bfloat16", [3])}
+    code, out, err = _run(["load", str(tmp_path / "st" / "model.safetensors"), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["bytes_assembled"] == 406
+    code, _, err = _run(["load", str(tmp_path / "st"), "--compare-torch"], capsys)
+    assert code == 2 and "not a DCP one" in err and "Traceback" not in err

@@ -24,7 +24,7 @@ from asyncload._sharded import plan_transfers
 
 from _dist import all_ok, run_ranks
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.distributed]
 
 KiB = 1 << 10
 
@@ -149,6 +149,10 @@ def _load_into(sd: dict[str, Any], path: str, entry: str, planner_kind: str,
                options: LoadOptions | None = None) -> asyncload.LoadStats:
     if entry == "load":
         return asyncload.load(sd, path, options=options, planner=_make_planner(planner_kind))
+    if entry == "aload":
+        import asyncio
+
+        return asyncio.run(asyncload.aload(sd, path, options=options, planner=_make_planner(planner_kind)))
     kw = {}
     if options is not None:
         kw = {"options": options}
@@ -193,12 +197,25 @@ def w_load_narrow(rank: int, world: int, path: str, spec: str, options: LoadOpti
     return {"bad": [k for k in full if not same_bits(sd[k].to_local(), want[k])], "stats": stats_dict(stats)}
 
 
+def _share_threads(wait: float = 2.0) -> int:
+    """asyncload's transfer-waiting threads still alive (none after a load that succeeded)."""
+    import threading
+
+    deadline = time.monotonic() + wait
+    while True:
+        n = sum(1 for t in threading.enumerate() if t.name == "asyncload-share-wait")
+        if n == 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
+
+
 def w_load_replicated(rank: int, world: int, path: str, planner_kind: str, entry: str,
                       options: LoadOptions | None) -> dict[str, Any]:
     full = big_model()
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     stats = _load_into(sd, path, entry, planner_kind, options)
-    return {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats)}
+    return {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats),
+            "threads": _share_threads()}
 
 
 # --- resharding, bit for bit -----------------------------------------------------------------------
@@ -318,7 +335,8 @@ def test_narrow_reads_column_shards(tmp_path: Path) -> None:
 SHARE_OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB)
 
 
-@pytest.mark.parametrize("planner_kind,entry", [("sharded", "load"), ("sharded", "dcp"), ("sharded-ordered", "load")])
+@pytest.mark.parametrize("planner_kind,entry", [("sharded", "load"), ("sharded", "dcp"), ("sharded", "aload"),
+                                                ("sharded-ordered", "load")])
 def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: str, entry: str) -> None:
     full = big_model()
     save_single(tmp_path / "ck", full)
@@ -329,6 +347,7 @@ def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: s
         assert v["bad"] == [], rank
         assert v["stats"]["bytes_assembled"] == total
         assert v["stats"]["peak_buffered_bytes"] <= SHARE_OPTIONS.memory_budget
+        assert v["threads"] == 0
     assert total <= sum(reads) <= 1.05 * total, reads
     assert max(reads) <= 1.10 * min(reads), reads
     sent = sum(v["stats"]["bytes_sent"] for v in values)
@@ -500,7 +519,7 @@ def w_one_rank_fails(rank: int, world: int, path: str, planner_kind: str, entry:
 
 
 FAIL_OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB,
-                           collective_timeout=3.0, concurrency=4)
+                           collective_timeout=4.0, concurrency=4)
 
 
 @pytest.fixture(scope="module")
@@ -539,7 +558,7 @@ def test_a_rank_that_raises_under_dcp_load_fails_every_rank(replicated_ckpt: str
 @pytest.mark.parametrize("planner_kind", ["sharded", "pipelined"])
 def test_a_stalled_rank_is_named_on_every_other_rank(replicated_ckpt: str, planner_kind: str) -> None:
     """Rank 2 hangs (its progress callback sleeps for an hour): within collective_timeout
-    (3 s) plus a little, every other rank raises DistributedLoadError naming it and what it
+    (4 s) plus a little, every other rank raises DistributedLoadError naming it and what it
     was doing. Rank 2 itself is killed by the harness."""
     results = run_ranks(w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "stall", 2, FAIL_OPTIONS,
                         timeout=25, may_hang={2})
@@ -548,7 +567,7 @@ def test_a_stalled_rank_is_named_on_every_other_rank(replicated_ckpt: str, plann
         assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
         assert r.attrs["rank"] == 2
         assert r.message.startswith("rank 2 made no progress for "), r.message
-        assert "collective_timeout=3.0" in r.message and "its last status: reading" in r.message
+        assert "collective_timeout=4.0" in r.message and "its last status: reading" in r.message
         assert r.seconds < 20
 
 

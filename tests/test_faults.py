@@ -13,6 +13,8 @@ import time
 
 import pytest
 import torch
+from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
+from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
@@ -20,8 +22,6 @@ from asyncload._pipeline import Chunk, Pipeline, Segment
 from asyncload._stats import StatsRecorder
 from asyncload._storage import open_storage
 from asyncload.testing import reset, stall, status, truncate
-from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
-from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -221,3 +221,40 @@ def test_slow_link_with_steady_progress_does_not_time_out(request, ckpt, bucket_
     assert_bitwise_equal(dst, sd)
     assert stats.timeouts == 0 and stats.retries == 0
     assert stats.latency_max > 0.6  # single reads did take longer than the timeout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_metadata_requests_are_retried_too(request, backend, ckpt, bucket_name, fault_proxy):
+    """The first requests of a load (the size of .metadata, then its bytes) get the same policy."""
+    import re
+
+    path, sd = ckpt
+    r = make_remote(request, backend, path, bucket_name, fault_proxy)
+    if backend == "gcs":  # object info: GET .../o/<name> without ?alt=media
+        info = r.proxy.add_rule(status(503), method="GET", path=re.compile(r"/o/[^?]*\.metadata$"), times=2)
+    else:
+        info = r.proxy.add_rule(status(503), method="HEAD", path=".metadata", times=2)
+    data = r.proxy.add_rule(status(500), path=".metadata", data_only=True, times=1)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    stats = asyncload.load(dst, r.url, options=OPTS, storage_options=r.storage_options)
+    assert_bitwise_equal(dst, sd)
+    assert data.fired == 1
+    if backend == "http":
+        # fsspec's HTTP filesystem answers a failed HEAD by asking again with a GET on its
+        # own, so only a second failure (then of that GET) reaches asyncload's retries
+        assert info.fired == 2 and stats.retries_by_cause == {"status_500": 1}
+    else:
+        assert info.fired == 2 and stats.retries_by_cause == {"status_503": 2, "status_500": 1}
+
+
+def test_http_size_probe_failing_twice_is_a_retry_not_a_missing_file(request, ckpt, bucket_name, fault_proxy):
+    path, sd = ckpt
+    r = make_remote(request, "http", path, bucket_name, fault_proxy)
+    # fsspec: HEAD, then GET without Range; both fail once -> FileNotFoundError inside fsspec
+    head = r.proxy.add_rule(status(503), method="HEAD", path=".metadata", times=1)
+    get = r.proxy.add_rule(status(503), method="GET", path=".metadata", range_only=False, times=1)
+    dst = zeros_like_tree(sd, object_placeholder=None)
+    stats = asyncload.load(dst, r.url, options=OPTS, storage_options=r.storage_options)
+    assert_bitwise_equal(dst, sd)
+    assert head.fired == 1 and get.fired == 1
+    assert stats.retries_by_cause == {"status_503": 1}

@@ -80,3 +80,35 @@ def test_random_bytes_as_metadata_and_records(data: bytes) -> None:
             fn(data)
         except (CheckpointFormatError, UnsafeCheckpointError):
             pass
+
+
+# --- the decoder agrees with CPython's unpickler on legitimate data -----------------
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=20),
+    st.complex_numbers(allow_nan=False, allow_infinity=False),
+)
+_keys = st.one_of(st.text(max_size=10), st.integers(-(2**40), 2**40), st.tuples(st.integers(0, 9), st.text(max_size=3)))
+_data = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6), st.tuples(inner, inner), st.dictionaries(_keys, inner, max_size=6),
+        st.frozensets(st.integers(-5, 5), max_size=5), st.sets(st.text(max_size=4), max_size=5),
+    ),
+    max_leaves=40,
+)
+
+
+@given(obj=_data)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+def test_decoder_agrees_with_pickle_on_every_protocol(obj: object) -> None:
+    import pickle
+
+    from asyncload._safe_pickle import record_globals, safe_loads
+
+    for proto in range(6):
+        data = pickle.dumps(obj, protocol=proto)
+        got = safe_loads(data, what=f"protocol {proto}", allowed=record_globals())
+        assert got == obj and type(got) is type(obj), (proto, obj, got)

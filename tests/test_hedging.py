@@ -9,14 +9,14 @@ import logging
 import time
 
 import pytest
+from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, zeros_like_tree
+from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
 
 import asyncload
 from asyncload import LoadOptions
 from asyncload._retry import HedgePolicy, clock_of
 from asyncload._stats import StatsRecorder
 from asyncload.testing import stall, status
-from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, zeros_like_tree
-from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
 
 pytestmark = pytest.mark.timeout(60)
 

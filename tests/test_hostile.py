@@ -15,8 +15,9 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -158,7 +159,7 @@ for h in corpus({str(markers)!r}):
     out[h.name] = [err, max(0, status("VmHWM:") - before) / 2**20, len(h.data), h.expected("record")]
 print(json.dumps(out))
 """
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out) >= 12

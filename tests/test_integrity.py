@@ -16,8 +16,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
-from _corrupt import flip_byte, is_sentinel, mutate_metadata, read_metadata, record_of, records, sentinel_like, \
-    write_metadata
+from _corrupt import (
+    flip_byte,
+    is_sentinel,
+    mutate_metadata,
+    read_metadata,
+    record_of,
+    records,
+    sentinel_like,
+    write_metadata,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
@@ -406,9 +414,55 @@ def test_strict_unexpected_keys_through_dcp_load(ckpt: tuple[Path, dict[str, Any
 
 def test_records_helper_agrees_with_metadata(ckpt: tuple[Path, dict[str, Any]]) -> None:
     """The test helper itself: every tensor record located, sizes as saved."""
-    path, sd = ckpt
+    path, _ = ckpt
     recs = records(path)
     md = read_metadata(path)
     assert set(recs) == set(md.state_dict_metadata)
     assert recs["big"].data_end - recs["big"].data_start == 512 * 256 * 4  # type: ignore[operator]
     assert recs["small"].data_end - recs["small"].data_start == 300 * 2  # type: ignore[operator]
+
+
+# --- the CRC machinery --------------------------------------------------------------
+
+
+def test_crc_pieces_in_any_order_overlapping_and_from_threads() -> None:
+    """CrcTracker: pieces out of order, overlapping, duplicated, from 8 threads, give
+    zlib.crc32 of the whole range; missing bytes are reported, not guessed."""
+    import random
+    import threading
+    import zlib
+
+    from asyncload._crc import CrcTracker, crc32, crc32_combine, gaps
+
+    rng = random.Random(7)
+    data = bytes(rng.randrange(256) for _ in range(200_003))
+    base = 1000  # absolute file offset of data[0]
+    assert crc32(data) == zlib.crc32(data)
+    for trial in range(20):
+        start, end = base + rng.randrange(0, 500), base + len(data) - rng.randrange(0, 500)
+        tr = CrcTracker(start, end, zlib.crc32(data[start - base : end - base]))
+        cuts = sorted(rng.sample(range(base, base + len(data)), 40))
+        pieces = [(a, b) for a, b in zip([base, *cuts], [*cuts, base + len(data)])]
+        # overlaps: every piece widened a little at random, some twice
+        pieces = [(max(base, a - rng.randrange(0, 3000)), min(base + len(data), b + rng.randrange(0, 3000)))
+                  for a, b in pieces] + pieces[:5]
+        rng.shuffle(pieces)
+        threads = [threading.Thread(target=lambda a=a, b=b, tr=tr: tr.add(a, data[a - base : b - base]))
+                   for a, b in pieces]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert tr.complete and tr.covered == end - start
+        assert tr.value() == tr.expected, trial
+    tr = CrcTracker(base, base + 100, 0)
+    tr.add(base, data[:40])
+    tr.add(base + 60, data[60:100])
+    assert not tr.complete
+    with pytest.raises(ValueError, match=r"\[1040, 1060\)"):
+        tr.value()
+    assert gaps([(10, 20), (15, 30), (50, 60)], 0, 70) == [(0, 10), (30, 50), (60, 70)]
+    assert gaps([], 5, 9) == [(5, 9)] and gaps([(0, 100)], 5, 9) == []
+    a, b = data[:777], data[777:5000]
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine(zlib.crc32(a), 0, 0) == zlib.crc32(a)

@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
+from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
 
 import asyncload
 from asyncload import CheckpointNotFoundError, LoadOptions, StorageReadError
 from asyncload.testing import status
-from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
-from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
 
 pytestmark = pytest.mark.timeout(60)
 

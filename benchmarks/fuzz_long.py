@@ -1,0 +1,186 @@
+"""The long fuzz campaign and the hostile-corpus table (docs/integrity.md).
+
+Part 1 decodes every pickle of the hostile corpus (tests/_hostile.py) with asyncload's
+metadata and record policies and prints the error each gave, the time and the peak RSS
+growth (Linux: VmHWM reset before each). Part 2 runs random mutations of real DCP
+records, data.pkl pickles and .metadata files (tests/_fuzzing.py) through the record
+parser and the metadata decoder for ``--minutes`` on ``--workers`` processes and prints
+examples tried and findings (any exception other than CheckpointFormatError and
+UnsafeCheckpointError, a worker that died, or an example slower than ``--slow`` s).
+
+    python benchmarks/fuzz_long.py --minutes 5 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def corpus_table() -> list[tuple[str, str, str, str, float, float]]:
+    from _hostile import corpus
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from asyncload import AsyncLoadError
+    from asyncload._safe_pickle import check_metadata, record_globals, safe_loads, storage_persistent_load
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for h in corpus(d):
+            for policy in ("metadata", "record"):
+                try:
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")
+                    before = _status("VmRSS:")
+                except OSError:
+                    before = 0
+                t0 = time.perf_counter()
+                try:
+                    if policy == "metadata":
+                        md = safe_loads(h.data, what="x", check_structure=False, expect=Metadata)
+                        check_metadata(md, "x")
+                    else:
+                        safe_loads(h.data, what="x", allowed=record_globals(), persistent_load=storage_persistent_load)
+                    got = "(decoded)"
+                except AsyncLoadError as exc:
+                    got = type(exc).__name__
+                dt = time.perf_counter() - t0
+                grew = (_status("VmHWM:") - before) / 2**20 if before else float("nan")
+                rows.append((h.kind, h.name, policy, got, dt, grew))
+            assert not any(p.name.startswith("executed") for p in Path(d).iterdir()), "a payload ran"
+    return rows
+
+
+def _worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, queue: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from _fuzzing import TARGETS, make_seeds, mutate
+
+    from asyncload import CheckpointFormatError, UnsafeCheckpointError
+
+    seeds = make_seeds()
+    names = list(TARGETS)
+    tried: Counter[str] = Counter()
+    outcome: Counter[str] = Counter()
+    findings: list[dict[str, Any]] = []
+    slowest = (0.0, "")
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        for _ in range(64):
+            name = names[i % len(names)]
+            fn, seed_attr, pickle_aware = TARGETS[name]
+            pool = getattr(seeds, seed_attr)
+            rng = random.Random(f"{seed}/{wid}/{i}")
+            data = mutate(rng, pool[rng.randrange(len(pool))], pickle_aware=pickle_aware)
+            progress[wid] = i  # a worker that dies leaves its example's index behind
+            t0 = time.perf_counter()
+            try:
+                fn(data)
+                outcome["decoded"] += 1
+            except CheckpointFormatError:
+                outcome["CheckpointFormatError"] += 1
+            except UnsafeCheckpointError:
+                outcome["UnsafeCheckpointError"] += 1
+            except BaseException as exc:  # noqa: BLE001 - a finding
+                findings.append({"target": name, "example": i, "error": f"{type(exc).__name__}: {exc}"[:300],
+                                 "trace": traceback.format_exc()[-1500:], "input": data[:256].hex()})
+            dt = time.perf_counter() - t0
+            if dt > slowest[0]:
+                slowest = (dt, name)
+            if dt > slow:
+                findings.append({"target": name, "example": i, "error": f"slow: {dt:.2f} s", "input": data[:256].hex()})
+            tried[name] += 1
+            i += 1
+    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings,
+               "slowest": slowest})
+
+
+def campaign(minutes: float, workers: int, seed: int, slow: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    progress = ctx.Array("q", workers)
+    procs = [ctx.Process(target=_worker, args=(w, seed, minutes * 60, slow, progress, queue)) for w in range(workers)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    results = []
+    deadline = time.monotonic() + minutes * 60 + 300
+    while len(results) < workers and time.monotonic() < deadline:
+        try:
+            results.append(queue.get(timeout=5))
+        except Exception:  # noqa: BLE001 - queue.Empty: check for dead workers
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if len(dead) + len(results) >= workers:
+                break
+    for p in procs:
+        p.join(timeout=30)
+    died = [{"worker": w, "exitcode": p.exitcode, "last_example": progress[w]}
+            for w, p in enumerate(procs) if p.exitcode not in (0, None)]
+    tried: Counter[str] = Counter()
+    outcome: Counter[str] = Counter()
+    findings: list[dict[str, Any]] = []
+    slowest = (0.0, "")
+    for r in results:
+        tried.update(r["tried"])
+        outcome.update(r["outcome"])
+        findings.extend(r["findings"])
+        slowest = max(slowest, tuple(r["slowest"]))  # type: ignore[arg-type]
+    return {"seconds": time.monotonic() - t0, "tried": tried, "outcome": outcome, "findings": findings,
+            "died": died, "slowest": slowest, "workers": workers, "seed": seed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--slow", type=float, default=5.0, help="an example slower than this (s) is a finding")
+    ap.add_argument("--skip-corpus", action="store_true")
+    args = ap.parse_args()
+
+    if not args.skip_corpus:
+        print("Hostile corpus (tests/_hostile.py), decoded directly with each policy")
+        print(f"{'kind':34s} {'pickle':48s} {'policy':8s} {'error':24s} {'ms':>9s} {'peak RSS +MiB':>13s}")
+        for kind, name, policy, got, dt, grew in corpus_table():
+            print(f"{kind:34s} {name:48s} {policy:8s} {got:24s} {dt * 1e3:9.1f} {grew:13.1f}")
+        print()
+
+    print(f"Fuzz campaign: {args.minutes} min on {args.workers} workers, seed {args.seed}")
+    res = campaign(args.minutes, args.workers, args.seed, args.slow)
+    total = sum(res["tried"].values())
+    print(f"ran {res['seconds']:.0f} s")
+    for name, n in sorted(res["tried"].items()):
+        print(f"  {n:10d}  {name}")
+    print(f"  {total:10d}  examples in all ({total / max(res['seconds'], 1e-9):.0f}/s)")
+    print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(res["outcome"].items())))
+    print(f"slowest example: {res['slowest'][0] * 1e3:.1f} ms ({res['slowest'][1]})")
+    print(f"workers that died: {len(res['died'])} {res['died'] if res['died'] else ''}")
+    print(f"findings (exceptions other than ours, slow examples): {len(res['findings'])}")
+    for f in res["findings"][:20]:
+        print(f"  - {f['target']} #{f['example']}: {f['error']}\n    input[:256] {f['input']}")
+        if "trace" in f:
+            print("    " + f["trace"].replace("\n", "\n    "))
+    sys.exit(1 if res["findings"] or res["died"] else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()
