@@ -41,7 +41,7 @@ from ._errors import (
 )
 from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
-from ._pipeline import Chunk, Pipeline
+from ._pipeline import Chunk, Pipeline, copy_bytes
 from ._plan import Piece, make_chunks, plan_tensor
 from ._retry import HedgePolicy, fetch_with_retry, translate
 from ._safe_pickle import check_metadata, safe_loads, short_repr
@@ -762,7 +762,7 @@ class PipelinedReader(StorageReader):
                                      key=item.dest_index.fqn, stager=self._stager):
                     part = data[p.start - rec.offset : p.end - rec.offset]
                     if p.into is not None:
-                        p.into[:] = part
+                        copy_bytes(p.into, part)
                     elif p.deliver is not None:
                         p.deliver(part)
                 n += dest.numel() * dest.element_size()

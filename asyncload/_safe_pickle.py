@@ -34,11 +34,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import os
 import pathlib
 import reprlib
 import struct
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -487,16 +485,11 @@ _DATACLASS_FIELDS: dict[type, frozenset[str]] = {
 # the bytes in memory: faster than pickle's pure-Python unpickler, and every opcode that
 # could allocate, hash or call is checked before it does.
 
-_U1 = struct.Struct("<B").unpack_from
 _U2 = struct.Struct("<H").unpack_from
 _U4 = struct.Struct("<I").unpack_from
 _I4 = struct.Struct("<i").unpack_from
 _U8 = struct.Struct("<Q").unpack_from
 _F8 = struct.Struct(">d").unpack_from
-
-
-class _Stop(Exception):
-    pass
 
 
 class _Decoder:
@@ -1299,5 +1292,3 @@ def check_metadata(md: Any, what: str) -> None:
     _check_structure(planner_data, f"{what} (planner_data)", 64, 1 << 24)
     _check_structure(meta, f"{what} (storage_meta)", 16, 1 << 20)
 
-
-_ = (os, sys)  # imported for type checkers of callers

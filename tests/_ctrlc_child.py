@@ -2,7 +2,11 @@
 interrupted (SIGINT delivered to the main thread, or ``_thread.interrupt_main``) after a
 given delay; after each, reports what was left behind. Prints one JSON line.
 
-    python _ctrlc_child.py CKPT MODE DELAY [DELAY ...]      MODE: signal | interrupt_main
+    python _ctrlc_child.py CKPT MODES DELAY [DELAY ...]
+
+MODES: comma-separated, each tried at every delay: ``signal`` (SIGINT delivered to the
+main thread), ``interrupt_main``, or ``http`` alone (a real SIGINT, the checkpoint read over
+HTTP through a proxy).
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ import asyncload
 from asyncload import LoadOptions
 from asyncload._pipeline import ByteBudget
 
-CKPT, MODE = sys.argv[1], sys.argv[2]
+CKPT, MODES = sys.argv[1], sys.argv[2].split(",")
 DELAYS = [float(x) for x in sys.argv[3:]]
 #: MODE "http": the checkpoint is read over HTTP through a proxy adding 5 ms each way, and
 #: after each interrupt no connection to it may remain open; the Ctrl-C is a real SIGINT
-REMOTE = MODE == "http"
+REMOTE = MODES == ["http"]
 SOURCE: str = CKPT
 STORAGE_OPTIONS: dict[str, object] = {}
 PROXY_PORT = 0
@@ -84,12 +88,12 @@ def leftovers() -> dict[str, object]:
 def main() -> None:
     main_ident = threading.main_thread().ident
     out = []
-    for delay in DELAYS:
+    for delay, mode in [(d, m) for d in DELAYS for m in MODES]:
         sent: dict[str, float] = {}
 
-        def fire(sent: dict[str, float] = sent) -> None:
+        def fire(sent: dict[str, float] = sent, mode: str = mode) -> None:
             sent["t"] = time.monotonic()
-            if MODE in ("signal", "http"):
+            if mode in ("signal", "http"):
                 signal.pthread_kill(main_ident, signal.SIGINT)  # type: ignore[arg-type]
             else:
                 _thread.interrupt_main()
@@ -118,7 +122,7 @@ def main() -> None:
             lag = returned - sent["t"]
         else:
             lag = 0.0
-        out.append({"delay": delay, "outcome": outcome, "lag": lag, **leftovers()})
+        out.append({"delay": delay, "mode": mode, "outcome": outcome, "lag": lag, **leftovers()})
     # the library still works after all that
     dest = fresh()
     asyncload.load(dest, SOURCE, options=OPTS, storage_options=STORAGE_OPTIONS)

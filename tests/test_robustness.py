@@ -59,31 +59,35 @@ def ckpt_128m(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 #: From "before the metadata is read" to "after the load finished", on this machine's speed.
-_DELAYS = [0.0, 0.002, 0.01, 0.03, 0.08, 0.2, 1.5]
+_DELAYS = [0.0, 0.003, 0.02, 0.08, 0.25, 1.5]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["signal", "interrupt_main", "http"])
-def test_ctrl_c_at_any_point_leaves_nothing_behind(ckpt_128m: Path, mode: str) -> None:
-    """SIGINT delivered to the main thread (or ``_thread.interrupt_main``) at points spread
-    over a sync ``asyncload.load``: KeyboardInterrupt comes back within 2 s; no
-    asyncload-io thread, open file, connection, task on the library's loop, or budget in
-    use remains; the next load in the same process is bit-exact."""
-    delays = _DELAYS if mode != "http" else [0.0, 0.05, 0.3, 6.0]
-    out = _child("_ctrlc_child.py", ckpt_128m, mode, *delays, timeout=230)
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_ctrl_c_at_any_point_leaves_nothing_behind(ckpt_128m: Path, where: str) -> None:
+    """SIGINT delivered to the main thread and ``_thread.interrupt_main`` (locally), a real
+    SIGINT over HTTP through a proxy, at points spread over a sync ``asyncload.load``:
+    KeyboardInterrupt comes back within 2 s; no asyncload-io thread, open file, connection,
+    task on the library's loop, or budget in use remains; the next load in the same process
+    is bit-exact."""
+    if where == "local":
+        out = _child("_ctrlc_child.py", ckpt_128m, "signal,interrupt_main", *_DELAYS, timeout=230)
+    else:
+        out = _child("_ctrlc_child.py", ckpt_128m, "http", 0.0, 0.05, 0.3, 4.0, timeout=230)
     runs = out["runs"]
     assert out["final_load_ok"]
-    assert any(r["outcome"] == "interrupted" for r in runs)
+    assert {r["mode"] for r in runs if r["outcome"] == "interrupted"} == ({"signal", "interrupt_main"}
+                                                                          if where == "local" else {"http"})
     assert runs[-1]["outcome"] == "completed"  # the last interrupt comes after the load
     for r in runs:
-        where = f"{mode}, interrupt after {r['delay']} s"
+        where_ = f"{r['mode']}, interrupt after {r['delay']} s"
         if r["outcome"] == "interrupted":
-            assert r["lag"] < 2.0, f"{where}: control came back after {r['lag']:.2f} s"
-        assert r["threads"] == [], where
-        assert r["fds"] == [], where
-        assert r["budget_used"] == [], where
-        assert r["tasks"] == 0, where
-        assert r.get("connections", []) == [], where
+            assert r["lag"] < 2.0, f"{where_}: control came back after {r['lag']:.2f} s"
+        assert r["threads"] == [], where_
+        assert r["fds"] == [], where_
+        assert r["budget_used"] == [], where_
+        assert r["tasks"] == 0, where_
+        assert r.get("connections", []) == [], where_
 
 
 @pytest.mark.timeout(60)
@@ -133,19 +137,21 @@ def test_fork_safety(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_peak_rss_above_destination_under_concurrency_64(tmp_path_factory: pytest.TempPathFactory,
-                                                         layout: str) -> None:
-    """256 MiB checkpoint, concurrency 64, memory_budget 8 MiB, 128 KiB chunks: the peak RSS
-    above the (touched) destination stays within the budget plus a fixed overhead (a
-    generous 64 MiB here; docs/integrity.md has the measured figures)."""
+def test_peak_rss_above_destination_under_concurrency_64(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """256 MiB checkpoint, concurrency 64, memory_budget 8 MiB, 128 KiB chunks, into
+    contiguous destinations (reads land in them) and into transposed views (every byte
+    staged): the peak RSS above the (touched) destination stays within the budget plus a
+    fixed overhead (a generous 64 MiB here; docs/integrity.md has the measured figures)."""
     path = _ckpt_256m(tmp_path_factory)
     budget = 8 * MiB
-    out = _child("_memory_child.py", path, 32, 2048, 1024, 64, budget, 128 << 10, layout, timeout=190)
-    assert out["ok"]
-    assert out["peak_buffered_bytes"] <= budget
-    assert out["peak_concurrency"] >= 32
-    assert out["above_destination"] <= budget + 64 * MiB, out
+    out = _child("_memory_child.py", path, 32, 2048, 1024, 64, budget, 128 << 10, "contiguous,transposed",
+                 timeout=190)
+    assert [r["layout"] for r in out] == ["contiguous", "transposed"]
+    for r in out:
+        assert r["ok"], r
+        assert r["peak_buffered_bytes"] <= budget, r
+        assert r["peak_concurrency"] >= 32, r
+        assert r["above_destination"] <= budget + 64 * MiB, r
 
 
 _CKPT_256: list[Path] = []
@@ -183,13 +189,13 @@ def test_load_while_a_save_overwrites_the_checkpoint(tmp_path: Path, single_file
     n, rows, cols = 8, 2048, 1024  # 64 MiB per save
     path = tmp_path / "ckpt"
     _save(path, 0.0, n=n, rows=rows, cols=cols, single=single_file)
-    writer = subprocess.Popen([sys.executable, str(TESTS / "_writer_child.py"), *map(str, (path, 4, n, rows, cols,
+    writer = subprocess.Popen([sys.executable, str(TESTS / "_writer_child.py"), *map(str, (path, 3, n, rows, cols,
                                                                                            int(single_file)))],
                               stdout=subprocess.PIPE, text=True, cwd=TESTS)
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         outcomes: dict[str, int] = {}
-        end = time.monotonic() + 3.0
+        end = time.monotonic() + 2.5
         while time.monotonic() < end:
             dest = {f"t{i}": torch.full((rows, cols), -1.0) for i in range(n)}
             try:
