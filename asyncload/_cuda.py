@@ -43,6 +43,7 @@ import torch
 
 from ._options import LoadOptions
 from ._pipeline import Chunk, _assemble, copy_bytes
+from ._plan import _contiguous_box as _row_major
 from ._plan import memory_of
 from ._retry import fetch_with_retry
 
@@ -389,17 +390,6 @@ class PinnedRing:
 
 
 # --- one load's device path -------------------------------------------------------------------
-
-
-def _row_major(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    expected = 1
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n == 1:
-            continue
-        if s != expected:
-            return False
-        expected *= n
-    return True
 
 
 class DeviceStager:

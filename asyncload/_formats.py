@@ -57,7 +57,7 @@ from ._options import LoadOptions
 from ._plan import TensorLocation
 from ._retry import fetch_with_retry
 from ._safe_pickle import TensorRef
-from ._safetensors import HEADER_PROBE, SafetensorsHeader, aread_header, looks_like_safetensors
+from ._safetensors import HEADER_PROBE, SafetensorsHeader, _no_duplicates, aread_header, looks_like_safetensors
 from ._stats import StatsRecorder
 from ._storage import FsspecStorage, LocalStorage, Storage, is_local, local_root
 from ._torchsave import (
@@ -394,15 +394,6 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
         return await _atorchsave_files(fetcher, list(zip(files, [s or 0 for s in sizes])), weight_map, source)
     raise CheckpointFormatError(f"{url} names shards that are neither all safetensors nor all zip-format "
                                 "torch.save files")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r:.200}")
-        out[k] = v
-    return out
 
 
 # --- safetensors ------------------------------------------------------------------------
