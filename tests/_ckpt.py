@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -181,3 +182,15 @@ def asyncload_threads(prefix: str = "asyncload-io", *, ignore: set[Any] | frozen
     """Names of live threads starting with ``prefix``, except those in ``ignore`` (a
     :func:`live_threads` snapshot taken before the code under test ran)."""
     return sorted(t.name for t in live_threads(prefix) if t not in ignore)
+
+
+#: asyncload threads alive before the current test (left by other tests, if any): not ours to judge
+THREADS_BEFORE: set = set()
+
+
+@pytest.fixture(autouse=True)
+def thread_baseline():
+    """Autouse in the modules that import it: records :data:`THREADS_BEFORE` for the test."""
+    THREADS_BEFORE.clear()
+    THREADS_BEFORE.update(live_threads("asyncload-"))
+    yield

@@ -18,8 +18,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import asyncload
 from _ckpt import (
+    THREADS_BEFORE,
+    thread_baseline,  # noqa: F401 - autouse fixture
     asyncload_threads,
-    live_threads,
     assert_bitwise_equal,
     copy_dir_to_fsspec,
     make_checkpoint,
@@ -354,21 +355,10 @@ def big_ckpt(tmp_path_factory):
 CANCEL_OPTS = asyncload.LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=1)
 
 
-#: asyncload threads alive before the current test (left by other tests, if any): not ours to judge
-_BEFORE: set = set()
-
-
-@pytest.fixture(autouse=True)
-def _thread_baseline():
-    _BEFORE.clear()
-    _BEFORE.update(live_threads("asyncload-"))
-    yield
-
-
 def _assert_nothing_left(path) -> None:
-    assert asyncload_threads("asyncload-io", ignore=_BEFORE) == []
-    assert asyncload_threads("asyncload-aload", ignore=_BEFORE) == []
-    assert asyncload_threads("asyncload-start-load", ignore=_BEFORE) == []
+    assert asyncload_threads("asyncload-io", ignore=THREADS_BEFORE) == []
+    assert asyncload_threads("asyncload-aload", ignore=THREADS_BEFORE) == []
+    assert asyncload_threads("asyncload-start-load", ignore=THREADS_BEFORE) == []
     assert open_fds_under(path) == []
 
 

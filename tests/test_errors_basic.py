@@ -16,8 +16,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
 from _ckpt import (
+    THREADS_BEFORE,
+    thread_baseline,  # noqa: F401 - autouse fixture
     asyncload_threads,
-    live_threads,
     assert_bitwise_equal,
     make_checkpoint,
     open_fds_under,
@@ -52,19 +53,8 @@ def _all_zero(dst: dict) -> bool:
                for v in dst.values() if isinstance(v, torch.Tensor))
 
 
-#: asyncload threads alive before the current test (left by other tests, if any): not ours to judge
-_BEFORE: set = set()
-
-
-@pytest.fixture(autouse=True)
-def _thread_baseline():
-    _BEFORE.clear()
-    _BEFORE.update(live_threads("asyncload-"))
-    yield
-
-
 def _nothing_left(path) -> None:
-    assert asyncload_threads("asyncload-io", ignore=_BEFORE) == []
+    assert asyncload_threads("asyncload-io", ignore=THREADS_BEFORE) == []
     assert open_fds_under(path) == []
 
 
