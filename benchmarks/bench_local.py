@@ -1,31 +1,46 @@
 """Local-disk load benchmark: the raw read bound, torch's dcp.load (FileSystemReader) and
 asyncload.load, interleaved in one run on the same checkpoint, warm page cache.
 
-    python benchmarks/bench_local.py --size-mib 1024 --rounds 3
+    python benchmarks/bench_local.py --size-mib 1024 --rounds 3            # one warmed process
+    python benchmarks/bench_local.py --size-mib 1024 --rounds 3 --fresh    # + first loads in fresh processes
+    PYTHONPATH=/path/to/tree python benchmarks/bench_local.py --fresh-only # another asyncload tree
 
 Prints throughput (GiB/s of tensor bytes), ratios to the raw bound and peak RSS above
 the destination tensors (the destination is allocated with torch.zeros before timing).
 Peak RSS is the kernel's high-water mark, reset before each call; glibc may serve a reader
 from memory an earlier reader freed, so the figure can understate a reader's allocations.
+
+``--fresh`` adds what a job that resumes once sees: each contender's FIRST load in a fresh
+subprocess (benchmarks/_fresh_child.py; imports and the touched torch.zeros destination
+before the clock; page cache warmed by the parent before every round), interleaved round by
+round, the bound measured the same way (positional reads into a touched destination-sized
+buffer in a fresh process). Then asyncload's fixed cost: the first ``asyncload.load`` of a
+one-tensor checkpoint in a fresh process (and a second load of it in the same process), and
+a timeline of a first load (file opens, first positional reads, "asyncload" DEBUG log
+records, modules imported during the call). Children inherit this process's asyncload: the
+directory above ``asyncload.__file__`` goes first on their PYTHONPATH, and each child's
+``asyncload.__file__`` is checked against this one.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _common as C  # noqa: E402
+import _common as C
 
-import asyncload  # noqa: E402
-
+import asyncload
 
 _BUFS = [bytearray(8 << 20) for _ in range(2)]  # allocated and touched once, reused by every round
 
@@ -53,28 +68,179 @@ def raw_bound(files: list[str], threads: int = 2, block: int = 8 << 20) -> None:
             os.close(fd)
 
 
-def raw_into_destination(files: list[str], dest: memoryview, threads: int = 2, block: int = 8 << 20) -> None:
-    """The same reads into one destination-sized, already-touched buffer: a loader's
-    physical limit, since it must write every byte into DRAM-resident tensors."""
-    jobs = []
-    pos = 0
-    for f in files:
-        size = os.path.getsize(f)
-        for off in range(0, size, block):
-            n = min(block, size - off)
-            jobs.append((f, off, pos, n))
-            pos += n
-    fds = {f: os.open(f, os.O_RDONLY) for f in files}
-    try:
-        def work(i: int) -> None:
-            for f, off, at, n in jobs[i::threads]:
-                os.preadv(fds[f], [dest[at : at + n]], off)
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fresh_child.py")
+BAR_MS = 20.0  # the issue's bar: fixed cost of the first load in a fresh process
 
-        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-            list(ex.map(work, range(threads)))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+
+def loadavg(when: str) -> None:
+    la = os.getloadavg()
+    print(f"load average ({when}): {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}  [{time.strftime('%H:%M:%S')}]", flush=True)
+
+
+def child_env() -> dict[str, str]:
+    """This process's asyncload first on the child's path (then whatever PYTHONPATH held)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(asyncload.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def run_child(cfg: dict[str, object], env: dict[str, str]) -> dict[str, object]:
+    r = subprocess.run([sys.executable, CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env,
+                       timeout=900)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode or not lines:
+        raise SystemExit(f"fresh child {cfg['mode']} failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n"
+                         f"{r.stderr[-4000:]}")
+    res: dict[str, object] = json.loads(lines[-1][len("RESULT "):])
+    got = res.get("asyncload_file")
+    if got is not None and os.path.realpath(str(got)) != os.path.realpath(asyncload.__file__):
+        raise SystemExit(f"fresh child imported {got}, this process {asyncload.__file__}")
+    return res
+
+
+def print_timeline(title: str, res: dict[str, object], per_kind: int = 4) -> float | None:
+    """Print a timeline child's events (at most ``per_kind`` of each kind); return the time
+    of the first positional read (ms from the call), if any."""
+    print(f"\n{title}: {float(res['seconds']) * 1e3:.2f} ms in all (ms from the call; DEBUG logging on)")
+    shown: dict[str, int] = {}
+    first_read = None
+    for ms, what in res["events"]:  # type: ignore[attr-defined]
+        kind = (what.split(" #")[0] if what.startswith("os.") else
+                what.split()[0] if what.startswith(("import", "thread")) else " ".join(what.split()[:2]))
+        if what.startswith(("os.pread", "os.preadv", "os.readv")) and first_read is None:
+            first_read = ms
+        shown[kind] = shown.get(kind, 0) + 1
+        if shown[kind] <= per_kind:
+            print(f"  {ms:9.2f}  {what}")
+    more = {k: n - per_kind for k, n in shown.items() if n > per_kind}
+    if more:
+        print("  (not shown: " + ", ".join(f"{n} more '{k}'" for k, n in more.items()) + ")")
+    print(f"  {float(res['seconds']) * 1e3:9.2f}  returned")
+    mods = res["modules_imported"]
+    assert isinstance(mods, list)
+    top = sorted({m.split(".")[0] for m in mods})
+    print(f"  modules imported during the call: {len(mods)}" + (f" (packages: {', '.join(top[:12])})" if mods else ""))
+    print(f"  threads left running after the call: {res['threads_left']}")
+    if first_read is not None:
+        print(f"  first positional read at {first_read:.2f} ms")
+    return first_read
+
+
+def warm_section(args: argparse.Namespace, path: str, files: list[str], total: int, file_bytes: int,
+                 shapes: dict[str, tuple[list[int], str]], opts: asyncload.LoadOptions) -> None:
+    template = {k: torch.empty(s, dtype=getattr(torch, dt)) for k, (s, dt) in shapes.items()}
+    dest = C.zeros_like(template)
+    del template
+    raw_bound(files)  # warm the page cache
+    big = torch.zeros(file_bytes, dtype=torch.uint8)
+    big_mv = memoryview(big.numpy())
+    competitors = {
+        "raw bound (preadv, 2 threads)": lambda: raw_bound(files),
+        "raw into destination-sized buffer": lambda: C.raw_into_destination(files, big_mv),
+        "torch dcp.load FileSystemReader": lambda: dcp.load(dest, storage_reader=dcp.FileSystemReader(path),
+                                                            no_dist=True),
+        "asyncload.load": lambda: asyncload.load(dest, path, options=opts),
+    }
+    if args.verify:
+        vopts = opts.replace(verify=True)
+        competitors["asyncload.load verify=True"] = lambda: asyncload.load(dest, path, options=vopts)
+    times: dict[str, list[float]] = {k: [] for k in competitors}
+    peaks: dict[str, list[int]] = {k: [] for k in competitors}
+    for _ in range(args.rounds):
+        for name, fn in competitors.items():
+            dt, peak = C.measure(fn)
+            times[name].append(dt)
+            peaks[name].append(peak)
+    print(f"\n== one warmed process ==\ncheckpoint: {C.gib(total)} GiB of tensors in {len(files)} file(s) "
+          f"({C.gib(file_bytes)} GiB), {len(dest)} keys; warm page cache; median of {args.rounds} interleaved "
+          f"rounds; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(f"asyncload options: concurrency={args.concurrency} chunk_size={args.chunk_mib} MiB "
+          f"memory_budget={args.budget_mib} MiB")
+    bound = C.median(times["raw bound (preadv, 2 threads)"])
+    dbound = C.median(times["raw into destination-sized buffer"])
+    print(f"{'reader':36s} {'seconds':>8s} {'GiB/s':>7s} {'x bound':>8s} {'x dest bound':>12s} "
+          f"{'peak RSS above dest':>20s}")
+    for name in competitors:
+        t = C.median(times[name])
+        print(f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:8.2f} {dbound / t:12.2f} "
+              f"{max(peaks[name]) / (1 << 20):17.1f} MiB")
+    st = asyncload.load(dest, path, options=opts)
+    print(f"\nasyncload stats: {st}", flush=True)
+
+
+def fresh_section(args: argparse.Namespace, tmp: str, path: str, files: list[str], total: int,
+                  shapes_file: str, checks: dict[str, float], o: dict[str, object]) -> None:
+    env = child_env()
+    base = {"path": path, "files": files, "shapes": shapes_file, "check": checks}
+    contenders = {
+        "raw into destination-sized buffer": {"mode": "bound"},
+        "torch dcp.load FileSystemReader": {"mode": "torch", "second": True},
+        "asyncload.load": {"mode": "asyncload", "options": o, "second": True},
+    }
+    names = list(contenders)
+    res: dict[str, list[dict[str, object]]] = {k: [] for k in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # interleaved, order rotated per round
+            raw_bound(files)  # page cache warm before every child
+            out = run_child({**base, **contenders[name]}, env)
+            if "check" in out and out["check"] != checks:
+                raise SystemExit(f"{name} (fresh) loaded wrong values: {out['check']} != {checks}")
+            res[name].append(out)
+    print(f"\n== first load in a fresh process ({args.rounds} interleaved rounds, medians) ==")
+    print("each in its own subprocess: imports and the torch.zeros destination before the clock, page cache warm;"
+          "\n'2nd load' is the same call again in that process (warm, as in the section above)")
+    bound = C.median([float(x["seconds"]) for x in res[names[0]]])
+    print(f"{'reader (first load, fresh process)':36s} {'seconds':>8s} {'GiB/s':>7s} {'x fresh bound':>13s} "
+          f"{'peak RSS above dest':>20s} {'2nd load s':>10s} {'first - 2nd':>12s}")
+    for name in names:
+        t = C.median([float(x["seconds"]) for x in res[name]])
+        peak = max(int(x["peak"]) for x in res[name]) / (1 << 20)  # type: ignore[call-overload]
+        second = ""
+        if res[name] and "seconds2" in res[name][0]:
+            t2 = C.median([float(x["seconds2"]) for x in res[name]])
+            second = f"{t2:10.3f} {(t - t2) * 1e3:9.1f} ms"
+        print(f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:13.2f} {peak:17.1f} MiB {second}")
+    al = C.median([float(x["seconds"]) for x in res["asyncload.load"]])
+    print(f"asyncload first load above the fresh bound: {(al - bound) * 1e3:.1f} ms; "
+          f"per round (s): " + ", ".join(f"{float(x['seconds']):.3f}" for x in res["asyncload.load"]))
+    st = run_child({**base, "mode": "asyncload", "options": o, "stats": True}, env)
+    print(f"asyncload stats (a fresh process's load after its first): {st['stats']}", flush=True)
+
+
+def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_file: str) -> None:
+    env = child_env()
+    tiny = os.path.join(tmp, "tiny")
+    dcp.save({"w": torch.arange(16, dtype=torch.float32)}, checkpoint_id=tiny, no_dist=True)
+    tiny_shapes = os.path.join(tmp, "tiny-shapes.json")
+    with open(tiny_shapes, "w") as f:
+        json.dump({"w": [[16], "float32"]}, f)
+    n = max(5, args.rounds)
+    rows: dict[str, list[dict[str, object]]] = {"asyncload.load (default options)": [],
+                                                "torch dcp.load FileSystemReader": []}
+    for _ in range(n):
+        for name in rows:
+            mode = "asyncload" if name.startswith("asyncload") else "torch"
+            rows[name].append(run_child({"mode": mode, "path": tiny, "shapes": tiny_shapes, "second": True}, env))
+    print(f"\n== fixed cost: a one-tensor checkpoint (16 float32), first load in a fresh process "
+          f"(median of {n}) ==")
+    print(f"{'loader':36s} {'first load ms':>13s} {'2nd load ms':>11s} {'first - 2nd':>12s}   first loads (ms)")
+    for name, rs in rows.items():
+        a = C.median([float(x["seconds"]) * 1e3 for x in rs])
+        b = C.median([float(x["seconds2"]) * 1e3 for x in rs])
+        each = " ".join(f"{float(x['seconds']) * 1e3:.1f}" for x in rs)
+        print(f"{name:36s} {a:13.2f} {b:11.2f} {a - b:9.2f} ms   {each}")
+    fixed = C.median([float(x["seconds"]) * 1e3 for x in rows["asyncload.load (default options)"]])
+    tl = run_child({"mode": "timeline", "path": tiny, "shapes": tiny_shapes, "watch": [tiny]}, env)
+    print_timeline("timeline of a first asyncload.load of the one-tensor checkpoint, fresh process", tl)
+    tl_big = run_child({"mode": "timeline", "path": path, "shapes": shapes_file, "watch": [path]}, env)
+    first_read = print_timeline(f"timeline of a first asyncload.load of the {args.size_mib} MiB checkpoint, "
+                                f"fresh process", tl_big)
+    print(f"\nfixed cost of a first load: {fixed:.1f} ms (first asyncload.load of a one-tensor checkpoint in a "
+          f"fresh process, median of {n}; issue's bar <= {BAR_MS:.0f} ms: {'met' if fixed <= BAR_MS else 'NOT met'})")
+    if first_read is not None:
+        print(f"time to the first positional read, {args.size_mib} MiB checkpoint, fresh process: {first_read:.1f} ms "
+              f"(one run, DEBUG logging on)", flush=True)
 
 
 def main() -> None:
@@ -86,59 +252,44 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--budget-mib", type=int, default=512)
     ap.add_argument("--verify", action="store_true", help="also time asyncload with verify=True")
+    ap.add_argument("--fresh", action="store_true",
+                    help="also time each contender's first load in a fresh process, and asyncload's fixed cost")
+    ap.add_argument("--fresh-only", action="store_true", help="only the fresh-process sections")
     args = ap.parse_args()
 
+    print(f"asyncload: {asyncload.__file__} (version {getattr(asyncload, '__version__', '?')}); python "
+          f"{sys.executable}; PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}")
+    loadavg("start")
     tmp = tempfile.mkdtemp(prefix="asyncload-bench-", dir=args.dir)
     try:
         sd = C.transformer_state_dict(args.size_mib << 20)
         total = C.nbytes(sd)
         path = os.path.join(tmp, "ckpt")
         dcp.save(sd, checkpoint_id=path)
+        shapes = {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
+        check_keys = [next(iter(sd)), list(sd)[len(sd) // 2], list(sd)[-1]]
+        checks = {k: float(sd[k].double().sum()) for k in check_keys}
         del sd
+        shapes_file = os.path.join(tmp, "shapes.json")
+        with open(shapes_file, "w") as f:
+            json.dump(shapes, f)
         files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".distcp")]
         file_bytes = sum(os.path.getsize(f) for f in files)
-        template = C.transformer_state_dict(args.size_mib << 20, seed=1)
-        dest = C.zeros_like(template)
-        del template
         opts = asyncload.LoadOptions(concurrency=args.concurrency, chunk_size=args.chunk_mib << 20,
                                      memory_budget=args.budget_mib << 20)
-        raw_bound(files)  # warm the page cache
-        big = torch.zeros(file_bytes, dtype=torch.uint8)
-        big_mv = memoryview(big.numpy())
-        competitors = {
-            "raw bound (preadv, 2 threads)": lambda: raw_bound(files),
-            "raw into destination-sized buffer": lambda: raw_into_destination(files, big_mv),
-            "torch dcp.load FileSystemReader": lambda: dcp.load(dest, storage_reader=dcp.FileSystemReader(path),
-                                                                no_dist=True),
-            "asyncload.load": lambda: asyncload.load(dest, path, options=opts),
-        }
-        if args.verify:
-            vopts = opts.replace(verify=True)
-            competitors["asyncload.load verify=True"] = lambda: asyncload.load(dest, path, options=vopts)
-        times: dict[str, list[float]] = {k: [] for k in competitors}
-        peaks: dict[str, list[int]] = {k: [] for k in competitors}
-        for _ in range(args.rounds):
-            for name, fn in competitors.items():
-                dt, peak = C.measure(fn)
-                times[name].append(dt)
-                peaks[name].append(peak)
-        print(f"checkpoint: {C.gib(total)} GiB of tensors in {len(files)} file(s) ({C.gib(file_bytes)} GiB), "
-              f"{len(dest)} keys; warm page cache; median of {args.rounds} interleaved rounds; "
-              f"torch {torch.__version__}, {os.cpu_count()} CPUs")
-        print(f"asyncload options: concurrency={args.concurrency} chunk_size={args.chunk_mib} MiB "
-              f"memory_budget={args.budget_mib} MiB")
-        bound = C.median(times["raw bound (preadv, 2 threads)"])
-        dbound = C.median(times["raw into destination-sized buffer"])
-        print(f"{'reader':36s} {'seconds':>8s} {'GiB/s':>7s} {'x bound':>8s} {'x dest bound':>12s} "
-              f"{'peak RSS above dest':>20s}")
-        for name in competitors:
-            t = C.median(times[name])
-            print(f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:8.2f} {dbound / t:12.2f} "
-                  f"{max(peaks[name]) / (1 << 20):17.1f} MiB")
-        st = asyncload.load(dest, path, options=opts)
-        print(f"\nasyncload stats: {st}")
+        if not args.fresh_only:
+            warm_section(args, path, files, total, file_bytes, shapes, opts)
+            loadavg("after the warmed-process section")
+        if args.fresh or args.fresh_only:
+            o = {"concurrency": args.concurrency, "chunk_size": args.chunk_mib << 20,
+                 "memory_budget": args.budget_mib << 20}
+            fresh_section(args, tmp, path, files, total, shapes_file, checks, o)
+            loadavg("after the fresh-process section")
+            fixed_cost_section(args, tmp, path, shapes_file)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nasyncload: {asyncload.__file__}")
+    loadavg("end")
 
 
 if __name__ == "__main__":

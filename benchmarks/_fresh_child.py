@@ -1,0 +1,159 @@
+"""Child of ``bench_local.py --fresh``: one contender's FIRST load in a fresh process.
+
+    python benchmarks/_fresh_child.py '<json config>'
+
+Before the clock: the imports (torch; plus asyncload or torch.distributed.checkpoint for
+the contender that needs it) and the destination (torch.zeros, so its memory is touched).
+The parent warms the page cache. Prints one line ``RESULT <json>``: seconds, peak RSS above
+the destination (the kernel's high-water mark, reset just before the call), and, when
+asked, the same call again in the same (now warm) process.
+
+Modes: ``bound`` (positional reads into one destination-sized buffer), ``torch``
+(``dcp.load`` + ``FileSystemReader``), ``asyncload`` (``asyncload.load``), ``timeline``
+(``asyncload.load`` with a record of what happened when: file opens, positional reads,
+DEBUG log records of the "asyncload" logger, modules imported during the call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+cfg: dict[str, Any] = json.loads(sys.argv[1])
+mode = cfg["mode"]
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# --- the timeline's probes go in before asyncload is imported, so ``from os import preadv`` is seen too
+_events: list[tuple[float, str]] = []
+_recording = [False]
+if mode == "timeline":
+    import logging
+
+    def _wrap(name: str) -> None:
+        orig = getattr(os, name, None)
+        if orig is None:
+            return
+        seen = [0]
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            if _recording[0] and seen[0] < 3:
+                seen[0] += 1
+                _events.append((time.perf_counter(), f"os.{name} #{seen[0]} (fd {a[0]})"))
+            return orig(*a, **k)
+
+        setattr(os, name, wrapper)
+
+    for _n in ("pread", "preadv", "read", "readv"):
+        _wrap(_n)
+
+    import threading as _threading
+
+    _start = _threading.Thread.start
+
+    def _thread_start(self: _threading.Thread) -> None:
+        if _recording[0]:
+            _events.append((time.perf_counter(), f"thread start {self.name}"))
+        _start(self)
+
+    _threading.Thread.start = _thread_start  # type: ignore[method-assign]
+
+    _ckpt_dirs = tuple(os.path.realpath(p) for p in cfg.get("watch", []))
+
+    def _audit(event: str, args: tuple[Any, ...]) -> None:
+        if not _recording[0]:
+            return
+        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            p = os.fsdecode(args[0])
+            if _ckpt_dirs and os.path.realpath(p).startswith(_ckpt_dirs):
+                _events.append((time.perf_counter(), f"open {os.path.basename(p)}"))
+        elif event == "mmap.__new__":
+            _events.append((time.perf_counter(), "mmap"))
+        elif event == "import" and args and isinstance(args[0], str) and args[0] not in sys.modules:
+            _events.append((time.perf_counter(), f"import {args[0]}"))
+
+    sys.addaudithook(_audit)
+
+    class _Rec(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if _recording[0]:
+                _events.append((time.perf_counter(), f"log {record.name}: {record.getMessage()[:110]}"))
+
+    _lg = logging.getLogger("asyncload")
+    _lg.setLevel(logging.DEBUG)
+    _lg.addHandler(_Rec())
+
+import _common as C
+import torch
+
+al_file = None
+if mode in ("asyncload", "timeline"):
+    import asyncload
+
+    al_file = asyncload.__file__
+if mode == "torch":
+    import torch.distributed.checkpoint as dcp
+
+
+def destination() -> dict[str, torch.Tensor]:
+    with open(cfg["shapes"]) as f:
+        shapes = json.load(f)
+    return {k: torch.zeros(s, dtype=getattr(torch, dt)) for k, (s, dt) in shapes.items()}
+
+
+def checksums(sd: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: float(sd[k].double().sum()) for k in cfg.get("check", {})}
+
+
+out: dict[str, Any] = {"mode": mode, "asyncload_file": al_file, "pid": os.getpid()}
+fn: Callable[[], Any]
+if mode == "bound":
+    buf = torch.zeros(sum(os.path.getsize(f) for f in cfg["files"]), dtype=torch.uint8)
+    mv = memoryview(buf.numpy())
+    files = cfg["files"]
+
+    def fn() -> Any:
+        return C.raw_into_destination(files, mv)
+else:
+    dest = destination()
+    path = cfg["path"]
+    if mode == "torch":
+        def fn() -> Any:
+            return dcp.load(dest, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    else:
+        o = cfg.get("options")
+        opts = asyncload.LoadOptions(**o) if o else None
+
+        def fn() -> Any:
+            return asyncload.load(dest, path, options=opts) if opts is not None else asyncload.load(dest, path)
+
+if mode == "timeline":
+    import threading
+
+    mods0 = set(sys.modules)
+    threads0 = threading.active_count()
+    _recording[0] = True
+    t0 = time.perf_counter()
+    res = fn()
+    t1 = time.perf_counter()
+    _recording[0] = False
+    out["seconds"] = t1 - t0
+    out["events"] = [((t - t0) * 1e3, what) for t, what in _events]
+    new = sorted(set(sys.modules) - mods0)
+    out["modules_imported"] = new
+    out["threads_left"] = threading.active_count() - threads0
+else:
+    dt, peak = C.measure(fn)
+    res = None
+    out["seconds"], out["peak"] = dt, peak
+    if cfg.get("second"):
+        out["seconds2"], out["peak2"] = C.measure(fn)
+if mode in ("torch", "asyncload") and cfg.get("check"):
+    out["check"] = checksums(dest)
+if mode == "asyncload" and cfg.get("stats"):
+    out["stats"] = str(fn())
+print("RESULT " + json.dumps(out), flush=True)
