@@ -12,6 +12,7 @@ from ._errors import (
     ChunkTimeoutError,
     DistributedLoadError,
     LoadCancelledError,
+    LoadReentryError,
     StateDictMismatchError,
     StorageReadError,
     UnsafeCheckpointError,
@@ -41,5 +42,6 @@ __all__ = [
     "StateDictMismatchError",
     "DistributedLoadError",
     "LoadCancelledError",
+    "LoadReentryError",
     "__version__",
 ]

@@ -7,43 +7,20 @@ import concurrent.futures
 import logging
 import os
 import threading
-import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ._dcp import PipelinedLoadPlanner, PipelinedReader
-from ._errors import AsyncLoadError, DistributedLoadError, LoadCancelledError
+from ._driver import load_steps, run_async, run_sync
+from ._errors import LoadCancelledError
 from ._options import LoadOptions
-from ._sharded import collective_load
 from ._stats import LoadStats
 
-__all__ = ["load", "aload", "start_load", "LoadHandle"]
+__all__ = ["LoadHandle", "aload", "load", "start_load"]
 
 log = logging.getLogger("asyncload")
-
-# dcp.load warns on every single-process load; asyncload passes no_dist on purpose.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-class _QuietDcpFallback(logging.Filter):
-    """dcp.load logs "Global metadata is not found..." with a traceback on the *root* logger
-    when the reader's read_metadata raises, then tries rank-local metadata; with no logging
-    configured Python prints that to stderr. When the error is asyncload's own (it is raised
-    to the caller anyway, as one clear exception), drop the record: the library never prints."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, AsyncLoadError) and record.name == "root"
-                    and "metadata is not found" in str(record.msg))
-
-
-if not any(isinstance(f, _QuietDcpFallback) for f in logging.getLogger().filters):
-    logging.getLogger().addFilter(_QuietDcpFallback())
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -51,6 +28,8 @@ ProgressCallback = Callable[[int, int], None]
 def _prepare(checkpoint: str | os.PathLike[str], options: LoadOptions | None,
              storage_options: Mapping[str, Any] | None, planner: LoadPlanner | None,
              progress: ProgressCallback | None) -> tuple[PipelinedReader, LoadPlanner]:
+    """The load's reader and planner, with its options resolved once: ``options``, else an
+    explicitly configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them."""
     if options is None:
         if isinstance(planner, PipelinedLoadPlanner) and planner.has_options:
             options = planner.options
@@ -59,51 +38,11 @@ def _prepare(checkpoint: str | os.PathLike[str], options: LoadOptions | None,
     elif not isinstance(options, LoadOptions):
         raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
     reader = PipelinedReader(checkpoint, options=options, storage_options=dict(storage_options or {}))
-    reader._close_after_metadata = False  # _load_sync closes it when the load ends
+    reader._options_fixed = True  # these options govern every read, whatever the planner carries
     reader.progress = progress
     if planner is None:
         planner = PipelinedLoadPlanner(options=options)
     return reader, planner
-
-
-def _unwrap(exc: CheckpointException, rank: int) -> BaseException:
-    """The error to raise for a DCP CheckpointException: this rank's own, else a named remote one."""
-    failures = exc.failures
-    if rank in failures:
-        own = failures[rank][0]
-        return own
-    first_rank = min(failures)
-    remote = failures[first_rank][0]
-    return DistributedLoadError(f"rank {first_rank} failed during the load: {type(remote).__name__}: {remote}"[:2000])
-
-
-def _load_sync(state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner,
-               process_group: Any) -> LoadStats:
-    use_dist = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(process_group) if use_dist else 0
-    log.debug("loading %s into %d keys", reader.checkpoint, len(state_dict))
-    try:
-        if use_dist and dist.get_world_size(process_group) > 1:
-            # dcp.load's collective steps, with every wait on another rank bounded by
-            # LoadOptions.collective_timeout and one rank's failure raised on all of them
-            collective_load(state_dict, reader, planner, process_group)
-        else:
-            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                     no_dist=not use_dist)
-    except CheckpointException as exc:
-        err = _unwrap(exc, rank)
-        if isinstance(err, AssertionError) and reader.metadata_error is not None:
-            err = reader.metadata_error  # dcp.load's "metadata is None" hides the real cause
-        raise err from (None if err.__traceback__ is not None else exc)
-    finally:
-        try:
-            reader.close()
-        except Exception:  # noqa: BLE001 - never mask the load's own outcome
-            log.debug("closing the reader failed", exc_info=True)
-    stats = reader.stats
-    assert stats is not None
-    log.info("loaded %s: %s", reader.checkpoint, stats)
-    return stats
 
 
 def load(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *, options: LoadOptions | None = None,
@@ -118,51 +57,19 @@ def load(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *, opti
     ``progress(bytes_done, bytes_total)`` is called as data lands (from a library thread).
     """
     reader, planner = _prepare(checkpoint, options, storage_options, planner, progress)
-    return _load_sync(state_dict, reader, planner, process_group)
+    return run_sync(load_steps(state_dict, reader, planner, process_group), reader)
 
 
 async def aload(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *,
                 options: LoadOptions | None = None, storage_options: Mapping[str, Any] | None = None,
                 planner: LoadPlanner | None = None, process_group: Any = None,
                 progress: ProgressCallback | None = None) -> LoadStats:
-    """:func:`load` as a coroutine. Reads run on the caller's event loop (uvloop too);
-    planning and the planner's hooks run on a worker thread so the loop stays free.
-    Cancelling it cancels the reads and returns once nothing of the load is left running."""
+    """:func:`load` as a coroutine, natively on the caller's event loop (uvloop too): reads
+    run on it; planning, collectives and the planner's hooks run on a worker thread so the
+    loop stays free. Cancelling it cancels the reads and returns once nothing of the load
+    is left running (files and sessions closed)."""
     reader, planner = _prepare(checkpoint, options, storage_options, planner, progress)
-    loop = asyncio.get_running_loop()
-    reader._use_loop(loop)
-    done = asyncio.Event()
-    result: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            result["stats"] = _load_sync(state_dict, reader, planner, process_group)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            result["error"] = exc
-        finally:
-            loop.call_soon_threadsafe(done.set)
-
-    thread = threading.Thread(target=work, name="asyncload-aload", daemon=True)
-    thread.start()
-    try:
-        await done.wait()
-    except asyncio.CancelledError:
-        reader.cancel()
-        # the worker needs this loop to finish its cleanup: keep serving it until it does
-        while not done.is_set():
-            try:
-                await asyncio.shield(done.wait())
-            except asyncio.CancelledError:
-                continue
-        thread.join()
-        raise
-    thread.join()
-    if "error" in result:
-        err = result["error"]
-        if isinstance(err, asyncio.CancelledError):
-            raise err
-        raise err
-    return result["stats"]
+    return await run_async(load_steps(state_dict, reader, planner, process_group), reader)
 
 
 class LoadHandle:
@@ -242,7 +149,7 @@ def start_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *
 
     def work() -> None:
         try:
-            future.set_result(_load_sync(state_dict, reader, planner, process_group))
+            future.set_result(run_sync(load_steps(state_dict, reader, planner, process_group), reader))
         except BaseException as exc:  # noqa: BLE001 - delivered through the handle
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)) and handle._cancelled:
                 future.set_exception(LoadCancelledError(f"the load of {checkpoint} was cancelled"))

@@ -19,19 +19,19 @@ The side streams first wait for the caller's current stream, so that work alread
 queued on the destination tensors (their initialisation, say) finishes before the
 copies land.
 
-CI has no GPU: :func:`fake_device` makes chosen CPU tensors take the very same path
-(ring, staging, deliverers, events) with a :class:`FakeCopier` whose "stream" is a
-worker thread and whose "pinned" memory is tracked, so tests can check that every
-copy's source was a ring slot or a bounce buffer and that the bytes are exact.
+What a "device" is, is a :class:`DeviceCopier`: :class:`CudaCopier` for CUDA
+destinations. :func:`use_copier` is the one injection point for another one: within its
+block, destinations that copier claims take the device path through it, before any CUDA
+destination. CI has no GPU: :func:`asyncload.testing.fake_device` uses it to make chosen
+CPU tensors take the very same path (ring, staging, deliverers, events) with a fake
+copier whose "stream" is a worker thread and whose "pinned" memory is tracked.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,17 +45,15 @@ from ._options import LoadOptions
 from ._pipeline import Chunk, _assemble, copy_bytes
 from ._plan import _contiguous_box as _row_major
 from ._plan import memory_of
-from ._retry import fetch_with_retry
 
 __all__ = [
     "CudaCopier",
     "DeviceCopier",
     "DeviceStager",
-    "FakeCopier",
     "PinnedRing",
-    "fake_device",
     "ring_geometry",
     "stager_for",
+    "use_copier",
 ]
 
 log = logging.getLogger("asyncload.cuda")
@@ -86,7 +84,7 @@ def _address(data: memoryview | bytes | bytearray) -> int:
 
 class DeviceCopier:
     """What the staging code needs from a device: pinned host memory, a side stream per
-    device, events. :class:`CudaCopier` for CUDA, :class:`FakeCopier` for tests."""
+    device, events. :class:`CudaCopier` for CUDA; another through :func:`use_copier`."""
 
     name = "device"
 
@@ -97,6 +95,13 @@ class DeviceCopier:
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A pinned uint8 host tensor of ``nbytes``."""
         raise NotImplementedError
+
+    def release_host(self, t: torch.Tensor) -> None:
+        """``t`` (a ring slot from :meth:`host_empty`) is no longer used: its copies have finished."""
+
+    def submit_release(self, t: torch.Tensor) -> None:
+        """``t`` (a bounce buffer from :meth:`host_empty`) is no longer used once the ops
+        submitted so far have run."""
 
     def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Scratch uint8 memory on ``device``, usable by the side stream."""
@@ -175,155 +180,22 @@ class CudaCopier(DeviceCopier):
             s.synchronize()
 
 
-class FakeCopier(DeviceCopier):
-    """A stand-in device for CPU-only machines: claimed CPU tensors are "device" memory,
-    a worker thread is the side stream (ops run later, in order, after ``delay`` seconds
-    each), and host buffers it handed out are "pinned". Counters say what happened.
-
-    Use through :func:`fake_device`.
-    """
-
-    name = "fake"
-
-    def __init__(self, claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0) -> None:
-        self._claim = claim
-        self.delay = delay
-        self._pinned: set[int] = set()
-        self._lock = threading.Lock()
-        self._q: queue.Queue[Any] = queue.Queue()
-        self._errors: list[BaseException] = []
-        self._thread: threading.Thread | None = None
-        #: Copies run, bytes they read from host memory, copies whose source was not pinned.
-        self.copies = 0
-        self.bytes_copied = 0
-        self.pageable_sources = 0
-        #: Host bytes handed out (ring slots and bounce buffers) and the most pinned at once.
-        self.pinned_bytes = 0
-        self.peak_pinned_bytes = 0
-        #: Loads that set up side streams (``begin``) and synchronised them.
-        self.begun = 0
-        self.synchronized = 0
-        #: Ops submitted but not yet run, at most.
-        self.peak_pending = 0
-        self._pending = 0
-
-    def start(self) -> FakeCopier:
-        self._thread = threading.Thread(target=self._work, name="asyncload-fake-stream", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def _work(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            kind, payload = item
-            if kind == "op":
-                op, src, _ptr = payload
-                try:
-                    if self.delay:
-                        time.sleep(self.delay)
-                    op()
-                except BaseException as exc:  # noqa: BLE001 - surfaced by synchronize()
-                    self._errors.append(exc)
-                finally:
-                    with self._lock:
-                        self._pending -= 1
-                    del op, src
-            else:
-                payload.set()
-
-    def claims(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and (self._claim is None or bool(self._claim(t)))
-
-    def _register(self, t: torch.Tensor) -> None:
-        ptr = t.untyped_storage().data_ptr()
-        n = t.untyped_storage().nbytes()
-        with self._lock:
-            self._pinned.add(ptr)
-            self.pinned_bytes += n
-            self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
-
-    def _unregister(self, ptr: int, n: int) -> None:
-        with self._lock:
-            self._pinned.discard(ptr)
-            self.pinned_bytes -= n
-
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        t = torch.empty(max(1, nbytes), dtype=torch.uint8)[:nbytes]
-        self._register(t)
-        return t
-
-    def release_host(self, t: torch.Tensor) -> None:
-        """Give back a host buffer (slots at the end of a load; bounce buffers after their copy)."""
-        self._unregister(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-
-    def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def begin(self, devices: Iterable[torch.device]) -> None:
-        with self._lock:
-            self.begun += 1
-
-    def submit(self, device: torch.device, op: Callable[[], None], src: torch.Tensor) -> None:
-        ptr = src.untyped_storage().data_ptr()
-        with self._lock:
-            pinned = ptr in self._pinned
-            self.copies += 1
-            self.bytes_copied += src.numel()
-            if not pinned:
-                self.pageable_sources += 1
-            self._pending += 1
-            self.peak_pending = max(self.peak_pending, self._pending)
-        self._q.put(("op", (op, src, ptr)))
-
-    def submit_release(self, t: torch.Tensor) -> None:
-        """Un-pin a bounce buffer once the ops before it have run."""
-        ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        self._q.put(("op", (lambda: self._unregister(ptr, n), t, ptr)))
-        with self._lock:
-            self._pending += 1
-
-    def record(self) -> threading.Event:
-        ev = threading.Event()
-        self._q.put(("event", ev))
-        return ev
-
-    def query(self, token: threading.Event) -> bool:
-        return token.is_set()
-
-    def synchronize(self) -> None:
-        ev = self.record()
-        ev.wait()
-        with self._lock:
-            self.synchronized += 1
-        if self._errors:
-            err = self._errors.pop(0)
-            self._errors.clear()
-            raise err
-
-
-_FAKE: FakeCopier | None = None
+#: The copier :func:`use_copier` installed, if any.
+_extra_copier: DeviceCopier | None = None
 
 
 @contextlib.contextmanager
-def fake_device(claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0) -> Iterator[FakeCopier]:
-    """Test hook: within the block, CPU destinations for which ``claim(t)`` is true (all, by
-    default) are filled through the device path with a :class:`FakeCopier`, which it yields."""
-    global _FAKE
-    copier = FakeCopier(claim, delay).start()
-    prev, _FAKE = _FAKE, copier
+def use_copier(copier: DeviceCopier) -> Iterator[DeviceCopier]:
+    """Within the block, every load whose destinations ``copier`` claims (some of them)
+    fills those through ``copier``, on the device path, instead of CUDA's. Blocks nest
+    (the innermost copier is used). This is how :mod:`asyncload.testing.cuda` puts a fake
+    device in; the library itself never installs one."""
+    global _extra_copier
+    prev, _extra_copier = _extra_copier, copier
     try:
         yield copier
     finally:
-        _FAKE = prev
-        copier.stop()
+        _extra_copier = prev
 
 
 # --- the ring ---------------------------------------------------------------------------
@@ -376,16 +248,14 @@ class PinnedRing:
         """The slot holding ``[address, address + nbytes)`` and the offset in it, if any."""
         for s in self._slots:
             off = address - s.address
-            if 0 <= off and off + nbytes <= self.slot_size:
+            if off >= 0 and off + nbytes <= self.slot_size:
                 return s, off
         return None
 
     def close(self) -> None:
         """Drop the buffers (after the copier synchronised)."""
-        release = getattr(self.copier, "release_host", None)
         for s in self._slots:
-            if release is not None:
-                release(s.tensor)
+            self.copier.release_host(s.tensor)
         self._slots = []
 
 
@@ -420,7 +290,9 @@ class DeviceStager:
         """``options`` with chunks no larger than one ring slot."""
         if options.effective_chunk_size <= self.slot_size:
             return options
-        return options.replace(chunk_size=self.slot_size, min_chunk_size=min(options.min_chunk_size, self.slot_size))
+        min_chunk = options.min_chunk_size
+        assert min_chunk is not None  # derived from chunk_size when not given
+        return options.replace(chunk_size=self.slot_size, min_chunk_size=min(min_chunk, self.slot_size))
 
     @property
     def ring(self) -> PinnedRing:
@@ -431,8 +303,9 @@ class DeviceStager:
         return self._ring
 
     # planner: a deliver function for one staged piece
-    def deliverer(self, view: torch.Tensor, src_dtype: torch.dtype, shape: Sequence[int],
-                  strides: Sequence[int]) -> Callable[[memoryview], None]:
+    def deliverer(
+        self, view: torch.Tensor, src_dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int]
+    ) -> Callable[[memoryview], None]:
         """``deliver(data)``: the piece's raw bytes (``data``, as stored) into ``view`` on the device."""
         shape, strides = list(shape), list(strides)
         device = view.device
@@ -448,15 +321,15 @@ class DeviceStager:
                 def op() -> None:
                     dst.copy_(src, non_blocking=True)
             else:
+
                 def op() -> None:
                     scratch = copier.device_empty(n, device)
                     scratch.copy_(src, non_blocking=True)
                     view.copy_(scratch.view(src_dtype).as_strided(shape, strides, 0), non_blocking=True)
+
             copier.submit(device, op, src)
             if bounced is not None:
-                release = getattr(copier, "submit_release", None)
-                if release is not None:
-                    release(bounced)
+                copier.submit_release(bounced)
             with self._lock:
                 self.copies += 1
                 self.bytes_to_device += n
@@ -483,30 +356,22 @@ class DeviceStager:
         device copies finished (the pipeline's budget is held until then)."""
         loop = asyncio.get_running_loop()
         storage = pipeline.storage
-        url = storage.url(chunk.name)
-        rng = (chunk.start, chunk.end)
         n = chunk.nbytes
         ring = self.ring
         t0 = time.monotonic()
         raw: Any = None
         if not storage.supports_readinto:
-            raw = await fetch_with_retry(lambda: storage.read(chunk.name, chunk.start, chunk.end),
-                                         options=pipeline.options, stats=pipeline.stats, url=url, byte_range=rng,
-                                         hedge=pipeline.hedge, on_throttle=pipeline._note_throttle)
+            raw = await storage.read(chunk.name, chunk.start, chunk.end)
         slot = await ring.acquire()
         done = False
         try:
             view = slot.view[:n]
             if raw is None:
-                # the job holds ``slot`` (its tensor owns the memory): a cancelled load's thread
-                # may still be reading into it after the ring was dropped
-                def direct(slot: _Slot = slot) -> None:
-                    storage.readinto_sync(chunk.name, chunk.start, [view])
-
-                await fetch_with_retry(lambda: loop.run_in_executor(pipeline.executor, direct),
-                                       options=pipeline.options, stats=pipeline.stats, url=url, byte_range=rng)
+                # the read's job holds ``slot`` (its tensor owns the memory) through ``then``: a
+                # cancelled load's thread may still be reading into it after the ring was dropped
+                await storage.readinto(chunk.name, chunk.start, [view], then=lambda slot=slot: None)
             t1 = time.monotonic()
-            pipeline.stats.add(bytes_read=n, chunks=1, storage_wait_seconds=t1 - t0)
+            pipeline.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
             token = await loop.run_in_executor(pipeline.executor, self._stage, chunk, view, raw, slot)
             pipeline._count_assembled(chunk, t1)
             t2 = time.monotonic()
@@ -520,7 +385,7 @@ class DeviceStager:
             if done:
                 ring.release(slot)
             # else: copies from this slot may still be in flight; the slot stays out of the
-            # ring until finish() has synchronised (the load is failing anyway)
+            # ring until finish_sync() has synchronised (the load is failing anyway)
 
     def _stage(self, chunk: Chunk, view: memoryview, raw: Any, slot: _Slot) -> Any:
         """Raw bytes into the slot (remote stores), pieces delivered, an event after their copies.
@@ -530,35 +395,31 @@ class DeviceStager:
         _assemble(chunk, view)
         return self.copier.record()
 
-    async def afinish(self, executor: concurrent.futures.Executor | None = None) -> None:
-        """Wait (off the loop) for every copy to finish, then free the ring."""
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(executor, self.copier.synchronize)
-        finally:
-            ring, self._ring = self._ring, None
-            if ring is not None:
-                ring.close()
-        log.debug("device path: %d copies, %d bytes to the device, %d bounced, %.3f s waiting for copies",
-                  self.copies, self.bytes_to_device, self.bounced_bytes, self.waited_seconds)
-
     def finish_sync(self) -> None:
-        """:meth:`afinish` for a caller without a loop."""
+        """Wait for every copy to finish, then free the ring."""
         try:
             self.copier.synchronize()
         finally:
             ring, self._ring = self._ring, None
             if ring is not None:
                 ring.close()
+        log.debug(
+            "device path: %d copies, %d bytes to the device, %d bounced, %.3f s waiting for copies",
+            self.copies,
+            self.bytes_to_device,
+            self.bounced_bytes,
+            self.waited_seconds,
+        )
 
 
 def stager_for(dests: Iterable[torch.Tensor], options: LoadOptions) -> DeviceStager | None:
     """A :class:`DeviceStager` when some destination is on a CUDA device (or claimed by
-    :func:`fake_device`), else ``None``. Call on the caller's thread."""
+    the copier of :func:`use_copier`), else ``None``. Call on the caller's thread."""
     dests = list(dests)
     copier: DeviceCopier | None = None
-    if _FAKE is not None and any(_FAKE.claims(t) for t in dests):
-        copier = _FAKE
+    extra = _extra_copier
+    if extra is not None and any(extra.claims(t) for t in dests):
+        copier = extra
     elif any(t.device.type == "cuda" for t in dests):
         copier = CudaCopier()
     if copier is None:
@@ -566,4 +427,3 @@ def stager_for(dests: Iterable[torch.Tensor], options: LoadOptions) -> DeviceSta
     stager = DeviceStager(copier, options)
     stager.begin(dests)
     return stager
-

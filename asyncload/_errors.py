@@ -11,10 +11,11 @@ leaves also derive from the builtin a caller would naturally catch::
     ├── UnsafeCheckpointError      (also ValueError)     the checkpoint asks to run code or import a non-allowed name
     ├── StateDictMismatchError     (also ValueError)     the destination does not fit the checkpoint
     ├── DistributedLoadError       (also RuntimeError)   another rank failed or stalled during a load
+    ├── LoadReentryError           (also RuntimeError)   the blocking API was called from the library's own loop thread
     └── LoadCancelledError         (also CancelledError) the load was cancelled through its handle
 
 Storage errors are translated into these classes in one place
-(:mod:`asyncload._retry`), parser errors in the format modules, always with
+(:class:`asyncload._retry.RetryingStorage`), parser errors in the format modules, always with
 ``raise ... from exc`` so the original cause stays attached.
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "StateDictMismatchError",
     "DistributedLoadError",
     "LoadCancelledError",
+    "LoadReentryError",
 ]
 
 
@@ -108,6 +110,12 @@ class DistributedLoadError(AsyncLoadError, RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.doing = doing
+
+
+class LoadReentryError(AsyncLoadError, RuntimeError):
+    """Raised when ``load`` (or another blocking call) is made from the thread of the event
+    loop that would have to do its work - a library callback such as ``progress`` that
+    loads again - instead of hanging forever. Nothing was read."""
 
 
 class LoadCancelledError(AsyncLoadError, concurrent.futures.CancelledError):

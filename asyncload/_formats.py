@@ -55,11 +55,10 @@ from torch.distributed.checkpoint.metadata import (
 from ._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from ._options import LoadOptions
 from ._plan import TensorLocation
-from ._retry import fetch_with_retry
+from ._retry import RetryingStorage
 from ._safe_pickle import TensorRef
 from ._safetensors import HEADER_PROBE, SafetensorsHeader, _no_duplicates, aread_header, looks_like_safetensors
-from ._stats import StatsRecorder
-from ._storage import FsspecStorage, LocalStorage, Storage, is_local, local_root
+from ._storage import is_local, local_root
 from ._torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
@@ -199,13 +198,13 @@ def _safe_relative(name: Any, where: str) -> str:
 
 
 class Fetcher:
-    """Reads for format probing: the load's retry policy, counted in the load's stats,
-    at most ``options.max_in_flight`` at once."""
+    """Reads for format probing over the load's :class:`RetryingStorage` (its retry policy,
+    counted in the load's stats), at most ``options.max_in_flight`` at once; a missing file
+    is ``None`` rather than an error."""
 
-    def __init__(self, storage: Storage, options: LoadOptions, recorder: StatsRecorder) -> None:
+    def __init__(self, storage: RetryingStorage, options: LoadOptions) -> None:
         self.storage = storage
         self.options = options
-        self.recorder = recorder
         self._sem = asyncio.Semaphore(max(1, options.max_in_flight))
 
     def url(self, name: str) -> str:
@@ -215,10 +214,7 @@ class Fetcher:
         if end <= start:
             return b""
         async with self._sem:
-            data = await fetch_with_retry(lambda: self.storage.read(name, start, end), options=self.options,
-                                          stats=self.recorder, url=self.storage.url(name), byte_range=(start, end))
-        self.recorder.add(bytes_read=end - start)
-        return bytes(data)
+            return bytes(await self.storage.read(name, start, end))
 
     def reader(self, name: str) -> Callable[[int, int], Awaitable[bytes]]:
         """``read(start, end)`` of file ``name``."""
@@ -230,8 +226,7 @@ class Fetcher:
         """The file's size, or ``None`` when it does not exist (or is a directory)."""
         try:
             async with self._sem:
-                size = await fetch_with_retry(lambda: self.storage.size(name), options=self.options,
-                                              stats=self.recorder, url=self.storage.url(name), byte_range=(0, 0))
+                size = await self.storage.size(name)
         except CheckpointNotFoundError:
             return None
         except AsyncLoadError as exc:
@@ -243,49 +238,24 @@ class Fetcher:
 
     async def listdir(self) -> list[str]:
         """Names of the files directly under the storage root ([] when it cannot be listed)."""
-        storage = self.storage
-        try:
-            if isinstance(storage, LocalStorage):
-                root = storage.root
-                loop = asyncio.get_running_loop()
-                names = await loop.run_in_executor(None, os.listdir, root)
-                return sorted(n for n in names if os.path.isfile(os.path.join(root, n)))
-            if isinstance(storage, FsspecStorage):
-                fs = await storage._get_fs()
-                path = storage._full("").rstrip("/") or "/"
-                if storage.is_async:
-                    entries = await fs._ls(path, detail=True)
-                else:
-                    loop = asyncio.get_running_loop()
-                    entries = await loop.run_in_executor(None, lambda: fs.ls(path, detail=True))
-                out = []
-                for e in entries:
-                    if isinstance(e, dict) and e.get("type", "file") == "file":
-                        out.append(posixpath.basename(str(e.get("name", "")).rstrip("/")))
-                return sorted(n for n in out if n)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            return []
-        except Exception as exc:  # noqa: BLE001 - listing is a last resort; say why it failed
-            log.debug("listing %s failed: %r", storage.root, exc)
-            return []
-        return []
+        return await self.storage.listdir()
 
 
-OpenRoot = Callable[[str], Awaitable[Storage]]
+OpenRoot = Callable[[str], Awaitable[RetryingStorage]]
 
 
 # --- detection --------------------------------------------------------------------------
 
 
-async def aprobe_first(checkpoint: str | os.PathLike[str], open_root: OpenRoot, options: LoadOptions,
-                       recorder: StatsRecorder) -> FormatMetadata | None:
+async def aprobe_first(checkpoint: str | os.PathLike[str], open_root: OpenRoot,
+                       options: LoadOptions) -> FormatMetadata | None:
     """Before looking for ``.metadata``: a checkpoint that is a file (a local file, or a URL
     whose name ends in ``.safetensors``, ``.json``, ``.pt``, ``.bin`` ...). ``None`` otherwise."""
     if is_local(checkpoint):
         if not os.path.isfile(local_root(checkpoint)):
             return None
         parent, name = split_file_url(checkpoint)
-        fetcher = Fetcher(await open_root(parent), options, recorder)
+        fetcher = Fetcher(await open_root(parent), options)
         size = await fetcher.size(name)
         if size is None:
             raise CheckpointFormatError(f"{checkpoint} is an empty file, not a checkpoint")
@@ -294,20 +264,20 @@ async def aprobe_first(checkpoint: str | os.PathLike[str], open_root: OpenRoot, 
     if s.endswith("/") or not s.split("?", 1)[0].lower().endswith(_FILE_SUFFIXES):
         return None
     parent, name = split_file_url(checkpoint)
-    fetcher = Fetcher(await open_root(parent), options, recorder)
+    fetcher = Fetcher(await open_root(parent), options)
     size = await fetcher.size(name)
     if size is None:
         return None
     return await _afile(fetcher, name, size, s)
 
 
-async def aprobe_fallback(checkpoint: str | os.PathLike[str], storage: Storage, open_root: OpenRoot,
-                          options: LoadOptions, recorder: StatsRecorder) -> FormatMetadata | None:
+async def aprobe_fallback(checkpoint: str | os.PathLike[str], storage: RetryingStorage, open_root: OpenRoot,
+                          options: LoadOptions) -> FormatMetadata | None:
     """``.metadata`` is missing: a Hugging Face directory, or the URL itself is a file.
 
     ``storage`` is opened at ``checkpoint``. Returns ``None`` when nothing readable is there.
     """
-    fetcher = Fetcher(storage, options, recorder)
+    fetcher = Fetcher(storage, options)
     size = await fetcher.size(HF_INDEX)
     if size is not None:
         return await _aindex(fetcher, HF_INDEX, size, str(checkpoint))
@@ -317,12 +287,12 @@ async def aprobe_fallback(checkpoint: str | os.PathLike[str], storage: Storage, 
     if not is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
         if name:
-            file_fetcher = Fetcher(await open_root(parent), options, recorder)
+            file_fetcher = Fetcher(await open_root(parent), options)
             size = await file_fetcher.size(name)
             if size is not None:
                 return await _afile(file_fetcher, name, size, str(checkpoint))
             storage = await open_root(str(checkpoint))
-            fetcher = Fetcher(storage, options, recorder)
+            fetcher = Fetcher(storage, options)
     names = await fetcher.listdir()
     shards = [n for n in names if n.endswith(".safetensors")]
     if shards:
@@ -640,7 +610,7 @@ async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
         if whole:
             hi += _LOCAL_EXTRA_GUESS + e.size
         ranges.append((e.header_offset, min(size, hi)))
-    await _afill(fetcher, name, win, ranges, max_gap=min(opts.min_chunk_size, _LAYOUT_MAX_GAP))
+    await _afill(fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP))
     for _ in range(16):
         try:
             return parse_archive(win, 0, size, url, max_pickle=opts.max_metadata_size)

@@ -12,7 +12,10 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import Any, Coroutine, TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from ._errors import LoadReentryError
 
 __all__ = ["run_sync", "loop_thread", "uvloop_available"]
 
@@ -81,6 +84,14 @@ def run_sync(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, g
     given up to ``grace`` seconds to clean up (close files and sessions) before re-raising.
     ``on_task(task)`` is called on the loop thread once the task exists (for cancellation).
     """
+    if asyncio._get_running_loop() is loop:
+        # called from a coroutine or callback on that very loop (a progress callback that
+        # calls asyncload.load): waiting here would stop the loop that has to do the work
+        coro.close()
+        raise LoadReentryError(
+            "asyncload's blocking API was called from its own event-loop thread (for example from a "
+            "progress callback): it would wait forever; call it from another thread, or use "
+            "asyncload.aload from async code")
     done = threading.Event()
     box: dict[str, asyncio.Task[T]] = {}
 

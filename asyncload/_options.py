@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
-__all__ = ["LoadOptions", "KiB", "MiB", "GiB"]
+__all__ = ["ChunkPolicy", "GiB", "HedgePolicy", "KiB", "LoadOptions", "MiB", "RetryPolicy"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -15,6 +16,54 @@ GiB = 1 << 30
 
 #: The smallest memory budget accepted: header probes and small records must fit.
 MIN_MEMORY_BUDGET = 64 * KiB
+#: ``min_chunk_size`` when it is not given: this, or ``chunk_size`` when that is smaller.
+DEFAULT_MIN_CHUNK_SIZE = 1 * MiB
+
+
+class _Derived(int):
+    """An int that a field took by default from other fields (``min_chunk_size`` from
+    ``chunk_size``). ``dataclasses.replace`` hands it back to ``__init__``, which derives it
+    again from the new values instead of keeping a stale one."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How one storage call is tried: per-attempt ``timeout`` (progress-extended, see
+    :mod:`asyncload._retry`), ``retries`` more attempts, full-jitter exponential backoff."""
+
+    timeout: float | None
+    retries: int
+    backoff: float
+    max_backoff: float
+
+    @property
+    def attempts(self) -> int:
+        return self.retries + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class HedgePolicy:
+    """When a remote read counts as a straggler and gets one duplicate request."""
+
+    enabled: bool
+    factor: float
+    min_delay: float
+    #: Duplicate requests in flight at once, at most (hedging must not double the load).
+    max_in_flight: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkPolicy:
+    """How byte ranges become read requests: split at ``chunk_size`` (already clamped to
+    the memory budget), neighbours coalesced under ``min_chunk_size``."""
+
+    chunk_size: int
+    min_chunk_size: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,8 +77,9 @@ class LoadOptions:
     #: that run concurrently. Clamped to ``memory_budget`` so one chunk always fits.
     chunk_size: int = 16 * MiB
     #: Neighbouring reads smaller than this are coalesced into one request (gaps
-    #: between them up to this size are read and thrown away).
-    min_chunk_size: int = 1 * MiB
+    #: between them up to this size are read and thrown away). Not given: 1 MiB, or
+    #: ``chunk_size`` when that is smaller (derived again when ``chunk_size`` is replaced).
+    min_chunk_size: int | None = None
     #: Seconds allowed for one attempt at one chunk; ``None`` = no limit.
     timeout: float | None = 30.0
     #: Multi-rank loads: seconds a rank may go without progress (no chunk read or shared,
@@ -43,7 +93,7 @@ class LoadOptions:
     #: Longest backoff delay in seconds.
     max_backoff: float = 10.0
     #: Reads in flight at once, or ``"auto"`` to let the pipeline find its level.
-    concurrency: Union[int, Literal["auto"]] = 16
+    concurrency: int | Literal["auto"] = 16
     #: Hard bound on bytes read but not yet assembled.
     memory_budget: int = 512 * MiB
     #: Check the CRC-32 torch stores for each tensor record against the bytes read.
@@ -70,6 +120,11 @@ class LoadOptions:
     def __post_init__(self) -> None:
         def bad(field: str, value: object, want: str) -> None:
             raise ValueError(f"LoadOptions.{field}={value!r} is invalid: {want}")
+
+        cs = self.chunk_size
+        if (self.min_chunk_size is None or isinstance(self.min_chunk_size, _Derived)) and \
+                isinstance(cs, int) and not isinstance(cs, bool) and cs > 0:
+            object.__setattr__(self, "min_chunk_size", _Derived(min(DEFAULT_MIN_CHUNK_SIZE, cs)))
 
         for name in ("chunk_size", "min_chunk_size", "memory_budget", "max_metadata_size"):
             v = getattr(self, name)
@@ -108,6 +163,21 @@ class LoadOptions:
         for name in ("verify", "hedge", "allow_dtype_cast", "strict_unexpected_keys", "use_uvloop"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, getattr(self, name), "expected a bool")
+
+    @functools.cached_property
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(timeout=self.timeout, retries=self.retries, backoff=self.backoff,
+                           max_backoff=self.max_backoff)
+
+    @functools.cached_property
+    def hedge_policy(self) -> HedgePolicy:
+        return HedgePolicy(enabled=self.hedge, factor=self.hedge_factor, min_delay=self.hedge_min_delay,
+                           max_in_flight=max(2, self.max_in_flight // 4))
+
+    @functools.cached_property
+    def chunk_policy(self) -> ChunkPolicy:
+        assert self.min_chunk_size is not None  # derived in __post_init__
+        return ChunkPolicy(chunk_size=self.effective_chunk_size, min_chunk_size=self.min_chunk_size)
 
     @property
     def effective_chunk_size(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 from ._crc import CrcTracker
 from ._errors import AsyncLoadError
 from ._options import LoadOptions
-from ._retry import HedgePolicy, clock_of, fetch_with_retry
+from ._retry import RetryingStorage, clock_of
 from ._stats import StatsRecorder
 from ._storage import Storage
 
@@ -234,15 +235,17 @@ class _StagingPool:
 class Pipeline:
     """Reads chunks from one storage with ``concurrency`` reads in flight under a budget."""
 
-    def __init__(self, storage: Storage, options: LoadOptions, stats: StatsRecorder,
+    def __init__(self, storage: RetryingStorage | Storage, options: LoadOptions, stats: StatsRecorder,
                  executor: concurrent.futures.Executor, budget: ByteBudget | None = None) -> None:
+        if not isinstance(storage, RetryingStorage):  # a bare store: give it the load's policy
+            storage = RetryingStorage.for_options(storage, options, stats, executor)
         self.storage = storage
         self.options = options
         self.stats = stats
         self.executor = executor
         self.budget = budget or ByteBudget(options.memory_budget)
         self.limiter = Limiter(options.initial_concurrency)
-        self.hedge = HedgePolicy(options, stats) if storage.hedgeable else None
+        storage.on_throttle = self._note_throttle
         self._pool = _StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
         self._throttled = 0
         #: ``concurrency="auto"``: (time, new limit, why) for every change.
@@ -358,42 +361,26 @@ class Pipeline:
             return
         loop = asyncio.get_running_loop()
         storage = self.storage
-        url = storage.url(chunk.name)
-        rng = (chunk.start, chunk.end)
         t0 = time.monotonic()
         if storage.supports_readinto and chunk.tiles_into():
-            views = [s.into for s in chunk.segments]  # type: ignore[misc]
-
-            def direct() -> None:
-                storage.readinto_sync(chunk.name, chunk.start, views)  # type: ignore[attr-defined]
-                if chunk.trackers:  # verify=True: checksummed on this thread, in the same hop
-                    _track(chunk, views)
-
-            await fetch_with_retry(lambda: loop.run_in_executor(self.executor, direct), options=self.options,
-                                   stats=self.stats, url=url, byte_range=rng, hedge=None)
+            views = [s.into for s in chunk.segments]
+            # verify=True: checksummed on the I/O thread, in the same hop
+            then = functools.partial(_track, chunk, views) if chunk.trackers else None
+            await storage.readinto(chunk.name, chunk.start, views, then=then)  # type: ignore[arg-type]
             t1 = time.monotonic()
-            self.stats.add(bytes_read=chunk.nbytes, chunks=1, storage_wait_seconds=t1 - t0)
+            self.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
             self._count_assembled(chunk, t1, t0)
             return
 
         pooled: bytearray | None = None
         if storage.supports_readinto:
             pooled = self._pool.get(chunk.nbytes)
-            view = memoryview(pooled)[: chunk.nbytes]
-
-            def staged() -> None:
-                storage.readinto_sync(chunk.name, chunk.start, [view])  # type: ignore[attr-defined]
-
-            await fetch_with_retry(lambda: loop.run_in_executor(self.executor, staged), options=self.options,
-                                   stats=self.stats, url=url, byte_range=rng, hedge=None)
-            data: memoryview = view
+            data = memoryview(pooled)[: chunk.nbytes]
+            await storage.readinto(chunk.name, chunk.start, [data])
         else:
-            raw = await fetch_with_retry(lambda: storage.read(chunk.name, chunk.start, chunk.end),
-                                         options=self.options, stats=self.stats, url=url, byte_range=rng,
-                                         hedge=self.hedge, on_throttle=self._note_throttle)
-            data = memoryview(raw)
+            data = await storage.read(chunk.name, chunk.start, chunk.end)
         t1 = time.monotonic()
-        self.stats.add(bytes_read=chunk.nbytes, chunks=1, storage_wait_seconds=t1 - t0)
+        self.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
         try:
             await loop.run_in_executor(self.executor, _assemble, chunk, data)
         finally:
@@ -401,24 +388,11 @@ class Pipeline:
                 self._pool.put(pooled)
         self._count_assembled(chunk, t1, t0)
 
-    async def _run_batch(self, batch: "_Batch") -> None:
-        loop = asyncio.get_running_loop()
-        storage = self.storage
+    async def _run_batch(self, batch: _Batch) -> None:
         t0 = time.monotonic()
-
-        def job() -> None:
-            for c in batch.members:
-                buf = bytearray(c.nbytes)
-                try:
-                    storage.readinto_sync(c.name, c.start, [memoryview(buf)])  # type: ignore[attr-defined]
-                except Exception as exc:  # noqa: BLE001 - translated like any read
-                    from ._retry import translate
-
-                    raise translate(exc, url=storage.url(c.name), byte_range=(c.start, c.end), attempts=1) from exc
-                _assemble(c, memoryview(buf))
-
-        await loop.run_in_executor(self.executor, job)
-        self.stats.add(bytes_read=batch.nbytes, chunks=len(batch.members), storage_wait_seconds=time.monotonic() - t0)
+        await self.storage.read_batch([(c.name, c.start, c.end, functools.partial(_assemble, c))
+                                       for c in batch.members])
+        self.stats.add(chunks=len(batch.members), storage_wait_seconds=time.monotonic() - t0)
         for c in batch.members:
             self._count_assembled(c, time.monotonic())
 

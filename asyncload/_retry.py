@@ -1,5 +1,6 @@
-"""One chunk read: timeout, retries with backoff and jitter, hedging of stragglers,
-and the one place where storage errors become asyncload errors.
+"""The one storage error boundary (:class:`RetryingStorage`): timeout, retries with backoff
+and jitter, hedging of stragglers, and the one place where storage errors become asyncload
+errors.
 
 The policy (the same for every store: the fsspec filesystems' own retry loops are
 turned off in :mod:`asyncload._storage`):
@@ -28,6 +29,7 @@ turned off in :mod:`asyncload._storage`):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import logging
 import random
@@ -35,7 +37,8 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from ._errors import (
     AsyncLoadError,
@@ -44,11 +47,11 @@ from ._errors import (
     ChunkTimeoutError,
     StorageReadError,
 )
-from ._options import LoadOptions
+from ._options import HedgePolicy, LoadOptions, RetryPolicy
 from ._stats import StatsRecorder
-from ._storage import ShortReadError
+from ._storage import ShortReadError, Storage
 
-__all__ = ["Failure", "HedgePolicy", "LoadClock", "classify", "fetch_with_retry", "translate"]
+__all__ = ["Failure", "LoadClock", "RetryingStorage", "call_with_retry", "classify", "clock_of", "hedge_delay", "translate"]
 
 log = logging.getLogger("asyncload.retry")
 T = TypeVar("T")
@@ -236,32 +239,22 @@ def clock_of(stats: StatsRecorder) -> LoadClock:
     return clock
 
 
-class HedgePolicy:
-    """When a read counts as a straggler: ``max(hedge_min_delay, hedge_factor x p90)`` of
-    recent comparable reads, or ``4 x hedge_min_delay`` before 4 of them have finished."""
+#: Hedge delay before any comparable read has finished, in units of ``HedgePolicy.min_delay``.
+HEDGE_COLD_FACTOR = 4.0
+#: How often a waiting read re-checks whether it has become a straggler, seconds.
+HEDGE_POLL = 0.05
 
-    #: Hedge delay before any comparable read has finished, in units of ``hedge_min_delay``.
-    COLD_FACTOR = 4.0
-    #: How often a waiting read re-checks whether it has become a straggler, seconds.
-    POLL = 0.05
 
-    def __init__(self, options: LoadOptions, stats: StatsRecorder) -> None:
-        self.enabled = options.hedge
-        self.factor = options.hedge_factor
-        self.floor = options.hedge_min_delay
-        self.stats = stats
-        self.clock = clock_of(stats)
-        #: Duplicate requests in flight at once, at most (hedging must not double the load).
-        self.max_in_flight = max(2, options.max_in_flight // 4)
-
-    def delay(self, nbytes: int = 0) -> float | None:
-        """Seconds after which a read of ``nbytes`` still running is hedged (None: never)."""
-        if not self.enabled:
-            return None
-        p90 = self.clock.straggler_time(nbytes)
-        if p90 is None:
-            return self.floor * self.COLD_FACTOR
-        return max(self.floor, self.factor * p90)
+def hedge_delay(policy: HedgePolicy, clock: LoadClock, nbytes: int = 0) -> float | None:
+    """Seconds after which a read of ``nbytes`` still running is hedged (None: never):
+    ``max(min_delay, factor x p90)`` of recent comparable reads, or ``4 x min_delay``
+    before 4 of them have finished."""
+    if not policy.enabled:
+        return None
+    p90 = clock.straggler_time(nbytes)
+    if p90 is None:
+        return policy.min_delay * HEDGE_COLD_FACTOR
+    return max(policy.min_delay, policy.factor * p90)
 
 
 async def _cancel_and_wait(tasks: set[asyncio.Task[Any]]) -> None:
@@ -294,7 +287,7 @@ async def _attempt(op: Callable[[], Awaitable[T]], timeout: float | None, hedge:
                     raise asyncio.TimeoutError()
                 wait = deadline - now
             if hedge is not None and not hedged:
-                after = hedge.delay(nbytes)
+                after = hedge_delay(hedge, clock, nbytes)
                 if after is not None:
                     if now - started >= after and clock.hedges_in_flight < hedge.max_in_flight:
                         hedged = True
@@ -307,8 +300,8 @@ async def _attempt(op: Callable[[], Awaitable[T]], timeout: float | None, hedge:
                         pending.add(dup)
                         continue
                     # re-check soon: the delay shrinks as peers finish and build history
-                    step = max(hedge.POLL, after - (now - started)) if now - started < after else hedge.POLL
-                    step = min(step, hedge.POLL * 4)
+                    step = max(HEDGE_POLL, after - (now - started)) if now - started < after else HEDGE_POLL
+                    step = min(step, HEDGE_POLL * 4)
                     wait = step if wait is None else min(wait, step)
             done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -326,23 +319,24 @@ def _hedge_done(clock: LoadClock) -> None:
     clock.hedges_in_flight -= 1
 
 
-async def fetch_with_retry(op: Callable[[], Awaitable[T]], *, options: LoadOptions, stats: StatsRecorder,
-                           url: str, byte_range: tuple[int, int], hedge: HedgePolicy | None = None,
-                           on_throttle: Callable[[], None] | None = None) -> T:
-    """Run ``op`` (one read of ``byte_range`` of ``url``) with the load's timeout, retry
-    and hedge policy (module docstring); translate the final error.
+async def call_with_retry(op: Callable[[], Awaitable[T]], *, retry: RetryPolicy, stats: StatsRecorder,
+                          url: str, byte_range: tuple[int, int] | None, hedge: HedgePolicy | None = None,
+                          on_throttle: Callable[[], None] | None = None) -> T:
+    """Run ``op`` (one storage call about ``byte_range`` of ``url``; ``None``: the whole
+    file) with the load's timeout, retry and hedge policy (module docstring); translate
+    the final error. Only :class:`RetryingStorage` calls it.
 
     Raised: :class:`ChunkTimeoutError` when every attempt timed out (it names the URL,
     byte range and attempts), :class:`CheckpointNotFoundError` / :class:`StorageReadError`
     / :class:`CheckpointFormatError` for other failures, at once when retrying cannot help.
     """
-    attempts = options.retries + 1
+    attempts = retry.attempts
     clock = clock_of(stats)
-    nbytes = max(0, byte_range[1] - byte_range[0])
+    nbytes = max(0, byte_range[1] - byte_range[0]) if byte_range else 0
     for attempt in range(1, attempts + 1):
         t0 = time.monotonic()
         try:
-            result = await _attempt(op, options.timeout, hedge, stats, clock, nbytes)
+            result = await _attempt(op, retry.timeout, hedge, stats, clock, nbytes)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - classified below
@@ -352,23 +346,155 @@ async def fetch_with_retry(op: Callable[[], Awaitable[T]], *, options: LoadOptio
             if not failure.retryable or attempt == attempts:
                 if failure.cause == "timeout":
                     stats.add(timeouts=1)
+                    where = f"{url} bytes [{byte_range[0]}, {byte_range[1]})" if byte_range else url
                     raise ChunkTimeoutError(
-                        f"reading {url} bytes [{byte_range[0]}, {byte_range[1]}) made no progress within "
-                        f"{options.timeout} s on any of {attempt} attempt{'s' if attempt != 1 else ''} "
+                        f"reading {where} made no progress within {retry.timeout} s on any of {attempt} "
+                        f"attempt{'s' if attempt != 1 else ''} "
                         "(raise LoadOptions.timeout or LoadOptions.retries, or lower chunk_size)",
-                        path=url, byte_range=byte_range, attempts=attempt) from exc
+                        path=url, byte_range=byte_range or (0, 0), attempts=attempt) from exc
                 raise translate(exc, url=url, byte_range=byte_range, attempts=attempt, failure=failure) from exc
             stats.retry(failure.cause)
-            delay = min(options.max_backoff, options.backoff * (2 ** (attempt - 1)))
+            delay = min(retry.max_backoff, retry.backoff * (2 ** (attempt - 1)))
             delay = random.uniform(0, delay)  # full jitter
             if failure.retry_after is not None:
-                delay = max(delay, min(failure.retry_after, options.max_backoff))
-            log.debug("retrying %s [%d, %d) after %s (attempt %d of %d) in %.3f s",
-                      url, byte_range[0], byte_range[1], failure.cause, attempt, attempts, delay)
+                delay = max(delay, min(failure.retry_after, retry.max_backoff))
+            log.debug("retrying %s %s after %s (attempt %d of %d) in %.3f s",
+                      url, byte_range, failure.cause, attempt, attempts, delay)
             await asyncio.sleep(delay)
         else:
             elapsed = time.monotonic() - t0
-            stats.latency(elapsed)
-            clock.finished(elapsed, nbytes)
+            if byte_range is not None:
+                stats.latency(elapsed)
+                clock.finished(elapsed, nbytes)
+            else:
+                clock.last_progress = time.monotonic()
             return result
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class RetryingStorage:
+    """The one storage error boundary: every call a load makes to its storage (sizes,
+    listings, fingerprints, metadata, probes, data, batched local reads) goes through
+    here, and only here are timeout, retry, hedge, classification and translation
+    applied. Above it, code sees asyncload errors only; below it, raw ones.
+
+    Reads (:meth:`read`, :meth:`readinto`, :meth:`read_batch`) count ``LoadStats.bytes_read``
+    (all but the ``.metadata`` read); hedging applies to remote stores only.
+    """
+
+    def __init__(self, storage: Storage, *, retry: RetryPolicy, hedge: HedgePolicy, stats: StatsRecorder,
+                 executor: concurrent.futures.Executor) -> None:
+        self.raw = storage
+        self.retry = retry
+        self.hedge = hedge if storage.hedgeable and hedge.enabled else None
+        self.stats = stats
+        self.executor = executor
+        #: Called when the store asks to slow down (``concurrency="auto"`` backs off).
+        self.on_throttle: Callable[[], None] | None = None
+
+    @classmethod
+    def for_options(cls, storage: Storage, options: LoadOptions, stats: StatsRecorder,
+                    executor: concurrent.futures.Executor) -> RetryingStorage:
+        return cls(storage, retry=options.retry_policy, hedge=options.hedge_policy, stats=stats, executor=executor)
+
+    @property
+    def root(self) -> str:
+        return self.raw.root
+
+    @property
+    def supports_readinto(self) -> bool:
+        return self.raw.supports_readinto
+
+    @property
+    def hedgeable(self) -> bool:
+        return self.raw.hedgeable
+
+    def url(self, name: str) -> str:
+        return self.raw.url(name)
+
+    async def _call(self, op: Callable[[], Awaitable[T]], name: str, byte_range: tuple[int, int] | None, *,
+                    hedge: bool = False) -> T:
+        return await call_with_retry(op, retry=self.retry, stats=self.stats, url=self.raw.url(name),
+                                     byte_range=byte_range, hedge=self.hedge if hedge else None,
+                                     on_throttle=self.on_throttle)
+
+    async def read(self, name: str, start: int, end: int, *, hedge: bool = True,
+                   counted: bool = True) -> memoryview:
+        """Exactly bytes ``[start, end)`` of file ``name`` (``counted``: in ``bytes_read``,
+        which leaves out the checkpoint's ``.metadata``)."""
+        if end <= start:
+            return memoryview(b"")
+        raw = self.raw
+        data = await self._call(lambda: raw.read(name, start, end), name, (start, end), hedge=hedge)
+        if counted:
+            self.stats.add(bytes_read=end - start)
+        return memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+
+    async def readinto(self, name: str, start: int, buffers: Sequence[memoryview], *,
+                       then: Callable[[], None] | None = None) -> None:
+        """Fill ``buffers`` with the bytes from ``start`` on. A store that reads into caller
+        memory does it on an I/O thread and runs ``then`` (a checksum) in the same hop."""
+        raw = self.raw
+        n = sum(len(b) for b in buffers)
+        if raw.supports_readinto:
+            loop = asyncio.get_running_loop()
+
+            def job() -> None:
+                raw.readinto_sync(name, start, buffers)
+                if then is not None:
+                    then()
+
+            await self._call(lambda: loop.run_in_executor(self.executor, job), name, (start, start + n))
+        else:
+            await self._call(lambda: raw.readinto(name, start, buffers), name, (start, start + n), hedge=True)
+            if then is not None:
+                then()
+        self.stats.add(bytes_read=n)
+
+    async def read_batch(self, reads: Sequence[tuple[str, int, int, Callable[[memoryview], None]]]) -> None:
+        """Several tiny reads of a store that reads into caller memory, in one thread hop;
+        each ``(name, start, end, deliver)`` hands its bytes to ``deliver`` on that thread.
+        A failure retries the whole batch (its deliveries are idempotent copies)."""
+        raw = self.raw
+        loop = asyncio.get_running_loop()
+
+        def job() -> None:
+            for name, start, end, deliver in reads:
+                buf = bytearray(end - start)
+                raw.readinto_sync(name, start, [memoryview(buf)])
+                deliver(memoryview(buf))
+
+        first = reads[0]
+        span = (min(r[1] for r in reads), max(r[2] for r in reads)) if all(r[0] == first[0] for r in reads) \
+            else (first[1], first[2])
+        await self._call(lambda: loop.run_in_executor(self.executor, job), first[0], span)
+        self.stats.add(bytes_read=sum(r[2] - r[1] for r in reads))
+
+    async def size(self, name: str) -> int:
+        raw = self.raw
+        return int(await self._call(lambda: raw.size(name), name, None))
+
+    async def sizes(self, names: Sequence[str]) -> dict[str, int]:
+        """Sizes of several files in one listing where the store can (an optimisation: the
+        names it could not list are left out, ask :meth:`size` for those)."""
+        try:
+            return await asyncio.wait_for(self.raw.sizes(names), self.retry.timeout)
+        except Exception:  # noqa: BLE001 - an optimisation only: per-file sizes follow
+            log.debug("listing %s failed; asking for each file's size instead", self.raw.root, exc_info=True)
+            return {}
+
+    async def fingerprint(self, name: str) -> object | None:
+        raw = self.raw
+        return await self._call(lambda: raw.fingerprint(name), name, None)
+
+    async def listdir(self) -> list[str]:
+        """Names of the plain files directly under the root (``[]`` when it cannot be listed)."""
+        raw = self.raw
+        try:
+            return await self._call(raw.listdir, "", None)
+        except (CheckpointNotFoundError, StorageReadError) as exc:
+            log.debug("listing %s failed: %r", raw.root, exc)
+            return []
+
+    async def aclose(self) -> None:
+        await self.raw.aclose()

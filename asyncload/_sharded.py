@@ -1,6 +1,6 @@
-"""Loading across ranks: a collective driver whose every wait is bounded, and
-:class:`ShardedLoadPlanner`, which reads each byte range once and shares it over the
-process group.
+"""Sharing bytes across ranks: :class:`ShardedLoadPlanner`, which reads each byte range
+once and shares it over the process group (the multi-rank driver is :mod:`asyncload._driver`,
+its bounded waits :mod:`asyncload._monitor`).
 
 How a multi-rank load runs (``asyncload.load`` with ``torch.distributed`` initialised)::
 
@@ -15,7 +15,7 @@ How a multi-rank load runs (``asyncload.load`` with ``torch.distributed`` initia
            and sent to the others point to point, chunk by chunk, as reads land
     barrier "done"
 
-Every wait on another rank goes through a :class:`_Monitor`: a few keys in the
+Every wait on another rank goes through a :class:`Monitor`: a few keys in the
 process group's store hold each rank's status ("reading data: 12 of 40 chunks"), its
 failure if it had one, and barrier arrivals. A rank that raises posts its error there
 at once and every other rank raises :class:`DistributedLoadError` naming it; a rank
@@ -42,27 +42,20 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._dcp import PipelinedLoadPlanner, PipelinedReader
+from ._dcp import PipelinedLoadPlanner
+from ._monitor import Monitor
 from ._errors import AsyncLoadError, DistributedLoadError
 from ._options import LoadOptions
 from ._pipeline import Chunk, Pipeline, _assemble, _track, copy_bytes
-from ._retry import fetch_with_retry
+from ._session import LoadSession
 from ._stats import _fmt_bytes
 
-__all__ = ["ShardedLoadPlanner", "Transfer", "plan_transfers", "collective_load"]
+__all__ = ["ShardedLoadPlanner", "Transfer", "plan_transfers"]
 
 log = logging.getLogger("asyncload.sharded")
 
 _UNSET: Any = object()
 
-#: Seconds between checks for another rank's failure while reading.
-_WATCH_INTERVAL = 0.1
-#: Longest sleep between polls of a barrier.
-_MAX_POLL = 0.05
-#: Seconds between stall checks and heartbeats while waiting on another rank.
-_BEAT_INTERVAL = 1.0
-#: Status updates during reading are written at most this often.
-_PROGRESS_INTERVAL = 0.5
 #: Point-to-point tags: ``(load sequence % _TAG_LOADS) * _TAG_SPAN + transfer index``.
 _TAG_SPAN = 2_000_000
 _TAG_LOADS = 1000
@@ -113,322 +106,19 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         """
         return plan_transfers(needs)
 
-    def share_session(self, reader: PipelinedReader, options: LoadOptions) -> "_ShareSession | None":
-        """The reader's hook: a session that takes over this rank's reads, or None when
-        there is nobody to share with (no process group, or a group of one)."""
-        group = self.process_group if self.process_group is not None else getattr(reader, "_asyncload_group", None)
+    def share_session(self, session: LoadSession, options: LoadOptions) -> _ShareSession | None:
+        """The reading hook: a share session that takes over this rank's reads of the load
+        ``session``, or None when there is nobody to share with (no process group, or a
+        group of one). asyncload's driver puts its process group and monitor on ``session``."""
+        group = self.process_group if self.process_group is not None else session.group
         if not (dist.is_available() and dist.is_initialized()):
             return None
         if dist.get_world_size(group) <= 1:
             return None
-        monitor = getattr(reader, "_asyncload_monitor", None)
+        monitor = session.monitor
         if monitor is None or monitor.group is not group:
-            monitor = _Monitor(group, self.collective_timeout_for(options))
+            monitor = Monitor(group, self.collective_timeout_for(options))
         return _ShareSession(group, monitor, options, ordered=self.ordered, plan=self.plan_transfers)
-
-
-# --- the monitor: status, failures and barriers through the process group's store ----------
-
-
-def _group_store(group: Any) -> Any:
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        return dist.distributed_c10d._get_process_group_store(pg)
-    except Exception as exc:  # noqa: BLE001 - a group without a store
-        raise DistributedLoadError(
-            f"asyncload needs the process group's store to coordinate a multi-rank load and this group has none "
-            f"({type(exc).__name__}: {exc})") from exc
-
-
-_seq_lock = threading.Lock()
-_seq: dict[str, int] = {}
-_previous_keys: dict[str, tuple[Any, list[str]]] = {}
-
-
-def _group_name(group: Any) -> str:
-    pg = group if group is not None else dist.group.WORLD
-    return str(getattr(pg, "group_name", "") or dist.distributed_c10d._get_process_group_name(pg))
-
-
-def _next_seq(group: Any) -> tuple[str, int]:
-    name = _group_name(group)
-    with _seq_lock:
-        n = _seq.get(name, 0)
-        _seq[name] = n + 1
-    return name, n
-
-
-def _remote_error(value: bytes | str) -> DistributedLoadError:
-    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-    rank_s, _, rest = text.partition("|")
-    doing, _, message = rest.partition("|")
-    try:
-        rank: int | None = int(rank_s)
-    except ValueError:
-        rank, doing, message = None, "", text
-    err = DistributedLoadError(message, rank=rank, doing=doing)
-    err._asyncload_posted = True  # type: ignore[attr-defined]
-    return err
-
-
-class _GuardedStore:
-    """The group's store, with its failures (the rank hosting it exited, the connection
-    broke) raised as DistributedLoadError."""
-
-    def __init__(self, store: Any, rank: int) -> None:
-        self._store = store
-        self._rank = rank
-
-    def _call(self, name: str, *args: Any) -> Any:
-        try:
-            return getattr(self._store, name)(*args)
-        except RuntimeError as exc:
-            raise DistributedLoadError(
-                f"rank {self._rank} lost the process group's store ({type(exc).__name__}: {str(exc)[:300]}); "
-                "the rank that hosts it (the rendezvous master, usually rank 0) has probably exited or "
-                "crashed", doing="hosting the store") from exc
-
-    def set(self, key: str, value: str) -> None:
-        self._call("set", key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key)  # type: ignore[no-any-return]
-
-    def check(self, keys: list[str]) -> bool:
-        return self._call("check", keys)  # type: ignore[no-any-return]
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._call("multi_get", keys)  # type: ignore[no-any-return]
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call("compare_set", key, expected, desired)  # type: ignore[no-any-return]
-
-    def delete_key(self, key: str) -> bool:
-        return self._call("delete_key", key)  # type: ignore[no-any-return]
-
-
-class _Monitor:
-    """One load's view of the other ranks, through a few keys in the group's store.
-
-    ``st/<r>``: rank r's status, ``"<counter>|<text>"`` (the counter moves on progress,
-    phase changes and, while r waits on others, once a second); ``at/<barrier>/<r>``:
-    ``arrived`` or, when r was given up on, ``aborted`` (set with compare-and-set so a
-    rank cannot arrive after the others left without it); ``abort``: the first failure,
-    ``"<rank>|<doing>|<message>"``, which every rank raises.
-    """
-
-    def __init__(self, group: Any, timeout: float | None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.timeout = timeout
-        self.group_name, self.seq = _next_seq(group)
-        self.store = _GuardedStore(dist.PrefixStore(f"asyncload/{self.seq}/", _group_store(group)), self.rank)
-        self._lock = threading.Lock()
-        self._counter = 0
-        self._text = ""
-        self._last_write = 0.0
-        self._seen: dict[int, tuple[bytes, float]] = {}
-        self._status_cache: dict[int, tuple[bytes, float]] = {}
-        self._written: list[str] = []
-        #: Set from another thread to stop waiting (LoadHandle.cancel).
-        self.cancelled: threading.Event | None = None
-        with _seq_lock:
-            # the previous load's keys go once every rank has passed this load's first barrier
-            self._to_delete = _previous_keys.get(self.group_name)
-            _previous_keys[self.group_name] = (self.store, self._written)
-        self.status("starting the load")
-
-    # --- this rank's status ---------------------------------------------------------------
-
-    def _write_status(self) -> None:
-        key = f"st/{self.rank}"
-        try:
-            self.store.set(key, f"{self._counter}|{self._text}")
-        except Exception:  # noqa: BLE001 - status is best effort; a dead store shows up elsewhere
-            log.debug("could not write status", exc_info=True)
-        self._last_write = time.monotonic()
-        if key not in self._written:
-            self._written.append(key)
-
-    def status(self, text: str) -> None:
-        """Say what this rank is doing now (also counts as progress)."""
-        log.debug("rank %d: %s", self.rank, text)
-        with self._lock:
-            self._counter += 1
-            self._text = text
-            self._write_status()
-
-    @property
-    def doing(self) -> str:
-        return self._text
-
-    def progress(self, detail: str | None = None) -> None:
-        """Count progress (rate-limited store write)."""
-        with self._lock:
-            self._counter += 1
-            if detail is not None:
-                self._text = detail
-            if time.monotonic() - self._last_write >= _PROGRESS_INTERVAL:
-                self._write_status()
-
-    def beat(self) -> None:
-        """A heartbeat while this rank waits on others: it is alive, not stalled."""
-        with self._lock:
-            if time.monotonic() - self._last_write >= _BEAT_INTERVAL:
-                self._counter += 1
-                self._write_status()
-
-    # --- failures -------------------------------------------------------------------------
-
-    def fail(self, exc: BaseException, doing: str) -> None:
-        """Post this rank's failure (or a peer's that this rank found, such as a broken
-        connection) so that every other rank raises at once."""
-        if getattr(exc, "_asyncload_posted", False):
-            return  # read from the store, or posted when it was raised
-        if isinstance(exc, DistributedLoadError) and exc.rank is not None and exc.rank != self.rank:
-            value = f"{exc.rank}|{exc.doing}|{exc}"  # a peer's failure this rank saw first
-        else:
-            kind = "the load was cancelled" if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)) \
-                else f"{type(exc).__name__}: {exc}"
-            value = f"{self.rank}|{doing}|rank {self.rank} failed while {doing}: {kind}"
-        self._written.append("abort")
-        try:
-            self.store.compare_set("abort", "", value[:4000])
-            exc._asyncload_posted = True  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - the peers will see a stall instead
-            log.warning("could not post this rank's failure to the other ranks", exc_info=True)
-        self.status(f"failed while {doing}")
-
-    def check(self) -> None:
-        """Raise DistributedLoadError if any rank failed or was given up on."""
-        if self.store.check(["abort"]):
-            raise _remote_error(self.store.get("abort"))
-
-    def _give_up(self, rank: int, barrier: str | None, idle: float, status: str, doing: str) -> None:
-        """Declare ``rank`` stalled (unless it arrives at ``barrier`` right now) and raise."""
-        if barrier is not None:
-            got = self.store.compare_set(f"at/{barrier}/{rank}", "", "aborted")
-            if got == b"arrived":
-                return
-        self._written.append("abort")
-        what = status or "it had not started the load"
-        message = (f"rank {rank} made no progress for {idle:.1f} s (LoadOptions.collective_timeout="
-                   f"{self.timeout}); its last status: {what}; rank {self.rank} gave up on it while {doing}")
-        self.store.compare_set("abort", "", f"{rank}|{what}|{message}")
-        self.check()
-        raise DistributedLoadError(message, rank=rank, doing=what)  # pragma: no cover - check() raised
-
-    def _status_of(self, rank: int) -> bytes:
-        key = f"st/{rank}"
-        if not self.store.check([key]):
-            return b""
-        return self.store.get(key)
-
-    def idle_peer(self, peers: Sequence[int]) -> tuple[int, float, str] | None:
-        """A peer whose status has not changed for ``timeout`` seconds, with its idle time and status."""
-        if self.timeout is None:
-            return None
-        now = time.monotonic()
-        for r in peers:
-            cached = self._status_cache.get(r)
-            if cached is not None and now - cached[1] < 0.5 * _BEAT_INTERVAL:
-                value = cached[0]
-            else:
-                value = self._status_of(r)
-                self._status_cache[r] = (value, now)
-            seen = self._seen.get(r)
-            if seen is None or seen[0] != value:
-                self._seen[r] = (value, now)
-                continue
-            idle = now - seen[1]
-            if idle >= self.timeout:
-                return r, idle, value.decode("utf-8", "replace").partition("|")[2]
-        return None
-
-    # --- barriers -------------------------------------------------------------------------
-
-    def _arrive(self, name: str) -> list[str]:
-        key = f"at/{name}/{self.rank}"
-        got = self.store.compare_set(key, "", "arrived")
-        self._written.append(key)
-        if got != b"arrived":
-            self.check()
-            raise DistributedLoadError(f"rank {self.rank} arrived at {name!r} after the other ranks gave up on it",
-                                       rank=self.rank, doing=name)
-        return [f"at/{name}/{r}" for r in range(self.world)]
-
-    def _poll(self, name: str, keys: list[str], doing: str, state: dict[str, float]) -> bool:
-        if self.cancelled is not None and self.cancelled.is_set():
-            raise asyncio.CancelledError()
-        self.check()
-        if self.store.check(keys):
-            values = self.store.multi_get(keys)
-            if all(v == b"arrived" for v in values):
-                return True
-            self.check()
-            raise DistributedLoadError(f"the ranks gave up at {name!r}")  # pragma: no cover - abort is set first
-        now = time.monotonic()
-        if now - state.get("stall", 0.0) >= _BEAT_INTERVAL:
-            state["stall"] = now
-            self.beat()
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            idle = self.idle_peer(missing)
-            if idle is not None:
-                rank, seconds, status = idle
-                self._give_up(rank, name, seconds, status, doing)
-        return False
-
-    def _passed(self) -> None:
-        """After the first barrier every rank has finished the previous load: drop its keys."""
-        prev, self._to_delete = self._to_delete, None
-        if prev is not None:
-            store, keys = prev
-            for k in set(keys):
-                try:
-                    store.delete_key(k)
-                except Exception:  # noqa: BLE001 - cleanup is best effort
-                    break
-
-    def barrier(self, name: str, doing: str) -> None:
-        """Wait (caller's thread) until every rank arrives; raise on a failure or a stall."""
-        self.status(doing)
-        keys = self._arrive(name)
-        state: dict[str, float] = {"stall": time.monotonic()}
-        delay = 0.0005
-        while not self._poll(name, keys, doing, state):
-            time.sleep(delay)
-            delay = min(_MAX_POLL, delay * 2)
-        self._passed()
-
-    async def abarrier(self, name: str, doing: str) -> None:
-        """:meth:`barrier` for the event loop."""
-        self.status(doing)
-        keys = self._arrive(name)
-        state: dict[str, float] = {"stall": time.monotonic()}
-        delay = 0.0005
-        while not self._poll(name, keys, doing, state):
-            await asyncio.sleep(delay)
-            delay = min(_MAX_POLL, delay * 2)
-        self._passed()
-
-    async def wait_on(self, fut: asyncio.Future[Any], peers: Sequence[int], doing: str) -> Any:
-        """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls."""
-        while True:
-            done, _ = await asyncio.wait({fut}, timeout=_BEAT_INTERVAL)
-            if done:
-                return fut.result()
-            self.beat()
-            idle = self.idle_peer(peers)
-            if idle is not None:
-                rank, seconds, status = idle
-                self._give_up(rank, None, seconds, status, doing)
-
-    async def watch(self) -> None:
-        """Raise as soon as any rank posts a failure (runs beside the reads)."""
-        while True:
-            await asyncio.sleep(_WATCH_INTERVAL)
-            self.check()
 
 
 # --- the plan: who reads which bytes -------------------------------------------------------
@@ -661,7 +351,7 @@ class _Transport:
         return torch.frombuffer(view, dtype=torch.uint8)
 
     async def exchange(self, op: str, peers: Sequence[int], tag: int, index: int, view: memoryview, keep: Any,
-                       monitor: _Monitor, doing: str) -> None:
+                       monitor: Monitor, doing: str) -> None:
         """Send ``view`` to every rank in ``peers`` (``op="send"``) or receive it from the one
         peer (``op="recv"``), then wait, watching the peers for a stall."""
         loop = asyncio.get_running_loop()
@@ -813,23 +503,9 @@ class _SharedPipeline(Pipeline):
         self.session.monitor.progress(f"{self.session.doing}: {self.done} of {self.total} chunks done")
 
     async def _read_part(self, chunk: Chunk, part: _Part, view: memoryview) -> None:
-        loop = asyncio.get_running_loop()
-        storage = self.storage
         t0 = time.monotonic()
-        url = storage.url(chunk.name)
-        rng = (part.start, part.end)
-        if storage.supports_readinto:
-            def into() -> None:
-                storage.readinto_sync(chunk.name, part.start, [view])  # type: ignore[attr-defined]
-
-            await fetch_with_retry(lambda: loop.run_in_executor(self.executor, into), options=self.options,
-                                   stats=self.stats, url=url, byte_range=rng, hedge=None)
-        else:
-            raw = await fetch_with_retry(lambda: storage.read(chunk.name, part.start, part.end),
-                                         options=self.options, stats=self.stats, url=url, byte_range=rng,
-                                         hedge=self.hedge, on_throttle=self._note_throttle)
-            copy_bytes(view, memoryview(raw))
-        self.stats.add(bytes_read=part.end - part.start, chunks=1, storage_wait_seconds=time.monotonic() - t0)
+        await self.storage.readinto(chunk.name, part.start, [view])
+        self.stats.add(chunks=1, storage_wait_seconds=time.monotonic() - t0)
 
     async def _part(self, chunk: Chunk, part: _Part, buf: memoryview, state: dict[str, bool]) -> None:
         view = buf[part.start - chunk.start : part.end - chunk.start]
@@ -916,7 +592,7 @@ class _ShareSession:
     ``read_data`` (through ``planner.share_session``); :meth:`run` replaces
     ``Pipeline.run`` for each read phase."""
 
-    def __init__(self, group: Any, monitor: _Monitor, options: LoadOptions, *, ordered: bool | None = None,
+    def __init__(self, group: Any, monitor: Monitor, options: LoadOptions, *, ordered: bool | None = None,
                  plan: Any = None) -> None:
         self.group = group
         self.monitor = monitor
@@ -975,7 +651,7 @@ class _ShareSession:
                   time.monotonic() - t1)
 
 
-async def _run_watched(coro: Awaitable[None], monitor: _Monitor) -> None:
+async def _run_watched(coro: Awaitable[None], monitor: Monitor) -> None:
     """Run ``coro`` while watching for another rank's failure."""
     try:
         async with asyncio.TaskGroup() as tg:
@@ -988,72 +664,3 @@ async def _run_watched(coro: Awaitable[None], monitor: _Monitor) -> None:
         raise _first_error(group) from None
 
 
-# --- the collective driver behind asyncload.load -----------------------------------------------
-
-
-def collective_load(state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner,
-                    process_group: Any = None) -> None:
-    """``dcp.load``'s collective steps (the same planner and reader calls, in the same
-    order) with every wait on another rank bounded by ``LoadOptions.collective_timeout``
-    and a failure on one rank raised on all of them."""
-    from torch.distributed.checkpoint.utils import _DistWrapper
-
-    options = reader._effective_options(planner)
-    timeout = planner.collective_timeout_for(options) if isinstance(planner, ShardedLoadPlanner) else \
-        options.collective_timeout
-    monitor = _Monitor(process_group, timeout)
-    reader._asyncload_monitor = monitor  # type: ignore[attr-defined]
-    reader._asyncload_group = process_group  # type: ignore[attr-defined]
-    user_progress = reader.progress
-
-    def on_progress(done: int, total: int) -> None:
-        monitor.progress(f"reading data: {_fmt_bytes(done)} of {_fmt_bytes(total)}")
-        if user_progress is not None:
-            user_progress(done, total)
-
-    reader.progress = on_progress
-    monitor.cancelled = reader._cancelled
-    dist_w = _DistWrapper(process_group, True, 0)
-    keys = sorted(state_dict.keys())
-    stateful = {k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]
-                for k in keys}
-    doing = "reading the checkpoint metadata"
-    try:
-        monitor.status(doing)
-        metadata = reader.read_metadata()
-        planner.set_up_planner(stateful, metadata, dist_w.is_coordinator)
-        reader.set_up_storage_reader(metadata, dist_w.is_coordinator, rank=dist_w.rank, use_collectives=True)
-        doing = "making its local plan"
-        monitor.status(doing)
-        local_plan = reader.prepare_local_plan(planner.create_local_plan())
-        doing = "waiting for the other ranks' local plans"
-        monitor.barrier("local-plan", doing)
-        # every rank is here and well: the collectives below cannot wait on a failed rank
-        plans = dist_w.gather_object(local_plan)
-        scattered: list[Any] | None = None
-        if dist_w.is_coordinator:
-            doing = "making the global plan"
-            monitor.status(doing)
-            if plans is None:  # pragma: no cover - the coordinator always gathers
-                raise DistributedLoadError("the coordinator gathered no local plans")
-            scattered = reader.prepare_global_plan(planner.create_global_plan(plans))
-        doing = "waiting for the global plan"
-        monitor.barrier("global-plan", doing)
-        central = dist_w.scatter_object(scattered)
-        doing = "reading data"
-        monitor.status(doing)
-        final = planner.finish_plan(central)
-        reader.read_data(final, planner).wait()
-        doing = "waiting for the other ranks to finish reading"
-        monitor.barrier("done", doing)
-        # one collective, so that no rank (rank 0 hosts the store) leaves while another is
-        # still reading the barrier's keys
-        dist_w.barrier()
-    except BaseException as exc:
-        monitor.fail(exc, monitor.doing if doing == "reading data" else doing)
-        raise
-    for k in keys:
-        if isinstance(state_dict[k], Stateful):
-            state_dict[k].load_state_dict(stateful[k])
-        else:
-            state_dict[k] = stateful[k]

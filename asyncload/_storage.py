@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import posixpath
 import threading
 import types
 import weakref
@@ -68,10 +69,14 @@ class Storage:
         the store cannot tell cheaply. A load compares it before and after reading."""
         return None
 
-    async def sizes(self, names: Sequence[str], timeout: float | None = None) -> dict[str, int]:
+    async def sizes(self, names: Sequence[str]) -> dict[str, int]:
         """Sizes of several files at once where the store can list them in one request;
         the names it could not list are left out (ask :meth:`size` for those)."""
         return {}
+
+    async def listdir(self) -> list[str]:
+        """Names of the plain files directly under the root, sorted."""
+        return []
 
     async def exists(self, name: str) -> bool:
         try:
@@ -151,6 +156,14 @@ class LocalStorage(Storage):
     async def fingerprint(self, name: str) -> object | None:
         st = os.stat(self._path(name))
         return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+    async def listdir(self) -> list[str]:
+        root = self.root
+        try:
+            names = os.listdir(root)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return []
+        return sorted(n for n in names if os.path.isfile(os.path.join(root, n)))
 
     async def aclose(self) -> None:
         with self._lock:
@@ -286,19 +299,14 @@ class FsspecStorage(Storage):
             raise OSError(f"{self.url(name)}: the store did not report a size")
         return int(size)
 
-    async def sizes(self, names: Sequence[str], timeout: float | None = None) -> dict[str, int]:
+    async def sizes(self, names: Sequence[str]) -> dict[str, int]:
         """One listing of the checkpoint's directory instead of a HEAD per file (s3, gcs:
-        a checkpoint saved one file per item has hundreds). Anything that goes wrong (no
-        list permission, a timeout, an odd listing) leaves the per-file HEADs to do the job."""
+        a checkpoint saved one file per item has hundreds)."""
         if not self.is_async or len(names) < 4 or not (_is_s3(self._cls) or _is_gcs(self._cls)):
             return {}
-        try:
-            fs = await self._get_fs()
-            root = self._root_path.rstrip("/")
-            entries = await asyncio.wait_for(fs._ls(root, detail=True), timeout)
-        except Exception:  # noqa: BLE001 - an optimisation only
-            log.debug("listing %s failed; asking for each file's size instead", self.root, exc_info=True)
-            return {}
+        fs = await self._get_fs()
+        root = self._root_path.rstrip("/")
+        entries = await fs._ls(root, detail=True)
         wanted = set(names)
         out: dict[str, int] = {}
         for e in entries:
@@ -309,14 +317,22 @@ class FsspecStorage(Storage):
                 out[rel] = size
         return out
 
-    async def cat(self, name: str) -> bytes:
-        """A whole small file (``.metadata``, an index)."""
+    async def listdir(self) -> list[str]:
         fs = await self._get_fs()
-        path = self._full(name)
-        if self.is_async:
-            return await fs._cat_file(path)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fs.cat_file, path)
+        path = self._full("").rstrip("/") or "/"
+        try:
+            if self.is_async:
+                entries = await fs._ls(path, detail=True)
+            else:
+                loop = asyncio.get_running_loop()
+                entries = await loop.run_in_executor(self._executor, lambda: fs.ls(path, detail=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for e in entries:
+            if isinstance(e, dict) and e.get("type", "file") == "file":
+                out.append(posixpath.basename(str(e.get("name", "")).rstrip("/")))
+        return sorted(n for n in out if n)
 
     async def aclose(self) -> None:
         """Close the filesystem's HTTP session and its connections. Safe to call twice."""

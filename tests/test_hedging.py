@@ -10,30 +10,24 @@ import time
 
 import pytest
 from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, zeros_like_tree
-from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
+from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_closed
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._retry import HedgePolicy, clock_of
+from asyncload._retry import clock_of, hedge_delay
 from asyncload._stats import StatsRecorder
 from asyncload.testing import stall, status
 
 pytestmark = pytest.mark.timeout(60)
 
-OPTS = LoadOptions(chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=10.0, retries=2, backoff=0.02,
-                   hedge_min_delay=0.2)
-DATA = dict(path=".distcp", range_only=True, data_only=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    sd = small_state_dict(seed=20)
-    return make_checkpoint(tmp_path_factory.mktemp("hedging") / "ckpt", sd), sd
+OPTS = LoadOptions(
+    chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=10.0, retries=2, backoff=0.02, hedge_min_delay=0.2
+)
+DATA = {"path": ".distcp", "range_only": True, "data_only": True}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_stalled_reads_are_hedged_and_do_not_hold_up_the_load(request, backend, ckpt, bucket_name,
-                                                                   fault_proxy):
+def test_two_stalled_reads_are_hedged_and_do_not_hold_up_the_load(request, backend, ckpt, bucket_name, fault_proxy):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     rule = r.proxy.add_rule(stall(5.0), times=2, **DATA)
@@ -67,21 +61,25 @@ def test_without_hedging_a_stall_holds_up_the_load(request, ckpt, bucket_name, f
 def test_hedge_delay_cold_floor_and_comparable_history():
     opts = LoadOptions(hedge_min_delay=0.25, hedge_factor=3.0)
     rec = StatsRecorder()
-    policy = HedgePolicy(opts, rec)
-    assert policy.delay(8 << 20) == pytest.approx(4 * 0.25)  # no history: the cold floor
     clock = clock_of(rec)
+    policy = opts.hedge_policy
+
+    def delay(nbytes: int) -> float | None:
+        return hedge_delay(policy, clock, nbytes)
+
+    assert delay(8 << 20) == pytest.approx(4 * 0.25)  # no history: the cold floor
     for _ in range(10):
         clock.finished(0.01, 64 << 10)  # fast small reads (probes)
     # small reads say nothing about an 8 MiB read: still cold
-    assert policy.delay(8 << 20) == pytest.approx(1.0)
+    assert delay(8 << 20) == pytest.approx(1.0)
     # ... but they do about a 64 KiB one: 3 x p90 = 0.03 s, raised to the floor
-    assert policy.delay(64 << 10) == pytest.approx(0.25)
+    assert delay(64 << 10) == pytest.approx(0.25)
     for t in (0.2, 0.2, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.4, 0.5):
         clock.finished(t, 8 << 20)
-    assert policy.delay(8 << 20) == pytest.approx(3 * 0.5)
+    assert delay(8 << 20) == pytest.approx(3 * 0.5)
     # a 16 MiB read is compared with the 8 MiB ones scaled up to its size
-    assert policy.delay(16 << 20) == pytest.approx(3 * 1.0)
-    assert HedgePolicy(opts.replace(hedge=False), rec).delay(8 << 20) is None
+    assert delay(16 << 20) == pytest.approx(3 * 1.0)
+    assert hedge_delay(opts.replace(hedge=False).hedge_policy, clock, 8 << 20) is None
     assert clock_of(rec) is clock and clock.total_samples == 20
 
 
@@ -95,13 +93,24 @@ def many_chunks(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("auto") / "ckpt", sd), sd
 
 
-AUTO = LoadOptions(chunk_size=32 << 10, min_chunk_size=4 << 10, timeout=10, retries=6, backoff=0.02,
-                   max_backoff=0.2, concurrency="auto", hedge=False)
+AUTO = LoadOptions(
+    chunk_size=32 << 10,
+    min_chunk_size=4 << 10,
+    timeout=10,
+    retries=6,
+    backoff=0.02,
+    max_backoff=0.2,
+    concurrency="auto",
+    hedge=False,
+)
 
 
 def _limits(caplog):
-    return [int(rec.getMessage().split("->")[1].split(":")[0]) for rec in caplog.records
-            if rec.name == "asyncload.pipeline" and rec.getMessage().startswith("concurrency ")]
+    return [
+        int(rec.getMessage().split("->")[1].split(":")[0])
+        for rec in caplog.records
+        if rec.name == "asyncload.pipeline" and rec.getMessage().startswith("concurrency ")
+    ]
 
 
 def test_auto_grows_on_a_high_latency_link(request, many_chunks, bucket_name, fault_proxy, caplog):
@@ -116,8 +125,7 @@ def test_auto_grows_on_a_high_latency_link(request, many_chunks, bucket_name, fa
     assert stats.peak_concurrency > AUTO.initial_concurrency
 
 
-def test_auto_does_not_run_to_the_ceiling_on_a_capped_link(request, many_chunks, bucket_name, fault_proxy,
-                                                               caplog):
+def test_auto_does_not_run_to_the_ceiling_on_a_capped_link(request, many_chunks, bucket_name, fault_proxy, caplog):
     path, sd = many_chunks
     # 2 MiB/s and 5 ms each way: a 32 KiB read is 16 ms on the wire plus 10 ms of latency,
     # so 2-3 reads in flight fill the link and more only queue (latency rises, throughput not)

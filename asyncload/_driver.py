@@ -1,0 +1,257 @@
+"""One driver for 1..N ranks: the planner sequence of a load, written once, run by two runners.
+
+The sequence is ``dcp.load``'s (the same planner and reader calls, in the same order)::
+
+    read .metadata -> set_up_planner -> set_up_storage_reader -> create_local_plan
+      -> [N ranks: gather local plans -> create_global_plan on the coordinator -> scatter]
+      -> finish_plan -> session reads -> commit tensors and objects -> Stateful.load_state_dict
+
+It is a generator of steps (:func:`load_steps`): a :class:`Call` is planner work, a
+collective or a hook (CPU, blocking); an :class:`Await` is the engine's I/O (a coroutine of
+the :class:`~asyncload._session.LoadSession`). The two runners decide where each runs:
+
+* :func:`run_sync` (``load``, ``start_load``): calls on the caller's thread, coroutines on
+  the library's loop thread;
+* :func:`run_async` (``aload``): coroutines on the caller's own loop, calls on a worker
+  thread so the loop stays free.
+
+With N ranks every wait on another rank goes through a :class:`~asyncload._monitor.Monitor`
+(bounded by ``LoadOptions.collective_timeout``; a failure on one rank is raised on all),
+and the collectives are entered only after a monitored barrier saw every rank arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+from collections.abc import Callable, Coroutine, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar, Union
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ._dcp import PipelinedReader
+from ._errors import DistributedLoadError
+from ._monitor import Monitor
+from ._stats import LoadStats, _fmt_bytes
+
+__all__ = ["Await", "Call", "load_steps", "run_async", "run_sync"]
+
+log = logging.getLogger("asyncload.driver")
+T = TypeVar("T")
+
+
+class Call:
+    """Blocking work: a planner hook, planning, a collective: ``fn(*args)``."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+
+
+@dataclass
+class Await:
+    """A coroutine of the engine. ``cleanup``: runs even after the load was cancelled."""
+
+    coro: Coroutine[Any, Any, Any]
+    cleanup: bool = False
+
+
+Step = Union[Call, Await]
+Steps = Generator[Step, Any, T]
+
+
+def run_sync(steps: Steps[T], reader: PipelinedReader) -> T:
+    """Drive ``steps`` from the calling thread: calls here, coroutines on the session's loop."""
+    session = reader.session
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        value = error = None
+        try:
+            if isinstance(step, Call):
+                value = step.fn(*step.args)
+            else:
+                value = session.run(step.coro, cleanup=step.cleanup)
+        except BaseException as exc:  # noqa: BLE001 - handed back into the steps
+            error = exc
+
+
+async def run_async(steps: Steps[T], reader: PipelinedReader) -> T:
+    """Drive ``steps`` on the running loop: coroutines here, calls on a worker thread."""
+    session = reader.session
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        value = error = None
+        try:
+            if isinstance(step, Call):
+                value = await _in_thread(step.fn, *step.args)
+            elif step.cleanup:
+                value = await step.coro
+            else:
+                value = await session.guard(step.coro)
+        except BaseException as exc:  # noqa: BLE001 - handed back into the steps
+            error = exc
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn`` on a worker thread; a cancel waits for it to return (it cannot be interrupted,
+    and the steps after it must not run beside it), then is raised."""
+    ctx = contextvars.copy_context()
+    fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(ctx.run, fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                continue
+            except BaseException:  # noqa: BLE001 - the cancel is what the caller asked for
+                break
+        raise
+
+
+def load_steps(state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner,
+               process_group: Any = None) -> Steps[LoadStats]:
+    """The steps of one load into ``state_dict`` (in place), on every rank of the group."""
+    use_dist = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(process_group) if use_dist else 1
+    reader._close_after_metadata = False  # the steps close the storage when the load ends
+    session = reader.session
+    keys = sorted(state_dict.keys())
+    stateful = {k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]
+                for k in keys}
+    log.debug("loading %s into %d keys on %d rank(s)", reader.checkpoint, len(state_dict), world)
+    try:
+        if world > 1:
+            yield from _collective_steps(stateful, reader, planner, process_group)
+        else:
+            session.begin()
+            session.use_options(reader.options)
+            metadata = yield Await(session.aread_metadata())
+            yield Call(planner.set_up_planner, stateful, metadata, True)
+            reader.set_up_storage_reader(metadata, True, rank=0, use_collectives=False)
+            local = yield Call(_local_plan, reader, planner)
+            central = yield Call(_global_plan, reader, planner, [local])
+            final = yield Call(planner.finish_plan, central[0])
+            yield from read_steps(reader, final, planner)
+    finally:
+        yield Await(session.aclose(), cleanup=True)
+    for k in keys:
+        if isinstance(state_dict[k], Stateful):
+            state_dict[k].load_state_dict(stateful[k])
+        else:
+            state_dict[k] = stateful[k]
+    stats = reader.stats
+    if stats is None:  # pragma: no cover - read_steps finishes the stats
+        raise DistributedLoadError("the load ended without statistics")
+    log.info("loaded %s: %s", reader.checkpoint, stats)
+    return stats
+
+
+def _local_plan(reader: PipelinedReader, planner: LoadPlanner) -> LoadPlan:
+    return reader.prepare_local_plan(planner.create_local_plan())
+
+
+def _global_plan(reader: PipelinedReader, planner: LoadPlanner, plans: list[LoadPlan]) -> list[LoadPlan]:
+    return reader.prepare_global_plan(planner.create_global_plan(plans))
+
+
+def read_steps(reader: PipelinedReader, plan: LoadPlan, planner: LoadPlanner) -> Steps[None]:
+    """``read_data``'s work as steps: destinations resolved and committed by calls (planner
+    hooks), the reads awaited."""
+    session = reader.session
+    if reader.metadata is None:  # pragma: no cover - set up by the steps before
+        raise DistributedLoadError("read_data before set_up_storage_reader")
+    session.use_options(reader.effective_options(planner))
+    hook = getattr(planner, "share_session", None)
+    share = hook(session, session.options) if callable(hook) else None
+    try:
+        records = yield Call(session.prepare_reads, plan, planner, reader.metadata)
+        yield Await(session.aread(records, share.run if share is not None else None))
+    except BaseException as exc:
+        if share is not None:
+            share.fail(exc)
+        raise
+    finally:
+        yield Await(session.aend_reads(), cleanup=True)
+    yield Call(session.commit, records, planner)
+    session.finish()
+
+
+def _collective_steps(state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner,
+                      process_group: Any) -> Steps[None]:
+    """The N-rank sequence, with every wait on another rank bounded by the monitor."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    session = reader.session
+    session.begin()
+    options = reader.effective_options(planner)
+    timeout_for = getattr(planner, "collective_timeout_for", None)
+    timeout = timeout_for(options) if callable(timeout_for) else options.collective_timeout
+    monitor = Monitor(process_group, timeout)
+    session.group, session.monitor = process_group, monitor
+    monitor.cancelled = session.cancelled
+    user_progress = session.progress
+
+    def on_progress(done: int, total: int) -> None:
+        monitor.progress(f"reading data: {_fmt_bytes(done)} of {_fmt_bytes(total)}")
+        if user_progress is not None:
+            user_progress(done, total)
+
+    session.progress = on_progress
+    dist_w = _DistWrapper(process_group, True, 0)
+    doing = "reading the checkpoint metadata"
+    try:
+        monitor.status(doing)
+        session.use_options(reader.options)
+        metadata = yield Await(session.aread_metadata())
+        yield Call(planner.set_up_planner, state_dict, metadata, dist_w.is_coordinator)
+        reader.set_up_storage_reader(metadata, dist_w.is_coordinator, rank=dist_w.rank, use_collectives=True)
+        doing = "making its local plan"
+        monitor.status(doing)
+        local_plan = yield Call(_local_plan, reader, planner)
+        doing = "waiting for the other ranks' local plans"
+        yield Call(monitor.barrier, "local-plan", doing)
+        # every rank is here and well: the collectives below cannot wait on a failed rank
+        plans = yield Call(dist_w.gather_object, local_plan)
+        scattered: list[LoadPlan] | None = None
+        if dist_w.is_coordinator:
+            doing = "making the global plan"
+            monitor.status(doing)
+            if plans is None:  # pragma: no cover - the coordinator always gathers
+                raise DistributedLoadError("the coordinator gathered no local plans")
+            scattered = yield Call(_global_plan, reader, planner, plans)
+        doing = "waiting for the global plan"
+        yield Call(monitor.barrier, "global-plan", doing)
+        central = yield Call(dist_w.scatter_object, scattered)
+        doing = "reading data"
+        monitor.status(doing)
+        final = yield Call(planner.finish_plan, central)
+        yield from read_steps(reader, final, planner)
+        doing = "waiting for the other ranks to finish reading"
+        yield Call(monitor.barrier, "done", doing)
+        # one collective, so that no rank (rank 0 hosts the store) leaves while another is
+        # still reading the barrier's keys
+        yield Call(dist_w.barrier)
+    except BaseException as exc:
+        monitor.fail(exc, monitor.doing if doing == "reading data" else doing)
+        raise
+    finally:
+        session.progress = user_progress

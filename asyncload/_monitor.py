@@ -1,0 +1,342 @@
+"""Monitored collectives: every wait of a multi-rank load on another rank is bounded.
+
+A :class:`Monitor` keeps a few keys in the process group's store: each rank's status
+("reading data: 12 of 40 chunks"), its failure if it had one, and barrier arrivals. A
+rank that raises posts its error there at once and every other rank raises
+:class:`DistributedLoadError` naming it; a rank that makes no progress for
+``collective_timeout`` seconds is declared stalled by the first rank waiting on it, and
+every rank raises an error naming it and its last status. Collectives themselves
+(gather/scatter of plans, all_gather of needs) are only entered once a monitored
+barrier has seen every rank arrive, so they cannot hang on a rank that has already
+failed. Used by the multi-rank driver (:mod:`asyncload._driver`) and by byte sharing
+(:mod:`asyncload._sharded`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ._errors import DistributedLoadError
+
+__all__ = ["Monitor"]
+
+log = logging.getLogger("asyncload.monitor")
+
+#: Seconds between checks for another rank's failure while reading.
+_WATCH_INTERVAL = 0.1
+#: Longest sleep between polls of a barrier.
+_MAX_POLL = 0.05
+#: Seconds between stall checks and heartbeats while waiting on another rank.
+_BEAT_INTERVAL = 1.0
+#: Status updates during reading are written at most this often.
+_PROGRESS_INTERVAL = 0.5
+
+
+def _group_store(group: Any) -> Any:
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return dist.distributed_c10d._get_process_group_store(pg)
+    except Exception as exc:  # noqa: BLE001 - a group without a store
+        raise DistributedLoadError(
+            f"asyncload needs the process group's store to coordinate a multi-rank load and this group has none "
+            f"({type(exc).__name__}: {exc})") from exc
+
+
+_seq_lock = threading.Lock()
+_seq: dict[str, int] = {}
+_previous_keys: dict[str, tuple[Any, list[str]]] = {}
+
+
+def _group_name(group: Any) -> str:
+    pg = group if group is not None else dist.group.WORLD
+    return str(getattr(pg, "group_name", "") or dist.distributed_c10d._get_process_group_name(pg))
+
+
+def _next_seq(group: Any) -> tuple[str, int]:
+    name = _group_name(group)
+    with _seq_lock:
+        n = _seq.get(name, 0)
+        _seq[name] = n + 1
+    return name, n
+
+
+def _remote_error(value: bytes | str) -> DistributedLoadError:
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    rank_s, _, rest = text.partition("|")
+    doing, _, message = rest.partition("|")
+    try:
+        rank: int | None = int(rank_s)
+    except ValueError:
+        rank, doing, message = None, "", text
+    err = DistributedLoadError(message, rank=rank, doing=doing)
+    err._asyncload_posted = True  # type: ignore[attr-defined]
+    return err
+
+
+class _GuardedStore:
+    """The group's store, with its failures (the rank hosting it exited, the connection
+    broke) raised as DistributedLoadError."""
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self._store = store
+        self._rank = rank
+
+    def _call(self, name: str, *args: Any) -> Any:
+        try:
+            return getattr(self._store, name)(*args)
+        except RuntimeError as exc:
+            raise DistributedLoadError(
+                f"rank {self._rank} lost the process group's store ({type(exc).__name__}: {str(exc)[:300]}); "
+                "the rank that hosts it (the rendezvous master, usually rank 0) has probably exited or "
+                "crashed", doing="hosting the store") from exc
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)  # type: ignore[no-any-return]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)  # type: ignore[no-any-return]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("multi_get", keys)  # type: ignore[no-any-return]
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)  # type: ignore[no-any-return]
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)  # type: ignore[no-any-return]
+
+
+class Monitor:
+    """One load's view of the other ranks, through a few keys in the group's store.
+
+    ``st/<r>``: rank r's status, ``"<counter>|<text>"`` (the counter moves on progress,
+    phase changes and, while r waits on others, once a second); ``at/<barrier>/<r>``:
+    ``arrived`` or, when r was given up on, ``aborted`` (set with compare-and-set so a
+    rank cannot arrive after the others left without it); ``abort``: the first failure,
+    ``"<rank>|<doing>|<message>"``, which every rank raises.
+    """
+
+    def __init__(self, group: Any, timeout: float | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = timeout
+        self.group_name, self.seq = _next_seq(group)
+        self.store = _GuardedStore(dist.PrefixStore(f"asyncload/{self.seq}/", _group_store(group)), self.rank)
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._text = ""
+        self._last_write = 0.0
+        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._status_cache: dict[int, tuple[bytes, float]] = {}
+        self._written: list[str] = []
+        #: Set from another thread to stop waiting (LoadHandle.cancel).
+        self.cancelled: threading.Event | None = None
+        with _seq_lock:
+            # the previous load's keys go once every rank has passed this load's first barrier
+            self._to_delete = _previous_keys.get(self.group_name)
+            _previous_keys[self.group_name] = (self.store, self._written)
+        self.status("starting the load")
+
+    # --- this rank's status ---------------------------------------------------------------
+
+    def _write_status(self) -> None:
+        key = f"st/{self.rank}"
+        try:
+            self.store.set(key, f"{self._counter}|{self._text}")
+        except Exception:  # noqa: BLE001 - status is best effort; a dead store shows up elsewhere
+            log.debug("could not write status", exc_info=True)
+        self._last_write = time.monotonic()
+        if key not in self._written:
+            self._written.append(key)
+
+    def status(self, text: str) -> None:
+        """Say what this rank is doing now (also counts as progress)."""
+        log.debug("rank %d: %s", self.rank, text)
+        with self._lock:
+            self._counter += 1
+            self._text = text
+            self._write_status()
+
+    @property
+    def doing(self) -> str:
+        return self._text
+
+    def progress(self, detail: str | None = None) -> None:
+        """Count progress (rate-limited store write)."""
+        with self._lock:
+            self._counter += 1
+            if detail is not None:
+                self._text = detail
+            if time.monotonic() - self._last_write >= _PROGRESS_INTERVAL:
+                self._write_status()
+
+    def beat(self) -> None:
+        """A heartbeat while this rank waits on others: it is alive, not stalled."""
+        with self._lock:
+            if time.monotonic() - self._last_write >= _BEAT_INTERVAL:
+                self._counter += 1
+                self._write_status()
+
+    # --- failures -------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException, doing: str) -> None:
+        """Post this rank's failure (or a peer's that this rank found, such as a broken
+        connection) so that every other rank raises at once."""
+        if getattr(exc, "_asyncload_posted", False):
+            return  # read from the store, or posted when it was raised
+        if isinstance(exc, DistributedLoadError) and exc.rank is not None and exc.rank != self.rank:
+            value = f"{exc.rank}|{exc.doing}|{exc}"  # a peer's failure this rank saw first
+        else:
+            kind = "the load was cancelled" if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)) \
+                else f"{type(exc).__name__}: {exc}"
+            value = f"{self.rank}|{doing}|rank {self.rank} failed while {doing}: {kind}"
+        self._written.append("abort")
+        try:
+            self.store.compare_set("abort", "", value[:4000])
+            exc._asyncload_posted = True  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the peers will see a stall instead
+            log.warning("could not post this rank's failure to the other ranks", exc_info=True)
+        self.status(f"failed while {doing}")
+
+    def check(self) -> None:
+        """Raise DistributedLoadError if any rank failed or was given up on."""
+        if self.store.check(["abort"]):
+            raise _remote_error(self.store.get("abort"))
+
+    def _give_up(self, rank: int, barrier: str | None, idle: float, status: str, doing: str) -> None:
+        """Declare ``rank`` stalled (unless it arrives at ``barrier`` right now) and raise."""
+        if barrier is not None:
+            got = self.store.compare_set(f"at/{barrier}/{rank}", "", "aborted")
+            if got == b"arrived":
+                return
+        self._written.append("abort")
+        what = status or "it had not started the load"
+        message = (f"rank {rank} made no progress for {idle:.1f} s (LoadOptions.collective_timeout="
+                   f"{self.timeout}); its last status: {what}; rank {self.rank} gave up on it while {doing}")
+        self.store.compare_set("abort", "", f"{rank}|{what}|{message}")
+        self.check()
+        raise DistributedLoadError(message, rank=rank, doing=what)  # pragma: no cover - check() raised
+
+    def _status_of(self, rank: int) -> bytes:
+        key = f"st/{rank}"
+        if not self.store.check([key]):
+            return b""
+        return self.store.get(key)
+
+    def idle_peer(self, peers: Sequence[int]) -> tuple[int, float, str] | None:
+        """A peer whose status has not changed for ``timeout`` seconds, with its idle time and status."""
+        if self.timeout is None:
+            return None
+        now = time.monotonic()
+        for r in peers:
+            cached = self._status_cache.get(r)
+            if cached is not None and now - cached[1] < 0.5 * _BEAT_INTERVAL:
+                value = cached[0]
+            else:
+                value = self._status_of(r)
+                self._status_cache[r] = (value, now)
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != value:
+                self._seen[r] = (value, now)
+                continue
+            idle = now - seen[1]
+            if idle >= self.timeout:
+                return r, idle, value.decode("utf-8", "replace").partition("|")[2]
+        return None
+
+    # --- barriers -------------------------------------------------------------------------
+
+    def _arrive(self, name: str) -> list[str]:
+        key = f"at/{name}/{self.rank}"
+        got = self.store.compare_set(key, "", "arrived")
+        self._written.append(key)
+        if got != b"arrived":
+            self.check()
+            raise DistributedLoadError(f"rank {self.rank} arrived at {name!r} after the other ranks gave up on it",
+                                       rank=self.rank, doing=name)
+        return [f"at/{name}/{r}" for r in range(self.world)]
+
+    def _poll(self, name: str, keys: list[str], doing: str, state: dict[str, float]) -> bool:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise asyncio.CancelledError()
+        self.check()
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+            if all(v == b"arrived" for v in values):
+                return True
+            self.check()
+            raise DistributedLoadError(f"the ranks gave up at {name!r}")  # pragma: no cover - abort is set first
+        now = time.monotonic()
+        if now - state.get("stall", 0.0) >= _BEAT_INTERVAL:
+            state["stall"] = now
+            self.beat()
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            idle = self.idle_peer(missing)
+            if idle is not None:
+                rank, seconds, status = idle
+                self._give_up(rank, name, seconds, status, doing)
+        return False
+
+    def _passed(self) -> None:
+        """After the first barrier every rank has finished the previous load: drop its keys."""
+        prev, self._to_delete = self._to_delete, None
+        if prev is not None:
+            store, keys = prev
+            for k in set(keys):
+                try:
+                    store.delete_key(k)
+                except Exception:  # noqa: BLE001 - cleanup is best effort
+                    break
+
+    def barrier(self, name: str, doing: str) -> None:
+        """Wait (caller's thread) until every rank arrives; raise on a failure or a stall."""
+        self.status(doing)
+        keys = self._arrive(name)
+        state: dict[str, float] = {"stall": time.monotonic()}
+        delay = 0.0005
+        while not self._poll(name, keys, doing, state):
+            time.sleep(delay)
+            delay = min(_MAX_POLL, delay * 2)
+        self._passed()
+
+    async def abarrier(self, name: str, doing: str) -> None:
+        """:meth:`barrier` for the event loop."""
+        self.status(doing)
+        keys = self._arrive(name)
+        state: dict[str, float] = {"stall": time.monotonic()}
+        delay = 0.0005
+        while not self._poll(name, keys, doing, state):
+            await asyncio.sleep(delay)
+            delay = min(_MAX_POLL, delay * 2)
+        self._passed()
+
+    async def wait_on(self, fut: asyncio.Future[Any], peers: Sequence[int], doing: str) -> Any:
+        """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls."""
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=_BEAT_INTERVAL)
+            if done:
+                return fut.result()
+            self.beat()
+            idle = self.idle_peer(peers)
+            if idle is not None:
+                rank, seconds, status = idle
+                self._give_up(rank, None, seconds, status, doing)
+
+    async def watch(self) -> None:
+        """Raise as soon as any rank posts a failure (runs beside the reads)."""
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL)
+            self.check()
+
+

@@ -1,0 +1,723 @@
+"""LoadSession: the async core of one load.
+
+A session owns everything one load needs beyond the planner: the storage (behind the
+retrying error boundary, :class:`asyncload._retry.RetryingStorage`), the I/O threads,
+the statistics and the load's clock, file fingerprints, cancellation, the metadata read
+and format probing, the read phases (probes and small records, then tensor data) and the
+checks (file sizes before any destination is touched, checksums, files changed under
+the load). Every face calls it: ``load``/``aload``/``start_load`` through the driver
+(:mod:`asyncload._driver`), ``dcp.load`` through :class:`asyncload.PipelinedReader`, the CLI.
+
+Threads: coroutines run on one event loop (the library's loop thread for the sync faces,
+the caller's loop for ``aload``); :meth:`LoadSession.prepare_reads` and
+:meth:`LoadSession.commit` call planner hooks and run on the caller's thread (or a worker
+thread for ``aload``); copies run on the I/O threads.
+
+Options: :attr:`LoadSession.options` governs every call the session makes. Under a plain
+``dcp.load``, torch reads ``.metadata`` before it hands the reader the planner, so the
+reader's options govern the metadata read and a :class:`PipelinedLoadPlanner` with options
+of its own governs everything after it (:meth:`LoadSession.use_options`); ``asyncload.load``
+resolves one ``LoadOptions`` before anything is read and gives it to both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import io
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from . import _cuda, _formats
+from ._crc import CrcTracker, gaps
+from ._errors import CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
+from ._loop import loop_thread, run_sync
+from ._options import LoadOptions
+from ._pipeline import Chunk, Pipeline, copy_bytes
+from ._plan import Piece, make_chunks, plan_tensor
+from ._retry import RetryingStorage
+from ._safe_pickle import check_metadata, safe_loads, short_repr
+from ._stats import LoadStats, StatsRecorder
+from ._storage import open_storage
+from ._torchsave import HEAD_PROBE, TAIL_PROBE, ByteWindow, aparse_archive, materialize, parse_archive, tensor_location
+
+__all__ = ["KNOWN_DCP_VERSIONS", "LoadSession", "decode_object"]
+
+log = logging.getLogger("asyncload.session")
+T = TypeVar("T")
+
+#: DCP metadata versions this reader understands (``None``: written before versions existed).
+KNOWN_DCP_VERSIONS = (None, "1.0.0")
+
+
+def decode_object(raw: bytes | memoryview, *, what: str, max_pickle: int = 1 << 30) -> Any:
+    """A non-tensor object saved by DCP (a torch.save archive), decoded with the allow-list."""
+    win = ByteWindow()
+    win.add(0, raw)
+    layout = parse_archive(win, 0, len(raw), what, max_pickle=max_pickle)
+    return materialize(layout, win)
+
+
+@dataclass
+class _Record:
+    """One saved item (a torch.save archive inside a .distcp file) and the reads that need it."""
+
+    name: str
+    offset: int
+    length: int
+    fqn: str
+    tensor_items: list[tuple[ReadItem, torch.Tensor]] = field(default_factory=list)
+    byte_items: list[ReadItem] = field(default_factory=list)
+    chunk_md: Any = None
+    dtype: torch.dtype | None = None
+    window: ByteWindow = field(default_factory=ByteWindow)
+    raw: bytes | None = None
+    #: A ``_formats`` entry (KnownTensor, BlobTensor, KnownObject): bytes already located, no probes.
+    entry: Any = None
+    #: The located tensor of ``entry`` (a TensorLocation), and the decoded object of a KnownObject.
+    known: Any = None
+    value: Any = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def where(self) -> str:
+        return f"record {self.fqn!r} at [{self.offset}, {self.end}) of {self.name}"
+
+
+
+class LoadSession:
+    """The async core of one load of ``checkpoint`` (a local path, ``PathLike``, ``file://``
+    or fsspec URL; ``storage_options`` go to the fsspec filesystem).
+
+    A session may run several loads one after the other (a reader reused by ``dcp.load``):
+    :meth:`begin` starts each one's statistics and clock.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike[str], *, options: LoadOptions | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.checkpoint = checkpoint
+        self.options = options or LoadOptions()
+        self.storage_options = dict(storage_options or {})
+        #: ``progress(bytes_done, bytes_total)``, called from the loop and assembly threads.
+        self.progress: Callable[[int, int], None] | None = None
+        #: The loop the coroutines run on for the sync faces (``None``: the library's loop thread).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        #: The final statistics of the last load, once it has finished.
+        self.stats: LoadStats | None = None
+        #: The metadata the reads are planned from (set by :meth:`prepare_reads`).
+        self.metadata: Metadata | None = None
+        #: The first error of the metadata read in this load (``dcp.load`` hides it behind an AssertionError).
+        self.metadata_error: BaseException | None = None
+        #: Multi-rank loads: the process group and its monitor (:mod:`asyncload._driver`).
+        self.group: Any = None
+        self.monitor: Any = None
+        self._recorder = StatsRecorder()
+        self._t0: float | None = None
+        self._report: Callable[[int], None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        #: file name -> Storage.fingerprint when the load first looked at it (a save
+        #: rewriting the checkpoint during the load is an error, not a torn tensor)
+        self._fingerprints: dict[str, object] = {}
+        self._storage: RetryingStorage | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Where storage is opened when not at ``checkpoint`` (the directory of a file checkpoint).
+        self._storage_root: str | None = None
+        #: The device path of the load in progress (``_cuda.DeviceStager``), if any.
+        self._stager: Any = None
+
+    def __repr__(self) -> str:
+        return f"LoadSession({str(self.checkpoint)!r}, started={self._t0 is not None}, done={self.stats is not None})"
+
+    # --- one load's clock and statistics -------------------------------------------------
+
+    def begin(self, checkpoint: str | os.PathLike[str] | None = None) -> None:
+        """Start a load (of ``checkpoint`` instead, when given): fresh statistics and clock."""
+        if checkpoint:
+            self.checkpoint = checkpoint
+            self._storage_root = None
+        self._recorder = StatsRecorder()
+        self._t0 = time.monotonic()
+        self.stats = None
+        self.metadata_error = None
+        self._fingerprints = {}
+
+    @property
+    def started(self) -> bool:
+        return self._t0 is not None
+
+    def use_options(self, options: LoadOptions) -> None:
+        """Govern the rest of the load by ``options`` (see the module docstring)."""
+        if options is not self.options:
+            self.options = options
+            if self._storage is not None:  # the open store takes the new policy too
+                self._storage.retry = options.retry_policy
+                self._storage.hedge = options.hedge_policy if self._storage.hedgeable and options.hedge else None
+
+    def live_stats(self) -> LoadStats:
+        """The statistics so far (``seconds`` is the time since the load started); final once done."""
+        if self.stats is not None:
+            return self.stats
+        snap = self._recorder.snapshot()
+        if self._t0 is not None:
+            snap.seconds = time.monotonic() - self._t0
+        return snap
+
+    def finish(self) -> LoadStats:
+        """The load has succeeded: freeze and return its statistics."""
+        if self._t0 is not None:
+            self._recorder.stats.seconds = time.monotonic() - self._t0
+        self.stats = self._recorder.snapshot()
+        return self.stats
+
+    # --- the sync face and cancellation ------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, T], *, cleanup: bool = False) -> T:
+        """Run ``coro`` on the session's loop from another thread and wait (the sync faces).
+        A cancelled session runs nothing more but ``cleanup`` coroutines (closing)."""
+        if self._cancelled.is_set() and not cleanup:
+            coro.close()
+            raise asyncio.CancelledError()
+        loop = self.loop or loop_thread(self.options.use_uvloop)
+        return run_sync(coro, loop, on_task=None if cleanup else self._track_task)
+
+    def _track_task(self, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._tasks.add(task)
+        task.add_done_callback(self._untrack)
+        if self._cancelled.is_set():
+            task.cancel()
+
+    def _untrack(self, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+
+    async def guard(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the running loop as a task :meth:`cancel` can reach (``aload``)."""
+        if self._cancelled.is_set():
+            coro.close()
+            raise asyncio.CancelledError()
+        task = asyncio.ensure_future(coro)
+        self._track_task(task)
+        return await task
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set once :meth:`cancel` was called."""
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Cancel the load in progress (from any thread); it raises CancelledError."""
+        self._cancelled.set()
+        with self._lock:
+            tasks = list(self._tasks)
+        for t in tasks:
+            t.get_loop().call_soon_threadsafe(t.cancel)
+
+    # --- storage -----------------------------------------------------------------------
+
+    def _io_threads(self) -> int:
+        options = self.options
+        if options.io_threads is not None:
+            return options.io_threads
+        # page-cache copies scale with cores, not with threads; more threads than cores
+        # measured slower here (docs/performance.md)
+        return max(2, min(16, options.max_in_flight, os.cpu_count() or 2))
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The load's I/O and assembly threads (started on first use)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(self._io_threads(),
+                                                                   thread_name_prefix="asyncload-io")
+        return self._executor
+
+    async def storage(self) -> RetryingStorage:
+        """The checkpoint's storage behind the retrying error boundary (opened on first use)."""
+        if self._storage is None:
+            root = self._storage_root if self._storage_root is not None else self.checkpoint
+            raw = open_storage(root, self.storage_options, self.executor)
+            self._storage = RetryingStorage.for_options(raw, self.options, self._recorder, self.executor)
+        elif self._storage.stats is not self._recorder:  # a reused reader's next load
+            self._storage.stats = self._recorder
+        return self._storage
+
+    async def _open_root(self, root: str | None) -> RetryingStorage:
+        """Storage at ``root`` instead (a file checkpoint is read relative to its directory)."""
+        if self._storage is not None and self._storage_root == root:
+            return self._storage
+        storage, self._storage = self._storage, None
+        if storage is not None:
+            await storage.aclose()
+        self._storage_root = root
+        return await self.storage()
+
+    async def aclose(self) -> None:
+        """Close files and sessions and stop the I/O threads (waits for running reads)."""
+        storage, self._storage = self._storage, None
+        executor, self._executor = self._executor, None
+        if storage is not None:
+            await storage.aclose()
+        if executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: executor.shutdown(wait=True,
+                                                                                             cancel_futures=True))
+
+    def close(self) -> None:
+        """Sync :meth:`aclose`."""
+        if self._storage is None and self._executor is None:
+            return
+        self.run(self.aclose(), cleanup=True)
+
+    def close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - closing must not mask the load's own outcome
+            log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
+
+    # --- metadata ------------------------------------------------------------------------
+
+    async def aread_metadata(self, rank: int | None = None) -> Metadata:
+        """Read and decode ``.metadata`` (``__{rank}.metadata`` when ``rank`` is given) with
+        the allow-list; check its version and structure.
+
+        A checkpoint that is not a DCP directory (safetensors, a torch.save file: see
+        :mod:`asyncload._formats`) gets a synthesised ``Metadata`` instead.
+        """
+        try:
+            return await self._aread_metadata(rank)
+        except Exception as exc:
+            if self.metadata_error is None:
+                self.metadata_error = exc
+            raise
+
+    async def _aread_metadata(self, rank: int | None) -> Metadata:
+        options = self.options
+        if rank is None:
+            if self._storage_root is not None:
+                await self._open_root(None)  # back to the checkpoint itself
+            found = await _formats.aprobe_first(self.checkpoint, self._open_root, options)
+            if found is not None:
+                return found
+            await self._open_root(None)  # probing may have opened the directory of a would-be file
+        storage = await self.storage()
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        url = storage.url(name)
+        try:  # retried like any read: a 503 on this first request must not fail the load
+            size = await storage.size(name)
+        except CheckpointNotFoundError as exc:
+            if rank is None:
+                found = await _formats.aprobe_fallback(self.checkpoint, storage, self._open_root, options)
+                if found is not None:
+                    return found
+            raise CheckpointNotFoundError(
+                f"{url} does not exist: {self.checkpoint} is not a DCP checkpoint, or its save did not finish "
+                "(DCP writes .metadata last); nor is it a safetensors or torch.save checkpoint (docs/formats.md)",
+                path=url, status=404) from exc
+        if size > options.max_metadata_size:
+            raise CheckpointFormatError(f"{url} is {size} bytes, more than LoadOptions.max_metadata_size="
+                                        f"{options.max_metadata_size}")
+        if size == 0:
+            raise CheckpointFormatError(f"{url} is empty: the checkpoint is incomplete or damaged")
+        fp = await storage.fingerprint(name)
+        if fp is not None:
+            self._fingerprints[name] = fp
+        raw = await storage.read(name, 0, size, counted=False)
+        md = safe_loads(raw, what=url, max_size=options.max_metadata_size, check_structure=False, expect=Metadata)
+        if not isinstance(md, Metadata):
+            raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
+        version = getattr(md, "version", None)
+        if version not in KNOWN_DCP_VERSIONS:
+            raise CheckpointFormatError(f"{url} was written by an unknown DCP version {short_repr(version)}; "
+                                        f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}")
+        check_metadata(md, url)  # every field has the type and range DCP writes
+        if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
+                getattr(md, "storage_data", None), dict):
+            raise CheckpointFormatError(f"{url}: metadata lacks its key or storage tables")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        _formats.mark_dcp_safetensors(md)  # files saved with SerializationFormat.SAFETENSORS
+        self._recorder.add(files=1)
+        return md
+
+    # --- reading -------------------------------------------------------------------------
+
+    def prepare_reads(self, plan: LoadPlan, planner: LoadPlanner, metadata: Metadata) -> list[_Record]:
+        """The plan's reads grouped by saved record, destinations resolved through the
+        planner (its hooks: call on the caller's thread), the device path set up, the
+        unexpected-keys rule applied."""
+        self.metadata = metadata
+        records = self.collect(plan, planner)
+        # CUDA destinations: pinned staging ring + side stream (caller's thread: stream order)
+        self._stager = _cuda.stager_for((d for r in records for _, d in r.tensor_items), self.options)
+        unexpected = getattr(planner, "unexpected_keys", None)
+        if isinstance(unexpected, list):
+            self._recorder.stats.unexpected_keys = list(unexpected)
+            if unexpected and self.options.strict_unexpected_keys:
+                raise StateDictMismatchError(
+                    f"the checkpoint holds {len(unexpected)} keys the destination lacks: "
+                    f"{unexpected[:10]} (LoadOptions.strict_unexpected_keys=True)")
+        return records
+
+    def end_reads(self) -> None:
+        """The reads are over (done, failed or cancelled): every device copy has finished
+        and files, sessions and I/O threads are closed (sync faces; caller's thread)."""
+        stager, self._stager = self._stager, None
+        try:
+            if stager is not None:
+                stager.finish_sync()
+        finally:
+            self.close_quietly()
+
+    async def aend_reads(self) -> None:
+        """:meth:`end_reads` on the running loop (``aload``)."""
+        stager, self._stager = self._stager, None
+        try:
+            if stager is not None:
+                await asyncio.to_thread(stager.finish_sync)
+        finally:
+            try:
+                await self.aclose()
+            except Exception:  # noqa: BLE001 - closing must not mask the load's own outcome
+                log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
+
+    def commit(self, records: list[_Record], planner: LoadPlanner) -> None:
+        """Hand every tensor and decoded object to the planner (its hooks: caller's thread)."""
+        from ._dcp import PipelinedLoadPlanner
+
+        ours = isinstance(planner, PipelinedLoadPlanner)
+        for rec in records:
+            for item, dest in rec.tensor_items:
+                planner.commit_tensor(item, dest)
+        for rec in records:
+            for item in rec.byte_items:
+                if isinstance(rec.entry, _formats.KnownObject):  # decoded from a torch.save pickle
+                    if ours:
+                        planner.load_object(item, rec.value)  # type: ignore[attr-defined]
+                    else:
+                        planner.load_bytes(item, _formats.object_bytes(rec.value))
+                    continue
+                if rec.raw is None:  # pragma: no cover - every object record is read whole
+                    raise CheckpointFormatError(f"{rec.where}: the object was not read")
+                obj = decode_object(rec.raw, what=f"object {rec.fqn!r} in {rec.where}",
+                                    max_pickle=self.options.max_metadata_size)
+                if ours:
+                    planner.load_object(item, obj)  # type: ignore[attr-defined]
+                else:  # bytes were checked by the allow-list above; the planner decodes them its own way
+                    planner.load_bytes(item, io.BytesIO(rec.raw))
+
+    def collect(self, plan: LoadPlan, planner: LoadPlanner) -> list[_Record]:
+        """Group the plan's read items by saved record; resolve destinations (caller's thread)."""
+        md = self.metadata
+        if md is None:  # pragma: no cover - prepare_reads sets it
+            raise CheckpointFormatError(f"{self.checkpoint}: no metadata to plan reads from")
+        storage_data = md.storage_data
+        records: dict[tuple[str, int, int], _Record] = {}
+        located: list[_Record] = []
+        for item in plan.items:
+            sinfo = storage_data.get(item.storage_index)
+            if sinfo is None:
+                raise CheckpointFormatError(f"{self.checkpoint}: metadata has no storage entry for "
+                                            f"{item.storage_index}")
+            if isinstance(sinfo, (_formats.KnownTensor, _formats.BlobTensor, _formats.KnownObject)):
+                # safetensors / torch.save files, DCP saved as safetensors: one record per item
+                rec = _Record(sinfo.relative_path, sinfo.offset, sinfo.length, item.storage_index.fqn, entry=sinfo)
+                if item.type == LoadItemType.BYTE_IO:
+                    rec.byte_items.append(item)
+                else:
+                    rec.tensor_items.append((item, planner.resolve_tensor(item).detach()))
+                located.append(rec)
+                continue
+            name, offset, length = getattr(sinfo, "relative_path", None), getattr(sinfo, "offset", None), \
+                getattr(sinfo, "length", None)
+            if not isinstance(name, str) or not isinstance(offset, int) or not isinstance(length, int) or \
+                    offset < 0 or length <= 0 or "/" in name.replace(os.sep, "/") and ".." in name:
+                raise CheckpointFormatError(f"{self.checkpoint}: malformed storage entry {sinfo!r:.200} for "
+                                            f"{item.storage_index.fqn!r}")
+            if getattr(sinfo, "transform_descriptors", None):
+                raise CheckpointFormatError(
+                    f"{item.storage_index.fqn!r} in {name} was saved with stream transforms "
+                    f"{list(sinfo.transform_descriptors)}, which asyncload does not read yet")
+            key = (name, offset, length)
+            rec = records.get(key)
+            if rec is None:
+                rec = records[key] = _Record(name, offset, length, item.storage_index.fqn)
+            if item.type == LoadItemType.BYTE_IO:
+                rec.byte_items.append(item)
+            else:
+                smd = md.state_dict_metadata.get(item.storage_index.fqn)
+                if isinstance(smd, TensorStorageMetadata):
+                    rec.dtype = smd.properties.dtype
+                    idx = item.storage_index.index
+                    if idx is not None and 0 <= idx < len(smd.chunks) and \
+                            smd.chunks[idx].offsets == item.storage_index.offset:
+                        rec.chunk_md = smd.chunks[idx]
+                    else:
+                        rec.chunk_md = next((c for c in smd.chunks if c.offsets == item.storage_index.offset), None)
+                dest = planner.resolve_tensor(item).detach()
+                rec.tensor_items.append((item, dest))
+        return sorted(records.values(), key=lambda r: (r.name, r.offset)) + located
+
+    async def aread(self, records: list[_Record],
+                    run_chunks: Callable[[Pipeline, list[Chunk]], Awaitable[None]] | None = None) -> None:
+        """Read and assemble every record's bytes: probes and small records, then each
+        large record's data; checksums and changed files checked at the end."""
+        options = self.options
+        chunking = options.chunk_policy
+        run = run_chunks or Pipeline.run  # (pipeline, chunks): ShardedLoadPlanner's session shares reads
+        storage = await self.storage()
+        assert self._executor is not None
+        stager = self._stager
+        if stager is not None:  # CUDA destinations: chunks fit the pinned ring's slots
+            options = stager.plan_options(options)
+            chunking = options.chunk_policy
+        pipeline = Pipeline(storage, options, self._recorder, self._executor)
+        pipeline.staging = stager
+        total = sum(dest.numel() * dest.element_size() for r in records for _, dest in r.tensor_items)
+        self._report = None
+        if self.progress is not None:
+            done = [0]
+            cb = self.progress
+            progress_lock = threading.Lock()
+
+            def on_progress(n: int) -> None:
+                # called from the loop and from assembly threads: one at a time, so the
+                # callback sees bytes_done increase; clamped because a staged read may
+                # carry a few bytes of gap between a destination's rows
+                with progress_lock:
+                    done[0] = min(total, done[0] + n)
+                    cb(done[0], total)
+
+            pipeline.on_progress = on_progress
+            self._report = on_progress
+        t_start = time.monotonic()
+        await self._check_files(storage, records)
+        located = await self._locate(storage, records, options)
+        t_checked = time.monotonic()
+        # Records up to min_chunk_size (plus the probes' size) are read whole: cheaper than
+        # two round trips, and it guarantees that a large record's head and tail probes are
+        # more than min_chunk_size apart, so coalescing never reads through its data.
+        small = chunking.min_chunk_size + HEAD_PROBE + TAIL_PROBE
+        trackers: list[tuple[CrcTracker, _Record]] = []
+        # Phase A: whole small records and objects; head and tail probes of large records
+        pieces: list[Piece] = []
+        large: list[_Record] = []
+        ecs = chunking.chunk_size
+        for rec in records:
+            if rec.entry is not None:
+                continue  # located already (safetensors, torch.save files)
+            if rec.byte_items and not rec.tensor_items and rec.length > ecs:
+                # an object larger than one read: fetched in chunk_size pieces into one buffer
+                buf = bytearray(rec.length)
+                rec.raw = buf  # type: ignore[assignment]  # complete once phase A has run
+                for lo in range(0, rec.length, ecs):
+                    hi = min(rec.length, lo + ecs)
+                    pieces.append(Piece(rec.name, rec.offset + lo, rec.offset + hi, into=memoryview(buf)[lo:hi]))
+            elif rec.byte_items or rec.length <= min(small, ecs):
+                pieces.append(Piece(rec.name, rec.offset, rec.end, deliver=self._whole_record(rec, options)))
+            else:
+                large.append(rec)
+                head = min(HEAD_PROBE, rec.length)
+                tail = min(TAIL_PROBE, rec.length)
+                pieces.append(Piece(rec.name, rec.offset, rec.offset + head, deliver=_store(rec.window, rec.offset)))
+                pieces.append(Piece(rec.name, rec.end - tail, rec.end, deliver=_store(rec.window, rec.end - tail)))
+        chunks = make_chunks(pieces, chunk_size=chunking.chunk_size, min_chunk_size=chunking.min_chunk_size)
+        for c in chunks:
+            for s in c.segments:
+                s.payload = False
+        await run(pipeline, chunks)
+        t_phase_a = time.monotonic()
+        # Phase B: locate each large record's tensor, then read the boxes each item needs
+        data_pieces: list[Piece] = []
+        for rec in large + located:
+            if rec.known is not None:
+                loc = rec.known
+            else:
+                async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes:
+                    return bytes(await storage.read(rec.name, lo, hi))
+                layout = await aparse_archive(rec.window, rec.offset, rec.length,
+                                              f"{storage.url(rec.name)} {rec.where}", fetch,
+                                              max_pickle=options.max_metadata_size)
+                loc = tensor_location(layout, rec.name)
+                self._check_against_metadata(rec, loc)
+            tracker = None
+            if options.verify and loc.crc32 is not None:
+                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
+                trackers.append((tracker, rec))
+            rec_pieces: list[Piece] = []
+            for item, dest in rec.tensor_items:
+                rec_pieces.extend(plan_tensor(loc, item.storage_offsets, item.lengths, dest,
+                                              chunk_size=chunking.chunk_size,
+                                              min_chunk_size=chunking.min_chunk_size,
+                                              allow_cast=options.allow_dtype_cast, key=item.dest_index.fqn,
+                                              stager=stager))
+            if tracker is not None:
+                for p in rec_pieces:
+                    p.tracker = tracker
+                # a narrow read (a rank's slice of a saved chunk) leaves bytes of the storage
+                # out: read them too, only to checksum them, so that verify=True never hands
+                # over bytes it did not check (docs/integrity.md)
+                for lo, hi in gaps([(p.start, p.end) for p in rec_pieces], tracker.start, tracker.end):
+                    for a in range(lo, hi, ecs):
+                        rec_pieces.append(Piece(rec.name, a, min(hi, a + ecs), tracker=tracker))
+            data_pieces.extend(rec_pieces)
+            rec.window = ByteWindow()  # probes are no longer needed
+        chunks = make_chunks(data_pieces, chunk_size=chunking.chunk_size,
+                             min_chunk_size=chunking.min_chunk_size)
+        for c in chunks:
+            for s in c.segments:
+                if s.into is None and s.deliver is None:
+                    s.payload = False  # read only to be checksummed
+        t_planned = time.monotonic()
+        await run(pipeline, chunks)
+        log.debug("read %d records: files checked in %.4f s, probes and small records %.4f s, "
+                  "layouts and planning %.4f s (%d chunks), data %.4f s", len(records), t_checked - t_start,
+                  t_phase_a - t_checked, t_planned - t_phase_a, len(chunks), time.monotonic() - t_planned)
+        for tracker, rec in trackers:
+            self._check_crc(tracker, rec, storage)
+        await self._check_unchanged(storage)
+
+    async def _check_unchanged(self, storage: RetryingStorage) -> None:
+        """Raise if a file of the checkpoint was rewritten or replaced while this load read
+        it (a save in progress into the same directory): the bytes may be torn."""
+        names = list(self._fingerprints)
+        now = await asyncio.gather(*(storage.fingerprint(n) for n in names), return_exceptions=True)
+        for name, fp in zip(names, now):
+            if fp != self._fingerprints[name]:
+                raise CheckpointFormatError(
+                    f"{storage.url(name)} changed while it was being read: a save is writing into this checkpoint "
+                    "(or replaced it); the destination holds a mix, load again once the save has finished")
+
+    async def _locate(self, storage: RetryingStorage, records: list[_Record], options: LoadOptions) -> list[_Record]:
+        """Records of already located formats: tensors' locations (safetensors blobs in DCP
+        files: their headers are read now), objects decoded (tensors inside them read)."""
+        located = [r for r in records if r.entry is not None]
+
+        async def fetch(name: str, lo: int, hi: int) -> bytes:
+            return bytes(await storage.read(name, lo, hi))
+
+        async def size_of(name: str) -> int:
+            return await storage.size(name)
+
+        blobs = [r for r in located if isinstance(r.entry, _formats.BlobTensor)]
+        if blobs:
+            locs = await _formats.aresolve_blob_tensors([r.entry for r in blobs], fetch, size_of, url=storage.url,
+                                                        max_header_size=options.max_metadata_size)
+            for r in blobs:
+                r.known = locs[r.entry]
+        for r in located:
+            if isinstance(r.entry, _formats.KnownTensor):
+                r.known = r.entry.location
+            elif isinstance(r.entry, _formats.KnownObject):
+                r.value = await _formats.amaterialize(r.entry, fetch)
+        return [r for r in located if r.known is not None]
+
+    async def _check_files(self, storage: RetryingStorage, records: list[_Record]) -> None:
+        """Every file exists and is long enough for its records, before any destination is touched."""
+        ends: dict[str, int] = {}
+        last: dict[str, _Record] = {}
+        for r in records:
+            if r.end > ends.get(r.name, -1):
+                ends[r.name], last[r.name] = r.end, r
+
+        listed = await storage.sizes(list(ends))  # one LIST instead of a HEAD per file
+
+        async def size_of(name: str) -> int:
+            if name in listed:
+                return listed[name]
+            try:
+                return await storage.size(name)
+            except CheckpointNotFoundError as exc:
+                raise CheckpointNotFoundError(
+                    f"{storage.url(name)} is named by the checkpoint's metadata but does not exist: "
+                    "the checkpoint is incomplete", path=storage.url(name), status=404) from exc
+
+        sizes = await asyncio.gather(*(size_of(n) for n in ends))
+        fps = await asyncio.gather(*(storage.fingerprint(n) for n in ends))
+        for n, fp in zip(ends, fps):
+            if fp is not None:
+                self._fingerprints.setdefault(n, fp)
+        for (name, end), size in zip(ends.items(), sizes):
+            if size < end:
+                raise CheckpointFormatError(
+                    f"{storage.url(name)} is {size} bytes but the metadata places a record up to byte {end} "
+                    f"(key {last[name].fqn!r}): the file is truncated, or a save is rewriting it")
+        self._recorder.add(files=len(ends))
+
+    def _whole_record(self, rec: _Record, options: LoadOptions) -> Callable[[memoryview], None]:
+        recorder = self._recorder
+
+        def deliver(data: memoryview) -> None:
+            if rec.byte_items:
+                rec.raw = bytes(data)
+            if not rec.tensor_items:
+                return
+            win = ByteWindow()
+            win.add(rec.offset, data)
+            layout = parse_archive(win, rec.offset, rec.length, rec.where, max_pickle=options.max_metadata_size)
+            loc = tensor_location(layout, rec.name)
+            self._check_against_metadata(rec, loc)
+            if options.verify and loc.crc32 is not None:
+                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
+                tracker.add(rec.offset, data)
+                _raise_on_bad_crc(tracker, rec, rec.name)
+                recorder.add(verified_records=1)
+            n = 0
+            for item, dest in rec.tensor_items:
+                for p in plan_tensor(loc, item.storage_offsets, item.lengths, dest, chunk_size=1 << 62,
+                                     min_chunk_size=1 << 62, allow_cast=options.allow_dtype_cast,
+                                     key=item.dest_index.fqn, stager=self._stager):
+                    part = data[p.start - rec.offset : p.end - rec.offset]
+                    if p.into is not None:
+                        copy_bytes(p.into, part)
+                    elif p.deliver is not None:
+                        p.deliver(part)
+                n += dest.numel() * dest.element_size()
+            recorder.add(bytes_assembled=n)
+            report = self._report
+            if report is not None and n:
+                report(n)
+
+        return deliver
+
+    def _check_against_metadata(self, rec: _Record, loc: Any) -> None:
+        if rec.dtype is not None and loc.dtype != rec.dtype:
+            raise CheckpointFormatError(f"{rec.where}: the record holds {loc.dtype}, the metadata says {rec.dtype}")
+        if rec.chunk_md is not None and tuple(rec.chunk_md.sizes) != tuple(loc.size):
+            raise CheckpointFormatError(f"{rec.where}: the record holds shape {list(loc.size)}, the metadata says "
+                                        f"{list(rec.chunk_md.sizes)}")
+
+    def _check_crc(self, tracker: CrcTracker, rec: _Record, storage: RetryingStorage) -> None:
+        if not tracker.complete:  # pragma: no cover - every byte of a verified storage is read
+            raise CheckpointFormatError(f"{storage.url(rec.name)}, {rec.where}: verify=True read only "
+                                        f"{tracker.covered} of {tracker.end - tracker.start} bytes of the tensor")
+        _raise_on_bad_crc(tracker, rec, storage.url(rec.name))
+        self._recorder.add(verified_records=1)
+
+
+def _raise_on_bad_crc(tracker: CrcTracker, rec: _Record, url: str) -> None:
+    got = tracker.value()
+    if got != tracker.expected:
+        raise CheckpointFormatError(
+            f"checksum mismatch in {url}: key {rec.fqn!r}, {rec.where}, tensor bytes [{tracker.start}, "
+            f"{tracker.end}) of the file: CRC-32 {got:#010x}, the record says {tracker.expected:#010x}: "
+            "the file is damaged")
+
+
+def _store(win: ByteWindow, start: int) -> Callable[[memoryview], None]:
+    def deliver(data: memoryview) -> None:
+        win.add(start, bytes(data))
+    return deliver
