@@ -54,20 +54,20 @@ def environment() -> dict[str, Any]:
         if info["cuda"]:
             info["device"] = torch.cuda.get_device_name(0)
             info["cuda_version"] = torch.version.cuda
-    except Exception as exc:  # noqa: BLE001 - reported
+    except Exception as exc:
         info["torch"] = f"unavailable: {exc!r}"
         info["cuda"] = False
     for mod in ("numpy", "safetensors", "fsspec", "uvloop"):
         try:
             m = __import__(mod)
             info[mod] = getattr(m, "__version__", "yes")
-        except Exception:  # noqa: BLE001
+        except Exception:
             info[mod] = None
     try:
         import asyncload
 
         info["asyncload"] = asyncload.__version__
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         info["asyncload"] = f"unavailable: {exc!r}"
     return info
 
@@ -149,7 +149,7 @@ class Checks:
         t = time.monotonic()
         try:
             fn()
-        except Exception:  # noqa: BLE001 - every failure is reported, then the run goes on
+        except Exception:
             self.failed.append(name)
             say(f"FAIL {name}\n{traceback.format_exc()}")
             return
@@ -163,7 +163,9 @@ def same_bits(a: Any, b: Any, what: str) -> None:
     a, b = a.detach().cpu(), b.detach().cpu()
     if a.dtype != b.dtype or a.shape != b.shape:
         raise AssertionError(f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
-    if a.numel() and not torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)):
+    if a.numel() and not torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    ):
         raise AssertionError(f"{what}: bits differ")
 
 
@@ -173,8 +175,11 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--dry-run-cpu", action="store_true",
-                    help="no GPU: run the script's logic with CPU 'device' tensors through asyncload's fake device")
+    ap.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="no GPU: run the script's logic with CPU 'device' tensors through asyncload's fake device",
+    )
     args = ap.parse_args()
 
     env = environment()
@@ -185,8 +190,11 @@ def main() -> int:
         print("no CUDA device (or no torch with CUDA): nothing to check here", flush=True)
         return 2
     if not isinstance(env.get("asyncload"), str) or env["asyncload"].startswith("unavailable"):
-        print("asyncload does not import: run from the repository root with PYTHONPATH=. "
-              "(it needs numpy; see docs/gpu.md)", flush=True)
+        print(
+            "asyncload does not import: run from the repository root with PYTHONPATH=. "
+            "(it needs numpy; see docs/gpu.md)",
+            flush=True,
+        )
         return 1
 
     import torch
@@ -198,16 +206,19 @@ def dry_run(args: argparse.Namespace) -> int:
     """The whole script on CPU: destinations on "cuda" are CPU tensors the fake device claims."""
     import torch
 
-    from asyncload import _cuda
+    from asyncload.testing import fake_device
 
     env = environment()
     env.update(device="CPU (dry run, fake device)", cuda_version=None)
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda._sleep = lambda *a, **k: None  # type: ignore[assignment]
-    with _cuda.fake_device() as fake:  # every destination is "on the device"
+    with fake_device() as fake:  # every destination is "on the device"
         rc = run(args, env, torch.device("cpu"))
-        print(f"fake device: {fake.copies} copies, {fake.bytes_copied} bytes, {fake.pageable_sources} from pageable "
-              f"memory, {fake.pinned_bytes} bytes still pinned", flush=True)
+        print(
+            f"fake device: {fake.copies} copies, {fake.bytes_copied} bytes, {fake.pageable_sources} from pageable "
+            f"memory, {fake.pinned_bytes} bytes still pinned",
+            flush=True,
+        )
         if fake.pageable_sources or fake.pinned_bytes:
             rc = 1
     return rc
@@ -242,6 +253,7 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
         # --- correctness ---------------------------------------------------------------
         small = LoadOptions(memory_budget=64 << 20, chunk_size=8 << 20, min_chunk_size=1 << 20)
         for fmt, path in paths.items():
+
             def gpu_equals_cpu(path: Path = path, fmt: str = fmt) -> None:
                 cpu = zeros("cpu")
                 asyncload.load(cpu, path)
@@ -272,8 +284,8 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
             for fmt, path in paths.items():
                 dest: dict[str, Any] = {k: torch.zeros(v.shape, dtype=v.dtype, device=dev) for k, v in sd.items()}
                 dest[big] = torch.zeros(sd[big].shape[::-1], dtype=torch.bfloat16, device=dev).t()  # strided view
-                dest[other] = torch.zeros(sd[other].shape, dtype=torch.float32, device=dev)          # cast on load
-                dest[norm] = torch.zeros(sd[norm].shape, dtype=torch.bfloat16)                       # stays on CPU
+                dest[other] = torch.zeros(sd[other].shape, dtype=torch.float32, device=dev)  # cast on load
+                dest[norm] = torch.zeros(sd[norm].shape, dtype=torch.bfloat16)  # stays on CPU
                 asyncload.load(dest, path, options=LoadOptions(allow_dtype_cast=True))
                 assert not on_gpu or dest[norm].device.type == "cpu"
                 same_bits(dest[big].contiguous(), sd[big], f"{fmt} transposed destination")
@@ -307,21 +319,46 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
 
         methods: list[tuple[str, Callable[[], Any]]] = []
         for fmt, path in paths.items():
-            methods.append((f"asyncload -> cuda ({fmt})", lambda p=path: (asyncload.load(gpu, p), torch.cuda.synchronize())))
-            methods.append((f"asyncload -> cpu + copy_ ({fmt})", lambda p=path: (asyncload.load(cpu, p), sync_copy(cpu))))
-        methods.append(("torch.load + .cuda() (model.pt)",
-                        lambda: sync_copy({k: v.to(dev) for k, v in torch.load(paths["torch.save"], weights_only=True).items()})))
-        methods.append(("torch.load(mmap=True) + .cuda() (model.pt)",
-                        lambda: sync_copy({k: v.to(dev) for k, v in
-                                           torch.load(paths["torch.save"], mmap=True, weights_only=True).items()})))
+            methods.append(
+                (f"asyncload -> cuda ({fmt})", lambda p=path: (asyncload.load(gpu, p), torch.cuda.synchronize()))
+            )
+            methods.append(
+                (f"asyncload -> cpu + copy_ ({fmt})", lambda p=path: (asyncload.load(cpu, p), sync_copy(cpu)))
+            )
+        methods.append(
+            (
+                "torch.load + .cuda() (model.pt)",
+                lambda: sync_copy(
+                    {k: v.to(dev) for k, v in torch.load(paths["torch.save"], weights_only=True).items()}
+                ),
+            )
+        )
+        methods.append(
+            (
+                "torch.load(mmap=True) + .cuda() (model.pt)",
+                lambda: sync_copy(
+                    {k: v.to(dev) for k, v in torch.load(paths["torch.save"], mmap=True, weights_only=True).items()}
+                ),
+            )
+        )
         if env.get("safetensors"):
             from safetensors.torch import load_file
 
-            methods.append(("safetensors load_file(device=cuda)",
-                            lambda: sync_copy(load_file(str(paths["safetensors"]), device=str(dev)))))
-        methods.append(("dcp.load + FileSystemReader -> cuda",
-                        lambda: (dcp.load(gpu, storage_reader=FileSystemReader(paths["dcp"]), no_dist=True),
-                                 torch.cuda.synchronize())))
+            methods.append(
+                (
+                    "safetensors load_file(device=cuda)",
+                    lambda: sync_copy(load_file(str(paths["safetensors"]), device=str(dev))),
+                )
+            )
+        methods.append(
+            (
+                "dcp.load + FileSystemReader -> cuda",
+                lambda: (
+                    dcp.load(gpu, storage_reader=FileSystemReader(paths["dcp"]), no_dist=True),
+                    torch.cuda.synchronize(),
+                ),
+            )
+        )
         times: dict[str, list[float]] = {name: [] for name, _ in methods}
         say(f"throughput: {len(methods)} methods x {args.rounds} rounds, interleaved")
         for r in range(args.rounds):
@@ -330,16 +367,20 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
                 t = time.perf_counter()
                 try:
                     fn()
-                except Exception:  # noqa: BLE001 - reported; the table shows it as failed
+                except Exception:
                     say(f"method {name} failed:\n{traceback.format_exc()}")
                     times[name].append(float("inf"))
                     continue
                 times[name].append(time.perf_counter() - t)
                 say(f"round {r + 1}: {name:<44} {times[name][-1]:.3f} s")
         ref = min(times["asyncload -> cuda (safetensors)"])
-        lines = [(f"\n{env.get('device')} | torch {env.get('torch')} | CUDA {env.get('cuda_version')} | "
-                  f"{env.get('cpus')} CPUs | {total / (1 << 30):.2f} GiB bf16, {len(sd)} tensors, warm page cache"),
-                 f"{'method':<46} {'best s':>8} {'GiB/s':>7} {'vs asyncload->cuda (st)':>24}"]
+        lines = [
+            (
+                f"\n{env.get('device')} | torch {env.get('torch')} | CUDA {env.get('cuda_version')} | "
+                f"{env.get('cpus')} CPUs | {total / (1 << 30):.2f} GiB bf16, {len(sd)} tensors, warm page cache"
+            ),
+            f"{'method':<46} {'best s':>8} {'GiB/s':>7} {'vs asyncload->cuda (st)':>24}",
+        ]
         for name, ts in times.items():
             best = min(ts)
             rate = total / best / (1 << 30) if best != float("inf") else 0.0

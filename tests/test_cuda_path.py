@@ -1,6 +1,6 @@
 """The device path (pinned staging ring + side stream) on a CPU-only machine.
 
-``asyncload._cuda.fake_device()`` makes chosen CPU destinations take exactly the code path
+``asyncload.testing.fake_device()`` makes chosen CPU destinations take exactly the code path
 CUDA destinations take - ring slots, deliverers, events, the pipeline hook - with a fake
 copier whose "stream" is a worker thread that runs each copy later (after a delay), so a
 slot handed back before its copies ran, or a load returning before they finished, shows
@@ -24,16 +24,15 @@ from safetensors.torch import save_file
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._cuda import fake_device, ring_geometry
-
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+from asyncload._cuda import ring_geometry
+from asyncload.testing import fake_device
 
 SMALL = LoadOptions(chunk_size=16 << 10, min_chunk_size=2 << 10, memory_budget=64 << 10, concurrency=8)
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
     return {
-        "big": random_tensor((200, 160), torch.float32, seed),          # many slots' worth
+        "big": random_tensor((200, 160), torch.float32, seed),  # many slots' worth
         "bf16": random_tensor((300, 50), torch.bfloat16, seed + 1),
         "norm": random_tensor((160,), torch.float16, seed + 2),
         "fp8": random_tensor((33, 17), torch.float8_e4m3fn, seed + 3),
@@ -69,8 +68,11 @@ def assert_clean(fake: Any) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fmt", ["dcp", "safetensors", "torch.save"])
-@pytest.mark.parametrize("options", [SMALL, LoadOptions(memory_budget=64 << 10, concurrency=1), None],
-                         ids=["small-c8", "tiny-budget-c1", "default"])
+@pytest.mark.parametrize(
+    "options",
+    [SMALL, LoadOptions(memory_budget=64 << 10, concurrency=1), None],
+    ids=["small-c8", "tiny-budget-c1", "default"],
+)
 def test_device_destinations_bit_exact(tmp_path: Path, fmt: str, options: LoadOptions | None) -> None:
     sd = state()
     ckpt = write(fmt, tmp_path, sd)
@@ -131,8 +133,13 @@ def test_non_contiguous_and_cast_destinations_on_device(tmp_path: Path, fmt: str
     ckpt = write(fmt, tmp_path, sd)
     dest = {"w": torch.zeros(64, 48), "m": torch.zeros(30, 40).t()}  # cast bf16 -> f32; transposed view
     with fake_device() as fake:
-        asyncload.load(dest, ckpt, options=LoadOptions(allow_dtype_cast=True, chunk_size=8 << 10,
-                                                        min_chunk_size=1 << 10, memory_budget=64 << 10))
+        asyncload.load(
+            dest,
+            ckpt,
+            options=LoadOptions(
+                allow_dtype_cast=True, chunk_size=8 << 10, min_chunk_size=1 << 10, memory_budget=64 << 10
+            ),
+        )
         assert_bitwise_equal(dest["w"], sd["w"].float())  # the same cast torch does on the host
         assert_bitwise_equal(dest["m"].contiguous(), sd["m"])
         assert_clean(fake)
@@ -172,9 +179,11 @@ def test_failed_load_leaves_nothing_pinned_or_in_flight(tmp_path: Path) -> None:
     try:
         with fake_device(delay=0.001) as fake:
             with pytest.raises(asyncload.CheckpointFormatError):
-                asyncload.load(zeros(sd), "memory://cuda-cut/model.safetensors",
-                               options=LoadOptions(retries=0, chunk_size=8 << 10, min_chunk_size=1 << 10,
-                                                   memory_budget=64 << 10))
+                asyncload.load(
+                    zeros(sd),
+                    "memory://cuda-cut/model.safetensors",
+                    options=LoadOptions(retries=0, chunk_size=8 << 10, min_chunk_size=1 << 10, memory_budget=64 << 10),
+                )
             assert_clean(fake)
     finally:
         fs.rm("/cuda-cut", recursive=True)
@@ -193,22 +202,28 @@ def test_aload_and_dcp_load_take_the_device_path(tmp_path: Path) -> None:
         dest = zeros(sd)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(dest, storage_reader=asyncload.PipelinedReader(path), planner=asyncload.PipelinedLoadPlanner(),
-                     no_dist=True)
+            dcp.load(
+                dest,
+                storage_reader=asyncload.PipelinedReader(path),
+                planner=asyncload.PipelinedLoadPlanner(),
+                no_dist=True,
+            )
         assert_bitwise_equal(dest, sd)
         assert fake.begun == 2
         assert_clean(fake)
 
 
-@pytest.mark.parametrize("budget, chunk, expect", [
-    (64 << 10, 16 << 20, (2, 32 << 10)),
-    (512 << 20, 16 << 20, (8, 16 << 20)),
-    (48 << 20, 16 << 20, (3, 16 << 20)),
-    (1 << 20, 256 << 10, (4, 256 << 10)),
-])
+@pytest.mark.parametrize(
+    "budget, chunk, expect",
+    [
+        (64 << 10, 16 << 20, (2, 32 << 10)),
+        (512 << 20, 16 << 20, (8, 16 << 20)),
+        (48 << 20, 16 << 20, (3, 16 << 20)),
+        (1 << 20, 256 << 10, (4, 256 << 10)),
+    ],
+)
 def test_ring_geometry_stays_within_the_budget(budget: int, chunk: int, expect: tuple[int, int]) -> None:
     opts = LoadOptions(memory_budget=budget, chunk_size=chunk, min_chunk_size=min(chunk, 1 << 20))
     slots, slot = ring_geometry(opts)
     assert (slots, slot) == expect
     assert 2 <= slots <= 8 and slots * slot <= budget and slot <= opts.effective_chunk_size
-

@@ -6,15 +6,18 @@
   (call it before importing s3fs/gcsfs).
 * :mod:`asyncload.testing.faults` - :class:`FaultProxy`, an HTTP/1.1 proxy that
   delays, fails, resets, truncates, stalls or slows chosen requests.
+* :mod:`asyncload.testing.cuda` - :func:`fake_device` and its :class:`FakeCopier`: CPU
+  tensors take the CUDA destinations' device path (pinned ring, side stream, events).
 * :mod:`asyncload.testing.pytest_fixtures` - session fixtures ``s3_server``,
   ``gcs_server``, ``http_server`` and the ``fault_proxy`` factory
   (``from asyncload.testing.pytest_fixtures import *`` in a conftest).
 
-Nothing here talks to anything but 127.0.0.1.
+Nothing here talks to anything but 127.0.0.1, and the library never imports this package.
 """
 
 from __future__ import annotations
 
+from asyncload.testing.cuda import FakeCopier, fake_device
 from asyncload.testing.faults import (
     Action,
     Delay,
@@ -59,6 +62,7 @@ __all__ = [
     "TEST_ENV",
     "Action",
     "Delay",
+    "FakeCopier",
     "FaultProxy",
     "FaultProxyError",
     "GCSServer",
@@ -82,6 +86,7 @@ __all__ = [
     "close_filesystem",
     "configure_env",
     "delay",
+    "fake_device",
     "free_port",
     "parse_byte_range",
     "reset",
