@@ -27,8 +27,16 @@ class ByteProgress:
     force it. Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, desc: str, *, total: int = 0, file: IO[str] | None = None, enabled: bool | None = None,
-                 leave: bool = True, unit: str = "bytes") -> None:
+    def __init__(
+        self,
+        desc: str,
+        *,
+        total: int = 0,
+        file: IO[str] | None = None,
+        enabled: bool | None = None,
+        leave: bool = True,
+        unit: str = "bytes",
+    ) -> None:
         self.desc = desc
         self._file = file if file is not None else sys.stderr
         self._lock = threading.Lock()
@@ -45,11 +53,19 @@ class ByteProgress:
 
             # "iB" with divisor 1024 reads KiB, MiB, GiB: the units of LoadStats
             scaled = unit == "bytes"
-            self._bar = tqdm(desc=desc, total=total or None, unit="iB" if scaled else unit, unit_scale=scaled,
-                             unit_divisor=1024,
-                             file=self._file, leave=leave, dynamic_ncols=True, smoothing=0.1,
-                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                                        "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+            self._bar = tqdm(
+                desc=desc,
+                total=total or None,
+                unit="iB" if scaled else unit,
+                unit_scale=scaled,
+                unit_divisor=1024,
+                file=self._file,
+                leave=leave,
+                dynamic_ncols=True,
+                smoothing=0.1,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+            )
 
     @property
     def done(self) -> int:
@@ -92,8 +108,9 @@ class ByteProgress:
         self.close()
 
 
-def follow_handle(handle: Any, bar: ByteProgress, *, interval: float = 0.1,
-                  on_tick: Callable[[], None] | None = None) -> Any:
+def follow_handle(
+    handle: Any, bar: ByteProgress, *, interval: float = 0.1, on_tick: Callable[[], None] | None = None
+) -> Any:
     """Wait for a :class:`~asyncload.LoadHandle`, feeding ``bar`` from its ``progress`` and
     ``statistics()`` every ``interval`` seconds; return ``handle.result()``.
 

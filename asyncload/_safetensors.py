@@ -115,7 +115,9 @@ class SafetensorsHeader:
         try:
             info = json.loads(raw, object_pairs_hook=_no_duplicates)
         except (ValueError, RecursionError) as exc:
-            raise CheckpointFormatError(f"{self.where}: {DCP_SHARDING_INFO_KEY} is not valid JSON: {exc}"[:500]) from exc
+            raise CheckpointFormatError(
+                f"{self.where}: {DCP_SHARDING_INFO_KEY} is not valid JSON: {exc}"[:500]
+            ) from exc
         if not isinstance(info, dict):
             raise CheckpointFormatError(f"{self.where}: {DCP_SHARDING_INFO_KEY} is not a JSON object")
         out: dict[str, tuple[int, ...]] = {}
@@ -124,10 +126,15 @@ class SafetensorsHeader:
             if loc is None:
                 continue  # describes a tensor this blob does not hold: nothing to place
             offs = entry.get("saved_offsets") if isinstance(entry, dict) else None
-            if not isinstance(offs, list) or len(offs) != len(loc.size) or not all(
-                    isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs):
-                raise CheckpointFormatError(f"{self.where}: {DCP_SHARDING_INFO_KEY} gives tensor {key!r} of "
-                                            f"shape {list(loc.size)} the malformed offsets {offs!r:.100}")
+            if (
+                not isinstance(offs, list)
+                or len(offs) != len(loc.size)
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
+            ):
+                raise CheckpointFormatError(
+                    f"{self.where}: {DCP_SHARDING_INFO_KEY} gives tensor {key!r} of "
+                    f"shape {list(loc.size)} the malformed offsets {offs!r:.100}"
+                )
             out[key] = tuple(offs)
         return out
 
@@ -154,7 +161,9 @@ def looks_like_safetensors(head: bytes | memoryview, blob_size: int) -> bool:
     return 2 <= n <= blob_size - 8 and head[8:9] == b"{"
 
 
-def header_length(first8: bytes | memoryview, *, blob_size: int, where: str, max_header_size: int = MAX_HEADER_SIZE) -> int:
+def header_length(
+    first8: bytes | memoryview, *, blob_size: int, where: str, max_header_size: int = MAX_HEADER_SIZE
+) -> int:
     """``N`` from a blob's first 8 bytes, checked against the blob's size and the limit.
 
     Raised: CheckpointFormatError when the blob is too small, or ``N`` is 0, above
@@ -167,11 +176,17 @@ def header_length(first8: bytes | memoryview, *, blob_size: int, where: str, max
     if n < 2:
         raise _bad(where, f"safetensors header length {n} is too small to hold a JSON object")
     if n > limit:
-        raise _bad(where, f"safetensors header of {n} bytes exceeds the {limit} allowed "
-                          "(LoadOptions.max_metadata_size): the file is damaged or not safetensors")
+        raise _bad(
+            where,
+            f"safetensors header of {n} bytes exceeds the {limit} allowed "
+            "(LoadOptions.max_metadata_size): the file is damaged or not safetensors",
+        )
     if 8 + n > blob_size:
-        raise _bad(where, f"safetensors header of {n} bytes runs past the end of the {blob_size}-byte file: "
-                          "the file is truncated or not safetensors")
+        raise _bad(
+            where,
+            f"safetensors header of {n} bytes runs past the end of the {blob_size}-byte file: "
+            "the file is truncated or not safetensors",
+        )
     return n
 
 
@@ -179,7 +194,9 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def parse_header(raw: bytes | memoryview, *, name: str, base: int, blob_size: int, where: str = "") -> SafetensorsHeader:
+def parse_header(
+    raw: bytes | memoryview, *, name: str, base: int, blob_size: int, where: str = ""
+) -> SafetensorsHeader:
     """Parse ``N`` header bytes (``raw``) of a blob of ``blob_size`` bytes starting at ``base`` of file ``name``.
 
     Raised: CheckpointFormatError for anything malformed (see the module docstring).
@@ -217,29 +234,44 @@ def parse_header(raw: bytes | memoryview, *, name: str, base: int, blob_size: in
         shape = info.get("shape")
         offs = info.get("data_offsets")
         if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
-            raise _bad(where, f"tensor {key!r:.200} has dtype {dtype_name!r:.50}, which asyncload cannot hold "
-                              f"(known: {', '.join(sorted(SAFETENSORS_DTYPES))})")
+            raise _bad(
+                where,
+                f"tensor {key!r:.200} has dtype {dtype_name!r:.50}, which asyncload cannot hold "
+                f"(known: {', '.join(sorted(SAFETENSORS_DTYPES))})",
+            )
         if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_int(s) and s >= 0 for s in shape):
             raise _bad(where, f"tensor {key!r:.200} has a malformed shape {shape!r:.100}")
         if not isinstance(offs, list) or len(offs) != 2 or not all(_int(o) for o in offs):
             raise _bad(where, f"tensor {key!r:.200} has malformed data_offsets {offs!r:.100}")
         begin, end = offs
         if not 0 <= begin <= end <= data_size:
-            raise _bad(where, f"tensor {key!r:.200} has data_offsets [{begin}, {end}) outside the "
-                              f"{data_size}-byte data region")
+            raise _bad(
+                where, f"tensor {key!r:.200} has data_offsets [{begin}, {end}) outside the {data_size}-byte data region"
+            )
         dtype = SAFETENSORS_DTYPES[dtype_name]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if math.prod(shape) * itemsize != end - begin:
-            raise _bad(where, f"tensor {key!r:.200} of shape {shape} and dtype {dtype_name} needs "
-                              f"{math.prod(shape) * itemsize} bytes, its data_offsets span {end - begin}")
+            raise _bad(
+                where,
+                f"tensor {key!r:.200} of shape {shape} and dtype {dtype_name} needs "
+                f"{math.prod(shape) * itemsize} bytes, its data_offsets span {end - begin}",
+            )
         stride: list[int] = []
         acc = 1
         for s in reversed(shape):
             stride.append(acc)
             acc *= max(1, s)
-        loc = TensorLocation(name=name, data_start=data_start + begin, storage_nbytes=end - begin, dtype=dtype,
-                             size=tuple(shape), stride=tuple(reversed(stride)), storage_offset=0, crc32=None,
-                             where=f"tensor {key!r} at [{data_start + begin}, {data_start + end}) of {where}")
+        loc = TensorLocation(
+            name=name,
+            data_start=data_start + begin,
+            storage_nbytes=end - begin,
+            dtype=dtype,
+            size=tuple(shape),
+            stride=tuple(reversed(stride)),
+            storage_offset=0,
+            crc32=None,
+            where=f"tensor {key!r} at [{data_start + begin}, {data_start + end}) of {where}",
+        )
         tensors[key] = loc
         spans.append((begin, end, key))
     # ordered and non-overlapping (empty tensors hold no bytes and may sit anywhere)
@@ -251,15 +283,31 @@ def parse_header(raw: bytes | memoryview, *, name: str, base: int, blob_size: in
         if begin < prev_end:
             raise _bad(where, f"tensors {prev_key!r:.200} and {key!r:.200} overlap in the data region")
         prev_end, prev_key = end, key
-    return SafetensorsHeader(name=name, base=base, header_size=n, data_start=data_start, data_size=data_size,
-                             tensors=tensors, metadata=metadata, where=where)
+    return SafetensorsHeader(
+        name=name,
+        base=base,
+        header_size=n,
+        data_start=data_start,
+        data_size=data_size,
+        tensors=tensors,
+        metadata=metadata,
+        where=where,
+    )
 
 
 Fetch = Callable[[int, int], Awaitable[bytes | bytearray | memoryview]]
 
 
-async def aread_header(fetch: Fetch, *, name: str, base: int, blob_size: int, where: str = "",
-                       max_header_size: int = MAX_HEADER_SIZE, head: bytes | memoryview | None = None) -> SafetensorsHeader:
+async def aread_header(
+    fetch: Fetch,
+    *,
+    name: str,
+    base: int,
+    blob_size: int,
+    where: str = "",
+    max_header_size: int = MAX_HEADER_SIZE,
+    head: bytes | memoryview | None = None,
+) -> SafetensorsHeader:
     """Read and parse the header of the blob at ``[base, base + blob_size)`` of file ``name``.
 
     ``fetch(start, end)`` reads absolute file bytes. One request when the header fits
@@ -274,4 +322,3 @@ async def aread_header(fetch: Fetch, *, name: str, base: int, blob_size: int, wh
         rest = await fetch(base + len(first), base + 8 + n)
         first = first + bytes(rest)
     return parse_header(memoryview(first)[8 : 8 + n], name=name, base=base, blob_size=blob_size, where=where)
-

@@ -106,11 +106,13 @@ class LoadStats:
 
     def __str__(self) -> str:
         """One readable paragraph: what was loaded, how fast, where the time went, what went wrong."""
-        parts = [(
-            f"Loaded {_fmt_bytes(self.bytes_assembled)} in {self.seconds:.3f} s ({_fmt_bytes(self.throughput)}/s) "
-            f"from {_plural(self.files, 'file')}: {_fmt_bytes(self.bytes_read)} read in {_plural(self.chunks, 'request')}, "
-            f"up to {self.peak_concurrency} in flight, at most {_fmt_bytes(self.peak_buffered_bytes)} buffered."
-        )]
+        parts = [
+            (
+                f"Loaded {_fmt_bytes(self.bytes_assembled)} in {self.seconds:.3f} s ({_fmt_bytes(self.throughput)}/s) "
+                f"from {_plural(self.files, 'file')}: {_fmt_bytes(self.bytes_read)} read in {_plural(self.chunks, 'request')}, "
+                f"up to {self.peak_concurrency} in flight, at most {_fmt_bytes(self.peak_buffered_bytes)} buffered."
+            )
+        ]
         if self.chunks:
             parts.append(
                 f"Request latency p50 {_fmt_seconds(self.latency_p50)}, p90 {_fmt_seconds(self.latency_p90)}, "
@@ -132,8 +134,10 @@ class LoadStats:
         if self.verified_records:
             parts.append(f"{_plural(self.verified_records, 'record')} verified against stored CRC-32.")
         if self.bytes_received or self.bytes_sent:
-            parts.append(f"{_fmt_bytes(self.bytes_received)} received from and {_fmt_bytes(self.bytes_sent)} "
-                         "sent to other ranks.")
+            parts.append(
+                f"{_fmt_bytes(self.bytes_received)} received from and {_fmt_bytes(self.bytes_sent)} "
+                "sent to other ranks."
+            )
         if self.unexpected_keys:
             shown = ", ".join(self.unexpected_keys[:3]) + (", ..." if len(self.unexpected_keys) > 3 else "")
             parts.append(f"{_plural(len(self.unexpected_keys), 'checkpoint key')} not in the destination ({shown}).")
@@ -162,13 +166,6 @@ class StatsRecorder:
     def latency(self, seconds: float) -> None:
         with self._lock:
             self._latencies.append(seconds)
-
-    def recent_latency_quantile(self, q: float, window: int = 256) -> float | None:
-        with self._lock:
-            recent = self._latencies[-window:]
-        if len(recent) < 4:
-            return None
-        return _percentile(sorted(recent), q)
 
     def retry(self, cause: str) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ import torch
 
 from ._errors import CheckpointFormatError
 from ._plan import TensorLocation, tensor_over
-from ._safe_pickle import StorageRef, TensorRef, record_globals, safe_loads, storage_persistent_load
+from ._safe_pickle import TensorRef, record_globals, safe_loads, storage_persistent_load
 from ._zip import EOCD_SEARCH, LOCAL_HEADER_SIZE, local_data_start, locate_central_directory, parse_central_directory
 
 __all__ = [
@@ -109,7 +109,8 @@ def parse_archive(win: ByteWindow, start: int, size: int, where: str, *, max_pic
         if need.start < start or need.end > start + size or need.end < need.start:
             raise CheckpointFormatError(
                 f"{where}: the archive points at bytes [{need.start - start}, {need.end - start}) of a "
-                f"{size}-byte record: the record is damaged or its length in the metadata is wrong") from None
+                f"{size}-byte record: the record is damaged or its length in the metadata is wrong"
+            ) from None
         raise
 
 
@@ -140,8 +141,9 @@ def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickl
     if pkl.method != 0:
         raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
     pickle_bytes = win.get(start + ds, start + ds + pkl.size)
-    obj = safe_loads(pickle_bytes, what=f"{where} (data.pkl)", allowed=record_globals(),
-                     persistent_load=storage_persistent_load)
+    obj = safe_loads(
+        pickle_bytes, what=f"{where} (data.pkl)", allowed=record_globals(), persistent_load=storage_persistent_load
+    )
     refs: list[TensorRef] = []
     _walk_refs(obj, refs)
     storages: dict[str, StorageLoc] = {}
@@ -155,8 +157,9 @@ def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickl
         if entry.method != 0:
             raise CheckpointFormatError(f"{where}: storage data/{key} is compressed")
         if entry.size != ref.storage.nbytes:
-            raise CheckpointFormatError(f"{where}: storage data/{key} holds {entry.size} bytes, "
-                                        f"data.pkl says {ref.storage.nbytes}")
+            raise CheckpointFormatError(
+                f"{where}: storage data/{key} holds {entry.size} bytes, data.pkl says {ref.storage.nbytes}"
+            )
         dstart = _data_start(win, start, entry.header_offset, entry.name, where)
         if dstart + entry.size > size:
             raise CheckpointFormatError(f"{where}: storage data/{key} runs past the end of the archive")
@@ -169,14 +172,21 @@ def _data_start(win: ByteWindow, start: int, header_offset: int, name: str, wher
     head = win.get(start + header_offset, start + header_offset + LOCAL_HEADER_SIZE + nl)
     ds = local_data_start(head, header_offset, name, where)
     if ds is None:  # the local header's name is longer than the directory's
-        raise CheckpointFormatError(f"{where}: the local header of {name[:200]!r} at {header_offset} does not "
-                                    "match the central directory")
+        raise CheckpointFormatError(
+            f"{where}: the local header of {name[:200]!r} at {header_offset} does not match the central directory"
+        )
     return ds
 
 
-async def aparse_archive(win: ByteWindow, start: int, size: int, where: str,
-                         fetch: Callable[[int, int], Awaitable[bytes | memoryview]], *,
-                         max_pickle: int = 1 << 30) -> ArchiveLayout:
+async def aparse_archive(
+    win: ByteWindow,
+    start: int,
+    size: int,
+    where: str,
+    fetch: Callable[[int, int], Awaitable[bytes | memoryview]],
+    *,
+    max_pickle: int = 1 << 30,
+) -> ArchiveLayout:
     """:func:`parse_archive`, fetching missing bytes with ``fetch(start, end)``: at most 16
     rounds and ``max_pickle`` + 1 MiB in all (a damaged directory cannot make it read a
     whole multi-gigabyte record into memory)."""
@@ -190,8 +200,10 @@ async def aparse_archive(win: ByteWindow, start: int, size: int, where: str,
             hi = min(start + size, max(need.end, need.start + HEAD_PROBE))
             fetched += hi - lo
             if fetched > limit:
-                raise CheckpointFormatError(f"{where}: finding the record's tensor needs more than {limit} bytes "
-                                            "of headers: the record is damaged") from None
+                raise CheckpointFormatError(
+                    f"{where}: finding the record's tensor needs more than {limit} bytes "
+                    "of headers: the record is damaged"
+                ) from None
             win.add(lo, await fetch(lo, hi))
     raise CheckpointFormatError(f"{where}: layout did not resolve after 16 reads")
 
@@ -202,9 +214,17 @@ def tensor_location(layout: ArchiveLayout, name: str, ref: TensorRef | None = No
     if not isinstance(ref, TensorRef):
         raise CheckpointFormatError(f"{layout.where}: expected a tensor record, found {type(ref).__name__}")
     st = layout.storages[ref.storage.key]
-    loc = TensorLocation(name=name, data_start=st.data_start, storage_nbytes=st.nbytes, dtype=ref.dtype,
-                         size=ref.size, stride=ref.stride, storage_offset=ref.storage_offset, crc32=st.crc32,
-                         where=layout.where)
+    loc = TensorLocation(
+        name=name,
+        data_start=st.data_start,
+        storage_nbytes=st.nbytes,
+        dtype=ref.dtype,
+        size=ref.size,
+        stride=ref.stride,
+        storage_offset=ref.storage_offset,
+        crc32=st.crc32,
+        where=layout.where,
+    )
     loc.check()
     return loc
 
@@ -227,7 +247,9 @@ def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
         st = layout.storages[ref.storage.key]
         loc = tensor_location(layout, "", ref)  # checks that every element lies in the storage
         if st.nbytes % loc.itemsize:
-            raise CheckpointFormatError(f"{layout.where}: storage of {st.nbytes} bytes is not whole {ref.dtype} elements")
+            raise CheckpointFormatError(
+                f"{layout.where}: storage of {st.nbytes} bytes is not whole {ref.dtype} elements"
+            )
         raw = storages.get(st.key)
         if raw is None:
             raw = torch.empty(st.nbytes, dtype=torch.uint8)
@@ -237,8 +259,9 @@ def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
         try:
             t = raw.view(ref.dtype).as_strided(ref.size, ref.stride, ref.storage_offset)
         except RuntimeError as exc:
-            raise CheckpointFormatError(f"{layout.where}: tensor of size {list(ref.size)} cannot be built "
-                                        f"({exc})"[:400]) from None
+            raise CheckpointFormatError(
+                f"{layout.where}: tensor of size {list(ref.size)} cannot be built ({exc})"[:400]
+            ) from None
         if ref.is_parameter:
             return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
         return t.requires_grad_(ref.requires_grad) if ref.requires_grad and t.is_floating_point() else t
@@ -296,7 +319,3 @@ def _rebuilt(o: Any, done: dict[int, Any]) -> Any:
     if isinstance(o, (set, frozenset)):
         return type(o)(sub(v) for v in o)
     return o  # a tuple subclass (torch.Size...) holds no tensors
-
-
-def storage_ref_dtype(ref: StorageRef) -> torch.dtype:  # pragma: no cover - tiny helper for formats
-    return ref.dtype

@@ -25,7 +25,7 @@ LOCAL_HEADER_SIZE = _LFH.size  # 30
 #: A reader that wants the directory of an archive reads at least this many bytes at its end.
 EOCD_SEARCH = 4096
 
-_SIG_EOCD = 0x06054B50
+_SIG_EOCD = struct.pack("<I", 0x06054B50)  # b"PK\x05\x06", searched for in the tail
 _SIG_EOCD64 = 0x06064B50
 _SIG_EOCD64_LOC = 0x07064B50
 _SIG_CDH = 0x02014B50
@@ -63,15 +63,17 @@ def locate_central_directory(tail: bytes | memoryview, archive_size: int, where:
     """
     tail = bytes(tail)
     base = archive_size - len(tail)
-    pos = tail.rfind(b"PK\x05\x06")
+    pos = tail.rfind(_SIG_EOCD)
     # a comment could contain the signature: walk back until the record fits exactly
     while pos >= 0:
         if pos + _EOCD.size <= len(tail):
             fields = _EOCD.unpack_from(tail, pos)
             if pos + _EOCD.size + fields[7] == len(tail):
                 break
-        pos = tail.rfind(b"PK\x05\x06", 0, pos)
-    _need(pos >= 0, where, "no zip end-of-central-directory record: the record is truncated or not a torch.save archive")
+        pos = tail.rfind(_SIG_EOCD, 0, pos)
+    _need(
+        pos >= 0, where, "no zip end-of-central-directory record: the record is truncated or not a torch.save archive"
+    )
     _, _, _, _, n, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, pos)
     if n == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
         loc = pos - _EOCD64_LOC.size
@@ -79,12 +81,19 @@ def locate_central_directory(tail: bytes | memoryview, archive_size: int, where:
         sig, _, eocd64_off, _ = _EOCD64_LOC.unpack_from(tail, loc)
         _need(sig == _SIG_EOCD64_LOC, where, "bad zip64 locator signature")
         rel = eocd64_off - base
-        _need(0 <= rel <= len(tail) - _EOCD64.size, where, f"zip64 end record at {eocd64_off} lies outside the archive tail")
+        _need(
+            0 <= rel <= len(tail) - _EOCD64.size,
+            where,
+            f"zip64 end record at {eocd64_off} lies outside the archive tail",
+        )
         f = _EOCD64.unpack_from(tail, rel)
         _need(f[0] == _SIG_EOCD64, where, "bad zip64 end record signature")
         n, cd_size, cd_offset = f[7], f[8], f[9]
-    _need(0 <= cd_offset and cd_offset + cd_size <= base + pos, where,
-          f"central directory [{cd_offset}, {cd_offset + cd_size}) does not fit an archive of {archive_size} bytes")
+    _need(
+        cd_offset >= 0 and cd_offset + cd_size <= base + pos,
+        where,
+        f"central directory [{cd_offset}, {cd_offset + cd_size}) does not fit an archive of {archive_size} bytes",
+    )
     return cd_offset, cd_size, n
 
 
@@ -105,10 +114,16 @@ def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size
         extra = cd[pos + _CDH.size + nl : pos + _CDH.size + nl + el]
         if 0xFFFFFFFF in (csize, usize, lho):
             usize, csize, lho = _zip64_extra(extra, usize, csize, lho, where)
-        _need(lho + LOCAL_HEADER_SIZE + csize <= archive_size, where,
-              f"entry {name[:200]!r} of {csize} bytes at {lho} runs past the end of the {archive_size}-byte archive")
-        _need(method != 0 or csize == usize, where,
-              f"stored entry {name[:200]!r} claims {csize} bytes stored but {usize} bytes of data")
+        _need(
+            lho + LOCAL_HEADER_SIZE + csize <= archive_size,
+            where,
+            f"entry {name[:200]!r} of {csize} bytes at {lho} runs past the end of the {archive_size}-byte archive",
+        )
+        _need(
+            method != 0 or csize == usize,
+            where,
+            f"stored entry {name[:200]!r} claims {csize} bytes stored but {usize} bytes of data",
+        )
         _need(name not in entries, where, f"entry {name[:200]!r} appears twice in the central directory")
         entries[name] = ZipEntry(name, lho, csize, usize, crc, method)
         pos = end
@@ -144,12 +159,18 @@ def local_data_start(head: bytes | memoryview, header_offset: int, expected_name
         return None
     f = _LFH.unpack_from(head, 0)
     _need(f[0] == _SIG_LFH, where, f"no local header for {expected_name!r} at archive offset {header_offset}")
-    _need(f[3] == 0, where,
-          f"entry {expected_name[:200]!r} is compressed (method {f[3]}); torch.save stores entries uncompressed")
+    _need(
+        f[3] == 0,
+        where,
+        f"entry {expected_name[:200]!r} is compressed (method {f[3]}); torch.save stores entries uncompressed",
+    )
     nl, el = f[9], f[10]
     if len(head) < LOCAL_HEADER_SIZE + nl:
         return None
     name = bytes(head[LOCAL_HEADER_SIZE : LOCAL_HEADER_SIZE + nl]).decode("utf-8", "replace")
-    _need(name == expected_name, where,
-          f"local header at {header_offset} names {name[:200]!r}, the directory says {expected_name[:200]!r}")
+    _need(
+        name == expected_name,
+        where,
+        f"local header at {header_offset} names {name[:200]!r}, the directory says {expected_name[:200]!r}",
+    )
     return header_offset + LOCAL_HEADER_SIZE + nl + el

@@ -17,7 +17,7 @@ Exit status (see :data:`EXIT_CODES`): 0 success, 1 the load failed (storage, tim
 mismatch, anything else), 2 usage error (bad option or value), 3 the checkpoint is
 damaged or unsafe, 4 the checkpoint (or one of its files) does not exist, 130 interrupted.
 
-The CLI uses only the public API (and torch's own readers for ``--compare-torch``).
+The CLI loads only through the public API (and torch's own readers for ``--compare-torch``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from ._storage import is_local, local_root
 
 __all__ = ["EXIT_CODES", "main", "parse_size", "parse_storage_options"]
 
@@ -55,11 +57,20 @@ EXIT_CODES: dict[int, str] = {
 }
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 1000 ** 2,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 1000 ** 3,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 1000 ** 4,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 1000,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 1000**2,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 1000**3,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 1000**4,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
@@ -163,55 +174,96 @@ def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
     common = _Parser(add_help=False)
-    common.add_argument("url", metavar="URL", help="checkpoint directory: a local path, file:// URL or fsspec URL "
-                                                   "(s3://bucket/prefix, gs://..., http://...)")
-    common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                        help="option for the fsspec filesystem of a remote URL (repeatable; values parsed as JSON "
-                             "when possible, dotted keys nest: config_kwargs.max_pool_connections=64)")
-    common.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log the library's INFO lines (-vv: DEBUG, one line per read request) to stderr")
+    common.add_argument(
+        "url",
+        metavar="URL",
+        help="checkpoint directory: a local path, file:// URL or fsspec URL (s3://bucket/prefix, gs://..., http://...)",
+    )
+    common.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the fsspec filesystem of a remote URL (repeatable; values parsed as JSON "
+        "when possible, dotted keys nest: config_kwargs.max_pool_connections=64)",
+    )
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log the library's INFO lines (-vv: DEBUG, one line per read request) to stderr",
+    )
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors (implies -vv)")
 
     knobs = _Parser(add_help=False, argument_default=argparse.SUPPRESS)
     g = knobs.add_argument_group("load options (defaults: asyncload.LoadOptions)")
     g.add_argument("--concurrency", "-c", type=_concurrency_arg, metavar="N|auto", help="reads in flight")
     g.add_argument("--chunk-size", type=_size_arg, metavar="SIZE", help="largest single read, e.g. 16MiB")
-    g.add_argument("--min-chunk-size", type=_size_arg, metavar="SIZE",
-                   help="neighbouring reads smaller than this are coalesced, e.g. 1MiB")
+    g.add_argument(
+        "--min-chunk-size",
+        type=_size_arg,
+        metavar="SIZE",
+        help="neighbouring reads smaller than this are coalesced, e.g. 1MiB",
+    )
     g.add_argument("--timeout", type=_timeout_arg, metavar="S", help="seconds for one attempt at one read, or none")
-    g.add_argument("--budget", type=_size_arg, metavar="SIZE",
-                   help="memory budget: most bytes read but not yet assembled, e.g. 512MiB")
+    g.add_argument(
+        "--budget",
+        type=_size_arg,
+        metavar="SIZE",
+        help="memory budget: most bytes read but not yet assembled, e.g. 512MiB",
+    )
     g.add_argument("--retries", type=_count_arg, metavar="N", help="extra attempts after a failed read")
     g.add_argument("--no-progress", action="store_true", default=False, help="no progress bar even on a terminal")
 
     epilog = "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_CODES.items())
-    parser = _Parser(prog="asyncload", description="Inspect, load and verify PyTorch distributed checkpoints "
-                                                   "(what torch.distributed.checkpoint.save writes).",
-                     epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="asyncload",
+        description="Inspect, load and verify PyTorch distributed checkpoints "
+        "(what torch.distributed.checkpoint.save writes).",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"asyncload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("inspect", parents=[common], help="what the checkpoint holds: keys, dtypes, shapes, files",
-                       description="Print the checkpoint's keys (dtype, shape, shards, bytes), its files and "
-                                   "DCP version. Reads only the .metadata file.")
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="what the checkpoint holds: keys, dtypes, shapes, files",
+        description="Print the checkpoint's keys (dtype, shape, shards, bytes), its files and "
+        "DCP version. Reads only the .metadata file.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("load", parents=[common, knobs], help="load into fresh tensors, with a progress bar and stats",
-                       description="Load every key into freshly allocated tensors (zeros of the saved shapes and "
-                                   "dtypes; objects decoded with the allow-list), then print the load's statistics.")
+    p = sub.add_parser(
+        "load",
+        parents=[common, knobs],
+        help="load into fresh tensors, with a progress bar and stats",
+        description="Load every key into freshly allocated tensors (zeros of the saved shapes and "
+        "dtypes; objects decoded with the allow-list), then print the load's statistics.",
+    )
     p.add_argument("--verify", action="store_true", help="check each tensor record's stored CRC-32")
-    p.add_argument("--compare-torch", action="store_true",
-                   help="also load with torch's own reader (FileSystemReader, or FsspecReader for URLs) into a "
-                        "second set of fresh tensors, check both results are identical and print the ratio "
-                        "(needs twice the checkpoint's size in memory)")
+    p.add_argument(
+        "--compare-torch",
+        action="store_true",
+        help="also load with torch's own reader (FileSystemReader, or FsspecReader for URLs) into a "
+        "second set of fresh tensors, check both results are identical and print the ratio "
+        "(needs twice the checkpoint's size in memory)",
+    )
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(func=_cmd_load)
 
-    p = sub.add_parser("verify", parents=[common, knobs], help="read everything and check the stored checksums",
-                       description="Read every record with checksum verification (LoadOptions.verify=True). On "
-                                   "damage, check each key on its own and list every damaged one; exit status 3.")
+    p = sub.add_parser(
+        "verify",
+        parents=[common, knobs],
+        help="read everything and check the stored checksums",
+        description="Read every record with checksum verification (LoadOptions.verify=True). On "
+        "damage, check each key on its own and list every damaged one; exit status 3.",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_verify)
     return parser
@@ -234,8 +286,14 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
     from . import LoadOptions
 
     changes: dict[str, Any] = {}
-    for arg, field in (("concurrency", "concurrency"), ("chunk_size", "chunk_size"), ("timeout", "timeout"),
-                       ("min_chunk_size", "min_chunk_size"), ("budget", "memory_budget"), ("retries", "retries")):
+    for arg, field in (
+        ("concurrency", "concurrency"),
+        ("chunk_size", "chunk_size"),
+        ("timeout", "timeout"),
+        ("min_chunk_size", "min_chunk_size"),
+        ("budget", "memory_budget"),
+        ("retries", "retries"),
+    ):
         if hasattr(args, arg):  # given on the command line (the knobs default to "absent")
             changes[field] = getattr(args, arg)
     changes.update(extra)
@@ -247,21 +305,16 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
         return dataclasses.replace(base, **changes)
     except ValueError as exc:
         text = str(exc)
-        for field, flag in (("memory_budget", "--budget"), ("min_chunk_size", "--min-chunk-size"),
-                            ("chunk_size", "--chunk-size"), ("concurrency", "--concurrency"),
-                            ("timeout", "--timeout"), ("retries", "--retries")):
+        for field, flag in (
+            ("memory_budget", "--budget"),
+            ("min_chunk_size", "--min-chunk-size"),
+            ("chunk_size", "--chunk-size"),
+            ("concurrency", "--concurrency"),
+            ("timeout", "--timeout"),
+            ("retries", "--retries"),
+        ):
             text = text.replace(f"LoadOptions.{field}=", f"{flag} ").replace(f"{field}=", f"{flag} ")
         raise UsageError(text) from None
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def _local_path(url: str) -> str:
-    from urllib.parse import unquote, urlparse
-
-    return unquote(urlparse(url).path) if url.startswith("file://") else url
 
 
 def read_metadata(url: str, storage_options: dict[str, Any], options: Any = None) -> Any:
@@ -295,7 +348,6 @@ def build_destination(metadata: Any, keys: Sequence[str] | None = None) -> dict[
 
 def describe(metadata: Any, url: str) -> dict[str, Any]:
     """What ``inspect --json`` prints: keys, dtypes, shapes, shards, files, bytes, DCP version."""
-    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     stored_by_key: dict[str, int] = {}
@@ -313,12 +365,21 @@ def describe(metadata: Any, url: str) -> dict[str, Any]:
     for fqn, smd in metadata.state_dict_metadata.items():
         if isinstance(smd, TensorStorageMetadata):
             dtype = smd.properties.dtype
-            nbytes = math.prod(smd.size) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(smd.size) * dtype.itemsize
             tensor_bytes += nbytes
             by_dtype[_dtype_name(dtype)] = by_dtype.get(_dtype_name(dtype), 0) + nbytes
-            keys.append({"key": fqn, "kind": "tensor", "dtype": _dtype_name(dtype), "shape": list(smd.size),
-                         "shards": len(smd.chunks), "nbytes": nbytes, "stored_bytes": stored_by_key.get(fqn, 0),
-                         "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in smd.chunks]})
+            keys.append(
+                {
+                    "key": fqn,
+                    "kind": "tensor",
+                    "dtype": _dtype_name(dtype),
+                    "shape": list(smd.size),
+                    "shards": len(smd.chunks),
+                    "nbytes": nbytes,
+                    "stored_bytes": stored_by_key.get(fqn, 0),
+                    "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in smd.chunks],
+                }
+            )
         else:
             keys.append({"key": fqn, "kind": "object", "stored_bytes": stored_by_key.get(fqn, 0)})
     return {
@@ -354,8 +415,14 @@ def _note(text: str) -> None:
     sys.stderr.flush()
 
 
-def _start_load(args: argparse.Namespace, dest: dict[str, Any], options: Any, storage_options: dict[str, Any],
-                label: str, total: int = 0) -> Any:
+def _start_load(
+    args: argparse.Namespace,
+    dest: dict[str, Any],
+    options: Any,
+    storage_options: dict[str, Any],
+    label: str,
+    total: int = 0,
+) -> Any:
     """Run one asyncload load with a progress bar; returns its LoadStats."""
     from . import start_load
     from ._progress import ByteProgress, follow_handle
@@ -380,7 +447,9 @@ def _cmd_inspect(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         _print(f"DCP version  {info['dcp_version'] or 'unversioned (torch < 2.4)'}")
     else:
         _print(f"format       {info['format']} (no DCP metadata: asyncload reads the files directly)")
-    _print(f"tensors      {info['tensors']} keys, {_fmt_bytes(info['tensor_bytes'])}" + (f" ({dtypes})" if dtypes else ""))
+    _print(
+        f"tensors      {info['tensors']} keys, {_fmt_bytes(info['tensor_bytes'])}" + (f" ({dtypes})" if dtypes else "")
+    )
     _print(f"objects      {info['objects']} keys")
     _print(f"files        {len(info['files'])}, {_fmt_bytes(info['stored_bytes'])} stored")
     _print()
@@ -392,8 +461,9 @@ def _cmd_inspect(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
             rows.append([k["key"], "object", "", "1", _fmt_bytes(k["stored_bytes"])])
     _print(_table(rows, right={3, 4}))
     _print()
-    rows = [["FILE", "RECORDS", "BYTES"]] + [[f["name"], str(f["records"]), _fmt_bytes(f["bytes"])]
-                                             for f in info["files"]]
+    rows = [["FILE", "RECORDS", "BYTES"]] + [
+        [f["name"], str(f["records"]), _fmt_bytes(f["bytes"])] for f in info["files"]
+    ]
     _print(_table(rows, right={1, 2}))
     return EXIT_OK
 
@@ -414,10 +484,10 @@ class _TorchProgressPlanner:
 
 def torch_reader(url: str, storage_options: dict[str, Any]) -> Any:
     """torch's own reader for ``url``: FileSystemReader for local paths, FsspecReader otherwise."""
-    if _is_local(url):
+    if is_local(url):
         from torch.distributed.checkpoint import FileSystemReader
 
-        return FileSystemReader(_local_path(url))
+        return FileSystemReader(local_root(url))
     try:
         from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined]
     except ImportError:
@@ -425,8 +495,9 @@ def torch_reader(url: str, storage_options: dict[str, Any]) -> Any:
     return FsspecReader(url, **storage_options)
 
 
-def load_with_torch(url: str, dest: dict[str, Any], storage_options: dict[str, Any],
-                    on_bytes: Callable[[int], None] | None = None) -> float:
+def load_with_torch(
+    url: str, dest: dict[str, Any], storage_options: dict[str, Any], on_bytes: Callable[[int], None] | None = None
+) -> float:
     """``dcp.load`` with torch's own reader into ``dest``; returns the wall seconds."""
     import torch.distributed.checkpoint as dcp
 
@@ -445,8 +516,11 @@ def same_bits(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     for k, va in a.items():
         vb = b.get(k)
         if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
-            if va.dtype != vb.dtype or va.shape != vb.shape or not torch.equal(
-                    va.reshape(-1).view(torch.uint8), vb.reshape(-1).view(torch.uint8)):
+            if (
+                va.dtype != vb.dtype
+                or va.shape != vb.shape
+                or not torch.equal(va.reshape(-1).view(torch.uint8), vb.reshape(-1).view(torch.uint8))
+            ):
                 bad.append(k)
         elif va != vb:
             bad.append(k)
@@ -460,11 +534,15 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     md = read_metadata(args.url, storage_options, options)
     info = describe(md, args.url)
     if args.compare_torch and info["format"] != "dcp":
-        raise UsageError(f"--compare-torch compares with torch's DCP readers, and {args.url} is a {info['format']} "
-                         "checkpoint, not a DCP one")
+        raise UsageError(
+            f"--compare-torch compares with torch's DCP readers, and {args.url} is a {info['format']} "
+            "checkpoint, not a DCP one"
+        )
     dest = build_destination(md)
-    _note(f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({info['tensors']} tensors, {info['objects']} "
-          f"objects) from {args.url}")
+    _note(
+        f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({info['tensors']} tensors, {info['objects']} "
+        f"objects) from {args.url}"
+    )
     t0 = time.perf_counter()
     stats = _start_load(args, dest, options, storage_options, "asyncload", info["tensor_bytes"])
     ours = time.perf_counter() - t0
@@ -477,7 +555,7 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         return EXIT_OK
 
     torch_dest = build_destination(md)
-    name = "FileSystemReader" if _is_local(args.url) else "FsspecReader"
+    name = "FileSystemReader" if is_local(args.url) else "FsspecReader"
     with ByteProgress(f"torch {name}", total=info["tensor_bytes"], enabled=False if args.no_progress else None) as bar:
         done = [0]
 
@@ -490,17 +568,36 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     ratio = theirs / ours if ours > 0 else float("inf")
     gib = info["tensor_bytes"] / (1 << 30)
     if args.json:
-        _print(json.dumps({"asyncload": stats.to_dict(), "asyncload_seconds": ours, "torch_seconds": theirs,
-                           "torch_reader": name, "ratio": ratio, "identical": not differ, "differing_keys": differ},
-                          indent=2))
+        _print(
+            json.dumps(
+                {
+                    "asyncload": stats.to_dict(),
+                    "asyncload_seconds": ours,
+                    "torch_seconds": theirs,
+                    "torch_reader": name,
+                    "ratio": ratio,
+                    "identical": not differ,
+                    "differing_keys": differ,
+                },
+                indent=2,
+            )
+        )
     else:
-        _print(_table([["reader", "seconds", "GiB/s", "speed-up"],
-                       [f"torch {name}", f"{theirs:.3f}", f"{gib / theirs:.2f}" if theirs else "-", "1.00x"],
-                       ["asyncload", f"{ours:.3f}", f"{gib / ours:.2f}" if ours else "-", f"{ratio:.2f}x"]],
-                      right={1, 2, 3}))
-        _print(f"asyncload took {ours:.3f} s, torch's {name} {theirs:.3f} s: {ratio:.2f}x "
-               "(torch ran second, on whatever page cache the first run left)."
-               + (" Both results are identical bit for bit." if not differ else ""))
+        _print(
+            _table(
+                [
+                    ["reader", "seconds", "GiB/s", "speed-up"],
+                    [f"torch {name}", f"{theirs:.3f}", f"{gib / theirs:.2f}" if theirs else "-", "1.00x"],
+                    ["asyncload", f"{ours:.3f}", f"{gib / ours:.2f}" if ours else "-", f"{ratio:.2f}x"],
+                ],
+                right={1, 2, 3},
+            )
+        )
+        _print(
+            f"asyncload took {ours:.3f} s, torch's {name} {theirs:.3f} s: {ratio:.2f}x "
+            "(torch ran second, on whatever page cache the first run left)."
+            + (" Both results are identical bit for bit." if not differ else "")
+        )
     if differ:
         _note(f"asyncload: error: the two loads differ in {len(differ)} keys: {differ[:5]}")
         return EXIT_LOAD_ERROR
@@ -520,8 +617,11 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     options = _options(args, verify=True)
     md = read_metadata(args.url, storage_options, options)
     info = describe(md, args.url)
-    tensor_records = sum(1 for idx in (md.storage_data or {}) if getattr(idx, "fqn", None) in
-                         {k["key"] for k in info["keys"] if k["kind"] == "tensor"})
+    tensor_records = sum(
+        1
+        for idx in (md.storage_data or {})
+        if getattr(idx, "fqn", None) in {k["key"] for k in info["keys"] if k["kind"] == "tensor"}
+    )
     dest = build_destination(md)
     _note(f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {len(info['files'])} files of {args.url}")
     try:
@@ -535,14 +635,23 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
             for i, key in enumerate(keys):
                 one = build_destination(md, [key])
                 try:
-                    load(one, args.url, options=options, storage_options=storage_options,
-                         planner=PipelinedLoadPlanner(options=options, allow_partial_load=True))
+                    load(
+                        one,
+                        args.url,
+                        options=options,
+                        storage_options=storage_options,
+                        planner=PipelinedLoadPlanner(options=options, allow_partial_load=True),
+                    )
                 except _damage_classes() as exc:
                     damaged.append((key, str(exc)))
                 bar.update(i + 1, len(keys))
         if args.json:
-            _print(json.dumps({"checkpoint": args.url, "ok": False,
-                               "damaged": [{"key": k, "error": e} for k, e in damaged]}, indent=2))
+            _print(
+                json.dumps(
+                    {"checkpoint": args.url, "ok": False, "damaged": [{"key": k, "error": e} for k, e in damaged]},
+                    indent=2,
+                )
+            )
         else:
             for key, err in damaged:
                 _print(f"DAMAGED  {key}: {err}")
@@ -552,13 +661,26 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         return EXIT_DAMAGED
     unchecked = max(0, tensor_records - stats.verified_records)
     if args.json:
-        _print(json.dumps({"checkpoint": args.url, "ok": True, "tensor_records": tensor_records,
-                           "verified_records": stats.verified_records, "unchecked_records": unchecked,
-                           "objects": info["objects"], "stats": stats.to_dict()}, indent=2))
+        _print(
+            json.dumps(
+                {
+                    "checkpoint": args.url,
+                    "ok": True,
+                    "tensor_records": tensor_records,
+                    "verified_records": stats.verified_records,
+                    "unchecked_records": unchecked,
+                    "objects": info["objects"],
+                    "stats": stats.to_dict(),
+                },
+                indent=2,
+            )
+        )
     else:
-        _print(f"OK: {stats.verified_records} of {tensor_records} tensor records match their stored CRC-32"
-               + (f" ({unchecked} carry no checksum and were only parsed)" if unchecked else "")
-               + f"; {info['objects']} objects decoded; {_fmt_bytes(stats.bytes_read)} read in {stats.seconds:.2f} s.")
+        _print(
+            f"OK: {stats.verified_records} of {tensor_records} tensor records match their stored CRC-32"
+            + (f" ({unchecked} carry no checksum and were only parsed)" if unchecked else "")
+            + f"; {info['objects']} objects decoded; {_fmt_bytes(stats.bytes_read)} read in {stats.seconds:.2f} s."
+        )
     return EXIT_OK
 
 
@@ -631,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             storage_options = parse_storage_options(args.storage_option)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        if storage_options and _is_local(args.url):
+        if storage_options and is_local(args.url):
             _note("asyncload: note: --storage-option is ignored for a local path")
         return int(args.func(args, storage_options))
     except KeyboardInterrupt:
@@ -643,12 +765,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return EXIT_OK
-    except Exception as exc:  # noqa: BLE001 - every error becomes one sentence and an exit status
+    except Exception as exc:
         if args.debug:
             traceback.print_exc()
         code = _exit_code(exc)
-        _note(f"asyncload: error: {_one_sentence(exc)}"
-              + ("" if args.debug or code == EXIT_USAGE else " (--debug shows the traceback)"))
+        _note(
+            f"asyncload: error: {_one_sentence(exc)}"
+            + ("" if args.debug or code == EXIT_USAGE else " (--debug shows the traceback)")
+        )
         return code
     finally:
         undo_logging()

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from xml.sax.saxutils import escape as xml_escape
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 logger = logging.getLogger("asyncload.testing")
 
@@ -671,7 +671,7 @@ class FaultProxy:
                 server = loop.run_until_complete(
                     asyncio.start_server(self._on_client, "127.0.0.1", self._requested_port or 0, limit=_HEAD_LIMIT)
                 )
-            except BaseException as exc:  # noqa: BLE001 - reported to start()
+            except BaseException as exc:
                 error.append(exc)
                 ready.set()
                 return
