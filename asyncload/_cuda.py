@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from ._options import LoadOptions
-from ._pipeline import Chunk, _assemble, copy_bytes
+from ._assembly import assemble, copy_bytes, memory_of
+from ._chunks import Chunk
 from ._plan import _contiguous_box as _row_major
-from ._plan import memory_of
 
 __all__ = [
     "CudaCopier",
@@ -392,7 +392,7 @@ class DeviceStager:
         ``slot`` is held for the memory's sake (see :meth:`read_and_assemble`)."""
         if raw is not None:
             copy_bytes(view, memoryview(raw))
-        _assemble(chunk, view)
+        assemble(chunk, view)
         return self.copier.record()
 
     def finish_sync(self) -> None:

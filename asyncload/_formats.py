@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from ._options import LoadOptions
-from ._plan import TensorLocation
+from ._chunks import TensorLocation
 from ._retry import RetryingStorage
 from ._safe_pickle import TensorRef
 from ._safetensors import HEADER_PROBE, SafetensorsHeader, _no_duplicates, aread_header, looks_like_safetensors

@@ -26,210 +26,18 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ._crc import CrcTracker
+from ._assembly import StagingPool, assemble, track
+from ._budget import ByteBudget, Limiter
+from ._chunks import Chunk
 from ._errors import AsyncLoadError
 from ._options import LoadOptions
 from ._retry import RetryingStorage, clock_of
 from ._stats import StatsRecorder
 from ._storage import Storage
 
-__all__ = ["ByteBudget", "Limiter", "Segment", "Chunk", "Pipeline", "copy_bytes"]
+__all__ = ["Pipeline"]
 
 log = logging.getLogger("asyncload.pipeline")
-
-
-class ByteBudget:
-    """Bytes read but not yet assembled, bounded by ``capacity``; FIFO waiters.
-
-    ``acquire(n)`` waits until ``n`` more bytes fit; ``release(n)`` gives them back.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.peak = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-    async def acquire(self, n: int) -> None:
-        if n > self.capacity:
-            raise ValueError(f"a chunk of {n} bytes cannot fit a budget of {self.capacity} bytes")
-        if not self._waiters and self.used + n <= self.capacity:
-            self._take(n)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (n, fut)
-        self._waiters.append(entry)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release(n)  # granted just as we were cancelled: give it back
-            else:
-                try:
-                    self._waiters.remove(entry)
-                except ValueError:
-                    pass
-                self._wake()
-            raise
-
-    def _take(self, n: int) -> None:
-        self.used += n
-        if self.used > self.peak:
-            self.peak = self.used
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        if self.used < 0:  # pragma: no cover - a bookkeeping bug, never user input
-            raise AssertionError("byte budget released more than it reserved")
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.used + self._waiters[0][0] <= self.capacity:
-            n, fut = self._waiters.popleft()
-            if fut.done():
-                continue
-            self._take(n)
-            fut.set_result(None)
-
-    def statistics(self) -> dict[str, int]:
-        return {"capacity": self.capacity, "used": self.used, "peak": self.peak, "waiting": len(self._waiters)}
-
-
-class Limiter:
-    """A semaphore whose limit can change while it is in use (for ``concurrency="auto"``)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-        self.peak = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    async def acquire(self) -> None:
-        if not self._waiters and self.active < self.limit:
-            self._enter()
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()
-            else:
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
-            raise
-
-    @property
-    def waiting(self) -> int:
-        """Acquirers waiting for a slot."""
-        return len(self._waiters)
-
-    def _enter(self) -> None:
-        self.active += 1
-        self.peak = max(self.peak, self.active)
-
-    def release(self) -> None:
-        self.active -= 1
-        self._wake()
-
-    def set_limit(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.active < self.limit:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                self._enter()
-                fut.set_result(None)
-
-
-def copy_bytes(dst: memoryview, src: memoryview | bytes | bytearray) -> None:
-    """memcpy that releases the GIL for large copies (numpy does)."""
-    n = len(dst)
-    if n < 1 << 16:
-        dst[:] = src
-        return
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8, count=n))
-
-
-@dataclass
-class Segment:
-    """Bytes ``[start, end)`` of a file and where they go: straight into ``into`` (the
-    destination's own memory) or through ``deliver`` (called on an assembly thread with
-    exactly those bytes)."""
-
-    start: int
-    end: int
-    into: memoryview | None = None
-    deliver: Callable[[memoryview], None] | None = None
-    #: Counted in ``bytes_assembled`` (0 for header probes and gaps).
-    payload: bool = True
-    #: Bytes this segment places into destinations when that is not ``end - start``
-    #: (a staged read through small gaps, a cast to another dtype).
-    useful: int | None = None
-    #: ``deliver`` copies to a device: the bytes must sit in pinned host memory
-    #: (:attr:`Pipeline.staging` reads such chunks into its pinned ring).
-    pinned: bool = False
-
-
-@dataclass
-class Chunk:
-    """One read request: ``[start, end)`` of file ``name``, cut into segments."""
-
-    name: str
-    start: int
-    end: int
-    segments: list[Segment]
-    trackers: Sequence[CrcTracker] = field(default_factory=tuple)
-    #: The planned pieces this chunk serves (keeps destination tensors alive).
-    pieces: list[Any] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-    @property
-    def needs_pinned(self) -> bool:
-        """Some segment goes to a device (see :attr:`Segment.pinned`)."""
-        return any(s.pinned for s in self.segments)
-
-    def tiles_into(self) -> bool:
-        """Every byte of the chunk has a direct destination, in order, without gaps."""
-        pos = self.start
-        for s in self.segments:
-            if s.into is None or s.start != pos:
-                return False
-            pos = s.end
-        return pos == self.end
-
-
-class _StagingPool:
-    """Reusable staging buffers: memory already touched, so reads run at full speed."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self._free: list[bytearray] = []
-        self._limit = limit_bytes
-        self._held = 0
-
-    def get(self, n: int) -> bytearray:
-        best = None
-        for i, b in enumerate(self._free):
-            if len(b) >= n and (best is None or len(b) < len(self._free[best])):
-                best = i
-        if best is not None:
-            buf = self._free.pop(best)
-            self._held -= len(buf)
-            return buf
-        return bytearray(n)
-
-    def put(self, buf: bytearray) -> None:
-        if self._held + len(buf) <= self._limit:
-            self._free.append(buf)
-            self._held += len(buf)
 
 
 class Pipeline:
@@ -246,7 +54,7 @@ class Pipeline:
         self.budget = budget or ByteBudget(options.memory_budget)
         self.limiter = Limiter(options.initial_concurrency)
         storage.on_throttle = self._note_throttle
-        self._pool = _StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
+        self._pool = StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
         self._throttled = 0
         #: ``concurrency="auto"``: (time, new limit, why) for every change.
         self.limit_history: list[tuple[float, int, str]] = []
@@ -365,7 +173,7 @@ class Pipeline:
         if storage.supports_readinto and chunk.tiles_into():
             views = [s.into for s in chunk.segments]
             # verify=True: checksummed on the I/O thread, in the same hop
-            then = functools.partial(_track, chunk, views) if chunk.trackers else None
+            then = functools.partial(track, chunk, views) if chunk.trackers else None
             await storage.readinto(chunk.name, chunk.start, views, then=then)  # type: ignore[arg-type]
             t1 = time.monotonic()
             self.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
@@ -382,7 +190,7 @@ class Pipeline:
         t1 = time.monotonic()
         self.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
         try:
-            await loop.run_in_executor(self.executor, _assemble, chunk, data)
+            await loop.run_in_executor(self.executor, assemble, chunk, data)
         finally:
             if pooled is not None:
                 self._pool.put(pooled)
@@ -390,7 +198,7 @@ class Pipeline:
 
     async def _run_batch(self, batch: _Batch) -> None:
         t0 = time.monotonic()
-        await self.storage.read_batch([(c.name, c.start, c.end, functools.partial(_assemble, c))
+        await self.storage.read_batch([(c.name, c.start, c.end, functools.partial(assemble, c))
                                        for c in batch.members])
         self.stats.add(chunks=len(batch.members), storage_wait_seconds=time.monotonic() - t0)
         for c in batch.members:
@@ -505,26 +313,6 @@ def _make_batch(members: list[Chunk], size: int) -> Chunk:
     b = _Batch(members[0].name, 0, size, [])
     b.members = members
     return b
-
-
-def _track(chunk: Chunk, views: Sequence[memoryview]) -> None:
-    pos = chunk.start
-    for v in views:
-        for tr in chunk.trackers:
-            tr.add(pos, v)
-        pos += len(v)
-
-
-def _assemble(chunk: Chunk, data: memoryview) -> None:
-    for tr in chunk.trackers:
-        tr.add(chunk.start, data)
-    base = chunk.start
-    for seg in chunk.segments:
-        part = data[seg.start - base : seg.end - base]
-        if seg.into is not None:
-            copy_bytes(seg.into, part)
-        elif seg.deliver is not None:
-            seg.deliver(part)
 
 
 def _flatten(group: BaseExceptionGroup) -> list[BaseException]:

@@ -20,98 +20,10 @@ import numpy as np
 import torch
 
 from ._errors import CheckpointFormatError, StateDictMismatchError
-from ._pipeline import Chunk, Segment
+from ._assembly import memory_of, tensor_over
+from ._chunks import Chunk, Piece, TensorLocation
 
-__all__ = ["TensorLocation", "Piece", "plan_tensor", "make_chunks", "tensor_over", "memory_of"]
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    """Where a saved tensor's elements are: the format-independent answer of every format module."""
-
-    #: File name relative to the checkpoint root.
-    name: str
-    #: Absolute byte offset, in that file, of storage element 0.
-    data_start: int
-    #: Bytes of the storage.
-    storage_nbytes: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    #: In elements.
-    storage_offset: int = 0
-    #: CRC-32 of the storage's bytes, where the format stores one.
-    crc32: int | None = None
-    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of __0_0.distcp"``.
-    where: str = ""
-
-    @property
-    def itemsize(self) -> int:
-        return _itemsize(self.dtype)
-
-    def check(self) -> None:
-        """Raise CheckpointFormatError unless every element lies inside the storage."""
-        if any(s < 0 for s in self.size) or any(s < 0 for s in self.stride) or self.storage_offset < 0:
-            raise CheckpointFormatError(f"{self.where}: negative size, stride or offset")
-        if math.prod(self.size) == 0:
-            return
-        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
-        if (last + 1) * self.itemsize > self.storage_nbytes:
-            raise CheckpointFormatError(
-                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at offset "
-                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has {self.storage_nbytes}")
-
-
-_ITEMSIZE: dict[torch.dtype, int] = {}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    n = _ITEMSIZE.get(dtype)
-    if n is None:
-        n = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
-    return n
-
-
-def memory_of(t: torch.Tensor) -> memoryview:
-    """A writable memoryview over a contiguous CPU tensor's bytes (any dtype)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-def tensor_over(data: memoryview | bytes | bytearray, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor of ``dtype`` over ``data`` without copying (``data`` must outlive it)."""
-    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
-    if len(mv) == 0:
-        return torch.empty(0, dtype=dtype)
-    if mv.readonly:  # torch warns on read-only buffers; we never write through this view
-        addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
-        mv = memoryview((ctypes.c_char * len(mv)).from_address(addr)).cast("B")
-    return torch.frombuffer(mv, dtype=torch.uint8).view(dtype)
-
-
-@dataclass
-class Piece:
-    """Bytes ``[start, end)`` of file ``name`` and where they go (see :class:`Segment`)."""
-
-    name: str
-    start: int
-    end: int
-    into: memoryview | None = None
-    deliver: Callable[[memoryview], None] | None = None
-    #: Keeps destination tensors alive while a raw memoryview points into them.
-    keep: object = None
-    #: Checksum of the storage these bytes belong to (``verify=True``).
-    tracker: object = None
-    #: ``deliver`` copies to a device and needs its bytes in pinned memory (see ``_cuda``).
-    pinned: bool = False
-    #: Destination bytes this piece fills, when not ``end - start`` (gaps read through, casts).
-    useful: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
+__all__ = ["make_chunks", "plan_tensor"]
 
 
 def _contiguous_box(lens: Sequence[int], strides: Sequence[int]) -> bool:
@@ -265,7 +177,5 @@ def make_chunks(pieces: Iterable[Piece], *, chunk_size: int, min_chunk_size: int
 
 
 def _chunk(name: str, ps: list[Piece], start: int, end: int) -> Chunk:
-    segs = [Segment(p.start, p.end, into=p.into, deliver=p.deliver, payload=True, pinned=p.pinned, useful=p.useful)
-            for p in ps]
     trackers = {id(p.tracker): p.tracker for p in ps if p.tracker is not None}
-    return Chunk(name, start, end, segs, trackers=tuple(trackers.values()), pieces=ps)  # type: ignore[arg-type]
+    return Chunk(name, start, end, ps, trackers=tuple(trackers.values()))

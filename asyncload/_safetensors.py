@@ -1,5 +1,5 @@
 """Hugging Face safetensors files: the header parsed with bounds checks, each tensor a
-:class:`~asyncload._plan.TensorLocation`.
+:class:`~asyncload._chunks.TensorLocation`.
 
 A safetensors blob is ``u64 little-endian N`` + ``N`` bytes of UTF-8 JSON + the data
 region. The JSON maps each key to ``{"dtype", "shape", "data_offsets": [begin, end]}``
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointFormatError
-from ._plan import TensorLocation
+from ._chunks import TensorLocation
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",

@@ -43,8 +43,10 @@ from ._crc import CrcTracker, gaps
 from ._errors import CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
 from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
-from ._pipeline import Chunk, Pipeline, copy_bytes
-from ._plan import Piece, make_chunks, plan_tensor
+from ._assembly import copy_bytes
+from ._chunks import Chunk, Piece
+from ._pipeline import Pipeline
+from ._plan import make_chunks, plan_tensor
 from ._retry import RetryingStorage
 from ._safe_pickle import check_metadata, safe_loads, short_repr
 from ._stats import LoadStats, StatsRecorder

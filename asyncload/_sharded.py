@@ -46,7 +46,9 @@ from ._dcp import PipelinedLoadPlanner
 from ._monitor import Monitor
 from ._errors import AsyncLoadError, DistributedLoadError
 from ._options import LoadOptions
-from ._pipeline import Chunk, Pipeline, _assemble, _track, copy_bytes
+from ._assembly import assemble, copy_bytes, track
+from ._chunks import Chunk
+from ._pipeline import Pipeline
 from ._session import LoadSession
 from ._stats import _fmt_bytes
 
@@ -554,9 +556,9 @@ class _SharedPipeline(Pipeline):
             t1 = time.monotonic()
             if direct:
                 if chunk.trackers:
-                    await loop.run_in_executor(self.executor, _track, chunk, [buf])
+                    await loop.run_in_executor(self.executor, track, chunk, [buf])
             else:
-                await loop.run_in_executor(self.executor, _assemble, chunk, buf)
+                await loop.run_in_executor(self.executor, assemble, chunk, buf)
             ok = True
         except BaseExceptionGroup as group:
             raise _first_error(group) from None

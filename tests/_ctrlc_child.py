@@ -26,7 +26,7 @@ import torch
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._pipeline import ByteBudget
+from asyncload._budget import ByteBudget
 
 CKPT, MODES = sys.argv[1], sys.argv[2].split(",")
 DELAYS = [float(x) for x in sys.argv[3:]]
@@ -65,8 +65,11 @@ def leftovers() -> dict[str, object]:
 
         deadline = time.monotonic() + 3.0
         while True:
-            conns = [str(c.laddr) for c in psutil.Process().net_connections(kind="tcp")
-                     if c.raddr and c.raddr.port == PROXY_PORT and c.fd != -1]
+            conns = [
+                str(c.laddr)
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.raddr and c.raddr.port == PROXY_PORT and c.fd != -1
+            ]
             if not conns or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -78,11 +81,18 @@ def leftovers() -> dict[str, object]:
 
     tasks = 0
     for lt in list(_loop._threads.values()):
+
         async def count() -> int:
             return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
+
         tasks += asyncio.run_coroutine_threadsafe(count(), lt.loop).result(5)
-    return {"threads": threads, "fds": fds, "budget_used": [u for u in budgets if u], "tasks": tasks,
-            "connections": conns}
+    return {
+        "threads": threads,
+        "fds": fds,
+        "budget_used": [u for u in budgets if u],
+        "tasks": tasks,
+        "connections": conns,
+    }
 
 
 def main() -> None:

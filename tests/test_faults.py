@@ -13,28 +13,24 @@ import time
 
 import pytest
 import torch
-from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
-from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
+from _ckpt import assert_bitwise_equal, zeros_like_tree
+from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_closed
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
-from asyncload._pipeline import Chunk, Pipeline, Segment
+from asyncload._chunks import Chunk, Piece
+from asyncload._pipeline import Pipeline
 from asyncload._stats import StatsRecorder
 from asyncload._storage import open_storage
 from asyncload.testing import reset, stall, status, truncate
 
 pytestmark = pytest.mark.timeout(60)
 
-OPTS = LoadOptions(chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=2.0, retries=3, backoff=0.02,
-                   max_backoff=0.1, hedge=False)
+OPTS = LoadOptions(
+    chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=2.0, retries=3, backoff=0.02, max_backoff=0.1, hedge=False
+)
 #: Only ranged reads of tensor data (not .metadata, not HEAD/info requests).
-DATA = dict(path=".distcp", range_only=True, data_only=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    sd = small_state_dict(seed=10)
-    return make_checkpoint(tmp_path_factory.mktemp("faults") / "ckpt", sd), sd
+DATA = {"path": ".distcp", "range_only": True, "data_only": True}
 
 
 # (id, action, times, retries seen (min, max), cause)
@@ -54,8 +50,9 @@ SERIAL = {"reset-before-headers"}
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,action,times,expect,cause", TRANSIENT, ids=[t[0] for t in TRANSIENT])
-def test_transient_fault_is_retried_bit_exact(request, backend, name, action, times, expect, cause, ckpt,
-                                              bucket_name, fault_proxy):
+def test_transient_fault_is_retried_bit_exact(
+    request, backend, name, action, times, expect, cause, ckpt, bucket_name, fault_proxy
+):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     rule = r.proxy.add_rule(action, times=times, **DATA)
@@ -86,7 +83,7 @@ def test_retry_after_is_honoured(request, backend, ckpt, bucket_name, fault_prox
     log = r.proxy.log
     first = next(i for i, e in enumerate(log) if e.rule is rule)
     assert took >= 0.6
-    assert any(e.path == log[first].path and e.range == log[first].range for e in log[first + 1:])
+    assert any(e.path == log[first].path and e.range == log[first].range for e in log[first + 1 :])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -127,9 +124,8 @@ def test_dead_chunk_ends_in_chunk_timeout_error_in_bounded_time(request, backend
     opts = OPTS.replace(timeout=0.5, retries=2)
     dst = zeros_like_tree(sd, object_placeholder=None)
     t0 = time.monotonic()
-    with no_unclosed_session_warnings():
-        with pytest.raises(ChunkTimeoutError) as ei:
-            asyncload.load(dst, r.url, options=opts, storage_options=r.storage_options)
+    with no_unclosed_session_warnings(), pytest.raises(ChunkTimeoutError) as ei:
+        asyncload.load(dst, r.url, options=opts, storage_options=r.storage_options)
     took = time.monotonic() - t0
     # timeout x attempts plus backoff (<= 0.1 s per retry) plus set-up and metadata
     assert took < 0.5 * 3 + 2 * 0.1 + 1.5
@@ -160,25 +156,31 @@ async def test_pipeline_state_after_dead_chunk_and_after_cancel(request, backend
             dest = bytearray(size)
             mv = memoryview(dest)
             step = 32 << 10
-            chunks = [Chunk(name, lo, min(size, lo + step), [Segment(lo, min(size, lo + step),
-                                                                     into=mv[lo:min(size, lo + step)])])
-                      for lo in range(0, size, step)]
+            chunks = [
+                Chunk(
+                    name,
+                    lo,
+                    min(size, lo + step),
+                    [Piece(name, lo, min(size, lo + step), into=mv[lo : min(size, lo + step)])],
+                )
+                for lo in range(0, size, step)
+            ]
             if how == "dead":
                 with pytest.raises(ChunkTimeoutError):
                     await pipe.run(chunks)
             else:
                 task = asyncio.ensure_future(pipe.run(chunks))
-                while rule.fired < 1:
+                while rule.fired < 1:  # noqa: ASYNC110 - the proxy counts in its own thread
                     await asyncio.sleep(0.01)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
             assert pipe.budget.used == 0 and pipe.limiter.active == 0
-            assert pipe.budget.statistics()["waiting"] == 0
+            assert pipe.budget.statistics().waiting == 0
             # a chunk is written whole and exact, or not at all
-            done = [lo for lo in range(0, size, step) if dest[lo:lo + step] == data[lo:lo + step]]
+            done = [lo for lo in range(0, size, step) if dest[lo : lo + step] == data[lo : lo + step]]
             assert len(done) >= (1 if how == "dead" else 0)
-            assert all(not any(dest[lo:lo + step]) for lo in range(0, size, step) if lo not in done)
+            assert all(not any(dest[lo : lo + step]) for lo in range(0, size, step) if lo not in done)
             await storage.aclose()
             await asyncio.sleep(0)
             assert asyncio.all_tasks() == {asyncio.current_task()}
@@ -194,9 +196,10 @@ async def test_cancelled_aload_leaves_nothing_behind(request, backend, ckpt, buc
     dst = zeros_like_tree(sd, object_placeholder=None)
     before = {t for t in threading.enumerate() if t.name.startswith("asyncload-io")}
     with no_unclosed_session_warnings():
-        task = asyncio.ensure_future(asyncload.aload(dst, r.url, options=OPTS.replace(timeout=30),
-                                                     storage_options=r.storage_options))
-        while rule.fired < 1:
+        task = asyncio.ensure_future(
+            asyncload.aload(dst, r.url, options=OPTS.replace(timeout=30), storage_options=r.storage_options)
+        )
+        while rule.fired < 1:  # noqa: ASYNC110 - the proxy counts in its own thread
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -216,8 +219,9 @@ def test_slow_link_with_steady_progress_does_not_time_out(request, ckpt, bucket_
     # ~1.5 s for the whole load; 8 reads of 128 KiB in flight each take ~0.9 s > timeout
     r = make_remote(request, "http", path, bucket_name, fault_proxy, bandwidth=total / 1.5)
     dst = zeros_like_tree(sd, object_placeholder=None)
-    stats = asyncload.load(dst, r.url, options=OPTS.replace(timeout=0.6, retries=0, concurrency=8),
-                           storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, r.url, options=OPTS.replace(timeout=0.6, retries=0, concurrency=8), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     assert stats.timeouts == 0 and stats.retries == 0
     assert stats.latency_max > 0.6  # single reads did take longer than the timeout

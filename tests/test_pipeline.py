@@ -9,12 +9,14 @@ import os
 import threading
 
 import pytest
+from _ckpt import open_fds_under
 
 from asyncload import AsyncLoadError, LoadOptions
-from asyncload._pipeline import ByteBudget, Chunk, Limiter, Pipeline, Segment
+from asyncload._budget import BudgetStatistics, ByteBudget, Limiter
+from asyncload._chunks import Chunk, Piece
+from asyncload._pipeline import Pipeline
 from asyncload._stats import StatsRecorder
 from asyncload._storage import LocalStorage
-from _ckpt import open_fds_under
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,7 +37,7 @@ async def test_budget_take_release_peak_and_statistics():
     assert (b.used, b.peak) == (100, 100)
     b.release(70)
     await b.acquire(10)
-    assert b.statistics() == {"capacity": 100, "used": 40, "peak": 100, "waiting": 0}
+    assert b.statistics() == BudgetStatistics(capacity=100, used=40, peak=100, waiting=0)
     b.release(40)
     assert b.used == 0 and b.peak == 100
 
@@ -64,7 +66,7 @@ async def test_budget_waiters_are_served_fifo_and_small_ones_do_not_overtake():
     await _settle()
     small = asyncio.create_task(take("small", 5))  # fits now, but must queue behind "big"
     await _settle()
-    assert order == [] and b.statistics()["waiting"] == 2 and b.used == 90
+    assert order == [] and b.statistics().waiting == 2 and b.used == 90
     b.release(40)  # 50 used: big is granted (100); small (105) must wait for the next release
     await _settle()
     assert order == ["big"] and b.used == 100
@@ -83,13 +85,13 @@ async def test_budget_cancelled_waiter_leaves_queue_and_unblocks_the_next():
     await _settle()
     nxt = asyncio.create_task(b.acquire(30))  # would fit, waits behind head (FIFO)
     await _settle()
-    assert b.statistics()["waiting"] == 2 and not nxt.done()
+    assert b.statistics().waiting == 2 and not nxt.done()
     head.cancel()
     with pytest.raises(asyncio.CancelledError):
         await head
     await _settle()
     assert nxt.done() and nxt.exception() is None
-    assert b.used == 90 and b.statistics()["waiting"] == 0
+    assert b.used == 90 and b.statistics().waiting == 0
 
 
 @pytest.mark.asyncio
@@ -103,7 +105,7 @@ async def test_budget_waiter_cancelled_right_after_its_grant_gives_the_bytes_bac
     waiter.cancel()  # ... but it is cancelled before it could run
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    assert b.used == 0 and b.statistics()["waiting"] == 0
+    assert b.used == 0 and b.statistics().waiting == 0
 
 
 @pytest.mark.asyncio
@@ -222,11 +224,13 @@ def _chunks_into(dest: bytearray, name: str, size: int, chunk: int, staged_every
     for i, lo in enumerate(range(0, size, chunk)):
         hi = min(size, lo + chunk)
         if staged_every and i % staged_every == 0:
+
             def deliver(part: memoryview, lo: int = lo, hi: int = hi) -> None:
                 mv[lo:hi] = part
-            seg = Segment(lo, hi, deliver=deliver)
+
+            seg = Piece("f.bin", lo, hi, deliver=deliver)
         else:
-            seg = Segment(lo, hi, into=mv[lo:hi])
+            seg = Piece("f.bin", lo, hi, into=mv[lo:hi])
         out.append(Chunk(name, lo, hi, [seg]))
     return out
 
@@ -300,7 +304,7 @@ async def test_pipeline_cancelled_mid_run_leaves_budget_and_limiter_whole(data_f
         unblock.wait(10)
         mv[40960:45056] = part
 
-    chunks[10] = Chunk("f.bin", 40960, 45056, [Segment(40960, 45056, deliver=blocking_deliver)])
+    chunks[10] = Chunk("f.bin", 40960, 45056, [Piece("f.bin", 40960, 45056, deliver=blocking_deliver)])
     ex = concurrent.futures.ThreadPoolExecutor(2)
     try:
         storage = LocalStorage(str(root), ex)
@@ -313,7 +317,7 @@ async def test_pipeline_cancelled_mid_run_leaves_budget_and_limiter_whole(data_f
         with pytest.raises(asyncio.CancelledError):
             await task
         assert pipe.budget.used == 0 and pipe.limiter.active == 0
-        assert pipe.budget.statistics()["waiting"] == 0
+        assert pipe.budget.statistics().waiting == 0
         assert rec.snapshot().chunks < len(chunks)
         assert 0 < rec.snapshot().peak_buffered_bytes <= opts.memory_budget
     finally:

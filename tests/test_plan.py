@@ -7,16 +7,18 @@ pieces go through ``deliver``), and checks the destination bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from _ckpt import assert_bitwise_equal, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncload import CheckpointFormatError, StateDictMismatchError
-from asyncload._plan import Piece, TensorLocation, make_chunks, plan_tensor
-from _ckpt import assert_bitwise_equal, random_tensor
+from asyncload._chunks import Piece, TensorLocation
+from asyncload._plan import make_chunks, plan_tensor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,9 +34,16 @@ def fake_file(saved: torch.Tensor, *, pad_after: int = 100) -> bytes:
 def location(saved: torch.Tensor, name: str = "f.distcp") -> TensorLocation:
     """The TensorLocation of ``saved`` as torch.save would store it: its whole storage at HEADER."""
     st_ = saved.untyped_storage()
-    return TensorLocation(name=name, data_start=HEADER, storage_nbytes=st_.nbytes(), dtype=saved.dtype,
-                          size=tuple(saved.shape), stride=tuple(saved.stride()),
-                          storage_offset=saved.storage_offset(), where=f"record in {name}")
+    return TensorLocation(
+        name=name,
+        data_start=HEADER,
+        storage_nbytes=st_.nbytes(),
+        dtype=saved.dtype,
+        size=tuple(saved.shape),
+        stride=tuple(saved.stride()),
+        storage_offset=saved.storage_offset(),
+        where=f"record in {name}",
+    )
 
 
 def run_pieces(pieces: list[Piece], data: bytes) -> None:
@@ -63,8 +72,9 @@ def run_chunks(chunks, data: bytes) -> None:
 
 
 def plan(saved, offsets, lengths, dest, *, chunk_size=1 << 20, min_chunk_size=0, **kw):
-    return plan_tensor(location(saved), offsets, lengths, dest, chunk_size=chunk_size,
-                       min_chunk_size=min_chunk_size, **kw)
+    return plan_tensor(
+        location(saved), offsets, lengths, dest, chunk_size=chunk_size, min_chunk_size=min_chunk_size, **kw
+    )
 
 
 def box_of(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
@@ -101,7 +111,7 @@ def test_row_slice_split_at_chunk_size():
     assert all(p.nbytes <= cs and p.into is not None for p in pieces)
     # the pieces tile the range exactly, in order
     assert pieces[0].start == HEADER + 10 * 256
-    assert all(a.end == b.start for a, b in zip(pieces, pieces[1:]))
+    assert all(a.end == b.start for a, b in itertools.pairwise(pieces))
     assert pieces[-1].end == HEADER + 50 * 256
     run_pieces(pieces, data)
     assert_bitwise_equal(dest, saved[10:50])
@@ -217,8 +227,9 @@ def test_wrong_destination_shape_and_out_of_range_box():
 
 
 def test_location_check_rejects_storage_too_small():
-    loc = TensorLocation(name="f", data_start=0, storage_nbytes=100, dtype=torch.float32, size=(5, 6),
-                         stride=(6, 1), where="record 'x'")
+    loc = TensorLocation(
+        name="f", data_start=0, storage_nbytes=100, dtype=torch.float32, size=(5, 6), stride=(6, 1), where="record 'x'"
+    )
     with pytest.raises(CheckpointFormatError, match="record 'x'.*needs 120 bytes.*has 100"):
         loc.check()
 
@@ -305,15 +316,41 @@ def cases(draw):
     dest_pad = draw(st.integers(0, 2))
     chunk_size = draw(st.sampled_from([1, 7, 16, 64, 200, 1 << 20]))
     min_chunk_size = draw(st.sampled_from([0, 1, 8, 50, 1 << 20]))
-    return (shape, dtype, perm, inv, pre, phys, offsets, lengths, dest_perm, dest_pad, chunk_size,
-            min(min_chunk_size, chunk_size), draw(st.booleans()))
+    return (
+        shape,
+        dtype,
+        perm,
+        inv,
+        pre,
+        phys,
+        offsets,
+        lengths,
+        dest_perm,
+        dest_pad,
+        chunk_size,
+        min(min_chunk_size, chunk_size),
+        draw(st.booleans()),
+    )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_property_any_box_any_layout_is_bit_exact(case):
-    (shape, dtype, perm, inv, pre, phys, offsets, lengths, dest_perm, dest_pad, chunk_size, min_chunk_size,
-     via_chunks) = case
+    (
+        shape,
+        dtype,
+        _perm,
+        inv,
+        pre,
+        phys,
+        offsets,
+        lengths,
+        dest_perm,
+        dest_pad,
+        chunk_size,
+        min_chunk_size,
+        via_chunks,
+    ) = case
     numel = math.prod(shape)
     isz = torch.empty((), dtype=dtype).element_size()
     flat = random_tensor((pre + numel,), dtype, seed=numel + pre)

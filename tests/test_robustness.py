@@ -28,15 +28,21 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
-from asyncload._pipeline import ByteBudget
+from asyncload._budget import ByteBudget
 
 TESTS = Path(__file__).parent
 MiB = 1 << 20
 
 
 def _child(script: str, *args: Any, timeout: float = 150) -> dict[str, Any]:
-    res = subprocess.run([sys.executable, str(TESTS / script), *map(str, args)], capture_output=True, text=True,
-                         timeout=timeout, cwd=TESTS, check=False)
+    res = subprocess.run(
+        [sys.executable, str(TESTS / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=TESTS,
+        check=False,
+    )
     assert res.returncode == 0, f"{script} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -51,8 +57,9 @@ def _budgets_in_use() -> list[int]:
 @pytest.fixture(scope="module")
 def ckpt_128m(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """16 tensors of 8 MiB; tensor i is filled with i (what _ctrlc_child.py checks)."""
-    return make_checkpoint(tmp_path_factory.mktemp("c128") / "ckpt",
-                           {f"t{i}": torch.full((1024, 2048), float(i)) for i in range(16)})
+    return make_checkpoint(
+        tmp_path_factory.mktemp("c128") / "ckpt", {f"t{i}": torch.full((1024, 2048), float(i)) for i in range(16)}
+    )
 
 
 # --- Ctrl-C and cancellation --------------------------------------------------------
@@ -76,8 +83,9 @@ def test_ctrl_c_at_any_point_leaves_nothing_behind(ckpt_128m: Path, where: str) 
         out = _child("_ctrlc_child.py", ckpt_128m, "http", 0.0, 0.05, 0.3, 4.0, timeout=230)
     runs = out["runs"]
     assert out["final_load_ok"]
-    assert {r["mode"] for r in runs if r["outcome"] == "interrupted"} == ({"signal", "interrupt_main"}
-                                                                          if where == "local" else {"http"})
+    assert {r["mode"] for r in runs if r["outcome"] == "interrupted"} == (
+        {"signal", "interrupt_main"} if where == "local" else {"http"}
+    )
     assert runs[-1]["outcome"] == "completed"  # the last interrupt comes after the load
     for r in runs:
         where_ = f"{r['mode']}, interrupt after {r['delay']} s"
@@ -110,7 +118,7 @@ async def test_aload_cancelled_at_many_points_keeps_the_budget_whole(ckpt_128m: 
         assert open_fds_under(ckpt_128m) == []
         assert _budgets_in_use() == []
         deadline = time.monotonic() + 3
-        while asyncload_threads(ignore=before) and time.monotonic() < deadline:
+        while asyncload_threads(ignore=before) and time.monotonic() < deadline:  # noqa: ASYNC110 - threads, not tasks
             await asyncio.sleep(0.01)
         assert asyncload_threads(ignore=before) == []
     assert cancelled >= 4
@@ -129,8 +137,13 @@ def test_fork_safety(tmp_path: Path) -> None:
     thread and executor, bit-exact; the parent's own load is unharmed."""
     path = make_checkpoint(tmp_path / "ckpt", {f"t{i}": torch.full((256, 256), float(i)) for i in range(8)})
     out = _child("_fork_child.py", path, timeout=190)
-    assert out == {"parent_first": True, "os_fork_child_exit": 0, "parent_background": True,
-                   "fork_pool": [True, True, True, True], "parent_after": True}
+    assert out == {
+        "parent_first": True,
+        "os_fork_child_exit": 0,
+        "parent_background": True,
+        "fork_pool": [True, True, True, True],
+        "parent_after": True,
+    }
 
 
 # --- memory -------------------------------------------------------------------------
@@ -144,8 +157,7 @@ def test_peak_rss_above_destination_under_concurrency_64(tmp_path_factory: pytes
     fixed overhead (a generous 64 MiB here; docs/integrity.md has the measured figures)."""
     path = _ckpt_256m(tmp_path_factory)
     budget = 8 * MiB
-    out = _child("_memory_child.py", path, 32, 2048, 1024, 64, budget, 128 << 10, "contiguous,transposed",
-                 timeout=190)
+    out = _child("_memory_child.py", path, 32, 2048, 1024, 64, budget, 128 << 10, "contiguous,transposed", timeout=190)
     assert [r["layout"] for r in out] == ["contiguous", "transposed"]
     for r in out:
         assert r["ok"], r
@@ -159,8 +171,11 @@ _CKPT_256: list[Path] = []
 
 def _ckpt_256m(factory: pytest.TempPathFactory) -> Path:
     if not _CKPT_256:
-        _CKPT_256.append(make_checkpoint(factory.mktemp("c256") / "ckpt",
-                                         {f"t{i}": torch.full((2048, 1024), float(i)) for i in range(32)}))
+        _CKPT_256.append(
+            make_checkpoint(
+                factory.mktemp("c256") / "ckpt", {f"t{i}": torch.full((2048, 1024), float(i)) for i in range(32)}
+            )
+        )
     return _CKPT_256[0]
 
 
@@ -172,8 +187,11 @@ def _save(path: Path, k: float, *, n: int, rows: int, cols: int, single: bool) -
         warnings.simplefilter("ignore")
         import torch.distributed.checkpoint as dcp
 
-        dcp.save({f"t{i}": torch.full((rows, cols), k) for i in range(n)},
-                 storage_writer=FileSystemWriter(path, single_file_per_rank=single, overwrite=True), no_dist=True)
+        dcp.save(
+            {f"t{i}": torch.full((rows, cols), k) for i in range(n)},
+            storage_writer=FileSystemWriter(path, single_file_per_rank=single, overwrite=True),
+            no_dist=True,
+        )
 
 
 @pytest.mark.timeout(120)
@@ -189,9 +207,12 @@ def test_load_while_a_save_overwrites_the_checkpoint(tmp_path: Path, single_file
     n, rows, cols = 8, 2048, 1024  # 64 MiB per save
     path = tmp_path / "ckpt"
     _save(path, 0.0, n=n, rows=rows, cols=cols, single=single_file)
-    writer = subprocess.Popen([sys.executable, str(TESTS / "_writer_child.py"), *map(str, (path, 3, n, rows, cols,
-                                                                                           int(single_file)))],
-                              stdout=subprocess.PIPE, text=True, cwd=TESTS)
+    writer = subprocess.Popen(
+        [sys.executable, str(TESTS / "_writer_child.py"), *map(str, (path, 3, n, rows, cols, int(single_file)))],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         outcomes: dict[str, int] = {}
@@ -201,8 +222,13 @@ def test_load_while_a_save_overwrites_the_checkpoint(tmp_path: Path, single_file
             try:
                 asyncload.load(dest, path, options=LoadOptions(chunk_size=4 * MiB, min_chunk_size=MiB))
             except CheckpointFormatError as exc:
-                kind = "changed" if "changed while" in str(exc) else "truncated" if "truncated" in str(exc) else \
-                    f"format: {exc}"
+                kind = (
+                    "changed"
+                    if "changed while" in str(exc)
+                    else "truncated"
+                    if "truncated" in str(exc)
+                    else f"format: {exc}"
+                )
                 outcomes[kind] = outcomes.get(kind, 0) + 1
                 continue
             except CheckpointNotFoundError:
@@ -249,6 +275,10 @@ def test_metadata_replaced_between_metadata_and_data(tmp_path: Path) -> None:
             os.replace(path / ".metadata.tmp", path / ".metadata")  # same bytes, a new file
 
     with pytest.raises(CheckpointFormatError, match=r"\.metadata changed while it was being read"):
-        asyncload.load({"w": torch.zeros(256, 256)}, path,
-                       options=LoadOptions(chunk_size=1 << 16, min_chunk_size=1 << 12), progress=progress)
+        asyncload.load(
+            {"w": torch.zeros(256, 256)},
+            path,
+            options=LoadOptions(chunk_size=1 << 16, min_chunk_size=1 << 12),
+            progress=progress,
+        )
     assert state["done"]

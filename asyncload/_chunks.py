@@ -1,0 +1,116 @@
+"""The nouns of a load: where a saved tensor's bytes are (:class:`TensorLocation`), a run
+of bytes and where it goes (:class:`Piece`), one read request (:class:`Chunk`).
+
+Formats answer with a ``TensorLocation``; planning (:mod:`asyncload._plan`) turns locations
+and destinations into pieces and groups pieces into chunks; the reader pool
+(:mod:`asyncload._pipeline`) reads chunks; assembly (:mod:`asyncload._assembly`) hands each
+piece its bytes. Byte ranges are half-open ``[start, end)`` of a file named relative to the
+checkpoint root.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._errors import CheckpointFormatError
+
+__all__ = ["Chunk", "Piece", "TensorLocation"]
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a saved tensor's elements are: the format-independent answer of every format module."""
+
+    #: File name relative to the checkpoint root.
+    name: str
+    #: Absolute byte offset, in that file, of storage element 0.
+    data_start: int
+    #: Bytes of the storage.
+    storage_nbytes: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    #: In elements.
+    storage_offset: int = 0
+    #: CRC-32 of the storage's bytes, where the format stores one.
+    crc32: int | None = None
+    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of __0_0.distcp"``.
+    where: str = ""
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def check(self) -> None:
+        """Raise CheckpointFormatError unless every element lies inside the storage."""
+        if any(s < 0 for s in self.size) or any(s < 0 for s in self.stride) or self.storage_offset < 0:
+            raise CheckpointFormatError(f"{self.where}: negative size, stride or offset")
+        if math.prod(self.size) == 0:
+            return
+        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+        if (last + 1) * self.itemsize > self.storage_nbytes:
+            raise CheckpointFormatError(
+                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at offset "
+                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has {self.storage_nbytes}")
+
+
+@dataclass
+class Piece:
+    """Bytes ``[start, end)`` of file ``name`` and where they go: straight into ``into``
+    (the destination's own memory) or through ``deliver`` (called on an assembly thread
+    with exactly those bytes); neither: read only to be checksummed, or a probe."""
+
+    name: str
+    start: int
+    end: int
+    into: memoryview | None = None
+    deliver: Callable[[memoryview], None] | None = None
+    #: Keeps destination tensors alive while a raw memoryview points into them.
+    keep: object = None
+    #: Checksum of the storage these bytes belong to (``verify=True``): a ``CrcTracker``.
+    tracker: Any = None
+    #: ``deliver`` copies to a device and needs its bytes in pinned host memory (see ``_cuda``).
+    pinned: bool = False
+    #: Destination bytes this piece fills, when not ``end - start`` (gaps read through, casts).
+    useful: int | None = None
+    #: Counted in ``bytes_assembled`` (False for header probes and bytes read only to be checked).
+    payload: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Chunk:
+    """One read request: ``[start, end)`` of file ``name``, cut into pieces (``segments``,
+    sorted, inside the request; gaps between them are read and dropped)."""
+
+    name: str
+    start: int
+    end: int
+    segments: list[Piece]
+    trackers: Sequence[Any] = field(default_factory=tuple)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def needs_pinned(self) -> bool:
+        """Some piece goes to a device (see :attr:`Piece.pinned`)."""
+        return any(s.pinned for s in self.segments)
+
+    def tiles_into(self) -> bool:
+        """Every byte of the chunk has a direct destination, in order, without gaps."""
+        pos = self.start
+        for s in self.segments:
+            if s.into is None or s.start != pos:
+                return False
+            pos = s.end
+        return pos == self.end
