@@ -27,8 +27,9 @@ N = 64 if SMALL else 1536
 
 def make_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"block{i}.weight": torch.randn(N, N, generator=g) for i in range(8)} | \
-           {f"block{i}.norm": torch.randn(N, generator=g) for i in range(8)}
+    return {f"block{i}.weight": torch.randn(N, N, generator=g) for i in range(8)} | {
+        f"block{i}.norm": torch.randn(N, generator=g) for i in range(8)
+    }
 
 
 async def heartbeat(lags: list[float], stop: asyncio.Event) -> None:

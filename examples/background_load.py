@@ -27,8 +27,12 @@ WIDTH, LAYERS = (64, 2) if SMALL else (1024, 12)
 
 
 def build_model() -> nn.Module:
-    return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH),
-                                         nn.LayerNorm(WIDTH)) for _ in range(LAYERS)))
+    return nn.Sequential(
+        *(
+            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+            for _ in range(LAYERS)
+        )
+    )
 
 
 def build_rest_of_the_job(model: nn.Module) -> torch.optim.Optimizer:

@@ -15,7 +15,8 @@ here: the sharing part has nobody to share with and stays idle) or on every rank
 from __future__ import annotations
 
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,8 +33,9 @@ class RenamingPlanner(asyncload.ShardedLoadPlanner):
     the same objects, so the load still lands in place in the caller's state dict.
     """
 
-    def __init__(self, *, prefix: str = "module.", keep: Callable[[str], bool] = lambda key: True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, prefix: str = "module.", keep: Callable[[str], bool] = lambda key: True, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.prefix = prefix
         self.keep = keep
@@ -70,13 +72,18 @@ def main() -> None:
         assert torch.equal(fresh.encoder.weight, trained.module.encoder.weight)
         assert torch.equal(fresh.encoder.bias, trained.module.encoder.bias)
         assert torch.equal(fresh.head.weight, head_before)  # left alone
-        print(f"loaded {sorted(k for k in state if k.startswith('encoder.'))} from the 'module.' keys; "
-              f"head left as initialised; checkpoint keys not loaded: {stats.unexpected_keys}")
+        print(
+            f"loaded {sorted(k for k in state if k.startswith('encoder.'))} from the 'module.' keys; "
+            f"head left as initialised; checkpoint keys not loaded: {stats.unexpected_keys}"
+        )
 
         # the same planner under torch's own entry point
         again = Model().state_dict()
-        dcp.load(again, storage_reader=asyncload.PipelinedReader(ckpt),
-                 planner=RenamingPlanner(keep=lambda key: key.startswith("encoder.")))
+        dcp.load(
+            again,
+            storage_reader=asyncload.PipelinedReader(ckpt),
+            planner=RenamingPlanner(keep=lambda key: key.startswith("encoder.")),
+        )
         assert torch.equal(again["encoder.weight"], trained.module.encoder.weight)
         print("dcp.load with the same planner: identical")
 

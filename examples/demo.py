@@ -105,8 +105,12 @@ def differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict):
         return [d for k in a for d in differences(a[k], b.get(k) if isinstance(b, dict) else None, f"{prefix}{k}.")]
     if isinstance(a, torch.Tensor):
-        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        same = (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
     else:
         same = a == b
     return [] if same else [prefix.rstrip(".")]
@@ -176,7 +180,7 @@ def _rss() -> int:
         import psutil
 
         return int(psutil.Process().memory_info().rss)
-    except Exception:  # noqa: BLE001 - no way to measure: report 0
+    except Exception:
         return 0
 
 
@@ -219,8 +223,9 @@ def run_torch(where: str, reader: Any, dest: dict[str, Any], total: int, name: s
     return row
 
 
-def run_asyncload(where: str, url: str, dest: dict[str, Any], total: int,
-                  storage_options: dict[str, Any] | None = None) -> Row:
+def run_asyncload(
+    where: str, url: str, dest: dict[str, Any], total: int, storage_options: dict[str, Any] | None = None
+) -> Row:
     with ByteProgress(f"{where:<6} asyncload", total=total) as bar, PeakRSS() as rss:
         t0 = time.perf_counter()
         handle = asyncload.start_load(dest, url, storage_options=storage_options)
@@ -247,8 +252,9 @@ def table(rows: list[Row]) -> str:
         if r.reader.startswith("torch"):
             base[r.where] = r.seconds
         ratio = base[r.where] / r.seconds if r.where in base and r.seconds > 0 else float("nan")
-        lines.append(f"{r.where:<7}{r.reader:<30}{r.seconds:>9.3f}{r.gib_s:>8.2f}{ratio:>9.2f}x"
-                     f"{fmt_size(r.rss_above):>29}")
+        lines.append(
+            f"{r.where:<7}{r.reader:<30}{r.seconds:>9.3f}{r.gib_s:>8.2f}{ratio:>9.2f}x{fmt_size(r.rss_above):>29}"
+        )
     return "\n".join(lines)
 
 
@@ -265,15 +271,26 @@ def choose_server(kind: str, install: bool) -> str:
 
     if kind == "moto":
         return "moto"
-    found = S3rverServer.find_executable() or (
-        str(S3RVER_PREFIX / "node_modules" / ".bin" / "s3rver")
-        if (S3RVER_PREFIX / "node_modules" / ".bin" / "s3rver").exists() else None)
+    found = S3rverServer.find_executable()  # S3RVER_PREFIX is one of the places it looks in
     if found is None and install and shutil.which("npm") and shutil.which("node"):
         say(f"   installing s3rver 3.7.1 with npm into {S3RVER_PREFIX} (once; --no-install to skip) ...")
         try:
-            subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(S3RVER_PREFIX),
-                            "s3rver@3.7.1"], check=True, timeout=600, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE)
+            subprocess.run(
+                [
+                    "npm",
+                    "install",
+                    "--silent",
+                    "--no-audit",
+                    "--no-fund",
+                    "--prefix",
+                    str(S3RVER_PREFIX),
+                    "s3rver@3.7.1",
+                ],
+                check=True,
+                timeout=600,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
             found = str(S3RVER_PREFIX / "node_modules" / ".bin" / "s3rver")
         except (OSError, subprocess.SubprocessError) as exc:
             say(f"   (npm could not install s3rver: {exc}; using moto)")
@@ -309,11 +326,19 @@ def upload(server: Any, files: list[Path], root: Path, bucket: str, prefix: str)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024, help="checkpoint size, MiB (default 1024)")
-    parser.add_argument("--server", choices=("auto", "s3rver", "moto"), default="auto",
-                        help="S3-protocol server on loopback (auto: s3rver when installed, else moto)")
-    parser.add_argument("--file-mib", type=int, default=None,
-                        help="about this many MiB per checkpoint file (default: 64, or 16 with moto, which "
-                             "reads the whole object for every ranged GET)")
+    parser.add_argument(
+        "--server",
+        choices=("auto", "s3rver", "moto"),
+        default="auto",
+        help="S3-protocol server on loopback (auto: s3rver when installed, else moto)",
+    )
+    parser.add_argument(
+        "--file-mib",
+        type=int,
+        default=None,
+        help="about this many MiB per checkpoint file (default: 64, or 16 with moto, which "
+        "reads the whole object for every ranged GET)",
+    )
     parser.add_argument("--no-remote", action="store_true", help="only the local comparison")
     parser.add_argument("--no-install", action="store_true", help="never install s3rver with npm")
     args = parser.parse_args(argv)
@@ -329,16 +354,20 @@ def main(argv: list[str] | None = None) -> int:
         kind = None if args.no_remote else choose_server(args.server, not args.no_install)
         file_mib = args.file_mib or (16 if kind == "moto" else 64)
         shape = model_shape(args.size_mib * MiB)
-        say(f"1. A transformer-like checkpoint: {shape['layers']} layers, hidden {shape['hidden']}, MLP {shape['ffn']}, "
-            f"vocabulary {shape['vocab']} (bf16 matrices, fp32 norms and output head)")
+        say(
+            f"1. A transformer-like checkpoint: {shape['layers']} layers, hidden {shape['hidden']}, MLP {shape['ffn']}, "
+            f"vocabulary {shape['vocab']} (bf16 matrices, fp32 norms and output head)"
+        )
         t0 = time.perf_counter()
         source = make_state_dict(shape)
         total = tensor_bytes(source)
         ckpt = tmp / "step-4000"
         files = save_checkpoint(source, ckpt, file_mib * MiB)
         stored = sum(f.stat().st_size for f in files)
-        say(f"   saved {fmt_size(total)} of tensors with dcp.save into {len(files) - 1} .distcp files "
-            f"({fmt_size(stored)}) in {time.perf_counter() - t0:.1f} s: {ckpt}")
+        say(
+            f"   saved {fmt_size(total)} of tensors with dcp.save into {len(files) - 1} .distcp files "
+            f"({fmt_size(stored)}) in {time.perf_counter() - t0:.1f} s: {ckpt}"
+        )
         del source  # every load below is checked against the first one instead
 
         say("\n2. Local disk (warm page cache), into fresh zero-filled tensors")
@@ -369,8 +398,10 @@ def main(argv: list[str] | None = None) -> int:
 
         say("\n4. Results (every load checked bit for bit against the first)")
         say(table(rows))
-        say(f"\n{fmt_size(total)} of tensors, {len(files) - 1} files; peak RSS is measured above the destination "
-            "tensors, which were allocated (and zero-filled) before each load.")
+        say(
+            f"\n{fmt_size(total)} of tensors, {len(files) - 1} files; peak RSS is measured above the destination "
+            "tensors, which were allocated (and zero-filled) before each load."
+        )
         return 0
     except KeyboardInterrupt:
         say("\ninterrupted: cleaning up")
@@ -390,8 +421,10 @@ def zeros_like_checkpoint(ckpt: Path) -> dict[str, Any]:
         md = reader.read_metadata()
     finally:
         reader.close()
-    return {k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-            for k, m in md.state_dict_metadata.items()}
+    return {
+        k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        for k, m in md.state_dict_metadata.items()
+    }
 
 
 def zero(sd: dict[str, Any]) -> None:

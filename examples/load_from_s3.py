@@ -34,8 +34,10 @@ def zeros_from_metadata(url: str, storage_options: dict[str, Any]) -> dict[str, 
         md = reader.read_metadata()
     finally:
         reader.close()
-    return {k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-            for k, m in md.state_dict_metadata.items()}
+    return {
+        k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        for k, m in md.state_dict_metadata.items()
+    }
 
 
 def load(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +54,11 @@ def with_loopback_server() -> None:
     configure_env()  # fake credentials for the loopback server, set before s3fs is used
     g = torch.Generator().manual_seed(0)
     n = 64 if SMALL else 1024
-    saved = {f"layers.{i}.{name}": torch.randn(n, n, generator=g).to(dtype)
-             for i in range(4) for name, dtype in (("w", torch.bfloat16), ("norm", torch.float32))}
+    saved = {
+        f"layers.{i}.{name}": torch.randn(n, n, generator=g).to(dtype)
+        for i in range(4)
+        for name, dtype in (("w", torch.bfloat16), ("norm", torch.float32))
+    }
     saved["step"] = 4000
     with tempfile.TemporaryDirectory(prefix="asyncload-s3-example-") as tmp, S3Server() as s3:
         dcp.save(saved, checkpoint_id=tmp)
@@ -62,7 +67,9 @@ def with_loopback_server() -> None:
         storage_options = s3.storage_options()
         print(f"loopback S3 server at {s3.endpoint_url}; loading {url}")
         state = load(url, storage_options)
-    bad = [k for k, v in saved.items() if not (torch.equal(state[k], v) if isinstance(v, torch.Tensor) else state[k] == v)]
+    bad = [
+        k for k, v in saved.items() if not (torch.equal(state[k], v) if isinstance(v, torch.Tensor) else state[k] == v)
+    ]
     if bad:
         raise SystemExit(f"loaded values differ for {bad}")
     print(f"all {len(saved)} keys identical to what was saved")

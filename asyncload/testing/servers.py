@@ -62,7 +62,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 
 logger = logging.getLogger("asyncload.testing")
@@ -666,15 +666,25 @@ class S3Server(_S3CompatibleServer):
             conn.close()
 
 
+def _s3rver_prefixes() -> list[Path]:
+    """The npm ``--prefix`` folders :meth:`S3rverServer.find_executable` looks in, in order."""
+    repo = Path(__file__).resolve().parents[2]
+    cwd = Path.cwd()
+    cache = Path(os.path.expanduser("~/.cache/asyncload-s3rver"))
+    prefixes = [cwd / ".s3rver", cwd, repo / ".s3rver", repo, cache]
+    return list(dict.fromkeys(prefixes))
+
+
 class S3rverServer(_S3CompatibleServer):
     """The Node.js ``s3rver`` 3.7.1 S3 server (fast ranged GETs; benchmarks).
 
     Not installed by default. Looked up in this order: the ``executable``
-    argument, ``$ASYNCLOAD_S3RVER``, ``s3rver`` on ``PATH``,
-    ``node_modules/.bin/s3rver`` under the current directory and under the
-    repository root. Install with e.g.
-    ``npm install --prefix ~/.cache/asyncload-s3rver s3rver@3.7.1`` and set
-    ``ASYNCLOAD_S3RVER=~/.cache/asyncload-s3rver/node_modules/.bin/s3rver``.
+    argument, ``$ASYNCLOAD_S3RVER``, ``s3rver`` on ``PATH``, then
+    ``node_modules/.bin/s3rver`` under these npm prefixes: ``.s3rver/`` and ``./``
+    of the current directory and of the repository root (``.ci/run`` installs
+    into ``.s3rver/``), and ``~/.cache/asyncload-s3rver`` (where
+    ``examples/demo.py`` installs it). Install with e.g.
+    ``npm install --prefix ~/.cache/asyncload-s3rver s3rver@3.7.1``.
 
     Known bugs of 3.7.1: a suffix range ``bytes=-N`` returns the *first* N+1
     bytes, and ``bytes=0-0`` (a one-byte read at offset 0) returns the whole
@@ -699,13 +709,8 @@ class S3rverServer(_S3CompatibleServer):
     @staticmethod
     def find_executable(executable: str | None = None) -> str | None:
         """Path of the s3rver program, or None when it is not installed."""
-        candidates: list[str | None] = [
-            executable,
-            os.environ.get("ASYNCLOAD_S3RVER"),
-            shutil.which("s3rver"),
-            str(Path.cwd() / "node_modules" / ".bin" / "s3rver"),
-            str(Path(__file__).resolve().parents[2] / "node_modules" / ".bin" / "s3rver"),
-        ]
+        candidates: list[str | None] = [executable, os.environ.get("ASYNCLOAD_S3RVER"), shutil.which("s3rver")]
+        candidates += [str(Path(prefix) / "node_modules" / ".bin" / "s3rver") for prefix in _s3rver_prefixes()]
         for cand in candidates:
             if cand and os.path.isfile(os.path.expanduser(cand)) and os.access(os.path.expanduser(cand), os.X_OK):
                 return os.path.expanduser(cand)
@@ -718,8 +723,7 @@ class S3rverServer(_S3CompatibleServer):
         if self._resolved is None:
             raise ServerNotAvailableError(
                 "s3rver is not installed: run `npm install --prefix ~/.cache/asyncload-s3rver s3rver@3.7.1` "
-                "and set ASYNCLOAD_S3RVER=~/.cache/asyncload-s3rver/node_modules/.bin/s3rver "
-                "(or put s3rver on PATH)"
+                "(found there), or set ASYNCLOAD_S3RVER to the program (or put s3rver on PATH)"
             )
 
     def _command(self, port: int) -> list[str]:
