@@ -8,27 +8,29 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 __all__ = [
-    "make_checkpoint",
-    "zeros_like_tree",
+    "SAVEABLE_DTYPES",
     "assert_bitwise_equal",
+    "asyncload_threads",
+    "copy_dir_to_fsspec",
+    "float8_dtypes",
+    "iter_tensors",
+    "live_threads",
+    "make_checkpoint",
+    "open_fds_under",
+    "random_tensor",
+    "small_state_dict",
     "tensor_bytes",
     "total_tensor_bytes",
-    "iter_tensors",
-    "random_tensor",
-    "float8_dtypes",
-    "SAVEABLE_DTYPES",
-    "copy_dir_to_fsspec",
-    "open_fds_under",
-    "asyncload_threads",
-    "live_threads",
+    "zeros_like_tree",
 ]
 
 
@@ -44,8 +46,8 @@ def make_checkpoint(path: str | os.PathLike[str], state_dict: dict[str, Any], **
     if "storage_writer" not in kwargs:
         kwargs["checkpoint_id"] = path
     kwargs.setdefault("no_dist", True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings():  # also outside pytest (child scripts): torch's single-process note
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save(state_dict, **kwargs)
     assert (path / ".metadata").is_file(), f"dcp.save wrote no .metadata in {path}"
     return path
@@ -126,10 +128,19 @@ def float8_dtypes() -> list[torch.dtype]:
 
 
 SAVEABLE_DTYPES: list[torch.dtype] = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
     *float8_dtypes(),
-    torch.complex64, torch.complex128, torch.bool,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
     *[getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)],
 ]
 
@@ -145,6 +156,24 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> 
     isz = torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (n * isz,), dtype=torch.int64, generator=g).to(torch.uint8)
     return raw.view(dtype).reshape(shape).clone()
+
+
+def small_state_dict(seed: int = 0) -> dict[str, Any]:
+    """~1.3 MiB in several records of several dtypes, nested dicts and objects."""
+    return {
+        "w": random_tensor((256, 512), torch.float32, seed),  # 512 KiB
+        "emb": random_tensor((300, 700), torch.bfloat16, seed + 1),  # ~410 KiB
+        "layers": {
+            "0": {
+                "norm": random_tensor((512,), torch.float16, seed + 2),
+                "q": random_tensor((128, 256), torch.int8, seed + 3),
+            }
+        },
+        "mask": random_tensor((1000,), torch.bool, seed + 4),
+        "c": random_tensor((64, 64), torch.complex64, seed + 5),
+        "step": 4000,
+        "name": "run7",
+    }
 
 
 def copy_dir_to_fsspec(local_dir: str | os.PathLike[str], fs: Any, root: str) -> None:

@@ -80,8 +80,7 @@ def records(ckpt: str | os.PathLike[str]) -> dict[str, RecordInfo]:
             nl = int.from_bytes(lh[26:28], "little")
             el = int.from_bytes(lh[28:30], "little")
             start = info.offset + zi.header_offset + 30 + nl + el
-            rec = RecordInfo(idx.fqn, info.relative_path, info.offset, info.length, start, start + zi.file_size,
-                             zi.CRC)
+            rec = RecordInfo(idx.fqn, info.relative_path, info.offset, info.length, start, start + zi.file_size, zi.CRC)
         else:
             rec = RecordInfo(idx.fqn, info.relative_path, info.offset, info.length)
         out.setdefault(idx.fqn, rec)

@@ -16,12 +16,13 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankResult", "free_port", "run_ranks", "all_ok"]
+__all__ = ["RankResult", "all_ok", "free_port", "run_ranks"]
 
 _CTX: Any = None
 
@@ -37,8 +38,16 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
-                                    "torch.distributed.tensor", "asyncload"])
+        ctx.set_forkserver_preload(
+            [
+                "torch",
+                "torch._dynamo",
+                "torch.distributed",
+                "torch.distributed.checkpoint",
+                "torch.distributed.tensor",
+                "asyncload",
+            ]
+        )
         _CTX = ctx
     return _CTX
 
@@ -65,16 +74,30 @@ class RankResult:
         return self.status == "ok"
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, release: Any,
-           pg_timeout: float, linger: float, args: tuple[Any, ...]) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    results: Any,
+    release: Any,
+    pg_timeout: float,
+    linger: float,
+    args: tuple[Any, ...],
+) -> None:
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
         value = fn(rank, world, *args)
         results.put((rank, "ok", value, None))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         info = {
             "type": type(exc).__name__,
             "types": tuple(c.__name__ for c in type(exc).__mro__),
@@ -93,9 +116,15 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: An
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30.0,
-              pg_timeout: float = 60.0, may_hang: frozenset[int] | set[int] = frozenset(),
-              grace: float = 1.0) -> list[RankResult]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 30.0,
+    pg_timeout: float = 60.0,
+    may_hang: frozenset[int] | set[int] = frozenset(),
+    grace: float = 1.0,
+) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; wait at most ``timeout`` s.
 
     Ranks in ``may_hang`` are not waited for once every other rank has reported (plus
@@ -106,8 +135,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     release = ctx.Event()
     port = free_port()
     t0 = time.monotonic()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, release, pg_timeout, timeout, args),
-                         name=f"rank{r}", daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world_size, port, results, release, pg_timeout, timeout, args),
+            name=f"rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, RankResult] = {}

@@ -47,7 +47,9 @@ def main() -> None:
     res: dict[str, object] = {"parent_first": load_and_check()}
     # fork while a background load is running in another thread
     dest_bg = fresh()
-    handle = asyncload.start_load(dest_bg, CKPT, options=asyncload.LoadOptions(chunk_size=1 << 12, min_chunk_size=1 << 10, concurrency=2))
+    handle = asyncload.start_load(
+        dest_bg, CKPT, options=asyncload.LoadOptions(chunk_size=1 << 12, min_chunk_size=1 << 10, concurrency=2)
+    )
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -59,7 +61,7 @@ def main() -> None:
 
             good = load_and_check() and asyncio.run(aload_and_check()) and load_and_check()
             code = 0 if good else 1
-        except BaseException:  # noqa: BLE001 - report, never return into the parent's code
+        except BaseException:
             traceback.print_exc()
             code = 2
         os._exit(code)

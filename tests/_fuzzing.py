@@ -52,8 +52,16 @@ def make_seeds() -> Seeds:
         "c": torch.randn(3, dtype=torch.complex64, generator=g),
         "e": torch.empty(0, 3),
         "s": torch.tensor(2.5, dtype=torch.bfloat16),
-        "opt": {"step": 7, "lr": 0.25, "name": "adam", "betas": (0.9, 0.99), "ids": [1, 2, 3],
-                "tags": {"a", "b"}, "raw": b"\x00\x01", "none": None},
+        "opt": {
+            "step": 7,
+            "lr": 0.25,
+            "name": "adam",
+            "betas": (0.9, 0.99),
+            "ids": [1, 2, 3],
+            "tags": {"a", "b"},
+            "raw": b"\x00\x01",
+            "none": None,
+        },
     }
     with tempfile.TemporaryDirectory() as d:
         import warnings

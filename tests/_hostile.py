@@ -124,91 +124,177 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     add("builtins.exec", "code: eval/exec", _dumps(_Call(builtins.exec, f"open({m!r}, 'w').close()")))
     add("builtins.open", "code: builtins", _dumps(_Call(builtins.open, m, "w")))
     add("builtins.__import__", "code: builtins", _dumps(_Call(builtins.__import__, "os")))
-    add("builtins.getattr", "code: builtins",
-        _g("builtins", "getattr") + b"(" + _g("builtins", "__import__") + b"(" + _u("os") + b"tR" + _u("system")
-        + b"tR(" + _u(f"touch {m}") + b"tR.")
-    add("builtins.setattr", "code: builtins",
-        _g("builtins", "setattr") + b"(" + _g("torch", "float32") + _u("is_floating_point") + b"NtR.")
+    add(
+        "builtins.getattr",
+        "code: builtins",
+        _g("builtins", "getattr")
+        + b"("
+        + _g("builtins", "__import__")
+        + b"("
+        + _u("os")
+        + b"tR"
+        + _u("system")
+        + b"tR("
+        + _u(f"touch {m}")
+        + b"tR.",
+    )
+    add(
+        "builtins.setattr",
+        "code: builtins",
+        _g("builtins", "setattr") + b"(" + _g("torch", "float32") + _u("is_floating_point") + b"NtR.",
+    )
     add("builtins.type", "code: builtins", _g("builtins", "type") + b"(" + _u("X") + b")}tR.")
     add("subprocess.check_call", "code: subprocess", _dumps(_Call(subprocess.check_call, ["touch", m])))
     add("subprocess.Popen", "code: subprocess", _dumps(_Call(subprocess.Popen, ["touch", m])))
-    add("functools.partial", "code: __reduce__ tricks",
-        _dumps(_Call(functools.partial(builtins.open, m, "w"))))
-    add("operator.methodcaller", "code: __reduce__ tricks",
-        _g("operator", "methodcaller") + b"(" + _u("system") + _u(f"touch {m}") + b"tR("
-        + _g("builtins", "__import__") + b"(" + _u("os") + b"tRtR.")
+    add("functools.partial", "code: __reduce__ tricks", _dumps(_Call(functools.partial(builtins.open, m, "w"))))
+    add(
+        "operator.methodcaller",
+        "code: __reduce__ tricks",
+        _g("operator", "methodcaller")
+        + b"("
+        + _u("system")
+        + _u(f"touch {m}")
+        + b"tR("
+        + _g("builtins", "__import__")
+        + b"("
+        + _u("os")
+        + b"tRtR.",
+    )
     add("pickle.loads (nested)", "code: __reduce__ tricks", _dumps(_Call(pickle.loads, inner)))
-    add("copyreg._reconstructor", "code: __reduce__ tricks",
-        _g("copyreg", "_reconstructor") + b"(" + _g("builtins", "object") + _g("builtins", "object") + b"NtR.")
-    add("importlib.import_module", "code: __reduce__ tricks",
-        _g("importlib", "import_module") + b"(" + _u("os") + b"tR.")
+    add(
+        "copyreg._reconstructor",
+        "code: __reduce__ tricks",
+        _g("copyreg", "_reconstructor") + b"(" + _g("builtins", "object") + _g("builtins", "object") + b"NtR.",
+    )
+    add(
+        "importlib.import_module",
+        "code: __reduce__ tricks",
+        _g("importlib", "import_module") + b"(" + _u("os") + b"tR.",
+    )
     add("sys.modules", "code: __reduce__ tricks", _g("sys", "modules") + b".")
     add("torch.load", "torch/numpy non-data globals", _dumps(_Call(torch.load, str(evil_pt))))
-    add("torch.storage._load_from_bytes", "torch/numpy non-data globals",
-        _g("torch.storage", "_load_from_bytes") + b"(" + b"C\x03abc" + b"tR.")
-    add("torch._C._set_grad_enabled", "torch/numpy non-data globals",
-        _g("torch._C", "_set_grad_enabled") + b"(\x89tR.")
+    add(
+        "torch.storage._load_from_bytes",
+        "torch/numpy non-data globals",
+        _g("torch.storage", "_load_from_bytes") + b"(" + b"C\x03abc" + b"tR.",
+    )
+    add("torch._C._set_grad_enabled", "torch/numpy non-data globals", _g("torch._C", "_set_grad_enabled") + b"(\x89tR.")
     add("torch.nn.Module", "torch/numpy non-data globals", _g("torch.nn", "Module") + b")\x81.")
     add("torch.Tensor", "torch/numpy non-data globals", _g("torch", "Tensor") + b")\x81.")
-    add("torch._tensor._rebuild_from_type_v2", "torch/numpy non-data globals",
-        _g("torch._tensor", "_rebuild_from_type_v2") + b"(NNNNtR.")
+    add(
+        "torch._tensor._rebuild_from_type_v2",
+        "torch/numpy non-data globals",
+        _g("torch._tensor", "_rebuild_from_type_v2") + b"(NNNNtR.",
+    )
     add("torch.jit.load", "torch/numpy non-data globals", _g("torch.jit", "load") + b"(" + _u(str(evil_pt)) + b"tR.")
     add("numpy.load", "torch/numpy non-data globals", _dumps(_Call(np.load, str(evil_npy), None, True)))
-    add("numpy._reconstruct", "torch/numpy non-data globals",
-        _g("numpy.core.multiarray", "_reconstruct") + b"(NNNtR.")
+    add("numpy._reconstruct", "torch/numpy non-data globals", _g("numpy.core.multiarray", "_reconstruct") + b"(NNNtR.")
     add("numpy.dtype", "torch/numpy non-data globals", _g("numpy", "dtype") + b"(" + _u("f8") + b"tR.")
 
     # --- allowed names used the wrong way ---
     add("REDUCE on torch.float32", "misused allowed names", _g("torch", "float32") + b")R.")
-    add("BUILD on torch.float32 (shared)", "misused allowed names",
-        _g("torch", "float32") + b"}" + _u("x") + b"K\x01sb.")
-    add("BUILD on a storage-type marker (shared)", "misused allowed names",
-        b"\x80\x02" + _g("torch", "FloatStorage") + b"}" + _u("dtype") + _g("torch", "int8") + b"sb.")
-    add("BUILD on the TensorProperties class", "misused allowed names",
-        b"\x80\x02" + _g("torch.distributed.checkpoint.metadata", "TensorProperties")
-        + b"N}" + _u("__setstate__") + _g("torch", "Size") + b"s\x86b.")
+    add(
+        "BUILD on torch.float32 (shared)",
+        "misused allowed names",
+        _g("torch", "float32") + b"}" + _u("x") + b"K\x01sb.",
+    )
+    add(
+        "BUILD on a storage-type marker (shared)",
+        "misused allowed names",
+        b"\x80\x02" + _g("torch", "FloatStorage") + b"}" + _u("dtype") + _g("torch", "int8") + b"sb.",
+    )
+    add(
+        "BUILD on the TensorProperties class",
+        "misused allowed names",
+        b"\x80\x02"
+        + _g("torch.distributed.checkpoint.metadata", "TensorProperties")
+        + b"N}"
+        + _u("__setstate__")
+        + _g("torch", "Size")
+        + b"s\x86b.",
+    )
     add("NEWOBJ of torch.Size", "misused allowed names", b"\x80\x02" + _g("torch", "Size") + b")\x81.")
-    add("_get_layout('torch.load')", "misused allowed names",
-        _g("torch.serialization", "_get_layout") + b"(" + _u("torch.load") + b"tR.")
+    add(
+        "_get_layout('torch.load')",
+        "misused allowed names",
+        _g("torch.serialization", "_get_layout") + b"(" + _u("torch.load") + b"tR.",
+    )
     add("persistent id (not a storage)", "misused allowed names", b"\x80\x02" + _u("x") + b"Q.", "unsafe", "format")
     add("copyreg extension code", "misused allowed names", b"\x80\x02\x82\x01.")
     # TensorProperties.__setstate__ formats a bad encoding into its error message: a
     # billion-laughs value would make that str() run forever
-    laughs = b"]q\x00" + b"".join(b"0(h" + bytes([i]) + b"h" + bytes([i]) + b"lq" + bytes([i + 1])
-                                   for i in range(60))
-    add("TensorProperties state with a 2^60 DAG", "misused allowed names",
-        b"\x80\x02" + _g("torch.distributed.checkpoint.metadata", "TensorProperties") + b")\x81"
-        + b"(" + _g("torch", "float32") + _g("torch.serialization", "_get_layout") + b"(" + _u("torch.strided")
-        + b"tR\x89" + laughs + b"\x89tb.", "format")
+    laughs = b"]q\x00" + b"".join(b"0(h" + bytes([i]) + b"h" + bytes([i]) + b"lq" + bytes([i + 1]) for i in range(60))
+    add(
+        "TensorProperties state with a 2^60 DAG",
+        "misused allowed names",
+        b"\x80\x02"
+        + _g("torch.distributed.checkpoint.metadata", "TensorProperties")
+        + b")\x81"
+        + b"("
+        + _g("torch", "float32")
+        + _g("torch.serialization", "_get_layout")
+        + b"("
+        + _u("torch.strided")
+        + b"tR\x89"
+        + laughs
+        + b"\x89tb.",
+        "format",
+    )
 
     # --- resource abuse: memory ---
     add("LONG_BINPUT 2^31 (memo abuse)", "memory: memo / declared lengths", b"\x80\x02]r\xff\xff\xff\x7f.", "format")
     add("PUT 10^15 (memo abuse)", "memory: memo / declared lengths", b"(lp1000000000000000\n.", "format")
-    add("BYTEARRAY8 of 2^40 bytes", "memory: memo / declared lengths",
-        b"\x80\x05\x96" + struct.pack("<Q", 1 << 40) + b".", "format")
-    add("BINUNICODE8 of 2^62 bytes", "memory: memo / declared lengths",
-        b"\x80\x04\x8d" + struct.pack("<Q", 1 << 62) + b"x.", "format")
-    add("FRAME of 2^62 bytes, truncated", "memory: memo / declared lengths",
-        b"\x80\x04\x95" + struct.pack("<Q", 1 << 62) + b"N", "format")
-    add("LONG4 of 1 MiB", "memory: memo / declared lengths",
-        b"\x80\x02\x8b" + struct.pack("<i", 1 << 20) + b"\x01" * (1 << 20) + b".", "format")
+    add(
+        "BYTEARRAY8 of 2^40 bytes",
+        "memory: memo / declared lengths",
+        b"\x80\x05\x96" + struct.pack("<Q", 1 << 40) + b".",
+        "format",
+    )
+    add(
+        "BINUNICODE8 of 2^62 bytes",
+        "memory: memo / declared lengths",
+        b"\x80\x04\x8d" + struct.pack("<Q", 1 << 62) + b"x.",
+        "format",
+    )
+    add(
+        "FRAME of 2^62 bytes, truncated",
+        "memory: memo / declared lengths",
+        b"\x80\x04\x95" + struct.pack("<Q", 1 << 62) + b"N",
+        "format",
+    )
+    add(
+        "LONG4 of 1 MiB",
+        "memory: memo / declared lengths",
+        b"\x80\x02\x8b" + struct.pack("<i", 1 << 20) + b"\x01" * (1 << 20) + b".",
+        "format",
+    )
     add("1M empty sets", "memory: huge structures", b"\x80\x04(" + b"\x8f" * 1_000_000 + b"l.")
     add("billion laughs: 2^60 list DAG", "memory: huge structures", b"\x80\x02" + laughs + b".")
     add("100k nested lists", "depth: deep nesting", b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b".")
     add("100k nested tuples", "depth: deep nesting", b"\x80\x02)" + b"\x85" * 100_000 + b".")
-    add("100k nested dicts", "depth: deep nesting",
-        b"\x80\x02" + b"}" * 100_000 + b"".join(b"K" + bytes([i % 256]) + b"\x94" for i in range(0)) + b"." if False
-        else b"\x80\x02}" + b"K\x00}" * 99_999 + b"s" * 99_999 + b".")
+    add(
+        "100k nested dicts",
+        "depth: deep nesting",
+        b"\x80\x02" + b"}" * 100_000 + b"".join(b"K" + bytes([i % 256]) + b"\x94" for i in range(0)) + b"."
+        if False
+        else b"\x80\x02}" + b"K\x00}" * 99_999 + b"s" * 99_999 + b".",
+    )
     # hashing a 1M-deep tuple overflows CPython's C stack (a segfault, with any unpickler)
     add("1M nested tuples as a dict key", "hash: keys", b"\x80\x02})" + b"\x85" * 1_000_000 + b"Ns.")
     add("frozenset of a 1M nested tuple", "hash: keys", b"\x80\x04()" + b"\x85" * 1_000_000 + b"\x91.")
     pairs = colliding_int_pairs(50_000)
-    flood = b"\x80\x02}(" + b"".join(b"J" + struct.pack("<i", a) + b"\x8a\x08" + struct.pack("<q", b) + b"\x86N"
-                                     for a, b in pairs) + b"u."
+    flood = (
+        b"\x80\x02}("
+        + b"".join(b"J" + struct.pack("<i", a) + b"\x8a\x08" + struct.pack("<q", b) + b"\x86N" for a, b in pairs)
+        + b"u."
+    )
     add("50k dict keys with one hash (hash flooding)", "hash: keys", flood)
     big_key = b"(" + b"K\x01" * 60_000 + b"tq\x00"
-    add("a 60k-item tuple key hashed 20k times", "hash: keys",
-        b"\x80\x02" + big_key + b"}(" + b"h\x00N" * 20_000 + b"u.")
+    add(
+        "a 60k-item tuple key hashed 20k times",
+        "hash: keys",
+        b"\x80\x02" + big_key + b"}(" + b"h\x00N" * 20_000 + b"u.",
+    )
     return items
 
 

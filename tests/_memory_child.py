@@ -36,8 +36,12 @@ def measure(layout: str) -> dict[str, object]:
         dest = {f"t{i}": torch.zeros(COLS, ROWS).t() for i in range(N)}
     else:
         dest = {f"t{i}": torch.zeros(ROWS, COLS) for i in range(N)}  # touched: counted in the baseline
-    opts = asyncload.LoadOptions(concurrency=CONC, memory_budget=BUDGET, chunk_size=min(CHUNK, BUDGET),
-                                 min_chunk_size=min(1 << 20, CHUNK, BUDGET))
+    opts = asyncload.LoadOptions(
+        concurrency=CONC,
+        memory_budget=BUDGET,
+        chunk_size=min(CHUNK, BUDGET),
+        min_chunk_size=min(1 << 20, CHUNK, BUDGET),
+    )
     asyncload.load(dest, CKPT, options=opts)  # warm-up
     for t in dest.values():
         t.zero_()
@@ -48,9 +52,15 @@ def measure(layout: str) -> dict[str, object]:
     stats = asyncload.load(dest, CKPT, options=opts)
     peak = status("VmHWM:")
     good = all(torch.equal(dest[f"t{i}"], torch.full((ROWS, COLS), float(i))) for i in range(N))
-    out = {"layout": layout, "above_destination": peak - base, "peak_buffered_bytes": stats.peak_buffered_bytes,
-           "dest_bytes": N * ROWS * COLS * 4, "ok": good, "seconds": stats.seconds,
-           "peak_concurrency": stats.peak_concurrency}
+    out = {
+        "layout": layout,
+        "above_destination": peak - base,
+        "peak_buffered_bytes": stats.peak_buffered_bytes,
+        "dest_bytes": N * ROWS * COLS * 4,
+        "ok": good,
+        "seconds": stats.seconds,
+        "peak_concurrency": stats.peak_concurrency,
+    }
     del dest
     gc.collect()
     return out

@@ -9,34 +9,27 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import pytest
-import torch
-from _ckpt import random_tensor
+from _ckpt import small_state_dict  # re-exported: the remote tests' checkpoint
 
-__all__ = ["BACKENDS", "Remote", "small_state_dict", "make_remote", "established_to", "wait_closed",
-           "no_unclosed_session_warnings"]
+__all__ = [
+    "BACKENDS",
+    "Remote",
+    "established_to",
+    "make_remote",
+    "no_unclosed_session_warnings",
+    "small_state_dict",
+    "wait_closed",
+]
 
 #: The three stores, as fixture names.
 BACKENDS = ["s3", "gcs", "http"]
-
-
-def small_state_dict(seed: int = 0) -> dict[str, Any]:
-    """~1.3 MiB in several records of several dtypes, nested dicts and objects."""
-    return {
-        "w": random_tensor((256, 512), torch.float32, seed),          # 512 KiB
-        "emb": random_tensor((300, 700), torch.bfloat16, seed + 1),   # ~410 KiB
-        "layers": {"0": {"norm": random_tensor((512,), torch.float16, seed + 2),
-                         "q": random_tensor((128, 256), torch.int8, seed + 3)}},
-        "mask": random_tensor((1000,), torch.bool, seed + 4),
-        "c": random_tensor((64, 64), torch.complex64, seed + 5),
-        "step": 4000,
-        "name": "run7",
-    }
 
 
 @dataclass
@@ -50,15 +43,26 @@ class Remote:
     server: Any
 
 
-def make_remote(request: pytest.FixtureRequest, backend: str, local_dir: Path, bucket: str,
-                fault_proxy: Callable[..., Any], **proxy_kwargs: Any) -> Remote:
+def make_remote(
+    request: pytest.FixtureRequest,
+    backend: str,
+    local_dir: Path,
+    bucket: str,
+    fault_proxy: Callable[..., Any],
+    **proxy_kwargs: Any,
+) -> Remote:
     """Upload ``local_dir`` to ``backend``'s session server under ``bucket``; a fresh proxy in front."""
     server = request.getfixturevalue(f"{backend}_server")
     proxy = fault_proxy(server, **proxy_kwargs)
     direct = server.upload_dir(local_dir, bucket, "ckpt")
     if backend == "http":
-        return Remote(backend, server.url(bucket, "ckpt", endpoint_url=proxy.endpoint_url),
-                      server.storage_options(), proxy, server)
+        return Remote(
+            backend,
+            server.url(bucket, "ckpt", endpoint_url=proxy.endpoint_url),
+            server.storage_options(),
+            proxy,
+            server,
+        )
     return Remote(backend, direct, server.storage_options(endpoint_url=proxy.endpoint_url), proxy, server)
 
 
@@ -66,8 +70,11 @@ def established_to(port: int) -> list[Any]:
     """This process's TCP connections to 127.0.0.1:``port`` that are not closed."""
     out = []
     for c in psutil.Process().net_connections(kind="tcp"):
-        if c.raddr and c.raddr.port == port and c.status not in (psutil.CONN_CLOSE, psutil.CONN_TIME_WAIT,
-                                                                   psutil.CONN_NONE):
+        if (
+            c.raddr
+            and c.raddr.port == port
+            and c.status not in (psutil.CONN_CLOSE, psutil.CONN_TIME_WAIT, psutil.CONN_NONE)
+        ):
             out.append(c)
     return out
 
@@ -89,7 +96,7 @@ def wait_closed(port: int, timeout: float = 3.0) -> list[Any]:
 class no_unclosed_session_warnings:
     """Context manager: fail if aiohttp reports an unclosed session or connector."""
 
-    def __enter__(self) -> "no_unclosed_session_warnings":
+    def __enter__(self) -> no_unclosed_session_warnings:
         self._cm = warnings.catch_warnings(record=True)
         self.caught = self._cm.__enter__()
         warnings.simplefilter("always")

@@ -1,15 +1,34 @@
-"""Shared fixtures. Storage servers (S3, GCS, HTTP on loopback) come from asyncload.testing."""
+"""Shared fixtures. Storage servers (S3, GCS, HTTP on loopback) come from asyncload.testing.
+
+Checkpoints written by torch's own ``dcp.save`` (see :func:`_ckpt.make_checkpoint`):
+
+``ckpt`` (module) -> ``(path, state_dict)``
+    ``ckpt_state_dict`` saved once per test module, in ``<tmp>/<module>N/ckpt``. Shared by
+    the module's tests: read it, never change it.
+``ckpt_path`` (module) -> ``Path``
+    ``ckpt``'s directory alone.
+``fresh_ckpt`` (function) -> ``(path, state_dict)``
+    the same contents saved for one test alone, in ``tmp_path / "ckpt"``, for tests that
+    damage the files; the state dict is the test's own copy.
+``ckpt_state_dict`` (module) -> ``dict``
+    what those hold: :func:`_ckpt.small_state_dict` unless the module overrides this
+    fixture (module scope) with the state dict its tests are written against.
+"""
 
 from __future__ import annotations
 
+import copy
 import os
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-import pytest  # noqa: E402
+import pytest
+from _ckpt import make_checkpoint, small_state_dict
 
 try:  # the loopback servers' fixtures: s3_server, gcs_server, http_server
-    from asyncload.testing.pytest_fixtures import *  # noqa: F401,F403,E402
+    from asyncload.testing.pytest_fixtures import *  # noqa: F403
 except ImportError:  # pragma: no cover - only while asyncload.testing is being written
     pass
 
@@ -19,3 +38,31 @@ def tmp_ckpt(tmp_path):
     """A fresh directory for one checkpoint."""
     d = tmp_path / "ckpt"
     return d
+
+
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict[str, Any]:
+    """The state dict that ``ckpt``, ``ckpt_path`` and ``fresh_ckpt`` hold (override per module)."""
+    return small_state_dict()
+
+
+@pytest.fixture(scope="module")
+def ckpt(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ckpt_state_dict: dict[str, Any]
+) -> tuple[Path, dict[str, Any]]:
+    """``(path, state_dict)``: ``ckpt_state_dict`` saved once for the test module (read only)."""
+    stem = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    return make_checkpoint(tmp_path_factory.mktemp(stem) / "ckpt", ckpt_state_dict), ckpt_state_dict
+
+
+@pytest.fixture(scope="module")
+def ckpt_path(ckpt: tuple[Path, dict[str, Any]]) -> Path:
+    """The directory of ``ckpt``."""
+    return ckpt[0]
+
+
+@pytest.fixture
+def fresh_ckpt(tmp_path: Path, ckpt_state_dict: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """``(path, state_dict)``: ``ckpt_state_dict`` saved for this test alone, which may damage it."""
+    state_dict = copy.deepcopy(ckpt_state_dict)
+    return make_checkpoint(tmp_path / "ckpt", state_dict), state_dict

@@ -14,26 +14,23 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from fsspec.implementations.memory import MemoryFileSystem
-
-import asyncload
 from _ckpt import (
     THREADS_BEFORE,
-    thread_baseline,  # noqa: F401 - autouse fixture
-    asyncload_threads,
     assert_bitwise_equal,
+    asyncload_threads,
     copy_dir_to_fsspec,
     make_checkpoint,
     open_fds_under,
     random_tensor,
+    thread_baseline,  # noqa: F401 - autouse fixture
     total_tensor_bytes,
     zeros_like_tree,
 )
+from fsspec.implementations.memory import MemoryFileSystem
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-]
+import asyncload
+
+pytestmark = pytest.mark.timeout(60)
 
 
 class SlowMemoryFileSystem(MemoryFileSystem):
@@ -60,22 +57,22 @@ class SlowMemoryFileSystem(MemoryFileSystem):
 fsspec.register_implementation(SlowMemoryFileSystem.protocol, SlowMemoryFileSystem, clobber=True)
 
 
-def _state_dict() -> dict:
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict:
+    """What this module's ``ckpt`` holds (the fixture of tests/conftest.py)."""
     return {
         "emb": random_tensor((512, 64), torch.bfloat16, seed=1),
-        "layers": {str(i): {"w": random_tensor((64, 192), torch.float32, seed=10 + i),
-                            "norm": random_tensor((64,), torch.float32, seed=20 + i)} for i in range(3)},
+        "layers": {
+            str(i): {
+                "w": random_tensor((64, 192), torch.float32, seed=10 + i),
+                "norm": random_tensor((64,), torch.float32, seed=20 + i),
+            }
+            for i in range(3)
+        },
         "head_t": random_tensor((96, 64), torch.float16, seed=30).t(),
         "step": torch.tensor(1234),
         "meta": {"epoch": 3, "name": "run"},
     }
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    sd = _state_dict()
-    path = make_checkpoint(tmp_path_factory.mktemp("api") / "ckpt", sd)
-    return path, sd
 
 
 @pytest.fixture
@@ -172,8 +169,12 @@ def test_every_entry_point_gives_identical_tensors(ckpt):
     asyncload.start_load(d, path).result(30)
     results.append(d)
     d = fresh(sd)
-    dcp.load(d, storage_reader=asyncload.PipelinedReader(path),
-             planner=asyncload.PipelinedLoadPlanner(chunk_size=4096, min_chunk_size=512, timeout=None), no_dist=True)
+    dcp.load(
+        d,
+        storage_reader=asyncload.PipelinedReader(path),
+        planner=asyncload.PipelinedLoadPlanner(chunk_size=4096, min_chunk_size=512, timeout=None),
+        no_dist=True,
+    )
     results.append(d)
     d = fresh(sd)
     dcp.load(d, checkpoint_id=path, no_dist=True)  # torch's own reader, for reference
@@ -261,10 +262,14 @@ def test_file_url_with_escaped_characters(tmp_path):
     assert_bitwise_equal(sd, dst)
 
 
-@pytest.mark.parametrize("options", [asyncload.LoadOptions(),
-                                     asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512,
-                                                           memory_budget=64 << 10, concurrency=8)],
-                         ids=["default", "tiny"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        asyncload.LoadOptions(),
+        asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=8),
+    ],
+    ids=["default", "tiny"],
+)
 def test_fsspec_memory_checkpoint(memory_ckpt, options):
     root, sd = memory_ckpt
     dst = fresh(sd)
@@ -281,8 +286,9 @@ async def test_fsspec_memory_checkpoint_aload_and_dcp(memory_ckpt):
     assert_bitwise_equal(sd, dst)
     dst = fresh(sd)
     reader = asyncload.PipelinedReader(f"memory://{root}")
-    await asyncio.to_thread(dcp.load, dst, storage_reader=reader,
-                            planner=asyncload.PipelinedLoadPlanner(chunk_size=4096), no_dist=True)
+    await asyncio.to_thread(
+        dcp.load, dst, storage_reader=reader, planner=asyncload.PipelinedLoadPlanner(chunk_size=4096), no_dist=True
+    )
     assert_bitwise_equal(sd, dst)
     reader.close()
 
@@ -401,9 +407,14 @@ async def test_aload_cancelled_during_slow_remote_reads(ckpt):
     copy_dir_to_fsspec(path, fs, root)
     try:
         dst = fresh(sd)
-        task = asyncio.create_task(asyncload.aload(
-            dst, f"{SlowMemoryFileSystem.protocol}://{root}", storage_options={"delay": 0.05},
-            options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=1024, concurrency=1)))
+        task = asyncio.create_task(
+            asyncload.aload(
+                dst,
+                f"{SlowMemoryFileSystem.protocol}://{root}",
+                storage_options={"delay": 0.05},
+                options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=1024, concurrency=1),
+            )
+        )
         await asyncio.sleep(0.3)  # metadata and a few reads at 50 ms each
         assert not task.done()
         t0 = time.monotonic()
@@ -451,8 +462,7 @@ def test_start_load_result_timeout_then_completes(ckpt):
     copy_dir_to_fsspec(path, fs, root)
     try:
         dst = fresh(sd)
-        handle = asyncload.start_load(dst, f"{SlowMemoryFileSystem.protocol}://{root}",
-                                      storage_options={"delay": 0.02})
+        handle = asyncload.start_load(dst, f"{SlowMemoryFileSystem.protocol}://{root}", storage_options={"delay": 0.02})
         with pytest.raises(TimeoutError):
             handle.result(timeout=0.01)
         assert not handle.done()
@@ -538,8 +548,9 @@ def test_dcp_load_failure_in_planning_leaves_nothing_open(ckpt):
     dst = fresh(sd)
     dst["emb"] = torch.zeros(3)
     with pytest.raises(CheckpointException):
-        dcp.load(dst, storage_reader=asyncload.PipelinedReader(path),
-                 planner=asyncload.PipelinedLoadPlanner(), no_dist=True)
+        dcp.load(
+            dst, storage_reader=asyncload.PipelinedReader(path), planner=asyncload.PipelinedLoadPlanner(), no_dist=True
+        )
     _assert_nothing_left(path)
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from asyncload import cli
 from asyncload.cli import main, parse_size, parse_storage_options
@@ -25,7 +24,9 @@ from asyncload.testing import TEST_ENV, stall
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _source() -> dict:
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict:
+    """What this module's ``ckpt_path`` holds (the fixture of tests/conftest.py)."""
     g = torch.Generator().manual_seed(3)
     return {
         "model": {
@@ -37,13 +38,6 @@ def _source() -> dict:
         "step": 7,
         "tag": "run-7",
     }
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cli") / "ckpt"
-    dcp.save(_source(), checkpoint_id=str(path))
-    return path
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -62,10 +56,22 @@ def _env() -> dict[str, str]:
 # --- parsing -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,value", [
-    ("4096", 4096), ("16MiB", 16 << 20), ("1GiB", 1 << 30), ("512KiB", 512 << 10), ("1.5GiB", 3 << 29),
-    ("16m", 16 << 20), ("2G", 2 << 30), ("1MB", 1_000_000), ("3 kb", 3000), ("1TiB", 1 << 40), ("7B", 7),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("4096", 4096),
+        ("16MiB", 16 << 20),
+        ("1GiB", 1 << 30),
+        ("512KiB", 512 << 10),
+        ("1.5GiB", 3 << 29),
+        ("16m", 16 << 20),
+        ("2G", 2 << 30),
+        ("1MB", 1_000_000),
+        ("3 kb", 3000),
+        ("1TiB", 1 << 40),
+        ("7B", 7),
+    ],
+)
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 
@@ -77,12 +83,26 @@ def test_parse_size_rejects(text: str) -> None:
 
 
 def test_parse_storage_options() -> None:
-    got = parse_storage_options(["endpoint_url=http://127.0.0.1:9000", "anon=true", "key=abc",
-                                 "config_kwargs.max_pool_connections=64", "client_kwargs={\"region_name\": \"x\"}",
-                                 "token=null", "name=a=b"])
-    assert got == {"endpoint_url": "http://127.0.0.1:9000", "anon": True, "key": "abc",
-                   "config_kwargs": {"max_pool_connections": 64}, "client_kwargs": {"region_name": "x"},
-                   "token": None, "name": "a=b"}
+    got = parse_storage_options(
+        [
+            "endpoint_url=http://127.0.0.1:9000",
+            "anon=true",
+            "key=abc",
+            "config_kwargs.max_pool_connections=64",
+            'client_kwargs={"region_name": "x"}',
+            "token=null",
+            "name=a=b",
+        ]
+    )
+    assert got == {
+        "endpoint_url": "http://127.0.0.1:9000",
+        "anon": True,
+        "key": "abc",
+        "config_kwargs": {"max_pool_connections": 64},
+        "client_kwargs": {"region_name": "x"},
+        "token": None,
+        "name": "a=b",
+    }
     for bad in (["novalue"], ["=x"], ["a..b=1"], ["a=1", "a.b=2"]):
         with pytest.raises(ValueError):
             parse_storage_options(bad)
@@ -92,35 +112,41 @@ def test_parse_storage_options() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_inspect_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(["inspect", str(ckpt), "--json"], capsys)
+def test_inspect_json(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["inspect", str(ckpt_path), "--json"], capsys)
     assert code == 0, err
     info = json.loads(out)
     keys = {k["key"]: k for k in info["keys"]}
     assert set(keys) == {"model.embed", "model.layers.0.w", "model.layers.0.norm", "ids", "scalar", "step", "tag"}
-    assert keys["model.embed"] == {"key": "model.embed", "kind": "tensor", "dtype": "bfloat16", "shape": [256, 128],
-                                   "shards": 1, "nbytes": 256 * 128 * 2,
-                                   "stored_bytes": keys["model.embed"]["stored_bytes"],
-                                   "chunks": [{"offsets": [0, 0], "sizes": [256, 128]}]}
+    assert keys["model.embed"] == {
+        "key": "model.embed",
+        "kind": "tensor",
+        "dtype": "bfloat16",
+        "shape": [256, 128],
+        "shards": 1,
+        "nbytes": 256 * 128 * 2,
+        "stored_bytes": keys["model.embed"]["stored_bytes"],
+        "chunks": [{"offsets": [0, 0], "sizes": [256, 128]}],
+    }
     assert keys["scalar"]["shape"] == [] and keys["scalar"]["dtype"] == "float64"
     assert keys["ids"]["dtype"] == "int16" and keys["ids"]["nbytes"] == 20
     assert keys["step"]["kind"] == "object" and keys["tag"]["kind"] == "object"
     assert info["tensors"] == 5 and info["objects"] == 2
     assert info["tensor_bytes"] == 256 * 128 * 2 + 128 * 512 * 4 + 128 * 4 + 20 + 8
     assert info["dcp_version"] == "1.0.0" and info["format"] == "dcp"
-    files = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp")
+    files = sorted(p.name for p in ckpt_path.iterdir() if p.suffix == ".distcp")
     assert [f["name"] for f in info["files"]] == files
     assert info["stored_bytes"] == sum(f["bytes"] for f in info["files"])
     assert sum(f["records"] for f in info["files"]) == 7
-    assert info["stored_bytes"] <= sum((ckpt / f).stat().st_size for f in files)
+    assert info["stored_bytes"] <= sum((ckpt_path / f).stat().st_size for f in files)
 
 
 @pytest.mark.timeout(60)
-def test_inspect_text(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(["inspect", str(ckpt)], capsys)
+def test_inspect_text(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["inspect", str(ckpt_path)], capsys)
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0] == f"checkpoint   {ckpt}"
+    assert lines[0] == f"checkpoint   {ckpt_path}"
     assert lines[1] == "DCP version  1.0.0"
     assert lines[2].startswith("tensors      5 keys, ")
     row = next(line for line in lines if line.startswith("model.embed "))
@@ -132,9 +158,11 @@ def test_inspect_text(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_load_prints_stats(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(["load", str(ckpt), "--chunk-size", "64KiB", "--concurrency", "3", "--budget", "256KiB",
-                           "--no-progress"], capsys)
+def test_load_prints_stats(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(
+        ["load", str(ckpt_path), "--chunk-size", "64KiB", "--concurrency", "3", "--budget", "256KiB", "--no-progress"],
+        capsys,
+    )
     assert code == 0, err
     assert out.startswith("Loaded 320.53 KiB in ") and out.count("\n") == 1
     assert "at most" in out and "No retries" in out
@@ -142,9 +170,22 @@ def test_load_prints_stats(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 @pytest.mark.timeout(60)
-def test_load_json_reflects_options(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(["load", str(ckpt), "--json", "--chunk-size", "64KiB", "--budget", "128KiB",
-                           "--concurrency", "1", "--verify"], capsys)
+def test_load_json_reflects_options(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(
+        [
+            "load",
+            str(ckpt_path),
+            "--json",
+            "--chunk-size",
+            "64KiB",
+            "--budget",
+            "128KiB",
+            "--concurrency",
+            "1",
+            "--verify",
+        ],
+        capsys,
+    )
     assert code == 0, err
     stats = json.loads(out)
     assert stats["bytes_assembled"] == 256 * 128 * 2 + 128 * 512 * 4 + 128 * 4 + 20 + 8
@@ -154,8 +195,8 @@ def test_load_json_reflects_options(ckpt: Path, capsys: pytest.CaptureFixture[st
 
 
 @pytest.mark.timeout(60)
-def test_load_compare_torch_local(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(["load", str(ckpt), "--compare-torch", "--no-progress"], capsys)
+def test_load_compare_torch_local(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["load", str(ckpt_path), "--compare-torch", "--no-progress"], capsys)
     assert code == 0, err
     assert "torch FileSystemReader" in out
     assert "Both results are identical bit for bit." in out
@@ -164,10 +205,18 @@ def test_load_compare_torch_local(ckpt: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.timeout(120)
-def test_load_and_inspect_from_s3(ckpt: Path, s3_server, bucket_name, capsys: pytest.CaptureFixture[str]) -> None:
-    url = s3_server.upload_dir(ckpt, bucket_name, "run/ck")
-    opts = ["--storage-option", f"endpoint_url={s3_server.endpoint_url}", "-o", "key=testing", "-o", "secret=testing",
-            "-o", "skip_instance_cache=true"]
+def test_load_and_inspect_from_s3(ckpt_path: Path, s3_server, bucket_name, capsys: pytest.CaptureFixture[str]) -> None:
+    url = s3_server.upload_dir(ckpt_path, bucket_name, "run/ck")
+    opts = [
+        "--storage-option",
+        f"endpoint_url={s3_server.endpoint_url}",
+        "-o",
+        "key=testing",
+        "-o",
+        "secret=testing",
+        "-o",
+        "skip_instance_cache=true",
+    ]
     code, out, err = _run(["inspect", url, "--json", *opts], capsys)
     assert code == 0, err
     assert json.loads(out)["tensors"] == 5
@@ -180,14 +229,14 @@ def test_load_and_inspect_from_s3(ckpt: Path, s3_server, bucket_name, capsys: py
 
 
 @pytest.mark.timeout(60)
-def test_verify_ok(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(["verify", str(ckpt), "--json"], capsys)
+def test_verify_ok(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["verify", str(ckpt_path), "--json"], capsys)
     assert code == 0, err
     res = json.loads(out)
     assert res["ok"] is True and res["tensor_records"] == 5
     assert res["verified_records"] + res["unchecked_records"] == 5
     assert res["verified_records"] == 5
-    code, out, _ = _run(["verify", str(ckpt)], capsys)
+    code, out, _ = _run(["verify", str(ckpt_path)], capsys)
     assert code == 0 and out.startswith("OK: 5 of 5 tensor records match their stored CRC-32")
 
 
@@ -211,8 +260,8 @@ def _damaged_copy(src: Path, dst: Path, keys: list[str]) -> Path:
 
 
 @pytest.mark.timeout(60)
-def test_verify_reports_every_damaged_key(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bad = _damaged_copy(ckpt, tmp_path / "bad", ["model.embed", "model.layers.0.w"])
+def test_verify_reports_every_damaged_key(ckpt_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _damaged_copy(ckpt_path, tmp_path / "bad", ["model.embed", "model.layers.0.w"])
     code, out, err = _run(["verify", str(bad), "--no-progress"], capsys)
     assert code == 3, err
     damaged = sorted(line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("DAMAGED"))
@@ -228,11 +277,13 @@ def test_verify_reports_every_damaged_key(ckpt: Path, tmp_path: Path, capsys: py
 
 
 @pytest.mark.timeout(60)
-def test_verify_missing_data_file_is_damage(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_missing_data_file_is_damage(
+    ckpt_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import shutil
 
     bad = tmp_path / "incomplete"
-    shutil.copytree(ckpt, bad)
+    shutil.copytree(ckpt_path, bad)
     for f in bad.glob("*.distcp"):
         f.unlink()
     code, out, err = _run(["verify", str(bad), "--no-progress"], capsys)
@@ -269,14 +320,17 @@ def test_not_a_checkpoint_is_3(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("argv", [
-    ["load"],
-    ["frobnicate", "x"],
-    ["load", "x", "--chunk-size", "12XB"],
-    ["load", "x", "--concurrency", "0"],
-    ["load", "x", "--timeout", "soon"],
-    ["load", "x", "--retries", "-1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["load"],
+        ["frobnicate", "x"],
+        ["load", "x", "--chunk-size", "12XB"],
+        ["load", "x", "--concurrency", "0"],
+        ["load", "x", "--timeout", "soon"],
+        ["load", "x", "--retries", "-1"],
+    ],
+)
 def test_usage_errors_are_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -286,12 +340,12 @@ def test_usage_errors_are_2(argv: list[str], capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.timeout(60)
-def test_invalid_option_values_are_2(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(["load", str(ckpt), "--budget", "1KiB"], capsys)
+def test_invalid_option_values_are_2(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["load", str(ckpt_path), "--budget", "1KiB"], capsys)
     assert code == 2 and err == "asyncload: error: --budget 1024 is invalid: must be at least 65536 bytes\n"
-    code, _, err = _run(["load", str(ckpt), "--chunk-size", "64KiB", "--min-chunk-size", "1MiB"], capsys)
+    code, _, err = _run(["load", str(ckpt_path), "--chunk-size", "64KiB", "--min-chunk-size", "1MiB"], capsys)
     assert code == 2 and "--min-chunk-size" in err
-    code, _, err = _run(["inspect", str(ckpt), "-o", "novalue"], capsys)
+    code, _, err = _run(["inspect", str(ckpt_path), "-o", "novalue"], capsys)
     assert code == 2 and "key=value" in err
 
 
@@ -300,8 +354,9 @@ def test_storage_error_is_1(capsys: pytest.CaptureFixture[str]) -> None:
     from asyncload.testing import free_port
 
     port = free_port()  # nothing listens there
-    code, _, err = _run(["inspect", "s3://b/ck", "-o", f"endpoint_url=http://127.0.0.1:{port}", "-o", "key=k",
-                         "-o", "secret=s"], capsys)
+    code, _, err = _run(
+        ["inspect", "s3://b/ck", "-o", f"endpoint_url=http://127.0.0.1:{port}", "-o", "key=k", "-o", "secret=s"], capsys
+    )
     assert code == 1
     assert err.startswith("asyncload: error: ") and err.count("\n") == 1 and "Traceback" not in err
 
@@ -317,13 +372,18 @@ def test_exit_codes_are_documented() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_entry_points(ckpt: Path) -> None:
+def test_entry_points(ckpt_path: Path) -> None:
     script = Path(sys.executable).with_name("asyncload")
     for argv in ([sys.executable, "-m", "asyncload"], [str(script)]):
         res = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60, env=_env())
         assert res.returncode == 0 and res.stdout.strip().startswith("asyncload ")
-    res = subprocess.run([sys.executable, "-m", "asyncload", "load", str(ckpt)], capture_output=True, text=True,
-                         timeout=60, env=_env())
+    res = subprocess.run(
+        [sys.executable, "-m", "asyncload", "load", str(ckpt_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("Loaded ")
     assert "%|" not in res.stderr and "\r" not in res.stderr  # stderr is a pipe: no progress bar
@@ -353,8 +413,8 @@ def _run_in_pty(argv: list[str], timeout: float = 60.0) -> tuple[int, str]:
 
 
 @pytest.mark.timeout(120)
-def test_progress_bar_on_a_terminal(ckpt: Path) -> None:
-    code, text = _run_in_pty([sys.executable, "-m", "asyncload", "load", str(ckpt), "--compare-torch"])
+def test_progress_bar_on_a_terminal(ckpt_path: Path) -> None:
+    code, text = _run_in_pty([sys.executable, "-m", "asyncload", "load", str(ckpt_path), "--compare-torch"])
     assert code == 0, text
     frames = [f for f in text.replace("\n", "\r").split("\r") if "%|" in f]
     assert any(f.startswith("asyncload: 100%|") and "321k/321k" in f for f in frames), frames
@@ -362,13 +422,18 @@ def test_progress_bar_on_a_terminal(ckpt: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_exits_130_and_cleans_up(ckpt: Path, http_server, fault_proxy, bucket_name) -> None:
-    http_server.upload_dir(ckpt, bucket_name, "ck")
+def test_ctrl_c_exits_130_and_cleans_up(ckpt_path: Path, http_server, fault_proxy, bucket_name) -> None:
+    http_server.upload_dir(ckpt_path, bucket_name, "ck")
     proxy = fault_proxy(http_server)
     proxy.add_rule(stall(), data_only=True, range_only=True, times=None)  # every data read hangs
     url = http_server.url(bucket_name, "ck", endpoint_url=proxy.endpoint_url)
-    proc = subprocess.Popen([sys.executable, "-m", "asyncload", "load", url, "--timeout", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncload", "load", url, "--timeout", "none"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     try:
         assert proxy.wait_for_requests(2, timeout=60)  # the load is under way and stuck
         time.sleep(0.5)
@@ -390,12 +455,17 @@ def test_other_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     from safetensors.torch import save_file
 
     (tmp_path / "st").mkdir()
-    save_file({"a": torch.randn(10, 10), "b": torch.ones(3, dtype=torch.bfloat16)}, str(tmp_path / "st" / "model.safetensors"))
+    save_file(
+        {"a": torch.randn(10, 10), "b": torch.ones(3, dtype=torch.bfloat16)}, str(tmp_path / "st" / "model.safetensors")
+    )
     code, out, err = _run(["inspect", str(tmp_path / "st"), "--json"], capsys)
     assert code == 0, err
     info = json.loads(out)
     assert info["format"] == "safetensors"
-    assert {k["key"]: (k["dtype"], k["shape"]) for k in info["keys"]} == {"a": ("float32", [10, 10]), "b": ("bfloat16", [3])}
+    assert {k["key"]: (k["dtype"], k["shape"]) for k in info["keys"]} == {
+        "a": ("float32", [10, 10]),
+        "b": ("bfloat16", [3]),
+    }
     code, out, err = _run(["load", str(tmp_path / "st" / "model.safetensors"), "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["bytes_assembled"] == 406

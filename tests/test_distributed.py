@@ -17,12 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _dist import all_ok, run_ranks
 
 import asyncload
 from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader, ShardedLoadPlanner
 from asyncload._sharded import plan_transfers
-
-from _dist import all_ok, run_ranks
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.distributed]
 
@@ -72,8 +71,13 @@ def tensor_bytes(sd: dict[str, torch.Tensor]) -> int:
 
 
 def stats_dict(s: asyncload.LoadStats) -> dict[str, int]:
-    return {"bytes_read": s.bytes_read, "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
-            "bytes_assembled": s.bytes_assembled, "peak_buffered_bytes": s.peak_buffered_bytes}
+    return {
+        "bytes_read": s.bytes_read,
+        "bytes_sent": s.bytes_sent,
+        "bytes_received": s.bytes_received,
+        "bytes_assembled": s.bytes_assembled,
+        "peak_buffered_bytes": s.peak_buffered_bytes,
+    }
 
 
 def save_single(path: Path, sd: dict[str, torch.Tensor]) -> None:
@@ -145,8 +149,9 @@ def _make_planner(kind: str, **kw: Any) -> Any:
     return PipelinedLoadPlanner(**kw)
 
 
-def _load_into(sd: dict[str, Any], path: str, entry: str, planner_kind: str,
-               options: LoadOptions | None = None) -> asyncload.LoadStats:
+def _load_into(
+    sd: dict[str, Any], path: str, entry: str, planner_kind: str, options: LoadOptions | None = None
+) -> asyncload.LoadStats:
     if entry == "load":
         return asyncload.load(sd, path, options=options, planner=_make_planner(planner_kind))
     if entry == "aload":
@@ -171,8 +176,9 @@ def w_save_dtensor(rank: int, world: int, path: str, mesh_shape: tuple[int, ...]
     dcp.save(sd, checkpoint_id=path)
 
 
-def w_load_dtensor(rank: int, world: int, path: str, mesh_shape: tuple[int, ...], spec: str,
-                   variants: list[tuple[str, str]]) -> dict[str, Any]:
+def w_load_dtensor(
+    rank: int, world: int, path: str, mesh_shape: tuple[int, ...], spec: str, variants: list[tuple[str, str]]
+) -> dict[str, Any]:
     """Load ``path`` into zeroed DTensors laid out as ``spec`` on ``mesh_shape``, once per
     ``(entry, planner)`` variant; report which keys match the saved tensors bit for bit."""
     mesh = _mesh(mesh_shape)
@@ -187,8 +193,16 @@ def w_load_dtensor(rank: int, world: int, path: str, mesh_shape: tuple[int, ...]
     return out
 
 
-def w_load_narrow(rank: int, world: int, path: str, spec: str, options: LoadOptions | None,
-                  entry: str, planner_kind: str, mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+def w_load_narrow(
+    rank: int,
+    world: int,
+    path: str,
+    spec: str,
+    options: LoadOptions | None,
+    entry: str,
+    planner_kind: str,
+    mesh_shape: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
     mesh = _mesh(mesh_shape or (world,))
     full = narrow_model()
     want = _expected_local(full, mesh, spec)
@@ -209,13 +223,17 @@ def _share_threads(wait: float = 2.0) -> int:
         time.sleep(0.01)
 
 
-def w_load_replicated(rank: int, world: int, path: str, planner_kind: str, entry: str,
-                      options: LoadOptions | None) -> dict[str, Any]:
+def w_load_replicated(
+    rank: int, world: int, path: str, planner_kind: str, entry: str, options: LoadOptions | None
+) -> dict[str, Any]:
     full = big_model()
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     stats = _load_into(sd, path, entry, planner_kind, options)
-    return {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats),
-            "threads": _share_threads()}
+    return {
+        "bad": [k for k in full if not same_bits(sd[k], full[k])],
+        "stats": stats_dict(stats),
+        "threads": _share_threads(),
+    }
 
 
 # --- resharding, bit for bit -----------------------------------------------------------------------
@@ -295,8 +313,7 @@ def test_narrow_reads_2d_mesh_replicas_share(tmp_path: Path) -> None:
     save_single(tmp_path / "ck", full)
     total = tensor_bytes(full)
     probes = len(full) * 8 * KiB
-    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S0,R", SHARE_OPTIONS, "load", "sharded",
-                              (2, 2)))
+    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S0,R", SHARE_OPTIONS, "load", "sharded", (2, 2)))
     for rank, v in enumerate(values):
         st = v["stats"]
         assert v["bad"] == [], rank
@@ -335,8 +352,9 @@ def test_narrow_reads_column_shards(tmp_path: Path) -> None:
 SHARE_OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB)
 
 
-@pytest.mark.parametrize("planner_kind,entry", [("sharded", "load"), ("sharded", "dcp"), ("sharded", "aload"),
-                                                ("sharded-ordered", "load")])
+@pytest.mark.parametrize(
+    "planner_kind,entry", [("sharded", "load"), ("sharded", "dcp"), ("sharded", "aload"), ("sharded-ordered", "load")]
+)
 def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: str, entry: str) -> None:
     full = big_model()
     save_single(tmp_path / "ck", full)
@@ -406,8 +424,9 @@ def test_plan_transfers_every_shared_byte_once_and_balanced() -> None:
     mib = 1 << 20
     # 4 ranks need all of a 16 MiB file as 1 MiB reads; rank 3's reads are offset by half a MiB
     needs: list[list[tuple[str, int, int]]] = [[("f", i * mib, (i + 1) * mib) for i in range(16)] for _ in range(3)]
-    needs.append([("f", 0, mib // 2)] + [("f", mib // 2 + i * mib, min(16 * mib, mib // 2 + (i + 1) * mib))
-                                         for i in range(16)])
+    needs.append(
+        [("f", 0, mib // 2)] + [("f", mib // 2 + i * mib, min(16 * mib, mib // 2 + (i + 1) * mib)) for i in range(16)]
+    )
     needs.append([("g", 0, 100)])  # rank 4 alone needs file g
     transfers, load = plan_transfers(needs)
     covered: dict[int, int] = {}
@@ -459,8 +478,9 @@ def w_save_sharded_tensor(rank: int, world: int, path: str, dim: int) -> None:
     dcp.save(_sharded_tensors(model_tensors(), world, dim, zeros=False), checkpoint_id=path)
 
 
-def w_load_sharded_tensor(rank: int, world: int, path: str, dim: int,
-                          variants: list[tuple[str, str]]) -> dict[str, list[str]]:
+def w_load_sharded_tensor(
+    rank: int, world: int, path: str, dim: int, variants: list[tuple[str, str]]
+) -> dict[str, list[str]]:
     full = model_tensors()
     want = _sharded_tensors(full, world, dim, zeros=False)
     out = {}
@@ -493,8 +513,9 @@ def test_sharded_tensor_2_to_4_other_dim(tmp_path: Path) -> None:
 # --- one rank fails: every rank raises, in bounded time ------------------------------------------
 
 
-def w_one_rank_fails(rank: int, world: int, path: str, planner_kind: str, entry: str, mode: str, victim: int,
-                     options: LoadOptions) -> dict[str, Any]:
+def w_one_rank_fails(
+    rank: int, world: int, path: str, planner_kind: str, entry: str, mode: str, victim: int, options: LoadOptions
+) -> dict[str, Any]:
     """Load the replicated model; ``victim`` raises (``raise``), hangs (``stall``) or dies
     (``die``) from its progress callback once a third of its bytes have landed."""
     full = big_model()
@@ -518,8 +539,9 @@ def w_one_rank_fails(rank: int, world: int, path: str, planner_kind: str, entry:
     return {"bad": [k for k in full if not same_bits(sd[k], full[k])]}
 
 
-FAIL_OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB,
-                           collective_timeout=4.0, concurrency=4)
+FAIL_OPTIONS = LoadOptions(
+    chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB, collective_timeout=4.0, concurrency=4
+)
 
 
 @pytest.fixture(scope="module")
@@ -531,8 +553,9 @@ def replicated_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("planner_kind", ["sharded", "pipelined"])
 def test_a_rank_that_raises_fails_every_rank(replicated_ckpt: str, planner_kind: str) -> None:
-    results = run_ranks(w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "raise", 1, FAIL_OPTIONS,
-                        timeout=30)
+    results = run_ranks(
+        w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "raise", 1, FAIL_OPTIONS, timeout=30
+    )
     victim = results[1]
     assert victim.status == "error" and victim.error_type == "RuntimeError", victim
     assert victim.message == "injected failure on rank 1"
@@ -560,8 +583,9 @@ def test_a_stalled_rank_is_named_on_every_other_rank(replicated_ckpt: str, plann
     """Rank 2 hangs (its progress callback sleeps for an hour): within collective_timeout
     (4 s) plus a little, every other rank raises DistributedLoadError naming it and what it
     was doing. Rank 2 itself is killed by the harness."""
-    results = run_ranks(w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "stall", 2, FAIL_OPTIONS,
-                        timeout=25, may_hang={2})
+    results = run_ranks(
+        w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "stall", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
+    )
     assert results[2].status == "timed_out"
     for r in (results[0], results[1], results[3]):
         assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
@@ -572,8 +596,9 @@ def test_a_stalled_rank_is_named_on_every_other_rank(replicated_ckpt: str, plann
 
 
 def test_a_rank_that_dies_fails_every_other_rank(replicated_ckpt: str) -> None:
-    results = run_ranks(w_one_rank_fails, 4, replicated_ckpt, "sharded", "load", "die", 2, FAIL_OPTIONS, timeout=25,
-                        may_hang={2})
+    results = run_ranks(
+        w_one_rank_fails, 4, replicated_ckpt, "sharded", "load", "die", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
+    )
     assert results[2].status == "timed_out" and results[2].exitcode == 3
     for r in (results[0], results[1], results[3]):
         assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
@@ -594,8 +619,13 @@ def w_bad_destination(rank: int, world: int, path: str, bad_rank: int, what: str
     asyncload.load(sd, path, planner=ShardedLoadPlanner(collective_timeout=10))
 
 
-@pytest.mark.parametrize("what,error,doing", [("shape", "StateDictMismatchError", "making its local plan"),
-                                               ("path", "CheckpointNotFoundError", "reading the checkpoint metadata")])
+@pytest.mark.parametrize(
+    "what,error,doing",
+    [
+        ("shape", "StateDictMismatchError", "making its local plan"),
+        ("path", "CheckpointNotFoundError", "reading the checkpoint metadata"),
+    ],
+)
 def test_a_planning_error_on_one_rank(replicated_ckpt: str, what: str, error: str, doing: str) -> None:
     results = run_ranks(w_bad_destination, 3, replicated_ckpt, 1, what, timeout=25)
     assert results[1].status == "error" and results[1].error_type == error, results[1]

@@ -12,28 +12,27 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-
-import asyncload
 from _ckpt import (
     THREADS_BEFORE,
-    thread_baseline,  # noqa: F401 - autouse fixture
-    asyncload_threads,
     assert_bitwise_equal,
+    asyncload_threads,
     make_checkpoint,
     open_fds_under,
     random_tensor,
     tensor_bytes,
+    thread_baseline,  # noqa: F401 - autouse fixture
     zeros_like_tree,
 )
+from torch.distributed.checkpoint import FileSystemWriter
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-]
+import asyncload
+
+pytestmark = pytest.mark.timeout(60)
 
 
-def _sd() -> dict:
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict:
+    """What this module's ``fresh_ckpt`` holds (the fixture of tests/conftest.py)."""
     return {
         "w": random_tensor((64, 100), torch.float32, seed=1),
         "b": random_tensor((100,), torch.float32, seed=2),
@@ -42,15 +41,12 @@ def _sd() -> dict:
     }
 
 
-@pytest.fixture
-def ckpt(tmp_path):
-    sd = _sd()
-    return make_checkpoint(tmp_path / "ckpt", sd), sd
-
-
 def _all_zero(dst: dict) -> bool:
-    return all(torch.count_nonzero(v.view(torch.uint8) if v.dtype == torch.bool else v) == 0
-               for v in dst.values() if isinstance(v, torch.Tensor))
+    return all(
+        torch.count_nonzero(v.view(torch.uint8) if v.dtype == torch.bool else v) == 0
+        for v in dst.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def _nothing_left(path) -> None:
@@ -61,8 +57,8 @@ def _nothing_left(path) -> None:
 # --- destination vs checkpoint ---------------------------------------------------------------
 
 
-def test_missing_key_names_the_key(ckpt):
-    path, sd = ckpt
+def test_missing_key_names_the_key(fresh_ckpt):
+    path, sd = fresh_ckpt
     dst = zeros_like_tree(sd)
     dst["not_saved.weight"] = torch.zeros(3, 3)
     with pytest.raises(asyncload.StateDictMismatchError) as ei:
@@ -73,16 +69,16 @@ def test_missing_key_names_the_key(ckpt):
     _nothing_left(path)
 
 
-def test_missing_nested_key_names_the_flattened_key(ckpt):
-    path, sd = ckpt
+def test_missing_nested_key_names_the_flattened_key(fresh_ckpt):
+    path, sd = fresh_ckpt
     dst = zeros_like_tree(sd)
     dst["extra"]["lr_sched"] = {"gamma": torch.zeros(1)}
     with pytest.raises(asyncload.StateDictMismatchError, match=r"extra\.lr_sched\.gamma"):
         asyncload.load(dst, path)
 
 
-def test_partial_load_when_the_planner_allows_it(ckpt):
-    path, sd = ckpt
+def test_partial_load_when_the_planner_allows_it(fresh_ckpt):
+    path, sd = fresh_ckpt
     dst = zeros_like_tree(sd)
     dst["not_saved"] = torch.zeros(3)
     asyncload.load(dst, path, planner=asyncload.PipelinedLoadPlanner(allow_partial_load=True))
@@ -91,8 +87,8 @@ def test_partial_load_when_the_planner_allows_it(ckpt):
 
 
 @pytest.mark.parametrize("entry", ["load", "aload", "start_load", "dcp"])
-def test_wrong_shape_names_key_and_both_shapes(ckpt, entry):
-    path, sd = ckpt
+def test_wrong_shape_names_key_and_both_shapes(fresh_ckpt, entry):
+    path, sd = fresh_ckpt
     dst = zeros_like_tree(sd)
     dst["w"] = torch.zeros(64, 99)
     from torch.distributed.checkpoint.api import CheckpointException
@@ -105,8 +101,12 @@ def test_wrong_shape_names_key_and_both_shapes(ckpt, entry):
         elif entry == "start_load":
             asyncload.start_load(dst, path).result(30)
         else:
-            dcp.load(dst, storage_reader=asyncload.PipelinedReader(path),
-                     planner=asyncload.PipelinedLoadPlanner(), no_dist=True)
+            dcp.load(
+                dst,
+                storage_reader=asyncload.PipelinedReader(path),
+                planner=asyncload.PipelinedLoadPlanner(),
+                no_dist=True,
+            )
     msg = str(ei.value)
     if entry == "dcp":  # dcp.load wraps every error in its CheckpointException
         assert isinstance(ei.value.failures[0][0], asyncload.StateDictMismatchError)
@@ -117,8 +117,8 @@ def test_wrong_shape_names_key_and_both_shapes(ckpt, entry):
     _nothing_left(path)
 
 
-def test_wrong_dtype_names_both_dtypes(ckpt):
-    path, sd = ckpt
+def test_wrong_dtype_names_both_dtypes(fresh_ckpt):
+    path, sd = fresh_ckpt
     dst = zeros_like_tree(sd)
     dst["big"] = torch.zeros(200, 300, dtype=torch.float16)
     with pytest.raises(asyncload.StateDictMismatchError) as ei:
@@ -128,16 +128,16 @@ def test_wrong_dtype_names_both_dtypes(ckpt):
     assert _all_zero(dst)
 
 
-def test_tensor_where_checkpoint_has_object(ckpt):
-    path, sd = ckpt
+def test_tensor_where_checkpoint_has_object(fresh_ckpt):
+    path, sd = fresh_ckpt
     dst = zeros_like_tree(sd)
     dst["extra"] = {"step": torch.zeros(())}
     with pytest.raises(asyncload.StateDictMismatchError, match=r"extra\.step"):
         asyncload.load(dst, path)
 
 
-def test_unexpected_keys_are_reported_and_strict_mode_raises(ckpt):
-    path, sd = ckpt
+def test_unexpected_keys_are_reported_and_strict_mode_raises(fresh_ckpt):
+    path, sd = fresh_ckpt
     dst = {"w": torch.zeros(64, 100)}
     stats = asyncload.load(dst, path)
     assert_bitwise_equal(dst["w"], sd["w"])
@@ -182,8 +182,8 @@ HOSTILE = {"os.system": _RunsShell, "builtins.exec": _RunsExec, "subprocess.call
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
-def test_hostile_metadata_pickle_runs_nothing(ckpt, tmp_path, kind):
-    path, sd = ckpt
+def test_hostile_metadata_pickle_runs_nothing(fresh_ckpt, tmp_path, kind):
+    path, sd = fresh_ckpt
     marker = tmp_path / "PWNED"
     (path / ".metadata").write_bytes(pickle.dumps(HOSTILE[kind](str(marker))))
     dst = zeros_like_tree(sd)
@@ -201,8 +201,8 @@ def test_hostile_metadata_pickle_runs_nothing(ckpt, tmp_path, kind):
     _nothing_left(path)
 
 
-def test_hostile_object_nested_inside_real_metadata(ckpt, tmp_path):
-    path, sd = ckpt
+def test_hostile_object_nested_inside_real_metadata(fresh_ckpt, tmp_path):
+    path, sd = fresh_ckpt
     marker = tmp_path / "PWNED"
     with open(path / ".metadata", "rb") as f:
         md = pickle.load(f)  # our own file, written by dcp.save a moment ago
@@ -231,8 +231,8 @@ def test_hostile_object_record_in_distcp_runs_nothing(tmp_path):
 # --- missing and damaged files ---------------------------------------------------------------
 
 
-def test_missing_metadata_is_checkpoint_not_found(ckpt):
-    path, sd = ckpt
+def test_missing_metadata_is_checkpoint_not_found(fresh_ckpt):
+    path, sd = fresh_ckpt
     os.remove(path / ".metadata")
     dst = zeros_like_tree(sd)
     with pytest.raises(asyncload.CheckpointNotFoundError) as ei:
@@ -252,10 +252,13 @@ def test_checkpoint_directory_does_not_exist(tmp_path):
         asyncload.load({"w": torch.zeros(1)}, "memory://asyncload-test-nowhere")
 
 
-@pytest.mark.parametrize("content", [b"", b"not a pickle at all", pickle.dumps({"a": 1}),
-                                     pickle.dumps([1, 2, 3])[:-3]], ids=["empty", "garbage", "dict", "cut"])
-def test_bad_metadata_is_checkpoint_format_error(ckpt, content):
-    path, sd = ckpt
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"not a pickle at all", pickle.dumps({"a": 1}), pickle.dumps([1, 2, 3])[:-3]],
+    ids=["empty", "garbage", "dict", "cut"],
+)
+def test_bad_metadata_is_checkpoint_format_error(fresh_ckpt, content):
+    path, sd = fresh_ckpt
     (path / ".metadata").write_bytes(content)
     dst = zeros_like_tree(sd)
     with pytest.raises(asyncload.CheckpointFormatError):
@@ -265,12 +268,16 @@ def test_bad_metadata_is_checkpoint_format_error(ckpt, content):
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.99, 0.0])
-@pytest.mark.parametrize("options", [asyncload.LoadOptions(),
-                                     asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512,
-                                                           memory_budget=64 << 10, concurrency=1)],
-                         ids=["default", "tiny"])
-def test_truncated_distcp_fails_before_touching_the_destination(ckpt, keep, options):
-    path, sd = ckpt
+@pytest.mark.parametrize(
+    "options",
+    [
+        asyncload.LoadOptions(),
+        asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=1),
+    ],
+    ids=["default", "tiny"],
+)
+def test_truncated_distcp_fails_before_touching_the_destination(fresh_ckpt, keep, options):
+    path, sd = fresh_ckpt
     f = path / "__0_0.distcp"
     size = f.stat().st_size
     with open(f, "r+b") as fh:
@@ -317,12 +324,16 @@ def _find(data: bytes, needle: bytes) -> int:
     return pos
 
 
-@pytest.mark.parametrize("options", [asyncload.LoadOptions(verify=True),
-                                     asyncload.LoadOptions(verify=True, chunk_size=4096, min_chunk_size=512,
-                                                           memory_budget=64 << 10)],
-                         ids=["default", "tiny"])
-def test_flipped_tensor_byte_is_caught_by_verify(ckpt, options):
-    path, sd = ckpt
+@pytest.mark.parametrize(
+    "options",
+    [
+        asyncload.LoadOptions(verify=True),
+        asyncload.LoadOptions(verify=True, chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10),
+    ],
+    ids=["default", "tiny"],
+)
+def test_flipped_tensor_byte_is_caught_by_verify(fresh_ckpt, options):
+    path, sd = fresh_ckpt
     f = path / "__0_0.distcp"
     data = bytearray(f.read_bytes())
     pos = _find(bytes(data), tensor_bytes(sd["big"])[:256]) + 1000
@@ -340,16 +351,16 @@ def test_flipped_tensor_byte_is_caught_by_verify(ckpt, options):
     _nothing_left(path)
 
 
-def test_verify_counts_records_on_a_good_checkpoint(ckpt):
-    path, sd = ckpt
+def test_verify_counts_records_on_a_good_checkpoint(fresh_ckpt):
+    path, sd = fresh_ckpt
     dst = zeros_like_tree(sd)
     stats = asyncload.load(dst, path, options=asyncload.LoadOptions(verify=True))
     assert_bitwise_equal(sd, dst)
     assert stats.verified_records == 3
 
 
-def test_damaged_record_header_is_format_error(ckpt):
-    path, sd = ckpt
+def test_damaged_record_header_is_format_error(fresh_ckpt):
+    path, sd = fresh_ckpt
     f = path / "__0_0.distcp"
     data = bytearray(f.read_bytes())
     assert data[:4] == b"PK\x03\x04"  # the first record's zip local header

@@ -21,8 +21,14 @@ EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if p.name != "demo
 def _env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(TEST_ENV)
-    env.update({"ASYNCLOAD_EXAMPLE_SMALL": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp),
-                "PYTHONWARNINGS": "ignore::UserWarning"})
+    env.update(
+        {
+            "ASYNCLOAD_EXAMPLE_SMALL": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TMPDIR": str(tmp),
+            "PYTHONWARNINGS": "ignore::UserWarning",
+        }
+    )
     return env
 
 
@@ -58,8 +64,9 @@ def test_the_examples_are_there() -> None:
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs(script: Path, tmp_path: Path) -> None:
     tmp = _tmpdir(tmp_path)
-    res = subprocess.run([sys.executable, str(script)], cwd=REPO, env=_env(tmp), capture_output=True, text=True,
-                         timeout=170)
+    res = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=_env(tmp), capture_output=True, text=True, timeout=170
+    )
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     assert "Loaded " in res.stdout  # each prints the LoadStats of its load
     assert _left_in(tmp) == []  # temporary checkpoints removed
@@ -68,11 +75,17 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_demo_small(tmp_path: Path) -> None:
     tmp = _tmpdir(tmp_path)
-    res = subprocess.run([sys.executable, "examples/demo.py", "--size-mib", "8", "--server", "moto"], cwd=REPO,
-                         env=_env(tmp), capture_output=True, text=True, timeout=230)
+    res = subprocess.run(
+        [sys.executable, "examples/demo.py", "--size-mib", "8", "--server", "moto"],
+        cwd=REPO,
+        env=_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     out = res.stdout
-    table = out[out.index("4. Results"):].splitlines()
+    table = out[out.index("4. Results") :].splitlines()
     rows = [line.split() for line in table if line.startswith(("local ", "s3 "))]
     assert [r[:2] for r in rows] == [["local", "torch"], ["local", "asyncload"], ["s3", "torch"], ["s3", "asyncload"]]
     assert all(r[-3].endswith("x") for r in rows)
@@ -85,9 +98,14 @@ def test_demo_small(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_demo_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
     tmp = _tmpdir(tmp_path)
-    proc = subprocess.Popen([sys.executable, "examples/demo.py", "--size-mib", "48", "--server", "moto",
-                             "--file-mib", "4"], cwd=REPO, env=_env(tmp), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "examples/demo.py", "--size-mib", "48", "--server", "moto", "--file-mib", "4"],
+        cwd=REPO,
+        env=_env(tmp),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pid = None
     try:
         assert proc.stdout is not None

@@ -43,10 +43,14 @@ def test_only_our_errors_escape(target: str) -> None:
     slowest = [0.0]
     outcomes = {"ok": 0, "error": 0}
 
-    @settings(max_examples=_EXAMPLES[target], deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(seed_index=st.integers(0, len(seeds) - 1), rng_seed=st.integers(0, 2**32 - 1),
-           rounds=st.integers(1, 8))
+    @settings(
+        max_examples=_EXAMPLES[target],
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(seed_index=st.integers(0, len(seeds) - 1), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 8))
     def run(seed_index: int, rng_seed: int, rounds: int) -> None:
         data = mutate(random.Random(rng_seed), seeds[seed_index], pickle_aware=pickle_aware, rounds=rounds)
         t0 = time.perf_counter()
@@ -85,24 +89,32 @@ def test_random_bytes_as_metadata_and_records(data: bytes) -> None:
 # --- the decoder agrees with CPython's unpickler on legitimate data -----------------
 
 _scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=20),
     st.complex_numbers(allow_nan=False, allow_infinity=False),
 )
 _keys = st.one_of(st.text(max_size=10), st.integers(-(2**40), 2**40), st.tuples(st.integers(0, 9), st.text(max_size=3)))
 _data = st.recursive(
     _scalars,
     lambda inner: st.one_of(
-        st.lists(inner, max_size=6), st.tuples(inner, inner), st.dictionaries(_keys, inner, max_size=6),
-        st.frozensets(st.integers(-5, 5), max_size=5), st.sets(st.text(max_size=4), max_size=5),
+        st.lists(inner, max_size=6),
+        st.tuples(inner, inner),
+        st.dictionaries(_keys, inner, max_size=6),
+        st.frozensets(st.integers(-5, 5), max_size=5),
+        st.sets(st.text(max_size=4), max_size=5),
     ),
     max_leaves=40,
 )
 
 
 @given(obj=_data)
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 def test_decoder_agrees_with_pickle_on_every_protocol(obj: object) -> None:
     import pickle
 

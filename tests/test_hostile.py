@@ -38,8 +38,12 @@ ERRORS = {"unsafe": UnsafeCheckpointError, "format": CheckpointFormatError}
 
 def _state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
-    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g), "step": 1234,
-            "cfg": {"lr": 0.5, "name": "run"}}
+    return {
+        "w": torch.randn(64, 32, generator=g),
+        "b": torch.randn(32, generator=g),
+        "step": 1234,
+        "cfg": {"lr": 0.5, "name": "run"},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +79,25 @@ PLACEMENTS = ["metadata", "object record", "tensor record"]
 
 def test_corpus_is_broad(hostile_items: list[Hostile]) -> None:
     kinds = {h.kind for h in hostile_items}
-    assert {"code: os.system", "code: eval/exec", "code: subprocess", "code: __reduce__ tricks",
-            "torch/numpy non-data globals", "misused allowed names", "memory: memo / declared lengths",
-            "memory: huge structures", "depth: deep nesting", "hash: keys"} <= kinds
+    assert {
+        "code: os.system",
+        "code: eval/exec",
+        "code: subprocess",
+        "code: __reduce__ tricks",
+        "torch/numpy non-data globals",
+        "misused allowed names",
+        "memory: memo / declared lengths",
+        "memory: huge structures",
+        "depth: deep nesting",
+        "hash: keys",
+    } <= kinds
     assert len(hostile_items) >= 50
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_hostile_pickles_in_a_checkpoint(pristine: Path, tmp_path: Path, markers: Path,
-                                         hostile_items: list[Hostile], placement: str) -> None:
+def test_hostile_pickles_in_a_checkpoint(
+    pristine: Path, tmp_path: Path, markers: Path, hostile_items: list[Hostile], placement: str
+) -> None:
     sd = _state()
     seen: dict[str, str] = {}
     for i, h in enumerate(hostile_items):
@@ -112,8 +126,9 @@ def test_hostile_pickles_in_a_checkpoint(pristine: Path, tmp_path: Path, markers
     assert len(seen) >= 45
 
 
-def test_hostile_pickles_through_dcp_load_and_planner_load_bytes(pristine: Path, tmp_path: Path, markers: Path,
-                                                               hostile_items: list[Hostile]) -> None:
+def test_hostile_pickles_through_dcp_load_and_planner_load_bytes(
+    pristine: Path, tmp_path: Path, markers: Path, hostile_items: list[Hostile]
+) -> None:
     """torch's own entry point with asyncload's reader and planner: the same errors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -122,8 +137,12 @@ def test_hostile_pickles_through_dcp_load_and_planner_load_bytes(pristine: Path,
         path = _copy(pristine, tmp_path / str(i))
         replace_record_pickle(path, "step", h.data)
         with pytest.raises(CheckpointException) as err:
-            dcp.load(zeros_like_tree(_state()), storage_reader=asyncload.PipelinedReader(path),
-                     planner=asyncload.PipelinedLoadPlanner(), no_dist=True)
+            dcp.load(
+                zeros_like_tree(_state()),
+                storage_reader=asyncload.PipelinedReader(path),
+                planner=asyncload.PipelinedLoadPlanner(),
+                no_dist=True,
+            )
         assert isinstance(err.value.failures[0][0], ERRORS[h.expected("object record")]), h.name
     _nothing_ran(markers)
 
@@ -187,8 +206,9 @@ def test_metadata_paths_that_leave_the_checkpoint(pristine: Path, tmp_path: Path
     assert is_sentinel(dest)
 
 
-@pytest.mark.parametrize("field,value", [("offset", -1), ("length", -5), ("offset", 1 << 70), ("offset", "12"),
-                                         ("length", 2.5)])
+@pytest.mark.parametrize(
+    "field,value", [("offset", -1), ("length", -5), ("offset", 1 << 70), ("offset", "12"), ("length", 2.5)]
+)
 def test_metadata_storage_entries_with_bad_numbers(pristine: Path, tmp_path: Path, field: str, value: Any) -> None:
     path = _copy(pristine, tmp_path)
 
@@ -261,8 +281,9 @@ def _zip_damage(rec: bytes) -> dict[str, bytes]:
     pkl_cd = next(p for p in cdh if cd_name(p).endswith(b"/data.pkl"))
     data_cd = next((p for p in cdh if b"/data/" in cd_name(p)), pkl_cd)
     data_lfh = int.from_bytes(rec[data_cd + 42 : data_cd + 46], "little")
-    zip64_all = put(put(put(rec, eocd + 8, "<HH", 0xFFFF, 0xFFFF), eocd + 12, "<I", 0xFFFFFFFF),
-                    eocd + 16, "<I", 0xFFFFFFFF)
+    zip64_all = put(
+        put(put(rec, eocd + 8, "<HH", 0xFFFF, 0xFFFF), eocd + 12, "<I", 0xFFFFFFFF), eocd + 16, "<I", 0xFFFFFFFF
+    )
     return {
         "EOCD signature": put(rec, eocd, "<I", 0x06054B51),
         "EOCD directory offset past EOF": put(rec, eocd + 16, "<I", 0xFFFFFFF0),
@@ -285,7 +306,7 @@ def _zip_damage(rec: bytes) -> dict[str, bytes]:
         "local header extra length 65535": put(rec, data_lfh + 28, "<H", 0xFFFF),
         "local header compressed": put(rec, data_lfh + 8, "<H", 8),
         "every byte of the directory zeroed": rec[: cdh[0]] + b"\x00" * (len(rec) - cdh[0]),
-        "data.pkl zeroed": rec[:lfh[0] + 40] + b"\x00" * 100 + rec[lfh[0] + 140 :],
+        "data.pkl zeroed": rec[: lfh[0] + 40] + b"\x00" * 100 + rec[lfh[0] + 140 :],
     }
 
 
@@ -310,9 +331,11 @@ def test_damaged_records_parse_to_format_errors(pristine: Path) -> None:
                 parse_archive(win, 0, n, f"{key}: first {n} bytes")
 
 
-@pytest.mark.parametrize("options", [LoadOptions(), LoadOptions(chunk_size=4096, min_chunk_size=1024,
-                                                                    memory_budget=1 << 16)],
-                         ids=["whole-record", "probed"])
+@pytest.mark.parametrize(
+    "options",
+    [LoadOptions(), LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=1 << 16)],
+    ids=["whole-record", "probed"],
+)
 def test_damaged_records_in_a_checkpoint(pristine: Path, tmp_path: Path, options: LoadOptions) -> None:
     """The same damage written into the .distcp in place: the load raises
     CheckpointFormatError naming the file and the key (or, for a damaged object record,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
+from _ckpt import assert_bitwise_equal, zeros_like_tree
 from _corrupt import (
     flip_byte,
     is_sentinel,
@@ -39,11 +39,12 @@ KiB = 1 << 10
 
 #: Small chunks so that the 512 KiB tensor is read in 8 pieces, out of order, by 8 readers
 #: (the record's CRC is combined from pieces); "small" stays a whole-record read.
-PIECES = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, concurrency=8, memory_budget=256 * KiB,
-                     retries=0)
+PIECES = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, concurrency=8, memory_budget=256 * KiB, retries=0)
 
 
-def _state() -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict[str, Any]:
+    """What this module's ``fresh_ckpt`` holds (the fixture of tests/conftest.py)."""
     g = torch.Generator().manual_seed(5)
     return {
         "big": torch.randn(512, 256, generator=g),  # 512 KiB: header probes, then chunked reads
@@ -55,12 +56,6 @@ def _state() -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def ckpt(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
-    sd = _state()
-    return make_checkpoint(tmp_path / "ckpt", sd), sd
-
-
 def _distcp(path: Path) -> Path:
     (f,) = sorted(path.glob("*.distcp"))
     return f
@@ -70,8 +65,8 @@ def _distcp(path: Path) -> Path:
 
 
 @pytest.mark.parametrize("options", [LoadOptions(verify=True), PIECES.replace(verify=True)], ids=["default", "pieces"])
-def test_verify_passes_on_intact_checkpoint(ckpt: tuple[Path, dict[str, Any]], options: LoadOptions) -> None:
-    path, sd = ckpt
+def test_verify_passes_on_intact_checkpoint(fresh_ckpt: tuple[Path, dict[str, Any]], options: LoadOptions) -> None:
+    path, sd = fresh_ckpt
     dest = zeros_like_tree(sd)
     stats = asyncload.load(dest, path, options=options)
     assert_bitwise_equal(dest, sd)
@@ -82,9 +77,10 @@ def test_verify_passes_on_intact_checkpoint(ckpt: tuple[Path, dict[str, Any]], o
 
 @pytest.mark.parametrize("key", ["big", "small", "nested.w"])
 @pytest.mark.parametrize("options", [LoadOptions(), PIECES], ids=["default", "pieces"])
-def test_flipped_byte_is_caught_with_file_record_key_and_range(ckpt: tuple[Path, dict[str, Any]], key: str,
-                                                               options: LoadOptions) -> None:
-    path, sd = ckpt
+def test_flipped_byte_is_caught_with_file_record_key_and_range(
+    fresh_ckpt: tuple[Path, dict[str, Any]], key: str, options: LoadOptions
+) -> None:
+    path, sd = fresh_ckpt
     rec = record_of(path, key)
     assert rec.data_start is not None and rec.data_end is not None
     flip_byte(path / rec.file, rec.data_start + (rec.data_end - rec.data_start) // 3)
@@ -100,8 +96,8 @@ def test_flipped_byte_is_caught_with_file_record_key_and_range(ckpt: tuple[Path,
     assert f"the record says {rec.crc32:#010x}" in msg
 
 
-def test_verify_off_loads_the_damaged_byte_and_checks_sizes(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_verify_off_loads_the_damaged_byte_and_checks_sizes(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
     rec = record_of(path, "big")
     assert rec.data_start is not None
     pos = rec.data_start + 1000
@@ -132,10 +128,14 @@ class _SlicePlanner(asyncload.PipelinedLoadPlanner):
         smd = self.metadata.state_dict_metadata[self.key]
         assert isinstance(smd, TensorStorageMetadata)
         cols = smd.size[1]
-        item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(self.key, torch.Size([self.r0, 0])),
-                        dest_offsets=torch.Size([0, 0]),
-                        storage_index=MetadataIndex(self.key, torch.Size([0, 0]), 0),
-                        storage_offsets=torch.Size([self.r0, 0]), lengths=torch.Size([self.r1 - self.r0, cols]))
+        item = ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(self.key, torch.Size([self.r0, 0])),
+            dest_offsets=torch.Size([0, 0]),
+            storage_index=MetadataIndex(self.key, torch.Size([0, 0]), 0),
+            storage_offsets=torch.Size([self.r0, 0]),
+            lengths=torch.Size([self.r1 - self.r0, cols]),
+        )
         return LoadPlan([item])
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -161,10 +161,10 @@ def _narrow_load(path: Path, options: LoadOptions, dest: torch.Tensor) -> asyncl
     return reader.stats
 
 
-def test_narrow_read_with_verify_reads_and_checks_the_whole_storage(ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_narrow_read_with_verify_reads_and_checks_the_whole_storage(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
     """A partial read of a record checks the CRC of the whole storage: the bytes the
     destination does not need are read too (counted in bytes_read, not bytes_assembled)."""
-    path, sd = ckpt
+    path, sd = fresh_ckpt
     rec = record_of(path, "big")
     assert rec.data_start is not None and rec.data_end is not None
     storage_bytes = rec.data_end - rec.data_start
@@ -193,9 +193,10 @@ def test_narrow_read_with_verify_reads_and_checks_the_whole_storage(ckpt: tuple[
 
 
 @pytest.mark.parametrize("cut", [1, 4096, "half"])
-def test_file_shorter_than_metadata_leaves_destination_untouched(ckpt: tuple[Path, dict[str, Any]],
-                                                                 cut: Any) -> None:
-    path, sd = ckpt
+def test_file_shorter_than_metadata_leaves_destination_untouched(
+    fresh_ckpt: tuple[Path, dict[str, Any]], cut: Any
+) -> None:
+    path, sd = fresh_ckpt
     f = _distcp(path)
     size = os.path.getsize(f)
     new = size // 2 if cut == "half" else size - cut
@@ -208,10 +209,10 @@ def test_file_shorter_than_metadata_leaves_destination_untouched(ckpt: tuple[Pat
 
 
 @pytest.mark.parametrize("delta", [-1, 1, -100])
-def test_record_length_in_metadata_that_lies(ckpt: tuple[Path, dict[str, Any]], delta: int) -> None:
+def test_record_length_in_metadata_that_lies(fresh_ckpt: tuple[Path, dict[str, Any]], delta: int) -> None:
     """A record's length in .metadata that does not match the record: the zip directory is
     not where it should be; never a shorter or zero-filled tensor."""
-    path, sd = ckpt
+    path, sd = fresh_ckpt
     rec = record_of(path, "big")
 
     def change(md: Any) -> None:
@@ -228,10 +229,10 @@ def test_record_length_in_metadata_that_lies(ckpt: tuple[Path, dict[str, Any]], 
 
 
 @pytest.mark.parametrize("target", ["first", "small"])
-def test_record_offset_into_another_record(ckpt: tuple[Path, dict[str, Any]], target: str) -> None:
+def test_record_offset_into_another_record(fresh_ckpt: tuple[Path, dict[str, Any]], target: str) -> None:
     """.metadata places "big" at another record's offset (with big's length): the zip
     directory is not at the end of the range (or the range runs past the end of the file)."""
-    path, sd = ckpt
+    path, sd = fresh_ckpt
     big = record_of(path, "big")
     other = min(records(path).values(), key=lambda r: r.offset) if target == "first" else record_of(path, "small")
     assert other.offset != big.offset
@@ -249,8 +250,8 @@ def test_record_offset_into_another_record(ckpt: tuple[Path, dict[str, Any]], ta
         assert is_sentinel(dest)  # found by the size check, before any read
 
 
-def test_record_and_metadata_disagree_on_dtype(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_record_and_metadata_disagree_on_dtype(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
 
     def change(md: Any) -> None:
         md.state_dict_metadata["big"].properties.dtype = torch.int32  # same itemsize as float32
@@ -262,8 +263,8 @@ def test_record_and_metadata_disagree_on_dtype(ckpt: tuple[Path, dict[str, Any]]
         asyncload.load(dest, path, options=PIECES)
 
 
-def test_record_and_metadata_disagree_on_shape(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_record_and_metadata_disagree_on_shape(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
 
     def change(md: Any) -> None:
         smd = md.state_dict_metadata["big"]
@@ -277,11 +278,11 @@ def test_record_and_metadata_disagree_on_shape(ckpt: tuple[Path, dict[str, Any]]
         asyncload.load(dest, path, options=PIECES)
 
 
-def test_file_truncated_while_loading_is_a_format_error(ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_file_truncated_while_loading_is_a_format_error(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
     """The file passes the size check, then shrinks under the load (a writer rewriting
     it): the short local read is a CheckpointFormatError at once, not a smaller tensor
     and not a round of retries."""
-    path, sd = ckpt
+    path, sd = fresh_ckpt
     f = _distcp(path)
     rec = record_of(path, "big")
     state = {"cut": False}
@@ -300,8 +301,8 @@ def test_file_truncated_while_loading_is_a_format_error(ckpt: tuple[Path, dict[s
 # --- incomplete checkpoints ---------------------------------------------------------
 
 
-def test_missing_metadata(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_missing_metadata(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
     (path / ".metadata").unlink()
     dest = sentinel_like(sd)
     with pytest.raises(CheckpointNotFoundError) as err:
@@ -311,8 +312,8 @@ def test_missing_metadata(ckpt: tuple[Path, dict[str, Any]]) -> None:
     assert is_sentinel(dest)
 
 
-def test_metadata_names_a_file_that_does_not_exist(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_metadata_names_a_file_that_does_not_exist(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
 
     def change(md: Any) -> None:
         for idx, info in md.storage_data.items():
@@ -323,12 +324,14 @@ def test_metadata_names_a_file_that_does_not_exist(ckpt: tuple[Path, dict[str, A
     dest = sentinel_like(sd)
     with pytest.raises(CheckpointNotFoundError) as err:
         asyncload.load(dest, path)
-    assert "__7_0.distcp" in str(err.value) and "named by the checkpoint's metadata but does not exist" in str(err.value)
+    assert "__7_0.distcp" in str(err.value) and "named by the checkpoint's metadata but does not exist" in str(
+        err.value
+    )
     assert is_sentinel(dest)
 
 
-def test_data_file_deleted(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_data_file_deleted(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
     f = _distcp(path)
     f.unlink()
     dest = sentinel_like(sd)
@@ -338,8 +341,8 @@ def test_data_file_deleted(ckpt: tuple[Path, dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("version", ["9.9.9", "2.0.0", 3])
-def test_unknown_dcp_version(ckpt: tuple[Path, dict[str, Any]], version: Any) -> None:
-    path, sd = ckpt
+def test_unknown_dcp_version(fresh_ckpt: tuple[Path, dict[str, Any]], version: Any) -> None:
+    path, sd = fresh_ckpt
     mutate_metadata(path, lambda md: setattr(md, "version", version))
     dest = sentinel_like(sd)
     with pytest.raises(CheckpointFormatError, match=f"unknown DCP version {re.escape(repr(version))}"):
@@ -348,8 +351,8 @@ def test_unknown_dcp_version(ckpt: tuple[Path, dict[str, Any]], version: Any) ->
 
 
 @pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", b"not a pickle at all", b"\x80\x04K\x05."])
-def test_empty_or_garbage_metadata(ckpt: tuple[Path, dict[str, Any]], content: bytes) -> None:
-    path, sd = ckpt
+def test_empty_or_garbage_metadata(fresh_ckpt: tuple[Path, dict[str, Any]], content: bytes) -> None:
+    path, sd = fresh_ckpt
     write_metadata(path, None, raw=content)
     dest = sentinel_like(sd)
     with pytest.raises(CheckpointFormatError, match=r"\.metadata"):
@@ -357,8 +360,8 @@ def test_empty_or_garbage_metadata(ckpt: tuple[Path, dict[str, Any]], content: b
     assert is_sentinel(dest)
 
 
-def test_metadata_with_a_chunk_outside_its_tensor(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_metadata_with_a_chunk_outside_its_tensor(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
 
     def change(md: Any) -> None:
         md.state_dict_metadata["big"].chunks[0].offsets = torch.Size([1, 0])
@@ -373,16 +376,16 @@ def test_metadata_with_a_chunk_outside_its_tensor(ckpt: tuple[Path, dict[str, An
 # --- keys ---------------------------------------------------------------------------
 
 
-def test_destination_key_missing_from_checkpoint_is_an_error(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_destination_key_missing_from_checkpoint_is_an_error(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
     dest = sentinel_like({**sd, "not_saved": torch.zeros(3)})
     with pytest.raises(StateDictMismatchError, match="not_saved"):
         asyncload.load(dest, path)
     assert is_sentinel(dest)
 
 
-def test_unexpected_keys_are_reported_and_optionally_an_error(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_unexpected_keys_are_reported_and_optionally_an_error(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
     dest = {"big": torch.zeros(512, 256), "nested": {"w": torch.zeros(40, 7, dtype=torch.float64)}}
     stats = asyncload.load(dest, path)
     assert torch.equal(dest["big"], sd["big"]) and torch.equal(dest["nested"]["w"], sd["nested"]["w"])
@@ -397,13 +400,17 @@ def test_unexpected_keys_are_reported_and_optionally_an_error(ckpt: tuple[Path, 
     assert is_sentinel(dest2)
 
 
-def test_strict_unexpected_keys_through_dcp_load(ckpt: tuple[Path, dict[str, Any]]) -> None:
-    path, sd = ckpt
+def test_strict_unexpected_keys_through_dcp_load(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, sd = fresh_ckpt
     dest = {"big": torch.zeros(512, 256)}
     opts = LoadOptions(strict_unexpected_keys=True)
     with pytest.raises(StateDictMismatchError, match="strict_unexpected_keys"):
-        _dcp_load(dest, storage_reader=asyncload.PipelinedReader(path),
-                  planner=asyncload.PipelinedLoadPlanner(options=opts), no_dist=True)
+        _dcp_load(
+            dest,
+            storage_reader=asyncload.PipelinedReader(path),
+            planner=asyncload.PipelinedLoadPlanner(options=opts),
+            no_dist=True,
+        )
     assert torch.count_nonzero(dest["big"]) == 0
     # all keys present: strict mode loads
     full = zeros_like_tree(sd)
@@ -412,9 +419,9 @@ def test_strict_unexpected_keys_through_dcp_load(ckpt: tuple[Path, dict[str, Any
     assert_bitwise_equal(full, sd)
 
 
-def test_records_helper_agrees_with_metadata(ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_records_helper_agrees_with_metadata(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
     """The test helper itself: every tensor record located, sizes as saved."""
-    path, _ = ckpt
+    path, _ = fresh_ckpt
     recs = records(path)
     md = read_metadata(path)
     assert set(recs) == set(md.state_dict_metadata)
@@ -444,11 +451,14 @@ def test_crc_pieces_in_any_order_overlapping_and_from_threads() -> None:
         cuts = sorted(rng.sample(range(base, base + len(data)), 40))
         pieces = [(a, b) for a, b in zip([base, *cuts], [*cuts, base + len(data)])]
         # overlaps: every piece widened a little at random, some twice
-        pieces = [(max(base, a - rng.randrange(0, 3000)), min(base + len(data), b + rng.randrange(0, 3000)))
-                  for a, b in pieces] + pieces[:5]
+        pieces = [
+            (max(base, a - rng.randrange(0, 3000)), min(base + len(data), b + rng.randrange(0, 3000)))
+            for a, b in pieces
+        ] + pieces[:5]
         rng.shuffle(pieces)
-        threads = [threading.Thread(target=lambda a=a, b=b, tr=tr: tr.add(a, data[a - base : b - base]))
-                   for a, b in pieces]
+        threads = [
+            threading.Thread(target=lambda a=a, b=b, tr=tr: tr.add(a, data[a - base : b - base])) for a, b in pieces
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -6,14 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
+from typing import ClassVar
 
 import fsspec
-from fsspec.implementations.memory import MemoryFileSystem
 import pytest
 import torch
-
-import asyncload
-from asyncload import LoadOptions
 from _ckpt import (
     assert_bitwise_equal,
     copy_dir_to_fsspec,
@@ -22,11 +19,12 @@ from _ckpt import (
     total_tensor_bytes,
     zeros_like_tree,
 )
+from fsspec.implementations.memory import MemoryFileSystem
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-]
+import asyncload
+from asyncload import LoadOptions
+
+pytestmark = pytest.mark.timeout(60)
 
 KiB = 1 << 10
 MIN_BUDGET = 64 * KiB
@@ -73,16 +71,38 @@ def test_memory_budget_minimum_is_accepted():
 
 
 BAD = [
-    ("chunk_size", 0), ("chunk_size", -1), ("chunk_size", 1.5), ("chunk_size", True), ("chunk_size", "16M"),
-    ("min_chunk_size", 0), ("memory_budget", 2.0), ("max_metadata_size", 0),
-    ("timeout", 0), ("timeout", -1.0), ("timeout", float("inf")), ("timeout", float("nan")), ("timeout", True),
+    ("chunk_size", 0),
+    ("chunk_size", -1),
+    ("chunk_size", 1.5),
+    ("chunk_size", True),
+    ("chunk_size", "16M"),
+    ("min_chunk_size", 0),
+    ("memory_budget", 2.0),
+    ("max_metadata_size", 0),
+    ("timeout", 0),
+    ("timeout", -1.0),
+    ("timeout", float("inf")),
+    ("timeout", float("nan")),
+    ("timeout", True),
     ("timeout", "30"),
-    ("retries", -1), ("retries", 1.0), ("retries", False),
-    ("backoff", -0.1), ("backoff", float("nan")), ("max_backoff", -1),
-    ("concurrency", 0), ("concurrency", "fast"), ("concurrency", 2.0), ("concurrency", True),
-    ("hedge_factor", 0.5), ("hedge_min_delay", -1),
-    ("io_threads", 0), ("io_threads", 1.0),
-    ("verify", 1), ("hedge", "yes"), ("allow_dtype_cast", None), ("use_uvloop", 0),
+    ("retries", -1),
+    ("retries", 1.0),
+    ("retries", False),
+    ("backoff", -0.1),
+    ("backoff", float("nan")),
+    ("max_backoff", -1),
+    ("concurrency", 0),
+    ("concurrency", "fast"),
+    ("concurrency", 2.0),
+    ("concurrency", True),
+    ("hedge_factor", 0.5),
+    ("hedge_min_delay", -1),
+    ("io_threads", 0),
+    ("io_threads", 1.0),
+    ("verify", 1),
+    ("hedge", "yes"),
+    ("allow_dtype_cast", None),
+    ("use_uvloop", 0),
     ("strict_unexpected_keys", "no"),
 ]
 
@@ -154,11 +174,11 @@ def model_ckpt(tmp_path_factory):
 
 
 TINY_CASES = [
-    dict(chunk_size=4 * KiB, min_chunk_size=1 * KiB, memory_budget=MIN_BUDGET, concurrency=1),
-    dict(chunk_size=4 * KiB, min_chunk_size=1 * KiB, memory_budget=MIN_BUDGET, concurrency=64),
-    dict(chunk_size=4 * KiB, min_chunk_size=1, memory_budget=MIN_BUDGET, concurrency="auto"),
-    dict(chunk_size=1 << 20, min_chunk_size=64 * KiB, memory_budget=MIN_BUDGET, concurrency=64),  # clamped
-    dict(chunk_size=1000, min_chunk_size=999, memory_budget=MIN_BUDGET, concurrency=7, io_threads=1),
+    {"chunk_size": 4 * KiB, "min_chunk_size": 1 * KiB, "memory_budget": MIN_BUDGET, "concurrency": 1},
+    {"chunk_size": 4 * KiB, "min_chunk_size": 1 * KiB, "memory_budget": MIN_BUDGET, "concurrency": 64},
+    {"chunk_size": 4 * KiB, "min_chunk_size": 1, "memory_budget": MIN_BUDGET, "concurrency": "auto"},
+    {"chunk_size": 1 << 20, "min_chunk_size": 64 * KiB, "memory_budget": MIN_BUDGET, "concurrency": 64},  # clamped
+    {"chunk_size": 1000, "min_chunk_size": 999, "memory_budget": MIN_BUDGET, "concurrency": 7, "io_threads": 1},
 ]
 
 
@@ -183,8 +203,9 @@ def test_tiny_chunks_and_budget_fsspec_memory(model_ckpt, concurrency):
     fs = fsspec.filesystem("memory")
     copy_dir_to_fsspec(path, fs, root)
     try:
-        opts = LoadOptions(chunk_size=4 * KiB, min_chunk_size=1 * KiB, memory_budget=MIN_BUDGET,
-                           concurrency=concurrency)
+        opts = LoadOptions(
+            chunk_size=4 * KiB, min_chunk_size=1 * KiB, memory_budget=MIN_BUDGET, concurrency=concurrency
+        )
         dst = zeros_like_tree(sd)
         stats = asyncload.load(dst, f"memory://{root}", options=opts)
         assert_bitwise_equal(sd, dst)
@@ -198,8 +219,9 @@ def test_tiny_chunks_and_budget_fsspec_memory(model_ckpt, concurrency):
 def test_concurrency_one_never_has_two_reads_in_flight(model_ckpt):
     path, sd = model_ckpt
     dst = zeros_like_tree(sd)
-    stats = asyncload.load(dst, path, options=LoadOptions(chunk_size=4 * KiB, min_chunk_size=KiB,
-                                                          memory_budget=MIN_BUDGET, concurrency=1))
+    stats = asyncload.load(
+        dst, path, options=LoadOptions(chunk_size=4 * KiB, min_chunk_size=KiB, memory_budget=MIN_BUDGET, concurrency=1)
+    )
     assert stats.peak_concurrency == 1
     assert_bitwise_equal(sd, dst)
 
@@ -220,7 +242,7 @@ class RecordingMemoryFileSystem(MemoryFileSystem):
     """fsspec's memory filesystem that records every ranged read it serves (a scripted layer)."""
 
     protocol = "asyncload-test-recmem"
-    reads: list[tuple[str, int | None, int | None]] = []
+    reads: ClassVar[list[tuple[str, int | None, int | None]]] = []
 
     @classmethod
     def _strip_protocol(cls, path):

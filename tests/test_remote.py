@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
-from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, small_state_dict, wait_closed
+from _ckpt import assert_bitwise_equal, zeros_like_tree
+from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_closed
 
 import asyncload
 from asyncload import CheckpointNotFoundError, LoadOptions, StorageReadError
@@ -20,13 +20,6 @@ from asyncload.testing import status
 pytestmark = pytest.mark.timeout(60)
 
 OPTS = LoadOptions(chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=5, retries=2, backoff=0.05)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    sd = small_state_dict()
-    path = make_checkpoint(tmp_path_factory.mktemp("remote") / "ckpt", sd)
-    return path, sd
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -49,9 +42,12 @@ def test_dcp_load_with_pipelined_reader(request, backend, ckpt, bucket_name, fau
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd, object_placeholder=None)
     with no_unclosed_session_warnings():
-        dcp.load(dst, storage_reader=asyncload.PipelinedReader(r.url, storage_options=r.storage_options),
-                 planner=asyncload.PipelinedLoadPlanner(chunk_size=64 << 10, min_chunk_size=8 << 10, timeout=5),
-                 no_dist=True)
+        dcp.load(
+            dst,
+            storage_reader=asyncload.PipelinedReader(r.url, storage_options=r.storage_options),
+            planner=asyncload.PipelinedLoadPlanner(chunk_size=64 << 10, min_chunk_size=8 << 10, timeout=5),
+            no_dist=True,
+        )
     assert_bitwise_equal(dst, sd)
     assert wait_closed(r.proxy.port) == []
 
@@ -63,8 +59,9 @@ async def test_aload_auto_concurrency_leaves_no_task(request, backend, ckpt, buc
     r = make_remote(request, backend, path, bucket_name, fault_proxy, latency=0.002)
     dst = zeros_like_tree(sd, object_placeholder=None)
     with no_unclosed_session_warnings():
-        stats = await asyncload.aload(dst, r.url, options=OPTS.replace(concurrency="auto"),
-                                      storage_options=r.storage_options)
+        stats = await asyncload.aload(
+            dst, r.url, options=OPTS.replace(concurrency="auto"), storage_options=r.storage_options
+        )
     assert_bitwise_equal(dst, sd)
     assert 1 <= stats.peak_concurrency <= OPTS.replace(concurrency="auto").max_in_flight
     await asyncio.sleep(0)
@@ -105,8 +102,7 @@ def test_missing_data_file_fails_fast_naming_it(request, backend, ckpt, bucket_n
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("code", [403, 404])
-def test_denied_or_vanished_object_fails_fast_without_retries(request, backend, code, ckpt, bucket_name,
-                                                               fault_proxy):
+def test_denied_or_vanished_object_fails_fast_without_retries(request, backend, code, ckpt, bucket_name, fault_proxy):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     rule = r.proxy.add_rule(status(code), data_only=True, path=".distcp", times=None)

@@ -6,11 +6,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from torch.distributed.checkpoint import FileSystemWriter
-
-import asyncload
 from _ckpt import (
     SAVEABLE_DTYPES,
     assert_bitwise_equal,
@@ -19,11 +14,13 @@ from _ckpt import (
     total_tensor_bytes,
     zeros_like_tree,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import FileSystemWriter
 
-pytestmark = [
-    pytest.mark.timeout(120),
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-]
+import asyncload
+
+pytestmark = pytest.mark.timeout(120)
 
 #: Defaults: every record here is small, so it is fetched whole and parsed in one go.
 DEFAULT = asyncload.LoadOptions()
@@ -61,8 +58,10 @@ def test_every_dtype_round_trips_bit_exact(tmp_path, dtype, options):
 
 def test_special_float_values_bit_exact(tmp_path):
     # NaNs with payloads, signed zeros, infinities and subnormals must survive as bits
-    bits = torch.tensor([0x7FC00001, 0xFFC00000, 0x80000000, 0x00000000, 0x7F800000, 0xFF800000, 0x00000001,
-                         0x7F800001], dtype=torch.int64).to(torch.int32)
+    bits = torch.tensor(
+        [0x7FC00001, 0xFFC00000, 0x80000000, 0x00000000, 0x7F800000, 0xFF800000, 0x00000001, 0x7F800001],
+        dtype=torch.int64,
+    ).to(torch.int32)
     f32 = bits.view(torch.float32).clone()
     sd = {"f32": f32, "bf16": torch.tensor([-0.0, float("nan"), float("inf"), 1e-40], dtype=torch.bfloat16)}
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
@@ -76,12 +75,15 @@ def test_special_float_values_bit_exact(tmp_path):
 def test_nested_dicts_lists_and_objects(tmp_path, options):
     sd = {
         "model": {
-            "layers": {str(i): {"w": random_tensor((64, 48), torch.float32, seed=i), "b": torch.randn(48)}
-                       for i in range(3)},
+            "layers": {
+                str(i): {"w": random_tensor((64, 48), torch.float32, seed=i), "b": torch.randn(48)} for i in range(3)
+            },
             "norm": {"weight": torch.ones(48, dtype=torch.bfloat16)},
         },
-        "optim": {"state": {"step": torch.tensor(7), "exp_avg": random_tensor((64, 48), torch.float16, seed=9)},
-                  "param_groups": [{"lr": 0.001, "betas": [0.9, 0.95], "name": "adamw", "params": [0, 1, 2]}]},
+        "optim": {
+            "state": {"step": torch.tensor(7), "exp_avg": random_tensor((64, 48), torch.float16, seed=9)},
+            "param_groups": [{"lr": 0.001, "betas": [0.9, 0.95], "name": "adamw", "params": [0, 1, 2]}],
+        },
         "tensors_in_list": [torch.arange(10, dtype=torch.int64), random_tensor((4, 4), torch.float64, seed=11)],
         "mixed_list": [3, "three", torch.full((2, 2), 3.0)],
         "step": 4000,
@@ -172,7 +174,7 @@ def test_non_contiguous_destinations(tmp_path, options):
         "e": random_tensor((70, 50), torch.complex64, seed=35),
     }
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
-    big_a = torch.zeros(80, 64)          # "a" lands in its transpose
+    big_a = torch.zeros(80, 64)  # "a" lands in its transpose
     big_b = torch.zeros(10, 30, 20, dtype=torch.int32)
     big_c = torch.zeros(300, dtype=torch.float16)
     big_d = torch.zeros(200, 100, dtype=torch.bfloat16)
@@ -216,8 +218,11 @@ def test_destination_views_share_one_storage(tmp_path):
 def test_dtype_cast_when_allowed(tmp_path, options):
     sd = {"w": torch.randn(64, 70), "h": torch.randn(33).half(), "i": torch.arange(5000, dtype=torch.int32)}
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
-    dst = {"w": torch.zeros(64, 70, dtype=torch.bfloat16), "h": torch.zeros(33, dtype=torch.float64),
-           "i": torch.zeros(5000, dtype=torch.int64)}
+    dst = {
+        "w": torch.zeros(64, 70, dtype=torch.bfloat16),
+        "h": torch.zeros(33, dtype=torch.float64),
+        "i": torch.zeros(5000, dtype=torch.int64),
+    }
     with pytest.raises(asyncload.StateDictMismatchError) as ei:
         asyncload.load(dst, ckpt, options=options)
     msg = str(ei.value)
@@ -259,6 +264,7 @@ def test_load_into_a_modules_own_state_dict(tmp_path):
 
 # --- property: random state dicts, random layouts, random knobs ------------------------------
 
+
 @st.composite
 def _tensor_cases(draw):
     dtype = draw(st.sampled_from(SAVEABLE_DTYPES))
@@ -269,15 +275,19 @@ def _tensor_cases(draw):
     return dtype, shape, perm, dest_kind
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(cases=st.lists(_tensor_cases(), min_size=1, max_size=6),
-       chunk_size=st.sampled_from([4096, 5000, 65536, 16 << 20]),
-       min_chunk_size=st.sampled_from([1, 512, 4096, 1 << 20]),
-       concurrency=st.sampled_from([1, 3, 64, "auto"]),
-       budget=st.sampled_from([64 << 10, 100_000, 512 << 20]))
-def test_property_random_state_dicts_round_trip(tmp_path_factory, cases, chunk_size, min_chunk_size, concurrency,
-                                                budget):
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    cases=st.lists(_tensor_cases(), min_size=1, max_size=6),
+    chunk_size=st.sampled_from([4096, 5000, 65536, 16 << 20]),
+    min_chunk_size=st.sampled_from([1, 512, 4096, 1 << 20]),
+    concurrency=st.sampled_from([1, 3, 64, "auto"]),
+    budget=st.sampled_from([64 << 10, 100_000, 512 << 20]),
+)
+def test_property_random_state_dicts_round_trip(
+    tmp_path_factory, cases, chunk_size, min_chunk_size, concurrency, budget
+):
     sd, dst = {}, {}
     for i, (dtype, shape, perm, dest_kind) in enumerate(cases):
         phys = [shape[p] for p in perm]
@@ -295,8 +305,12 @@ def test_property_random_state_dicts_round_trip(tmp_path_factory, cases, chunk_s
         else:
             dst[f"t{i}"] = torch.zeros(shape, dtype=dtype)
     ckpt = make_checkpoint(tmp_path_factory.mktemp("prop") / "ckpt", sd)
-    opts = asyncload.LoadOptions(chunk_size=chunk_size, min_chunk_size=min(min_chunk_size, chunk_size),
-                                 concurrency=concurrency, memory_budget=budget)
+    opts = asyncload.LoadOptions(
+        chunk_size=chunk_size,
+        min_chunk_size=min(min_chunk_size, chunk_size),
+        concurrency=concurrency,
+        memory_budget=budget,
+    )
     stats = asyncload.load(dst, ckpt, options=opts)
     assert_bitwise_equal(sd, dst)
     assert stats.bytes_assembled == total_tensor_bytes(sd)

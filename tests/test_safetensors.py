@@ -28,10 +28,10 @@ import asyncload
 from asyncload import CheckpointFormatError, LoadOptions
 from asyncload._safetensors import SAFETENSORS_DTYPES, parse_header
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
 # every dtype both torch and the safetensors package can hold
-ST_DTYPES = [d for d in SAVEABLE_DTYPES if d in SAFETENSORS_DTYPES.values() and d is not getattr(torch, "float8_e8m0fnu", None)]
+ST_DTYPES = [
+    d for d in SAVEABLE_DTYPES if d in SAFETENSORS_DTYPES.values() and d is not getattr(torch, "float8_e8m0fnu", None)
+]
 
 TINY = LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=1)
 MANY = LoadOptions(chunk_size=8192, min_chunk_size=1024, memory_budget=256 << 10, concurrency=16)
@@ -68,9 +68,10 @@ def write_sharded(root: Path, sd: dict[str, torch.Tensor], shards: int = 3) -> P
         part = keys[i::shards]
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({k: sd[k] for k in part}, str(root / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in part})
+        weight_map.update(dict.fromkeys(part, name))
     (root / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": nbytes(sd)}, "weight_map": weight_map}))
+        json.dumps({"metadata": {"total_size": nbytes(sd)}, "weight_map": weight_map})
+    )
     return root
 
 
@@ -129,8 +130,12 @@ def test_memory_fs_single_and_sharded(tmp_path: Path) -> None:
     for p in root.iterdir():
         fs.pipe(f"/st/sharded/{p.name}", p.read_bytes())
     try:
-        for url in ("memory://st/single/model.safetensors", "memory://st/single", "memory://st/sharded",
-                    "memory://st/sharded/model.safetensors.index.json"):
+        for url in (
+            "memory://st/single/model.safetensors",
+            "memory://st/single",
+            "memory://st/sharded",
+            "memory://st/sharded/model.safetensors.index.json",
+        ):
             dest = zeros(sd)
             stats = asyncload.load(dest, url, options=MANY)
             assert_bitwise_equal(dest, sd, url)
@@ -143,7 +148,9 @@ def test_memory_fs_single_and_sharded(tmp_path: Path) -> None:
 def test_s3_single_and_sharded(tmp_path: Path, s3_server: Any, bucket_name: str) -> None:
     sd = model_state(4)
     save_file(sd, str(tmp_path / "model.safetensors"))
-    single = s3_server.put_object(bucket_name, "single/model.safetensors", (tmp_path / "model.safetensors").read_bytes())
+    single = s3_server.put_object(
+        bucket_name, "single/model.safetensors", (tmp_path / "model.safetensors").read_bytes()
+    )
     sharded = s3_server.upload_dir(write_sharded(tmp_path / "hf", sd), bucket_name, "sharded")
     opts = s3_server.storage_options()
     for url in (single, sharded, sharded + "/model.safetensors.index.json"):
@@ -172,8 +179,9 @@ def test_partial_load_reports_unexpected_keys_and_reads_only_those(tmp_path: Pat
     assert stats.bytes_read <= max(header, 64 << 10) + 2 * 256 * 64 * 4
     assert stats.bytes_assembled == 2 * 256 * 64 * 4
     with pytest.raises(asyncload.StateDictMismatchError, match="strict_unexpected_keys"):
-        asyncload.load({k: torch.zeros(256, 64) for k in wanted}, path,
-                       options=LoadOptions(strict_unexpected_keys=True))
+        asyncload.load(
+            {k: torch.zeros(256, 64) for k in wanted}, path, options=LoadOptions(strict_unexpected_keys=True)
+        )
 
 
 class SlicePlanner(asyncload.PipelinedLoadPlanner):
@@ -216,8 +224,11 @@ def test_slice_destination_reads_only_its_slice(tmp_path: Path, fmt: str) -> Non
         ckpt = write_sharded(tmp_path / "hf", sd, shards=2)
     else:
         ckpt = tmp_path / "dcp"
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(ckpt, serialization_format=SerializationFormat.SAFETENSORS),
-                 no_dist=True)
+        dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(ckpt, serialization_format=SerializationFormat.SAFETENSORS),
+            no_dist=True,
+        )
     # rank 1 of 4 along dim 0 for w; a column block (strided in the file) for v
     boxes = {"w": ([128, 0], [128, cols]), "v": ([0, 10], [rows, 20])}
     dest = {"w": torch.zeros(128, cols, dtype=torch.bfloat16), "v": torch.zeros(rows, 20)}
@@ -242,8 +253,12 @@ def _rank_load(rank: int, world: int, ckpt: str, shapes: dict[str, list[int]]) -
     }
     stats = asyncload.load(dest, ckpt, options=LoadOptions(min_chunk_size=256, chunk_size=1 << 20))
     # raw bytes, not tensors: tensors would travel as shared memory the exiting rank takes along
-    return {"w": tensor_bytes(dest["w"].to_local()), "v": tensor_bytes(dest["v"].to_local()),
-            "bytes_read": stats.bytes_read, "assembled": stats.bytes_assembled}
+    return {
+        "w": tensor_bytes(dest["w"].to_local()),
+        "v": tensor_bytes(dest["v"].to_local()),
+        "bytes_read": stats.bytes_read,
+        "assembled": stats.bytes_assembled,
+    }
 
 
 @pytest.mark.distributed
@@ -251,8 +266,9 @@ def _rank_load(rank: int, world: int, ckpt: str, shapes: dict[str, list[int]]) -
 def test_two_rank_dtensor_load(tmp_path: Path) -> None:
     sd = {"w": random_tensor((256, 64), torch.bfloat16, 11), "v": random_tensor((32, 128), torch.float32, 12)}
     save_file(sd, str(tmp_path / "model.safetensors"))
-    values = all_ok(run_ranks(_rank_load, 2, str(tmp_path / "model.safetensors"),
-                              {"w": [256, 64], "v": [32, 128]}, timeout=90))
+    values = all_ok(
+        run_ranks(_rank_load, 2, str(tmp_path / "model.safetensors"), {"w": [256, 64], "v": [32, 128]}, timeout=90)
+    )
     for rank, got in enumerate(values):
         assert got["w"] == tensor_bytes(sd["w"][rank * 128 : (rank + 1) * 128])
         assert got["v"] == tensor_bytes(sd["v"][:, rank * 64 : (rank + 1) * 64])
@@ -269,9 +285,11 @@ def test_dcp_filesystem_writer_safetensors_serialization(tmp_path: Path) -> None
     sd: dict[str, Any] = {**model_state(5), "step": 42, "names": ["a", "b"]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "ck",
-                                                         serialization_format=SerializationFormat.SAFETENSORS),
-                 no_dist=True)
+        dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(tmp_path / "ck", serialization_format=SerializationFormat.SAFETENSORS),
+            no_dist=True,
+        )
     for options in (None, TINY):
         dest: dict[str, Any] = {**zeros(model_state(5)), "step": 0, "names": []}
         stats = asyncload.load(dest, tmp_path / "ck", options=options)
@@ -286,16 +304,23 @@ def test_huggingface_storage_writer(tmp_path: Path, mapping: str | None) -> None
     fqn_map = {k: 1 + i % 2 for i, k in enumerate(sd)} if mapping else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf"), fqn_to_index_mapping=fqn_map),
-                 no_dist=True)
+        dcp.save(
+            sd,
+            storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf"), fqn_to_index_mapping=fqn_map),
+            no_dist=True,
+        )
     dest = zeros(sd)
     stats = asyncload.load(dest, tmp_path / "hf", options=MANY)
     assert_bitwise_equal(dest, sd)
     assert stats.files == (2 if mapping else 1)
     # and with torch's own dcp.load and our reader
     dest = zeros(sd)
-    dcp.load(dest, storage_reader=asyncload.PipelinedReader(tmp_path / "hf"), planner=asyncload.PipelinedLoadPlanner(),
-             no_dist=True)
+    dcp.load(
+        dest,
+        storage_reader=asyncload.PipelinedReader(tmp_path / "hf"),
+        planner=asyncload.PipelinedLoadPlanner(),
+        no_dist=True,
+    )
     assert_bitwise_equal(dest, sd)
 
 
@@ -305,7 +330,10 @@ def _save_distributed_shard(rank: int, world: int, path: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     full = random_tensor((64, 24), torch.float32, 21)
-    sd = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": distribute_tensor(random_tensor((10,), torch.bfloat16, 22), mesh, [Shard(0)])}
+    sd = {
+        "w": distribute_tensor(full, mesh, [Shard(0)]),
+        "b": distribute_tensor(random_tensor((10,), torch.bfloat16, 22), mesh, [Shard(0)]),
+    }
     dcp.save(sd, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
 
 
@@ -334,27 +362,47 @@ GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("blob, match", [
-    (b"\x01\x02", "too small"),
-    (_blob(GOOD, bytes(16), length=1 << 40), "exceeds"),
-    (_blob(GOOD, bytes(16), length=10_000), "runs past the end"),
-    (_blob(None, bytes(16), raw_header=b"[1, 2]"), "not start with"),
-    (_blob(None, bytes(16), raw_header=b"{\"w\": {\"dtype\": \"F32\"," + b"\xff" * 4 + b"}"), "UTF-8 JSON"),
-    (_blob(None, bytes(32), raw_header=b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, '
-                                        b'"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]}}'),
-     "duplicate key"),
-    (_blob({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)), "dtype 'F4'"),
-    (_blob({"w": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, bytes(16)), "malformed shape"),
-    (_blob({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, bytes(16)), "malformed shape"),
-    (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(8)), "outside"),
-    (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 4]}}, bytes(16)), "outside"),
-    (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)), "needs 16 bytes"),
-    (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": ["0", 16]}}, bytes(16)), "malformed data_offsets"),
-    (_blob({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-            "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, bytes(16)), "overlap"),
-    (_blob({"__metadata__": {"k": 1}, **GOOD}, bytes(16)), "__metadata__"),
-    (_blob({"w": [1, 2]}, bytes(16)), "not an object"),
-])
+@pytest.mark.parametrize(
+    "blob, match",
+    [
+        (b"\x01\x02", "too small"),
+        (_blob(GOOD, bytes(16), length=1 << 40), "exceeds"),
+        (_blob(GOOD, bytes(16), length=10_000), "runs past the end"),
+        (_blob(None, bytes(16), raw_header=b"[1, 2]"), "not start with"),
+        (_blob(None, bytes(16), raw_header=b'{"w": {"dtype": "F32",' + b"\xff" * 4 + b"}"), "UTF-8 JSON"),
+        (
+            _blob(
+                None,
+                bytes(32),
+                raw_header=b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, '
+                b'"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]}}',
+            ),
+            "duplicate key",
+        ),
+        (_blob({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)), "dtype 'F4'"),
+        (_blob({"w": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, bytes(16)), "malformed shape"),
+        (_blob({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, bytes(16)), "malformed shape"),
+        (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(8)), "outside"),
+        (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 4]}}, bytes(16)), "outside"),
+        (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)), "needs 16 bytes"),
+        (
+            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": ["0", 16]}}, bytes(16)),
+            "malformed data_offsets",
+        ),
+        (
+            _blob(
+                {
+                    "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+                },
+                bytes(16),
+            ),
+            "overlap",
+        ),
+        (_blob({"__metadata__": {"k": 1}, **GOOD}, bytes(16)), "__metadata__"),
+        (_blob({"w": [1, 2]}, bytes(16)), "not an object"),
+    ],
+)
 def test_hostile_headers_are_format_errors(tmp_path: Path, blob: bytes, match: str) -> None:
     path = tmp_path / "bad.safetensors"
     path.write_bytes(blob)
@@ -391,7 +439,8 @@ def test_index_with_escaping_file_name_is_refused(tmp_path: Path) -> None:
     (tmp_path / "hf").mkdir()
     save_file({"w": torch.ones(2)}, str(tmp_path / "outside.safetensors"))
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+        json.dumps({"weight_map": {"w": "../outside.safetensors"}})
+    )
     with pytest.raises(CheckpointFormatError, match="not a plain relative path"):
         asyncload.load({"w": torch.zeros(2)}, tmp_path / "hf")
 

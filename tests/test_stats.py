@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import asyncload
 from asyncload import LoadOptions, LoadStats
@@ -20,14 +20,19 @@ from asyncload.testing import status
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
-def _source() -> dict:
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict:
+    """What this module's ``ckpt`` holds (the fixture of tests/conftest.py)."""
     g = torch.Generator().manual_seed(7)
     return {
-        "big": torch.randn(512, 1024, generator=g),                      # 2 MiB: split into many chunks
+        "big": torch.randn(512, 1024, generator=g),  # 2 MiB: split into many chunks
         "half": torch.randn(300, 700, generator=g).to(torch.bfloat16),
         "norms": {f"n{i}": torch.randn(64, generator=g) for i in range(12)},  # small: coalesced
         "ids": torch.arange(1000, dtype=torch.int64),
@@ -55,14 +60,6 @@ def _tensor_bytes(sd: dict) -> int:
         elif isinstance(v, torch.Tensor):
             n += v.numel() * v.element_size()
     return n
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    path = tmp_path_factory.mktemp("stats") / "ckpt"
-    sd = _source()
-    dcp.save(sd, checkpoint_id=str(path))
-    return path, sd
 
 
 SMALL = LoadOptions(chunk_size=256 << 10, min_chunk_size=64 << 10, concurrency=4, memory_budget=1 << 20)
@@ -112,8 +109,18 @@ def test_throughput() -> None:
 
 
 def test_to_dict_is_json_and_round_trips() -> None:
-    s = LoadStats(bytes_read=10, bytes_assembled=8, chunks=2, retries=3, timeouts=1, hedges=1, seconds=2.0,
-                  retries_by_cause={"timeout": 1, "status_503": 2}, unexpected_keys=["x"], latency_p50=0.5)
+    s = LoadStats(
+        bytes_read=10,
+        bytes_assembled=8,
+        chunks=2,
+        retries=3,
+        timeouts=1,
+        hedges=1,
+        seconds=2.0,
+        retries_by_cause={"timeout": 1, "status_503": 2},
+        unexpected_keys=["x"],
+        latency_p50=0.5,
+    )
     d = s.to_dict()
     assert d["throughput"] == 4.0
     assert d["retries_by_cause"] == {"timeout": 1, "status_503": 2}
@@ -124,23 +131,45 @@ def test_to_dict_is_json_and_round_trips() -> None:
 
 
 def test_str_is_one_readable_paragraph() -> None:
-    s = LoadStats(bytes_read=3 << 30, bytes_assembled=3 << 30, chunks=192, seconds=1.5, files=4,
-                  peak_buffered_bytes=256 << 20, peak_concurrency=16, latency_p50=0.0123, latency_p90=0.02,
-                  latency_p99=0.0415, latency_max=1.25, storage_wait_seconds=20.5, budget_wait_seconds=0.25,
-                  assembly_seconds=1.75)
+    s = LoadStats(
+        bytes_read=3 << 30,
+        bytes_assembled=3 << 30,
+        chunks=192,
+        seconds=1.5,
+        files=4,
+        peak_buffered_bytes=256 << 20,
+        peak_concurrency=16,
+        latency_p50=0.0123,
+        latency_p90=0.02,
+        latency_p99=0.0415,
+        latency_max=1.25,
+        storage_wait_seconds=20.5,
+        budget_wait_seconds=0.25,
+        assembly_seconds=1.75,
+    )
     text = str(s)
     assert "\n" not in text
     assert text == (
         "Loaded 3.00 GiB in 1.500 s (2.00 GiB/s) from 4 files: 3.00 GiB read in 192 requests, up to 16 in flight, "
         "at most 256.00 MiB buffered. Request latency p50 12.3 ms, p90 20.0 ms, p99 41.5 ms, max 1.25 s. "
         "Time summed over requests: 20.500 s waiting for storage, 1.750 s assembling; 0.250 s waiting for memory "
-        "budget. No retries, timeouts or hedged requests.")
+        "budget. No retries, timeouts or hedged requests."
+    )
 
 
 def test_str_names_retries_by_cause_and_extras() -> None:
-    s = LoadStats(bytes_assembled=1024, seconds=1.0, chunks=1, files=1, retries=3, timeouts=2, hedges=1,
-                  retries_by_cause={"timeout": 2, "status_503": 1}, verified_records=5,
-                  unexpected_keys=["a", "b", "c", "d"])
+    s = LoadStats(
+        bytes_assembled=1024,
+        seconds=1.0,
+        chunks=1,
+        files=1,
+        retries=3,
+        timeouts=2,
+        hedges=1,
+        retries_by_cause={"timeout": 2, "status_503": 1},
+        verified_records=5,
+        unexpected_keys=["a", "b", "c", "d"],
+    )
     text = str(s)
     assert "3 retries (status_503 1, timeout 2), 2 timeouts, 1 hedged request." in text
     assert "5 records verified against stored CRC-32." in text
@@ -194,7 +223,7 @@ def _check_progress(calls: list[tuple[int, int]], total: int) -> None:
     assert calls, "progress was never called"
     assert all(t == total for _, t in calls)
     done = [d for d, _ in calls]
-    assert all(b > a for a, b in zip(done, done[1:])), done
+    assert all(b > a for a, b in itertools.pairwise(done)), done
     assert done[-1] == total
     assert done[0] > 0
 
@@ -233,8 +262,13 @@ def test_progress_from_a_remote_store(ckpt: tuple[Path, dict], s3_server, bucket
     path, sd = ckpt
     url = s3_server.upload_dir(path, bucket_name, "ck")
     calls: list[tuple[int, int]] = []
-    asyncload.load(_zeros_like(sd), url, options=SMALL, storage_options=s3_server.storage_options(),
-                   progress=lambda d, t: calls.append((d, t)))
+    asyncload.load(
+        _zeros_like(sd),
+        url,
+        options=SMALL,
+        storage_options=s3_server.storage_options(),
+        progress=lambda d, t: calls.append((d, t)),
+    )
     _check_progress(calls, _tensor_bytes(sd))
 
 
@@ -261,8 +295,9 @@ def test_live_statistics_while_running(ckpt: tuple[Path, dict], http_server, fau
 
 
 @pytest.mark.timeout(60)
-def test_logging_and_nothing_printed(ckpt: tuple[Path, dict], caplog: pytest.LogCaptureFixture,
-                                     capfd: pytest.CaptureFixture[str]) -> None:
+def test_logging_and_nothing_printed(
+    ckpt: tuple[Path, dict], caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
     path, sd = ckpt
     with caplog.at_level(logging.DEBUG, logger="asyncload"):
         stats = asyncload.load(_zeros_like(sd), path, options=SMALL)
@@ -272,7 +307,9 @@ def test_logging_and_nothing_printed(ckpt: tuple[Path, dict], caplog: pytest.Log
     assert infos[0].getMessage() == f"loaded {path}: {stats}"
     chunk_lines = [r.getMessage() for r in ours if r.levelno == logging.DEBUG and r.getMessage().startswith("chunk ")]
     assert len(chunk_lines) >= 8
-    pattern = re.compile(r"^chunk \S+ \[\d+, \d+\) \d+ bytes in \d+ segments: read \d+\.\d\d ms, assembled \d+\.\d\d ms$")
+    pattern = re.compile(
+        r"^chunk \S+ \[\d+, \d+\) \d+ bytes in \d+ segments: read \d+\.\d\d ms, assembled \d+\.\d\d ms$"
+    )
     assert all(pattern.match(line) for line in chunk_lines), chunk_lines[:3]
     out, err = capfd.readouterr()
     assert out == "" and err == ""
@@ -293,8 +330,9 @@ async def test_aload_and_start_load_print_nothing(ckpt: tuple[Path, dict], capfd
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_load_prints_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[str],
-                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_load_prints_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     # torch's dcp.load logs its metadata fallback with a traceback on the root logger;
     # with no logging configured Python would print it: asyncload's own errors stay quiet
     with caplog.at_level(logging.DEBUG), pytest.raises(asyncload.CheckpointNotFoundError):

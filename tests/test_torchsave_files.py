@@ -21,8 +21,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, StateDictMismatchError, UnsafeCheckpointError
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
 TINY = LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=1)
 MANY = LoadOptions(chunk_size=8192, min_chunk_size=1024, memory_budget=256 << 10, concurrency=16)
 
@@ -163,7 +161,10 @@ def test_nested_checkpoint_keys(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_ddp_module_prefix(tmp_path: Path) -> None:
-    sd = {"module.fc.weight": random_tensor((6, 4), torch.float32, 1), "module.fc.bias": random_tensor((6,), torch.float32, 2)}
+    sd = {
+        "module.fc.weight": random_tensor((6, 4), torch.float32, 1),
+        "module.fc.bias": random_tensor((6,), torch.float32, 2),
+    }
     torch.save(sd, tmp_path / "ddp.pt")
     dest = {"fc.weight": torch.zeros(6, 4), "fc.bias": torch.zeros(6)}
     asyncload.load(dest, tmp_path / "ddp.pt")
@@ -176,11 +177,13 @@ def test_shared_storages_tied_weights_and_views(tmp_path: Path, options: LoadOpt
     base = random_tensor((40, 32), torch.float32, 5)
     emb = random_tensor((50, 16), torch.bfloat16, 6)
     sd = {
-        "emb": emb, "head": emb,                 # tied: one storage, two keys
-        "full": base, "rows": base[3:9],         # a view at an offset
-        "col": base[:, 5],                       # a strided view (stride 32)
-        "block": base[10:20, 4:12],              # a 2-D window
-        "t": base.t(),                           # transposed view of the same storage
+        "emb": emb,
+        "head": emb,  # tied: one storage, two keys
+        "full": base,
+        "rows": base[3:9],  # a view at an offset
+        "col": base[:, 5],  # a strided view (stride 32)
+        "block": base[10:20, 4:12],  # a 2-D window
+        "t": base.t(),  # transposed view of the same storage
     }
     path = tmp_path / "tied.pt"
     torch.save(sd, path)
@@ -214,12 +217,15 @@ def test_many_storages_layout_in_a_few_requests(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_objects_and_tuples_with_tensors(tmp_path: Path) -> None:
     t = random_tensor((3, 3), torch.float32, 9)
-    ck = {"w": random_tensor((4,), torch.float32, 8), "pair": (t, 5), "cfg": {"lr": 0.1, "betas": [0.9, 0.99]},
-          "names": ["a", "b"]}
+    ck = {
+        "w": random_tensor((4,), torch.float32, 8),
+        "pair": (t, 5),
+        "cfg": {"lr": 0.1, "betas": [0.9, 0.99]},
+        "names": ["a", "b"],
+    }
     path = tmp_path / "obj.pt"
     torch.save(ck, path)
-    dest: dict[str, Any] = {"w": torch.zeros(4), "pair": None, "cfg": {"lr": 0.0, "betas": [0.0, 0.0]},
-                            "names": []}
+    dest: dict[str, Any] = {"w": torch.zeros(4), "pair": None, "cfg": {"lr": 0.0, "betas": [0.0, 0.0]}, "names": []}
     asyncload.load(dest, path)
     assert_bitwise_equal(dest["w"], ck["w"])
     assert isinstance(dest["pair"], tuple) and dest["pair"][1] == 5
@@ -340,7 +346,7 @@ def test_hf_bin_shards_with_index(tmp_path: Path) -> None:
     for i, part in enumerate((keys[::2], keys[1::2])):
         name = f"pytorch_model-{i + 1:05d}-of-00002.bin"
         torch.save({k: sd[k] for k in part}, root / name)
-        wm.update({k: name for k in part})
+        wm.update(dict.fromkeys(part, name))
     (root / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     for target in (root, root / "pytorch_model.bin.index.json"):
         dest = zeros_tree(sd)
