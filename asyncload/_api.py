@@ -25,9 +25,13 @@ log = logging.getLogger("asyncload")
 ProgressCallback = Callable[[int, int], None]
 
 
-def _prepare(checkpoint: str | os.PathLike[str], options: LoadOptions | None,
-             storage_options: Mapping[str, Any] | None, planner: LoadPlanner | None,
-             progress: ProgressCallback | None) -> tuple[PipelinedReader, LoadPlanner]:
+def _prepare(
+    checkpoint: str | os.PathLike[str],
+    options: LoadOptions | None,
+    storage_options: Mapping[str, Any] | None,
+    planner: LoadPlanner | None,
+    progress: ProgressCallback | None,
+) -> tuple[PipelinedReader, LoadPlanner]:
     """The load's reader and planner, with its options resolved once: ``options``, else an
     explicitly configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them."""
     if options is None:
@@ -45,9 +49,16 @@ def _prepare(checkpoint: str | os.PathLike[str], options: LoadOptions | None,
     return reader, planner
 
 
-def load(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *, options: LoadOptions | None = None,
-         storage_options: Mapping[str, Any] | None = None, planner: LoadPlanner | None = None,
-         process_group: Any = None, progress: ProgressCallback | None = None) -> LoadStats:
+def load(
+    state_dict: dict[str, Any],
+    checkpoint: str | os.PathLike[str],
+    *,
+    options: LoadOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    progress: ProgressCallback | None = None,
+) -> LoadStats:
     """Load ``checkpoint`` into ``state_dict`` in place, like ``dcp.load``; return its :class:`LoadStats`.
 
     ``checkpoint`` is a local path, a ``PathLike``, a ``file://`` URL or any fsspec URL
@@ -60,10 +71,16 @@ def load(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *, opti
     return run_sync(load_steps(state_dict, reader, planner, process_group), reader)
 
 
-async def aload(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *,
-                options: LoadOptions | None = None, storage_options: Mapping[str, Any] | None = None,
-                planner: LoadPlanner | None = None, process_group: Any = None,
-                progress: ProgressCallback | None = None) -> LoadStats:
+async def aload(
+    state_dict: dict[str, Any],
+    checkpoint: str | os.PathLike[str],
+    *,
+    options: LoadOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    progress: ProgressCallback | None = None,
+) -> LoadStats:
     """:func:`load` as a coroutine, natively on the caller's event loop (uvloop too): reads
     run on it; planning, collectives and the planner's hooks run on a worker thread so the
     loop stays free. Cancelling it cancels the reads and returns once nothing of the load
@@ -82,8 +99,9 @@ class LoadHandle:
     ``statistics()`` a live :class:`LoadStats` snapshot.
     """
 
-    def __init__(self, reader: PipelinedReader, future: concurrent.futures.Future[LoadStats],
-                 thread: threading.Thread) -> None:
+    def __init__(
+        self, reader: PipelinedReader, future: concurrent.futures.Future[LoadStats], thread: threading.Thread
+    ) -> None:
         self._reader = reader
         self._future = future
         self._thread = thread
@@ -122,15 +140,21 @@ class LoadHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
             self.result(timeout)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             return exc
         return None
 
 
-def start_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *,
-               options: LoadOptions | None = None, storage_options: Mapping[str, Any] | None = None,
-               planner: LoadPlanner | None = None, process_group: Any = None,
-               progress: ProgressCallback | None = None) -> LoadHandle:
+def start_load(
+    state_dict: dict[str, Any],
+    checkpoint: str | os.PathLike[str],
+    *,
+    options: LoadOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    progress: ProgressCallback | None = None,
+) -> LoadHandle:
     """Start :func:`load` in a background thread and return a :class:`LoadHandle` at once.
 
     Do not touch ``state_dict``'s tensors until ``handle.result()`` returns.
@@ -150,7 +174,7 @@ def start_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike[str], *
     def work() -> None:
         try:
             future.set_result(run_sync(load_steps(state_dict, reader, planner, process_group), reader))
-        except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+        except BaseException as exc:
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)) and handle._cancelled:
                 future.set_exception(LoadCancelledError(f"the load of {checkpoint} was cancelled"))
             else:

@@ -93,5 +93,3 @@ class StagingPool:
         if self._held + len(buf) <= self._limit:
             self._free.append(buf)
             self._held += len(buf)
-
-

@@ -91,8 +91,7 @@ class ByteBudget:
         return BudgetStatistics(self.capacity, self.used, self.peak, len(self._waiters))
 
     def __repr__(self) -> str:
-        return (f"ByteBudget(capacity={self.capacity}, used={self.used}, peak={self.peak}, "
-                f"waiting={len(self._waiters)})")
+        return f"ByteBudget(capacity={self.capacity}, used={self.used}, peak={self.peak}, waiting={len(self._waiters)})"
 
 
 class Limiter:
@@ -151,5 +150,3 @@ class Limiter:
 
     def __repr__(self) -> str:
         return f"Limiter(limit={self.limit}, active={self.active}, peak={self.peak}, waiting={len(self._waiters)})"
-
-

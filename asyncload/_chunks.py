@@ -56,7 +56,8 @@ class TensorLocation:
         if (last + 1) * self.itemsize > self.storage_nbytes:
             raise CheckpointFormatError(
                 f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at offset "
-                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has {self.storage_nbytes}")
+                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has {self.storage_nbytes}"
+            )
 
 
 @dataclass

@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._options import LoadOptions
 from ._assembly import assemble, copy_bytes, memory_of
 from ._chunks import Chunk
+from ._options import LoadOptions
 from ._plan import _contiguous_box as _row_major
 
 __all__ = [

@@ -46,8 +46,15 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
     (file sizes, probes, data); otherwise the reader's govern throughout.
     """
 
-    def __init__(self, *, chunk_size: int | None = None, min_chunk_size: int | None = None,
-                 timeout: float | None = _UNSET, options: LoadOptions | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        chunk_size: int | None = None,
+        min_chunk_size: int | None = None,
+        timeout: float | None = _UNSET,
+        options: LoadOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         changes: dict[str, Any] = {}
         if chunk_size is not None:
@@ -87,18 +94,23 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                     continue
                 raise StateDictMismatchError(
                     f"key {fqn!r} is in the destination state dict but not in the checkpoint "
-                    f"(the checkpoint has {len(saved)} keys; pass allow_partial_load=True to the planner to skip it)")
+                    f"(the checkpoint has {len(saved)} keys; pass allow_partial_load=True to the planner to skip it)"
+                )
             if isinstance(obj, torch.Tensor):
                 if not isinstance(smd, TensorStorageMetadata):
-                    raise StateDictMismatchError(f"key {fqn!r}: the destination is a tensor, the checkpoint holds an object")
+                    raise StateDictMismatchError(
+                        f"key {fqn!r}: the destination is a tensor, the checkpoint holds an object"
+                    )
                 shape = list(obj.size())
                 if list(smd.size) != shape:
                     raise StateDictMismatchError(
-                        f"key {fqn!r}: the destination has shape {shape}, the checkpoint {list(smd.size)}")
+                        f"key {fqn!r}: the destination has shape {shape}, the checkpoint {list(smd.size)}"
+                    )
                 if obj.dtype != smd.properties.dtype and not cast_ok:
                     raise StateDictMismatchError(
                         f"key {fqn!r}: the destination has dtype {obj.dtype}, the checkpoint {smd.properties.dtype} "
-                        "(set LoadOptions.allow_dtype_cast=True to convert on load)")
+                        "(set LoadOptions.allow_dtype_cast=True to convert on load)"
+                    )
         self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
         try:
             return super().create_local_plan()
@@ -126,7 +138,6 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-
 class PipelinedReader(StorageReader):
     """A ``torch.distributed.checkpoint.StorageReader`` that reads through asyncload's pipeline.
 
@@ -135,8 +146,13 @@ class PipelinedReader(StorageReader):
     :class:`LoadStats`. Which options govern a load: see :class:`PipelinedLoadPlanner`.
     """
 
-    def __init__(self, checkpoint: str | os.PathLike[str], *, options: LoadOptions | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        options: LoadOptions | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.options = options or LoadOptions()
         self.session = LoadSession(checkpoint, options=self.options, storage_options=storage_options)

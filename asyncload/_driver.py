@@ -28,7 +28,7 @@ import functools
 import logging
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -63,7 +63,7 @@ class Await:
     cleanup: bool = False
 
 
-Step = Union[Call, Await]
+Step = Call | Await
 Steps = Generator[Step, Any, T]
 
 
@@ -76,14 +76,14 @@ def run_sync(steps: Steps[T], reader: PipelinedReader) -> T:
         try:
             step = steps.send(value) if error is None else steps.throw(error)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         value = error = None
         try:
             if isinstance(step, Call):
                 value = step.fn(*step.args)
             else:
                 value = session.run(step.coro, cleanup=step.cleanup)
-        except BaseException as exc:  # noqa: BLE001 - handed back into the steps
+        except BaseException as exc:
             error = exc
 
 
@@ -96,7 +96,7 @@ async def run_async(steps: Steps[T], reader: PipelinedReader) -> T:
         try:
             step = steps.send(value) if error is None else steps.throw(error)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
         value = error = None
         try:
             if isinstance(step, Call):
@@ -105,7 +105,7 @@ async def run_async(steps: Steps[T], reader: PipelinedReader) -> T:
                 value = await step.coro
             else:
                 value = await session.guard(step.coro)
-        except BaseException as exc:  # noqa: BLE001 - handed back into the steps
+        except BaseException as exc:
             error = exc
 
 
@@ -122,21 +122,21 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:
                 continue
-            except BaseException:  # noqa: BLE001 - the cancel is what the caller asked for
+            except BaseException:
                 break
         raise
 
 
-def load_steps(state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner,
-               process_group: Any = None) -> Steps[LoadStats]:
+def load_steps(
+    state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner, process_group: Any = None
+) -> Steps[LoadStats]:
     """The steps of one load into ``state_dict`` (in place), on every rank of the group."""
     use_dist = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if use_dist else 1
     reader._close_after_metadata = False  # the steps close the storage when the load ends
     session = reader.session
     keys = sorted(state_dict.keys())
-    stateful = {k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]
-                for k in keys}
+    stateful = {k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k] for k in keys}
     log.debug("loading %s into %d keys on %d rank(s)", reader.checkpoint, len(state_dict), world)
     try:
         if world > 1:
@@ -195,8 +195,9 @@ def read_steps(reader: PipelinedReader, plan: LoadPlan, planner: LoadPlanner) ->
     session.finish()
 
 
-def _collective_steps(state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner,
-                      process_group: Any) -> Steps[None]:
+def _collective_steps(
+    state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner, process_group: Any
+) -> Steps[None]:
     """The N-rank sequence, with every wait on another rank bounded by the monitor."""
     from torch.distributed.checkpoint.utils import _DistWrapper
 

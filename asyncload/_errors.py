@@ -25,15 +25,15 @@ import concurrent.futures
 
 __all__ = [
     "AsyncLoadError",
-    "ChunkTimeoutError",
-    "StorageReadError",
-    "CheckpointNotFoundError",
     "CheckpointFormatError",
-    "UnsafeCheckpointError",
-    "StateDictMismatchError",
+    "CheckpointNotFoundError",
+    "ChunkTimeoutError",
     "DistributedLoadError",
     "LoadCancelledError",
     "LoadReentryError",
+    "StateDictMismatchError",
+    "StorageReadError",
+    "UnsafeCheckpointError",
 ]
 
 

@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import posixpath
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,9 +51,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ._chunks import TensorLocation
 from ._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from ._options import LoadOptions
-from ._chunks import TensorLocation
 from ._retry import RetryingStorage
 from ._safe_pickle import TensorRef
 from ._safetensors import HEADER_PROBE, SafetensorsHeader, _no_duplicates, aread_header, looks_like_safetensors
@@ -190,10 +189,18 @@ def split_file_url(checkpoint: str | os.PathLike[str]) -> tuple[str, str]:
 
 def _safe_relative(name: Any, where: str) -> str:
     """A file name from an index, refused when it could point outside the checkpoint."""
-    if not isinstance(name, str) or not name or "\\" in name or "\x00" in name or "://" in name or \
-            name.startswith("/") or any(part in ("..", "") for part in name.split("/")):
-        raise CheckpointFormatError(f"{where}: file name {name!r:.200} is not a plain relative path inside the "
-                                    "checkpoint; refusing to read it")
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\\" in name
+        or "\x00" in name
+        or "://" in name
+        or name.startswith("/")
+        or any(part in ("..", "") for part in name.split("/"))
+    ):
+        raise CheckpointFormatError(
+            f"{where}: file name {name!r:.200} is not a plain relative path inside the checkpoint; refusing to read it"
+        )
     return name
 
 
@@ -218,8 +225,10 @@ class Fetcher:
 
     def reader(self, name: str) -> Callable[[int, int], Awaitable[bytes]]:
         """``read(start, end)`` of file ``name``."""
+
         async def read(start: int, end: int) -> bytes:
             return await self.read(name, start, end)
+
         return read
 
     async def size(self, name: str) -> int | None:
@@ -247,12 +256,13 @@ OpenRoot = Callable[[str], Awaitable[RetryingStorage]]
 # --- detection --------------------------------------------------------------------------
 
 
-async def aprobe_first(checkpoint: str | os.PathLike[str], open_root: OpenRoot,
-                       options: LoadOptions) -> FormatMetadata | None:
+async def aprobe_first(
+    checkpoint: str | os.PathLike[str], open_root: OpenRoot, options: LoadOptions
+) -> FormatMetadata | None:
     """Before looking for ``.metadata``: a checkpoint that is a file (a local file, or a URL
     whose name ends in ``.safetensors``, ``.json``, ``.pt``, ``.bin`` ...). ``None`` otherwise."""
     if is_local(checkpoint):
-        if not os.path.isfile(local_root(checkpoint)):
+        if not os.path.isfile(local_root(checkpoint)):  # noqa: ASYNC240 - one stat, cheaper than a hop
             return None
         parent, name = split_file_url(checkpoint)
         fetcher = Fetcher(await open_root(parent), options)
@@ -271,8 +281,9 @@ async def aprobe_first(checkpoint: str | os.PathLike[str], open_root: OpenRoot,
     return await _afile(fetcher, name, size, s)
 
 
-async def aprobe_fallback(checkpoint: str | os.PathLike[str], storage: RetryingStorage, open_root: OpenRoot,
-                          options: LoadOptions) -> FormatMetadata | None:
+async def aprobe_fallback(
+    checkpoint: str | os.PathLike[str], storage: RetryingStorage, open_root: OpenRoot, options: LoadOptions
+) -> FormatMetadata | None:
     """``.metadata`` is missing: a Hugging Face directory, or the URL itself is a file.
 
     ``storage`` is opened at ``checkpoint``. Returns ``None`` when nothing readable is there.
@@ -316,20 +327,37 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str) -> FormatM
         md = await _atorchsave_files(fetcher, [(name, size)], None, source)
         return md
     if looks_like_safetensors(head, size):
-        header = await aread_header(fetcher.reader(name), name=name, base=0, blob_size=size,
-                                    where=url, max_header_size=fetcher.options.max_metadata_size, head=head)
+        header = await aread_header(
+            fetcher.reader(name),
+            name=name,
+            base=0,
+            blob_size=size,
+            where=url,
+            max_header_size=fetcher.options.max_metadata_size,
+            head=head,
+        )
         return _safetensors_metadata([header], None, source)
     if head.startswith(_LEGACY_MAGIC) or head[:1] == b"\x80":
         raise CheckpointFormatError(
             f"{url} is a legacy (pre-1.6, non-zip) torch.save file or a raw pickle; asyncload reads only the zip "
             "format. Re-save it with torch.save(obj, path) (the default since torch 1.6, "
-            "_use_new_zipfile_serialization=True), or load it with torch.load")
+            "_use_new_zipfile_serialization=True), or load it with torch.load"
+        )
     if name.endswith(".safetensors"):
         # let the header parser say precisely what is wrong
-        await aread_header(fetcher.reader(name), name=name, base=0, blob_size=size,
-                           where=url, max_header_size=fetcher.options.max_metadata_size, head=head)
-    raise CheckpointFormatError(f"{url} is not a checkpoint asyncload reads: not a DCP directory, a safetensors "
-                                "file or a zip-format torch.save file")
+        await aread_header(
+            fetcher.reader(name),
+            name=name,
+            base=0,
+            blob_size=size,
+            where=url,
+            max_header_size=fetcher.options.max_metadata_size,
+            head=head,
+        )
+    raise CheckpointFormatError(
+        f"{url} is not a checkpoint asyncload reads: not a DCP directory, a safetensors "
+        "file or a zip-format torch.save file"
+    )
 
 
 async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> FormatMetadata:
@@ -337,8 +365,9 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
     url = fetcher.url(name)
     limit = min(fetcher.options.max_metadata_size, 256 << 20)
     if size > limit:
-        raise CheckpointFormatError(f"{url} is {size} bytes, more than the {limit} allowed for an index "
-                                    "(LoadOptions.max_metadata_size)")
+        raise CheckpointFormatError(
+            f"{url} is {size} bytes, more than the {limit} allowed for an index (LoadOptions.max_metadata_size)"
+        )
     raw = await fetcher.read(name, 0, size)
     try:
         index = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -357,34 +386,52 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
     sizes = await asyncio.gather(*(fetcher.size(f) for f in files))
     missing = [f for f, s in zip(files, sizes) if s is None]
     if missing:
-        raise CheckpointNotFoundError(f"{fetcher.url(missing[0])} is named by {url} but does not exist: the "
-                                      "checkpoint is incomplete", path=fetcher.url(missing[0]), status=404)
+        raise CheckpointNotFoundError(
+            f"{fetcher.url(missing[0])} is named by {url} but does not exist: the checkpoint is incomplete",
+            path=fetcher.url(missing[0]),
+            status=404,
+        )
     heads = await asyncio.gather(*(fetcher.read(f, 0, min(s or 0, 4)) for f, s in zip(files, sizes)))
     if all(h.startswith(b"PK\x03\x04") for h in heads):
         return await _atorchsave_files(fetcher, list(zip(files, [s or 0 for s in sizes])), weight_map, source)
-    raise CheckpointFormatError(f"{url} names shards that are neither all safetensors nor all zip-format "
-                                "torch.save files")
+    raise CheckpointFormatError(
+        f"{url} names shards that are neither all safetensors nor all zip-format torch.save files"
+    )
 
 
 # --- safetensors ------------------------------------------------------------------------
 
 
-async def _asafetensors_files(fetcher: Fetcher, files: Sequence[str], weight_map: dict[str, str] | None,
-                              source: str) -> FormatMetadata:
+async def _asafetensors_files(
+    fetcher: Fetcher, files: Sequence[str], weight_map: dict[str, str] | None, source: str
+) -> FormatMetadata:
     sizes = await asyncio.gather(*(fetcher.size(f) for f in files))
     for f, s in zip(files, sizes):
         if s is None:
-            raise CheckpointNotFoundError(f"{fetcher.url(f)} is named by the checkpoint's index but does not exist: "
-                                          "the checkpoint is incomplete", path=fetcher.url(f), status=404)
-    headers = await asyncio.gather(*(
-        aread_header(fetcher.reader(f), name=f, base=0, blob_size=s or 0,
-                     where=fetcher.url(f), max_header_size=fetcher.options.max_metadata_size)
-        for f, s in zip(files, sizes)))
+            raise CheckpointNotFoundError(
+                f"{fetcher.url(f)} is named by the checkpoint's index but does not exist: the checkpoint is incomplete",
+                path=fetcher.url(f),
+                status=404,
+            )
+    headers = await asyncio.gather(
+        *(
+            aread_header(
+                fetcher.reader(f),
+                name=f,
+                base=0,
+                blob_size=s or 0,
+                where=fetcher.url(f),
+                max_header_size=fetcher.options.max_metadata_size,
+            )
+            for f, s in zip(files, sizes)
+        )
+    )
     return _safetensors_metadata(list(headers), weight_map, source)
 
 
-def _safetensors_metadata(headers: Sequence[SafetensorsHeader], weight_map: dict[str, str] | None,
-                          source: str) -> FormatMetadata:
+def _safetensors_metadata(
+    headers: Sequence[SafetensorsHeader], weight_map: dict[str, str] | None, source: str
+) -> FormatMetadata:
     """One chunk per (file, key); chunk offsets from ``DCP_SHARDING_INFO`` where torch wrote them."""
     sdm: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -397,17 +444,23 @@ def _safetensors_metadata(headers: Sequence[SafetensorsHeader], weight_map: dict
             offs = offsets.get(key, (0,) * len(loc.size))
             prev = seen.get((key, offs))
             if prev is not None:
-                raise CheckpointFormatError(f"{source}: tensor {key!r} (chunk at {list(offs)}) is in both {prev} and "
-                                            f"{h.name}; the checkpoint is ambiguous")
+                raise CheckpointFormatError(
+                    f"{source}: tensor {key!r} (chunk at {list(offs)}) is in both {prev} and "
+                    f"{h.name}; the checkpoint is ambiguous"
+                )
             seen[(key, offs)] = h.name
             md = sdm.get(key)
             if md is None:
-                md = sdm[key] = TensorStorageMetadata(properties=TensorProperties(dtype=loc.dtype),
-                                                      size=torch.Size([o + s for o, s in zip(offs, loc.size)]),
-                                                      chunks=[])
+                md = sdm[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=loc.dtype),
+                    size=torch.Size([o + s for o, s in zip(offs, loc.size)]),
+                    chunks=[],
+                )
             elif md.properties.dtype != loc.dtype or len(md.size) != len(loc.size):
-                raise CheckpointFormatError(f"{source}: chunks of tensor {key!r} disagree on dtype or rank "
-                                            f"({md.properties.dtype} vs {loc.dtype} in {h.name})")
+                raise CheckpointFormatError(
+                    f"{source}: chunks of tensor {key!r} disagree on dtype or rank "
+                    f"({md.properties.dtype} vs {loc.dtype} in {h.name})"
+                )
             else:
                 md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offs, loc.size)])
             storage[MetadataIndex(key, offs, len(md.chunks))] = KnownTensor(loc)
@@ -415,10 +468,17 @@ def _safetensors_metadata(headers: Sequence[SafetensorsHeader], weight_map: dict
     if weight_map is not None:
         missing = [k for k in weight_map if k not in sdm]
         if missing:
-            raise CheckpointFormatError(f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
-                                        f"whose header does not hold it ({len(missing)} keys missing)")
-    return FormatMetadata(state_dict_metadata=dict(sdm), storage_data=storage, storage_meta=StorageMeta(),
-                          format="safetensors", source=source)
+            raise CheckpointFormatError(
+                f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
+                f"whose header does not hold it ({len(missing)} keys missing)"
+            )
+    return FormatMetadata(
+        state_dict_metadata=dict(sdm),
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        format="safetensors",
+        source=source,
+    )
 
 
 def mark_dcp_safetensors(md: Metadata) -> int:
@@ -437,8 +497,11 @@ def mark_dcp_safetensors(md: Metadata) -> int:
         smd = md.state_dict_metadata.get(index.fqn) if isinstance(index, MetadataIndex) else None
         if not isinstance(smd, TensorStorageMetadata) or getattr(info, "transform_descriptors", None):
             continue
-        path, offset, length = getattr(info, "relative_path", None), getattr(info, "offset", None), \
-            getattr(info, "length", None)
+        path, offset, length = (
+            getattr(info, "relative_path", None),
+            getattr(info, "offset", None),
+            getattr(info, "length", None),
+        )
         if not isinstance(path, str) or not isinstance(offset, int) or not isinstance(length, int):
             continue
         chunk = _chunk_for(smd, index)
@@ -463,9 +526,14 @@ def _chunk_for(smd: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorage
     return next((c for c in smd.chunks if c.offsets == index.offset), None)
 
 
-async def aresolve_blob_tensors(entries: Iterable[BlobTensor], fetch: Callable[[str, int, int], Awaitable[bytes]],
-                                size_of: Callable[[str], Awaitable[int]], *, url: Callable[[str], str],
-                                max_header_size: int) -> dict[BlobTensor, TensorLocation]:
+async def aresolve_blob_tensors(
+    entries: Iterable[BlobTensor],
+    fetch: Callable[[str, int, int], Awaitable[bytes]],
+    size_of: Callable[[str], Awaitable[int]],
+    *,
+    url: Callable[[str], str],
+    max_header_size: int,
+) -> dict[BlobTensor, TensorLocation]:
     """Locate :class:`BlobTensor` entries: read each blob's header once (concurrently)."""
     blobs: dict[tuple[str, int], list[BlobTensor]] = {}
     for e in entries:
@@ -474,9 +542,17 @@ async def aresolve_blob_tensors(entries: Iterable[BlobTensor], fetch: Callable[[
     async def one(name: str, base: int) -> SafetensorsHeader:
         size = await size_of(name)
         if size < base:
-            raise CheckpointFormatError(f"{url(name)} is {size} bytes; the metadata places a safetensors blob at {base}")
-        return await aread_header(lambda lo, hi: fetch(name, lo, hi), name=name, base=base, blob_size=size - base,
-                                  where=f"{url(name)} (safetensors at byte {base})", max_header_size=max_header_size)
+            raise CheckpointFormatError(
+                f"{url(name)} is {size} bytes; the metadata places a safetensors blob at {base}"
+            )
+        return await aread_header(
+            lambda lo, hi: fetch(name, lo, hi),
+            name=name,
+            base=base,
+            blob_size=size - base,
+            where=f"{url(name)} (safetensors at byte {base})",
+            max_header_size=max_header_size,
+        )
 
     keys = list(blobs)
     headers = await asyncio.gather(*(one(n, b) for n, b in keys))
@@ -486,14 +562,20 @@ async def aresolve_blob_tensors(entries: Iterable[BlobTensor], fetch: Callable[[
         for e in blobs[(name, header.base)]:
             loc = header.tensors.get(e.key)
             if loc is None:
-                raise CheckpointFormatError(f"{header.where}: the metadata places tensor {e.key!r} here but the "
-                                            "safetensors header does not hold it")
-            if loc.dtype != e.dtype or tuple(loc.size) != e.sizes or \
-                    (e.key in offsets and offsets[e.key] != e.saved_offsets):
+                raise CheckpointFormatError(
+                    f"{header.where}: the metadata places tensor {e.key!r} here but the "
+                    "safetensors header does not hold it"
+                )
+            if (
+                loc.dtype != e.dtype
+                or tuple(loc.size) != e.sizes
+                or (e.key in offsets and offsets[e.key] != e.saved_offsets)
+            ):
                 raise CheckpointFormatError(
                     f"{loc.where}: holds {loc.dtype} of shape {list(loc.size)} at offsets "
                     f"{list(offsets.get(e.key, ()))}, the metadata says {e.dtype} of shape {list(e.sizes)} at "
-                    f"{list(e.saved_offsets)}")
+                    f"{list(e.saved_offsets)}"
+                )
             out[e] = loc
     return out
 
@@ -501,8 +583,9 @@ async def aresolve_blob_tensors(entries: Iterable[BlobTensor], fetch: Callable[[
 # --- torch.save -------------------------------------------------------------------------
 
 
-async def _atorchsave_files(fetcher: Fetcher, files: Sequence[tuple[str, int]], weight_map: dict[str, str] | None,
-                            source: str) -> FormatMetadata:
+async def _atorchsave_files(
+    fetcher: Fetcher, files: Sequence[tuple[str, int]], weight_map: dict[str, str] | None, source: str
+) -> FormatMetadata:
     layouts = await asyncio.gather(*(_alayout(fetcher, name, size) for name, size in files))
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -511,7 +594,8 @@ async def _atorchsave_files(fetcher: Fetcher, files: Sequence[tuple[str, int]], 
         if not isinstance(layout.obj, dict):
             raise CheckpointFormatError(
                 f"{layout.where} holds a {type(layout.obj).__name__}, not a dict; asyncload loads state dicts "
-                "(a dict of tensors, possibly nested) from torch.save files")
+                "(a dict of tensors, possibly nested) from torch.save files"
+            )
         for key, value in _flatten(layout.obj).items():
             if weight_map is not None and weight_map.get(key) != name:
                 continue
@@ -520,15 +604,23 @@ async def _atorchsave_files(fetcher: Fetcher, files: Sequence[tuple[str, int]], 
             origin[key] = name
             if isinstance(value, TensorRef):
                 loc = tensor_location(layout, name, value)
-                loc = TensorLocation(name=loc.name, data_start=loc.data_start, storage_nbytes=loc.storage_nbytes,
-                                     dtype=loc.dtype, size=loc.size, stride=loc.stride,
-                                     storage_offset=loc.storage_offset, crc32=loc.crc32,
-                                     where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}")
+                loc = TensorLocation(
+                    name=loc.name,
+                    data_start=loc.data_start,
+                    storage_nbytes=loc.storage_nbytes,
+                    dtype=loc.dtype,
+                    size=loc.size,
+                    stride=loc.stride,
+                    storage_offset=loc.storage_offset,
+                    crc32=loc.crc32,
+                    where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
+                )
                 zeros = (0,) * len(loc.size)
                 sdm[key] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=loc.dtype, requires_grad=value.requires_grad),
                     size=torch.Size(loc.size),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))])
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))],
+                )
                 storage[MetadataIndex(key, zeros, 0)] = KnownTensor(loc)
             else:
                 refs: list[TensorRef] = []
@@ -539,10 +631,13 @@ async def _atorchsave_files(fetcher: Fetcher, files: Sequence[tuple[str, int]], 
     if weight_map is not None:
         missing = [k for k in weight_map if k not in sdm]
         if missing:
-            raise CheckpointFormatError(f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
-                                        f"which does not hold it ({len(missing)} keys missing)")
-    return FormatMetadata(state_dict_metadata=sdm, storage_data=storage, storage_meta=StorageMeta(),
-                          format="torch.save", source=source)
+            raise CheckpointFormatError(
+                f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
+                f"which does not hold it ({len(missing)} keys missing)"
+            )
+    return FormatMetadata(
+        state_dict_metadata=sdm, storage_data=storage, storage_meta=StorageMeta(), format="torch.save", source=source
+    )
 
 
 def _flatten(obj: dict[Any, Any]) -> dict[str, Any]:
@@ -596,8 +691,9 @@ async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
     entries = parse_central_directory(win.get(cd_off, cd_off + cd_size), n, size, url).entries
     pkl = [e for k, e in entries.items() if k.endswith("/data.pkl") or k == "data.pkl"]
     if len(pkl) == 1 and pkl[0].size > opts.max_metadata_size:
-        raise CheckpointFormatError(f"{url}: data.pkl of {pkl[0].size} bytes exceeds LoadOptions.max_metadata_size="
-                                    f"{opts.max_metadata_size}")
+        raise CheckpointFormatError(
+            f"{url}: data.pkl of {pkl[0].size} bytes exceeds LoadOptions.max_metadata_size={opts.max_metadata_size}"
+        )
     # data.pkl and byteorder whole; of each storage only its local header's fixed part and name
     # (the data start follows from the extra field's length, which that part holds)
     ranges: list[tuple[int, int]] = []
@@ -622,15 +718,17 @@ async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
     raise CheckpointFormatError(f"{url}: the archive's layout did not resolve after 16 extra reads")
 
 
-async def _afill(fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tuple[int, int]], *,
-                max_gap: int) -> None:
+async def _afill(fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tuple[int, int]], *, max_gap: int) -> None:
     """Fetch ``ranges`` into ``win``: sorted, neighbours within ``max_gap`` joined (up to
     ``chunk_size`` per request), all requests concurrently."""
     opts = fetcher.options
     merged: list[list[int]] = []
     for lo, hi in sorted(ranges):
-        if merged and lo - merged[-1][1] <= max_gap and max(hi, merged[-1][1]) - merged[-1][0] <= \
-                max(opts.effective_chunk_size, hi - lo):
+        if (
+            merged
+            and lo - merged[-1][1] <= max_gap
+            and max(hi, merged[-1][1]) - merged[-1][0] <= max(opts.effective_chunk_size, hi - lo)
+        ):
             merged[-1][1] = max(merged[-1][1], hi)
         else:
             merged.append([lo, hi])
@@ -691,12 +789,24 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
     if not best or tie:
         return None
     pre = best + "."
-    sdm = {k[len(pre):]: v for k, v in saved.items() if k.startswith(pre)}
+    sdm = {k[len(pre) :]: v for k, v in saved.items() if k.startswith(pre)}
     for index, entry in list(md.storage_data.items()):
         if index.fqn.startswith(pre):
-            md.storage_data[MetadataIndex(index.fqn[len(pre):], index.offset, index.index)] = entry
-    log.info("%s: loading the destination's keys from under %r (%d of %d destination keys found there)",
-             md.source, best, best_hits, len(keys))
-    return FormatMetadata(state_dict_metadata=sdm, planner_data=md.planner_data, storage_data=md.storage_data,
-                          storage_meta=md.storage_meta, version=md.version, format=md.format, source=md.source,
-                          prefix=best)
+            md.storage_data[MetadataIndex(index.fqn[len(pre) :], index.offset, index.index)] = entry
+    log.info(
+        "%s: loading the destination's keys from under %r (%d of %d destination keys found there)",
+        md.source,
+        best,
+        best_hits,
+        len(keys),
+    )
+    return FormatMetadata(
+        state_dict_metadata=sdm,
+        planner_data=md.planner_data,
+        storage_data=md.storage_data,
+        storage_meta=md.storage_meta,
+        version=md.version,
+        format=md.format,
+        source=md.source,
+        prefix=best,
+    )

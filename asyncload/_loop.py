@@ -8,7 +8,6 @@ calling thread already runs an event loop: the caller blocks, our loop works.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import threading
@@ -17,13 +16,13 @@ from typing import Any, TypeVar
 
 from ._errors import LoadReentryError
 
-__all__ = ["run_sync", "loop_thread", "uvloop_available"]
+__all__ = ["loop_thread", "run_sync", "uvloop_available"]
 
 log = logging.getLogger("asyncload.loop")
 T = TypeVar("T")
 
 _lock = threading.Lock()
-_threads: dict[bool, "_LoopThread"] = {}
+_threads: dict[bool, _LoopThread] = {}
 
 
 def uvloop_available() -> bool:
@@ -51,7 +50,9 @@ class _LoopThread:
             self.loop.call_soon(ready.set)
             self.loop.run_forever()
 
-        self.thread = threading.Thread(target=main, name=f"asyncload-loop{'-uvloop' if use_uvloop else ''}", daemon=True)
+        self.thread = threading.Thread(
+            target=main, name=f"asyncload-loop{'-uvloop' if use_uvloop else ''}", daemon=True
+        )
         self.thread.start()
         ready.wait()
 
@@ -76,8 +77,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def run_sync(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, grace: float = 30.0,
-             on_task: Any = None) -> T:
+def run_sync(
+    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, grace: float = 30.0, on_task: Any = None
+) -> T:
     """Run ``coro`` on ``loop`` (another thread's) and wait for it.
 
     On KeyboardInterrupt (or any exception) while waiting, the task is cancelled and
@@ -91,7 +93,8 @@ def run_sync(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, g
         raise LoadReentryError(
             "asyncload's blocking API was called from its own event-loop thread (for example from a "
             "progress callback): it would wait forever; call it from another thread, or use "
-            "asyncload.aload from async code")
+            "asyncload.aload from async code"
+        )
     done = threading.Event()
     box: dict[str, asyncio.Task[T]] = {}
 
@@ -119,6 +122,6 @@ def run_sync(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, g
             loop.call_soon_threadsafe(cancel)
             try:
                 done.wait(timeout=grace)
-            except BaseException:  # noqa: BLE001 - a second Ctrl-C: stop waiting
+            except BaseException:
                 pass
         raise

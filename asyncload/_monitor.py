@@ -40,13 +40,14 @@ _PROGRESS_INTERVAL = 0.5
 
 
 def _group_store(group: Any) -> Any:
-    pg = group if group is not None else dist.group.WORLD
+    pg: Any = group if group is not None else dist.group.WORLD
     try:
         return dist.distributed_c10d._get_process_group_store(pg)
-    except Exception as exc:  # noqa: BLE001 - a group without a store
+    except Exception as exc:
         raise DistributedLoadError(
             f"asyncload needs the process group's store to coordinate a multi-rank load and this group has none "
-            f"({type(exc).__name__}: {exc})") from exc
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 _seq_lock = threading.Lock()
@@ -55,7 +56,7 @@ _previous_keys: dict[str, tuple[Any, list[str]]] = {}
 
 
 def _group_name(group: Any) -> str:
-    pg = group if group is not None else dist.group.WORLD
+    pg: Any = group if group is not None else dist.group.WORLD
     return str(getattr(pg, "group_name", "") or dist.distributed_c10d._get_process_group_name(pg))
 
 
@@ -95,25 +96,27 @@ class _GuardedStore:
             raise DistributedLoadError(
                 f"rank {self._rank} lost the process group's store ({type(exc).__name__}: {str(exc)[:300]}); "
                 "the rank that hosts it (the rendezvous master, usually rank 0) has probably exited or "
-                "crashed", doing="hosting the store") from exc
+                "crashed",
+                doing="hosting the store",
+            ) from exc
 
     def set(self, key: str, value: str) -> None:
         self._call("set", key, value)
 
     def get(self, key: str) -> bytes:
-        return self._call("get", key)  # type: ignore[no-any-return]
+        return self._call("get", key)
 
     def check(self, keys: list[str]) -> bool:
-        return self._call("check", keys)  # type: ignore[no-any-return]
+        return self._call("check", keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._call("multi_get", keys)  # type: ignore[no-any-return]
+        return self._call("multi_get", keys)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call("compare_set", key, expected, desired)  # type: ignore[no-any-return]
+        return self._call("compare_set", key, expected, desired)
 
     def delete_key(self, key: str) -> bool:
-        return self._call("delete_key", key)  # type: ignore[no-any-return]
+        return self._call("delete_key", key)
 
 
 class Monitor:
@@ -154,7 +157,7 @@ class Monitor:
         key = f"st/{self.rank}"
         try:
             self.store.set(key, f"{self._counter}|{self._text}")
-        except Exception:  # noqa: BLE001 - status is best effort; a dead store shows up elsewhere
+        except Exception:
             log.debug("could not write status", exc_info=True)
         self._last_write = time.monotonic()
         if key not in self._written:
@@ -198,14 +201,17 @@ class Monitor:
         if isinstance(exc, DistributedLoadError) and exc.rank is not None and exc.rank != self.rank:
             value = f"{exc.rank}|{exc.doing}|{exc}"  # a peer's failure this rank saw first
         else:
-            kind = "the load was cancelled" if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)) \
+            kind = (
+                "the load was cancelled"
+                if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
                 else f"{type(exc).__name__}: {exc}"
+            )
             value = f"{self.rank}|{doing}|rank {self.rank} failed while {doing}: {kind}"
         self._written.append("abort")
         try:
             self.store.compare_set("abort", "", value[:4000])
             exc._asyncload_posted = True  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - the peers will see a stall instead
+        except Exception:
             log.warning("could not post this rank's failure to the other ranks", exc_info=True)
         self.status(f"failed while {doing}")
 
@@ -222,8 +228,10 @@ class Monitor:
                 return
         self._written.append("abort")
         what = status or "it had not started the load"
-        message = (f"rank {rank} made no progress for {idle:.1f} s (LoadOptions.collective_timeout="
-                   f"{self.timeout}); its last status: {what}; rank {self.rank} gave up on it while {doing}")
+        message = (
+            f"rank {rank} made no progress for {idle:.1f} s (LoadOptions.collective_timeout="
+            f"{self.timeout}); its last status: {what}; rank {self.rank} gave up on it while {doing}"
+        )
         self.store.compare_set("abort", "", f"{rank}|{what}|{message}")
         self.check()
         raise DistributedLoadError(message, rank=rank, doing=what)  # pragma: no cover - check() raised
@@ -263,8 +271,9 @@ class Monitor:
         self._written.append(key)
         if got != b"arrived":
             self.check()
-            raise DistributedLoadError(f"rank {self.rank} arrived at {name!r} after the other ranks gave up on it",
-                                       rank=self.rank, doing=name)
+            raise DistributedLoadError(
+                f"rank {self.rank} arrived at {name!r} after the other ranks gave up on it", rank=self.rank, doing=name
+            )
         return [f"at/{name}/{r}" for r in range(self.world)]
 
     def _poll(self, name: str, keys: list[str], doing: str, state: dict[str, float]) -> bool:
@@ -296,7 +305,7 @@ class Monitor:
             for k in set(keys):
                 try:
                     store.delete_key(k)
-                except Exception:  # noqa: BLE001 - cleanup is best effort
+                except Exception:
                     break
 
     def barrier(self, name: str, doing: str) -> None:
@@ -338,5 +347,3 @@ class Monitor:
         while True:
             await asyncio.sleep(_WATCH_INTERVAL)
             self.check()
-
-

@@ -122,15 +122,19 @@ class LoadOptions:
             raise ValueError(f"LoadOptions.{field}={value!r} is invalid: {want}")
 
         cs = self.chunk_size
-        if (self.min_chunk_size is None or isinstance(self.min_chunk_size, _Derived)) and \
-                isinstance(cs, int) and not isinstance(cs, bool) and cs > 0:
+        if (
+            (self.min_chunk_size is None or isinstance(self.min_chunk_size, _Derived))
+            and isinstance(cs, int)
+            and not isinstance(cs, bool)
+            and cs > 0
+        ):
             object.__setattr__(self, "min_chunk_size", _Derived(min(DEFAULT_MIN_CHUNK_SIZE, cs)))
 
         for name in ("chunk_size", "min_chunk_size", "memory_budget", "max_metadata_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 bad(name, v, "expected a positive int (bytes)")
-        if self.min_chunk_size > self.chunk_size:
+        if self.min_chunk_size is not None and self.min_chunk_size > self.chunk_size:
             bad("min_chunk_size", self.min_chunk_size, f"must not exceed chunk_size={self.chunk_size}")
         if self.memory_budget < MIN_MEMORY_BUDGET:
             bad("memory_budget", self.memory_budget, f"must be at least {MIN_MEMORY_BUDGET} bytes")
@@ -142,8 +146,9 @@ class LoadOptions:
         ):
             bad("timeout", self.timeout, "expected a positive number of seconds or None")
         ct = self.collective_timeout
-        if ct is not None and (isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0
-                               or math.isinf(ct)):
+        if ct is not None and (
+            isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0 or math.isinf(ct)
+        ):
             bad("collective_timeout", ct, "expected a positive number of seconds or None")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             bad("retries", self.retries, "expected an int >= 0")
@@ -151,7 +156,11 @@ class LoadOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
                 bad(name, v, "expected a number of seconds >= 0")
-        if isinstance(self.hedge_factor, bool) or not isinstance(self.hedge_factor, (int, float)) or not self.hedge_factor >= 1:
+        if (
+            isinstance(self.hedge_factor, bool)
+            or not isinstance(self.hedge_factor, (int, float))
+            or not self.hedge_factor >= 1
+        ):
             bad("hedge_factor", self.hedge_factor, "expected a number >= 1")
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
@@ -166,13 +175,18 @@ class LoadOptions:
 
     @functools.cached_property
     def retry_policy(self) -> RetryPolicy:
-        return RetryPolicy(timeout=self.timeout, retries=self.retries, backoff=self.backoff,
-                           max_backoff=self.max_backoff)
+        return RetryPolicy(
+            timeout=self.timeout, retries=self.retries, backoff=self.backoff, max_backoff=self.max_backoff
+        )
 
     @functools.cached_property
     def hedge_policy(self) -> HedgePolicy:
-        return HedgePolicy(enabled=self.hedge, factor=self.hedge_factor, min_delay=self.hedge_min_delay,
-                           max_in_flight=max(2, self.max_in_flight // 4))
+        return HedgePolicy(
+            enabled=self.hedge,
+            factor=self.hedge_factor,
+            min_delay=self.hedge_min_delay,
+            max_in_flight=max(2, self.max_in_flight // 4),
+        )
 
     @functools.cached_property
     def chunk_policy(self) -> ChunkPolicy:
@@ -193,5 +207,5 @@ class LoadOptions:
     def initial_concurrency(self) -> int:
         return 8 if self.concurrency == "auto" else int(self.concurrency)
 
-    def replace(self, **changes: object) -> "LoadOptions":
+    def replace(self, **changes: object) -> LoadOptions:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -21,10 +21,8 @@ import concurrent.futures
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
-
-import numpy as np
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from ._assembly import StagingPool, assemble, track
 from ._budget import ByteBudget, Limiter
@@ -43,8 +41,14 @@ log = logging.getLogger("asyncload.pipeline")
 class Pipeline:
     """Reads chunks from one storage with ``concurrency`` reads in flight under a budget."""
 
-    def __init__(self, storage: RetryingStorage | Storage, options: LoadOptions, stats: StatsRecorder,
-                 executor: concurrent.futures.Executor, budget: ByteBudget | None = None) -> None:
+    def __init__(
+        self,
+        storage: RetryingStorage | Storage,
+        options: LoadOptions,
+        stats: StatsRecorder,
+        executor: concurrent.futures.Executor,
+        budget: ByteBudget | None = None,
+    ) -> None:
         if not isinstance(storage, RetryingStorage):  # a bare store: give it the load's policy
             storage = RetryingStorage.for_options(storage, options, stats, executor)
         self.storage = storage
@@ -71,8 +75,11 @@ class Pipeline:
         """Read and assemble every chunk; raise the first error (others are cancelled)."""
         if self.storage.supports_readinto:
             chunks = list(chunks)
-            if chunks and all(c.nbytes <= _BATCH_CHUNK for c in chunks) and \
-                    (self.staging is None or not any(c.needs_pinned for c in chunks)):
+            if (
+                chunks
+                and all(c.nbytes <= _BATCH_CHUNK for c in chunks)
+                and (self.staging is None or not any(c.needs_pinned for c in chunks))
+            ):
                 # Many tiny local reads (header probes, small records): one thread hop per
                 # batch instead of per read. Same budget; errors translated the same way.
                 chunks = _batches(chunks, min(self.budget.capacity, _BATCH_BYTES))
@@ -171,10 +178,10 @@ class Pipeline:
         storage = self.storage
         t0 = time.monotonic()
         if storage.supports_readinto and chunk.tiles_into():
-            views = [s.into for s in chunk.segments]
+            views = [s.into for s in chunk.segments if s.into is not None]  # all of them: tiles_into
             # verify=True: checksummed on the I/O thread, in the same hop
             then = functools.partial(track, chunk, views) if chunk.trackers else None
-            await storage.readinto(chunk.name, chunk.start, views, then=then)  # type: ignore[arg-type]
+            await storage.readinto(chunk.name, chunk.start, views, then=then)
             t1 = time.monotonic()
             self.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
             self._count_assembled(chunk, t1, t0)
@@ -198,8 +205,7 @@ class Pipeline:
 
     async def _run_batch(self, batch: _Batch) -> None:
         t0 = time.monotonic()
-        await self.storage.read_batch([(c.name, c.start, c.end, functools.partial(assemble, c))
-                                       for c in batch.members])
+        await self.storage.read_batch([(c.name, c.start, c.end, functools.partial(assemble, c)) for c in batch.members])
         self.stats.add(chunks=len(batch.members), storage_wait_seconds=time.monotonic() - t0)
         for c in batch.members:
             self._count_assembled(c, time.monotonic())
@@ -209,9 +215,16 @@ class Pipeline:
         t2 = time.monotonic()
         self.stats.add(bytes_assembled=payload, assembly_seconds=t2 - t1)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("chunk %s [%d, %d) %d bytes in %d segments: read %.2f ms, assembled %.2f ms",
-                      chunk.name, chunk.start, chunk.end, chunk.nbytes, len(chunk.segments),
-                      (t1 - (t1 if t0 is None else t0)) * 1e3, (t2 - t1) * 1e3)
+            log.debug(
+                "chunk %s [%d, %d) %d bytes in %d segments: read %.2f ms, assembled %.2f ms",
+                chunk.name,
+                chunk.start,
+                chunk.end,
+                chunk.nbytes,
+                len(chunk.segments),
+                (t1 - (t1 if t0 is None else t0)) * 1e3,
+                (t2 - t1) * 1e3,
+            )
         if self.on_progress is not None and payload:
             self.on_progress(payload)
 
@@ -279,8 +292,9 @@ class _AutoTuner:
         else:
             self.slow_start = False
             if cost is not None and self.base_cost is not None and cost > 1.5 * self.base_cost and limit > 1:
-                p._set_limit(max(1, limit - max(1, limit // 5)),
-                             f"throughput flat at {rate / 2**20:.1f} MiB/s, latency rising")
+                p._set_limit(
+                    max(1, limit - max(1, limit // 5)), f"throughput flat at {rate / 2**20:.1f} MiB/s, latency rising"
+                )
         self.prev_rate = rate
 
 

@@ -11,17 +11,15 @@ through a staging buffer and one strided copy.
 
 from __future__ import annotations
 
-import ctypes
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
-from ._errors import CheckpointFormatError, StateDictMismatchError
 from ._assembly import memory_of, tensor_over
 from ._chunks import Chunk, Piece, TensorLocation
+from ._errors import CheckpointFormatError, StateDictMismatchError
 
 __all__ = ["make_chunks", "plan_tensor"]
 
@@ -50,9 +48,19 @@ def _max_gap_elems(lens: Sequence[int], strides: Sequence[int]) -> int:
     return gap
 
 
-def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[int], dest: torch.Tensor, *,
-                chunk_size: int, min_chunk_size: int, allow_cast: bool = False, key: str = "",
-                direct_ok: bool = True, stager: Any = None) -> list[Piece]:
+def plan_tensor(
+    loc: TensorLocation,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    dest: torch.Tensor,
+    *,
+    chunk_size: int,
+    min_chunk_size: int,
+    allow_cast: bool = False,
+    key: str = "",
+    direct_ok: bool = True,
+    stager: Any = None,
+) -> list[Piece]:
     """Pieces that copy box ``[offsets, offsets + lengths)`` of the saved tensor into ``dest``.
 
     ``dest`` has shape ``lengths`` (already narrowed to the destination box). When
@@ -61,15 +69,25 @@ def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[i
     """
     loc.check()
     n = len(loc.size)
-    if len(offsets) != n or len(lengths) != n or any(o < 0 or o + l > s for o, l, s in zip(offsets, lengths, loc.size)):
-        raise CheckpointFormatError(f"{loc.where}: read of box offsets {list(offsets)} lengths {list(lengths)} "
-                                    f"does not fit the saved chunk of size {list(loc.size)}")
+    if (
+        len(offsets) != n
+        or len(lengths) != n
+        or any(o < 0 or o + ln > s for o, ln, s in zip(offsets, lengths, loc.size))
+    ):
+        raise CheckpointFormatError(
+            f"{loc.where}: read of box offsets {list(offsets)} lengths {list(lengths)} "
+            f"does not fit the saved chunk of size {list(loc.size)}"
+        )
     if tuple(dest.shape) != tuple(lengths):
-        raise StateDictMismatchError(f"{key or loc.where}: destination has shape {list(dest.shape)}, "
-                                     f"the checkpoint's piece has shape {list(lengths)}")
+        raise StateDictMismatchError(
+            f"{key or loc.where}: destination has shape {list(dest.shape)}, "
+            f"the checkpoint's piece has shape {list(lengths)}"
+        )
     if dest.dtype != loc.dtype and not allow_cast:
-        raise StateDictMismatchError(f"{key or loc.where}: destination dtype {dest.dtype} differs from the saved "
-                                     f"{loc.dtype} (set LoadOptions.allow_dtype_cast=True to convert on load)")
+        raise StateDictMismatchError(
+            f"{key or loc.where}: destination dtype {dest.dtype} differs from the saved "
+            f"{loc.dtype} (set LoadOptions.allow_dtype_cast=True to convert on load)"
+        )
     if math.prod(lengths) == 0:
         return []
     isz = loc.itemsize
@@ -97,12 +115,22 @@ def plan_tensor(loc: TensorLocation, offsets: Sequence[int], lengths: Sequence[i
         strides = list(strides_p)
         useful = view.numel() * view.element_size()
         if on_device:
-            pieces.append(Piece(loc.name, start_b, end_b, deliver=stager.deliverer(view, src_dtype, shape, strides),
-                                keep=view, pinned=True, useful=useful))
+            pieces.append(
+                Piece(
+                    loc.name,
+                    start_b,
+                    end_b,
+                    deliver=stager.deliverer(view, src_dtype, shape, strides),
+                    keep=view,
+                    pinned=True,
+                    useful=useful,
+                )
+            )
             return
 
-        def deliver(data: memoryview, shape: list[int] = shape, strides: list[int] = strides,
-                    view: torch.Tensor = view) -> None:
+        def deliver(
+            data: memoryview, shape: list[int] = shape, strides: list[int] = strides, view: torch.Tensor = view
+        ) -> None:
             src = tensor_over(data, src_dtype).as_strided(shape, strides, 0)
             view.copy_(src)
 
@@ -164,8 +192,9 @@ def make_chunks(pieces: Iterable[Piece], *, chunk_size: int, min_chunk_size: int
             if cur:
                 gap = p.start - cur_end
                 small = p.nbytes < min_chunk_size and (cur_end - cur_start) < min_chunk_size
-                if (gap == 0 or (0 < gap <= min_chunk_size and small) or gap < 0) and \
-                        max(cur_end, p.end) - cur_start <= chunk_size:
+                if (gap == 0 or (0 < gap <= min_chunk_size and small) or gap < 0) and max(
+                    cur_end, p.end
+                ) - cur_start <= chunk_size:
                     cur.append(p)
                     cur_end = max(cur_end, p.end)
                     continue

@@ -36,8 +36,8 @@ import random
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._errors import (
@@ -51,17 +51,41 @@ from ._options import HedgePolicy, LoadOptions, RetryPolicy
 from ._stats import StatsRecorder
 from ._storage import ShortReadError, Storage
 
-__all__ = ["Failure", "LoadClock", "RetryingStorage", "call_with_retry", "classify", "clock_of", "hedge_delay", "translate"]
+__all__ = [
+    "Failure",
+    "LoadClock",
+    "RetryingStorage",
+    "call_with_retry",
+    "classify",
+    "clock_of",
+    "hedge_delay",
+    "translate",
+]
 
 log = logging.getLogger("asyncload.retry")
 T = TypeVar("T")
 
-_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-                   "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed"}
+_THROTTLE_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+}
 _SLOW_DOWN_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}
 #: Exceptions that mean "the body was cut short" (aiohttp, botocore, http.client).
-_SHORT_BODY_ERRORS = {"ClientPayloadError", "ContentLengthError", "TransferEncodingError", "IncompleteReadError",
-                      "ResponseStreamingError", "IncompleteRead"}
+_SHORT_BODY_ERRORS = {
+    "ClientPayloadError",
+    "ContentLengthError",
+    "TransferEncodingError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "IncompleteRead",
+}
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
 _DENIED_CODES = {"AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "401"}
 
@@ -143,8 +167,9 @@ def classify(exc: BaseException) -> Failure:
             return Failure(False, "range_not_satisfiable", 416, format_error=True)
         if code in _THROTTLE_CODES or status in (408, 429, 500, 502, 503, 504):
             throttle = status in (429, 503) or code in _SLOW_DOWN_CODES
-            return Failure(True, f"status_{status}" if status else f"code_{code}", status, _retry_after(e),
-                           throttle=throttle)
+            return Failure(
+                True, f"status_{status}" if status else f"code_{code}", status, _retry_after(e), throttle=throttle
+            )
         if status is not None and 400 <= status < 500:
             return Failure(False, f"status_{status}", status)
         if status is not None and status >= 500:
@@ -169,8 +194,9 @@ def classify(exc: BaseException) -> Failure:
     return Failure(False, type(exc).__name__)
 
 
-def translate(exc: BaseException, *, url: str, byte_range: tuple[int, int] | None, attempts: int,
-              failure: Failure | None = None) -> AsyncLoadError:
+def translate(
+    exc: BaseException, *, url: str, byte_range: tuple[int, int] | None, attempts: int, failure: Failure | None = None
+) -> AsyncLoadError:
     """The asyncload error for a read of ``url`` that failed for good."""
     if isinstance(exc, AsyncLoadError):
         return exc
@@ -178,21 +204,38 @@ def translate(exc: BaseException, *, url: str, byte_range: tuple[int, int] | Non
     where = f"{url} bytes [{byte_range[0]}, {byte_range[1]})" if byte_range else url
     tries = f"after {attempts} attempt{'s' if attempts != 1 else ''}"
     if f.not_found:
-        what = f"reading {where} failed: the object does not exist" if byte_range and byte_range[1] else \
-            f"{url} does not exist"
-        return CheckpointNotFoundError(f"{what} ({type(exc).__name__}: {exc})"[:800],
-                                       path=url, byte_range=byte_range, attempts=attempts, status=404)
+        what = (
+            f"reading {where} failed: the object does not exist"
+            if byte_range and byte_range[1]
+            else f"{url} does not exist"
+        )
+        return CheckpointNotFoundError(
+            f"{what} ({type(exc).__name__}: {exc})"[:800],
+            path=url,
+            byte_range=byte_range,
+            attempts=attempts,
+            status=404,
+        )
     if f.format_error or (isinstance(exc, ShortReadError) and not f.retryable):
         return CheckpointFormatError(f"{where} lies past the end of the file: the file is truncated ({exc})")
     if isinstance(exc, ShortReadError):
-        return StorageReadError(f"reading {where} returned {exc.got} of {exc.end - exc.start} bytes {tries}: "
-                                "the body was cut short every time (raise LoadOptions.retries if the network is flaky; "
-                                "a file shorter than its metadata says is truncated)",
-                                path=url, byte_range=byte_range, attempts=attempts)
+        return StorageReadError(
+            f"reading {where} returned {exc.got} of {exc.end - exc.start} bytes {tries}: "
+            "the body was cut short every time (raise LoadOptions.retries if the network is flaky; "
+            "a file shorter than its metadata says is truncated)",
+            path=url,
+            byte_range=byte_range,
+            attempts=attempts,
+        )
     hint = "" if not f.retryable else " (raise LoadOptions.retries or LoadOptions.timeout for a flaky store)"
     status = f" HTTP {f.status}" if f.status else ""
-    return StorageReadError(f"reading {where} failed{status} {tries}: {type(exc).__name__}: {exc}"[:800] + hint,
-                            path=url, byte_range=byte_range, attempts=attempts, status=f.status)
+    return StorageReadError(
+        f"reading {where} failed{status} {tries}: {type(exc).__name__}: {exc}"[:800] + hint,
+        path=url,
+        byte_range=byte_range,
+        attempts=attempts,
+        status=f.status,
+    )
 
 
 class LoadClock:
@@ -228,7 +271,7 @@ class LoadClock:
         return times[min(len(times) - 1, int(q * len(times)))]
 
 
-_clocks: "weakref.WeakKeyDictionary[StatsRecorder, LoadClock]" = weakref.WeakKeyDictionary()
+_clocks: weakref.WeakKeyDictionary[StatsRecorder, LoadClock] = weakref.WeakKeyDictionary()
 
 
 def clock_of(stats: StatsRecorder) -> LoadClock:
@@ -263,15 +306,21 @@ async def _cancel_and_wait(tasks: set[asyncio.Task[Any]]) -> None:
     for t in tasks:
         try:
             await t
-        except BaseException:  # noqa: BLE001 - losers' outcomes are discarded on purpose
+        except BaseException:
             pass
 
 
-async def _attempt(op: Callable[[], Awaitable[T]], timeout: float | None, hedge: HedgePolicy | None,
-                   stats: StatsRecorder, clock: LoadClock, nbytes: int) -> T:
+async def _attempt(
+    op: Callable[[], Awaitable[T]],
+    limit: float | None,
+    hedge: HedgePolicy | None,
+    stats: StatsRecorder,
+    clock: LoadClock,
+    nbytes: int,
+) -> T:
     """One attempt, with at most one hedged duplicate; the first success wins.
 
-    Raises ``asyncio.TimeoutError`` when ``timeout`` passes without progress (see the
+    Raises ``asyncio.TimeoutError`` when ``limit`` seconds pass without progress (see the
     module docstring), or the error of the last request to fail."""
     started = time.monotonic()
     pending: set[asyncio.Future[Any]] = {asyncio.ensure_future(op())}
@@ -281,10 +330,10 @@ async def _attempt(op: Callable[[], Awaitable[T]], timeout: float | None, hedge:
         while pending:
             now = time.monotonic()
             wait: float | None = None
-            if timeout is not None:
-                deadline = clock.deadline(started, timeout)
+            if limit is not None:
+                deadline = clock.deadline(started, limit)
                 if now >= deadline:
-                    raise asyncio.TimeoutError()
+                    raise TimeoutError()
                 wait = deadline - now
             if hedge is not None and not hedged:
                 after = hedge_delay(hedge, clock, nbytes)
@@ -293,8 +342,12 @@ async def _attempt(op: Callable[[], Awaitable[T]], timeout: float | None, hedge:
                         hedged = True
                         stats.add(hedges=1)
                         clock.hedges_in_flight += 1
-                        log.debug("hedging a read of %d bytes still running after %.3f s (delay %.3f s)",
-                                  nbytes, now - started, after)
+                        log.debug(
+                            "hedging a read of %d bytes still running after %.3f s (delay %.3f s)",
+                            nbytes,
+                            now - started,
+                            after,
+                        )
                         dup = asyncio.ensure_future(op())
                         dup.add_done_callback(lambda _f: _hedge_done(clock))
                         pending.add(dup)
@@ -319,9 +372,16 @@ def _hedge_done(clock: LoadClock) -> None:
     clock.hedges_in_flight -= 1
 
 
-async def call_with_retry(op: Callable[[], Awaitable[T]], *, retry: RetryPolicy, stats: StatsRecorder,
-                          url: str, byte_range: tuple[int, int] | None, hedge: HedgePolicy | None = None,
-                          on_throttle: Callable[[], None] | None = None) -> T:
+async def call_with_retry(
+    op: Callable[[], Awaitable[T]],
+    *,
+    retry: RetryPolicy,
+    stats: StatsRecorder,
+    url: str,
+    byte_range: tuple[int, int] | None,
+    hedge: HedgePolicy | None = None,
+    on_throttle: Callable[[], None] | None = None,
+) -> T:
     """Run ``op`` (one storage call about ``byte_range`` of ``url``; ``None``: the whole
     file) with the load's timeout, retry and hedge policy (module docstring); translate
     the final error. Only :class:`RetryingStorage` calls it.
@@ -339,7 +399,7 @@ async def call_with_retry(op: Callable[[], Awaitable[T]], *, retry: RetryPolicy,
             result = await _attempt(op, retry.timeout, hedge, stats, clock, nbytes)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - classified below
+        except Exception as exc:
             failure = classify(exc)
             if failure.throttle and on_throttle is not None:
                 on_throttle()
@@ -351,15 +411,25 @@ async def call_with_retry(op: Callable[[], Awaitable[T]], *, retry: RetryPolicy,
                         f"reading {where} made no progress within {retry.timeout} s on any of {attempt} "
                         f"attempt{'s' if attempt != 1 else ''} "
                         "(raise LoadOptions.timeout or LoadOptions.retries, or lower chunk_size)",
-                        path=url, byte_range=byte_range or (0, 0), attempts=attempt) from exc
+                        path=url,
+                        byte_range=byte_range or (0, 0),
+                        attempts=attempt,
+                    ) from exc
                 raise translate(exc, url=url, byte_range=byte_range, attempts=attempt, failure=failure) from exc
             stats.retry(failure.cause)
             delay = min(retry.max_backoff, retry.backoff * (2 ** (attempt - 1)))
             delay = random.uniform(0, delay)  # full jitter
             if failure.retry_after is not None:
                 delay = max(delay, min(failure.retry_after, retry.max_backoff))
-            log.debug("retrying %s %s after %s (attempt %d of %d) in %.3f s",
-                      url, byte_range, failure.cause, attempt, attempts, delay)
+            log.debug(
+                "retrying %s %s after %s (attempt %d of %d) in %.3f s",
+                url,
+                byte_range,
+                failure.cause,
+                attempt,
+                attempts,
+                delay,
+            )
             await asyncio.sleep(delay)
         else:
             elapsed = time.monotonic() - t0
@@ -382,8 +452,15 @@ class RetryingStorage:
     (all but the ``.metadata`` read); hedging applies to remote stores only.
     """
 
-    def __init__(self, storage: Storage, *, retry: RetryPolicy, hedge: HedgePolicy, stats: StatsRecorder,
-                 executor: concurrent.futures.Executor) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        retry: RetryPolicy,
+        hedge: HedgePolicy,
+        stats: StatsRecorder,
+        executor: concurrent.futures.Executor,
+    ) -> None:
         self.raw = storage
         self.retry = retry
         self.hedge = hedge if storage.hedgeable and hedge.enabled else None
@@ -393,8 +470,9 @@ class RetryingStorage:
         self.on_throttle: Callable[[], None] | None = None
 
     @classmethod
-    def for_options(cls, storage: Storage, options: LoadOptions, stats: StatsRecorder,
-                    executor: concurrent.futures.Executor) -> RetryingStorage:
+    def for_options(
+        cls, storage: Storage, options: LoadOptions, stats: StatsRecorder, executor: concurrent.futures.Executor
+    ) -> RetryingStorage:
         return cls(storage, retry=options.retry_policy, hedge=options.hedge_policy, stats=stats, executor=executor)
 
     @property
@@ -412,14 +490,20 @@ class RetryingStorage:
     def url(self, name: str) -> str:
         return self.raw.url(name)
 
-    async def _call(self, op: Callable[[], Awaitable[T]], name: str, byte_range: tuple[int, int] | None, *,
-                    hedge: bool = False) -> T:
-        return await call_with_retry(op, retry=self.retry, stats=self.stats, url=self.raw.url(name),
-                                     byte_range=byte_range, hedge=self.hedge if hedge else None,
-                                     on_throttle=self.on_throttle)
+    async def _call(
+        self, op: Callable[[], Awaitable[T]], name: str, byte_range: tuple[int, int] | None, *, hedge: bool = False
+    ) -> T:
+        return await call_with_retry(
+            op,
+            retry=self.retry,
+            stats=self.stats,
+            url=self.raw.url(name),
+            byte_range=byte_range,
+            hedge=self.hedge if hedge else None,
+            on_throttle=self.on_throttle,
+        )
 
-    async def read(self, name: str, start: int, end: int, *, hedge: bool = True,
-                   counted: bool = True) -> memoryview:
+    async def read(self, name: str, start: int, end: int, *, hedge: bool = True, counted: bool = True) -> memoryview:
         """Exactly bytes ``[start, end)`` of file ``name`` (``counted``: in ``bytes_read``,
         which leaves out the checkpoint's ``.metadata``)."""
         if end <= start:
@@ -430,8 +514,9 @@ class RetryingStorage:
             self.stats.add(bytes_read=end - start)
         return memoryview(data).cast("B") if not isinstance(data, memoryview) else data
 
-    async def readinto(self, name: str, start: int, buffers: Sequence[memoryview], *,
-                       then: Callable[[], None] | None = None) -> None:
+    async def readinto(
+        self, name: str, start: int, buffers: Sequence[memoryview], *, then: Callable[[], None] | None = None
+    ) -> None:
         """Fill ``buffers`` with the bytes from ``start`` on. A store that reads into caller
         memory does it on an I/O thread and runs ``then`` (a checksum) in the same hop."""
         raw = self.raw
@@ -465,8 +550,11 @@ class RetryingStorage:
                 deliver(memoryview(buf))
 
         first = reads[0]
-        span = (min(r[1] for r in reads), max(r[2] for r in reads)) if all(r[0] == first[0] for r in reads) \
+        span = (
+            (min(r[1] for r in reads), max(r[2] for r in reads))
+            if all(r[0] == first[0] for r in reads)
             else (first[1], first[2])
+        )
         await self._call(lambda: loop.run_in_executor(self.executor, job), first[0], span)
         self.stats.add(bytes_read=sum(r[2] - r[1] for r in reads))
 
@@ -479,7 +567,7 @@ class RetryingStorage:
         names it could not list are left out, ask :meth:`size` for those)."""
         try:
             return await asyncio.wait_for(self.raw.sizes(names), self.retry.timeout)
-        except Exception:  # noqa: BLE001 - an optimisation only: per-file sizes follow
+        except Exception:
             log.debug("listing %s failed; asking for each file's size instead", self.raw.root, exc_info=True)
             return {}
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointFormatError
 from ._chunks import TensorLocation
+from ._errors import CheckpointFormatError
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",

@@ -39,12 +39,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from . import _cuda, _formats
+from ._assembly import copy_bytes
+from ._chunks import Chunk, Piece
 from ._crc import CrcTracker, gaps
 from ._errors import CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
 from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
-from ._assembly import copy_bytes
-from ._chunks import Chunk, Piece
 from ._pipeline import Pipeline
 from ._plan import make_chunks, plan_tensor
 from ._retry import RetryingStorage
@@ -99,7 +99,6 @@ class _Record:
         return f"record {self.fqn!r} at [{self.offset}, {self.end}) of {self.name}"
 
 
-
 class LoadSession:
     """The async core of one load of ``checkpoint`` (a local path, ``PathLike``, ``file://``
     or fsspec URL; ``storage_options`` go to the fsspec filesystem).
@@ -108,8 +107,13 @@ class LoadSession:
     :meth:`begin` starts each one's statistics and clock.
     """
 
-    def __init__(self, checkpoint: str | os.PathLike[str], *, options: LoadOptions | None = None,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        options: LoadOptions | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.checkpoint = checkpoint
         self.options = options or LoadOptions()
         self.storage_options = dict(storage_options or {})
@@ -244,8 +248,9 @@ class LoadSession:
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """The load's I/O and assembly threads (started on first use)."""
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(self._io_threads(),
-                                                                   thread_name_prefix="asyncload-io")
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self._io_threads(), thread_name_prefix="asyncload-io"
+            )
         return self._executor
 
     async def storage(self) -> RetryingStorage:
@@ -275,8 +280,9 @@ class LoadSession:
         if storage is not None:
             await storage.aclose()
         if executor is not None:
-            await asyncio.get_running_loop().run_in_executor(None, lambda: executor.shutdown(wait=True,
-                                                                                             cancel_futures=True))
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: executor.shutdown(wait=True, cancel_futures=True)
+            )
 
     def close(self) -> None:
         """Sync :meth:`aclose`."""
@@ -287,7 +293,7 @@ class LoadSession:
     def close_quietly(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - closing must not mask the load's own outcome
+        except Exception:
             log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
 
     # --- metadata ------------------------------------------------------------------------
@@ -328,10 +334,13 @@ class LoadSession:
             raise CheckpointNotFoundError(
                 f"{url} does not exist: {self.checkpoint} is not a DCP checkpoint, or its save did not finish "
                 "(DCP writes .metadata last); nor is it a safetensors or torch.save checkpoint (docs/formats.md)",
-                path=url, status=404) from exc
+                path=url,
+                status=404,
+            ) from exc
         if size > options.max_metadata_size:
-            raise CheckpointFormatError(f"{url} is {size} bytes, more than LoadOptions.max_metadata_size="
-                                        f"{options.max_metadata_size}")
+            raise CheckpointFormatError(
+                f"{url} is {size} bytes, more than LoadOptions.max_metadata_size={options.max_metadata_size}"
+            )
         if size == 0:
             raise CheckpointFormatError(f"{url} is empty: the checkpoint is incomplete or damaged")
         fp = await storage.fingerprint(name)
@@ -343,11 +352,14 @@ class LoadSession:
             raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
         version = getattr(md, "version", None)
         if version not in KNOWN_DCP_VERSIONS:
-            raise CheckpointFormatError(f"{url} was written by an unknown DCP version {short_repr(version)}; "
-                                        f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}")
+            raise CheckpointFormatError(
+                f"{url} was written by an unknown DCP version {short_repr(version)}; "
+                f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}"
+            )
         check_metadata(md, url)  # every field has the type and range DCP writes
         if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
-                getattr(md, "storage_data", None), dict):
+            getattr(md, "storage_data", None), dict
+        ):
             raise CheckpointFormatError(f"{url}: metadata lacks its key or storage tables")
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -371,7 +383,8 @@ class LoadSession:
             if unexpected and self.options.strict_unexpected_keys:
                 raise StateDictMismatchError(
                     f"the checkpoint holds {len(unexpected)} keys the destination lacks: "
-                    f"{unexpected[:10]} (LoadOptions.strict_unexpected_keys=True)")
+                    f"{unexpected[:10]} (LoadOptions.strict_unexpected_keys=True)"
+                )
         return records
 
     def end_reads(self) -> None:
@@ -393,7 +406,7 @@ class LoadSession:
         finally:
             try:
                 await self.aclose()
-            except Exception:  # noqa: BLE001 - closing must not mask the load's own outcome
+            except Exception:
                 log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
 
     def commit(self, records: list[_Record], planner: LoadPlanner) -> None:
@@ -414,8 +427,9 @@ class LoadSession:
                     continue
                 if rec.raw is None:  # pragma: no cover - every object record is read whole
                     raise CheckpointFormatError(f"{rec.where}: the object was not read")
-                obj = decode_object(rec.raw, what=f"object {rec.fqn!r} in {rec.where}",
-                                    max_pickle=self.options.max_metadata_size)
+                obj = decode_object(
+                    rec.raw, what=f"object {rec.fqn!r} in {rec.where}", max_pickle=self.options.max_metadata_size
+                )
                 if ours:
                     planner.load_object(item, obj)  # type: ignore[attr-defined]
                 else:  # bytes were checked by the allow-list above; the planner decodes them its own way
@@ -432,8 +446,9 @@ class LoadSession:
         for item in plan.items:
             sinfo = storage_data.get(item.storage_index)
             if sinfo is None:
-                raise CheckpointFormatError(f"{self.checkpoint}: metadata has no storage entry for "
-                                            f"{item.storage_index}")
+                raise CheckpointFormatError(
+                    f"{self.checkpoint}: metadata has no storage entry for {item.storage_index}"
+                )
             if isinstance(sinfo, (_formats.KnownTensor, _formats.BlobTensor, _formats.KnownObject)):
                 # safetensors / torch.save files, DCP saved as safetensors: one record per item
                 rec = _Record(sinfo.relative_path, sinfo.offset, sinfo.length, item.storage_index.fqn, entry=sinfo)
@@ -443,20 +458,32 @@ class LoadSession:
                     rec.tensor_items.append((item, planner.resolve_tensor(item).detach()))
                 located.append(rec)
                 continue
-            name, offset, length = getattr(sinfo, "relative_path", None), getattr(sinfo, "offset", None), \
-                getattr(sinfo, "length", None)
-            if not isinstance(name, str) or not isinstance(offset, int) or not isinstance(length, int) or \
-                    offset < 0 or length <= 0 or "/" in name.replace(os.sep, "/") and ".." in name:
-                raise CheckpointFormatError(f"{self.checkpoint}: malformed storage entry {sinfo!r:.200} for "
-                                            f"{item.storage_index.fqn!r}")
+            name, offset, length = (
+                getattr(sinfo, "relative_path", None),
+                getattr(sinfo, "offset", None),
+                getattr(sinfo, "length", None),
+            )
+            if (
+                not isinstance(name, str)
+                or not isinstance(offset, int)
+                or not isinstance(length, int)
+                or offset < 0
+                or length <= 0
+                or ("/" in name.replace(os.sep, "/") and ".." in name)
+            ):
+                raise CheckpointFormatError(
+                    f"{self.checkpoint}: malformed storage entry {sinfo!r:.200} for {item.storage_index.fqn!r}"
+                )
             if getattr(sinfo, "transform_descriptors", None):
                 raise CheckpointFormatError(
                     f"{item.storage_index.fqn!r} in {name} was saved with stream transforms "
-                    f"{list(sinfo.transform_descriptors)}, which asyncload does not read yet")
+                    f"{list(sinfo.transform_descriptors)}, which asyncload does not read yet"
+                )
             key = (name, offset, length)
-            rec = records.get(key)
-            if rec is None:
-                rec = records[key] = _Record(name, offset, length, item.storage_index.fqn)
+            found = records.get(key)
+            if found is None:
+                found = records[key] = _Record(name, offset, length, item.storage_index.fqn)
+            rec = found
             if item.type == LoadItemType.BYTE_IO:
                 rec.byte_items.append(item)
             else:
@@ -464,8 +491,11 @@ class LoadSession:
                 if isinstance(smd, TensorStorageMetadata):
                     rec.dtype = smd.properties.dtype
                     idx = item.storage_index.index
-                    if idx is not None and 0 <= idx < len(smd.chunks) and \
-                            smd.chunks[idx].offsets == item.storage_index.offset:
+                    if (
+                        idx is not None
+                        and 0 <= idx < len(smd.chunks)
+                        and smd.chunks[idx].offsets == item.storage_index.offset
+                    ):
                         rec.chunk_md = smd.chunks[idx]
                     else:
                         rec.chunk_md = next((c for c in smd.chunks if c.offsets == item.storage_index.offset), None)
@@ -473,8 +503,9 @@ class LoadSession:
                 rec.tensor_items.append((item, dest))
         return sorted(records.values(), key=lambda r: (r.name, r.offset)) + located
 
-    async def aread(self, records: list[_Record],
-                    run_chunks: Callable[[Pipeline, list[Chunk]], Awaitable[None]] | None = None) -> None:
+    async def aread(
+        self, records: list[_Record], run_chunks: Callable[[Pipeline, list[Chunk]], Awaitable[None]] | None = None
+    ) -> None:
         """Read and assemble every record's bytes: probes and small records, then each
         large record's data; checksums and changed files checked at the end."""
         options = self.options
@@ -548,11 +579,18 @@ class LoadSession:
             if rec.known is not None:
                 loc = rec.known
             else:
+
                 async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes:
                     return bytes(await storage.read(rec.name, lo, hi))
-                layout = await aparse_archive(rec.window, rec.offset, rec.length,
-                                              f"{storage.url(rec.name)} {rec.where}", fetch,
-                                              max_pickle=options.max_metadata_size)
+
+                layout = await aparse_archive(
+                    rec.window,
+                    rec.offset,
+                    rec.length,
+                    f"{storage.url(rec.name)} {rec.where}",
+                    fetch,
+                    max_pickle=options.max_metadata_size,
+                )
                 loc = tensor_location(layout, rec.name)
                 self._check_against_metadata(rec, loc)
             tracker = None
@@ -561,11 +599,19 @@ class LoadSession:
                 trackers.append((tracker, rec))
             rec_pieces: list[Piece] = []
             for item, dest in rec.tensor_items:
-                rec_pieces.extend(plan_tensor(loc, item.storage_offsets, item.lengths, dest,
-                                              chunk_size=chunking.chunk_size,
-                                              min_chunk_size=chunking.min_chunk_size,
-                                              allow_cast=options.allow_dtype_cast, key=item.dest_index.fqn,
-                                              stager=stager))
+                rec_pieces.extend(
+                    plan_tensor(
+                        loc,
+                        item.storage_offsets,
+                        item.lengths,
+                        dest,
+                        chunk_size=chunking.chunk_size,
+                        min_chunk_size=chunking.min_chunk_size,
+                        allow_cast=options.allow_dtype_cast,
+                        key=item.dest_index.fqn,
+                        stager=stager,
+                    )
+                )
             if tracker is not None:
                 for p in rec_pieces:
                     p.tracker = tracker
@@ -577,17 +623,23 @@ class LoadSession:
                         rec_pieces.append(Piece(rec.name, a, min(hi, a + ecs), tracker=tracker))
             data_pieces.extend(rec_pieces)
             rec.window = ByteWindow()  # probes are no longer needed
-        chunks = make_chunks(data_pieces, chunk_size=chunking.chunk_size,
-                             min_chunk_size=chunking.min_chunk_size)
+        chunks = make_chunks(data_pieces, chunk_size=chunking.chunk_size, min_chunk_size=chunking.min_chunk_size)
         for c in chunks:
             for s in c.segments:
                 if s.into is None and s.deliver is None:
                     s.payload = False  # read only to be checksummed
         t_planned = time.monotonic()
         await run(pipeline, chunks)
-        log.debug("read %d records: files checked in %.4f s, probes and small records %.4f s, "
-                  "layouts and planning %.4f s (%d chunks), data %.4f s", len(records), t_checked - t_start,
-                  t_phase_a - t_checked, t_planned - t_phase_a, len(chunks), time.monotonic() - t_planned)
+        log.debug(
+            "read %d records: files checked in %.4f s, probes and small records %.4f s, "
+            "layouts and planning %.4f s (%d chunks), data %.4f s",
+            len(records),
+            t_checked - t_start,
+            t_phase_a - t_checked,
+            t_planned - t_phase_a,
+            len(chunks),
+            time.monotonic() - t_planned,
+        )
         for tracker, rec in trackers:
             self._check_crc(tracker, rec, storage)
         await self._check_unchanged(storage)
@@ -601,7 +653,8 @@ class LoadSession:
             if fp != self._fingerprints[name]:
                 raise CheckpointFormatError(
                     f"{storage.url(name)} changed while it was being read: a save is writing into this checkpoint "
-                    "(or replaced it); the destination holds a mix, load again once the save has finished")
+                    "(or replaced it); the destination holds a mix, load again once the save has finished"
+                )
 
     async def _locate(self, storage: RetryingStorage, records: list[_Record], options: LoadOptions) -> list[_Record]:
         """Records of already located formats: tensors' locations (safetensors blobs in DCP
@@ -616,8 +669,9 @@ class LoadSession:
 
         blobs = [r for r in located if isinstance(r.entry, _formats.BlobTensor)]
         if blobs:
-            locs = await _formats.aresolve_blob_tensors([r.entry for r in blobs], fetch, size_of, url=storage.url,
-                                                        max_header_size=options.max_metadata_size)
+            locs = await _formats.aresolve_blob_tensors(
+                [r.entry for r in blobs], fetch, size_of, url=storage.url, max_header_size=options.max_metadata_size
+            )
             for r in blobs:
                 r.known = locs[r.entry]
         for r in located:
@@ -645,7 +699,10 @@ class LoadSession:
             except CheckpointNotFoundError as exc:
                 raise CheckpointNotFoundError(
                     f"{storage.url(name)} is named by the checkpoint's metadata but does not exist: "
-                    "the checkpoint is incomplete", path=storage.url(name), status=404) from exc
+                    "the checkpoint is incomplete",
+                    path=storage.url(name),
+                    status=404,
+                ) from exc
 
         sizes = await asyncio.gather(*(size_of(n) for n in ends))
         fps = await asyncio.gather(*(storage.fingerprint(n) for n in ends))
@@ -656,7 +713,8 @@ class LoadSession:
             if size < end:
                 raise CheckpointFormatError(
                     f"{storage.url(name)} is {size} bytes but the metadata places a record up to byte {end} "
-                    f"(key {last[name].fqn!r}): the file is truncated, or a save is rewriting it")
+                    f"(key {last[name].fqn!r}): the file is truncated, or a save is rewriting it"
+                )
         self._recorder.add(files=len(ends))
 
     def _whole_record(self, rec: _Record, options: LoadOptions) -> Callable[[memoryview], None]:
@@ -679,9 +737,17 @@ class LoadSession:
                 recorder.add(verified_records=1)
             n = 0
             for item, dest in rec.tensor_items:
-                for p in plan_tensor(loc, item.storage_offsets, item.lengths, dest, chunk_size=1 << 62,
-                                     min_chunk_size=1 << 62, allow_cast=options.allow_dtype_cast,
-                                     key=item.dest_index.fqn, stager=self._stager):
+                for p in plan_tensor(
+                    loc,
+                    item.storage_offsets,
+                    item.lengths,
+                    dest,
+                    chunk_size=1 << 62,
+                    min_chunk_size=1 << 62,
+                    allow_cast=options.allow_dtype_cast,
+                    key=item.dest_index.fqn,
+                    stager=self._stager,
+                ):
                     part = data[p.start - rec.offset : p.end - rec.offset]
                     if p.into is not None:
                         copy_bytes(p.into, part)
@@ -699,13 +765,16 @@ class LoadSession:
         if rec.dtype is not None and loc.dtype != rec.dtype:
             raise CheckpointFormatError(f"{rec.where}: the record holds {loc.dtype}, the metadata says {rec.dtype}")
         if rec.chunk_md is not None and tuple(rec.chunk_md.sizes) != tuple(loc.size):
-            raise CheckpointFormatError(f"{rec.where}: the record holds shape {list(loc.size)}, the metadata says "
-                                        f"{list(rec.chunk_md.sizes)}")
+            raise CheckpointFormatError(
+                f"{rec.where}: the record holds shape {list(loc.size)}, the metadata says {list(rec.chunk_md.sizes)}"
+            )
 
     def _check_crc(self, tracker: CrcTracker, rec: _Record, storage: RetryingStorage) -> None:
         if not tracker.complete:  # pragma: no cover - every byte of a verified storage is read
-            raise CheckpointFormatError(f"{storage.url(rec.name)}, {rec.where}: verify=True read only "
-                                        f"{tracker.covered} of {tracker.end - tracker.start} bytes of the tensor")
+            raise CheckpointFormatError(
+                f"{storage.url(rec.name)}, {rec.where}: verify=True read only "
+                f"{tracker.covered} of {tracker.end - tracker.start} bytes of the tensor"
+            )
         _raise_on_bad_crc(tracker, rec, storage.url(rec.name))
         self._recorder.add(verified_records=1)
 
@@ -716,10 +785,12 @@ def _raise_on_bad_crc(tracker: CrcTracker, rec: _Record, url: str) -> None:
         raise CheckpointFormatError(
             f"checksum mismatch in {url}: key {rec.fqn!r}, {rec.where}, tensor bytes [{tracker.start}, "
             f"{tracker.end}) of the file: CRC-32 {got:#010x}, the record says {tracker.expected:#010x}: "
-            "the file is damaged")
+            "the file is damaged"
+        )
 
 
 def _store(win: ByteWindow, start: int) -> Callable[[memoryview], None]:
     def deliver(data: memoryview) -> None:
         win.add(start, bytes(data))
+
     return deliver

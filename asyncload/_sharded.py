@@ -34,20 +34,19 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.planner import LoadPlanner
-from torch.distributed.checkpoint.stateful import Stateful
 
-from ._dcp import PipelinedLoadPlanner
-from ._monitor import Monitor
-from ._errors import AsyncLoadError, DistributedLoadError
-from ._options import LoadOptions
 from ._assembly import assemble, copy_bytes, track
 from ._chunks import Chunk
+from ._dcp import PipelinedLoadPlanner
+from ._errors import AsyncLoadError, DistributedLoadError
+from ._monitor import Monitor
+from ._options import LoadOptions
 from ._pipeline import Pipeline
 from ._session import LoadSession
 from ._stats import _fmt_bytes
@@ -81,8 +80,14 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     on for NCCL only). Other keyword arguments are those of :class:`PipelinedLoadPlanner`.
     """
 
-    def __init__(self, *, process_group: Any = None, collective_timeout: float | None = _UNSET,
-                 ordered: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        process_group: Any = None,
+        collective_timeout: float | None = _UNSET,
+        ordered: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.ordered = ordered
         if collective_timeout is not _UNSET:
@@ -209,8 +214,10 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
         owner = min(consumers, key=lambda c: (load[c], c))
         load[owner] += end - start
         owners[(name, start)] = owner
-    transfers = [Transfer(i, name, start, end, owners[(name, start)], consumers)
-                 for i, (name, start, end, consumers) in enumerate(shared)]
+    transfers = [
+        Transfer(i, name, start, end, owners[(name, start)], consumers)
+        for i, (name, start, end, consumers) in enumerate(shared)
+    ]
     return transfers, load
 
 
@@ -250,8 +257,9 @@ def _advertise(chunks: Sequence[Chunk]) -> list[tuple[int, int] | None]:
     return out
 
 
-def _parts_for(chunks: Sequence[Chunk], adv: Sequence[tuple[int, int] | None], transfers: Sequence[Transfer],
-               rank: int) -> list[list[_Part] | None]:
+def _parts_for(
+    chunks: Sequence[Chunk], adv: Sequence[tuple[int, int] | None], transfers: Sequence[Transfer], rank: int
+) -> list[list[_Part] | None]:
     """Split each chunk into parts by source; None for a chunk this rank reads whole."""
     mine: dict[str, list[Transfer]] = {}
     for t in transfers:
@@ -352,8 +360,17 @@ class _Transport:
     def _tensor(self, view: memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
-    async def exchange(self, op: str, peers: Sequence[int], tag: int, index: int, view: memoryview, keep: Any,
-                       monitor: Monitor, doing: str) -> None:
+    async def exchange(
+        self,
+        op: str,
+        peers: Sequence[int],
+        tag: int,
+        index: int,
+        view: memoryview,
+        keep: Any,
+        monitor: Monitor,
+        doing: str,
+    ) -> None:
         """Send ``view`` to every rank in ``peers`` (``op="send"``) or receive it from the one
         peer (``op="recv"``), then wait, watching the peers for a stall."""
         loop = asyncio.get_running_loop()
@@ -369,8 +386,11 @@ class _Transport:
                     if dev is None:
                         cpu = torch.frombuffer(view, dtype=torch.uint8)
                         if self.kind == "poll":
-                            dev = cpu.to(self.device) if op == "send" else torch.empty(
-                                len(view), dtype=torch.uint8, device=self.device)
+                            dev = (
+                                cpu.to(self.device)
+                                if op == "send"
+                                else torch.empty(len(view), dtype=torch.uint8, device=self.device)
+                            )
                         else:
                             dev = cpu
                         buffers.append(dev)
@@ -386,10 +406,12 @@ class _Transport:
             if self.kind == "thread":
                 _wait_in_thread(works, (buffers, keep), loop, fut)
             else:
-                loop.create_task(_poll_works(works, fut))
+                poller = loop.create_task(_poll_works(works, fut))
+                _pollers.add(poller)  # a reference until it ends (the loop keeps only a weak one)
+                poller.add_done_callback(_pollers.discard)
             await monitor.wait_on(fut, peers, doing)
             if self.kind == "poll" and op == "recv" and dev is not None:
-                copy_bytes(view, memoryview(dev.cpu().numpy()))
+                copy_bytes(view, dev.cpu().numpy().data)
             works = []
         except BaseException as exc:
             if works and self.kind == "poll":
@@ -401,8 +423,11 @@ class _Transport:
                 current = peers[0]
             if isinstance(cause, RuntimeError) and not isinstance(cause, AsyncLoadError):  # gloo/NCCL: peer gone
                 who = f"rank {current}" if current is not None else f"rank(s) {list(peers)}"
-                raise DistributedLoadError(f"rank {monitor.rank} lost its connection to {who} while {doing}: "
-                                           f"{cause}", rank=current, doing=doing) from cause
+                raise DistributedLoadError(
+                    f"rank {monitor.rank} lost its connection to {who} while {doing}: {cause}",
+                    rank=current,
+                    doing=doing,
+                ) from cause
             if cause is not exc:
                 raise cause from None
             raise
@@ -441,7 +466,7 @@ def _wait_in_thread(works: list[Any], keep: Any, loop: asyncio.AbstractEventLoop
         for i, w in enumerate(works):
             try:
                 w.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+            except BaseException as exc:
                 err = _WorkFailed(i, exc)
                 break
         try:
@@ -451,6 +476,9 @@ def _wait_in_thread(works: list[Any], keep: Any, loop: asyncio.AbstractEventLoop
         _ = keep
 
     threading.Thread(target=run, name="asyncload-share-wait", daemon=True).start()
+
+
+_pollers: set[asyncio.Task[None]] = set()
 
 
 async def _poll_works(works: list[Any], fut: asyncio.Future[None]) -> None:
@@ -464,7 +492,7 @@ async def _poll_works(works: list[Any], fut: asyncio.Future[None]) -> None:
                 await asyncio.sleep(delay)
                 delay = min(0.005, delay * 2)
             w.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+        except BaseException as exc:
             if not fut.done():
                 fut.set_exception(_WorkFailed(i, exc))
             return
@@ -476,8 +504,9 @@ class _SharedPipeline(Pipeline):
     """The reader pool, where a chunk's bytes may come from storage, from another rank, or
     both; bytes this rank owns are sent on as soon as they are read."""
 
-    def __init__(self, base: Pipeline, session: "_ShareSession", parts: dict[int, list[_Part]], tag_base: int,
-                 total_chunks: int) -> None:
+    def __init__(
+        self, base: Pipeline, session: _ShareSession, parts: dict[int, list[_Part]], tag_base: int, total_chunks: int
+    ) -> None:
         super().__init__(base.storage, base.options, base.stats, base.executor, budget=base.budget)
         self.on_progress = base.on_progress
         # chunks for CUDA destinations: unshared ones go through the pinned ring as usual;
@@ -523,13 +552,22 @@ class _SharedPipeline(Pipeline):
             await self._read_part(chunk, part, view)
             peers = [c for c in t.consumers if c != session.rank]
             state["pending"] = True
-            await session.transport.exchange("send", peers, tag, t.index, view, chunk, session.monitor,
-                                             f"sending {where} to rank(s) {peers}")
+            await session.transport.exchange(
+                "send", peers, tag, t.index, view, chunk, session.monitor, f"sending {where} to rank(s) {peers}"
+            )
             self.stats.add(bytes_sent=t.nbytes * len(peers))
         else:
             state["pending"] = True
-            await session.transport.exchange("recv", [t.owner], tag, t.index, view, chunk, session.monitor,
-                                             f"waiting for {where} from rank {t.owner}")
+            await session.transport.exchange(
+                "recv",
+                [t.owner],
+                tag,
+                t.index,
+                view,
+                chunk,
+                session.monitor,
+                f"waiting for {where} from rank {t.owner}",
+            )
             self.stats.add(bytes_received=t.nbytes)
 
     async def _shared(self, chunk: Chunk, parts: list[_Part]) -> None:
@@ -594,8 +632,9 @@ class _ShareSession:
     ``read_data`` (through ``planner.share_session``); :meth:`run` replaces
     ``Pipeline.run`` for each read phase."""
 
-    def __init__(self, group: Any, monitor: Monitor, options: LoadOptions, *, ordered: bool | None = None,
-                 plan: Any = None) -> None:
+    def __init__(
+        self, group: Any, monitor: Monitor, options: LoadOptions, *, ordered: bool | None = None, plan: Any = None
+    ) -> None:
         self.group = group
         self.monitor = monitor
         self.options = options
@@ -648,9 +687,16 @@ class _ShareSession:
         t1 = time.monotonic()
         self._set_doing(f"reading and sharing {what}")
         await _run_watched(shared.run(mine), self.monitor)
-        log.debug("rank %d, %s: planned in %.3f s (barrier, all_gather, plan), %d transfers, this rank reads %s; "
-                  "read and shared in %.3f s", self.rank, what, t1 - t0, len(transfers), _fmt_bytes(load[self.rank]),
-                  time.monotonic() - t1)
+        log.debug(
+            "rank %d, %s: planned in %.3f s (barrier, all_gather, plan), %d transfers, this rank reads %s; "
+            "read and shared in %.3f s",
+            self.rank,
+            what,
+            t1 - t0,
+            len(transfers),
+            _fmt_bytes(load[self.rank]),
+            time.monotonic() - t1,
+        )
 
 
 async def _run_watched(coro: Awaitable[None], monitor: Monitor) -> None:
@@ -664,5 +710,3 @@ async def _run_watched(coro: Awaitable[None], monitor: Monitor) -> None:
                 watcher.cancel()
     except BaseExceptionGroup as group:
         raise _first_error(group) from None
-
-

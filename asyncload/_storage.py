@@ -17,11 +17,12 @@ import posixpath
 import threading
 import types
 import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 from urllib.parse import unquote, urlparse
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "ShortReadError", "open_storage", "is_local"]
+__all__ = ["FsspecStorage", "LocalStorage", "ShortReadError", "Storage", "is_local", "open_storage"]
 
 log = logging.getLogger("asyncload.storage")
 
@@ -52,6 +53,10 @@ class Storage:
         return f"{self.root.rstrip('/')}/{name}" if name else self.root
 
     async def read(self, name: str, start: int, end: int) -> bytes | bytearray | memoryview:
+        raise NotImplementedError
+
+    def readinto_sync(self, name: str, start: int, buffers: Sequence[memoryview]) -> None:
+        """Blocking positional read into caller memory (stores with ``supports_readinto``)."""
         raise NotImplementedError
 
     async def readinto(self, name: str, start: int, buffers: Sequence[memoryview]) -> None:
@@ -158,6 +163,9 @@ class LocalStorage(Storage):
         return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
     async def listdir(self) -> list[str]:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._listdir)
+
+    def _listdir(self) -> list[str]:
         root = self.root
         try:
             names = os.listdir(root)
@@ -192,8 +200,9 @@ class FsspecStorage(Storage):
 
     hedgeable = True
 
-    def __init__(self, root: str, protocol: str, storage_options: Mapping[str, Any],
-                 executor: concurrent.futures.Executor) -> None:
+    def __init__(
+        self, root: str, protocol: str, storage_options: Mapping[str, Any], executor: concurrent.futures.Executor
+    ) -> None:
         super().__init__(root)
         import fsspec
 
@@ -287,8 +296,11 @@ class FsspecStorage(Storage):
                 # fsspec's HTTP filesystem turns *any* failure of its HEAD-then-GET probe into
                 # FileNotFoundError: a 503 or a reset is not a missing file (retry it)
                 cause = exc.__cause__
-                if self.protocol in ("http", "https") and cause is not None and \
-                        getattr(cause, "status", None) not in (404, 410):
+                if (
+                    self.protocol in ("http", "https")
+                    and cause is not None
+                    and getattr(cause, "status", None) not in (404, 410)
+                ):
                     raise cause from None
                 raise
         else:
@@ -311,7 +323,7 @@ class FsspecStorage(Storage):
         out: dict[str, int] = {}
         for e in entries:
             name = str(e.get("name", "")).rstrip("/")
-            rel = name[len(root) + 1:] if name.startswith(root + "/") else None
+            rel = name[len(root) + 1 :] if name.startswith(root + "/") else None
             size = e.get("size")
             if rel in wanted and e.get("type", "file") == "file" and isinstance(size, int):
                 out[rel] = size
@@ -342,7 +354,7 @@ class FsspecStorage(Storage):
         await _close_async_fs(fs, self.protocol)
 
 
-_aio_sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+_aio_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 
 
 def _shared_aio_session() -> Any:
@@ -388,7 +400,7 @@ async def _close_async_fs(fs: Any, protocol: str) -> None:
             await session.close()
         # let the transports' close callbacks run on this loop
         await asyncio.sleep(0)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.debug("closing the %s session failed", protocol, exc_info=True)
 
 
@@ -408,8 +420,9 @@ def local_root(checkpoint: str | os.PathLike[str]) -> str:
     return s
 
 
-def open_storage(checkpoint: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
-                 executor: concurrent.futures.Executor) -> Storage:
+def open_storage(
+    checkpoint: str | os.PathLike[str], storage_options: Mapping[str, Any] | None, executor: concurrent.futures.Executor
+) -> Storage:
     """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL."""
     if is_local(checkpoint):
         return LocalStorage(str(Path(local_root(checkpoint))), executor)

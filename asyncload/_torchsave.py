@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointFormatError
 from ._assembly import tensor_over
 from ._chunks import TensorLocation
+from ._errors import CheckpointFormatError
 from ._safe_pickle import TensorRef, record_globals, safe_loads, storage_persistent_load
 from ._zip import EOCD_SEARCH, LOCAL_HEADER_SIZE, local_data_start, locate_central_directory, parse_central_directory
 
