@@ -21,6 +21,7 @@ Storage errors are translated into these classes in one place
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 
 __all__ = [
@@ -120,3 +121,26 @@ class LoadReentryError(AsyncLoadError, RuntimeError):
 
 class LoadCancelledError(AsyncLoadError, concurrent.futures.CancelledError):
     """Raised by ``LoadHandle.result()`` after ``LoadHandle.cancel()``."""
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The one error to raise for a task group's failure (exception groups stop inside the
+    library): this process's own asyncload error first, then another rank's
+    (:class:`DistributedLoadError`), then any other real error; the cancellations the
+    failure caused count only when nothing else failed."""
+    errors: list[BaseException] = []
+
+    def walk(g: BaseExceptionGroup) -> None:
+        for e in g.exceptions:
+            if isinstance(e, BaseExceptionGroup):
+                walk(e)
+            else:
+                errors.append(e)
+
+    walk(group)
+    real = [e for e in errors if not isinstance(e, asyncio.CancelledError)]
+    if not real:
+        return asyncio.CancelledError()
+    own = [e for e in real if isinstance(e, AsyncLoadError) and not isinstance(e, DistributedLoadError)]
+    remote = [e for e in real if isinstance(e, DistributedLoadError)]
+    return (own or remote or real)[0]

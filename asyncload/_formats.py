@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 from ._chunks import TensorLocation
 from ._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from ._options import LoadOptions
+from ._paths import check_relative_path
 from ._retry import RetryingStorage
 from ._safe_pickle import TensorRef
 from ._safetensors import HEADER_PROBE, SafetensorsHeader, _no_duplicates, aread_header, looks_like_safetensors
@@ -185,23 +186,6 @@ def split_file_url(checkpoint: str | os.PathLike[str]) -> tuple[str, str]:
         head, name = rest.rstrip("/").rsplit("/", 1)
         return f"{proto}://{head}", name
     return f"{proto}://", rest.rstrip("/")
-
-
-def _safe_relative(name: Any, where: str) -> str:
-    """A file name from an index, refused when it could point outside the checkpoint."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or "\\" in name
-        or "\x00" in name
-        or "://" in name
-        or name.startswith("/")
-        or any(part in ("..", "") for part in name.split("/"))
-    ):
-        raise CheckpointFormatError(
-            f"{where}: file name {name!r:.200} is not a plain relative path inside the checkpoint; refusing to read it"
-        )
-    return name
 
 
 class Fetcher:
@@ -379,7 +363,7 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
     if not isinstance(wmap, dict) or not all(isinstance(k, str) for k in wmap):
         raise CheckpointFormatError(f"{url} has no weight_map object (key -> file): not a sharded checkpoint index")
     prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
-    weight_map = {k: prefix + _safe_relative(v, url) for k, v in wmap.items()}
+    weight_map = {k: prefix + check_relative_path(v, url) for k, v in wmap.items()}
     files = sorted(set(weight_map.values()))
     if all(f.endswith(".safetensors") for f in files):
         return await _asafetensors_files(fetcher, files, weight_map, source)
@@ -511,7 +495,7 @@ def mark_dcp_safetensors(md: Metadata) -> int:
         if not isinstance(dtype, torch.dtype) or length != math.prod(chunk.sizes) * dtype.itemsize:
             continue
         try:
-            _safe_relative(path, "")
+            check_relative_path(path, "")
         except CheckpointFormatError:
             continue  # left as it is: the reader refuses it with the metadata's other entries
         sd[index] = BlobTensor(path, offset, length, index.fqn, tuple(chunk.offsets), dtype, tuple(chunk.sizes))

@@ -60,6 +60,7 @@ class _LoopThread:
 def loop_thread(use_uvloop: bool) -> asyncio.AbstractEventLoop:
     """The library's loop (started on first use), uvloop when asked and installed."""
     use_uvloop = use_uvloop and uvloop_available()
+    _watch_forks()
     with _lock:
         lt = _threads.get(use_uvloop)
         if lt is None or lt.pid != os.getpid() or not lt.thread.is_alive():
@@ -67,14 +68,22 @@ def loop_thread(use_uvloop: bool) -> asyncio.AbstractEventLoop:
         return lt.loop
 
 
+_fork_hook = False
+
+
+def _watch_forks() -> None:
+    """Forget the parent's loop threads in a forked child (registered on first use, not
+    at import: importing asyncload changes nothing process-wide)."""
+    global _fork_hook
+    if not _fork_hook and hasattr(os, "register_at_fork"):
+        _fork_hook = True
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()
     _threads.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def run_sync(

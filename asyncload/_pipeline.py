@@ -27,7 +27,7 @@ from typing import Any
 from ._assembly import StagingPool, assemble, track
 from ._budget import ByteBudget, Limiter
 from ._chunks import Chunk
-from ._errors import AsyncLoadError
+from ._errors import first_error
 from ._options import LoadOptions
 from ._retry import RetryingStorage, clock_of
 from ._stats import StatsRecorder
@@ -83,7 +83,7 @@ class Pipeline:
                 # Many tiny local reads (header probes, small records): one thread hop per
                 # batch instead of per read. Same budget; errors translated the same way.
                 chunks = _batches(chunks, min(self.budget.capacity, _BATCH_BYTES))
-        errors: list[BaseException] = []
+        error: BaseException | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 tuner = tg.create_task(self._autotune()) if self.options.concurrency == "auto" else None
@@ -103,16 +103,11 @@ class Pipeline:
                 if tuner is not None:
                     tuner.cancel()
         except BaseExceptionGroup as group:
-            errors = _flatten(group)
+            error = first_error(group)  # the first real error, not the cancellations it caused
         finally:
             self.stats.maximum("peak_buffered_bytes", self.budget.peak)
-        if errors:
-            # the first real error, not the cancellations it caused
-            real = [e for e in errors if not isinstance(e, asyncio.CancelledError)]
-            if not real:
-                raise asyncio.CancelledError()
-            chosen = next((e for e in real if isinstance(e, AsyncLoadError)), real[0])
-            raise chosen.with_traceback(chosen.__traceback__)
+        if error is not None:
+            raise error.with_traceback(error.__traceback__)
 
     @staticmethod
     def _spread(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
@@ -327,13 +322,3 @@ def _make_batch(members: list[Chunk], size: int) -> Chunk:
     b = _Batch(members[0].name, 0, size, [])
     b.members = members
     return b
-
-
-def _flatten(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            out.extend(_flatten(e))
-        else:
-            out.append(e)
-    return out

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointFormatError, UnsafeCheckpointError
+from ._paths import check_relative_path
 from ._pickle_vm import PickleVM, short_repr
 from ._pickle_vm import check_structure as _walk_structure
 
@@ -659,26 +660,6 @@ def safe_loads(
 
 
 # --- the shape of a DCP .metadata ---------------------------------------------------
-
-
-def check_relative_path(name: Any, what: str) -> str:
-    """``name`` as a file of the checkpoint: relative, inside the checkpoint, no tricks.
-
-    Raises CheckpointFormatError for an absolute path, a ``..`` component, a backslash,
-    a NUL or control character, or an empty name (a hostile ``.metadata`` could
-    otherwise point a load at any file the process can read)."""
-    if type(name) is not str or not name or len(name) > 4096:
-        raise CheckpointFormatError(f"{what}: file name {short_repr(name)} is not a relative path")
-    bad = (
-        name.startswith(("/", "~"))
-        or "\\" in name
-        or ":" in name.split("/", 1)[0]
-        or any(ord(c) < 32 for c in name)
-        or any(part in ("", ".", "..") for part in name.split("/"))
-    )
-    if bad:
-        raise CheckpointFormatError(f"{what}: file name {short_repr(name)} is not a plain path inside the checkpoint")
-    return name
 
 
 def _check_size(v: Any, where: str, ndim: int | None = None) -> tuple[int, ...]:

@@ -45,6 +45,7 @@ from ._crc import CrcTracker, gaps
 from ._errors import CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
 from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
+from ._paths import check_relative_path
 from ._pipeline import Pipeline
 from ._plan import make_chunks, plan_tensor
 from ._retry import RetryingStorage
@@ -463,17 +464,11 @@ class LoadSession:
                 getattr(sinfo, "offset", None),
                 getattr(sinfo, "length", None),
             )
-            if (
-                not isinstance(name, str)
-                or not isinstance(offset, int)
-                or not isinstance(length, int)
-                or offset < 0
-                or length <= 0
-                or ("/" in name.replace(os.sep, "/") and ".." in name)
-            ):
+            if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length <= 0:
                 raise CheckpointFormatError(
                     f"{self.checkpoint}: malformed storage entry {sinfo!r:.200} for {item.storage_index.fqn!r}"
                 )
+            name = check_relative_path(name, f"{self.checkpoint}: storage entry of {item.storage_index.fqn!r:.200}")
             if getattr(sinfo, "transform_descriptors", None):
                 raise CheckpointFormatError(
                     f"{item.storage_index.fqn!r} in {name} was saved with stream transforms "

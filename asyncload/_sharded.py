@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ._assembly import assemble, copy_bytes, track
 from ._chunks import Chunk
 from ._dcp import PipelinedLoadPlanner
-from ._errors import AsyncLoadError, DistributedLoadError
+from ._errors import AsyncLoadError, DistributedLoadError, first_error
 from ._monitor import Monitor
 from ._options import LoadOptions
 from ._pipeline import Pipeline
@@ -599,29 +599,12 @@ class _SharedPipeline(Pipeline):
                 await loop.run_in_executor(self.executor, assemble, chunk, buf)
             ok = True
         except BaseExceptionGroup as group:
-            raise _first_error(group) from None
+            raise first_error(group) from None
         finally:
             # a buffer a failed transfer may still write into is never reused
             if pooled is not None and (ok or not state["pending"]):
                 self._pool.put(pooled)
         self._count_assembled(chunk, t1)
-
-
-def _flatten(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        out.extend(_flatten(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    errors = _flatten(group)
-    real = [e for e in errors if not isinstance(e, asyncio.CancelledError)]
-    if not real:
-        return asyncio.CancelledError()
-    own = [e for e in real if isinstance(e, AsyncLoadError) and not isinstance(e, DistributedLoadError)]
-    remote = [e for e in real if isinstance(e, DistributedLoadError)]
-    return (own or remote or real)[0]
 
 
 # --- one rank's part of a sharded read ---------------------------------------------------------
@@ -709,4 +692,4 @@ async def _run_watched(coro: Awaitable[None], monitor: Monitor) -> None:
             finally:
                 watcher.cancel()
     except BaseExceptionGroup as group:
-        raise _first_error(group) from None
+        raise first_error(group) from None
