@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ._dcp import PipelinedLoadPlanner, PipelinedReader
 from ._driver import load_steps, run_async, run_sync
-from ._errors import LoadCancelledError
+from ._errors import LoadCancelledError, LoadReentryError
+from ._loop import on_library_loop
 from ._options import LoadOptions
 from ._stats import LoadStats
 
@@ -109,6 +110,13 @@ class LoadHandle:
         self.progress: tuple[int, int] = (0, 0)
 
     def result(self, timeout: float | None = None) -> LoadStats:
+        if not self._future.done() and on_library_loop():
+            # the load needs this very thread's loop to make progress: waiting would hang
+            raise LoadReentryError(
+                "LoadHandle.result() was called from asyncload's own event-loop thread (for example from a "
+                "progress callback) while the load is still running: it would wait forever; wait from another "
+                "thread, or use asyncload.aload from async code"
+            )
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:

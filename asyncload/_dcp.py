@@ -19,11 +19,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.futures import Future
 
-from . import _formats
+from . import formats
 from ._errors import CheckpointFormatError, StateDictMismatchError
 from ._options import LoadOptions
-from ._session import KNOWN_DCP_VERSIONS, LoadSession, decode_object
+from ._session import LoadSession, decode_object
 from ._stats import LoadStats
+from .formats import KNOWN_DCP_VERSIONS
 
 __all__ = ["KNOWN_DCP_VERSIONS", "PipelinedLoadPlanner", "PipelinedReader", "decode_object"]
 
@@ -74,7 +75,7 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         # a torch.save / safetensors file whose keys sit under a prefix ("model.", "module."):
         # load the destination from there (docs/formats.md)
-        rebased = _formats.rebase(self.metadata, list(self.state_dict.keys()))
+        rebased = formats.rebase(self.metadata, list(self.state_dict.keys()))
         if rebased is not None:
             self.metadata = rebased
 

@@ -86,6 +86,12 @@ def _after_fork_in_child() -> None:
     _threads.clear()
 
 
+def on_library_loop() -> bool:
+    """Whether the calling thread is one of the library's own loop threads."""
+    running = asyncio._get_running_loop()
+    return running is not None and any(lt.loop is running for lt in list(_threads.values()))
+
+
 def run_sync(
     coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, grace: float = 30.0, on_task: Any = None
 ) -> T:

@@ -195,14 +195,30 @@ def classify(exc: BaseException) -> Failure:
 
 
 def translate(
-    exc: BaseException, *, url: str, byte_range: tuple[int, int] | None, attempts: int, failure: Failure | None = None
+    exc: BaseException,
+    *,
+    url: str,
+    byte_range: tuple[int, int] | None,
+    attempts: int,
+    failure: Failure | None = None,
+    timeout: float | None = None,
 ) -> AsyncLoadError:
-    """The asyncload error for a read of ``url`` that failed for good."""
+    """The asyncload error for a call about ``url`` that failed for good (``timeout``: the
+    per-attempt limit that ran out, for the message)."""
     if isinstance(exc, AsyncLoadError):
         return exc
     f = failure or classify(exc)
     where = f"{url} bytes [{byte_range[0]}, {byte_range[1]})" if byte_range else url
     tries = f"after {attempts} attempt{'s' if attempts != 1 else ''}"
+    if f.cause == "timeout":
+        limit = f"within {timeout} s " if timeout is not None else ""
+        return ChunkTimeoutError(
+            f"reading {where} made no progress {limit}on any of {attempts} attempt{'s' if attempts != 1 else ''} "
+            "(raise LoadOptions.timeout or LoadOptions.retries, or lower chunk_size)",
+            path=url,
+            byte_range=byte_range or (0, 0),
+            attempts=attempts,
+        )
     if f.not_found:
         what = (
             f"reading {where} failed: the object does not exist"
@@ -210,7 +226,7 @@ def translate(
             else f"{url} does not exist"
         )
         return CheckpointNotFoundError(
-            f"{what} ({type(exc).__name__}: {exc})"[:800],
+            f"{what} {tries} ({type(exc).__name__}: {exc})"[:800],
             path=url,
             byte_range=byte_range,
             attempts=attempts,
@@ -406,16 +422,9 @@ async def call_with_retry(
             if not failure.retryable or attempt == attempts:
                 if failure.cause == "timeout":
                     stats.add(timeouts=1)
-                    where = f"{url} bytes [{byte_range[0]}, {byte_range[1]})" if byte_range else url
-                    raise ChunkTimeoutError(
-                        f"reading {where} made no progress within {retry.timeout} s on any of {attempt} "
-                        f"attempt{'s' if attempt != 1 else ''} "
-                        "(raise LoadOptions.timeout or LoadOptions.retries, or lower chunk_size)",
-                        path=url,
-                        byte_range=byte_range or (0, 0),
-                        attempts=attempt,
-                    ) from exc
-                raise translate(exc, url=url, byte_range=byte_range, attempts=attempt, failure=failure) from exc
+                raise translate(
+                    exc, url=url, byte_range=byte_range, attempts=attempt, failure=failure, timeout=retry.timeout
+                ) from exc
             stats.retry(failure.cause)
             delay = min(retry.max_backoff, retry.backoff * (2 ** (attempt - 1)))
             delay = random.uniform(0, delay)  # full jitter
@@ -580,7 +589,7 @@ class RetryingStorage:
         raw = self.raw
         try:
             return await self._call(raw.listdir, "", None)
-        except (CheckpointNotFoundError, StorageReadError) as exc:
+        except AsyncLoadError as exc:  # a listing is a last resort: say why, find nothing
             log.debug("listing %s failed: %r", raw.root, exc)
             return []
 

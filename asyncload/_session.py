@@ -35,10 +35,10 @@ from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from . import _cuda, _formats
+from . import _cuda, formats
 from ._assembly import copy_bytes
 from ._chunks import Chunk, Piece
 from ._crc import CrcTracker, gaps
@@ -49,18 +49,22 @@ from ._paths import check_relative_path
 from ._pipeline import Pipeline
 from ._plan import make_chunks, plan_tensor
 from ._retry import RetryingStorage
-from ._safe_pickle import check_metadata, safe_loads, short_repr
 from ._stats import LoadStats, StatsRecorder
 from ._storage import open_storage
-from ._torchsave import HEAD_PROBE, TAIL_PROBE, ByteWindow, aparse_archive, materialize, parse_archive, tensor_location
+from .formats.torchsave import (
+    HEAD_PROBE,
+    TAIL_PROBE,
+    ByteWindow,
+    aparse_archive,
+    materialize,
+    parse_archive,
+    tensor_location,
+)
 
-__all__ = ["KNOWN_DCP_VERSIONS", "LoadSession", "decode_object"]
+__all__ = ["LoadSession", "decode_object"]
 
 log = logging.getLogger("asyncload.session")
 T = TypeVar("T")
-
-#: DCP metadata versions this reader understands (``None``: written before versions existed).
-KNOWN_DCP_VERSIONS = (None, "1.0.0")
 
 
 def decode_object(raw: bytes | memoryview, *, what: str, max_pickle: int = 1 << 30) -> Any:
@@ -85,7 +89,7 @@ class _Record:
     dtype: torch.dtype | None = None
     window: ByteWindow = field(default_factory=ByteWindow)
     raw: bytes | None = None
-    #: A ``_formats`` entry (KnownTensor, BlobTensor, KnownObject): bytes already located, no probes.
+    #: A ``formats.FormatEntry`` (KnownTensor, BlobTensor, KnownObject): bytes located by a format module.
     entry: Any = None
     #: The located tensor of ``entry`` (a TensorLocation), and the decoded object of a KnownObject.
     known: Any = None
@@ -304,7 +308,7 @@ class LoadSession:
         the allow-list; check its version and structure.
 
         A checkpoint that is not a DCP directory (safetensors, a torch.save file: see
-        :mod:`asyncload._formats`) gets a synthesised ``Metadata`` instead.
+        :mod:`asyncload.formats`) gets a synthesised ``Metadata`` instead.
         """
         try:
             return await self._aread_metadata(rank)
@@ -318,7 +322,7 @@ class LoadSession:
         if rank is None:
             if self._storage_root is not None:
                 await self._open_root(None)  # back to the checkpoint itself
-            found = await _formats.aprobe_first(self.checkpoint, self._open_root, options)
+            found = await formats.aprobe_first(self.checkpoint, self._open_root, options)
             if found is not None:
                 return found
             await self._open_root(None)  # probing may have opened the directory of a would-be file
@@ -329,7 +333,7 @@ class LoadSession:
             size = await storage.size(name)
         except CheckpointNotFoundError as exc:
             if rank is None:
-                found = await _formats.aprobe_fallback(self.checkpoint, storage, self._open_root, options)
+                found = await formats.aprobe_fallback(self.checkpoint, storage, self._open_root, options)
                 if found is not None:
                     return found
             raise CheckpointNotFoundError(
@@ -348,23 +352,7 @@ class LoadSession:
         if fp is not None:
             self._fingerprints[name] = fp
         raw = await storage.read(name, 0, size, counted=False)
-        md = safe_loads(raw, what=url, max_size=options.max_metadata_size, check_structure=False, expect=Metadata)
-        if not isinstance(md, Metadata):
-            raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
-        version = getattr(md, "version", None)
-        if version not in KNOWN_DCP_VERSIONS:
-            raise CheckpointFormatError(
-                f"{url} was written by an unknown DCP version {short_repr(version)}; "
-                f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}"
-            )
-        check_metadata(md, url)  # every field has the type and range DCP writes
-        if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
-            getattr(md, "storage_data", None), dict
-        ):
-            raise CheckpointFormatError(f"{url}: metadata lacks its key or storage tables")
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        _formats.mark_dcp_safetensors(md)  # files saved with SerializationFormat.SAFETENSORS
+        md = formats.decode_metadata(raw, url, max_size=options.max_metadata_size)
         self._recorder.add(files=1)
         return md
 
@@ -420,11 +408,11 @@ class LoadSession:
                 planner.commit_tensor(item, dest)
         for rec in records:
             for item in rec.byte_items:
-                if isinstance(rec.entry, _formats.KnownObject):  # decoded from a torch.save pickle
+                if rec.entry is not None:  # decoded by a format module (a torch.save pickle)
                     if ours:
                         planner.load_object(item, rec.value)  # type: ignore[attr-defined]
                     else:
-                        planner.load_bytes(item, _formats.object_bytes(rec.value))
+                        planner.load_bytes(item, formats.object_bytes(rec.value))
                     continue
                 if rec.raw is None:  # pragma: no cover - every object record is read whole
                     raise CheckpointFormatError(f"{rec.where}: the object was not read")
@@ -450,7 +438,7 @@ class LoadSession:
                 raise CheckpointFormatError(
                     f"{self.checkpoint}: metadata has no storage entry for {item.storage_index}"
                 )
-            if isinstance(sinfo, (_formats.KnownTensor, _formats.BlobTensor, _formats.KnownObject)):
+            if isinstance(sinfo, formats.FormatEntry):
                 # safetensors / torch.save files, DCP saved as safetensors: one record per item
                 rec = _Record(sinfo.relative_path, sinfo.offset, sinfo.length, item.storage_index.fqn, entry=sinfo)
                 if item.type == LoadItemType.BYTE_IO:
@@ -656,24 +644,17 @@ class LoadSession:
         files: their headers are read now), objects decoded (tensors inside them read)."""
         located = [r for r in records if r.entry is not None]
 
-        async def fetch(name: str, lo: int, hi: int) -> bytes:
-            return bytes(await storage.read(name, lo, hi))
-
-        async def size_of(name: str) -> int:
-            return await storage.size(name)
-
-        blobs = [r for r in located if isinstance(r.entry, _formats.BlobTensor)]
-        if blobs:
-            locs = await _formats.aresolve_blob_tensors(
-                [r.entry for r in blobs], fetch, size_of, url=storage.url, max_header_size=options.max_metadata_size
-            )
-            for r in blobs:
-                r.known = locs[r.entry]
+        kinds: dict[type[formats.FormatEntry], list[_Record]] = {}
         for r in located:
-            if isinstance(r.entry, _formats.KnownTensor):
-                r.known = r.entry.location
-            elif isinstance(r.entry, _formats.KnownObject):
-                r.value = await _formats.amaterialize(r.entry, fetch)
+            kinds.setdefault(type(r.entry), []).append(r)
+        fetcher = formats.Fetcher(storage, options)
+        for kind, recs in kinds.items():
+            found = await kind.resolve([r.entry for r in recs], fetcher)
+            for r, value in zip(recs, found):
+                if kind.holds_object:
+                    r.value = value
+                else:
+                    r.known = value
         return [r for r in located if r.known is not None]
 
     async def _check_files(self, storage: RetryingStorage, records: list[_Record]) -> None:

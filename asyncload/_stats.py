@@ -42,8 +42,10 @@ def _plural(n: int, word: str) -> str:
 
 @dataclass
 class LoadStats:
-    """Counters of one load. ``bytes_read`` counts bytes fetched from storage (every
-    attempt and hedge included); ``bytes_assembled`` bytes placed into destinations."""
+    """Counters of one load. ``bytes_read`` counts the bytes storage delivered to the load
+    (each successful read once: the bytes of failed attempts and of the losing request of a
+    hedge are not counted; ``retries`` and ``hedges`` count those requests), the checkpoint's
+    ``.metadata`` left out; ``bytes_assembled`` bytes placed into destinations."""
 
     bytes_read: int = 0
     bytes_assembled: int = 0

@@ -124,7 +124,7 @@ def mutate(rng: random.Random, data: bytes, *, pickle_aware: bool = False, round
 def _parse_record(data: bytes) -> Any:
     """A DCP record as asyncload reads it: layout, then the tensor's location or the object."""
     from asyncload._safe_pickle import TensorRef
-    from asyncload._torchsave import ByteWindow, materialize, parse_archive, tensor_location
+    from asyncload.formats.torchsave import ByteWindow, materialize, parse_archive, tensor_location
 
     win = ByteWindow()
     win.add(0, data)
@@ -138,7 +138,7 @@ def _parse_record_probed(data: bytes) -> Any:
     """The same through aparse_archive, fetching missing bytes like a remote load does."""
     import asyncio
 
-    from asyncload._torchsave import ByteWindow, aparse_archive
+    from asyncload.formats.torchsave import ByteWindow, aparse_archive
 
     async def go() -> Any:
         win = ByteWindow()

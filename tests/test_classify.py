@@ -134,8 +134,8 @@ RANGE_416 = fail(False, "range_not_satisfiable", 416, format_error=True)
 
 NF, SR, FMT = CheckpointNotFoundError, StorageReadError, CheckpointFormatError
 
-#: (id, make the error, its Failure, the class translate makes of it; None: not translate's
-#: job - a timeout becomes ChunkTimeoutError in call_with_retry, tested below)
+#: (id, make the error, its Failure, the class translate makes of it; None: a timeout,
+#: which becomes ChunkTimeoutError, tested on its own below)
 # fmt: off
 ROWS: list[tuple[str, Callable[[], BaseException], Failure, type[AsyncLoadError] | None]] = [
     # S3 (botocore ClientError as aiobotocore raises it)
@@ -276,7 +276,11 @@ def test_translate(make: Callable[[], BaseException], failure: Failure, cls: typ
 @pytest.mark.parametrize(
     "make,cls,text",
     [
-        (lambda: s3_error("NoSuchKey", 404, op="HeadObject"), NF, f"{URL_} does not exist (ClientError: "),
+        (
+            lambda: s3_error("NoSuchKey", 404, op="HeadObject"),
+            NF,
+            f"{URL_} does not exist after 1 attempt (ClientError: ",
+        ),
         (lambda: http_error(403), SR, f"reading {URL_} failed HTTP 403 after 1 attempt: ClientResponseError: "),
         (lambda: OSError(errno.EIO, "eio"), SR, f"reading {URL_} failed after 1 attempt: OSError: "),
     ],
@@ -581,12 +585,12 @@ async def test_local_storage_errors_are_translated_at_once(local):
             await rs.read("missing", 0, 10)
         err = ei.value
         assert (err.path, err.byte_range, err.attempts, err.status) == (url, (0, 10), 1, 404)
-        assert str(err).startswith(f"reading {url} bytes [0, 10) failed: the object does not exist")
+        assert str(err).startswith(f"reading {url} bytes [0, 10) failed: the object does not exist after 1 attempt")
         assert isinstance(err.__cause__, FileNotFoundError)
 
         with pytest.raises(CheckpointNotFoundError) as ei:
             await rs.size("missing")
-        assert str(ei.value).startswith(f"{url} does not exist (FileNotFoundError: ")
+        assert str(ei.value).startswith(f"{url} does not exist after 1 attempt (FileNotFoundError: ")
         assert (ei.value.path, ei.value.byte_range, ei.value.attempts) == (url, None, 1)
         with pytest.raises(CheckpointNotFoundError):
             await rs.fingerprint("missing")
@@ -617,3 +621,11 @@ async def test_local_storage_errors_are_translated_at_once(local):
 
 async def _batch_of(rs: RetryingStorage, name: str, start: int, end: int) -> None:
     await rs.read_batch([(name, start, end, lambda v: None)])
+
+
+@pytest.mark.parametrize("make", [asyncio.TimeoutError, TimeoutError, lambda: OSError(errno.ETIMEDOUT, "timed out")])
+def test_translate_makes_a_timeout_a_chunk_timeout_error(make: Callable[[], BaseException]) -> None:
+    err = translate(make(), url=URL_, byte_range=(0, 10), attempts=3, timeout=2.5)
+    assert type(err) is ChunkTimeoutError
+    assert (err.path, err.byte_range, err.attempts) == (URL_, (0, 10), 3)
+    assert str(err).startswith(f"reading {URL_} bytes [0, 10) made no progress within 2.5 s on any of 3 attempts")

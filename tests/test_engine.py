@@ -153,6 +153,30 @@ def test_load_from_a_progress_callback_on_the_loop_thread_raises_reentry_error(c
     assert asyncload_threads("asyncload-io", ignore=THREADS_BEFORE) == []
 
 
+def test_waiting_on_a_background_load_from_the_loop_thread_raises_reentry_error(ckpt):
+    """``start_load(...).result()`` from a callback on the library's loop thread would wait on
+    the loop it blocks: a clear error at once, not a hang."""
+    path, sd = ckpt
+    attempts: list[BaseException] = []
+
+    def progress(done: int, total: int) -> None:
+        if threading.current_thread().name.startswith("asyncload-loop") and not attempts:
+            handle = asyncload.start_load(_dst(sd), path)
+            try:
+                handle.result(timeout=30)
+            except BaseException as exc:
+                attempts.append(exc)
+                handle.cancel()
+                raise
+
+    with pytest.raises(asyncload.LoadReentryError, match="LoadHandle.result"):
+        asyncload.load(_dst(sd), path, options=SMALL_CHUNKS, progress=progress)
+    assert len(attempts) == 1 and isinstance(attempts[0], asyncload.LoadReentryError)
+    dst = _dst(sd)
+    asyncload.load(dst, path, options=SMALL_CHUNKS)
+    assert_bitwise_equal(dst, sd)
+
+
 def test_blocking_api_from_a_coroutine_on_the_library_loop_raises():
     """The guard itself: ``run_sync`` on the loop it would wait on."""
     from asyncload._loop import loop_thread, run_sync

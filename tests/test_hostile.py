@@ -28,7 +28,7 @@ from _hostile import Hostile, corpus, record_pickle, replace_record_pickle
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, UnsafeCheckpointError
 from asyncload._safe_pickle import record_globals, safe_loads, storage_persistent_load
-from asyncload._torchsave import ByteWindow, parse_archive
+from asyncload.formats.torchsave import ByteWindow, parse_archive
 
 pytestmark = pytest.mark.timeout(120)
 

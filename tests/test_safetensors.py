@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions
-from asyncload._safetensors import SAFETENSORS_DTYPES, parse_header
+from asyncload.formats.safetensors import SAFETENSORS_DTYPES, parse_header
 
 # every dtype both torch and the safetensors package can hold
 ST_DTYPES = [

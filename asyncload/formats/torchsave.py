@@ -6,18 +6,29 @@ storage located by its local header. Used for every record of a DCP ``.distcp`` 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+import io
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from ._assembly import tensor_over
-from ._chunks import TensorLocation
-from ._errors import CheckpointFormatError
-from ._safe_pickle import TensorRef, record_globals, safe_loads, storage_persistent_load
-from ._zip import EOCD_SEARCH, LOCAL_HEADER_SIZE, local_data_start, locate_central_directory, parse_central_directory
+from .._assembly import tensor_over
+from .._chunks import TensorLocation
+from .._errors import CheckpointFormatError
+from .._safe_pickle import TensorRef, record_globals, safe_loads, storage_persistent_load
+from .base import Fetcher, FormatEntry, FormatMetadata, KnownTensor
+from .zip import EOCD_SEARCH, LOCAL_HEADER_SIZE, local_data_start, locate_central_directory, parse_central_directory
 
 __all__ = [
     "HEAD_PROBE",
@@ -320,3 +331,207 @@ def _rebuilt(o: Any, done: dict[int, Any]) -> Any:
     if isinstance(o, (set, frozenset)):
         return type(o)(sub(v) for v in o)
     return o  # a tuple subclass (torch.Size...) holds no tensors
+
+
+# --- torch.save checkpoints: synthesised DCP metadata, decoded objects ----------------------
+
+
+#: Extra-field bytes guessed for the local headers of data.pkl and byteorder, read together
+#: with their data (torch pads entries to 64-byte alignment; a wrong guess costs one more read).
+_LOCAL_EXTRA_GUESS = 128
+
+
+#: Layout reads of a torch.save file are joined across gaps up to this (and ``min_chunk_size``):
+#: a gap is a storage's data, read again later, so only small ones are worth reading through.
+_LAYOUT_MAX_GAP = 64 << 10
+
+
+@dataclass(frozen=True)
+class KnownObject(FormatEntry):
+    """A non-tensor value decoded (allow-listed) from a torch.save pickle. Tensors inside it
+    (a tuple holding tensors, say) are :class:`TensorRef` and are read by :func:`amaterialize`."""
+
+    obj: Any
+    relative_path: str
+    storages: dict[str, StorageLoc] = field(default_factory=dict)
+    where: str = ""
+    offset: int = 0
+    length: int = 0
+
+    holds_object: ClassVar[bool] = True
+
+    @classmethod
+    async def resolve(cls, entries: Sequence[Any], fetcher: Fetcher) -> list[Any]:
+        return list(await asyncio.gather(*(amaterialize(e, fetcher.read) for e in entries)))
+
+
+async def _atorchsave_files(
+    fetcher: Fetcher, files: Sequence[tuple[str, int]], weight_map: dict[str, str] | None, source: str
+) -> FormatMetadata:
+    layouts = await asyncio.gather(*(_alayout(fetcher, name, size) for name, size in files))
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    origin: dict[str, str] = {}
+    for (name, _), layout in zip(files, layouts):
+        if not isinstance(layout.obj, dict):
+            raise CheckpointFormatError(
+                f"{layout.where} holds a {type(layout.obj).__name__}, not a dict; asyncload loads state dicts "
+                "(a dict of tensors, possibly nested) from torch.save files"
+            )
+        for key, value in _flatten(layout.obj).items():
+            if weight_map is not None and weight_map.get(key) != name:
+                continue
+            if key in origin:
+                raise CheckpointFormatError(f"{source}: key {key!r} is in both {origin[key]} and {name}")
+            origin[key] = name
+            if isinstance(value, TensorRef):
+                loc = tensor_location(layout, name, value)
+                loc = TensorLocation(
+                    name=loc.name,
+                    data_start=loc.data_start,
+                    storage_nbytes=loc.storage_nbytes,
+                    dtype=loc.dtype,
+                    size=loc.size,
+                    stride=loc.stride,
+                    storage_offset=loc.storage_offset,
+                    crc32=loc.crc32,
+                    where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
+                )
+                zeros = (0,) * len(loc.size)
+                sdm[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=loc.dtype, requires_grad=value.requires_grad),
+                    size=torch.Size(loc.size),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))],
+                )
+                storage[MetadataIndex(key, zeros, 0)] = KnownTensor(loc)
+            else:
+                refs: list[TensorRef] = []
+                _refs_in(value, refs)
+                sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
+                sdm[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = KnownObject(value, name, sts, f"object {key!r} of {layout.where}")
+    if weight_map is not None:
+        missing = [k for k in weight_map if k not in sdm]
+        if missing:
+            raise CheckpointFormatError(
+                f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
+                f"which does not hold it ({len(missing)} keys missing)"
+            )
+    return FormatMetadata(
+        state_dict_metadata=sdm, storage_data=storage, storage_meta=StorageMeta(), format="torch.save", source=source
+    )
+
+
+def _flatten(obj: dict[Any, Any]) -> dict[str, Any]:
+    """Flatten like DCP flattens a destination state dict (TensorRefs count as tensors)."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    flat: dict[str, Any] = {}
+
+    def visit(path: tuple[Any, ...], value: Any) -> None:
+        key = ".".join(map(str, path))
+        if key in flat:
+            raise CheckpointFormatError(f"two entries of the torch.save dict flatten to the same key {key!r}")
+        flat[key] = value
+
+    try:
+        traverse_state_dict(obj, visit, keep_traversing=lambda v: isinstance(v, (TensorRef, torch.Tensor)))
+    except RecursionError as exc:
+        raise CheckpointFormatError("the torch.save dict is nested too deeply") from exc
+    return flat
+
+
+def _refs_in(obj: Any, out: list[TensorRef], depth: int = 0) -> None:
+    if depth > 200:
+        raise CheckpointFormatError("object is nested more than 200 levels deep")
+    if isinstance(obj, TensorRef):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _refs_in(v, out, depth + 1)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            _refs_in(v, out, depth + 1)
+
+
+async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
+    """Parse a torch.save zip file without reading its tensor data: the directory at its
+    tail, the pickle and each entry's local header (fetched concurrently, neighbours joined)."""
+    url = fetcher.url(name)
+    opts = fetcher.options
+    if size < 22:
+        raise CheckpointFormatError(f"{url}: {size} bytes is too small to be a torch.save archive")
+    win = ByteWindow()
+    tail_start = max(0, size - TAIL_PROBE)
+    tail = await fetcher.read(name, tail_start, size)
+    win.add(tail_start, tail)
+    cd_off, cd_size, n = locate_central_directory(tail, size, url)
+    if cd_size > opts.max_metadata_size:
+        raise CheckpointFormatError(f"{url}: zip directory of {cd_size} bytes exceeds LoadOptions.max_metadata_size")
+    if cd_off < tail_start:
+        win.add(cd_off, await fetcher.read(name, cd_off, min(cd_off + cd_size, size)))
+    entries = parse_central_directory(win.get(cd_off, cd_off + cd_size), n, size, url).entries
+    pkl = [e for k, e in entries.items() if k.endswith("/data.pkl") or k == "data.pkl"]
+    if len(pkl) == 1 and pkl[0].size > opts.max_metadata_size:
+        raise CheckpointFormatError(
+            f"{url}: data.pkl of {pkl[0].size} bytes exceeds LoadOptions.max_metadata_size={opts.max_metadata_size}"
+        )
+    # data.pkl and byteorder whole; of each storage only its local header's fixed part and name
+    # (the data start follows from the extra field's length, which that part holds)
+    ranges: list[tuple[int, int]] = []
+    for key, e in entries.items():
+        base = key.rsplit("/", 1)[-1]
+        whole = key.endswith("data.pkl") or base == "byteorder"
+        if not (whole or "/data/" in key or key.startswith("data/")):
+            continue
+        hi = e.header_offset + LOCAL_HEADER_SIZE + len(key.encode("utf-8"))
+        if whole:
+            hi += _LOCAL_EXTRA_GUESS + e.size
+        ranges.append((e.header_offset, min(size, hi)))
+    await _afill(fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP))
+    for _ in range(16):
+        try:
+            return parse_archive(win, 0, size, url, max_pickle=opts.max_metadata_size)
+        except NeedBytes as need:
+            lo, hi = max(0, need.start), min(size, max(need.end, need.start + HEAD_PROBE))
+            if hi <= lo:
+                raise CheckpointFormatError(f"{url}: needs bytes [{need.start}, {need.end}) outside the file") from None
+            win.add(lo, await fetcher.read(name, lo, hi))
+    raise CheckpointFormatError(f"{url}: the archive's layout did not resolve after 16 extra reads")
+
+
+async def _afill(fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tuple[int, int]], *, max_gap: int) -> None:
+    """Fetch ``ranges`` into ``win``: sorted, neighbours within ``max_gap`` joined (up to
+    ``chunk_size`` per request), all requests concurrently."""
+    opts = fetcher.options
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if (
+            merged
+            and lo - merged[-1][1] <= max_gap
+            and max(hi, merged[-1][1]) - merged[-1][0] <= max(opts.effective_chunk_size, hi - lo)
+        ):
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    datas = await asyncio.gather(*(fetcher.read(name, lo, hi) for lo, hi in merged))
+    for (lo, _), data in zip(merged, datas):
+        win.add(lo, data)
+
+
+async def amaterialize(entry: KnownObject, fetch: Callable[[str, int, int], Awaitable[bytes]]) -> Any:
+    """The object of a :class:`KnownObject`, with the tensors inside it read and built."""
+    win = ByteWindow()
+    stores = list(entry.storages.values())
+    datas = await asyncio.gather(*(fetch(entry.relative_path, s.data_start, s.data_start + s.nbytes) for s in stores))
+    for s, d in zip(stores, datas):
+        win.add(s.data_start, d)
+    return materialize(ArchiveLayout(entry.obj, dict(entry.storages), entry.where), win)
+
+
+def object_bytes(obj: Any) -> io.BytesIO:
+    """``obj`` as torch.save bytes, for planners that decode objects themselves (``load_bytes``)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf

@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ._errors import CheckpointFormatError
+from .._errors import CheckpointFormatError
 
 __all__ = ["EOCD_SEARCH", "LOCAL_HEADER_SIZE", "ZipEntry", "local_data_start", "parse_central_directory"]
 

@@ -1,0 +1,53 @@
+"""Checkpoint formats behind one small interface (:class:`FormatEntry`).
+
+asyncload reads four layouts through the same pipeline:
+
+``dcp`` (:mod:`.dcp`)
+    a directory with ``.metadata`` + ``*.distcp`` (what ``dcp.save`` writes). Records are
+    torch.save archives located when read, or, for files written with
+    ``FileSystemWriter(serialization_format=SerializationFormat.SAFETENSORS)``, a safetensors
+    blob after the objects (:class:`~.safetensors.BlobTensor`).
+``safetensors`` (:mod:`.safetensors`)
+    one ``*.safetensors`` file, a directory holding ``model.safetensors``, or several
+    ``*.safetensors`` files (``model.safetensors.index.json`` names them; torch's
+    ``HuggingFaceStorageWriter(save_distributed=True)`` shards carry their chunk offsets).
+``torch.save`` (:mod:`.torchsave`, zip container in :mod:`.zip`)
+    one zip-format ``torch.save`` file (or HF ``pytorch_model.bin.index.json`` shards of them).
+
+For the non-DCP formats :func:`aprobe_first` / :func:`aprobe_fallback` (:mod:`.probe`)
+synthesise a DCP ``Metadata`` (one chunk per tensor, or the chunks the shards name) whose
+``storage_data`` maps each ``MetadataIndex`` to a :class:`FormatEntry`, so that
+``dcp.load``'s planning - including DTensor and sharded destinations that read only their
+slice - works unchanged, and the reader reads each tensor's bytes straight into the
+destination.
+
+Keys of a nested ``torch.save`` dict are flattened the way DCP flattens a state dict
+(``{"model": {"w": t}}`` -> ``"model.w"``). When none of the destination's keys is found
+but all of those found sit under one prefix (``model.``, ``module.``, ``state_dict.``),
+the planner loads from under that prefix (:func:`rebase`).
+"""
+
+from .base import HF_INDEX, HF_SINGLE, Fetcher, FormatEntry, FormatMetadata, KnownTensor, rebase, split_file_url
+from .dcp import KNOWN_DCP_VERSIONS, decode_metadata
+from .probe import aprobe_fallback, aprobe_first
+from .safetensors import BlobTensor, mark_dcp_safetensors
+from .torchsave import KnownObject, object_bytes
+
+__all__ = [
+    "HF_INDEX",
+    "HF_SINGLE",
+    "KNOWN_DCP_VERSIONS",
+    "BlobTensor",
+    "Fetcher",
+    "FormatEntry",
+    "FormatMetadata",
+    "KnownObject",
+    "KnownTensor",
+    "aprobe_fallback",
+    "aprobe_first",
+    "decode_metadata",
+    "mark_dcp_safetensors",
+    "object_bytes",
+    "rebase",
+    "split_file_url",
+]

@@ -1,0 +1,223 @@
+"""The interface every checkpoint format implements, and what the formats share.
+
+A format module answers one question for the reader: for each saved key, where are its
+bytes? For DCP checkpoints the answer is a record located when it is read
+(:mod:`asyncload._session`); every other format synthesises a DCP ``Metadata``
+(:class:`FormatMetadata`) whose ``storage_data`` maps each ``MetadataIndex`` to a
+:class:`FormatEntry`: a tensor already located (:class:`KnownTensor`), a tensor of a
+safetensors blob inside a DCP file (:class:`~asyncload.formats.safetensors.BlobTensor`), or a
+decoded object (:class:`~asyncload.formats.torchsave.KnownObject`). The reader asks each kind to
+:meth:`FormatEntry.resolve` all its entries at once, with the load's reads (:class:`Fetcher`);
+it never asks which kind an entry is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from .._chunks import TensorLocation
+from .._errors import AsyncLoadError, CheckpointNotFoundError
+from .._options import LoadOptions
+from .._retry import RetryingStorage
+from .._storage import is_local, local_root
+
+__all__ = [
+    "HF_INDEX",
+    "HF_SINGLE",
+    "Fetcher",
+    "FormatEntry",
+    "FormatMetadata",
+    "KnownTensor",
+    "OpenRoot",
+    "rebase",
+    "split_file_url",
+]
+
+log = logging.getLogger("asyncload.formats")
+
+
+class FormatEntry:
+    """A ``storage_data`` entry whose bytes a format module locates (not a DCP record).
+
+    ``relative_path``, ``offset`` and ``length`` say which file and bytes it stands for
+    (the reader checks the files against them before any destination is touched);
+    ``holds_object`` whether it resolves to a decoded object instead of a tensor's
+    :class:`TensorLocation`.
+    """
+
+    holds_object: ClassVar[bool] = False
+    relative_path: str
+    offset: int
+    length: int
+
+    @classmethod
+    async def resolve(cls, entries: Sequence[Any], fetcher: Fetcher) -> list[Any]:
+        """Locate (or decode) ``entries`` of this kind, all at once: for each, in order, its
+        :class:`TensorLocation` (or its object)."""
+        raise NotImplementedError
+
+
+#: The names Hugging Face (and torch's HuggingFaceStorageWriter) give a checkpoint's files.
+HF_INDEX = "model.safetensors.index.json"
+
+
+HF_SINGLE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class KnownTensor(FormatEntry):
+    """A ``storage_data`` entry whose tensor (or saved chunk) is already located."""
+
+    location: TensorLocation
+    relative_path: str = field(init=False)
+    offset: int = field(init=False)
+    length: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "relative_path", self.location.name)
+        object.__setattr__(self, "offset", self.location.data_start)
+        object.__setattr__(self, "length", self.location.storage_nbytes)
+
+    @classmethod
+    async def resolve(cls, entries: Sequence[Any], fetcher: Fetcher) -> list[Any]:
+        return [e.location for e in entries]
+
+
+@dataclass
+class FormatMetadata(Metadata):
+    """DCP ``Metadata`` synthesised for a non-DCP checkpoint."""
+
+    #: ``"safetensors"`` or ``"torch.save"``.
+    format: str = "dcp"
+    #: What was found, for messages (``"s3://b/model.safetensors"``).
+    source: str = ""
+    #: The key prefix the planner stripped (:func:`rebase`), or ``""``.
+    prefix: str = ""
+
+
+def split_file_url(checkpoint: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(parent, file name)`` of a file checkpoint: a local path, ``file://`` or fsspec URL.
+
+    The parent is what storage opens; the name is read relative to it.
+    """
+    if is_local(checkpoint):
+        path = os.path.abspath(local_root(checkpoint))
+        parent, name = os.path.split(path)
+        return parent, name
+    s = str(checkpoint)
+    proto, rest = s.split("://", 1)
+    rest = rest.split("?", 1)[0].split("#", 1)[0]
+    if "/" in rest.rstrip("/"):
+        head, name = rest.rstrip("/").rsplit("/", 1)
+        return f"{proto}://{head}", name
+    return f"{proto}://", rest.rstrip("/")
+
+
+class Fetcher:
+    """Reads for format probing over the load's :class:`RetryingStorage` (its retry policy,
+    counted in the load's stats), at most ``options.max_in_flight`` at once; a missing file
+    is ``None`` rather than an error."""
+
+    def __init__(self, storage: RetryingStorage, options: LoadOptions) -> None:
+        self.storage = storage
+        self.options = options
+        self._sem = asyncio.Semaphore(max(1, options.max_in_flight))
+
+    def url(self, name: str) -> str:
+        return self.storage.url(name)
+
+    async def read(self, name: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        async with self._sem:
+            return bytes(await self.storage.read(name, start, end))
+
+    def reader(self, name: str) -> Callable[[int, int], Awaitable[bytes]]:
+        """``read(start, end)`` of file ``name``."""
+
+        async def read(start: int, end: int) -> bytes:
+            return await self.read(name, start, end)
+
+        return read
+
+    async def size(self, name: str) -> int | None:
+        """The file's size, or ``None`` when it does not exist (or is a directory)."""
+        try:
+            async with self._sem:
+                size = await self.storage.size(name)
+        except CheckpointNotFoundError:
+            return None
+        except AsyncLoadError as exc:
+            # a local path below a regular file ("model.pt/.metadata") is NotADirectoryError
+            if isinstance(exc.__cause__, NotADirectoryError):
+                return None
+            raise
+        return int(size) if size else None
+
+    async def listdir(self) -> list[str]:
+        """Names of the files directly under the storage root ([] when it cannot be listed)."""
+        return await self.storage.listdir()
+
+
+OpenRoot = Callable[[str], Awaitable[RetryingStorage]]
+
+
+def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | None:
+    """A view of a synthesised ``md`` with its keys taken from under one prefix, when that is
+    what the destination's keys match; ``None`` when no prefix is needed or none fits.
+
+    None of ``dest_keys`` is a key of ``md``, and one prefix ``P`` (``"model"``, ``"module"``,
+    ``"state_dict.model"`` ...) makes strictly more of them ``P.<key>`` keys than any other.
+    The view holds only the keys under ``P`` (without it); ``md.storage_data`` gains the
+    stripped indexes (the reader shares that dict).
+    """
+    if not isinstance(md, FormatMetadata) or md.prefix or not dest_keys:
+        return None
+    saved = md.state_dict_metadata
+    keys = list(dest_keys)
+    if any(k in saved for k in keys):
+        return None
+    candidates: set[str] = set()
+    for d in keys[:16]:
+        suffix = "." + d
+        for k in saved:
+            if k.endswith(suffix) and len(k) > len(suffix):
+                candidates.add(k[: -len(suffix)])
+    best, best_hits, tie = "", 0, False
+    for p in sorted(candidates):
+        hits = sum(1 for d in keys if f"{p}.{d}" in saved)
+        if hits > best_hits:
+            best, best_hits, tie = p, hits, False
+        elif hits == best_hits:
+            tie = True
+    if not best or tie:
+        return None
+    pre = best + "."
+    sdm = {k[len(pre) :]: v for k, v in saved.items() if k.startswith(pre)}
+    for index, entry in list(md.storage_data.items()):
+        if index.fqn.startswith(pre):
+            md.storage_data[MetadataIndex(index.fqn[len(pre) :], index.offset, index.index)] = entry
+    log.info(
+        "%s: loading the destination's keys from under %r (%d of %d destination keys found there)",
+        md.source,
+        best,
+        best_hits,
+        len(keys),
+    )
+    return FormatMetadata(
+        state_dict_metadata=sdm,
+        planner_data=md.planner_data,
+        storage_data=md.storage_data,
+        storage_meta=md.storage_meta,
+        version=md.version,
+        format=md.format,
+        source=md.source,
+        prefix=best,
+    )

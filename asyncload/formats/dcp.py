@@ -1,0 +1,41 @@
+"""DCP checkpoints (what ``torch.distributed.checkpoint.save`` writes): the ``.metadata``
+file, decoded with the allow-list and checked field by field. Its records (a torch.save
+archive per item in the ``.distcp`` files) are located when read, by
+:mod:`asyncload._session` with :mod:`asyncload.formats.torchsave`'s parser.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from .._errors import CheckpointFormatError
+from .._safe_pickle import check_metadata, safe_loads, short_repr
+from .safetensors import mark_dcp_safetensors
+
+__all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata"]
+
+#: DCP metadata versions this reader understands (``None``: written before versions existed).
+KNOWN_DCP_VERSIONS = (None, "1.0.0")
+
+
+def decode_metadata(raw: bytes | bytearray | memoryview, url: str, *, max_size: int) -> Metadata:
+    """``.metadata``'s bytes as DCP ``Metadata``: allow-listed decoding, a known version, every
+    field of the type and range DCP writes; entries of files saved as safetensors marked."""
+    md = safe_loads(raw, what=url, max_size=max_size, check_structure=False, expect=Metadata)
+    if not isinstance(md, Metadata):
+        raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
+    version = getattr(md, "version", None)
+    if version not in KNOWN_DCP_VERSIONS:
+        raise CheckpointFormatError(
+            f"{url} was written by an unknown DCP version {short_repr(version)}; "
+            f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}"
+        )
+    check_metadata(md, url)  # every field has the type and range DCP writes
+    if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
+        getattr(md, "storage_data", None), dict
+    ):
+        raise CheckpointFormatError(f"{url}: metadata lacks its key or storage tables")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    mark_dcp_safetensors(md)  # files saved with SerializationFormat.SAFETENSORS
+    return md

@@ -1,0 +1,182 @@
+"""Which format a checkpoint URL holds: a DCP directory (``.metadata``), a safetensors file,
+directory or index, a zip-format torch.save file or an index of them.
+
+:func:`aprobe_first` runs before ``.metadata`` is looked for (a URL that names a file),
+:func:`aprobe_fallback` when it is missing (a Hugging Face directory). Both answer with a
+synthesised :class:`~asyncload.formats.base.FormatMetadata`, or ``None``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from .._errors import CheckpointFormatError, CheckpointNotFoundError
+from .._options import LoadOptions
+from .._paths import check_relative_path
+from .._retry import RetryingStorage
+from .._storage import is_local, local_root
+from .base import HF_INDEX, HF_SINGLE, Fetcher, FormatMetadata, OpenRoot, split_file_url
+from .safetensors import (
+    HEADER_PROBE,
+    _asafetensors_files,
+    _no_duplicates,
+    _safetensors_metadata,
+    aread_header,
+    looks_like_safetensors,
+)
+from .torchsave import HEAD_PROBE, _atorchsave_files
+
+__all__ = ["aprobe_fallback", "aprobe_first"]
+
+
+#: Names whose URL is taken for a file first (before looking for ``.metadata`` under it).
+_FILE_SUFFIXES = (".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl", ".pickle")
+
+
+#: Legacy torch.save files start with the pickled magic number 0x1950a86a20f9469cfc6c.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+async def aprobe_first(
+    checkpoint: str | os.PathLike[str], open_root: OpenRoot, options: LoadOptions
+) -> FormatMetadata | None:
+    """Before looking for ``.metadata``: a checkpoint that is a file (a local file, or a URL
+    whose name ends in ``.safetensors``, ``.json``, ``.pt``, ``.bin`` ...). ``None`` otherwise."""
+    if is_local(checkpoint):
+        if not os.path.isfile(local_root(checkpoint)):  # noqa: ASYNC240 - one stat, cheaper than a hop
+            return None
+        parent, name = split_file_url(checkpoint)
+        fetcher = Fetcher(await open_root(parent), options)
+        size = await fetcher.size(name)
+        if size is None:
+            raise CheckpointFormatError(f"{checkpoint} is an empty file, not a checkpoint")
+        return await _afile(fetcher, name, size, str(checkpoint))
+    s = str(checkpoint)
+    if s.endswith("/") or not s.split("?", 1)[0].lower().endswith(_FILE_SUFFIXES):
+        return None
+    parent, name = split_file_url(checkpoint)
+    fetcher = Fetcher(await open_root(parent), options)
+    size = await fetcher.size(name)
+    if size is None:
+        return None
+    return await _afile(fetcher, name, size, s)
+
+
+async def aprobe_fallback(
+    checkpoint: str | os.PathLike[str], storage: RetryingStorage, open_root: OpenRoot, options: LoadOptions
+) -> FormatMetadata | None:
+    """``.metadata`` is missing: a Hugging Face directory, or the URL itself is a file.
+
+    ``storage`` is opened at ``checkpoint``. Returns ``None`` when nothing readable is there.
+    """
+    fetcher = Fetcher(storage, options)
+    size = await fetcher.size(HF_INDEX)
+    if size is not None:
+        return await _aindex(fetcher, HF_INDEX, size, str(checkpoint))
+    size = await fetcher.size(HF_SINGLE)
+    if size is not None:
+        return await _afile(fetcher, HF_SINGLE, size, str(checkpoint))
+    if not is_local(checkpoint):
+        parent, name = split_file_url(checkpoint)
+        if name:
+            file_fetcher = Fetcher(await open_root(parent), options)
+            size = await file_fetcher.size(name)
+            if size is not None:
+                return await _afile(file_fetcher, name, size, str(checkpoint))
+            storage = await open_root(str(checkpoint))
+            fetcher = Fetcher(storage, options)
+    names = await fetcher.listdir()
+    shards = [n for n in names if n.endswith(".safetensors")]
+    if shards:
+        return await _asafetensors_files(fetcher, shards, None, str(checkpoint))
+    indexes = [n for n in names if n.endswith(".index.json")]
+    if len(indexes) == 1:
+        size = await fetcher.size(indexes[0])
+        if size is not None:
+            return await _aindex(fetcher, indexes[0], size, str(checkpoint))
+    return None
+
+
+async def _afile(fetcher: Fetcher, name: str, size: int, source: str) -> FormatMetadata:
+    """One file: an index (``*.json``), safetensors, or a zip-format torch.save archive."""
+    url = fetcher.url(name)
+    if name.endswith(".json"):
+        return await _aindex(fetcher, name, size, source)
+    probe = HEADER_PROBE if name.endswith(".safetensors") else min(HEAD_PROBE, HEADER_PROBE)
+    head = await fetcher.read(name, 0, min(size, probe))
+    if head.startswith(b"PK\x03\x04"):
+        md = await _atorchsave_files(fetcher, [(name, size)], None, source)
+        return md
+    if looks_like_safetensors(head, size):
+        header = await aread_header(
+            fetcher.reader(name),
+            name=name,
+            base=0,
+            blob_size=size,
+            where=url,
+            max_header_size=fetcher.options.max_metadata_size,
+            head=head,
+        )
+        return _safetensors_metadata([header], None, source)
+    if head.startswith(_LEGACY_MAGIC) or head[:1] == b"\x80":
+        raise CheckpointFormatError(
+            f"{url} is a legacy (pre-1.6, non-zip) torch.save file or a raw pickle; asyncload reads only the zip "
+            "format. Re-save it with torch.save(obj, path) (the default since torch 1.6, "
+            "_use_new_zipfile_serialization=True), or load it with torch.load"
+        )
+    if name.endswith(".safetensors"):
+        # let the header parser say precisely what is wrong
+        await aread_header(
+            fetcher.reader(name),
+            name=name,
+            base=0,
+            blob_size=size,
+            where=url,
+            max_header_size=fetcher.options.max_metadata_size,
+            head=head,
+        )
+    raise CheckpointFormatError(
+        f"{url} is not a checkpoint asyncload reads: not a DCP directory, a safetensors "
+        "file or a zip-format torch.save file"
+    )
+
+
+async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> FormatMetadata:
+    """A Hugging Face index (``{"weight_map": {key: file}}``) of safetensors or torch.save shards."""
+    url = fetcher.url(name)
+    limit = min(fetcher.options.max_metadata_size, 256 << 20)
+    if size > limit:
+        raise CheckpointFormatError(
+            f"{url} is {size} bytes, more than the {limit} allowed for an index (LoadOptions.max_metadata_size)"
+        )
+    raw = await fetcher.read(name, 0, size)
+    try:
+        index = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except RecursionError as exc:
+        raise CheckpointFormatError(f"{url} is nested too deeply") from exc
+    except ValueError as exc:
+        raise CheckpointFormatError(f"{url} is not valid UTF-8 JSON: {exc}"[:500]) from exc
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(k, str) for k in wmap):
+        raise CheckpointFormatError(f"{url} has no weight_map object (key -> file): not a sharded checkpoint index")
+    prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+    weight_map = {k: prefix + check_relative_path(v, url) for k, v in wmap.items()}
+    files = sorted(set(weight_map.values()))
+    if all(f.endswith(".safetensors") for f in files):
+        return await _asafetensors_files(fetcher, files, weight_map, source)
+    sizes = await asyncio.gather(*(fetcher.size(f) for f in files))
+    missing = [f for f, s in zip(files, sizes) if s is None]
+    if missing:
+        raise CheckpointNotFoundError(
+            f"{fetcher.url(missing[0])} is named by {url} but does not exist: the checkpoint is incomplete",
+            path=fetcher.url(missing[0]),
+            status=404,
+        )
+    heads = await asyncio.gather(*(fetcher.read(f, 0, min(s or 0, 4)) for f, s in zip(files, sizes)))
+    if all(h.startswith(b"PK\x03\x04") for h in heads):
+        return await _atorchsave_files(fetcher, list(zip(files, [s or 0 for s in sizes])), weight_map, source)
+    raise CheckpointFormatError(
+        f"{url} names shards that are neither all safetensors nor all zip-format torch.save files"
+    )
