@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 
-def transformer_state_dict(total_bytes: int, *, hidden: int = 2048, dtype: torch.dtype = torch.float32,
-                           seed: int = 0) -> dict[str, torch.Tensor]:
+def transformer_state_dict(
+    total_bytes: int, *, hidden: int = 2048, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Layers of a few large matrices (attention, MLP) and many small norms/biases, ~``total_bytes``."""
     g = torch.Generator().manual_seed(seed)
     item = torch.empty((), dtype=dtype).element_size()
@@ -85,6 +86,7 @@ def raw_into_destination(files: list[str], dest: memoryview, threads: int = 2, b
             pos += n
     fds = {f: os.open(f, os.O_RDONLY) for f in files}
     try:
+
         def work(i: int) -> None:
             for f, off, at, n in jobs[i::threads]:
                 os.preadv(fds[f], [dest[at : at + n]], off)

@@ -122,6 +122,7 @@ else:
     dest = destination()
     path = cfg["path"]
     if mode == "torch":
+
         def fn() -> Any:
             return dcp.load(dest, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     else:
@@ -130,6 +131,7 @@ else:
 
         def fn() -> Any:
             return asyncload.load(dest, path, options=opts) if opts is not None else asyncload.load(dest, path)
+
 
 if mode == "timeline":
     import threading

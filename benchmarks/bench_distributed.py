@@ -133,16 +133,22 @@ def _digest(sd: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def rank_main(rank: int, world: int, port: int, out: Any, case: str, url: str, size_mib: int,
-              storage_options: dict[str, Any]) -> None:
+def rank_main(
+    rank: int, world: int, port: int, out: Any, case: str, url: str, size_mib: int, storage_options: dict[str, Any]
+) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import asyncload
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=600),
+        )
         layout, _, how = case.partition(":")
         sd: dict[str, Any] = {}
         if layout == "replicated":
@@ -155,8 +161,14 @@ def rank_main(rank: int, world: int, port: int, out: Any, case: str, url: str, s
             mesh = init_device_mesh("cpu", (world,))
             for k, (s, dt) in shapes(size_mib).items():
                 local_shape, _ = compute_local_shape_and_global_offset(s, mesh, [Shard(0)])
-                sd[k] = DTensor.from_local(torch.zeros(local_shape, dtype=dt), mesh, [Shard(0)], run_check=False,
-                                           shape=torch.Size(s), stride=_contiguous_stride(s))
+                sd[k] = DTensor.from_local(
+                    torch.zeros(local_shape, dtype=dt),
+                    mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=torch.Size(s),
+                    stride=_contiguous_stride(s),
+                )
         remote = url.startswith(("http://", "https://", "s3://"))
         if how == "torch" and remote:
             _count_socket_reads()
@@ -181,9 +193,13 @@ def rank_main(rank: int, world: int, port: int, out: Any, case: str, url: str, s
         seconds = time.perf_counter() - t0
         dist.barrier()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
-        out.put((rank, {"read": read, "received": received, "seconds": seconds, "peak": max(0, peak),
-                        "digest": _digest(sd)}))
-    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out.put(
+            (
+                rank,
+                {"read": read, "received": received, "seconds": seconds, "peak": max(0, peak), "digest": _digest(sd)},
+            )
+        )
+    except BaseException as exc:
         import traceback
 
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
@@ -203,14 +219,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_case(case: str, url: str, world: int, size_mib: int, timeout: float,
-             storage_options: dict[str, Any]) -> list[dict[str, Any]]:
+def run_case(
+    case: str, url: str, world: int, size_mib: int, timeout: float, storage_options: dict[str, Any]
+) -> list[dict[str, Any]]:
     ctx = mp.get_context("forkserver")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, q, case, url, size_mib, storage_options),
-                         daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, world, port, q, case, url, size_mib, storage_options), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
@@ -244,17 +262,30 @@ def main() -> None:
     ap.add_argument("--store", choices=("http", "local", "s3"), default="http")
     ap.add_argument("--size-mib", type=int, default=64, help="checkpoint size (default 64)")
     ap.add_argument("--world", type=int, default=4, help="ranks (default 4)")
-    ap.add_argument("--bandwidth-mib", type=float, default=50.0,
-                    help="http/s3: the store's bandwidth cap for all ranks together, MiB/s (default 50)")
+    ap.add_argument(
+        "--bandwidth-mib",
+        type=float,
+        default=50.0,
+        help="http/s3: the store's bandwidth cap for all ranks together, MiB/s (default 50)",
+    )
     ap.add_argument("--latency-ms", type=float, default=0.0, help="http/s3: one-way latency added per request")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per case")
-    ap.add_argument("--cases", default="replicated:torch,replicated:pipelined,replicated:sharded,"
-                                        "shard0:torch,shard0:pipelined,shard0:sharded")
+    ap.add_argument(
+        "--cases",
+        default="replicated:torch,replicated:pipelined,replicated:sharded,shard0:torch,shard0:pipelined,shard0:sharded",
+    )
     args = ap.parse_args()
 
     mp.get_context("forkserver").set_forkserver_preload(
-        ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
-         "asyncload"])
+        [
+            "torch",
+            "torch._dynamo",
+            "torch.distributed",
+            "torch.distributed.checkpoint",
+            "torch.distributed.tensor",
+            "asyncload",
+        ]
+    )
     work = tempfile.mkdtemp(prefix="asyncload-bench-dist-")
     servers: list[Any] = []
     try:
@@ -282,17 +313,26 @@ def main() -> None:
             else:
                 url = server.upload_dir(ckpt, "bench", "ckpt")
                 storage_options = server.storage_options(proxy.endpoint_url)
-            where = (f"{args.store} on 127.0.0.1 behind a FaultProxy: {args.bandwidth_mib:g} MiB/s for all ranks "
-                     f"together, {args.latency_ms:g} ms one-way latency")
+            where = (
+                f"{args.store} on 127.0.0.1 behind a FaultProxy: {args.bandwidth_mib:g} MiB/s for all ranks "
+                f"together, {args.latency_ms:g} ms one-way latency"
+            )
 
-        print(f"checkpoint: {_mib(ckpt_bytes)} MiB in {len(os.listdir(ckpt)) - 1} data file(s); {args.world} ranks "
-              f"(gloo, 127.0.0.1); store: {where}; torch {torch.__version__}, {os.cpu_count()} CPUs")
-        header = (f"{'case':<44} {'total read MiB':>14} {'x ckpt':>7} {'per-rank read MiB':>26} {'max/min':>8} "
-                  f"{'recv MiB/rank':>13} {'wall s':>7} {'peak RSS +MiB':>13}")
+        print(
+            f"checkpoint: {_mib(ckpt_bytes)} MiB in {len(os.listdir(ckpt)) - 1} data file(s); {args.world} ranks "
+            f"(gloo, 127.0.0.1); store: {where}; torch {torch.__version__}, {os.cpu_count()} CPUs"
+        )
+        header = (
+            f"{'case':<44} {'total read MiB':>14} {'x ckpt':>7} {'per-rank read MiB':>26} {'max/min':>8} "
+            f"{'recv MiB/rank':>13} {'wall s':>7} {'peak RSS +MiB':>13}"
+        )
         print(header)
         print("-" * len(header))
-        names = {"torch": "torch dcp.load", "pipelined": "asyncload PipelinedLoadPlanner",
-                 "sharded": "asyncload ShardedLoadPlanner"}
+        names = {
+            "torch": "torch dcp.load",
+            "pipelined": "asyncload PipelinedLoadPlanner",
+            "sharded": "asyncload ShardedLoadPlanner",
+        }
         digests: dict[str, list[str]] = {}
         rows: dict[str, tuple[float, float]] = {}
         for case in args.cases.split(","):
@@ -306,8 +346,11 @@ def main() -> None:
             ratio = max(reads) / max(1, min(reads))
             recv = sum(r["received"] for r in res) / len(res)
             peak = max(r["peak"] for r in res)
-            print(f"{label:<44} {_mib(total):>14} {total / ckpt_bytes:>7.2f} {per_rank:>26} {ratio:>8.2f} "
-                  f"{_mib(recv):>13} {wall:>7.2f} {_mib(peak):>13}", flush=True)
+            print(
+                f"{label:<44} {_mib(total):>14} {total / ckpt_bytes:>7.2f} {per_rank:>26} {ratio:>8.2f} "
+                f"{_mib(recv):>13} {wall:>7.2f} {_mib(peak):>13}",
+                flush=True,
+            )
             rows[case] = (total, wall)
             got = [r["digest"] for r in res]
             if layout in digests and digests[layout] != got:
@@ -321,8 +364,10 @@ def main() -> None:
             for how in ("pipelined", "sharded"):
                 r = rows.get(f"{layout}:{how}")
                 if r is not None:
-                    print(f"{layout} {names[how]} vs torch: {r[0] / base[0]:.2f}x the bytes, "
-                          f"{base[1] / r[1]:.2f}x the speed")
+                    print(
+                        f"{layout} {names[how]} vs torch: {r[0] / base[0]:.2f}x the bytes, "
+                        f"{base[1] / r[1]:.2f}x the speed"
+                    )
     finally:
         for s in reversed(servers):
             s.stop()

@@ -68,8 +68,12 @@ def check(dest: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], what: str)
             raise SystemExit(f"{what}: {k} differs from what was saved")
 
 
-def run_rounds(methods: list[tuple[str, Callable[[], Any]]], rounds: int, dest: dict[str, torch.Tensor],
-               sd: dict[str, torch.Tensor]) -> dict[str, list[tuple[float, int]]]:
+def run_rounds(
+    methods: list[tuple[str, Callable[[], Any]]],
+    rounds: int,
+    dest: dict[str, torch.Tensor],
+    sd: dict[str, torch.Tensor],
+) -> dict[str, list[tuple[float, int]]]:
     out: dict[str, list[tuple[float, int]]] = {name: [] for name, _ in methods}
     for r in range(rounds):
         for name, fn in methods:
@@ -90,23 +94,31 @@ def table(title: str, results: dict[str, list[tuple[float, int]]], total: int, r
     best = {k: min(t for t, _ in v) for k, v in results.items()}
     med = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
     peak = {k: max(p for _, p in v) for k, v in results.items()}
-    lines = [f"\n{title}",
-             (f"{'method':<46} {'best s':>7} {'median s':>9} {'GiB/s':>6} {'best/ref':>9} {'median/ref':>11} "
-              f"{'peak RSS MiB':>13}")]
+    lines = [
+        f"\n{title}",
+        (
+            f"{'method':<46} {'best s':>7} {'median s':>9} {'GiB/s':>6} {'best/ref':>9} {'median/ref':>11} "
+            f"{'peak RSS MiB':>13}"
+        ),
+    ]
     for name in results:
-        lines.append(f"{name:<46} {best[name]:7.3f} {med[name]:9.3f} {total / best[name] / (1 << 30):6.2f} "
-                     f"{best[name] / best[ref]:8.2f}x {med[name] / med[ref]:10.2f}x {peak[name] / (1 << 20):13.0f}")
+        lines.append(
+            f"{name:<46} {best[name]:7.3f} {med[name]:9.3f} {total / best[name] / (1 << 30):6.2f} "
+            f"{best[name] / best[ref]:8.2f}x {med[name] / med[ref]:10.2f}x {peak[name] / (1 << 20):13.0f}"
+        )
     lines.append(f"(ref = {ref}; {len(next(iter(results.values())))} interleaved rounds)")
     return lines
 
 
 def start_proxy(upstream: str, latency: float) -> tuple[subprocess.Popen[str], str]:
     """A FaultProxy in its own process (its relaying must not share our GIL)."""
-    code = ("import sys, time\n"
-            "from asyncload.testing import FaultProxy\n"
-            f"p = FaultProxy({upstream!r}, latency={latency!r}, flavor='s3').start()\n"
-            "print(p.endpoint_url, flush=True)\n"
-            "sys.stdin.read()\n")
+    code = (
+        "import sys, time\n"
+        "from asyncload.testing import FaultProxy\n"
+        f"p = FaultProxy({upstream!r}, latency={latency!r}, flavor='s3').start()\n"
+        "print(p.endpoint_url, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()
@@ -147,8 +159,12 @@ def main() -> None:
             while f.read(64 << 20):
                 pass
     dest = zeros_like(sd)
-    lines = [(f"asyncload {asyncload.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs; model "
-              f"{total / (1 << 30):.2f} GiB bf16 in {len(sd)} tensors; destinations made by torch.zeros")]
+    lines = [
+        (
+            f"asyncload {asyncload.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs; model "
+            f"{total / (1 << 30):.2f} GiB bf16 in {len(sd)} tensors; destinations made by torch.zeros"
+        )
+    ]
 
     local = [
         ("safetensors.load_file + copy_", lambda: copy_into(dest, load_file(str(st_path)))),
@@ -180,25 +196,33 @@ def main() -> None:
                     return fs.cat_file(url)
 
                 methods = [
-                    ("s3fs cat_file + safetensors.load + copy_",
-                     lambda: copy_into(dest, st_load_bytes(cat(st_url)))),
-                    ("s3fs cat_file + torch.load + copy_",
-                     lambda: copy_into(dest, torch.load(io.BytesIO(cat(pt_url)), weights_only=True))),
-                    ("asyncload.load(s3://.../model.safetensors)",
-                     lambda: asyncload.load(dest, st_url, storage_options=opts)),
-                    ("asyncload.load(s3://.../model.pt)",
-                     lambda: asyncload.load(dest, pt_url, storage_options=opts)),
+                    ("s3fs cat_file + safetensors.load + copy_", lambda: copy_into(dest, st_load_bytes(cat(st_url)))),
+                    (
+                        "s3fs cat_file + torch.load + copy_",
+                        lambda: copy_into(dest, torch.load(io.BytesIO(cat(pt_url)), weights_only=True)),
+                    ),
+                    (
+                        "asyncload.load(s3://.../model.safetensors)",
+                        lambda: asyncload.load(dest, st_url, storage_options=opts),
+                    ),
+                    ("asyncload.load(s3://.../model.pt)", lambda: asyncload.load(dest, pt_url, storage_options=opts)),
                 ]
                 print(f"remote: s3rver behind a proxy adding {args.latency_ms} ms each way:", flush=True)
                 res = run_rounds(methods, args.remote_rounds, dest, sd)
-                lines += table(f"s3rver on loopback, +{args.latency_ms:g} ms each way per request (FaultProxy)", res,
-                               total, "asyncload.load(s3://.../model.safetensors)")
+                lines += table(
+                    f"s3rver on loopback, +{args.latency_ms:g} ms each way per request (FaultProxy)",
+                    res,
+                    total,
+                    "asyncload.load(s3://.../model.safetensors)",
+                )
             finally:
                 proxy.kill()
                 proxy.wait()
     else:
-        lines.append("\n(remote part skipped: s3rver not found; npm install --prefix ~/.cache/asyncload-s3rver "
-                     "s3rver@3.7.1, or pass --s3rver PATH)")
+        lines.append(
+            "\n(remote part skipped: s3rver not found; npm install --prefix ~/.cache/asyncload-s3rver "
+            "s3rver@3.7.1, or pass --s3rver PATH)"
+        )
     print("\n".join(lines))
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -26,9 +26,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _common as C  # noqa: E402
+import _common as C
 
-import asyncload  # noqa: E402
+import asyncload
 
 CHUNK = 16 << 20
 INFLIGHT = 16
@@ -69,6 +69,7 @@ async def via_preadv(path: str, dest: memoryview, ex: concurrent.futures.Executo
     loop = asyncio.get_running_loop()
     sem = asyncio.Semaphore(INFLIGHT)
     try:
+
         async def one(off: int) -> None:
             async with sem:
                 await loop.run_in_executor(ex, os.preadv, fd, [dest[off : min(size, off + CHUNK)]], off)
@@ -107,8 +108,10 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t0)
-        print(f"1) {size >> 20} MiB file, warm cache, {CHUNK >> 20} MiB chunks, {INFLIGHT} in flight, "
-              f"median of {args.rounds}, {os.cpu_count()} CPUs")
+        print(
+            f"1) {size >> 20} MiB file, warm cache, {CHUNK >> 20} MiB chunks, {INFLIGHT} in flight, "
+            f"median of {args.rounds}, {os.cpu_count()} CPUs"
+        )
         for k, ts in times.items():
             t = C.median(ts)
             print(f"   {k:30s} {t:7.3f} s {size / t / (1 << 30):6.2f} GiB/s")

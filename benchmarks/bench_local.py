@@ -56,6 +56,7 @@ def raw_bound(files: list[str], threads: int = 2, block: int = 8 << 20) -> None:
     bufs = _BUFS[:threads]
     fds = {f: os.open(f, os.O_RDONLY) for f in files}
     try:
+
         def work(i: int) -> None:
             mv = memoryview(bufs[i])
             for f, off, n in jobs[i::threads]:
@@ -86,13 +87,13 @@ def child_env() -> dict[str, str]:
 
 
 def run_child(cfg: dict[str, object], env: dict[str, str]) -> dict[str, object]:
-    r = subprocess.run([sys.executable, CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env,
-                       timeout=900)
+    r = subprocess.run([sys.executable, CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or not lines:
-        raise SystemExit(f"fresh child {cfg['mode']} failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n"
-                         f"{r.stderr[-4000:]}")
-    res: dict[str, object] = json.loads(lines[-1][len("RESULT "):])
+        raise SystemExit(
+            f"fresh child {cfg['mode']} failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+        )
+    res: dict[str, object] = json.loads(lines[-1][len("RESULT ") :])
     got = res.get("asyncload_file")
     if got is not None and os.path.realpath(str(got)) != os.path.realpath(asyncload.__file__):
         raise SystemExit(f"fresh child imported {got}, this process {asyncload.__file__}")
@@ -106,8 +107,13 @@ def print_timeline(title: str, res: dict[str, object], per_kind: int = 4) -> flo
     shown: dict[str, int] = {}
     first_read = None
     for ms, what in res["events"]:  # type: ignore[attr-defined]
-        kind = (what.split(" #")[0] if what.startswith("os.") else
-                what.split()[0] if what.startswith(("import", "thread")) else " ".join(what.split()[:2]))
+        kind = (
+            what.split(" #")[0]
+            if what.startswith("os.")
+            else what.split()[0]
+            if what.startswith(("import", "thread"))
+            else " ".join(what.split()[:2])
+        )
         if what.startswith(("os.pread", "os.preadv", "os.readv")) and first_read is None:
             first_read = ms
         shown[kind] = shown.get(kind, 0) + 1
@@ -127,8 +133,15 @@ def print_timeline(title: str, res: dict[str, object], per_kind: int = 4) -> flo
     return first_read
 
 
-def warm_section(args: argparse.Namespace, path: str, files: list[str], total: int, file_bytes: int,
-                 shapes: dict[str, tuple[list[int], str]], opts: asyncload.LoadOptions) -> None:
+def warm_section(
+    args: argparse.Namespace,
+    path: str,
+    files: list[str],
+    total: int,
+    file_bytes: int,
+    shapes: dict[str, tuple[list[int], str]],
+    opts: asyncload.LoadOptions,
+) -> None:
     template = {k: torch.empty(s, dtype=getattr(torch, dt)) for k, (s, dt) in shapes.items()}
     dest = C.zeros_like(template)
     del template
@@ -138,8 +151,9 @@ def warm_section(args: argparse.Namespace, path: str, files: list[str], total: i
     competitors = {
         "raw bound (preadv, 2 threads)": lambda: raw_bound(files),
         "raw into destination-sized buffer": lambda: C.raw_into_destination(files, big_mv),
-        "torch dcp.load FileSystemReader": lambda: dcp.load(dest, storage_reader=dcp.FileSystemReader(path),
-                                                            no_dist=True),
+        "torch dcp.load FileSystemReader": lambda: dcp.load(
+            dest, storage_reader=dcp.FileSystemReader(path), no_dist=True
+        ),
         "asyncload.load": lambda: asyncload.load(dest, path, options=opts),
     }
     if args.verify:
@@ -152,25 +166,41 @@ def warm_section(args: argparse.Namespace, path: str, files: list[str], total: i
             dt, peak = C.measure(fn)
             times[name].append(dt)
             peaks[name].append(peak)
-    print(f"\n== one warmed process ==\ncheckpoint: {C.gib(total)} GiB of tensors in {len(files)} file(s) "
-          f"({C.gib(file_bytes)} GiB), {len(dest)} keys; warm page cache; median of {args.rounds} interleaved "
-          f"rounds; torch {torch.__version__}, {os.cpu_count()} CPUs")
-    print(f"asyncload options: concurrency={args.concurrency} chunk_size={args.chunk_mib} MiB "
-          f"memory_budget={args.budget_mib} MiB")
+    print(
+        f"\n== one warmed process ==\ncheckpoint: {C.gib(total)} GiB of tensors in {len(files)} file(s) "
+        f"({C.gib(file_bytes)} GiB), {len(dest)} keys; warm page cache; median of {args.rounds} interleaved "
+        f"rounds; torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"asyncload options: concurrency={args.concurrency} chunk_size={args.chunk_mib} MiB "
+        f"memory_budget={args.budget_mib} MiB"
+    )
     bound = C.median(times["raw bound (preadv, 2 threads)"])
     dbound = C.median(times["raw into destination-sized buffer"])
-    print(f"{'reader':36s} {'seconds':>8s} {'GiB/s':>7s} {'x bound':>8s} {'x dest bound':>12s} "
-          f"{'peak RSS above dest':>20s}")
+    print(
+        f"{'reader':36s} {'seconds':>8s} {'GiB/s':>7s} {'x bound':>8s} {'x dest bound':>12s} "
+        f"{'peak RSS above dest':>20s}"
+    )
     for name in competitors:
         t = C.median(times[name])
-        print(f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:8.2f} {dbound / t:12.2f} "
-              f"{max(peaks[name]) / (1 << 20):17.1f} MiB")
+        print(
+            f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:8.2f} {dbound / t:12.2f} "
+            f"{max(peaks[name]) / (1 << 20):17.1f} MiB"
+        )
     st = asyncload.load(dest, path, options=opts)
     print(f"\nasyncload stats: {st}", flush=True)
 
 
-def fresh_section(args: argparse.Namespace, tmp: str, path: str, files: list[str], total: int,
-                  shapes_file: str, checks: dict[str, float], o: dict[str, object]) -> None:
+def fresh_section(
+    args: argparse.Namespace,
+    tmp: str,
+    path: str,
+    files: list[str],
+    total: int,
+    shapes_file: str,
+    checks: dict[str, float],
+    o: dict[str, object],
+) -> None:
     env = child_env()
     base = {"path": path, "files": files, "shapes": shapes_file, "check": checks}
     contenders = {
@@ -181,18 +211,22 @@ def fresh_section(args: argparse.Namespace, tmp: str, path: str, files: list[str
     names = list(contenders)
     res: dict[str, list[dict[str, object]]] = {k: [] for k in names}
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # interleaved, order rotated per round
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # interleaved, order rotated per round
             raw_bound(files)  # page cache warm before every child
             out = run_child({**base, **contenders[name]}, env)
             if "check" in out and out["check"] != checks:
                 raise SystemExit(f"{name} (fresh) loaded wrong values: {out['check']} != {checks}")
             res[name].append(out)
     print(f"\n== first load in a fresh process ({args.rounds} interleaved rounds, medians) ==")
-    print("each in its own subprocess: imports and the torch.zeros destination before the clock, page cache warm;"
-          "\n'2nd load' is the same call again in that process (warm, as in the section above)")
+    print(
+        "each in its own subprocess: imports and the torch.zeros destination before the clock, page cache warm;"
+        "\n'2nd load' is the same call again in that process (warm, as in the section above)"
+    )
     bound = C.median([float(x["seconds"]) for x in res[names[0]]])
-    print(f"{'reader (first load, fresh process)':36s} {'seconds':>8s} {'GiB/s':>7s} {'x fresh bound':>13s} "
-          f"{'peak RSS above dest':>20s} {'2nd load s':>10s} {'first - 2nd':>12s}")
+    print(
+        f"{'reader (first load, fresh process)':36s} {'seconds':>8s} {'GiB/s':>7s} {'x fresh bound':>13s} "
+        f"{'peak RSS above dest':>20s} {'2nd load s':>10s} {'first - 2nd':>12s}"
+    )
     for name in names:
         t = C.median([float(x["seconds"]) for x in res[name]])
         peak = max(int(x["peak"]) for x in res[name]) / (1 << 20)  # type: ignore[call-overload]
@@ -202,8 +236,10 @@ def fresh_section(args: argparse.Namespace, tmp: str, path: str, files: list[str
             second = f"{t2:10.3f} {(t - t2) * 1e3:9.1f} ms"
         print(f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:13.2f} {peak:17.1f} MiB {second}")
     al = C.median([float(x["seconds"]) for x in res["asyncload.load"]])
-    print(f"asyncload first load above the fresh bound: {(al - bound) * 1e3:.1f} ms; "
-          f"per round (s): " + ", ".join(f"{float(x['seconds']):.3f}" for x in res["asyncload.load"]))
+    print(
+        f"asyncload first load above the fresh bound: {(al - bound) * 1e3:.1f} ms; "
+        f"per round (s): " + ", ".join(f"{float(x['seconds']):.3f}" for x in res["asyncload.load"])
+    )
     st = run_child({**base, "mode": "asyncload", "options": o, "stats": True}, env)
     print(f"asyncload stats (a fresh process's load after its first): {st['stats']}", flush=True)
 
@@ -216,14 +252,15 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
     with open(tiny_shapes, "w") as f:
         json.dump({"w": [[16], "float32"]}, f)
     n = max(5, args.rounds)
-    rows: dict[str, list[dict[str, object]]] = {"asyncload.load (default options)": [],
-                                                "torch dcp.load FileSystemReader": []}
+    rows: dict[str, list[dict[str, object]]] = {
+        "asyncload.load (default options)": [],
+        "torch dcp.load FileSystemReader": [],
+    }
     for _ in range(n):
         for name in rows:
             mode = "asyncload" if name.startswith("asyncload") else "torch"
             rows[name].append(run_child({"mode": mode, "path": tiny, "shapes": tiny_shapes, "second": True}, env))
-    print(f"\n== fixed cost: a one-tensor checkpoint (16 float32), first load in a fresh process "
-          f"(median of {n}) ==")
+    print(f"\n== fixed cost: a one-tensor checkpoint (16 float32), first load in a fresh process (median of {n}) ==")
     print(f"{'loader':36s} {'first load ms':>13s} {'2nd load ms':>11s} {'first - 2nd':>12s}   first loads (ms)")
     for name, rs in rows.items():
         a = C.median([float(x["seconds"]) * 1e3 for x in rs])
@@ -234,13 +271,19 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
     tl = run_child({"mode": "timeline", "path": tiny, "shapes": tiny_shapes, "watch": [tiny]}, env)
     print_timeline("timeline of a first asyncload.load of the one-tensor checkpoint, fresh process", tl)
     tl_big = run_child({"mode": "timeline", "path": path, "shapes": shapes_file, "watch": [path]}, env)
-    first_read = print_timeline(f"timeline of a first asyncload.load of the {args.size_mib} MiB checkpoint, "
-                                f"fresh process", tl_big)
-    print(f"\nfixed cost of a first load: {fixed:.1f} ms (first asyncload.load of a one-tensor checkpoint in a "
-          f"fresh process, median of {n}; issue's bar <= {BAR_MS:.0f} ms: {'met' if fixed <= BAR_MS else 'NOT met'})")
+    first_read = print_timeline(
+        f"timeline of a first asyncload.load of the {args.size_mib} MiB checkpoint, fresh process", tl_big
+    )
+    print(
+        f"\nfixed cost of a first load: {fixed:.1f} ms (first asyncload.load of a one-tensor checkpoint in a "
+        f"fresh process, median of {n}; issue's bar <= {BAR_MS:.0f} ms: {'met' if fixed <= BAR_MS else 'NOT met'})"
+    )
     if first_read is not None:
-        print(f"time to the first positional read, {args.size_mib} MiB checkpoint, fresh process: {first_read:.1f} ms "
-              f"(one run, DEBUG logging on)", flush=True)
+        print(
+            f"time to the first positional read, {args.size_mib} MiB checkpoint, fresh process: {first_read:.1f} ms "
+            f"(one run, DEBUG logging on)",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -252,13 +295,18 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--budget-mib", type=int, default=512)
     ap.add_argument("--verify", action="store_true", help="also time asyncload with verify=True")
-    ap.add_argument("--fresh", action="store_true",
-                    help="also time each contender's first load in a fresh process, and asyncload's fixed cost")
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="also time each contender's first load in a fresh process, and asyncload's fixed cost",
+    )
     ap.add_argument("--fresh-only", action="store_true", help="only the fresh-process sections")
     args = ap.parse_args()
 
-    print(f"asyncload: {asyncload.__file__} (version {getattr(asyncload, '__version__', '?')}); python "
-          f"{sys.executable}; PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}")
+    print(
+        f"asyncload: {asyncload.__file__} (version {getattr(asyncload, '__version__', '?')}); python "
+        f"{sys.executable}; PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}"
+    )
     loadavg("start")
     tmp = tempfile.mkdtemp(prefix="asyncload-bench-", dir=args.dir)
     try:
@@ -275,14 +323,18 @@ def main() -> None:
             json.dump(shapes, f)
         files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".distcp")]
         file_bytes = sum(os.path.getsize(f) for f in files)
-        opts = asyncload.LoadOptions(concurrency=args.concurrency, chunk_size=args.chunk_mib << 20,
-                                     memory_budget=args.budget_mib << 20)
+        opts = asyncload.LoadOptions(
+            concurrency=args.concurrency, chunk_size=args.chunk_mib << 20, memory_budget=args.budget_mib << 20
+        )
         if not args.fresh_only:
             warm_section(args, path, files, total, file_bytes, shapes, opts)
             loadavg("after the warmed-process section")
         if args.fresh or args.fresh_only:
-            o = {"concurrency": args.concurrency, "chunk_size": args.chunk_mib << 20,
-                 "memory_budget": args.budget_mib << 20}
+            o = {
+                "concurrency": args.concurrency,
+                "chunk_size": args.chunk_mib << 20,
+                "memory_budget": args.budget_mib << 20,
+            }
             fresh_section(args, tmp, path, files, total, shapes_file, checks, o)
             loadavg("after the fresh-process section")
             fixed_cost_section(args, tmp, path, shapes_file)

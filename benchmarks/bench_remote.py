@@ -29,20 +29,21 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from asyncload.testing import S3rverServer, S3Server, configure_env  # noqa: E402
+from asyncload.testing import S3rverServer, S3Server, configure_env
 
 configure_env()
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from _common import nbytes, transformer_state_dict  # noqa: E402
+import torch
+import torch.distributed.checkpoint as dcp
+from _common import nbytes, transformer_state_dict
 
-import asyncload  # noqa: E402
+import asyncload
 
 warnings.filterwarnings("ignore")
 MiB = 1 << 20
@@ -64,11 +65,16 @@ p.stop()
 class Proxy:
     """A FaultProxy in a child process (so its relaying does not compete for our GIL)."""
 
-    def __init__(self, upstream: str, latency: float, bandwidth: float | None, stalls: int = 0,
-                 stall_s: float = 5.0) -> None:
-        cfg = dict(upstream=upstream, latency=latency, bandwidth=bandwidth, stalls=stalls, stall_s=stall_s)
-        self.proc = subprocess.Popen([sys.executable, "-c", _PROXY_CHILD, json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+    def __init__(
+        self, upstream: str, latency: float, bandwidth: float | None, stalls: int = 0, stall_s: float = 5.0
+    ) -> None:
+        cfg = {"upstream": upstream, "latency": latency, "bandwidth": bandwidth, "stalls": stalls, "stall_s": stall_s}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _PROXY_CHILD, json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
 
@@ -99,7 +105,7 @@ async def raw_bound(url: str, so: dict[str, Any], files: list[tuple[str, int]], 
     fs = s3fs.S3FileSystem(asynchronous=True, session=_SESSION[0], **so)
     await fs.set_session()
     sem = asyncio.Semaphore(conc)
-    base = url[len("s3://"):].rstrip("/")
+    base = url[len("s3://") :].rstrip("/")
 
     async def one(name: str, lo: int, hi: int) -> None:
         async with sem:
@@ -120,8 +126,16 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def run_setting(label: str, server: Any, url: str, sd: dict[str, torch.Tensor], files: list[tuple[str, int]],
-                args: argparse.Namespace, bandwidth: float | None, straggle: bool) -> list[tuple[str, float]]:
+def run_setting(
+    label: str,
+    server: Any,
+    url: str,
+    sd: dict[str, torch.Tensor],
+    files: list[tuple[str, int]],
+    args: argparse.Namespace,
+    bandwidth: float | None,
+    straggle: bool,
+) -> list[tuple[str, float]]:
     data_bytes = sum(s for _, s in files)
     opts = asyncload.LoadOptions(chunk_size=args.chunk_mib * MiB, concurrency=args.concurrency)
     rows: list[tuple[str, float]] = []
@@ -144,9 +158,13 @@ def run_setting(label: str, server: Any, url: str, sd: dict[str, torch.Tensor], 
     def al_load(options: asyncload.LoadOptions) -> Callable[[dict[str, Any]], Any]:
         return lambda so: asyncload.load(dst, url, options=options, storage_options=so)
 
-    for r in range(args.rounds):
-        rows.append(("raw bound (s3fs 8 MiB x 32)",
-                     with_proxy(0, lambda so: asyncio.run(raw_bound(url, so, files, 8 * MiB, 32)))))
+    for _r in range(args.rounds):
+        rows.append(
+            (
+                "raw bound (s3fs 8 MiB x 32)",
+                with_proxy(0, lambda so: asyncio.run(raw_bound(url, so, files, 8 * MiB, 32))),
+            )
+        )
         rows.append(("torch dcp.load + FsspecReader", with_proxy(0, torch_load)))
         rows.append((f"asyncload concurrency={args.concurrency}", with_proxy(0, al_load(opts))))
         for k in sd:
@@ -154,8 +172,12 @@ def run_setting(label: str, server: Any, url: str, sd: dict[str, torch.Tensor], 
         rows.append(("asyncload concurrency=auto", with_proxy(0, al_load(opts.replace(concurrency="auto")))))
         if straggle:
             rows.append((f"asyncload concurrency={args.concurrency}, 2 stalls of 5 s", with_proxy(2, al_load(opts))))
-            rows.append(("asyncload concurrency=auto, 2 stalls of 5 s",
-                         with_proxy(2, al_load(opts.replace(concurrency="auto")))))
+            rows.append(
+                (
+                    "asyncload concurrency=auto, 2 stalls of 5 s",
+                    with_proxy(2, al_load(opts.replace(concurrency="auto"))),
+                )
+            )
             if not args.skip_torch_stall:
                 rows.append(("torch dcp.load + FsspecReader, 2 stalls of 5 s", with_proxy(2, torch_load)))
     # report: median per row name
@@ -164,17 +186,23 @@ def run_setting(label: str, server: Any, url: str, sd: dict[str, torch.Tensor], 
         by.setdefault(name, []).append(t)
     med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
     raw = med["raw bound (s3fs 8 MiB x 32)"]
-    clean = {"asyncload": med[f"asyncload concurrency={args.concurrency}"],
-             "asyncload auto": med["asyncload concurrency=auto"],
-             "torch": med["torch dcp.load + FsspecReader"]}
-    print(f"\n== {label}: {data_bytes / MiB:.0f} MiB of .distcp data in {len(files)} files "
-          f"(median of {args.rounds}) ==")
+    clean = {
+        "asyncload": med[f"asyncload concurrency={args.concurrency}"],
+        "asyncload auto": med["asyncload concurrency=auto"],
+        "torch": med["torch dcp.load + FsspecReader"],
+    }
+    print(
+        f"\n== {label}: {data_bytes / MiB:.0f} MiB of .distcp data in {len(files)} files (median of {args.rounds}) =="
+    )
     print(f"{'':52s} {'seconds':>8s} {'MiB/s':>8s} {'x raw':>6s}  note")
     for name, t in med.items():
         note = ""
         if "stalls" in name:
-            ref = clean["torch"] if name.startswith("torch") else \
-                clean["asyncload auto" if "auto" in name else "asyncload"]
+            ref = (
+                clean["torch"]
+                if name.startswith("torch")
+                else clean["asyncload auto" if "auto" in name else "asyncload"]
+            )
             note = f"{t / ref:.2f}x its clean run"
         print(f"{name:52s} {t:8.2f} {data_bytes / MiB / t:8.1f} {raw / t:6.2f}  {note}")
     return rows
@@ -203,13 +231,23 @@ def main() -> None:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True)
         files = sorted((p.name, p.stat().st_size) for p in path.glob("*.distcp"))
         url = server.upload_dir(path, "bench", "ckpt")
-        print(f"server: {type(server).__name__} ({'s3rver' if exe else 'moto'}), checkpoint {nbytes(sd) / MiB:.0f} MiB "
-              f"of tensors, {len(files)} .distcp files up to {max(s for _, s in files) / MiB:.1f} MiB; "
-              f"torch {torch.__version__}, asyncload {asyncload.__version__}, {os.cpu_count()} CPUs")
+        print(
+            f"server: {type(server).__name__} ({'s3rver' if exe else 'moto'}), checkpoint {nbytes(sd) / MiB:.0f} MiB "
+            f"of tensors, {len(files)} .distcp files up to {max(s for _, s in files) / MiB:.1f} MiB; "
+            f"torch {torch.__version__}, asyncload {asyncload.__version__}, {os.cpu_count()} CPUs"
+        )
         run_setting(f"{args.latency * 1e3:.0f} ms one-way delay", server, url, sd, files, args, None, True)
         if args.bandwidth_mib > 0:
-            run_setting(f"{args.latency * 1e3:.0f} ms one-way delay, {args.bandwidth_mib:.0f} MiB/s cap", server, url,
-                        sd, files, args, args.bandwidth_mib * MiB, False)
+            run_setting(
+                f"{args.latency * 1e3:.0f} ms one-way delay, {args.bandwidth_mib:.0f} MiB/s cap",
+                server,
+                url,
+                sd,
+                files,
+                args,
+                args.bandwidth_mib * MiB,
+                False,
+            )
 
 
 if __name__ == "__main__":

@@ -68,19 +68,23 @@ def main() -> None:
         torch.save(sd, tmp / "model.pt")
         dest = {k: torch.zeros_like(v) for k, v in sd.items()}
         del sd
-        print(f"{nbytes / GiB:.2f} GiB of tensors in {len(dest)} keys; DCP in 4 files, safetensors and torch.save "
-              "in one file each; warm page cache", flush=True)
+        print(
+            f"{nbytes / GiB:.2f} GiB of tensors in {len(dest)} keys; DCP in 4 files, safetensors and torch.save "
+            "in one file each; warm page cache",
+            flush=True,
+        )
 
         loaders: dict[str, Callable[[], None]] = {
             "torch dcp.load (FileSystemReader)": lambda: dcp.load(dest, checkpoint_id=str(tmp / "dcp")),
             "asyncload.load (DCP)": lambda: asyncload.load(dest, tmp / "dcp"),
             "safetensors load_file + copy": lambda: copy_into(dest, load_file(str(tmp / "model.safetensors"))),
             "torch.load(mmap=True) + copy": lambda: copy_into(
-                dest, torch.load(tmp / "model.pt", mmap=True, weights_only=True)),
+                dest, torch.load(tmp / "model.pt", mmap=True, weights_only=True)
+            ),
             "torch.load + copy": lambda: copy_into(dest, torch.load(tmp / "model.pt", weights_only=True)),
         }
         times: dict[str, list[float]] = {k: [] for k in loaders}
-        rss: dict[str, int] = {k: 0 for k in loaders}
+        rss: dict[str, int] = dict.fromkeys(loaders, 0)
         for fn in loaders.values():  # warm-up: page cache, threads, imports
             fn()
         for r in range(args.rounds):
@@ -92,8 +96,9 @@ def main() -> None:
                     fn()
                     times[name].append(time.perf_counter() - t0)
                 rss[name] = max(rss[name], meter.above)
-            print(f"round {r + 1}: " + ", ".join(f"{k.split(' ')[0]} {v[-1]:.3f}s" for k, v in times.items()),
-                  flush=True)
+            print(
+                f"round {r + 1}: " + ", ".join(f"{k.split(' ')[0]} {v[-1]:.3f}s" for k, v in times.items()), flush=True
+            )
         base = statistics.median(times["torch dcp.load (FileSystemReader)"])
         print(f"\n{'loader':<36}{'seconds':>9}{'GiB/s':>8}{'vs dcp.load':>13}{'peak RSS above dest':>21}")
         for name in loaders:

@@ -99,9 +99,16 @@ def _worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, que
                 outcome["CheckpointFormatError"] += 1
             except UnsafeCheckpointError:
                 outcome["UnsafeCheckpointError"] += 1
-            except BaseException as exc:  # noqa: BLE001 - a finding
-                findings.append({"target": name, "example": i, "error": f"{type(exc).__name__}: {exc}"[:300],
-                                 "trace": traceback.format_exc()[-1500:], "input": data[:256].hex()})
+            except BaseException as exc:
+                findings.append(
+                    {
+                        "target": name,
+                        "example": i,
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                        "trace": traceback.format_exc()[-1500:],
+                        "input": data[:256].hex(),
+                    }
+                )
             dt = time.perf_counter() - t0
             if dt > slowest[0]:
                 slowest = (dt, name)
@@ -109,8 +116,7 @@ def _worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, que
                 findings.append({"target": name, "example": i, "error": f"slow: {dt:.2f} s", "input": data[:256].hex()})
             tried[name] += 1
             i += 1
-    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings,
-               "slowest": slowest})
+    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
 
 
 def campaign(minutes: float, workers: int, seed: int, slow: float) -> dict[str, Any]:
@@ -126,14 +132,17 @@ def campaign(minutes: float, workers: int, seed: int, slow: float) -> dict[str, 
     while len(results) < workers and time.monotonic() < deadline:
         try:
             results.append(queue.get(timeout=5))
-        except Exception:  # noqa: BLE001 - queue.Empty: check for dead workers
+        except Exception:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if len(dead) + len(results) >= workers:
                 break
     for p in procs:
         p.join(timeout=30)
-    died = [{"worker": w, "exitcode": p.exitcode, "last_example": progress[w]}
-            for w, p in enumerate(procs) if p.exitcode not in (0, None)]
+    died = [
+        {"worker": w, "exitcode": p.exitcode, "last_example": progress[w]}
+        for w, p in enumerate(procs)
+        if p.exitcode not in (0, None)
+    ]
     tried: Counter[str] = Counter()
     outcome: Counter[str] = Counter()
     findings: list[dict[str, Any]] = []
@@ -143,8 +152,16 @@ def campaign(minutes: float, workers: int, seed: int, slow: float) -> dict[str, 
         outcome.update(r["outcome"])
         findings.extend(r["findings"])
         slowest = max(slowest, tuple(r["slowest"]))  # type: ignore[arg-type]
-    return {"seconds": time.monotonic() - t0, "tried": tried, "outcome": outcome, "findings": findings,
-            "died": died, "slowest": slowest, "workers": workers, "seed": seed}
+    return {
+        "seconds": time.monotonic() - t0,
+        "tried": tried,
+        "outcome": outcome,
+        "findings": findings,
+        "died": died,
+        "slowest": slowest,
+        "workers": workers,
+        "seed": seed,
+    }
 
 
 def main() -> None:

@@ -54,8 +54,9 @@ def save(sd: dict[str, Any], path: Path, files: int) -> None:
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=files))
 
 
-def timed_load(dest: dict[str, Any], url: str, options: LoadOptions, storage_options: dict[str, Any] | None,
-               repeats: int) -> float:
+def timed_load(
+    dest: dict[str, Any], url: str, options: LoadOptions, storage_options: dict[str, Any] | None, repeats: int
+) -> float:
     """Median wall seconds of ``repeats`` loads."""
     times = []
     for _ in range(repeats):
@@ -66,19 +67,32 @@ def timed_load(dest: dict[str, Any], url: str, options: LoadOptions, storage_opt
 
 
 def options(chunk: int, conc: int, **kw: Any) -> LoadOptions:
-    return LoadOptions(chunk_size=chunk, min_chunk_size=min(kw.pop("min_chunk_size", MiB), chunk), concurrency=conc,
-                       **kw)
+    return LoadOptions(
+        chunk_size=chunk, min_chunk_size=min(kw.pop("min_chunk_size", MiB), chunk), concurrency=conc, **kw
+    )
 
 
-def sweep(label: str, dest: dict[str, Any], url: str, nbytes: int, chunks: list[int], concs: list[int],
-          storage_options: dict[str, Any] | None, repeats: int, **kw: Any) -> list[dict[str, Any]]:
+def sweep(
+    label: str,
+    dest: dict[str, Any],
+    url: str,
+    nbytes: int,
+    chunks: list[int],
+    concs: list[int],
+    storage_options: dict[str, Any] | None,
+    repeats: int,
+    **kw: Any,
+) -> list[dict[str, Any]]:
     out = []
     for chunk in chunks:
         for conc in concs:
             s = timed_load(dest, url, options(chunk, conc, **kw), storage_options, repeats)
             out.append({"chunk_size": chunk, "concurrency": conc, "seconds": s, "gib_s": nbytes / GiB / s})
-            print(f"  {label:<6} chunk {size_label(chunk):>8}  concurrency {conc:>3}: {s:7.3f} s  "
-                  f"{nbytes / GiB / s:6.2f} GiB/s", flush=True)
+            print(
+                f"  {label:<6} chunk {size_label(chunk):>8}  concurrency {conc:>3}: {s:7.3f} s  "
+                f"{nbytes / GiB / s:6.2f} GiB/s",
+                flush=True,
+            )
     return out
 
 
@@ -119,8 +133,9 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
         value = {(p["chunk_size"], p["concurrency"]): p[unit] for p in points}
         ax = axes[0]
         for conc in concs:
-            ax.plot([c / MiB for c in chunks], [value[(c, conc)] for c in chunks], marker="o",
-                    label=f"concurrency {conc}")
+            ax.plot(
+                [c / MiB for c in chunks], [value[(c, conc)] for c in chunks], marker="o", label=f"concurrency {conc}"
+            )
         log2_axis(ax, [c / MiB for c in chunks], [size_label(c) for c in chunks])
         ax.set_xlabel("chunk_size")
         ax.set_ylabel(ylabel)
@@ -146,11 +161,14 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     log2_axis(ax, [b["memory_budget"] / MiB for b in budgets], [size_label(b["memory_budget"]) for b in budgets])
     ax.set_xlabel("memory_budget")
     ax.set_ylabel("GiB/s")
-    ax.set_title(f"throughput against memory_budget\n(chunk_size {size_label(local['budget_chunk'])}, "
-                 f"concurrency {local['budget_concurrency']})")
+    ax.set_title(
+        f"throughput against memory_budget\n(chunk_size {size_label(local['budget_chunk'])}, "
+        f"concurrency {local['budget_concurrency']})"
+    )
     ax.grid(True, alpha=0.3)
-    fig.suptitle(f"Local disk, warm page cache: {local['mib']} MiB checkpoint in {local['files']} files, "
-                 f"{results['machine']}")
+    fig.suptitle(
+        f"Local disk, warm page cache: {local['mib']} MiB checkpoint in {local['files']} files, {results['machine']}"
+    )
     fig.tight_layout()
     path = out_dir / "tuning_local.png"
     fig.savefig(path, dpi=110)
@@ -163,17 +181,20 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     grid_panels(axes, mib_s, "mib_s", "MiB/s")
     ax = axes[2]
     mins = remote["min_chunk"]
-    ax.bar([size_label(m["min_chunk_size"]) for m in mins],
-           [m["seconds"] for m in mins], color="C2")
+    ax.bar([size_label(m["min_chunk_size"]) for m in mins], [m["seconds"] for m in mins], color="C2")
     for i, m in enumerate(mins):
         ax.text(i, m["seconds"], f"{m['requests']} req", ha="center", va="bottom", fontsize=8)
     ax.set_xlabel("min_chunk_size")
     ax.set_ylabel("seconds")
-    ax.set_title(f"{remote['small_count']} tensors of {size_label(remote['small_size'])}: load time\n"
-                 f"against min_chunk_size (concurrency {remote['min_chunk_concurrency']})")
+    ax.set_title(
+        f"{remote['small_count']} tensors of {size_label(remote['small_size'])}: load time\n"
+        f"against min_chunk_size (concurrency {remote['min_chunk_concurrency']})"
+    )
     ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"Loopback S3 ({remote['server']}) with {remote['latency_ms']:.0f} ms added each way: "
-                 f"{remote['mib']} MiB checkpoint in {remote['files']} files, {results['machine']}")
+    fig.suptitle(
+        f"Loopback S3 ({remote['server']}) with {remote['latency_ms']:.0f} ms added each way: "
+        f"{remote['mib']} MiB checkpoint in {remote['files']} files, {results['machine']}"
+    )
     fig.tight_layout()
     path = out_dir / "tuning_remote.png"
     fig.savefig(path, dpi=110)
@@ -214,15 +235,31 @@ def main() -> None:
         url = str(tmp / "local")
         asyncload.load(dest, url)  # warm-up: page cache, threads
         print(f"local: {nbytes / MiB:.0f} MiB in 4 files", flush=True)
-        grid = sweep("local", dest, url, nbytes, [256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB], [1, 2, 4, 8, 16, 32],
-                     None, args.repeats)
+        grid = sweep(
+            "local",
+            dest,
+            url,
+            nbytes,
+            [256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB],
+            [1, 2, 4, 8, 16, 32],
+            None,
+            args.repeats,
+        )
         budgets = []
         for budget in (16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB, 512 * MiB):
             s = timed_load(dest, url, options(16 * MiB, 16, memory_budget=budget), None, args.repeats)
             budgets.append({"memory_budget": budget, "seconds": s, "gib_s": nbytes / GiB / s})
-            print(f"  local  memory_budget {size_label(budget):>8}: {s:7.3f} s  {nbytes / GiB / s:6.2f} GiB/s", flush=True)
-        results["local"] = {"mib": round(nbytes / MiB), "files": 4, "grid": grid, "budget": budgets,
-                            "budget_chunk": 16 * MiB, "budget_concurrency": 16}
+            print(
+                f"  local  memory_budget {size_label(budget):>8}: {s:7.3f} s  {nbytes / GiB / s:6.2f} GiB/s", flush=True
+            )
+        results["local"] = {
+            "mib": round(nbytes / MiB),
+            "files": 4,
+            "grid": grid,
+            "budget": budgets,
+            "budget_chunk": 16 * MiB,
+            "budget_concurrency": 16,
+        }
         del dest
 
         # --- remote, with latency ----------------------------------------------------------
@@ -237,10 +274,14 @@ def main() -> None:
         dest = C.zeros_like(sd)
         del sd
         asyncload.load(dest, rurl, storage_options=storage_options)  # warm-up: connections
-        print(f"remote ({type(store).__name__}, +{args.latency_ms:.0f} ms each way): {nbytes / MiB:.0f} MiB in "
-              f"{files} files", flush=True)
-        rgrid = sweep("remote", dest, rurl, nbytes, [MiB, 4 * MiB, 16 * MiB], [1, 4, 16, 64],
-                      storage_options, 1, hedge=False)
+        print(
+            f"remote ({type(store).__name__}, +{args.latency_ms:.0f} ms each way): {nbytes / MiB:.0f} MiB in "
+            f"{files} files",
+            flush=True,
+        )
+        rgrid = sweep(
+            "remote", dest, rurl, nbytes, [MiB, 4 * MiB, 16 * MiB], [1, 4, 16, 64], storage_options, 1, hedge=False
+        )
         small = small_tensors(1500, 64 * KiB)
         save(small, tmp / "small", files=1)
         surl = store.upload_dir(tmp / "small", "tuning", "small")
@@ -252,11 +293,18 @@ def main() -> None:
             st = asyncload.load(sdest, surl, options=opts, storage_options=storage_options)
             s = time.perf_counter() - t0
             mins.append({"min_chunk_size": m, "seconds": s, "requests": st.chunks})
-            print(f"  small  min_chunk_size {size_label(m):>8}: {s:7.3f} s, {st.chunks} requests",
-                  flush=True)
-        results["remote"] = {"mib": round(nbytes / MiB), "files": files, "server": type(store).__name__,
-                             "latency_ms": args.latency_ms, "grid": rgrid, "min_chunk": mins,
-                             "small_count": len(small), "small_size": 64 * KiB, "min_chunk_concurrency": 16}
+            print(f"  small  min_chunk_size {size_label(m):>8}: {s:7.3f} s, {st.chunks} requests", flush=True)
+        results["remote"] = {
+            "mib": round(nbytes / MiB),
+            "files": files,
+            "server": type(store).__name__,
+            "latency_ms": args.latency_ms,
+            "grid": rgrid,
+            "min_chunk": mins,
+            "small_count": len(small),
+            "small_size": 64 * KiB,
+            "min_chunk_concurrency": 16,
+        }
     finally:
         if proxy is not None:
             proxy.stop()

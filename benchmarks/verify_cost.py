@@ -89,8 +89,10 @@ def main() -> None:
     off = statistics.median(times["off"])
     for label, ts in times.items():
         med = statistics.median(ts)
-        print(f"verify {label:12s}: {', '.join(f'{t:.3f}' for t in ts)} s -> median {med:.3f} s "
-              f"({nbytes / med / (1 << 30):.2f} GiB/s), {med / off:.2f}x the time of verify=False")
+        print(
+            f"verify {label:12s}: {', '.join(f'{t:.3f}' for t in ts)} s -> median {med:.3f} s "
+            f"({nbytes / med / (1 << 30):.2f} GiB/s), {med / off:.2f}x the time of verify=False"
+        )
     print(f"zlib.crc32 alone, one thread: {crc_speed / (1 << 30):.2f} GiB/s")
     if tmp is not None:
         tmp.cleanup()
