@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-__all__ = ["FsspecStorage", "LocalStorage", "ShortReadError", "Storage", "is_local", "open_storage"]
+__all__ = ["FsspecStorage", "LocalStorage", "ShortReadError", "Storage", "close_async_fs", "is_local", "open_storage"]
 
 log = logging.getLogger("asyncload.storage")
 
@@ -265,7 +265,7 @@ class FsspecStorage(Storage):
                         if set_session is not None:
                             await set_session()
                     except BaseException:
-                        await _close_async_fs(fs, self.protocol)
+                        await close_async_fs(fs, self.protocol)
                         raise
                 else:
                     loop = asyncio.get_running_loop()
@@ -351,7 +351,7 @@ class FsspecStorage(Storage):
         fs, self._fs = self._fs, None
         if fs is None or not self.is_async:
             return
-        await _close_async_fs(fs, self.protocol)
+        await close_async_fs(fs, self.protocol)
 
 
 _aio_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
@@ -376,7 +376,7 @@ def _is_gcs(cls: type) -> bool:
     return any(c.__module__.startswith("gcsfs") for c in cls.__mro__)
 
 
-async def _close_async_fs(fs: Any, protocol: str) -> None:
+async def close_async_fs(fs: Any, protocol: str) -> None:
     """Close the session of an ``asynchronous=True`` s3fs / gcsfs / HTTP filesystem.
 
     Each keeps it under another name: s3fs an aiobotocore client made by ``_s3creator``

@@ -159,14 +159,9 @@ async def aclose_filesystem(fs: Any) -> None:
     Await it on the loop that used ``fs``, before that loop ends; otherwise
     aiohttp warns about an unclosed session. No-op when no session was made.
     """
-    creator = getattr(fs, "_s3creator", None)  # s3fs
-    if creator is not None:
-        fs._s3creator = None
-        await creator.__aexit__(None, None, None)
-        return
-    session = getattr(fs, "_session", None)  # gcsfs, HTTPFileSystem
-    if session is not None and not session.closed:
-        await session.close()
+    from .._storage import close_async_fs  # the library's own way, so there is one
+
+    await close_async_fs(fs, type(fs).__name__)
 
 
 def close_filesystem(fs: Any) -> None:
