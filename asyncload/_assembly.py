@@ -38,14 +38,28 @@ def memory_of(t: torch.Tensor) -> memoryview:
 
 
 def tensor_over(data: memoryview | bytes | bytearray, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor of ``dtype`` over ``data`` without copying (``data`` must outlive it)."""
+    """A 1-D tensor of ``dtype`` over ``data`` without copying (``data`` must outlive it).
+
+    Bytes that do not start at an address aligned for ``dtype`` (a tensor's bytes at an odd
+    offset of a read buffer) are copied into aligned memory first: torch's kernels load
+    elements with aligned vector instructions, and a misaligned ``complex128`` source crashed
+    the process in ``copy_``."""
     mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
     if len(mv) == 0:
         return torch.empty(0, dtype=dtype)
+    raw = np.frombuffer(mv, dtype=np.uint8)
+    addr = raw.ctypes.data
+    if addr % min(dtype.itemsize, _MAX_ALIGN):
+        aligned = torch.empty(len(mv), dtype=torch.uint8)  # torch allocations are 64-byte aligned
+        np.copyto(aligned.numpy(), raw)
+        return aligned.view(dtype)
     if mv.readonly:  # torch warns on read-only buffers; we never write through this view
-        addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
         mv = memoryview((ctypes.c_char * len(mv)).from_address(addr)).cast("B")
     return torch.frombuffer(mv, dtype=torch.uint8).view(dtype)
+
+
+#: The widest alignment a tensor kernel may assume of its elements (16: complex128).
+_MAX_ALIGN = 16
 
 
 def track(chunk: Chunk, views: Sequence[memoryview]) -> None:
