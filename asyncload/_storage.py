@@ -83,13 +83,6 @@ class Storage:
         """Names of the plain files directly under the root, sorted."""
         return []
 
-    async def exists(self, name: str) -> bool:
-        try:
-            await self.size(name)
-            return True
-        except FileNotFoundError:
-            return False
-
     async def aclose(self) -> None:
         """Close files and sessions. Safe to call twice."""
 
