@@ -15,11 +15,15 @@ import asyncio
 import os
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 import asyncload
+
+# torch warns on every single-process dcp.save / dcp.load; this script calls them on purpose
+warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
 SMALL = os.environ.get("ASYNCLOAD_EXAMPLE_SMALL") == "1"
 N = 64 if SMALL else 1536

@@ -15,6 +15,7 @@ here: the sharing part has nobody to share with and stays idle) or on every rank
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import asyncload
+
+# torch warns on every single-process dcp.save / dcp.load; this script calls them on purpose
+warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
 
 class RenamingPlanner(asyncload.ShardedLoadPlanner):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 if __name__ == "__main__" and "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform.startswith("linux"):
     # glibc raises its mmap threshold after large frees, and then keeps freed buffers in the
@@ -46,6 +47,9 @@ import torch.distributed.checkpoint as dcp
 
 import asyncload
 from asyncload._progress import ByteProgress, follow_handle
+
+# torch warns on every single-process dcp.save / dcp.load; this script calls them on purpose
+warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -23,6 +24,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import asyncload
+
+# torch warns on every single-process dcp.save / dcp.load; this script calls them on purpose
+warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
 SMALL = os.environ.get("ASYNCLOAD_EXAMPLE_SMALL") == "1"
 

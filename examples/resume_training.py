@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,6 +23,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import asyncload
+
+# torch warns on every single-process dcp.save / dcp.load; this script calls them on purpose
+warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
 WIDTH = 32 if os.environ.get("ASYNCLOAD_EXAMPLE_SMALL") == "1" else 512
 

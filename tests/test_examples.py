@@ -68,6 +68,7 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
         [sys.executable, str(script)], cwd=REPO, env=_env(tmp), capture_output=True, text=True, timeout=170
     )
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    assert res.stderr == ""  # quiet: no warnings, no tracebacks
     assert "Loaded " in res.stdout  # each prints the LoadStats of its load
     assert _left_in(tmp) == []  # temporary checkpoints removed
 
@@ -90,6 +91,7 @@ def test_demo_small(tmp_path: Path) -> None:
     assert [r[:2] for r in rows] == [["local", "torch"], ["local", "asyncload"], ["s3", "torch"], ["s3", "asyncload"]]
     assert all(r[-3].endswith("x") for r in rows)
     assert "%|" not in res.stderr  # no progress bars when stderr is not a terminal
+    assert "Warning" not in res.stderr  # quiet: no wall of warnings
     pid = int(re.search(r"S3Server \(pid (\d+)\)", out).group(1))
     assert _gone(pid)
     assert _left_in(tmp) == []
