@@ -49,7 +49,7 @@ from ._errors import (
 )
 from ._options import HedgePolicy, LoadOptions, RetryPolicy
 from ._stats import StatsRecorder
-from ._storage import ShortReadError, Storage
+from ._storage import NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
 
 __all__ = [
     "Failure",
@@ -87,7 +87,61 @@ _SHORT_BODY_ERRORS = {
     "IncompleteRead",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
-_DENIED_CODES = {"AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "401"}
+_DENIED_CODES = {"AccessDenied", "Forbidden", "403"}
+#: Error codes of credentials that are missing, wrong or expired: a retry sends the same ones.
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "ExpiredTokenException",
+    "InvalidToken",
+    "InvalidClientTokenId",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+    "401",
+}
+#: Client-side exceptions (botocore, aiohttp) of missing or unusable credentials.
+_CREDENTIAL_ERRORS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "UnauthorizedSSOTokenError",
+    "TokenRetrievalError",
+    "RefreshWithMFAUnsupportedError",
+}
+#: Client-side exceptions of a configuration no retry can fix (region, endpoint, URL, parameters).
+_CONFIG_ERRORS = {
+    "NoRegionError",
+    "ParamValidationError",
+    "InvalidRegionError",
+    "InvalidEndpointConfigurationError",
+    "InvalidS3AddressingStyleError",
+    "InvalidConfigError",
+    "ProfileNotFound",
+    "UnknownEndpointError",
+    "EndpointResolutionError",
+    "InvalidURL",
+    "InvalidUrlClientError",
+    "NonHttpUrlClientError",
+    "InvalidSchema",
+    "MissingSchema",
+}
+#: Client exceptions (any class in the MRO) that mean the connection failed or broke: retryable.
+#: An allowlist: other exceptions of these libraries (credentials, configuration) fail at once.
+_CONNECTION_ERRORS = {
+    "ClientConnectionError",  # aiohttp: ServerDisconnected, ClientOSError, ClientConnectorError...
+    "HTTPClientError",  # botocore: ConnectionClosedError, ReadTimeoutError...
+    "ConnectionError",  # botocore's EndpointConnectionError, requests' ProxyError; the builtin
+    "ProtocolError",  # urllib3
+    "NewConnectionError",
+    "ConnectTimeoutError",
+}
+#: Local paths a load cannot read, whatever it retries.
+_LOCAL_ERRNOS = {
+    errno.ENOTDIR: "not_a_directory",
+    errno.ENAMETOOLONG: "name_too_long",
+    errno.ELOOP: "symlink_loop",
+}
 
 
 @dataclass(frozen=True)
@@ -140,6 +194,17 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
+def _mro_names(exc: BaseException) -> set[str]:
+    return {c.__name__ for c in type(exc).__mro__}
+
+
+def _is_certificate_error(exc: BaseException) -> bool:
+    """A TLS certificate the client rejects (wrong CA bundle, self-signed, wrong host)."""
+    if "SSLCertVerificationError" in _mro_names(exc) or "ClientConnectorCertificateError" in _mro_names(exc):
+        return True
+    return "SSLError" in _mro_names(exc) and "certificate verify failed" in str(exc).lower()
+
+
 def classify(exc: BaseException) -> Failure:
     """Whether a failed read can succeed if tried again, and why it failed."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
@@ -157,11 +222,24 @@ def classify(exc: BaseException) -> Failure:
         # ContentLengthError carries a client-side "400", not the server's status)
         return Failure(True, "short_read")
     for e in chain:
+        if isinstance(e, RangeIgnoredError):
+            return Failure(False, "range_ignored", e.status)
+        if isinstance(e, NotRegularFileError):
+            return Failure(False, "not_a_regular_file")
+        if _mro_names(e) & _CREDENTIAL_ERRORS:
+            return Failure(False, "credentials")
+        if _mro_names(e) & _CONFIG_ERRORS:
+            return Failure(False, "config")
+        if _is_certificate_error(e):
+            return Failure(False, "tls")
+    for e in chain:
         code = _error_code(e)
         status = _status_of(e)
         if code in _NOT_FOUND_CODES or status == 404:
             return Failure(False, "not_found", 404, not_found=True)
-        if code in _DENIED_CODES or status in (401, 403):
+        if code in _CREDENTIAL_CODES or status == 401:
+            return Failure(False, "credentials", status or 403)
+        if code in _DENIED_CODES or status == 403:
             return Failure(False, "denied", status or 403)
         if status == 416:
             return Failure(False, "range_not_satisfiable", 416, format_error=True)
@@ -180,18 +258,41 @@ def classify(exc: BaseException) -> Failure:
         return Failure(False, "denied", 403)  # gcsfs raises a bare OSError("Forbidden: ...") for 403
     if isinstance(exc, IsADirectoryError):
         return Failure(False, "is_a_directory")
-    mod = type(exc).__module__
-    if mod.startswith(("aiohttp", "botocore", "aiobotocore", "urllib3", "requests", "gcsfs", "google")):
-        return Failure(True, "connection")
-    if isinstance(exc, (ConnectionError, EOFError)):
+    if isinstance(exc, NotADirectoryError):
+        return Failure(False, "not_a_directory")
+    if isinstance(exc, EOFError) or _mro_names(exc) & _CONNECTION_ERRORS:
         return Failure(True, "connection")
     if isinstance(exc, OSError):
         if exc.errno in (errno.ENOENT,):
             return Failure(False, "not_found", 404, not_found=True)
         if exc.errno in (errno.EACCES, errno.EPERM):
             return Failure(False, "denied", 403)
+        if exc.errno in _LOCAL_ERRNOS:
+            return Failure(False, _LOCAL_ERRNOS[exc.errno])
         return Failure(True, "io_error")
     return Failure(False, type(exc).__name__)
+
+
+#: What to do about a failure no retry can fix, by cause.
+_HINTS = {
+    "credentials": (
+        " (the store rejected or did not get credentials: check the access key, secret, session token"
+        " and its expiry, e.g. AWS_* variables, the profile, or storage_options key/secret/token)"
+    ),
+    "denied": " (the credentials lack permission to read this object: check the bucket policy or IAM role)",
+    "config": (
+        " (the client configuration is wrong: check the endpoint URL and region,"
+        " e.g. storage_options client_kwargs={'endpoint_url': ..., 'region_name': ...})"
+    ),
+    "tls": (
+        " (the server's TLS certificate was rejected: check the endpoint URL and the CA bundle,"
+        " e.g. AWS_CA_BUNDLE or SSL_CERT_FILE)"
+    ),
+    "not_a_regular_file": " (a checkpoint file must be a regular file, not a FIFO, socket or device)",
+    "not_a_directory": " (a path component is a file where a directory is expected: check the checkpoint path)",
+    "name_too_long": " (the path is longer than the file system allows: check the checkpoint path)",
+    "symlink_loop": " (the path has a symbolic link loop: check the checkpoint path)",
+}
 
 
 def translate(
@@ -243,7 +344,18 @@ def translate(
             byte_range=byte_range,
             attempts=attempts,
         )
-    hint = "" if not f.retryable else " (raise LoadOptions.retries or LoadOptions.timeout for a flaky store)"
+    if f.cause == "range_ignored":
+        return StorageReadError(
+            f"reading {where} failed {tries}: the server ignores Range requests ({exc}); "
+            "serve the checkpoint from a server that supports HTTP range requests",
+            path=url,
+            byte_range=byte_range,
+            attempts=attempts,
+            status=f.status,
+        )
+    hint = _HINTS.get(f.cause, "")
+    if f.retryable:
+        hint = " (raise LoadOptions.retries or LoadOptions.timeout for a flaky store)"
     status = f" HTTP {f.status}" if f.status else ""
     return StorageReadError(
         f"reading {where} failed{status} {tries}: {type(exc).__name__}: {exc}"[:800] + hint,

@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import os
 import posixpath
+import stat
 import threading
 import types
 import weakref
@@ -22,7 +23,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-__all__ = ["FsspecStorage", "LocalStorage", "ShortReadError", "Storage", "close_async_fs", "is_local", "open_storage"]
+__all__ = [
+    "FsspecStorage",
+    "LocalStorage",
+    "NotRegularFileError",
+    "RangeIgnoredError",
+    "ShortReadError",
+    "Storage",
+    "close_async_fs",
+    "is_local",
+    "open_storage",
+]
 
 log = logging.getLogger("asyncload.storage")
 
@@ -35,6 +46,48 @@ class ShortReadError(OSError):
         super().__init__(f"short read of {path} [{start}, {end}): got {got} of {end - start} bytes")
         self.path, self.start, self.end, self.got = path, start, end, got
         self.local = local
+
+
+class RangeIgnoredError(OSError):
+    """A ranged read was answered with more bytes than asked for, or with a 200 (the
+    whole file) for a range that does not start at 0: the server ignores ``Range``.
+    Not worth a retry: the next answer is the same."""
+
+    def __init__(self, url: str, start: int, end: int, status: int | None, got: str) -> None:
+        super().__init__(
+            f"asked for bytes [{start}, {end}) of {url}, got HTTP {status} with {got}: "
+            "the server ignores Range requests"
+        )
+        self.url, self.start, self.end, self.status = url, start, end, status
+
+
+class NotRegularFileError(OSError):
+    """A checkpoint file that is a FIFO, socket or device: reading it could block an I/O
+    thread for ever (a FIFO without a writer) or never end (a device)."""
+
+    def __init__(self, path: str, mode: int) -> None:
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "a character device"
+            if stat.S_ISCHR(mode)
+            else "a block device"
+            if stat.S_ISBLK(mode)
+            else "a directory"
+            if stat.S_ISDIR(mode)
+            else "not a regular file"
+        )
+        super().__init__(f"{path} is {kind}, not a regular file")
+        self.path = path
+
+
+def _check_regular(path: str, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, "Is a directory", path)
+        raise NotRegularFileError(path, mode)
 
 
 class Storage:
@@ -113,7 +166,16 @@ class LocalStorage(Storage):
                 raise RuntimeError("storage is closed")
             fd = self._fds.get(name)
             if fd is None:
-                fd = os.open(self._path(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                path = self._path(name)
+                _check_regular(path, os.stat(path).st_mode)
+                # O_NONBLOCK: a FIFO swapped in after the stat must not block this thread in open
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+                try:
+                    _check_regular(path, os.fstat(fd).st_mode)
+                    os.set_blocking(fd, True)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 self._fds[name] = fd
             return fd
 
@@ -149,7 +211,10 @@ class LocalStorage(Storage):
         return buf
 
     async def size(self, name: str) -> int:
-        return os.stat(self._path(name)).st_size
+        st = os.stat(self._path(name))
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+            raise NotRegularFileError(self._path(name), st.st_mode)
+        return st.st_size
 
     async def fingerprint(self, name: str) -> object | None:
         st = os.stat(self._path(name))
@@ -257,6 +322,7 @@ class FsspecStorage(Storage):
                         set_session = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
                         if set_session is not None:
                             await set_session()
+                        _no_client_resend(fs)
                     except BaseException:
                         await close_async_fs(fs, self.protocol)
                         raise
@@ -270,13 +336,42 @@ class FsspecStorage(Storage):
     async def read(self, name: str, start: int, end: int) -> bytes:
         fs = await self._get_fs()
         path = self._full(name)
-        if self.is_async:
+        if self.is_async and self.protocol in ("http", "https") and hasattr(fs, "encode_url"):
+            data = await self._read_http(fs, name, path, start, end)
+        elif self.is_async:
             data = await fs._cat_file(path, start=start, end=end)
         else:
             loop = asyncio.get_running_loop()
             data = await loop.run_in_executor(self._executor, lambda: fs.cat_file(path, start=start, end=end))
+        if len(data) > end - start:
+            raise RangeIgnoredError(self.url(name), start, end, None, f"{len(data)} bytes")
         if len(data) != end - start:
             raise ShortReadError(self.url(name), start, end, len(data))
+        return data
+
+    async def _read_http(self, fs: Any, name: str, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` over fsspec's HTTP session, streamed: a server that
+        ignores ``Range`` (200 with the whole file) is detected after at most
+        ``end - start + 1`` bytes, not after downloading the file."""
+        want = end - start
+        kw = dict(fs.kwargs)
+        headers = dict(kw.pop("headers", None) or {})
+        headers["Range"] = f"bytes={start}-{end - 1}"
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+            fs._raise_not_found_for_status(r, path)
+            length = r.headers.get("Content-Length")
+            if r.status != 206 and (start != 0 or (length is not None and length.isdigit() and int(length) > want)):
+                r.close()  # drop the connection: never read the rest of the body
+                got = f"a {length}-byte body" if length is not None else "the whole file"
+                raise RangeIgnoredError(self.url(name), start, end, r.status, got)
+            try:
+                data = await r.content.readexactly(want)
+            except asyncio.IncompleteReadError as exc:
+                return exc.partial  # the body ended early: read() raises ShortReadError
+            if await r.content.read(1):
+                r.close()
+                raise RangeIgnoredError(self.url(name), start, end, r.status, "a longer body")
         return data
 
     async def size(self, name: str) -> int:
@@ -345,6 +440,16 @@ class FsspecStorage(Storage):
         if fs is None or not self.is_async:
             return
         await close_async_fs(fs, self.protocol)
+
+
+def _no_client_resend(fs: Any) -> None:
+    """Turn off aiohttp's silent re-send of an idempotent request whose pooled connection
+    the server closed or reset (aiohttp >= 3.10 tries it once more, unseen): asyncload's
+    policy retries it instead, so the fault shows in ``LoadStats.retries``. HTTP and
+    gcsfs keep their aiohttp ``ClientSession`` in ``_session``."""
+    session = getattr(fs, "_session", None)
+    if session is not None and hasattr(session, "_retry_connection"):
+        session._retry_connection = False
 
 
 _aio_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()

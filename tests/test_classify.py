@@ -15,6 +15,8 @@ import concurrent.futures
 import errno
 import http.client
 import os
+import ssl
+import stat
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +42,7 @@ from asyncload import (
 )
 from asyncload._retry import Failure, RetryingStorage, classify, translate
 from asyncload._stats import StatsRecorder
-from asyncload._storage import LocalStorage, ShortReadError, Storage
+from asyncload._storage import LocalStorage, NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,12 +123,27 @@ def connector_error() -> Exception:
     return aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
 
 
+def certificate_error() -> Exception:
+    key = ConnectionKey("127.0.0.1", 9, True, True, None, None, None)
+    cert = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    return aiohttp.ClientConnectorCertificateError(key, cert)
+
+
+def ssl_handshake_error() -> Exception:
+    key = ConnectionKey("127.0.0.1", 9, True, True, None, None, None)
+    return aiohttp.ClientConnectorSSLError(key, ssl.SSLError(1, "[SSL: UNEXPECTED_EOF_WHILE_READING] EOF"))
+
+
 def fail(retryable: bool, cause: str, status: int | None = None, retry_after: float | None = None, **flags: bool):
     return Failure(retryable, cause, status, retry_after, **flags)
 
 
 NOT_FOUND = fail(False, "not_found", 404, not_found=True)
 DENIED = fail(False, "denied", 403)
+CREDS_403 = fail(False, "credentials", 403)
+CREDS = fail(False, "credentials")
+CONFIG = fail(False, "config")
+TLS = fail(False, "tls")
 CONNECTION = fail(True, "connection")
 SHORT = fail(True, "short_read")
 TIMEOUT = fail(True, "timeout")
@@ -143,8 +160,8 @@ ROWS: list[tuple[str, Callable[[], BaseException], Failure, type[AsyncLoadError]
     ("s3-NoSuchBucket", lambda: s3_error("NoSuchBucket", 404), NOT_FOUND, NF),
     ("s3-404-HeadObject", lambda: s3_error("404", 404, op="HeadObject"), NOT_FOUND, NF),
     ("s3-AccessDenied", lambda: s3_error("AccessDenied", 403), DENIED, SR),
-    ("s3-InvalidAccessKeyId", lambda: s3_error("InvalidAccessKeyId", 403), DENIED, SR),
-    ("s3-SignatureDoesNotMatch", lambda: s3_error("SignatureDoesNotMatch", 403), DENIED, SR),
+    ("s3-InvalidAccessKeyId", lambda: s3_error("InvalidAccessKeyId", 403), CREDS_403, SR),
+    ("s3-SignatureDoesNotMatch", lambda: s3_error("SignatureDoesNotMatch", 403), CREDS_403, SR),
     ("s3-403-HeadObject", lambda: s3_error("403", 403, op="HeadObject"), DENIED, SR),
     ("s3-SlowDown", lambda: s3_error("SlowDown", 503, "2"), fail(True, "status_503", 503, 2.0, throttle=True), SR),
     ("s3-ServiceUnavailable", lambda: s3_error("ServiceUnavailable", 503), fail(True, "status_503", 503, throttle=True), SR),
@@ -159,7 +176,7 @@ ROWS: list[tuple[str, Callable[[], BaseException], Failure, type[AsyncLoadError]
     ("s3fs-InternalError", lambda: s3fs_error("InternalError", 500), fail(True, "status_500", 500), SR),
     ("s3fs-InvalidRange", lambda: s3fs_error("InvalidRange", 416), RANGE_416, FMT),
     # HTTP (aiohttp ClientResponseError, Retry-After: 7 on every one)
-    ("http-401", lambda: http_error(401), fail(False, "denied", 401), SR),
+    ("http-401", lambda: http_error(401), fail(False, "credentials", 401), SR),
     ("http-403", lambda: http_error(403), DENIED, SR),
     ("http-404", lambda: http_error(404), NOT_FOUND, NF),
     ("http-408", lambda: http_error(408), fail(True, "status_408", 408, 7.0), SR),
@@ -174,7 +191,7 @@ ROWS: list[tuple[str, Callable[[], BaseException], Failure, type[AsyncLoadError]
     ("http-400", lambda: http_error(400), fail(False, "status_400", 400), SR),
     ("http-505", lambda: http_error(505), fail(True, "status_505", 505, 7.0), SR),
     # GCS (what gcsfs's validate_response raises)
-    ("gcs-401", lambda: gcs_error(401, gcs_json(401, "Invalid Credentials")), fail(False, "denied", 401), SR),
+    ("gcs-401", lambda: gcs_error(401, gcs_json(401, "Invalid Credentials")), fail(False, "credentials", 401), SR),
     ("gcs-403-bare-oserror", lambda: gcs_error(403, gcs_json(403, "caller lacks storage.objects.get")), DENIED, SR),
     ("gcs-404", lambda: gcs_error(404), NOT_FOUND, NF),
     ("gcs-408", lambda: gcs_error(408, gcs_json(408, "request timed out")), fail(True, "status_408", 408), SR),
@@ -229,6 +246,33 @@ ROWS: list[tuple[str, Callable[[], BaseException], Failure, type[AsyncLoadError]
     ("wrapped-twice", lambda: caused_by(ValueError("outer"), caused_by(OSError("mid"), s3_error("AccessDenied", 403))), DENIED, SR),
     ("wrapped-context", lambda: _with_context(RuntimeError("while handling"), http_error(429)), fail(True, "status_429", 429, 7.0, throttle=True), SR),
     # anything else: not worth a retry
+    # credentials missing, incomplete, wrong or expired: a retry sends the same ones
+    ("s3-ExpiredToken-400", lambda: s3_error("ExpiredToken", 400), fail(False, "credentials", 400), SR),
+    ("s3fs-ExpiredToken-400", lambda: s3fs_error("ExpiredToken", 400), fail(False, "credentials", 400), SR),
+    ("s3fs-InvalidAccessKeyId", lambda: s3fs_error("InvalidAccessKeyId", 403), CREDS_403, SR),
+    ("botocore-NoCredentialsError", botocore.exceptions.NoCredentialsError, CREDS, SR),
+    ("botocore-PartialCredentialsError", lambda: botocore.exceptions.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"), CREDS, SR),
+    ("botocore-CredentialRetrievalError", lambda: botocore.exceptions.CredentialRetrievalError(provider="sso", error_msg="expired"), CREDS, SR),
+    ("wrapped-NoCredentialsError", lambda: caused_by(OSError("read failed"), botocore.exceptions.NoCredentialsError()), CREDS, SR),
+    # configuration no retry can fix
+    ("botocore-NoRegionError", botocore.exceptions.NoRegionError, CONFIG, SR),
+    ("botocore-ParamValidationError", lambda: botocore.exceptions.ParamValidationError(report="Invalid bucket name \"a b\""), CONFIG, SR),
+    ("aiohttp-InvalidURL", lambda: aiohttp.InvalidURL("http://:80/x"), CONFIG, SR),
+    ("aiohttp-certificate", certificate_error, TLS, SR),
+    ("ssl-SSLCertVerificationError", lambda: ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"), TLS, SR),
+    ("botocore-SSLError-certificate", lambda: botocore.exceptions.SSLError(endpoint_url="https://127.0.0.1:9", error="[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"), TLS, SR),
+    # other client exceptions are not connection errors just for their module
+    ("botocore-DataNotFoundError", lambda: botocore.exceptions.DataNotFoundError(data_path="s3"), fail(False, "DataNotFoundError"), SR),
+    ("botocore-ConnectionClosedError", lambda: botocore.exceptions.ConnectionClosedError(endpoint_url="http://127.0.0.1:9"), CONNECTION, SR),
+    ("aiohttp-ClientConnectorSSLError-handshake", ssl_handshake_error, CONNECTION, SR),
+    # local paths no retry can fix
+    ("NotADirectoryError", lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory", "/c/file/.metadata"), fail(False, "not_a_directory"), SR),
+    ("OSError-ENAMETOOLONG", lambda: OSError(errno.ENAMETOOLONG, "File name too long"), fail(False, "name_too_long"), SR),
+    ("OSError-ELOOP", lambda: OSError(errno.ELOOP, "Too many levels of symbolic links"), fail(False, "symlink_loop"), SR),
+    ("NotRegularFileError-fifo", lambda: NotRegularFileError("/c/__0_0.distcp", stat.S_IFIFO | 0o644), fail(False, "not_a_regular_file"), SR),
+    # a server that ignores Range: the next answer is the same
+    ("range-ignored-200", lambda: RangeIgnoredError(URL_, 1024, 4096, 200, "a 1048576-byte body"), fail(False, "range_ignored", 200), SR),
+    ("range-ignored-over-long", lambda: RangeIgnoredError(URL_, 1024, 4096, None, "4000 bytes"), fail(False, "range_ignored"), SR),
     ("ValueError", lambda: ValueError("bad"), fail(False, "ValueError"), SR),
     ("RuntimeError", lambda: RuntimeError("bad"), fail(False, "RuntimeError"), SR),
 ]
@@ -264,6 +308,10 @@ def test_translate(make: Callable[[], BaseException], failure: Failure, cls: typ
     assert "after 3 attempts" in msg
     if isinstance(exc, ShortReadError):
         assert "returned 1000 of 3072 bytes" in msg and "cut short" in msg
+        return
+    if isinstance(exc, RangeIgnoredError):
+        assert "the server ignores Range requests" in msg and "range requests" in msg.split(";")[-1]
+        assert "raise LoadOptions.retries" not in msg
         return
     assert f"{type(exc).__name__}: " in msg
     assert (f" HTTP {failure.status} " in msg) == (failure.status is not None)
@@ -304,6 +352,58 @@ def test_translate_keeps_asyncload_errors_and_bounds_the_message() -> None:
     msg = str(err)
     assert msg.startswith(f"reading {URL_} bytes [1024, 4096) failed after 2 attempts: OSError: ")
     assert len(msg) < 900 and msg.endswith("(raise LoadOptions.retries or LoadOptions.timeout for a flaky store)")
+
+
+@pytest.mark.parametrize(
+    "make,text",
+    [
+        (
+            botocore.exceptions.NoCredentialsError,
+            "did not get credentials: check the access key, secret, session token",
+        ),
+        (lambda: s3_error("ExpiredToken", 400), "did not get credentials: check the access key, secret, session token"),
+        (lambda: http_error(401), "did not get credentials"),
+        (lambda: s3_error("AccessDenied", 403), "lack permission to read this object"),
+        (botocore.exceptions.NoRegionError, "check the endpoint URL and region"),
+        (lambda: aiohttp.InvalidURL("http://:80/x"), "check the endpoint URL and region"),
+        (certificate_error, "TLS certificate was rejected: check the endpoint URL and the CA bundle"),
+        (lambda: NotRegularFileError("/c/x", stat.S_IFIFO), "must be a regular file, not a FIFO"),
+        (lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory"), "a file where a directory is expected"),
+        (lambda: OSError(errno.ENAMETOOLONG, "File name too long"), "longer than the file system allows"),
+        (lambda: OSError(errno.ELOOP, "Too many levels"), "symbolic link loop"),
+    ],
+    ids=[
+        "no-credentials",
+        "expired-token",
+        "401",
+        "denied",
+        "no-region",
+        "invalid-url",
+        "tls",
+        "fifo",
+        "notdir",
+        "nametoolong",
+        "eloop",
+    ],
+)
+def test_translate_names_the_real_cause_and_fix(make: Callable[[], BaseException], text: str) -> None:
+    err = translate(make(), url=URL_, byte_range=RANGE, attempts=1)
+    assert type(err) is StorageReadError
+    msg = str(err)
+    assert msg.startswith(f"reading {URL_} bytes [1024, 4096) failed"), msg
+    assert text in msg and "after 1 attempt" in msg, msg
+    assert "raise LoadOptions.retries" not in msg and "flaky" not in msg
+
+
+def test_translate_of_a_server_that_ignores_range() -> None:
+    exc = RangeIgnoredError(URL_, 1024, 4096, 200, "a 1048576-byte body")
+    err = translate(exc, url=URL_, byte_range=RANGE, attempts=1)
+    assert type(err) is StorageReadError and err.status == 200
+    assert str(err) == (
+        f"reading {URL_} bytes [1024, 4096) failed after 1 attempt: the server ignores Range requests "
+        f"(asked for bytes [1024, 4096) of {URL_}, got HTTP 200 with a 1048576-byte body: the server ignores "
+        "Range requests); serve the checkpoint from a server that supports HTTP range requests"
+    )
 
 
 # --- one policy for every storage call: RetryingStorage over a scripted store ---------------------
@@ -463,6 +563,22 @@ FINAL = [
     ("http-416", lambda: http_error(416), CheckpointFormatError, None),
     ("local-short-read", lambda: ShortReadError("/c/f", 0, 10, 0, local=True), CheckpointFormatError, None),
     ("ValueError", lambda: ValueError("bad"), StorageReadError, None),
+    ("NoCredentialsError", botocore.exceptions.NoCredentialsError, StorageReadError, None),
+    (
+        "PartialCredentialsError",
+        lambda: botocore.exceptions.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"),
+        StorageReadError,
+        None,
+    ),
+    ("ExpiredToken", lambda: s3fs_error("ExpiredToken", 400), StorageReadError, 400),
+    ("http-401", lambda: http_error(401), StorageReadError, 401),
+    ("NoRegionError", botocore.exceptions.NoRegionError, StorageReadError, None),
+    ("ParamValidationError", lambda: botocore.exceptions.ParamValidationError(report="bad"), StorageReadError, None),
+    ("InvalidURL", lambda: aiohttp.InvalidURL("http://:80/x"), StorageReadError, None),
+    ("certificate", certificate_error, StorageReadError, None),
+    ("NotADirectoryError", lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory"), StorageReadError, None),
+    ("ELOOP", lambda: OSError(errno.ELOOP, "Too many levels of symbolic links"), StorageReadError, None),
+    ("range-ignored", lambda: RangeIgnoredError(f"{ROOT}/f", 0, 10, 200, "a 1024-byte body"), StorageReadError, 200),
 ]
 
 
@@ -617,6 +733,38 @@ async def test_local_storage_errors_are_translated_at_once(local):
     rs2, _ = boundary(gone, rs.executor)
     assert await rs2.listdir() == []
     await rs2.aclose()
+
+
+@pytest.mark.asyncio
+async def test_local_fifo_and_file_for_directory_fail_at_once(tmp_path, executor):
+    """A FIFO never blocks an I/O thread (no writer: open would wait for ever), and a file
+    where a directory is expected is not retried."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "file").write_bytes(b"x")
+    rs, stats = boundary(LocalStorage(str(tmp_path), executor), executor, retries=5)
+    try:
+        for call in (lambda: rs.read("pipe", 0, 10), lambda: _batch_of(rs, "pipe", 0, 4), lambda: rs.size("pipe")):
+            with pytest.raises(StorageReadError) as ei:
+                await asyncio.wait_for(call(), 20)
+            err = ei.value
+            assert type(err) is StorageReadError and type(err.__cause__) is NotRegularFileError
+            assert f"{tmp_path}/pipe is a FIFO, not a regular file" in str(err)
+            assert "must be a regular file" in str(err) and err.attempts == 1
+        with pytest.raises(StorageReadError) as ei:
+            await rs.read("file/.metadata", 0, 10)
+        assert isinstance(ei.value.__cause__, NotADirectoryError) and ei.value.attempts == 1
+        assert "a file where a directory is expected" in str(ei.value)
+        with pytest.raises(StorageReadError) as ei:
+            await rs.read("n" * 300, 0, 10)
+        assert ei.value.attempts == 1 and "longer than the file system allows" in str(ei.value)
+        os.symlink(tmp_path / "loop", tmp_path / "loop")
+        with pytest.raises(StorageReadError) as ei:
+            await rs.read("loop", 0, 10)
+        assert ei.value.attempts == 1 and "symbolic link loop" in str(ei.value)
+        s = stats.snapshot()
+        assert (s.retries, s.retries_by_cause) == (0, {})
+    finally:
+        await rs.aclose()
 
 
 async def _batch_of(rs: RetryingStorage, name: str, start: int, end: int) -> None:

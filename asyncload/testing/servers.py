@@ -899,9 +899,23 @@ class HTTPRangeServer(LoopbackServer):
         *,
         port: int | None = None,
         startup_timeout: float = 30.0,
+        ignore_range: bool = False,
     ) -> None:
         super().__init__(port=port, startup_timeout=startup_timeout)
         self._root = Path(root).resolve() if root is not None else None
+        #: Answer every GET with 200 and the whole file, as a server without range support.
+        self.ignore_range = ignore_range
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The requests served so far, oldest first: ``method``, ``path`` (as sent,
+        percent-escapes included), ``range`` (the header or None), ``status`` and
+        ``sent`` (body bytes written before the answer ended or the client left)."""
+        log = self.workdir / "requests.jsonl"
+        if not log.exists():
+            return []
+        import json
+
+        return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
     @property
     def root(self) -> Path:
@@ -919,7 +933,9 @@ class HTTPRangeServer(LoopbackServer):
             raise ServerNotAvailableError("HTTPRangeServer needs aiohttp: pip install aiohttp")
 
     def _command(self, port: int) -> list[str]:
-        return [*_SCRIPT, "--http-range-server", "--root", str(self.root), "--port", str(port)]
+        cmd = [*_SCRIPT, "--http-range-server", "--root", str(self.root), "--port", str(port)]
+        cmd += ["--request-log", str(self.workdir / "requests.jsonl")]
+        return [*cmd, "--ignore-range"] if self.ignore_range else cmd
 
     def storage_options(self, endpoint_url: str | None = None, **overrides: Any) -> dict[str, Any]:
         """Options for ``fsspec.implementations.http.HTTPFileSystem``.
@@ -1007,18 +1023,38 @@ def parse_byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, min(end + 1, size)
 
 
-def _run_http_range_server(root: str, port: int) -> None:
+def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, request_log: str | None = None) -> None:
     """Serve ``root`` on 127.0.0.1:port until SIGTERM/SIGINT (child process)."""
     import asyncio
     import email.utils
     import html
+    import json
 
     from aiohttp import web
 
     root_path = Path(root).resolve()
     chunk = 1 << 20
+    log_file = open(request_log, "a", buffering=1) if request_log else None  # noqa: SIM115 - lives as long as the process
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        sent = [0]
+        status: int | None = None
+        try:
+            resp = await _handle(request, sent)
+            status = resp.status
+            return resp
+        finally:
+            if log_file is not None:
+                entry = {
+                    "method": request.method,
+                    "path": request.raw_path,
+                    "range": request.headers.get("Range"),
+                    "status": status,
+                    "sent": sent[0],
+                }
+                log_file.write(json.dumps(entry) + "\n")
+
+    async def _handle(request: web.Request, sent: list[int]) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             return web.Response(status=405, text="method not allowed\n", headers={"Allow": "GET, HEAD"})
         target = (root_path / request.path.lstrip("/")).resolve()
@@ -1040,7 +1076,7 @@ def _run_http_range_server(root: str, port: int) -> None:
             "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
         }
         try:
-            byte_range = parse_byte_range(request.headers.get("Range"), size)
+            byte_range = None if ignore_range else parse_byte_range(request.headers.get("Range"), size)
         except RangeNotSatisfiable as exc:
             headers["Content-Range"] = f"bytes */{size}"
             headers["Content-Type"] = "text/plain"
@@ -1067,6 +1103,7 @@ def _run_http_range_server(root: str, port: int) -> None:
                         break
                     await resp.write(data)
                     pos += len(data)
+                    sent[0] += len(data)
             finally:
                 os.close(fd)
         await resp.write_eof()
@@ -1109,6 +1146,8 @@ def _main(argv: list[str] | None = None) -> None:
     which.add_argument("--moto-server", action="store_true", help="moto's server")
     parser.add_argument("--root", help="directory served by --http-range-server")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ignore-range", action="store_true", help="answer every GET with the whole file")
+    parser.add_argument("--request-log", help="append one JSON line per request served")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.moto_server:
@@ -1116,7 +1155,7 @@ def _main(argv: list[str] | None = None) -> None:
     else:
         if not args.root:
             parser.error("--http-range-server needs --root")
-        _run_http_range_server(args.root, args.port)
+        _run_http_range_server(args.root, args.port, ignore_range=args.ignore_range, request_log=args.request_log)
 
 
 if __name__ == "__main__":

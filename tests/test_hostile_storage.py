@@ -1,0 +1,158 @@
+"""Hostile and misconfigured stores over real loopback servers: a server that ignores
+``Range`` (detected after about the requested bytes, one attempt, a clear error), a
+connection reset that the HTTP client would have re-sent unseen (counted in
+``LoadStats.retries``), and a checkpoint whose names escape its directory with
+percent-escapes (refused before the outside file is requested)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import asyncload
+from asyncload import CheckpointFormatError, LoadOptions, StorageReadError
+from asyncload._retry import RetryingStorage
+from asyncload._stats import StatsRecorder
+from asyncload._storage import FsspecStorage, RangeIgnoredError
+from asyncload.testing import faults
+from asyncload.testing.servers import HTTPRangeServer
+
+pytestmark = pytest.mark.timeout(120)
+
+BIG = 64 << 20  # the file a probe must not download
+
+
+@pytest.fixture
+def executor():
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="test-hostile-storage")
+    yield pool
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def no_range_server(tmp_path):
+    server = HTTPRangeServer(tmp_path / "root", ignore_range=True)
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "ckpt").mkdir()
+    (tmp_path / "root" / "ckpt" / "big.bin").write_bytes(bytes(range(256)) * (BIG // 256))
+    server.start()
+    yield server
+    server.stop()
+
+
+def _boundary(url: str, executor: Any, **opts: Any) -> tuple[RetryingStorage, StatsRecorder]:
+    stats = StatsRecorder()
+    options = LoadOptions(**{"retries": 3, "backoff": 0, "max_backoff": 0, "timeout": 30.0, "hedge": False, **opts})
+    raw = FsspecStorage(url, "http", {}, executor)
+    return RetryingStorage.for_options(raw, options, stats, executor), stats
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("start", [1024, 0], ids=["mid-file", "from-0"])
+async def test_a_server_that_ignores_range_fails_at_once_without_downloading_the_file(no_range_server, executor, start):
+    url = f"{no_range_server.endpoint_url}/ckpt"
+    rs, stats = _boundary(url, executor)
+    try:
+        with pytest.raises(StorageReadError) as ei:
+            await rs.read("big.bin", start, start + 4096)
+    finally:
+        await rs.aclose()
+    err = ei.value
+    assert type(err) is StorageReadError and type(err.__cause__) is RangeIgnoredError
+    assert (err.path, err.byte_range, err.attempts, err.status) == (f"{url}/big.bin", (start, start + 4096), 1, 200)
+    assert str(err) == (
+        f"reading {url}/big.bin bytes [{start}, {start + 4096}) failed after 1 attempt: the server ignores "
+        f"Range requests (asked for bytes [{start}, {start + 4096}) of {url}/big.bin, got HTTP 200 with a "
+        f"{BIG}-byte body: the server ignores Range requests); serve the checkpoint from a server that "
+        "supports HTTP range requests"
+    )
+    assert stats.snapshot().retries == 0
+    gets = _logged(no_range_server, "/big.bin")
+    assert len(gets) == 1  # one attempt (the client saw the 200: err.status above)
+    assert gets[0]["range"] == f"bytes={start}-{start + 4095}"
+    # the client stopped reading: the server got only as far as the socket buffers took
+    assert gets[0]["sent"] < BIG // 4, gets[0]
+
+
+@pytest.mark.asyncio
+async def test_a_reset_the_http_client_would_resend_is_counted(http_server, fault_proxy, executor):
+    data = bytes(range(256)) * 64
+    http_server.put_object("hostile", "ckpt/f.bin", data)
+    proxy = fault_proxy(http_server)
+    url = http_server.url("hostile", "ckpt", endpoint_url=proxy.endpoint_url)
+    rs, stats = _boundary(url, executor)
+    try:
+        assert bytes(await rs.read("f.bin", 0, 100)) == data[:100]  # a pooled connection
+        proxy.add_rule(faults.reset(), times=1)
+        assert bytes(await rs.read("f.bin", 100, 4000)) == data[100:4000]
+    finally:
+        await rs.aclose()
+    s = stats.snapshot()
+    assert (s.retries, s.retries_by_cause) == (1, {"connection": 1})
+    assert proxy.faults_applied == 1
+    assert [e.range for e in proxy.log] == ["bytes=0-99", "bytes=100-3999", "bytes=100-3999"]
+
+
+def _logged(server: HTTPRangeServer, suffix: str) -> list[dict[str, Any]]:
+    """The requests for ``suffix`` in the server's log; the server writes an entry when its
+    handler ends, which for a client that left is just after the client saw the answer."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = [r for r in server.requests() if r["path"].endswith(suffix)]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _save_dcp(path: Path) -> None:
+    dcp.save({"w": torch.arange(16, dtype=torch.float32)}, checkpoint_id=str(path))
+
+
+def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_server, tmp_path):
+    """A ``.metadata`` whose storage file name is ``%2e%2e/%2e%2e/other/__0_0.distcp`` (the
+    same server serves a real ``other/__0_0.distcp`` there): refused, never fetched."""
+    import pickle
+
+    src = tmp_path / "src"
+    _save_dcp(src)
+    other = tmp_path / "other"
+    _save_dcp(other)
+    with open(src / ".metadata", "rb") as f:
+        meta = pickle.load(f)
+    evil = "%2e%2e/%2e%2e/other/__0_0.distcp"
+    for info in meta.storage_data.values():
+        info.relative_path = evil
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    http_server.upload_dir(src, "pct", "a/ckpt")
+    http_server.upload_dir(other, "pct", "other")
+    url = http_server.url("pct", "a/ckpt")
+    before = len(http_server.requests())
+    with pytest.raises(CheckpointFormatError) as ei:
+        asyncload.load({"w": torch.zeros(16)}, url, options=LoadOptions(retries=0))
+    assert "%2e%2e" in str(ei.value)
+    seen = [r["path"] for r in http_server.requests()[before:]]
+    assert seen and all("other" not in p and "%2e" not in p.lower() for p in seen), seen
+
+
+def test_request_log_is_json_lines(http_server):
+    http_server.put_object("log", "x", b"abc")
+    asyncio.run(_get(http_server.url("log", "x")))
+    last = http_server.requests()[-1]
+    assert json.dumps(last)
+    assert (last["method"], last["path"].endswith("/log/x"), last["sent"]) == ("GET", True, 3)
+
+
+async def _get(url: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        await r.read()
