@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from typing import Any
 
@@ -17,11 +18,13 @@ import torch
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from . import formats
-from ._errors import CheckpointFormatError, StateDictMismatchError
+from ._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
 from ._options import LoadOptions
+from ._plan import can_copy
 from ._session import LoadSession, decode_object
 from ._stats import LoadStats
 from .formats import KNOWN_DCP_VERSIONS
@@ -97,6 +100,12 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                     f"key {fqn!r} is in the destination state dict but not in the checkpoint "
                     f"(the checkpoint has {len(saved)} keys; pass allow_partial_load=True to the planner to skip it)"
                 )
+            if isinstance(smd, TensorStorageMetadata) and not isinstance(obj, torch.Tensor):
+                raise StateDictMismatchError(
+                    f"key {fqn!r}: the checkpoint holds a tensor of shape {list(smd.size)}, the destination "
+                    f"holds a {type(obj).__name__}: a tensor is loaded in place, so the destination must be a "
+                    "torch.Tensor of that shape"
+                )
             if isinstance(obj, torch.Tensor):
                 if not isinstance(smd, TensorStorageMetadata):
                     raise StateDictMismatchError(
@@ -112,17 +121,54 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                         f"key {fqn!r}: the destination has dtype {obj.dtype}, the checkpoint {smd.properties.dtype} "
                         "(set LoadOptions.allow_dtype_cast=True to convert on load)"
                     )
+                if cast_ok and not can_copy(smd.properties.dtype, obj.dtype):
+                    raise StateDictMismatchError(
+                        f"key {fqn!r}: the checkpoint's {smd.properties.dtype} cannot be converted to the "
+                        f"destination's {obj.dtype} (torch has no conversion between them)"
+                    )
         self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
+        plan = self._default_plan()
+        self._check_plan_covers(plan)
+        return plan
+
+    def _check_plan_covers(self, plan: LoadPlan) -> None:
+        """Every element of every tensor destination is read by exactly one planned item:
+        the items' volumes add up to the destination's (local) size. check_metadata proved
+        the saved chunks disjoint; a shortfall here is a destination left partly unread."""
+        planned: dict[str, int] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                fqn = item.dest_index.fqn
+                planned[fqn] = planned.get(fqn, 0) + math.prod(item.lengths)
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        for fqn, obj in self.state_dict.items():
+            if not isinstance(obj, torch.Tensor) or not isinstance(saved.get(fqn), TensorStorageMetadata):
+                continue
+            if callable(getattr(obj, "local_shards", None)):  # ShardedTensor: this rank's shards
+                want = sum(sh.tensor.numel() for sh in obj.local_shards())  # type: ignore[attr-defined]
+            elif callable(getattr(obj, "to_local", None)):  # DTensor: this rank's part
+                want = obj.to_local().numel()  # type: ignore[attr-defined]
+            else:
+                want = obj.numel()
+            got = planned.get(fqn, 0)
+            if got != want:
+                raise CheckpointFormatError(
+                    f"key {fqn!r}: the checkpoint's chunks give {got} of the destination's {want} elements: "
+                    "part of the tensor was not saved"
+                )
+
+    def _default_plan(self) -> LoadPlan:
         try:
             return super().create_local_plan()
-        except RuntimeError as exc:
-            if "Missing key" in str(exc):
-                raise StateDictMismatchError(str(exc)) from exc
-            raise
-        except ValueError as exc:
-            if "Size mismatch" in str(exc):
-                raise StateDictMismatchError(str(exc)) from exc
-            raise
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+            # torch's planner matching the destination against the (checked) metadata:
+            # "Missing key", "Size mismatch", "Invalid checkpoint metadata", a destination
+            # value it cannot plan for
+            if isinstance(exc, AsyncLoadError):  # pragma: no cover - ours pass through
+                raise
+            raise StateDictMismatchError(
+                f"the destination does not match the checkpoint: {type(exc).__name__}: {exc}"[:2000]
+            ) from exc
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Decode an object with the allow-list (torch's planner uses ``torch.load(weights_only=False)``)."""

@@ -21,7 +21,28 @@ from ._assembly import memory_of, tensor_over
 from ._chunks import Chunk, Piece, TensorLocation
 from ._errors import CheckpointFormatError, StateDictMismatchError
 
-__all__ = ["make_chunks", "plan_tensor"]
+__all__ = ["can_copy", "make_chunks", "plan_tensor"]
+
+_COPYABLE: dict[tuple[torch.dtype, torch.dtype], bool] = {}
+
+
+def can_copy(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether torch can copy (convert) ``src`` elements into a ``dst`` tensor: not every
+    pair can (``torch.bits8``, ``torch.float4_e2m1fn_x2`` and the like have no conversion
+    kernels). Probed once per pair on two bytes of memory, then cached."""
+    if src == dst:
+        return True
+    known = _COPYABLE.get((src, dst))
+    if known is None:
+        try:
+            a = torch.zeros(src.itemsize, dtype=torch.uint8).view(src)
+            b = torch.zeros(dst.itemsize, dtype=torch.uint8).view(dst)
+            b.copy_(a)
+            known = True
+        except Exception:
+            known = False
+        _COPYABLE[(src, dst)] = known
+    return known
 
 
 def _contiguous_box(lens: Sequence[int], strides: Sequence[int]) -> bool:
@@ -87,6 +108,11 @@ def plan_tensor(
         raise StateDictMismatchError(
             f"{key or loc.where}: destination dtype {dest.dtype} differs from the saved "
             f"{loc.dtype} (set LoadOptions.allow_dtype_cast=True to convert on load)"
+        )
+    if dest.dtype != loc.dtype and not can_copy(loc.dtype, dest.dtype):
+        raise StateDictMismatchError(
+            f"{key or loc.where}: the saved {loc.dtype} cannot be converted to the destination's {dest.dtype} "
+            f"(torch has no conversion between them): load into a {loc.dtype} destination"
         )
     if math.prod(lengths) == 0:
         return []

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 import pathlib
 import warnings
 from collections.abc import Callable, Mapping
@@ -236,7 +237,18 @@ def _rebuild_tensor(
     if backward_hooks is not None and not isinstance(backward_hooks, dict):
         raise CheckpointFormatError("tensor record has malformed backward hooks")
     dt = dtype if isinstance(dtype, torch.dtype) else storage.dtype
+    _check_grad(dt, requires_grad, "tensor")
     return TensorRef(storage, storage_offset, size_t, stride_t, dt, requires_grad)
+
+
+def _check_grad(dtype: Any, requires_grad: bool, what: str) -> None:
+    """Only floating point and complex tensors can require gradients (torch raises a
+    RuntimeError building any other): a record that says otherwise was not written by torch."""
+    if requires_grad and isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
+        raise CheckpointFormatError(
+            f"{what} record of dtype {dtype} has requires_grad=True: only floating point and complex tensors "
+            "can require gradients"
+        )
 
 
 def _rebuild_tensor_v3(
@@ -261,6 +273,7 @@ def _rebuild_parameter(
         raise CheckpointFormatError("parameter record does not wrap a tensor")
     if type(requires_grad) is not bool:
         raise CheckpointFormatError(f"parameter record has a malformed requires_grad: {short_repr(requires_grad)}")
+    _check_grad(data.dtype, requires_grad, "parameter")
     return TensorRef(data.storage, data.storage_offset, data.size, data.stride, data.dtype, requires_grad, True)
 
 
@@ -670,6 +683,57 @@ def _check_size(v: Any, where: str, ndim: int | None = None) -> tuple[int, ...]:
     return v
 
 
+def _check_coverage(chunks: list[Any], size: tuple[int, ...], where: str) -> None:
+    """A saved tensor's chunks are disjoint and cover every element of its ``size``.
+
+    A load plans its reads from the chunks: a gap would leave destination elements
+    unwritten (old values reported as loaded), an overlap would write some twice from
+    different bytes. Cost: a volume sum, then a sweep over the chunks sorted by their
+    offsets, comparing each with the chunks that can still reach it in the swept
+    dimension (DCP's chunks are a grid: each meets a few neighbours).
+    """
+    total = math.prod(size)
+    if total == 0:
+        return  # an empty tensor: DCP writes one chunk of the same empty size
+    boxes = []
+    volume = 0
+    for i, ch in enumerate(chunks):
+        lens = tuple(ch.sizes)
+        n = math.prod(lens)
+        if n == 0:
+            continue  # holds no element: neither covers nor overlaps anything
+        volume += n
+        boxes.append((tuple(ch.offsets), lens, i))
+    if not boxes:
+        raise CheckpointFormatError(
+            f"{where}: the tensor of size {list(size)} lists no chunk that holds its elements: nothing of it was saved"
+        )
+    if len(size) == 0:  # a scalar: any non-empty chunk is the whole tensor
+        if len(boxes) > 1:
+            raise CheckpointFormatError(f"{where}: the scalar tensor is saved in {len(boxes)} overlapping chunks")
+        return
+    # sweep along the dimension the chunks are split most in (row- or column-sharded alike)
+    d = max(range(len(size)), key=lambda k: len({b[0][k] for b in boxes}))
+    boxes.sort(key=lambda b: (b[0][d], b[2]))
+    active: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    for box in boxes:
+        offs, lens, i = box
+        # chunks that end before this one starts in dimension d can meet no later chunk
+        active = [b for b in active if b[0][d] + b[1][d] > offs[d]]
+        for o2, l2, j in active:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(offs, lens, o2, l2)):
+                raise CheckpointFormatError(
+                    f"{where}: chunks {j} (at {list(o2)}, size {list(l2)}) and {i} (at {list(offs)}, "
+                    f"size {list(lens)}) overlap"
+                )
+        active.append(box)
+    if volume != total:
+        raise CheckpointFormatError(
+            f"{where}: the chunks hold {volume} of the tensor's {total} elements (size {list(size)}): "
+            "part of the tensor was not saved"
+        )
+
+
 def check_metadata(md: Any, what: str) -> None:
     """Check that a decoded ``.metadata`` has the shape DCP writes, field by field.
 
@@ -715,6 +779,7 @@ def check_metadata(md: Any, what: str) -> None:
                         f"{where}: chunk {i} at {list(offs)} of size {list(lens)} "
                         f"lies outside the tensor of size {list(size)}"
                     )
+            _check_coverage(chunks, size, where)
         elif not isinstance(smd, BytesStorageMetadata):
             raise CheckpointFormatError(f"{where} is described by a {type(smd).__name__}")
     sd = getattr(md, "storage_data", None)

@@ -520,6 +520,7 @@ class LoadSession:
             pipeline.on_progress = on_progress
             self._report = on_progress
         t_start = time.monotonic()
+        assembled_before = self._recorder.stats.bytes_assembled
         await self._check_files(storage, records)
         located = await self._locate(storage, records, options)
         t_checked = time.monotonic()
@@ -582,19 +583,19 @@ class LoadSession:
                 trackers.append((tracker, rec))
             rec_pieces: list[Piece] = []
             for item, dest in rec.tensor_items:
-                rec_pieces.extend(
-                    plan_tensor(
-                        loc,
-                        item.storage_offsets,
-                        item.lengths,
-                        dest,
-                        chunk_size=chunking.chunk_size,
-                        min_chunk_size=chunking.min_chunk_size,
-                        allow_cast=options.allow_dtype_cast,
-                        key=item.dest_index.fqn,
-                        stager=stager,
-                    )
+                item_pieces = plan_tensor(
+                    loc,
+                    item.storage_offsets,
+                    item.lengths,
+                    dest,
+                    chunk_size=chunking.chunk_size,
+                    min_chunk_size=chunking.min_chunk_size,
+                    allow_cast=options.allow_dtype_cast,
+                    key=item.dest_index.fqn,
+                    stager=stager,
                 )
+                _check_planned(item, dest, item_pieces, rec)
+                rec_pieces.extend(item_pieces)
             if tracker is not None:
                 for p in rec_pieces:
                     p.tracker = tracker
@@ -613,6 +614,15 @@ class LoadSession:
                     s.payload = False  # read only to be checksummed
         t_planned = time.monotonic()
         await run(pipeline, chunks)
+        # every destination byte the plan asked for was written: counted per assembled chunk
+        # (phase B) and per whole record (phase A), against the destinations' sizes
+        written = self._recorder.stats.bytes_assembled - assembled_before
+        if written != total:
+            keys = sorted({item.dest_index.fqn for r in records for item, _ in r.tensor_items})
+            raise CheckpointFormatError(
+                f"{self.checkpoint}: the load wrote {written} of the {total} destination bytes it planned "
+                f"(keys {keys[:8]}{' ...' if len(keys) > 8 else ''}): the destination is incomplete"
+            )
         log.debug(
             "read %d records: files checked in %.4f s, probes and small records %.4f s, "
             "layouts and planning %.4f s (%d chunks), data %.4f s",
@@ -712,8 +722,9 @@ class LoadSession:
                 _raise_on_bad_crc(tracker, rec, rec.name)
                 recorder.add(verified_records=1)
             n = 0
+            planned = []
             for item, dest in rec.tensor_items:
-                for p in plan_tensor(
+                item_pieces = plan_tensor(
                     loc,
                     item.storage_offsets,
                     item.lengths,
@@ -723,7 +734,11 @@ class LoadSession:
                     allow_cast=options.allow_dtype_cast,
                     key=item.dest_index.fqn,
                     stager=self._stager,
-                ):
+                )
+                _check_planned(item, dest, item_pieces, rec)
+                planned.append((dest, item_pieces))
+            for dest, item_pieces in planned:  # every item planned before any is written
+                for p in item_pieces:
                     part = data[p.start - rec.offset : p.end - rec.offset]
                     if p.into is not None:
                         copy_bytes(p.into, part)
@@ -753,6 +768,17 @@ class LoadSession:
             )
         _raise_on_bad_crc(tracker, rec, storage.url(rec.name))
         self._recorder.add(verified_records=1)
+
+
+def _check_planned(item: ReadItem, dest: torch.Tensor, pieces: list[Piece], rec: _Record) -> None:
+    """The pieces planned for ``item`` fill every byte of its destination view, before any is read."""
+    want = dest.numel() * dest.element_size()
+    got = sum(p.nbytes if p.useful is None else p.useful for p in pieces)
+    if got != want:
+        raise CheckpointFormatError(
+            f"key {item.dest_index.fqn!r}, {rec.where}: the reads planned fill {got} of the destination's "
+            f"{want} bytes: the checkpoint does not describe this part of the tensor consistently"
+        )
 
 
 def _raise_on_bad_crc(tracker: CrcTracker, rec: _Record, url: str) -> None:

@@ -274,9 +274,12 @@ def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
             raise CheckpointFormatError(
                 f"{layout.where}: tensor of size {list(ref.size)} cannot be built ({exc})"[:400]
             ) from None
-        if ref.is_parameter:
-            return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
-        return t.requires_grad_(ref.requires_grad) if ref.requires_grad and t.is_floating_point() else t
+        try:
+            if ref.is_parameter:
+                return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
+            return t.requires_grad_(ref.requires_grad) if ref.requires_grad and t.is_floating_point() else t
+        except RuntimeError as exc:  # the rebuild functions check requires_grad; belt and braces
+            raise CheckpointFormatError(f"{layout.where}: tensor cannot be built ({exc})"[:400]) from None
 
     done: dict[int, Any] = {}  # id(original) -> replacement
     keep: list[Any] = []  # keeps originals alive while their ids are keys

@@ -1,0 +1,423 @@
+"""Forged checkpoints: metadata that lies about coverage, rebuild calls with impossible
+arguments, destinations that cannot take what the checkpoint holds (issue 11, items 1 and 4).
+
+Every hostile input starts from a real ``dcp.save`` / ``torch.save`` / safetensors file.
+The rule checked: a typed ``AsyncLoadError`` naming the key, and the destination left
+untouched where the docs promise it; never a load that returns normally with part of
+the destination unwritten.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import os
+import pickle
+import shutil
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _ckpt import assert_bitwise_equal, make_checkpoint
+from _corrupt import is_sentinel, mutate_metadata, read_metadata, sentinel_like, write_metadata
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+import asyncload
+from asyncload import (
+    AsyncLoadError,
+    CheckpointFormatError,
+    LoadOptions,
+    PipelinedLoadPlanner,
+    StateDictMismatchError,
+)
+from asyncload._safe_pickle import check_metadata
+
+pytestmark = pytest.mark.timeout(120)
+
+KiB = 1 << 10
+#: Small chunks: "big" goes through probes and chunked reads, the rest are whole-record reads.
+PIECES = LoadOptions(chunk_size=4 * KiB, min_chunk_size=1 * KiB, concurrency=4, retries=0)
+
+
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "big": torch.randn(64, 64, generator=g),  # 16 KiB: chunked reads
+        "small": torch.arange(300, dtype=torch.int16),
+        "nested": {"w": torch.randn(10, 7, generator=g, dtype=torch.float64), "step": 11},
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5),
+    }
+
+
+def _tensor_bytes(sd: Any) -> int:
+    if isinstance(sd, torch.Tensor):
+        return sd.numel() * sd.element_size()
+    if isinstance(sd, dict):
+        return sum(_tensor_bytes(v) for v in sd.values())
+    return 0
+
+
+# --- item 1: coverage ---------------------------------------------------------------------
+
+
+def _chunks(md: Any, key: str) -> list[Any]:
+    return md.state_dict_metadata[key].chunks
+
+
+@pytest.mark.parametrize(
+    ("forge", "message"),
+    [
+        ("no chunks", r"key 'big'.* lists no chunk"),
+        ("short chunk", r"key 'big': the chunks hold 2048 of the tensor's 4096 elements"),
+        ("empty chunk", r"key 'big'.* lists no chunk"),
+        ("overlap", r"key 'big': chunks 0 .* and 1 .* overlap"),
+        ("duplicate", r"key 'big': chunks 0 .* and 1 .* overlap"),
+        ("scalar twice", r"key 'scalar'.* overlapping chunks"),
+        ("half of nested", r"key 'nested.w': the chunks hold 35 of the tensor's 70 elements"),
+    ],
+)
+def test_chunks_that_do_not_cover_the_tensor_exactly(
+    fresh_ckpt: tuple[Path, dict[str, Any]], forge: str, message: str
+) -> None:
+    path, sd = fresh_ckpt
+
+    def change(md: Any) -> None:
+        big = _chunks(md, "big")
+        if forge == "no chunks":
+            big.clear()
+        elif forge == "short chunk":
+            big[0].sizes = torch.Size([32, 64])
+        elif forge == "empty chunk":
+            big[0].sizes = torch.Size([0, 64])
+        elif forge == "overlap":
+            big[0].sizes = torch.Size([40, 64])
+            big.append(ChunkStorageMetadata(offsets=torch.Size([24, 0]), sizes=torch.Size([40, 64])))
+        elif forge == "duplicate":
+            big.append(copy.deepcopy(big[0]))
+        elif forge == "scalar twice":
+            _chunks(md, "scalar").append(copy.deepcopy(_chunks(md, "scalar")[0]))
+        elif forge == "half of nested":
+            _chunks(md, "nested.w")[0].sizes = torch.Size([5, 7])
+
+    mutate_metadata(path, change)
+    dest = sentinel_like(sd)
+    with pytest.raises(CheckpointFormatError, match=message):
+        asyncload.load(dest, path, options=PIECES)
+    assert is_sentinel(dest)
+
+
+def test_chunked_metadata_that_covers_exactly_passes(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """A grid of disjoint chunks (how a sharded save describes a tensor) passes; the same
+    grid with one chunk missing or one shifted by one element does not."""
+    md = read_metadata(ckpt[0])
+    smd = md.state_dict_metadata["big"]
+    smd.chunks = [
+        ChunkStorageMetadata(offsets=torch.Size([r, c]), sizes=torch.Size([16, 32]))
+        for r in range(0, 64, 16)
+        for c in (0, 32)
+    ]
+    check_metadata(md, "forged")
+    smd.chunks.pop(3)
+    with pytest.raises(CheckpointFormatError, match=r"key 'big': the chunks hold 3584 of the tensor's 4096"):
+        check_metadata(md, "forged")
+    smd.chunks.append(ChunkStorageMetadata(offsets=torch.Size([16, 31]), sizes=torch.Size([16, 32])))
+    with pytest.raises(CheckpointFormatError, match=r"key 'big': chunks .* overlap"):
+        check_metadata(md, "forged")
+
+
+def test_coverage_check_is_cheap_for_thousands_of_chunks(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    """2,000 tensors of 64 chunks each (a grid, row- and column-sharded): well under a second."""
+    md = read_metadata(ckpt[0])
+    proto = md.state_dict_metadata["big"]
+    for i in range(2000):
+        smd = copy.copy(proto)
+        smd.size = torch.Size([1024, 1024])
+        if i % 2:  # column-sharded: every chunk starts at row 0
+            smd.chunks = [
+                ChunkStorageMetadata(offsets=torch.Size([0, c * 16]), sizes=torch.Size([1024, 16])) for c in range(64)
+            ]
+        else:
+            smd.chunks = [
+                ChunkStorageMetadata(offsets=torch.Size([r * 128, c * 128]), sizes=torch.Size([128, 128]))
+                for r in range(8)
+                for c in range(8)
+            ]
+        md.state_dict_metadata[f"t{i}"] = smd
+    t0 = time.perf_counter()
+    check_metadata(md, "many")
+    assert time.perf_counter() - t0 < 3.0
+
+
+def test_planner_refuses_a_plan_that_leaves_destination_elements_unread(
+    ckpt: tuple[Path, dict[str, Any]],
+) -> None:
+    """Independently of check_metadata: the planner counts what its plan reads for every
+    destination against the destination's size (metadata handed over unchecked)."""
+    md = read_metadata(ckpt[0])
+    _chunks(md, "big")[0].sizes = torch.Size([32, 64])
+    planner = PipelinedLoadPlanner()
+    planner.set_up_planner({"big": torch.zeros(64, 64)}, md, True)
+    planner.allow_partial_load = True
+    with pytest.raises(
+        CheckpointFormatError, match=r"key 'big': the checkpoint's chunks give 2048 of the destination's 4096"
+    ):
+        planner.create_local_plan()
+
+
+def test_load_that_did_not_write_every_byte_does_not_report_success(
+    fresh_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session counts what it wrote against the destinations' sizes: a read that
+    silently went missing (here: the pipeline drops its last chunk) is an error."""
+    from asyncload import _pipeline
+
+    path, sd = fresh_ckpt
+    real = _pipeline.Pipeline.run
+
+    async def lossy(self: Any, chunks: list[Any]) -> None:
+        payload = [c for c in chunks if any(s.payload for s in c.segments)]
+        drop = payload[-1] if payload else None
+        await real(self, [c for c in chunks if c is not drop])
+
+    monkeypatch.setattr(_pipeline.Pipeline, "run", lossy)
+    dest = sentinel_like(sd)
+    with pytest.raises(CheckpointFormatError, match=r"the load wrote \d+ of the \d+ destination bytes.*'big'"):
+        asyncload.load(dest, path, options=PIECES)
+
+
+# --- item 4: impossible rebuild arguments -------------------------------------------------
+
+
+def _flip_requires_grad(pkl: bytes) -> bytes:
+    """The data.pkl with its last ``requires_grad=False`` (NEWFALSE) made True (NEWTRUE):
+    the tensor's, or a Parameter's own (which follows its tensor's)."""
+    at = pkl.rfind(b"\x89")
+    assert at > 0, "expected a NEWFALSE opcode"
+    return pkl[:at] + b"\x88" + pkl[at + 1 :]
+
+
+def _rezip(archive: bytes, fix_pickle: Any) -> bytes:
+    src = zipfile.ZipFile(io.BytesIO(archive))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                data = fix_pickle(data)
+            dst.writestr(info.filename, data)
+    return out.getvalue()
+
+
+def _forged_int_tensor(dtype: torch.dtype, parameter: bool) -> bytes:
+    t = torch.zeros(3, dtype=dtype)
+    obj: Any = torch.nn.Parameter(t, requires_grad=False) if parameter else t
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return _rezip(buf.getvalue(), _flip_requires_grad)
+
+
+def _replace_record(ckpt: Path, fqn: str, record: bytes) -> None:
+    """Splice ``record`` in place of key ``fqn``'s record; .metadata's offsets follow."""
+    md = read_metadata(ckpt)
+    target = next(info for idx, info in md.storage_data.items() if idx.fqn == fqn)
+    f = ckpt / target.relative_path
+    blob = f.read_bytes()
+    delta = len(record) - target.length
+    f.write_bytes(blob[: target.offset] + record + blob[target.offset + target.length :])
+    for info in md.storage_data.values():
+        if info.relative_path == target.relative_path and info.offset > target.offset:
+            info.offset += delta
+    target.length = len(record)
+    write_metadata(ckpt, md)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("parameter", [False, True], ids=["tensor", "parameter"])
+def test_integer_tensor_requiring_grad_in_a_dcp_object_record(
+    fresh_ckpt: tuple[Path, dict[str, Any]], dtype: torch.dtype, parameter: bool
+) -> None:
+    path, sd = fresh_ckpt
+    _replace_record(path, "nested.step", _forged_int_tensor(dtype, parameter))
+    dest = sentinel_like(sd)
+    kind = "parameter" if parameter else "tensor"
+    with pytest.raises(
+        CheckpointFormatError, match=rf"'nested.step'.*{kind} record of dtype {dtype} has requires_grad=True"
+    ):
+        asyncload.load(dest, path, options=PIECES)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("parameter", [False, True], ids=["tensor", "parameter"])
+def test_integer_tensor_requiring_grad_in_a_torch_save_file(
+    tmp_path: Path, dtype: torch.dtype, parameter: bool
+) -> None:
+    t = torch.zeros(3, dtype=dtype)
+    value: Any = torch.nn.Parameter(t, requires_grad=False) if parameter else t
+    buf = io.BytesIO()
+    torch.save({"ok": torch.ones(2), "w": value}, buf)  # "w" last: its flag is the last NEWFALSE
+    f = tmp_path / "model.pt"
+    f.write_bytes(_rezip(buf.getvalue(), _flip_requires_grad))
+    dest = sentinel_like({"ok": torch.ones(2), "w": t})
+    kind = "parameter" if parameter else "tensor"
+    with pytest.raises(CheckpointFormatError, match=rf"model\.pt.*{kind} record of dtype {dtype} has requires_grad"):
+        asyncload.load(dest, f)
+    assert is_sentinel(dest)
+
+
+def test_float_tensor_requiring_grad_still_loads(tmp_path: Path) -> None:
+    """The check costs no legitimate file: a float Parameter that requires grad loads."""
+    sd = {"p": torch.nn.Parameter(torch.randn(3, 2)), "n": torch.arange(4)}
+    f = tmp_path / "model.pt"
+    torch.save(sd, f)
+    dest = {"p": torch.zeros(3, 2), "n": torch.zeros(4, dtype=torch.long)}
+    asyncload.load(dest, f)
+    assert_bitwise_equal(dest, {k: v.detach() for k, v in sd.items()})
+
+
+# --- item 4: destinations that cannot take the checkpoint's tensor ------------------------
+
+
+@pytest.mark.parametrize("value", [3, [1.0, 2.0], "np"], ids=["int", "list", "numpy"])
+def test_destination_that_is_not_a_tensor(ckpt: tuple[Path, dict[str, Any]], value: Any) -> None:
+    np = pytest.importorskip("numpy")
+    path, sd = ckpt
+    dest = sentinel_like(sd)
+    dest["big"] = np.zeros((64, 64), dtype=np.float32) if value == "np" else value
+    with pytest.raises(StateDictMismatchError, match=r"key 'big': the checkpoint holds a tensor of shape \[64, 64\]"):
+        asyncload.load(dest, path, options=PIECES)
+    assert is_sentinel({k: v for k, v in dest.items() if k != "big"})
+
+
+@pytest.mark.parametrize("dtype", ["bits8", "float4_e2m1fn_x2"])
+def test_cast_towards_a_dtype_without_conversion(ckpt: tuple[Path, dict[str, Any]], dtype: str) -> None:
+    dt = getattr(torch, dtype, None)
+    if dt is None:
+        pytest.skip(f"torch has no {dtype}")
+    path, sd = ckpt
+    dest = sentinel_like(sd)
+    dest["big"] = torch.zeros(64, 64 * dt.itemsize, dtype=torch.uint8).view(dt)
+    with pytest.raises(StateDictMismatchError, match=r"key 'big': the checkpoint's torch.float32 cannot be converted"):
+        asyncload.load(dest, path, options=LoadOptions(allow_dtype_cast=True))
+    assert is_sentinel({k: v for k, v in dest.items() if k != "big"})
+
+
+def test_cast_without_conversion_from_a_safetensors_file(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    f = tmp_path / "model.safetensors"
+    safetensors.save_file({"w": torch.randn(4, 4), "b": torch.ones(4)}, str(f))
+    dest = {"w": torch.zeros(4, 4, dtype=torch.uint8).view(torch.bits8), "b": torch.zeros(4)}
+    with pytest.raises(StateDictMismatchError, match=r"key 'w'.* cannot be converted"):
+        asyncload.load(dest, f, options=LoadOptions(allow_dtype_cast=True))
+    assert bool((dest["b"] == 0).all())
+
+
+# --- property: structural mutations of real metadata --------------------------------------
+
+_EXAMPLES = int(os.environ.get("ASYNCLOAD_FORGED_EXAMPLES", "400"))
+_KEYS = ["big", "small", "nested.w", "empty", "scalar"]
+_INTS = st.one_of(st.integers(-2, 70), st.sampled_from([300, 1 << 31, 1 << 62, -(1 << 40)]))
+_DTYPES = st.sampled_from([torch.float32, torch.float16, torch.int16, torch.int64, torch.bool, torch.bits8])
+
+
+@st.composite
+def _mutation(draw: st.DrawFn) -> tuple[Any, ...]:
+    kind = draw(
+        st.sampled_from(
+            ["drop chunk", "dup chunk", "add chunk", "offset", "size", "tensor size", "dtype", "grad", "entry"]
+        )
+    )
+    key = draw(st.sampled_from(_KEYS))
+    return (kind, key, draw(st.integers(0, 3)), draw(_INTS), draw(_DTYPES), draw(st.integers(-64, 64)))
+
+
+def _apply(md: Any, mutation: tuple[Any, ...]) -> None:
+    kind, key, dim, value, dtype, delta = mutation
+    smd = md.state_dict_metadata[key]
+    chunks = smd.chunks
+    ndim = len(smd.size)
+    if kind == "drop chunk" and chunks:
+        chunks.pop()
+    elif kind == "dup chunk" and chunks:
+        chunks.append(copy.deepcopy(chunks[0]))
+    elif kind == "add chunk":
+        chunks.append(
+            ChunkStorageMetadata(offsets=torch.Size([abs(value) % 64] * ndim), sizes=torch.Size([1 + dim] * ndim))
+        )
+    elif kind in ("offset", "size") and chunks and ndim:
+        field = "offsets" if kind == "offset" else "sizes"
+        old = list(getattr(chunks[0], field))
+        old[dim % ndim] = max(0, value)
+        setattr(chunks[0], field, torch.Size(old))
+    elif kind == "tensor size" and ndim:
+        size = list(smd.size)
+        size[dim % ndim] = max(0, value)
+        smd.size = torch.Size(size)
+    elif kind == "dtype":
+        smd.properties.dtype = dtype
+    elif kind == "grad":
+        smd.properties.requires_grad = not smd.properties.requires_grad
+    elif kind == "entry":
+        idx = next((i for i in md.storage_data if i.fqn == key), None)
+        if idx is None:  # deleted by an earlier mutation
+            return
+        info = md.storage_data[idx]
+        if dim == 0:
+            info.offset = max(0, info.offset + delta)
+        elif dim == 1:
+            info.length = max(0, info.length + delta)
+        elif dim == 2:
+            info.relative_path = info.relative_path + ("x" if delta > 0 else "")
+        else:
+            del md.storage_data[idx]
+
+
+@pytest.fixture(scope="module")
+def forge_dir(tmp_path_factory: pytest.TempPathFactory, ckpt_state_dict: dict[str, Any]) -> tuple[Path, Any]:
+    path = make_checkpoint(tmp_path_factory.mktemp("forge") / "ckpt", copy.deepcopy(ckpt_state_dict))
+    return path, read_metadata(path)
+
+
+def test_structural_metadata_mutations_end_typed_or_load_exactly(
+    forge_dir: tuple[Path, Any], ckpt_state_dict: dict[str, Any], tmp_path: Path
+) -> None:
+    base, original = forge_dir
+    work = tmp_path / "ckpt"
+    shutil.copytree(base, work)
+    total = _tensor_bytes(ckpt_state_dict)
+
+    @settings(
+        max_examples=_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    @given(st.lists(_mutation(), min_size=1, max_size=3))
+    def run(mutations: list[tuple[Any, ...]]) -> None:
+        md = copy.deepcopy(original)
+        for m in mutations:
+            _apply(md, m)
+        (work / ".metadata").write_bytes(pickle.dumps(md))
+        dest = sentinel_like(ckpt_state_dict)
+        try:
+            stats = asyncload.load(dest, work, options=PIECES)
+        except AsyncLoadError:
+            return
+        # no error: every tensor of the destination bit-exact and fully written
+        assert_bitwise_equal(
+            {k: v for k, v in dest.items() if k != "nested"},
+            {k: v for k, v in ckpt_state_dict.items() if k != "nested"},
+        )
+        assert_bitwise_equal(dest["nested"]["w"], ckpt_state_dict["nested"]["w"])
+        assert stats.bytes_assembled == total, (stats.bytes_assembled, total, mutations)
+
+    run()
+    assert math.isfinite(total)
