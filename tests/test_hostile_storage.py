@@ -146,7 +146,7 @@ def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_ser
 def test_request_log_is_json_lines(http_server):
     http_server.put_object("log", "x", b"abc")
     asyncio.run(_get(http_server.url("log", "x")))
-    last = http_server.requests()[-1]
+    last = _logged(http_server, "/log/x")[-1]
     assert json.dumps(last)
     assert (last["method"], last["path"].endswith("/log/x"), last["sent"]) == ("GET", True, 3)
 
