@@ -107,6 +107,8 @@ class LoadHandle:
         self._future = future
         self._thread = thread
         self._cancelled = False
+        #: Orders cancel() against the load's end: once cancel() returned True, result() raises.
+        self._ending = threading.Lock()
         self.progress: tuple[int, int] = (0, 0)
 
     def result(self, timeout: float | None = None) -> LoadStats:
@@ -133,10 +135,13 @@ class LoadHandle:
         return self._reader.live_stats()
 
     def cancel(self) -> bool:
-        """Ask the load to stop; returns False if it had already finished."""
-        if self._future.done():
-            return False
-        self._cancelled = True
+        """Ask the load to stop; returns False if it had already finished. After True,
+        ``result()`` raises :class:`LoadCancelledError` (even if the reads had just
+        completed: a cancelled load's destination is not to be relied on)."""
+        with self._ending:
+            if self._future.done():
+                return False
+            self._cancelled = True
         self._reader.cancel()
         return True
 
@@ -180,13 +185,21 @@ def start_load(
     future.set_running_or_notify_cancel()
 
     def work() -> None:
+        outcome: LoadStats | BaseException
         try:
-            future.set_result(run_sync(load_steps(state_dict, reader, planner, process_group), reader))
-        except BaseException as exc:
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)) and handle._cancelled:
+            outcome = run_sync(load_steps(state_dict, reader, planner, process_group), reader)
+        except BaseException as exc:  # delivered through the handle
+            outcome = exc
+        with handle._ending:
+            if handle._cancelled and (
+                not isinstance(outcome, BaseException)
+                or isinstance(outcome, (asyncio.CancelledError, KeyboardInterrupt))
+            ):
                 future.set_exception(LoadCancelledError(f"the load of {checkpoint} was cancelled"))
+            elif isinstance(outcome, BaseException):
+                future.set_exception(outcome)
             else:
-                future.set_exception(exc)
+                future.set_result(outcome)
 
     thread = threading.Thread(target=work, name="asyncload-start-load", daemon=True)
     handle = LoadHandle(reader, future, thread)
