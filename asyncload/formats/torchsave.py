@@ -388,16 +388,8 @@ async def _atorchsave_files(
                 raise CheckpointFormatError(f"{source}: key {key!r} is in both {origin[key]} and {name}")
             origin[key] = name
             if isinstance(value, TensorRef):
-                loc = tensor_location(layout, name, value)
-                loc = TensorLocation(
-                    name=loc.name,
-                    data_start=loc.data_start,
-                    storage_nbytes=loc.storage_nbytes,
-                    dtype=loc.dtype,
-                    size=loc.size,
-                    stride=loc.stride,
-                    storage_offset=loc.storage_offset,
-                    crc32=loc.crc32,
+                loc = dataclasses.replace(
+                    tensor_location(layout, name, value),
                     where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
                 )
                 zeros = (0,) * len(loc.size)
