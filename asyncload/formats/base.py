@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .._chunks import TensorLocation
-from .._errors import AsyncLoadError, CheckpointNotFoundError
+from .._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from .._options import LoadOptions
 from .._retry import RetryingStorage
 from .._storage import is_local, local_root
@@ -36,6 +36,7 @@ __all__ = [
     "FormatMetadata",
     "KnownTensor",
     "OpenRoot",
+    "check_weight_map",
     "rebase",
     "split_file_url",
 ]
@@ -221,3 +222,15 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
         source=md.source,
         prefix=best,
     )
+
+
+def check_weight_map(weight_map: dict[str, str] | None, found: Collection[str], source: str) -> None:
+    """Every key an index places in a shard was found in that shard's header or archive."""
+    if weight_map is None:
+        return
+    missing = [k for k in weight_map if k not in found]
+    if missing:
+        raise CheckpointFormatError(
+            f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
+            f"which does not hold it ({len(missing)} keys missing)"
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Awaitable
 
 from .._errors import CheckpointFormatError, CheckpointNotFoundError
 from .._options import LoadOptions
@@ -20,6 +21,7 @@ from .._storage import is_local, local_root
 from .base import HF_INDEX, HF_SINGLE, Fetcher, FormatMetadata, OpenRoot, split_file_url
 from .safetensors import (
     HEADER_PROBE,
+    SafetensorsHeader,
     _asafetensors_files,
     _no_duplicates,
     _safetensors_metadata,
@@ -109,8 +111,9 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str) -> FormatM
     if head.startswith(b"PK\x03\x04"):
         md = await _atorchsave_files(fetcher, [(name, size)], None, source)
         return md
-    if looks_like_safetensors(head, size):
-        header = await aread_header(
+
+    def read_header() -> Awaitable[SafetensorsHeader]:
+        return aread_header(
             fetcher.reader(name),
             name=name,
             base=0,
@@ -119,7 +122,9 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str) -> FormatM
             max_header_size=fetcher.options.max_metadata_size,
             head=head,
         )
-        return _safetensors_metadata([header], None, source)
+
+    if looks_like_safetensors(head, size):
+        return _safetensors_metadata([await read_header()], None, source)
     if head.startswith(_LEGACY_MAGIC) or head[:1] == b"\x80":
         raise CheckpointFormatError(
             f"{url} is a legacy (pre-1.6, non-zip) torch.save file or a raw pickle; asyncload reads only the zip "
@@ -127,16 +132,7 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str) -> FormatM
             "_use_new_zipfile_serialization=True), or load it with torch.load"
         )
     if name.endswith(".safetensors"):
-        # let the header parser say precisely what is wrong
-        await aread_header(
-            fetcher.reader(name),
-            name=name,
-            base=0,
-            blob_size=size,
-            where=url,
-            max_header_size=fetcher.options.max_metadata_size,
-            head=head,
-        )
+        await read_header()  # let the header parser say precisely what is wrong
     raise CheckpointFormatError(
         f"{url} is not a checkpoint asyncload reads: not a DCP directory, a safetensors "
         "file or a zip-format torch.save file"

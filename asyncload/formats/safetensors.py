@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 from .._chunks import TensorLocation
 from .._errors import CheckpointFormatError, CheckpointNotFoundError
 from .._paths import check_relative_path
-from .base import Fetcher, FormatEntry, FormatMetadata, KnownTensor
+from .base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",
@@ -433,13 +433,7 @@ def _safetensors_metadata(
                 md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offs, loc.size)])
             storage[MetadataIndex(key, offs, len(md.chunks))] = KnownTensor(loc)
             md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(loc.size)))
-    if weight_map is not None:
-        missing = [k for k in weight_map if k not in sdm]
-        if missing:
-            raise CheckpointFormatError(
-                f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
-                f"whose header does not hold it ({len(missing)} keys missing)"
-            )
+    check_weight_map(weight_map, sdm, source)
     return FormatMetadata(
         state_dict_metadata=dict(sdm),
         storage_data=storage,

@@ -27,7 +27,7 @@ from .._assembly import tensor_over
 from .._chunks import TensorLocation
 from .._errors import CheckpointFormatError
 from .._safe_pickle import TensorRef, record_globals, safe_loads, storage_persistent_load
-from .base import Fetcher, FormatEntry, FormatMetadata, KnownTensor
+from .base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
 from .zip import EOCD_SEARCH, LOCAL_HEADER_SIZE, local_data_start, locate_central_directory, parse_central_directory
 
 __all__ = [
@@ -405,13 +405,7 @@ async def _atorchsave_files(
                 sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
                 sdm[key] = BytesStorageMetadata()
                 storage[MetadataIndex(key)] = KnownObject(value, name, sts, f"object {key!r} of {layout.where}")
-    if weight_map is not None:
-        missing = [k for k in weight_map if k not in sdm]
-        if missing:
-            raise CheckpointFormatError(
-                f"{source}: the index places {missing[0]!r} in {weight_map[missing[0]]}, "
-                f"which does not hold it ({len(missing)} keys missing)"
-            )
+    check_weight_map(weight_map, sdm, source)
     return FormatMetadata(
         state_dict_metadata=sdm, storage_data=storage, storage_meta=StorageMeta(), format="torch.save", source=source
     )
