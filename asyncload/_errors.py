@@ -8,6 +8,7 @@ leaves also derive from the builtin a caller would naturally catch::
     ├── StorageReadError           (also OSError)        storage refused or failed a read
     │   └── CheckpointNotFoundError (also FileNotFoundError) a file of the checkpoint does not exist
     ├── CheckpointFormatError      (also ValueError)     corrupt, truncated or not a checkpoint
+    │   └── CheckpointChangedError                      a file or object was rewritten while the load read it
     ├── UnsafeCheckpointError      (also ValueError)     the checkpoint asks to run code or import a non-allowed name
     ├── StateDictMismatchError     (also ValueError)     the destination does not fit the checkpoint
     ├── DistributedLoadError       (also RuntimeError)   another rank failed or stalled during a load
@@ -26,6 +27,7 @@ import concurrent.futures
 
 __all__ = [
     "AsyncLoadError",
+    "CheckpointChangedError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "ChunkTimeoutError",
@@ -88,6 +90,33 @@ class CheckpointNotFoundError(StorageReadError, FileNotFoundError):
 
 class CheckpointFormatError(AsyncLoadError, ValueError):
     """Raised when a checkpoint is corrupt, truncated, of an unknown version, or not a checkpoint."""
+
+
+class CheckpointChangedError(CheckpointFormatError):
+    """Raised when a file or object of the checkpoint was rewritten or replaced while the
+    load read it (a save into the same place, an upload over it): its bytes would mix two
+    saves. Remote objects are pinned at first sight (ETag, GCS generation, Last-Modified)
+    and every ranged read is conditional on that version or checked against it.
+
+    Attributes: ``path``, ``byte_range`` (the read that saw the change, or ``None``),
+    ``seen`` (the version at first sight) and ``now`` (the version the store reported
+    then, or ``None`` when it only refused the precondition).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str = "",
+        byte_range: tuple[int, int] | None = None,
+        seen: str | None = None,
+        now: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.byte_range = byte_range
+        self.seen = seen
+        self.now = now
 
 
 class UnsafeCheckpointError(AsyncLoadError, ValueError):

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 from ._errors import (
     AsyncLoadError,
+    CheckpointChangedError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     ChunkTimeoutError,
@@ -49,7 +50,7 @@ from ._errors import (
 )
 from ._options import HedgePolicy, LoadOptions, RetryPolicy
 from ._stats import StatsRecorder
-from ._storage import NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
+from ._storage import NotRegularFileError, ObjectChangedError, RangeIgnoredError, ShortReadError, Storage
 
 __all__ = [
     "Failure",
@@ -194,6 +195,16 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the errors it was raised from (``__cause__``, else ``__context__``), at most 8."""
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    return chain
+
+
 def _mro_names(exc: BaseException) -> set[str]:
     return {c.__name__ for c in type(exc).__mro__}
 
@@ -211,12 +222,7 @@ def classify(exc: BaseException) -> Failure:
         return Failure(True, "timeout")
     if isinstance(exc, ShortReadError):  # a local file's end is final: truncated, not flaky
         return Failure(not exc.local, "short_read", format_error=exc.local)
-    # walk the cause chain: s3fs and gcsfs wrap the HTTP error
-    chain: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and len(chain) < 8:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
+    chain = _causes(exc)  # s3fs and gcsfs wrap the HTTP error
     if any(type(e).__name__ in _SHORT_BODY_ERRORS for e in chain):
         # the connection ended before Content-Length bytes arrived: never data (aiohttp's
         # ContentLengthError carries a client-side "400", not the server's status)
@@ -224,6 +230,8 @@ def classify(exc: BaseException) -> Failure:
     for e in chain:
         if isinstance(e, RangeIgnoredError):
             return Failure(False, "range_ignored", e.status)
+        if isinstance(e, ObjectChangedError):
+            return Failure(False, "object_changed", 412 if e.now is None else None)
         if isinstance(e, NotRegularFileError):
             return Failure(False, "not_a_regular_file")
         if _mro_names(e) & _CREDENTIAL_ERRORS:
@@ -308,6 +316,16 @@ def translate(
     per-attempt limit that ran out, for the message)."""
     if isinstance(exc, AsyncLoadError):
         return exc
+    changed = next((e for e in _causes(exc) if isinstance(e, ObjectChangedError)), None)
+    if changed is not None:
+        return CheckpointChangedError(
+            f"{changed} (a save or upload is replacing this checkpoint; nothing of two versions was mixed: "
+            "load again once it has finished)",
+            path=changed.url,
+            byte_range=changed.byte_range,
+            seen=changed.seen,
+            now=changed.now,
+        )
     f = failure or classify(exc)
     where = f"{url} bytes [{byte_range[0]}, {byte_range[1]})" if byte_range else url
     tries = f"after {attempts} attempt{'s' if attempts != 1 else ''}"

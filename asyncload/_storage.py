@@ -27,6 +27,7 @@ __all__ = [
     "FsspecStorage",
     "LocalStorage",
     "NotRegularFileError",
+    "ObjectChangedError",
     "RangeIgnoredError",
     "ShortReadError",
     "Storage",
@@ -59,6 +60,18 @@ class RangeIgnoredError(OSError):
             "the server ignores Range requests"
         )
         self.url, self.start, self.end, self.status = url, start, end, status
+
+
+class ObjectChangedError(OSError):
+    """A remote object is no longer the version this load first saw: the store refused a
+    read conditional on it (HTTP 412) or answered with another ETag / generation. Not
+    worth a retry: every later answer comes from the new version."""
+
+    def __init__(self, url: str, byte_range: tuple[int, int] | None, seen: str, now: str | None) -> None:
+        where = f"{url} bytes [{byte_range[0]}, {byte_range[1]})" if byte_range else url
+        became = f"is now {now}" if now is not None else "no longer matches it (the store refused the precondition)"
+        super().__init__(f"{where}: the object was {seen} when this load first saw it and {became}")
+        self.url, self.byte_range, self.seen, self.now = url, byte_range, seen, now
 
 
 class NotRegularFileError(OSError):
@@ -272,6 +285,9 @@ class FsspecStorage(Storage):
         self._fs_lock: asyncio.Lock | None = None
         self._root_path = self._cls._strip_protocol(root)
         self.is_async = bool(getattr(self._cls, "async_impl", False))
+        #: file name -> the version this load first saw ("etag ...", "generation ...",
+        #: "last-modified ..."): every later answer about the file must carry the same
+        self._versions: dict[str, str] = {}
 
     def _full(self, name: str) -> str:
         if self.protocol in ("http", "https"):
@@ -333,11 +349,32 @@ class FsspecStorage(Storage):
                 self._fs = fs
         return self._fs
 
+    def _see(self, name: str, version: str | None, byte_range: tuple[int, int] | None = None) -> None:
+        """Pin file ``name`` to ``version`` at first sight; raise if a later answer differs."""
+        if version is None:
+            return
+        seen = self._versions.setdefault(name, version)
+        if seen != version:
+            raise ObjectChangedError(self.url(name), byte_range, seen, version)
+
+    def pinned(self, name: str) -> str | None:
+        """The version of file ``name`` this storage first saw, if the store reports one."""
+        return self._versions.get(name)
+
+    async def fingerprint(self, name: str) -> object | None:
+        """The pinned version: a change shows on the first answer that carries another
+        (every ranged read is checked), so no extra request is made for it."""
+        return None
+
     async def read(self, name: str, start: int, end: int) -> bytes:
         fs = await self._get_fs()
         path = self._full(name)
         if self.is_async and self.protocol in ("http", "https") and hasattr(fs, "encode_url"):
             data = await self._read_http(fs, name, path, start, end)
+        elif self.is_async and _is_s3(self._cls):
+            data = await self._read_s3(fs, name, path, start, end)
+        elif self.is_async and _is_gcs(self._cls) and hasattr(fs, "_call"):
+            data = await self._read_gcs(fs, name, path, start, end)
         elif self.is_async:
             data = await fs._cat_file(path, start=start, end=end)
         else:
@@ -349,17 +386,67 @@ class FsspecStorage(Storage):
             raise ShortReadError(self.url(name), start, end, len(data))
         return data
 
+    async def _read_s3(self, fs: Any, name: str, path: str, start: int, end: int) -> bytes:
+        """One ranged GetObject, conditional on the ETag first seen (``If-Match``; the
+        answer's ETag is compared too, for stores that ignore the condition)."""
+        bucket, key, version_id = fs.split_path(path)
+        kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if version_id:
+            kw["VersionId"] = version_id
+        seen = self._versions.get(name)
+        if seen is not None and seen.startswith("etag "):
+            kw["IfMatch"] = seen[5:]
+        try:
+            resp = await fs._call_s3("get_object", **kw)
+        except OSError as exc:
+            if seen is not None and _status_412(exc):
+                raise ObjectChangedError(self.url(name), (start, end), seen, None) from exc
+            raise
+        body = resp["Body"]
+        try:
+            etag = resp.get("ETag")
+            self._see(name, f"etag {etag}" if etag else None, (start, end))
+            data: bytes = await body.read()
+        finally:
+            body.close()
+        return data
+
+    async def _read_gcs(self, fs: Any, name: str, path: str, start: int, end: int) -> bytes:
+        """One ranged media GET, conditional on the generation first seen
+        (``ifGenerationMatch``; the answer's ``x-goog-generation`` is compared too)."""
+        seen = self._versions.get(name)
+        params: dict[str, Any] = {}
+        if seen is not None and seen.startswith("generation "):
+            params["ifGenerationMatch"] = seen[11:]
+        try:
+            headers, data = await fs._call("GET", fs.url(path), headers={"Range": f"bytes={start}-{end - 1}"}, **params)
+        except OSError as exc:
+            if seen is not None and _status_412(exc):
+                raise ObjectChangedError(self.url(name), (start, end), seen, None) from exc
+            raise
+        generation = headers.get("x-goog-generation")
+        self._see(name, f"generation {generation}" if generation else None, (start, end))
+        return bytes(data)
+
     async def _read_http(self, fs: Any, name: str, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` over fsspec's HTTP session, streamed: a server that
         ignores ``Range`` (200 with the whole file) is detected after at most
-        ``end - start + 1`` bytes, not after downloading the file."""
+        ``end - start + 1`` bytes, not after downloading the file. Conditional on the
+        strong ETag first seen (``If-Match``); the answer's validator is compared too."""
         want = end - start
         kw = dict(fs.kwargs)
         headers = dict(kw.pop("headers", None) or {})
         headers["Range"] = f"bytes={start}-{end - 1}"
+        seen = self._versions.get(name)
+        if seen is not None and seen.startswith('etag "'):
+            headers["If-Match"] = seen[5:]
         session = await fs.set_session()
         async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+            if r.status == 412 and seen is not None:
+                r.close()
+                raise ObjectChangedError(self.url(name), (start, end), seen, _http_version(r.headers))
             fs._raise_not_found_for_status(r, path)
+            self._see(name, _http_version(r.headers), (start, end))
             length = r.headers.get("Content-Length")
             if r.status != 206 and (start != 0 or (length is not None and length.isdigit() and int(length) > want)):
                 r.close()  # drop the connection: never read the rest of the body
@@ -397,7 +484,20 @@ class FsspecStorage(Storage):
         size = info.get("size")
         if size is None:
             raise OSError(f"{self.url(name)}: the store did not report a size")
+        self._see(name, self._version_of(info))
         return int(size)
+
+    def _version_of(self, info: Mapping[str, Any]) -> str | None:
+        """The version a listing or ``info`` entry reports, in the form reads compare."""
+        if _is_gcs(self._cls):
+            gen = info.get("generation")
+            return f"generation {gen}" if gen not in (None, "") else None
+        if _is_s3(self._cls):
+            etag = info.get("ETag") or info.get("etag")
+            return f"etag {etag}" if etag else None
+        if self.protocol in ("http", "https"):
+            return _http_version(info)
+        return None
 
     async def sizes(self, names: Sequence[str]) -> dict[str, int]:
         """One listing of the checkpoint's directory instead of a HEAD per file (s3, gcs:
@@ -415,6 +515,7 @@ class FsspecStorage(Storage):
             size = e.get("size")
             if rel in wanted and e.get("type", "file") == "file" and isinstance(size, int):
                 out[rel] = size
+                self._see(rel, self._version_of(e))
         return out
 
     async def listdir(self) -> list[str]:
@@ -442,14 +543,57 @@ class FsspecStorage(Storage):
         await close_async_fs(fs, self.protocol)
 
 
+def _http_version(headers: Mapping[str, Any]) -> str | None:
+    """An HTTP answer's validator: its ETag, else its Last-Modified date."""
+    etag = headers.get("ETag")
+    if etag:
+        return f"etag {etag}"
+    modified = headers.get("Last-Modified")
+    return f"last-modified {modified}" if modified else None
+
+
+def _status_412(exc: BaseException) -> bool:
+    """Whether a client error is the store's 412 Precondition Failed (s3fs turns it into
+    ``OSError(EINVAL)`` with the botocore error as cause; gcsfs into an ``HttpError``)."""
+    e: BaseException | None = exc
+    for _ in range(6):
+        if e is None:
+            return False
+        if getattr(e, "code", None) == 412 or getattr(e, "status", None) == 412:
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error") or {}
+            meta = response.get("ResponseMetadata") or {}
+            if err.get("Code") in ("PreconditionFailed", "412") or meta.get("HTTPStatusCode") == 412:
+                return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _no_client_resend(fs: Any) -> None:
     """Turn off aiohttp's silent re-send of an idempotent request whose pooled connection
     the server closed or reset (aiohttp >= 3.10 tries it once more, unseen): asyncload's
     policy retries it instead, so the fault shows in ``LoadStats.retries``. HTTP and
-    gcsfs keep their aiohttp ``ClientSession`` in ``_session``."""
+    gcsfs keep their aiohttp ``ClientSession`` in ``_session``; s3fs's aiobotocore client
+    makes its sessions lazily, one per proxy, in its endpoint's ``AIOHTTPSession``."""
     session = getattr(fs, "_session", None)
     if session is not None and hasattr(session, "_retry_connection"):
         session._retry_connection = False
+    endpoint = getattr(getattr(fs, "_s3", None), "_endpoint", None)
+    http = getattr(endpoint, "http_session", None)
+    make = getattr(http, "_get_session", None)
+    if http is None or make is None or getattr(make, "_asyncload_no_resend", False):
+        return
+
+    async def get_session(proxy_url: Any) -> Any:
+        made = await make(proxy_url)
+        if hasattr(made, "_retry_connection"):
+            made._retry_connection = False
+        return made
+
+    get_session._asyncload_no_resend = True  # type: ignore[attr-defined]
+    http._get_session = get_session
 
 
 _aio_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()

@@ -140,6 +140,15 @@ class Fetcher:
         async with self._sem:
             return bytes(await self.storage.read(name, start, end))
 
+    async def read_view(self, name: str, start: int, end: int) -> bytes | memoryview:
+        """:meth:`read` without its copy, for reads as large as ``LoadOptions.max_metadata_size``
+        (a zip directory): the store's own buffer, as bytes or a view of it."""
+        if end <= start:
+            return b""
+        async with self._sem:
+            data = await self.storage.read(name, start, end)
+        return data if isinstance(data, bytes) else memoryview(data)
+
     def reader(self, name: str) -> Callable[[int, int], Awaitable[bytes]]:
         """``read(start, end)`` of file ``name``."""
 

@@ -458,7 +458,7 @@ async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
     if cd_size > opts.max_metadata_size:
         raise CheckpointFormatError(f"{url}: zip directory of {cd_size} bytes exceeds LoadOptions.max_metadata_size")
     if cd_off < tail_start:
-        win.add(cd_off, await fetcher.read(name, cd_off, min(cd_off + cd_size, size)))
+        win.add(cd_off, await fetcher.read_view(name, cd_off, min(cd_off + cd_size, size)))
     entries = parse_central_directory(win.get(cd_off, cd_off + cd_size), n, size, url).entries
     pkl = [e for k, e in entries.items() if k.endswith("/data.pkl") or k == "data.pkl"]
     if len(pkl) == 1 and pkl[0].size > opts.max_metadata_size:

@@ -99,7 +99,7 @@ def locate_central_directory(tail: bytes | memoryview, archive_size: int, where:
 
 def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size: int, where: str) -> CentralDirectory:
     """Parse ``n_entries`` central directory headers from ``cd`` (exactly the directory's bytes)."""
-    cd = bytes(cd)
+    cd = memoryview(cd)  # no copy: the directory may be large (up to LoadOptions.max_metadata_size)
     entries: dict[str, ZipEntry] = {}
     pos = 0
     _need(n_entries <= len(cd) // _CDH.size, where, f"central directory claims {n_entries} entries in {len(cd)} bytes")
@@ -110,8 +110,8 @@ def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size
         method, crc, csize, usize, nl, el, cl, lho = f[4], f[7], f[8], f[9], f[10], f[11], f[12], f[16]
         end = pos + _CDH.size + nl + el + cl
         _need(end <= len(cd), where, "central directory entry runs past the directory")
-        name = cd[pos + _CDH.size : pos + _CDH.size + nl].decode("utf-8", "replace")
-        extra = cd[pos + _CDH.size + nl : pos + _CDH.size + nl + el]
+        name = bytes(cd[pos + _CDH.size : pos + _CDH.size + nl]).decode("utf-8", "replace")
+        extra = bytes(cd[pos + _CDH.size + nl : pos + _CDH.size + nl + el])
         if 0xFFFFFFFF in (csize, usize, lho):
             usize, csize, lho = _zip64_extra(extra, usize, csize, lho, where)
         _need(

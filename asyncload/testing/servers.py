@@ -877,6 +877,7 @@ class HTTPRangeServer(LoopbackServer):
 
     * ``GET``/``HEAD`` of a file: 200 with ``Content-Length``,
       ``Accept-Ranges: bytes``, ``ETag``, ``Last-Modified``;
+    * ``If-Match`` with other ETags than the file's: 412 (a file rewritten since);
     * ``Range: bytes=a-b``, ``bytes=a-``, ``bytes=-n``: 206 with
       ``Content-Range: bytes a-b/size`` (the end clamped to the file);
     * a range starting at or past the end, ``b < a``, ``bytes=-0``, any range
@@ -908,7 +909,7 @@ class HTTPRangeServer(LoopbackServer):
 
     def requests(self) -> list[dict[str, Any]]:
         """The requests served so far, oldest first: ``method``, ``path`` (as sent,
-        percent-escapes included), ``range`` (the header or None), ``status`` and
+        percent-escapes included), ``range`` and ``if_match`` (the headers or None), ``status`` and
         ``sent`` (body bytes written before the answer ended or the client left)."""
         log = self.workdir / "requests.jsonl"
         if not log.exists():
@@ -982,6 +983,11 @@ class HTTPRangeServer(LoopbackServer):
             shutil.copyfile(path, target)
 
 
+def _etags(header: str) -> list[str]:
+    """The strong entity tags an ``If-Match`` header lists (weak ones never match)."""
+    return [t.strip() for t in header.split(",") if t.strip() and not t.strip().startswith("W/")]
+
+
 class RangeNotSatisfiable(ValueError):
     """Raised by :func:`parse_byte_range` when the range cannot be served (416)."""
 
@@ -1049,6 +1055,7 @@ def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, 
                     "method": request.method,
                     "path": request.raw_path,
                     "range": request.headers.get("Range"),
+                    "if_match": request.headers.get("If-Match"),
                     "status": status,
                     "sent": sent[0],
                 }
@@ -1075,6 +1082,9 @@ def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, 
             "ETag": f'"{st.st_mtime_ns:x}-{size:x}"',
             "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
         }
+        if_match = request.headers.get("If-Match")
+        if if_match is not None and if_match.strip() != "*" and headers["ETag"] not in _etags(if_match):
+            return web.Response(status=412, text="precondition failed\n", headers=headers)
         try:
             byte_range = None if ignore_range else parse_byte_range(request.headers.get("Range"), size)
         except RangeNotSatisfiable as exc:
