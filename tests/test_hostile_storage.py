@@ -148,6 +148,45 @@ def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_ser
     assert seen and all("other" not in p and "%2e" not in p.lower() for p in seen), seen
 
 
+@pytest.mark.parametrize(
+    "evil",
+    [
+        "%2e%2e/%2e%2e/other/model.safetensors",
+        "..%2f..%2fother/model.safetensors",
+        "%2E%2E/%2E%2E/other/model.safetensors",
+        "../../other/model.safetensors",
+        "/pct/other/model.safetensors",
+        "..\\..\\other\\model.safetensors",
+        "http://127.0.0.1:1/other/model.safetensors",
+        "model.safetensors%00.txt",
+    ],
+)
+def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(http_server, tmp_path, evil):
+    """The same through ``model.safetensors.index.json``'s ``weight_map`` (a real file of the
+    same name is served where the name would lead): refused before anything of it is fetched."""
+    from safetensors.torch import save_file
+
+    src, other = tmp_path / "src", tmp_path / "other"
+    src.mkdir()
+    other.mkdir()
+    save_file({"w": torch.arange(16, dtype=torch.float32)}, str(src / "model.safetensors"))
+    save_file({"w": -torch.arange(16, dtype=torch.float32)}, str(other / "model.safetensors"))
+    index = {"metadata": {"total_size": 64}, "weight_map": {"w": evil}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "model.safetensors").unlink()  # only the index names the data
+    bucket = f"pct-st-{abs(hash(evil)) % 10**6}"
+    http_server.upload_dir(src, bucket, "a/ckpt")
+    http_server.upload_dir(other, bucket, "other")
+    before = len(http_server.requests())
+    dest = {"w": torch.zeros(16)}
+    with pytest.raises(CheckpointFormatError) as ei:
+        asyncload.load(dest, http_server.url(bucket, "a/ckpt"), options=LoadOptions(retries=0))
+    assert "model.safetensors" in str(ei.value)
+    seen = [r["path"] for r in http_server.requests()[before:]]
+    assert seen and all("/other" not in p and "%2e" not in p.lower() for p in seen), seen
+    assert torch.equal(dest["w"], torch.zeros(16))
+
+
 def test_request_log_is_json_lines(http_server):
     http_server.put_object("log", "x", b"abc")
     asyncio.run(_get(http_server.url("log", "x")))
