@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ._dcp import PipelinedLoadPlanner, PipelinedReader
@@ -32,9 +33,11 @@ def _prepare(
     storage_options: Mapping[str, Any] | None,
     planner: LoadPlanner | None,
     progress: ProgressCallback | None,
+    extension_registry: ExtensionRegistry | None = None,
 ) -> tuple[PipelinedReader, LoadPlanner]:
     """The load's reader and planner, with its options resolved once: ``options``, else an
-    explicitly configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them."""
+    explicitly configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them.
+    ``extension_registry`` decodes stream transforms (``None``: torch's default registry)."""
     if options is None:
         if isinstance(planner, PipelinedLoadPlanner) and planner.has_options:
             options = planner.options
@@ -42,7 +45,9 @@ def _prepare(
             options = LoadOptions()
     elif not isinstance(options, LoadOptions):
         raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
-    reader = PipelinedReader(checkpoint, options=options, storage_options=dict(storage_options or {}))
+    reader = PipelinedReader(
+        checkpoint, extension_registry, options=options, storage_options=dict(storage_options or {})
+    )
     reader._options_fixed = True  # these options govern every read, whatever the planner carries
     reader.progress = progress
     if planner is None:
@@ -59,6 +64,7 @@ def load(
     planner: LoadPlanner | None = None,
     process_group: Any = None,
     progress: ProgressCallback | None = None,
+    extension_registry: ExtensionRegistry | None = None,
 ) -> LoadStats:
     """Load ``checkpoint`` into ``state_dict`` in place, like ``dcp.load``; return its :class:`LoadStats`.
 
@@ -67,8 +73,10 @@ def load(
     calling thread already runs an event loop. With ``torch.distributed`` initialised
     (or ``process_group`` given) every rank of the group must call it.
     ``progress(bytes_done, bytes_total)`` is called as data lands (from a library thread).
+    ``extension_registry`` (torch's ``ExtensionRegistry``; default: torch's own, which knows
+    ``ZStandard``) decodes records saved with stream transforms (docs/formats.md).
     """
-    reader, planner = _prepare(checkpoint, options, storage_options, planner, progress)
+    reader, planner = _prepare(checkpoint, options, storage_options, planner, progress, extension_registry)
     return run_sync(load_steps(state_dict, reader, planner, process_group), reader)
 
 
@@ -81,12 +89,13 @@ async def aload(
     planner: LoadPlanner | None = None,
     process_group: Any = None,
     progress: ProgressCallback | None = None,
+    extension_registry: ExtensionRegistry | None = None,
 ) -> LoadStats:
     """:func:`load` as a coroutine, natively on the caller's event loop (uvloop too): reads
     run on it; planning, collectives and the planner's hooks run on a worker thread so the
     loop stays free. Cancelling it cancels the reads and returns once nothing of the load
     is left running (files and sessions closed)."""
-    reader, planner = _prepare(checkpoint, options, storage_options, planner, progress)
+    reader, planner = _prepare(checkpoint, options, storage_options, planner, progress, extension_registry)
     return await run_async(load_steps(state_dict, reader, planner, process_group), reader)
 
 
@@ -167,6 +176,7 @@ def start_load(
     planner: LoadPlanner | None = None,
     process_group: Any = None,
     progress: ProgressCallback | None = None,
+    extension_registry: ExtensionRegistry | None = None,
 ) -> LoadHandle:
     """Start :func:`load` in a background thread and return a :class:`LoadHandle` at once.
 
@@ -180,7 +190,7 @@ def start_load(
         if progress is not None:
             progress(done, total)
 
-    reader, planner = _prepare(checkpoint, options, storage_options, planner, on_progress)
+    reader, planner = _prepare(checkpoint, options, storage_options, planner, on_progress, extension_registry)
     future: concurrent.futures.Future[LoadStats] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -24,7 +25,7 @@ from torch.futures import Future
 from . import formats
 from ._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
 from ._options import LoadOptions
-from ._plan import can_copy
+from ._plan import check_cast
 from ._session import LoadSession, decode_object
 from ._stats import LoadStats
 from .formats import KNOWN_DCP_VERSIONS
@@ -116,16 +117,7 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                     raise StateDictMismatchError(
                         f"key {fqn!r}: the destination has shape {shape}, the checkpoint {list(smd.size)}"
                     )
-                if obj.dtype != smd.properties.dtype and not cast_ok:
-                    raise StateDictMismatchError(
-                        f"key {fqn!r}: the destination has dtype {obj.dtype}, the checkpoint {smd.properties.dtype} "
-                        "(set LoadOptions.allow_dtype_cast=True to convert on load)"
-                    )
-                if cast_ok and not can_copy(smd.properties.dtype, obj.dtype):
-                    raise StateDictMismatchError(
-                        f"key {fqn!r}: the checkpoint's {smd.properties.dtype} cannot be converted to the "
-                        f"destination's {obj.dtype} (torch has no conversion between them)"
-                    )
+                check_cast(smd.properties.dtype, obj.dtype, allow_cast=cast_ok, what=f"key {fqn!r}")
         self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
         plan = self._default_plan()
         self._check_plan_covers(plan)
@@ -191,11 +183,16 @@ class PipelinedReader(StorageReader):
     ``checkpoint`` is a local path, a ``PathLike``, a ``file://`` URL or any fsspec URL;
     ``storage_options`` go to the fsspec filesystem. After a load, ``stats`` holds its
     :class:`LoadStats`. Which options govern a load: see :class:`PipelinedLoadPlanner`.
+
+    ``_extension_registry`` (as torch's ``FileSystemReader``'s; default: torch's own registry,
+    which knows ``ZStandard``) decodes records that ``dcp.save`` wrote with stream transforms
+    (``FileSystemWriter(_extensions=[...])``); see docs/formats.md.
     """
 
     def __init__(
         self,
         checkpoint: str | os.PathLike[str],
+        _extension_registry: ExtensionRegistry | None = None,
         *,
         options: LoadOptions | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -203,6 +200,8 @@ class PipelinedReader(StorageReader):
         super().__init__()
         self.options = options or LoadOptions()
         self.session = LoadSession(checkpoint, options=self.options, storage_options=storage_options)
+        if _extension_registry is not None:
+            self.session.extension_registry = _extension_registry
         self.metadata: Metadata | None = None
         self.storage_data: dict[Any, Any] = {}
         self.rank: int | None = None

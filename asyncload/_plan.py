@@ -11,6 +11,7 @@ through a staging buffer and one strided copy.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -21,9 +22,127 @@ from ._assembly import memory_of, tensor_over
 from ._chunks import Chunk, Piece, TensorLocation
 from ._errors import CheckpointFormatError, StateDictMismatchError
 
-__all__ = ["can_copy", "make_chunks", "plan_tensor"]
+__all__ = ["can_copy", "cast_loss", "check_cast", "make_chunks", "plan_tensor", "widening_is_lossless"]
 
 _COPYABLE: dict[tuple[torch.dtype, torch.dtype], bool] = {}
+
+_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+_FLOATS = tuple(
+    d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        *(
+            getattr(torch, n, None)
+            for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+        ),
+    )
+    if isinstance(d, torch.dtype)
+)
+#: complex dtype -> the float dtype of each component
+_COMPLEX = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+@functools.cache
+def _float_traits(dt: torch.dtype) -> tuple[int, float, float, bool, bool, bool]:
+    """(mantissa bits, largest finite, smallest positive, has inf, has negatives, has zero) of a float dtype."""
+    fi = torch.finfo(dt)
+    # mantissa bits probed (finfo's eps of float8_e5m2fnuz says 3 bits, it has 2)
+    mant = 0
+    while (x := 1 + 2.0 ** -(mant + 1)) != 1.0 and float(torch.tensor(x, dtype=torch.float64).to(dt)) == x:
+        mant += 1
+    smallest = fi.tiny * 2.0**-mant  # the smallest subnormal (no subnormals without mantissa bits)
+    probe = torch.tensor([math.inf, -1.0, 0.0], dtype=torch.float64).to(dt).to(torch.float64)
+    return mant, fi.max, smallest, bool(probe[0].isinf()), bool(probe[1] == -1.0), bool(probe[2] == 0.0)
+
+
+def _int_range(dt: torch.dtype) -> tuple[int, int]:
+    if dt == torch.bool:
+        return 0, 1
+    ii = torch.iinfo(dt)
+    return int(ii.min), int(ii.max)
+
+
+def _int_into_float(src: torch.dtype, dst: torch.dtype) -> str | None:
+    lo, hi = _int_range(src)
+    mant, fmax, _, _, negatives, zero = _float_traits(dst)
+    if (lo < 0 and not negatives) or not zero or hi > fmax:
+        return f"{dst} cannot hold every value of {src}"
+    # the most significant bits: ``hi`` (``lo`` is minus a power of two, exact wherever it fits)
+    if hi.bit_length() > mant + 1:
+        return f"integers of {src} have more significant bits than the {mant + 1} of {dst}"
+    return None
+
+
+def _float_into_float(src: torch.dtype, dst: torch.dtype) -> str | None:
+    s_mant, s_max, s_small, s_inf, s_neg, s_zero = _float_traits(src)
+    d_mant, d_max, d_small, d_inf, d_neg, d_zero = _float_traits(dst)
+    if d_mant < s_mant:
+        return f"narrowing: {dst} has {d_mant} mantissa bits, {src} {s_mant}"
+    if d_max < s_max or d_small > s_small:
+        return f"narrowing: {dst} has a smaller exponent range than {src}"
+    if (s_inf and not d_inf) or (s_neg and not d_neg) or (s_zero and not d_zero):
+        return f"{dst} has no {'infinity' if s_inf and not d_inf else 'negative numbers' if s_neg and not d_neg else 'zero'}"
+    return None
+
+
+def cast_loss(src: torch.dtype, dst: torch.dtype) -> str | None:
+    """Why converting every ``src`` value into ``dst`` can change a value (``None``: it
+    cannot, the conversion is lossless widening). The one rule of which dtype changes load
+    without ``LoadOptions.allow_dtype_cast`` (docs/errors.md tabulates it)."""
+    if src == dst:
+        return None
+    if dst == torch.bool:
+        return "a conversion into bool keeps only zero or not"
+    src_int = src == torch.bool or src in _INTS
+    if src_int and dst in _INTS:
+        lo, hi = _int_range(src)
+        dlo, dhi = _int_range(dst)
+        if lo < dlo or hi > dhi:
+            return f"{dst} cannot hold every value of {src}" + (" (negative numbers)" if lo < 0 <= dlo else "")
+        return None
+    if src in _COMPLEX:
+        if dst not in _COMPLEX:
+            return "a complex number into a real type drops the imaginary part"
+        return _float_into_float(_COMPLEX[src], _COMPLEX[dst])
+    d_real = _COMPLEX.get(dst, dst)
+    if d_real not in _FLOATS:
+        if src in _FLOATS and (dst in _INTS):
+            return "a float into an integer type drops the fraction (and overflows)"
+        return f"torch defines no lossless conversion from {src} to {dst}"
+    if src_int:
+        return _int_into_float(src, d_real)
+    if src in _FLOATS:
+        return _float_into_float(src, d_real)
+    return f"torch defines no lossless conversion from {src} to {dst}"
+
+
+def widening_is_lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every ``src`` value converts into ``dst`` exactly (bf16 -> fp32, int8 -> int32...)."""
+    return cast_loss(src, dst) is None
+
+
+def check_cast(src: torch.dtype, dst: torch.dtype, *, allow_cast: bool, what: str) -> None:
+    """Raise StateDictMismatchError unless a saved ``src`` may load into a ``dst`` destination:
+    the same dtype, lossless widening, or any conversion torch has when ``allow_cast``.
+    ``what`` names the place (``"key 'w'"``)."""
+    if src == dst:
+        return
+    if not allow_cast:
+        loss = cast_loss(src, dst)
+        if loss is not None:
+            raise StateDictMismatchError(
+                f"{what}: the destination has dtype {dst}, the checkpoint {src}: {loss} "
+                "(set LoadOptions.allow_dtype_cast=True to convert on load anyway; lossless widening, "
+                "such as torch.bfloat16 into torch.float32, needs no option)"
+            )
+    if not can_copy(src, dst):
+        raise StateDictMismatchError(
+            f"{what}: the checkpoint's {src} cannot be converted to the destination's {dst} "
+            f"(torch has no conversion between them): load into a {src} destination"
+        )
 
 
 def can_copy(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -104,16 +223,7 @@ def plan_tensor(
             f"{key or loc.where}: destination has shape {list(dest.shape)}, "
             f"the checkpoint's piece has shape {list(lengths)}"
         )
-    if dest.dtype != loc.dtype and not allow_cast:
-        raise StateDictMismatchError(
-            f"{key or loc.where}: destination dtype {dest.dtype} differs from the saved "
-            f"{loc.dtype} (set LoadOptions.allow_dtype_cast=True to convert on load)"
-        )
-    if dest.dtype != loc.dtype and not can_copy(loc.dtype, dest.dtype):
-        raise StateDictMismatchError(
-            f"{key or loc.where}: the saved {loc.dtype} cannot be converted to the destination's {dest.dtype} "
-            f"(torch has no conversion between them): load into a {loc.dtype} destination"
-        )
+    check_cast(loc.dtype, dest.dtype, allow_cast=allow_cast, what=f"key {key!r}" if key else loc.where)
     if math.prod(lengths) == 0:
         return []
     isz = loc.itemsize

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from . import _cuda, formats
+from . import _cuda, _transforms, formats
 from ._assembly import copy_bytes
 from ._chunks import Chunk, Piece
 from ._crc import CrcTracker, gaps
@@ -94,6 +94,9 @@ class _Record:
     #: The located tensor of ``entry`` (a TensorLocation), and the decoded object of a KnownObject.
     known: Any = None
     value: Any = None
+    #: Stream transforms the record was saved with (descriptors) and the extensions decoding them.
+    transforms: tuple[str, ...] = ()
+    extensions: Any = None
 
     @property
     def end(self) -> int:
@@ -150,6 +153,11 @@ class LoadSession:
         self._storage_root: str | None = None
         #: The device path of the load in progress (``_cuda.DeviceStager``), if any.
         self._stager: Any = None
+        #: Decodes records saved with stream transforms (``PipelinedReader(_extension_registry=...)``).
+        self.extension_registry = _transforms.default_registry()
+        #: The plan comes from a planner that is not asyncload's (torch's DefaultLoadPlanner):
+        #: convert dtypes as torch does, without asyncload's lossless-widening rule.
+        self._torch_casts = False
 
     def __repr__(self) -> str:
         return f"LoadSession({str(self.checkpoint)!r}, started={self._t0 is not None}, done={self.stats is not None})"
@@ -429,9 +437,12 @@ class LoadSession:
         md = self.metadata
         if md is None:  # pragma: no cover - prepare_reads sets it
             raise CheckpointFormatError(f"{self.checkpoint}: no metadata to plan reads from")
+        from ._dcp import PipelinedLoadPlanner
+
         storage_data = md.storage_data
         records: dict[tuple[str, int, int], _Record] = {}
         located: list[_Record] = []
+        self._torch_casts = not isinstance(planner, PipelinedLoadPlanner)
         for item in plan.items:
             sinfo = storage_data.get(item.storage_index)
             if sinfo is None:
@@ -457,15 +468,18 @@ class LoadSession:
                     f"{self.checkpoint}: malformed storage entry {sinfo!r:.200} for {item.storage_index.fqn!r}"
                 )
             name = check_relative_path(name, f"{self.checkpoint}: storage entry of {item.storage_index.fqn!r:.200}")
-            if getattr(sinfo, "transform_descriptors", None):
-                raise CheckpointFormatError(
-                    f"{item.storage_index.fqn!r} in {name} was saved with stream transforms "
-                    f"{list(sinfo.transform_descriptors)}, which asyncload does not read yet"
-                )
             key = (name, offset, length)
             found = records.get(key)
             if found is None:
                 found = records[key] = _Record(name, offset, length, item.storage_index.fqn)
+                descriptors = getattr(sinfo, "transform_descriptors", None)
+                if descriptors:  # checked now: an unknown transform fails before any read
+                    found.transforms = tuple(descriptors)
+                    found.extensions = _transforms.extensions_for(
+                        self.extension_registry,
+                        found.transforms,
+                        what=f"key {found.fqn!r} in {self.checkpoint}, {found.where}",
+                    )
             rec = found
             if item.type == LoadItemType.BYTE_IO:
                 rec.byte_items.append(item)
@@ -524,6 +538,7 @@ class LoadSession:
         await self._check_files(storage, records)
         located = await self._locate(storage, records, options)
         t_checked = time.monotonic()
+        await self._aread_transformed(pipeline, [r for r in records if r.transforms], options)
         # Records up to min_chunk_size (plus the probes' size) are read whole: cheaper than
         # two round trips, and it guarantees that a large record's head and tail probes are
         # more than min_chunk_size apart, so coalescing never reads through its data.
@@ -534,8 +549,8 @@ class LoadSession:
         large: list[_Record] = []
         ecs = chunking.chunk_size
         for rec in records:
-            if rec.entry is not None:
-                continue  # located already (safetensors, torch.save files)
+            if rec.entry is not None or rec.transforms:
+                continue  # located already (safetensors, torch.save files), or read and decoded whole
             if rec.byte_items and not rec.tensor_items and rec.length > ecs:
                 # an object larger than one read: fetched in chunk_size pieces into one buffer
                 buf = bytearray(rec.length)
@@ -590,7 +605,7 @@ class LoadSession:
                     dest,
                     chunk_size=chunking.chunk_size,
                     min_chunk_size=chunking.min_chunk_size,
-                    allow_cast=options.allow_dtype_cast,
+                    allow_cast=options.allow_dtype_cast or self._torch_casts,
                     key=item.dest_index.fqn,
                     stager=stager,
                 )
@@ -704,7 +719,10 @@ class LoadSession:
         self._recorder.add(files=len(ends))
 
     def _whole_record(self, rec: _Record, options: LoadOptions) -> Callable[[memoryview], None]:
+        """Assembly of a record read whole: its bytes as stored, or (a record saved with
+        stream transforms) the archive its transforms decoded."""
         recorder = self._recorder
+        base = 0 if rec.transforms else rec.offset
 
         def deliver(data: memoryview) -> None:
             if rec.byte_items:
@@ -712,10 +730,13 @@ class LoadSession:
             if not rec.tensor_items:
                 return
             win = ByteWindow()
-            win.add(rec.offset, data)
-            layout = parse_archive(win, rec.offset, rec.length, rec.where, max_pickle=options.max_metadata_size)
+            win.add(base, data)
+            where = f"{rec.where}, decoded through {list(rec.transforms)}" if rec.transforms else rec.where
+            layout = parse_archive(win, base, len(data), where, max_pickle=options.max_metadata_size)
             loc = tensor_location(layout, rec.name)
             self._check_against_metadata(rec, loc)
+            if rec.transforms:
+                _check_decoded_storage(rec, loc)
             if options.verify and loc.crc32 is not None:
                 tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
                 tracker.add(rec.offset, data)
@@ -731,7 +752,7 @@ class LoadSession:
                     dest,
                     chunk_size=1 << 62,
                     min_chunk_size=1 << 62,
-                    allow_cast=options.allow_dtype_cast,
+                    allow_cast=options.allow_dtype_cast or self._torch_casts,
                     key=item.dest_index.fqn,
                     stager=self._stager,
                 )
@@ -739,7 +760,7 @@ class LoadSession:
                 planned.append((dest, item_pieces))
             for dest, item_pieces in planned:  # every item planned before any is written
                 for p in item_pieces:
-                    part = data[p.start - rec.offset : p.end - rec.offset]
+                    part = data[p.start - base : p.end - base]
                     if p.into is not None:
                         copy_bytes(p.into, part)
                     elif p.deliver is not None:
@@ -751,6 +772,28 @@ class LoadSession:
                 report(n)
 
         return deliver
+
+    async def _aread_transformed(self, pipeline: Pipeline, records: list[_Record], options: LoadOptions) -> None:
+        """Records saved with stream transforms: fetched whole, decoded, assembled (:mod:`asyncload._transforms`)."""
+        if not records:
+            return
+        storage = pipeline.storage
+        reads = []
+        for rec in records:
+            room = max(1, pipeline.budget.capacity - rec.length)
+            expected = _expected_storage(rec)
+            retry: int | None = None
+            if expected is not None:
+                limit = expected + _transforms.ARCHIVE_SLACK  # the tensor's bytes and its archive's headers
+            else:  # an object: the metadata does not say how large; most are small
+                retry = min(room, options.max_metadata_size)
+                limit = min(retry, max(4 * rec.length, 1 << 20))
+            what = f"key {rec.fqn!r}, {storage.url(rec.name)} {rec.where} (transforms {list(rec.transforms)})"
+            deliver = self._whole_record(rec, options)
+            reads.append(
+                _transforms.TransformedRead(rec.name, rec.offset, rec.end, rec.extensions, limit, what, deliver, retry)
+            )
+        await _transforms.aread_transformed(pipeline, reads)
 
     def _check_against_metadata(self, rec: _Record, loc: Any) -> None:
         if rec.dtype is not None and loc.dtype != rec.dtype:
@@ -788,6 +831,26 @@ def _raise_on_bad_crc(tracker: CrcTracker, rec: _Record, url: str) -> None:
             f"checksum mismatch in {url}: key {rec.fqn!r}, {rec.where}, tensor bytes [{tracker.start}, "
             f"{tracker.end}) of the file: CRC-32 {got:#010x}, the record says {tracker.expected:#010x}: "
             "the file is damaged"
+        )
+
+
+def _expected_storage(rec: _Record) -> int | None:
+    """Bytes of the tensor a record holds, as the metadata claims them (``None``: an object,
+    or a chunk the metadata does not describe)."""
+    if not rec.tensor_items or rec.chunk_md is None or rec.dtype is None:
+        return None
+    return int(torch.Size(rec.chunk_md.sizes).numel()) * rec.dtype.itemsize
+
+
+def _check_decoded_storage(rec: _Record, loc: Any) -> None:
+    """A decoded record's tensor storage is exactly what the metadata claims (DCP saves
+    tensors with minimal storage)."""
+    expected = _expected_storage(rec)
+    if expected is not None and loc.storage_nbytes != expected:
+        raise CheckpointFormatError(
+            f"{rec.where}, decoded through {list(rec.transforms)}: holds a tensor storage of {loc.storage_nbytes} "
+            f"bytes, the metadata claims {expected} ({list(rec.chunk_md.sizes)} of {rec.dtype}): the record is "
+            "damaged or the metadata lies"
         )
 
 
