@@ -7,8 +7,12 @@ records, data.pkl pickles and .metadata files (tests/_fuzzing.py) through the re
 parser and the metadata decoder for ``--minutes`` on ``--workers`` processes and prints
 examples tried and findings (any exception other than CheckpointFormatError and
 UnsafeCheckpointError, a worker that died, or an example slower than ``--slow`` s).
+Part 3 (``--structural-minutes``) loads real checkpoints whose ``.metadata`` was mutated
+structurally (tests/_forging.py: chunk lists, offsets, sizes, dtypes, properties, storage
+entries; one to three mutations each): every load must end in an ``AsyncLoadError`` or be
+bit-exact with every destination byte written; anything else is a finding.
 
-    python benchmarks/fuzz_long.py --minutes 5 --workers 2
+    python benchmarks/fuzz_long.py --minutes 5 --workers 2 --structural-minutes 3
 """
 
 from __future__ import annotations
@@ -119,11 +123,61 @@ def _worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, que
     queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
 
 
-def campaign(minutes: float, workers: int, seed: int, slow: float) -> dict[str, Any]:
+def _structural_worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, queue: Any) -> None:
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    from _ckpt import make_checkpoint
+    from _corrupt import read_metadata
+    from _forging import forge_state_dict, load_forged, random_mutation
+
+    tried: Counter[str] = Counter()
+    outcome: Counter[str] = Counter()
+    findings: list[dict[str, Any]] = []
+    slowest = (0.0, "")
+    with tempfile.TemporaryDirectory() as d:
+        sd = forge_state_dict()
+        base = make_checkpoint(Path(d) / "ckpt", forge_state_dict())
+        original = read_metadata(base)
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            rng = random.Random(f"{seed}/structural/{wid}/{i}")
+            mutations = [random_mutation(rng) for _ in range(rng.randint(1, 3))]
+            progress[wid] = i
+            t0 = time.perf_counter()
+            try:
+                outcome[load_forged(base, original, sd, mutations)] += 1
+            except BaseException as exc:
+                findings.append(
+                    {
+                        "target": "structural",
+                        "example": i,
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                        "trace": traceback.format_exc()[-1500:],
+                        "input": repr(mutations)[:256],
+                    }
+                )
+            dt = time.perf_counter() - t0
+            slowest = max(slowest, (dt, "structural"))
+            if dt > slow:
+                findings.append(
+                    {"target": "structural", "example": i, "error": f"slow: {dt:.2f} s", "input": repr(mutations)}
+                )
+            tried["structural metadata load"] += 1
+            i += 1
+    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
+
+
+def campaign(minutes: float, workers: int, seed: int, slow: float, *, target: Any = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     progress = ctx.Array("q", workers)
-    procs = [ctx.Process(target=_worker, args=(w, seed, minutes * 60, slow, progress, queue)) for w in range(workers)]
+    target = target or _worker
+    procs = [ctx.Process(target=target, args=(w, seed, minutes * 60, slow, progress, queue)) for w in range(workers)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -171,6 +225,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--slow", type=float, default=5.0, help="an example slower than this (s) is a finding")
     ap.add_argument("--skip-corpus", action="store_true")
+    ap.add_argument(
+        "--structural-minutes", type=float, default=0.0, help="also run the structural .metadata campaign this long"
+    )
     args = ap.parse_args()
 
     if not args.skip_corpus:
@@ -180,8 +237,23 @@ def main() -> None:
             print(f"{kind:34s} {name:48s} {policy:8s} {got:24s} {dt * 1e3:9.1f} {grew:13.1f}")
         print()
 
-    print(f"Fuzz campaign: {args.minutes} min on {args.workers} workers, seed {args.seed}")
-    res = campaign(args.minutes, args.workers, args.seed, args.slow)
+    failed = False
+    if args.minutes > 0:
+        print(f"Fuzz campaign: {args.minutes} min on {args.workers} workers, seed {args.seed}")
+        failed |= _report(campaign(args.minutes, args.workers, args.seed, args.slow))
+    if args.structural_minutes > 0:
+        print()
+        print(
+            f"Structural metadata campaign: {args.structural_minutes} min on {args.workers} workers, seed {args.seed}"
+        )
+        failed |= _report(
+            campaign(args.structural_minutes, args.workers, args.seed, args.slow, target=_structural_worker)
+        )
+    sys.exit(1 if failed else 0)
+
+
+def _report(res: dict[str, Any]) -> bool:
+    """Print one campaign's counts; whether it had findings."""
     total = sum(res["tried"].values())
     print(f"ran {res['seconds']:.0f} s")
     for name, n in sorted(res["tried"].items()):
@@ -195,7 +267,7 @@ def main() -> None:
         print(f"  - {f['target']} #{f['example']}: {f['error']}\n    input[:256] {f['input']}")
         if "trace" in f:
             print("    " + f["trace"].replace("\n", "\n    "))
-    sys.exit(1 if res["findings"] or res["died"] else 0)
+    return bool(res["findings"] or res["died"])
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 import os
-import pickle
 import shutil
 import time
 import zipfile
@@ -24,13 +22,13 @@ import pytest
 import torch
 from _ckpt import assert_bitwise_equal, make_checkpoint
 from _corrupt import is_sentinel, mutate_metadata, read_metadata, sentinel_like, write_metadata
+from _forging import DTYPES, INTS, KEYS, KINDS, PIECES, forge_state_dict, load_forged
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import asyncload
 from asyncload import (
-    AsyncLoadError,
     CheckpointFormatError,
     LoadOptions,
     PipelinedLoadPlanner,
@@ -41,31 +39,11 @@ from asyncload._safe_pickle import check_metadata
 pytestmark = pytest.mark.timeout(120)
 
 KiB = 1 << 10
-#: Small chunks: "big" goes through probes and chunked reads, the rest are whole-record reads.
-PIECES = LoadOptions(chunk_size=4 * KiB, min_chunk_size=1 * KiB, concurrency=4, retries=0)
 
 
 @pytest.fixture(scope="module")
 def ckpt_state_dict() -> dict[str, Any]:
-    g = torch.Generator().manual_seed(11)
-    return {
-        "big": torch.randn(64, 64, generator=g),  # 16 KiB: chunked reads
-        "small": torch.arange(300, dtype=torch.int16),
-        "nested": {"w": torch.randn(10, 7, generator=g, dtype=torch.float64), "step": 11},
-        "empty": torch.empty(0, 4),
-        "scalar": torch.tensor(3.5),
-    }
-
-
-def _tensor_bytes(sd: Any) -> int:
-    if isinstance(sd, torch.Tensor):
-        return sd.numel() * sd.element_size()
-    if isinstance(sd, dict):
-        return sum(_tensor_bytes(v) for v in sd.values())
-    return 0
-
-
-# --- item 1: coverage ---------------------------------------------------------------------
+    return forge_state_dict()
 
 
 def _chunks(md: Any, key: str) -> list[Any]:
@@ -322,61 +300,14 @@ def test_cast_without_conversion_from_a_safetensors_file(tmp_path: Path) -> None
 # --- property: structural mutations of real metadata --------------------------------------
 
 _EXAMPLES = int(os.environ.get("ASYNCLOAD_FORGED_EXAMPLES", "400"))
-_KEYS = ["big", "small", "nested.w", "empty", "scalar"]
-_INTS = st.one_of(st.integers(-2, 70), st.sampled_from([300, 1 << 31, 1 << 62, -(1 << 40)]))
-_DTYPES = st.sampled_from([torch.float32, torch.float16, torch.int16, torch.int64, torch.bool, torch.bits8])
 
 
 @st.composite
 def _mutation(draw: st.DrawFn) -> tuple[Any, ...]:
-    kind = draw(
-        st.sampled_from(
-            ["drop chunk", "dup chunk", "add chunk", "offset", "size", "tensor size", "dtype", "grad", "entry"]
-        )
-    )
-    key = draw(st.sampled_from(_KEYS))
-    return (kind, key, draw(st.integers(0, 3)), draw(_INTS), draw(_DTYPES), draw(st.integers(-64, 64)))
-
-
-def _apply(md: Any, mutation: tuple[Any, ...]) -> None:
-    kind, key, dim, value, dtype, delta = mutation
-    smd = md.state_dict_metadata[key]
-    chunks = smd.chunks
-    ndim = len(smd.size)
-    if kind == "drop chunk" and chunks:
-        chunks.pop()
-    elif kind == "dup chunk" and chunks:
-        chunks.append(copy.deepcopy(chunks[0]))
-    elif kind == "add chunk":
-        chunks.append(
-            ChunkStorageMetadata(offsets=torch.Size([abs(value) % 64] * ndim), sizes=torch.Size([1 + dim] * ndim))
-        )
-    elif kind in ("offset", "size") and chunks and ndim:
-        field = "offsets" if kind == "offset" else "sizes"
-        old = list(getattr(chunks[0], field))
-        old[dim % ndim] = max(0, value)
-        setattr(chunks[0], field, torch.Size(old))
-    elif kind == "tensor size" and ndim:
-        size = list(smd.size)
-        size[dim % ndim] = max(0, value)
-        smd.size = torch.Size(size)
-    elif kind == "dtype":
-        smd.properties.dtype = dtype
-    elif kind == "grad":
-        smd.properties.requires_grad = not smd.properties.requires_grad
-    elif kind == "entry":
-        idx = next((i for i in md.storage_data if i.fqn == key), None)
-        if idx is None:  # deleted by an earlier mutation
-            return
-        info = md.storage_data[idx]
-        if dim == 0:
-            info.offset = max(0, info.offset + delta)
-        elif dim == 1:
-            info.length = max(0, info.length + delta)
-        elif dim == 2:
-            info.relative_path = info.relative_path + ("x" if delta > 0 else "")
-        else:
-            del md.storage_data[idx]
+    kind = draw(st.sampled_from(KINDS))
+    key = draw(st.sampled_from(KEYS))
+    value = draw(st.one_of(st.integers(-2, 70), st.sampled_from(INTS)))
+    return (kind, key, draw(st.integers(0, 3)), value, draw(st.sampled_from(DTYPES)), draw(st.integers(-64, 64)))
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +322,6 @@ def test_structural_metadata_mutations_end_typed_or_load_exactly(
     base, original = forge_dir
     work = tmp_path / "ckpt"
     shutil.copytree(base, work)
-    total = _tensor_bytes(ckpt_state_dict)
 
     @settings(
         max_examples=_EXAMPLES,
@@ -402,22 +332,6 @@ def test_structural_metadata_mutations_end_typed_or_load_exactly(
     )
     @given(st.lists(_mutation(), min_size=1, max_size=3))
     def run(mutations: list[tuple[Any, ...]]) -> None:
-        md = copy.deepcopy(original)
-        for m in mutations:
-            _apply(md, m)
-        (work / ".metadata").write_bytes(pickle.dumps(md))
-        dest = sentinel_like(ckpt_state_dict)
-        try:
-            stats = asyncload.load(dest, work, options=PIECES)
-        except AsyncLoadError:
-            return
-        # no error: every tensor of the destination bit-exact and fully written
-        assert_bitwise_equal(
-            {k: v for k, v in dest.items() if k != "nested"},
-            {k: v for k, v in ckpt_state_dict.items() if k != "nested"},
-        )
-        assert_bitwise_equal(dest["nested"]["w"], ckpt_state_dict["nested"]["w"])
-        assert stats.bytes_assembled == total, (stats.bytes_assembled, total, mutations)
+        load_forged(work, original, ckpt_state_dict, mutations)
 
     run()
-    assert math.isfinite(total)
