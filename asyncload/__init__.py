@@ -18,8 +18,10 @@ from ._errors import (
     UnsafeCheckpointError,
 )
 from ._options import LoadOptions
+from ._read import aread_state_dict, read_state_dict
 from ._sharded import ShardedLoadPlanner
 from ._stats import LoadStats
+from ._stream import aiter_tensors, iter_tensors
 
 __version__ = "0.1.0"
 
@@ -41,7 +43,11 @@ __all__ = [
     "StorageReadError",
     "UnsafeCheckpointError",
     "__version__",
+    "aiter_tensors",
     "aload",
+    "aread_state_dict",
+    "iter_tensors",
     "load",
+    "read_state_dict",
     "start_load",
 ]

@@ -812,6 +812,50 @@ class LoadSession:
         _raise_on_bad_crc(tracker, rec, storage.url(rec.name))
         self._recorder.add(verified_records=1)
 
+    # --- loads that allocate their destinations (asyncload._stream) ----------------------
+
+    async def acheck_claims(self, metadata: Metadata, fqns: list[str]) -> None:
+        """Before destinations are allocated for ``fqns`` from ``metadata``: every saved
+        chunk of their tensors fits in its record, and every record in its file (one listing
+        of the files' sizes), so a ``.metadata`` claiming gigabytes next to a small file is a
+        typed error, not a gigabyte allocation."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        records: list[_Record] = []
+        for fqn in fqns:
+            smd = metadata.state_dict_metadata[fqn]
+            chunks = smd.chunks if isinstance(smd, TensorStorageMetadata) else [None]
+            for chunk in chunks:
+                index = MetadataIndex(fqn, None if chunk is None else chunk.offsets)
+                info = metadata.storage_data.get(index) if metadata.storage_data else None
+                if info is None:
+                    raise CheckpointFormatError(f"{self.checkpoint}: metadata has no storage entry for {index}")
+                where = f"{self.checkpoint}: storage entry of {fqn!r:.200}"
+                offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+                if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+                    raise CheckpointFormatError(f"{where} is malformed: {info!r:.200}")
+                rec = _Record(check_relative_path(getattr(info, "relative_path", None), where), offset, length, fqn)
+                if chunk is not None and isinstance(smd, TensorStorageMetadata):
+                    claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
+                    if claimed > length:
+                        raise CheckpointFormatError(
+                            f"{rec.where}: the metadata claims a chunk of shape {list(chunk.sizes)} "
+                            f"({claimed} bytes of {smd.properties.dtype}) in a record of {length} bytes: "
+                            "the metadata does not match the data files"
+                        )
+                records.append(rec)
+        files = self._recorder.stats.files
+        await self._check_files(await self.storage(), records)
+        self._recorder.stats.files = files  # counted once, by the reads that follow
+
+    async def afinish_device_copies(self) -> None:
+        """Wait until the device copies of the reads so far have finished (between two
+        batches of a load read batch by batch); the storage stays open."""
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            await asyncio.to_thread(stager.finish_sync)
+
+
 
 def _check_planned(item: ReadItem, dest: torch.Tensor, pieces: list[Piece], rec: _Record) -> None:
     """The pieces planned for ``item`` fill every byte of its destination view, before any is read."""

@@ -6,6 +6,7 @@
     asyncload load URL [--concurrency N|auto] [--chunk-size 16MiB] [--min-chunk-size 1MiB]
                        [--timeout S] [--budget 512MiB] [--retries N] [--verify] [--compare-torch] [--json]
     asyncload verify URL
+    asyncload convert URL DST [--max-shard-size 5GB] [--keys KEY ...] [--force]
 
 Every command takes ``--storage-option key=value`` (repeatable; values parsed as JSON
 when they can be, ``a.b=v`` nests) for remote URLs, ``-v``/``-vv`` for the library's
@@ -17,7 +18,11 @@ Exit status (see :data:`EXIT_CODES`): 0 success, 1 the load failed (storage, tim
 mismatch, anything else), 2 usage error (bad option or value), 3 the checkpoint is
 damaged or unsafe, 4 the checkpoint (or one of its files) does not exist, 130 interrupted.
 
-The CLI loads only through the public API (and torch's own readers for ``--compare-torch``).
+``load`` and ``verify`` read through :class:`asyncload._stream.CheckpointStream`, the core of
+``read_state_dict`` and ``iter_tensors``: what the metadata claims is checked against the
+files' sizes before any tensor is allocated, and ``verify`` allocates batch by batch
+(within ``--budget``); ``convert`` streams through it too. ``--compare-torch`` uses torch's
+own readers.
 """
 
 from __future__ import annotations
@@ -266,6 +271,34 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "convert",
+        parents=[common, knobs],
+        help="write the checkpoint as Hugging Face-style safetensors shards",
+        description="Write checkpoint URL (DCP, safetensors or torch.save) into directory DST as "
+        "safetensors: model.safetensors, or model-00001-of-0000N.safetensors shards plus "
+        "model.safetensors.index.json. Tensors are streamed (memory stays within --budget); "
+        "objects (non-tensor entries) are skipped with a note.",
+    )
+    p.add_argument("dst", metavar="DST", help="the directory to write (must not exist, or be empty)")
+    p.add_argument(
+        "--max-shard-size",
+        type=_size_arg,
+        default=5 * 1000**3,
+        metavar="SIZE",
+        help="largest shard, e.g. 5GB (the default, as Hugging Face's) or 2GiB; a larger tensor gets a shard alone",
+    )
+    p.add_argument(
+        "--keys",
+        action="extend",
+        nargs="+",
+        metavar="KEY",
+        help="convert only these keys: names (a name selects what is saved under it) or glob patterns",
+    )
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_convert)
     return parser
 
 
@@ -326,24 +359,6 @@ def read_metadata(url: str, storage_options: dict[str, Any], options: Any = None
         return reader.read_metadata()
     finally:
         reader.close()
-
-
-def build_destination(metadata: Any, keys: Sequence[str] | None = None) -> dict[str, Any]:
-    """Fresh destinations for the checkpoint's keys: zeros of each tensor's saved
-    shape and dtype (touched memory), ``None`` for objects. Keys are the checkpoint's
-    flattened names (``"layers.0.attn.q.weight"``)."""
-    import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    out: dict[str, Any] = {}
-    for fqn, smd in metadata.state_dict_metadata.items():
-        if keys is not None and fqn not in keys:
-            continue
-        if isinstance(smd, TensorStorageMetadata):
-            out[fqn] = torch.zeros(tuple(smd.size), dtype=smd.properties.dtype)
-        else:
-            out[fqn] = None
-    return out
 
 
 def describe(metadata: Any, url: str) -> dict[str, Any]:
@@ -415,21 +430,32 @@ def _note(text: str) -> None:
     sys.stderr.flush()
 
 
-def _start_load(
-    args: argparse.Namespace,
-    dest: dict[str, Any],
-    options: Any,
-    storage_options: dict[str, Any],
-    label: str,
-    total: int = 0,
-) -> Any:
-    """Run one asyncload load with a progress bar; returns its LoadStats."""
-    from . import start_load
-    from ._progress import ByteProgress, follow_handle
+def _open_stream(
+    args: argparse.Namespace, storage_options: dict[str, Any], options: Any, **kwargs: Any
+) -> tuple[Any, Any]:
+    """A :class:`CheckpointStream` over ``args.url`` with its metadata read (claims not checked yet)."""
+    from ._stream import CheckpointStream
 
-    handle = start_load(dest, args.url, options=options, storage_options=storage_options)
-    with ByteProgress(label, total=total, enabled=False if args.no_progress else None) as bar:
-        return follow_handle(handle, bar)
+    stream = CheckpointStream(args.url, options=options, storage_options=storage_options, **kwargs)
+    try:
+        md = _run(stream, stream.aopen(check=False))
+    except BaseException:
+        _run(stream, stream.aclose())
+        raise
+    return stream, md
+
+
+def _run(stream: Any, coro: Any) -> Any:
+    """``coro`` of ``stream`` on the library's loop thread (Ctrl-C cancels it and waits for its cleanup)."""
+    from ._loop import loop_thread, run_sync
+
+    return run_sync(coro, loop_thread(stream.options.use_uvloop))
+
+
+def _bar(args: argparse.Namespace, label: str, total: int, unit: str = "bytes") -> Any:
+    from ._progress import ByteProgress
+
+    return ByteProgress(label, total=total, unit=unit, enabled=False if args.no_progress else None)
 
 
 # --- commands ---------------------------------------------------------------------------
@@ -528,23 +554,28 @@ def same_bits(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
-    from ._progress import ByteProgress
-
     options = _options(args, verify=bool(args.verify))
-    md = read_metadata(args.url, storage_options, options)
-    info = describe(md, args.url)
-    if args.compare_torch and info["format"] != "dcp":
-        raise UsageError(
-            f"--compare-torch compares with torch's DCP readers, and {args.url} is a {info['format']} "
-            "checkpoint, not a DCP one"
-        )
-    dest = build_destination(md)
-    _note(
-        f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({info['tensors']} tensors, {info['objects']} "
-        f"objects) from {args.url}"
-    )
     t0 = time.perf_counter()
-    stats = _start_load(args, dest, options, storage_options, "asyncload", info["tensor_bytes"])
+    stream, md = _open_stream(args, storage_options, options)
+    try:
+        info = describe(md, args.url)
+        if args.compare_torch and info["format"] != "dcp":
+            raise UsageError(
+                f"--compare-torch compares with torch's DCP readers, and {args.url} is a {info['format']} "
+                "checkpoint, not a DCP one"
+            )
+        _note(
+            f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({info['tensors']} tensors, "
+            f"{info['objects']} objects) from {args.url}"
+        )
+        _run(stream, stream.acheck())  # before anything is allocated
+        stream.touch = True  # zeros, as torch's destinations below: both load into touched memory
+        with _bar(args, "asyncload", info["tensor_bytes"]) as bar:
+            stream.progress = bar
+            dest = _run(stream, stream.aload_all())
+        stats = stream.finish()
+    finally:
+        _run(stream, stream.aclose())
     ours = time.perf_counter() - t0
     if args.json and not args.compare_torch:
         _print(json.dumps(stats.to_dict(), indent=2))
@@ -554,9 +585,9 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     if not args.compare_torch:
         return EXIT_OK
 
-    torch_dest = build_destination(md)
+    torch_dest = stream.allocate(stream.tensors + stream.objects)
     name = "FileSystemReader" if is_local(args.url) else "FsspecReader"
-    with ByteProgress(f"torch {name}", total=info["tensor_bytes"], enabled=False if args.no_progress else None) as bar:
+    with _bar(args, f"torch {name}", info["tensor_bytes"]) as bar:
         done = [0]
 
         def on_bytes(n: int) -> None:
@@ -610,38 +641,43 @@ def _damage_classes() -> tuple[type[BaseException], ...]:
     return (CheckpointFormatError, UnsafeCheckpointError, CheckpointNotFoundError)
 
 
+def _exactly(key: str) -> Callable[[str], bool]:
+    return lambda name: name == key
+
+
 def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
-    from . import PipelinedLoadPlanner, load
-    from ._progress import ByteProgress
+    from ._read import read_stream
+    from ._stream import CheckpointStream, sync_iter
 
     options = _options(args, verify=True)
-    md = read_metadata(args.url, storage_options, options)
+    stream, md = _open_stream(args, storage_options, options)
     info = describe(md, args.url)
     tensor_records = sum(
         1
         for idx in (md.storage_data or {})
         if getattr(idx, "fqn", None) in {k["key"] for k in info["keys"] if k["kind"] == "tensor"}
     )
-    dest = build_destination(md)
     _note(f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {len(info['files'])} files of {args.url}")
     try:
-        stats = _start_load(args, dest, options, storage_options, "verify", info["tensor_bytes"])
+        try:  # claims checked before anything is allocated, then batch by batch within the budget
+            _run(stream, stream.acheck())
+            _run(stream, stream.aload(stream.allocate(stream.objects)))  # objects decoded
+            with _bar(args, "verify", info["tensor_bytes"]) as bar:
+                stream.progress = bar
+                for _ in sync_iter(stream.abatches(), stream.options):
+                    pass
+            stats = stream.finish()
+        finally:
+            _run(stream, stream.aclose())
     except _damage_classes() as first:
-        del dest
         _note(f"asyncload: damage found ({first}); checking each key on its own")
         damaged: list[tuple[str, str]] = []
         keys = list(md.state_dict_metadata)
-        with ByteProgress("keys", total=len(keys), unit="key", enabled=False if args.no_progress else None) as bar:
+        with _bar(args, "keys", len(keys), unit="key") as bar:
             for i, key in enumerate(keys):
-                one = build_destination(md, [key])
+                one = CheckpointStream(args.url, keys=_exactly(key), options=options, storage_options=storage_options)
                 try:
-                    load(
-                        one,
-                        args.url,
-                        options=options,
-                        storage_options=storage_options,
-                        planner=PipelinedLoadPlanner(options=options, allow_partial_load=True),
-                    )
+                    read_stream(one)
                 except _damage_classes() as exc:
                     damaged.append((key, str(exc)))
                 bar.update(i + 1, len(keys))
@@ -681,6 +717,57 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
             + (f" ({unchecked} carry no checksum and were only parsed)" if unchecked else "")
             + f"; {info['objects']} objects decoded; {_fmt_bytes(stats.bytes_read)} read in {stats.seconds:.2f} s."
         )
+    return EXIT_OK
+
+
+def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    from pathlib import Path
+
+    from ._convert import check_destination, convert
+
+    options = _options(args)
+    try:
+        check_destination(args.url, Path(args.dst), args.force)
+    except (FileExistsError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    _note(f"asyncload: converting {args.url} into safetensors in {args.dst}")
+    with _bar(args, "convert", 0) as bar:
+        result = convert(
+            args.url,
+            args.dst,
+            max_shard_size=args.max_shard_size,
+            keys=args.keys,
+            force=args.force,
+            options=options,
+            storage_options=storage_options,
+            progress=bar,
+        )
+    if result.skipped_objects:
+        _note(
+            f"asyncload: note: skipped {len(result.skipped_objects)} objects (safetensors holds tensors only): "
+            f"{result.skipped_objects[:10]}{' ...' if len(result.skipped_objects) > 10 else ''}"
+        )
+    if args.json:
+        _print(
+            json.dumps(
+                {
+                    "checkpoint": args.url,
+                    "destination": args.dst,
+                    "files": result.files,
+                    "tensors": result.tensors,
+                    "total_size": result.total_size,
+                    "skipped_objects": result.skipped_objects,
+                    "stats": result.stats.to_dict(),
+                },
+                indent=2,
+            )
+        )
+    else:
+        _print(
+            f"wrote {result.tensors} tensors ({_fmt_bytes(result.total_size)}) into {len(result.files)} files in "
+            f"{args.dst}: {', '.join(result.files[:4])}{' ...' if len(result.files) > 4 else ''}"
+        )
+        _print(str(result.stats))
     return EXIT_OK
 
 

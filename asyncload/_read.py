@@ -1,0 +1,119 @@
+"""Loads without a prebuilt state dict: :func:`read_state_dict` and :func:`aread_state_dict`.
+
+The destinations are allocated from the checkpoint's metadata (after its claims were
+checked against the files) and loaded in one pass through :class:`~asyncload._stream.CheckpointStream`;
+the result is nested again the way it was saved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ._loop import loop_thread, run_sync
+from ._options import LoadOptions
+from ._stats import LoadStats
+from ._stream import CheckpointStream, KeySelection, ProgressCallback
+
+__all__ = ["aread_state_dict", "nest", "read_state_dict"]
+
+
+def nest(flat: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """``flat`` (the checkpoint's flattened names) nested as it was saved: through DCP's
+    ``planner_data`` (``{"layers": {"0": {"q": ...}}}``, lists as lists). Formats that
+    carry no nesting (safetensors, torch.save files) keep their flat names."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = mapping.get(key)
+        if not isinstance(path, (tuple, list)) or not path:
+            path = (key,)
+        set_element(out, tuple(path), value)
+    return out
+
+
+async def aread_stream(stream: CheckpointStream) -> tuple[dict[str, Any], LoadStats]:
+    """Open, load everything selected, close: the flat state dict and the stream's stats."""
+    try:
+        await stream.aopen()
+        flat = await stream.aload_all()
+        stats = stream.finish()
+    finally:
+        await stream.aclose()
+    return flat, stats
+
+
+def read_stream(stream: CheckpointStream) -> tuple[dict[str, Any], LoadStats]:
+    """:func:`aread_stream` from a blocking caller, on the library's loop thread."""
+    return run_sync(aread_stream(stream), loop_thread(stream.options.use_uvloop))
+
+
+def read_state_dict(
+    checkpoint: str | os.PathLike[str],
+    *,
+    keys: KeySelection = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    options: LoadOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
+) -> dict[str, Any]:
+    """Load ``checkpoint`` into a new state dict allocated from its metadata and return it.
+
+    Works for DCP checkpoints, safetensors (one file or indexed shards) and zip-format
+    ``torch.save`` files, local or remote (``storage_options`` go to fsspec). The result is
+    nested as it was saved (DCP's flattened keys restored through its planner data; flat
+    formats keep their names) and holds the objects too, decoded with the allow-list.
+
+    ``keys``: names (a name selects everything saved under it), glob patterns, or a callable
+    over the flattened names; only the selected keys' bytes are read. ``device``: ``"cpu"``,
+    ``"cuda"``/``"cuda:N"`` (through the pinned staging path) or ``"meta"`` (shapes and dtypes
+    only, no data read, objects left out). ``dtype``: floating tensors (float64/32/16,
+    bfloat16, float8) are converted to it on load; other tensors keep their dtype.
+    ``progress(bytes_done, bytes_total)`` is called as data lands (from a library thread).
+
+    What the metadata claims is checked against the files' sizes before anything is
+    allocated: a forged ``.metadata`` is a :class:`CheckpointFormatError`, not an allocation.
+    """
+    coro = aread_state_dict(
+        checkpoint,
+        keys=keys,
+        device=device,
+        dtype=dtype,
+        options=options,
+        storage_options=storage_options,
+        progress=progress,
+    )
+    return run_sync(coro, loop_thread((options or LoadOptions()).use_uvloop))
+
+
+async def aread_state_dict(
+    checkpoint: str | os.PathLike[str],
+    *,
+    keys: KeySelection = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    options: LoadOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
+) -> dict[str, Any]:
+    """:func:`read_state_dict` as a coroutine, on the caller's event loop (planning on a
+    worker thread). Cancelling it stops the reads and returns once nothing is left running."""
+    stream = CheckpointStream(
+        checkpoint,
+        keys=keys,
+        device=device,
+        dtype=dtype,
+        options=options,
+        storage_options=storage_options,
+        progress=progress,
+    )
+    flat, _ = await aread_stream(stream)
+    assert stream.metadata is not None
+    return nest(flat, stream.metadata)

@@ -1,0 +1,384 @@
+"""Loads without a prebuilt state dict: :func:`iter_tensors` and :func:`aiter_tensors`.
+
+:class:`CheckpointStream` is the core that :mod:`asyncload._read` (``read_state_dict``) and
+the CLI share. It reads the checkpoint's metadata once, selects keys, checks what the
+metadata claims against the files' real sizes (:meth:`LoadSession.acheck_claims`) before
+anything is allocated, then allocates destinations batch by batch and loads each batch
+through the one :class:`~asyncload._session.LoadSession` it keeps open (one storage, one
+set of I/O threads, one clock and one :class:`LoadStats` for the whole stream).
+
+Streaming: the selected tensors, in file and offset order, are split into batches of at
+most ``memory_budget / 2`` bytes (a tensor larger than that is a batch of its own). While
+batch ``k`` is being yielded, batch ``k + 1`` is read, as long as the tensors held but not
+yet yielded stay within ``memory_budget``; a tensor larger than the budget is read and
+yielded alone. A consumer that does not ask for the next tensor stops the reads there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fnmatch
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from ._dcp import PipelinedLoadPlanner
+from ._driver import _in_thread
+from ._errors import StateDictMismatchError
+from ._loop import loop_thread, run_sync
+from ._options import LoadOptions
+from ._session import LoadSession
+from ._stats import LoadStats
+
+__all__ = ["CheckpointStream", "KeySelection", "aiter_tensors", "iter_tensors", "select_keys", "sync_iter"]
+
+log = logging.getLogger("asyncload.stream")
+
+#: ``keys=``: names, glob patterns, or a predicate over the checkpoint's flattened names.
+KeySelection = Collection[str] | str | Callable[[str], bool] | None
+ProgressCallback = Callable[[int, int], None]
+
+
+def select_keys(metadata: Metadata, keys: KeySelection, checkpoint: Any) -> list[str]:
+    """The checkpoint's flattened names that ``keys`` selects, in the metadata's order.
+
+    A name selects that key and everything saved under it (``"layers"`` selects
+    ``"layers.0.q"``, like torch's ``_load_state_dict_from_keys``); a pattern is matched
+    with :func:`fnmatch.fnmatchcase`. A name or pattern that selects nothing raises
+    :class:`StateDictMismatchError` (a typo is not an empty load).
+    """
+    names = list(metadata.state_dict_metadata)
+    if keys is None:
+        return names
+    if callable(keys):
+        return [n for n in names if keys(n)]
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    chosen: set[str] = set()
+    for want in wanted:
+        if not isinstance(want, str):
+            raise TypeError(f"keys must be names, glob patterns or a callable, not a {type(want).__name__}")
+        hits = [n for n in names if n == want or n.startswith(want + ".") or fnmatch.fnmatchcase(n, want)]
+        if not hits:
+            raise StateDictMismatchError(
+                f"keys={want!r} selects nothing in {checkpoint} (it has {len(names)} keys, "
+                f"e.g. {names[:5]}; names are flattened with dots: 'layers.0.weight')"
+            )
+        chosen.update(hits)
+    return [n for n in names if n in chosen]
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"device={device!r}: asyncload loads into 'cpu', 'cuda', 'cuda:N' or 'meta'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: torch sees no CUDA device here")
+    return dev
+
+
+class CheckpointStream:
+    """One checkpoint's selected tensors (and objects), allocated and loaded batch by batch
+    through one session. Use :meth:`aopen`, then :meth:`abatches` or :meth:`aload_all`,
+    and always :meth:`aclose`."""
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        keys: KeySelection = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        options: LoadOptions | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        if options is not None and not isinstance(options, LoadOptions):
+            raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype={dtype!r}: floating tensors are converted to it, so it must be a floating dtype")
+        self.checkpoint = checkpoint
+        self.keys = keys
+        self.device = _device(device)
+        self.dtype = dtype
+        base = options or LoadOptions()
+        # the rest of the checkpoint is simply not selected; a dtype given converts on load
+        self.options = dataclasses.replace(
+            base, strict_unexpected_keys=False, allow_dtype_cast=base.allow_dtype_cast or dtype is not None
+        )
+        self.session = LoadSession(checkpoint, options=self.options, storage_options=storage_options)
+        #: ``progress(bytes_done, bytes_total)`` over every batch (from library threads).
+        self.progress = progress
+        self._progress_done = 0
+        self.metadata: Metadata | None = None
+        #: Selected flattened names: tensors in file and offset order, then objects.
+        self.tensors: list[str] = []
+        self.objects: list[str] = []
+        #: Allocate zeros (touched memory, as the CLI's timed loads do) instead of empty tensors.
+        self.touch = False
+        #: Tensor bytes allocated and not yet handed over, now and at most.
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
+        self._stats: LoadStats | None = None
+
+    # --- planning ------------------------------------------------------------------------
+
+    async def aopen(self, *, check: bool = True) -> Metadata:
+        """Read the metadata and select the keys; with ``check``, :meth:`acheck` too."""
+        session = self.session
+        session.begin()
+        md = await session.aread_metadata()
+        self.metadata = md
+        chosen = select_keys(md, self.keys, self.checkpoint)
+        sdm = md.state_dict_metadata
+        self.tensors = sorted((k for k in chosen if isinstance(sdm[k], TensorStorageMetadata)), key=self._where)
+        self.objects = [k for k in chosen if not isinstance(sdm[k], TensorStorageMetadata)]
+        if check:
+            await self.acheck()
+        return md
+
+    async def acheck(self) -> None:
+        """What the metadata claims for the selected keys fits the files' real sizes
+        (before anything is allocated; nothing to check for ``"meta"``)."""
+        assert self.metadata is not None
+        if self.device.type != "meta":
+            await self.session.acheck_claims(self.metadata, self.tensors + self.objects)
+
+    def tensor_metadata(self, fqn: str) -> TensorStorageMetadata:
+        """The saved tensor ``fqn``'s metadata (shape, dtype, chunks)."""
+        assert self.metadata is not None
+        smd = self.metadata.state_dict_metadata[fqn]
+        assert isinstance(smd, TensorStorageMetadata)
+        return smd
+
+    def _where(self, fqn: str) -> tuple[str, int]:
+        """Where a tensor's first saved chunk is (file, offset): the order to read in."""
+        smd = self.tensor_metadata(fqn)
+        assert self.metadata is not None
+        if smd.chunks and self.metadata.storage_data:
+            info = self.metadata.storage_data.get(MetadataIndex(fqn, smd.chunks[0].offsets))
+            if info is not None:
+                return str(getattr(info, "relative_path", "")), int(getattr(info, "offset", 0) or 0)
+        return "", 0
+
+    def dtype_of(self, smd: TensorStorageMetadata) -> torch.dtype:
+        saved = smd.properties.dtype
+        return self.dtype if self.dtype is not None and saved.is_floating_point else saved
+
+    def nbytes(self, fqn: str) -> int:
+        """The bytes of tensor ``fqn``'s destination."""
+        smd = self.tensor_metadata(fqn)
+        return torch.Size(smd.size).numel() * self.dtype_of(smd).itemsize
+
+    def batches(self) -> list[list[str]]:
+        """The selected tensors in batches of at most ``memory_budget / 2`` bytes."""
+        limit = max(1, self.options.memory_budget // 2)
+        out: list[list[str]] = []
+        size = 0
+        for fqn in self.tensors:
+            n = self.nbytes(fqn)
+            if out and size + n <= limit:
+                out[-1].append(fqn)
+                size += n
+            else:
+                out.append([fqn])
+                size = n
+        return out
+
+    def allocate(self, fqns: list[str]) -> dict[str, Any]:
+        """Fresh destinations: empty tensors (zeros with :attr:`touch`) of the saved shapes
+        (in ``dtype`` for floating ones) on the device; ``None`` for objects."""
+        assert self.metadata is not None
+        out: dict[str, Any] = {}
+        for fqn in fqns:
+            smd = self.metadata.state_dict_metadata[fqn]
+            if isinstance(smd, TensorStorageMetadata):
+                make = torch.zeros if self.touch else torch.empty
+                out[fqn] = make(tuple(smd.size), dtype=self.dtype_of(smd), device=self.device)
+            else:
+                out[fqn] = None
+        return out
+
+    # --- loading -------------------------------------------------------------------------
+
+    async def aload(self, dest: dict[str, Any]) -> dict[str, Any]:
+        """Load ``dest`` (flattened names, from :meth:`allocate`) through the open session;
+        the planner's work runs on a worker thread."""
+        if self.device.type == "meta":
+            return {k: v for k, v in dest.items() if v is not None}  # no data read: objects left out
+        session = self.session
+        md = self.metadata
+        assert md is not None
+        planner = PipelinedLoadPlanner(options=self.options, allow_partial_load=True)
+
+        def prepare() -> Any:
+            planner.set_up_planner(dest, md, True)
+            local = planner.create_local_plan()
+            planner.unexpected_keys = []  # the other keys are other batches', or not selected
+            final = planner.finish_plan(planner.create_global_plan([local])[0])
+            return session.prepare_reads(final, planner, md)
+
+        records = await _in_thread(prepare)
+        user = self.progress
+        if user is not None:  # the session counts one batch: report over the whole stream
+            base = self._progress_done
+            total = sum(self.nbytes(k) for k in self.tensors)
+            session.progress = lambda done, _batch: user(base + done, total)
+        try:
+            await session.aread(records)
+        finally:
+            await session.afinish_device_copies()
+        self._progress_done += sum(t.numel() * t.element_size() for t in dest.values() if t is not None)
+        await _in_thread(session.commit, records, planner)
+        return dest
+
+    async def aload_all(self) -> dict[str, Any]:
+        """Every selected key in one load (``read_state_dict``), flattened names."""
+        dest = self.allocate(self.tensors + self.objects)
+        return await self.aload(dest)
+
+    async def abatches(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The selected tensors, each as soon as its batch has landed, double-buffered
+        within ``memory_budget`` (see the module docstring)."""
+        budget = self.options.memory_budget
+        todo = self.batches()
+        sizes = [sum(self.nbytes(f) for f in b) for b in todo]
+        pending: asyncio.Task[dict[str, Any]] | None = None
+        following = 0  # the index of the next batch to start
+
+        def start_if_room() -> None:
+            nonlocal pending, following
+            if pending is None and following < len(todo):
+                n = sizes[following]
+                if self.held_bytes == 0 or self.held_bytes + n <= budget:
+                    self.held_bytes += n
+                    self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+                    pending = asyncio.ensure_future(self.aload(self.allocate(todo[following])))
+                    following += 1
+
+        try:
+            start_if_room()
+            while pending is not None:
+                loaded, pending = await pending, None
+                names = list(loaded)
+                start_if_room()
+                for fqn in names:
+                    tensor = loaded.pop(fqn)
+                    self.held_bytes -= tensor.numel() * tensor.element_size()
+                    start_if_room()
+                    yield fqn, tensor
+                    del tensor
+        finally:
+            if pending is not None:
+                pending.cancel()
+                try:
+                    await pending
+                except BaseException:  # cancelled, or failed: the stream is ending anyway
+                    log.debug("the batch in flight of %s ended", self.checkpoint, exc_info=True)
+
+    # --- results and cleanup -------------------------------------------------------------
+
+    def finish(self) -> LoadStats:
+        """The stream has ended: its :class:`LoadStats` (``peak_buffered_bytes`` counts the
+        tensors held but not yet handed over too), logged as one INFO line."""
+        stats = self.session.finish()
+        stats.peak_buffered_bytes = max(stats.peak_buffered_bytes, self.peak_held_bytes)
+        self._stats = stats
+        log.info("read %s: %s", self.checkpoint, stats)
+        return stats
+
+    @property
+    def stats(self) -> LoadStats:
+        """The final statistics once :meth:`finish` ran, else a live snapshot."""
+        return self._stats if self._stats is not None else self.session.live_stats()
+
+    async def aclose(self) -> None:
+        """Close files and sessions and stop the I/O threads."""
+        try:
+            await self.session.afinish_device_copies()
+        finally:
+            await self.session.aclose()
+
+
+async def _astream(stream: CheckpointStream) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    try:
+        await stream.aopen()
+        async for item in stream.abatches():
+            yield item
+        stream.finish()
+    finally:
+        await stream.aclose()
+
+
+def aiter_tensors(
+    checkpoint: str | os.PathLike[str],
+    *,
+    keys: KeySelection = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    options: LoadOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_tensors` as an async iterator, on the caller's event loop. Cancelling the
+    task that iterates, or ``aclose()`` (``contextlib.aclosing``), stops the reads and
+    returns once files, sessions and threads are closed."""
+    stream = CheckpointStream(
+        checkpoint, keys=keys, device=device, dtype=dtype, options=options, storage_options=storage_options
+    )
+    return _astream(stream)
+
+
+def iter_tensors(
+    checkpoint: str | os.PathLike[str],
+    *,
+    keys: KeySelection = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    options: LoadOptions | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for each selected tensor of ``checkpoint``, each as soon as
+    its bytes have landed, without a prebuilt state dict.
+
+    Names are the checkpoint's flattened keys (``"layers.0.weight"``). ``keys``: names (a
+    name selects what is saved under it), glob patterns, or a callable ``name -> bool``;
+    only the selected tensors' bytes are read. ``device``: ``"cpu"``, ``"cuda"``/
+    ``"cuda:N"`` (through the pinned staging path) or ``"meta"`` (shapes and dtypes, no
+    data read). ``dtype``: floating tensors are converted to it on load. Objects are not
+    yielded (:func:`asyncload.read_state_dict` returns them).
+
+    Memory: tensors read but not yet yielded stay within ``options.memory_budget`` (a
+    tensor larger than it is read and yielded alone); the next tensors are read only as
+    the loop asks for them. Leaving the loop early (``break``, ``close()``, an exception)
+    stops the reads and closes files, sessions and threads.
+    """
+    agen = aiter_tensors(
+        checkpoint, keys=keys, device=device, dtype=dtype, options=options, storage_options=storage_options
+    )
+    return sync_iter(agen, options or LoadOptions())
+
+
+async def _anext(agen: Any) -> Any:
+    return await agen.__anext__()
+
+
+def sync_iter(agen: Any, options: LoadOptions) -> Iterator[Any]:
+    """Drive the async generator ``agen`` from this thread on the library's loop thread."""
+    loop = loop_thread(options.use_uvloop)
+    try:
+        while True:
+            try:
+                item = run_sync(_anext(agen), loop)
+            except StopAsyncIteration:
+                return
+            yield item
+            del item
+    finally:
+        run_sync(agen.aclose(), loop)
