@@ -737,9 +737,11 @@ class LoadSession:
             self._check_against_metadata(rec, loc)
             if rec.transforms:
                 _check_decoded_storage(rec, loc)
-            if options.verify and loc.crc32 is not None:
+            # a decoded record is always checked: a damaged compressed stream may decode to
+            # other bytes without an error of its own (zstd frames carry no checksum by default)
+            if (options.verify or rec.transforms) and loc.crc32 is not None:
                 tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
-                tracker.add(rec.offset, data)
+                tracker.add(base, data)
                 _raise_on_bad_crc(tracker, rec, rec.name)
                 recorder.add(verified_records=1)
             n = 0
