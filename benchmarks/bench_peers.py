@@ -1,0 +1,237 @@
+"""Remote loads against the peers, side by side in one run (issue 12).
+
+S3 on loopback (s3rver) behind a FaultProxy adding ``--latency`` each way (in its own
+process). Every contender runs in a fresh process per round (``_peer_child.py``: imports and
+a touched destination before the clock), rounds interleaved; the table gives the median
+seconds, GiB/s, the ratio to the raw bound (s3fs ranged GETs of the same bytes, 8 MiB x 32,
+data discarded), CPU seconds per GiB of the loading process and its peak RSS above the
+destination. ``curl --parallel`` with the same ranged GETs and obstore's ranged GETs are
+printed beside the raw bound as references.
+
+Layouts: ``dcp-one-file`` (what ``dcp.save`` writes for one rank: one ``.distcp``),
+``dcp-per-item`` (one file per item), ``safetensors`` (one file), ``safetensors-index``
+(shards + ``model.safetensors.index.json``); tensorizer loads its own format of the same
+tensors. Peers need the ``bench`` extra (``pip install -e '.[bench]'``); a peer that is not
+installed is skipped with a note.
+
+    python benchmarks/bench_peers.py --size-mib 256 --rounds 3
+    python benchmarks/bench_peers.py --layouts dcp-one-file --contenders asyncload,s3torchconnector
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_remote import Proxy, find_s3rver
+
+from asyncload.testing import S3rverServer, configure_env
+
+MiB = 1 << 20
+GiB = 1 << 30
+CHILD = str(Path(__file__).resolve().parent / "_peer_child.py")
+SEED = 1234
+
+#: contender -> (layouts it reads, the module it needs)
+CONTENDERS: dict[str, tuple[set[str], str | None]] = {
+    "raw_s3fs": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "s3fs"),
+    "raw_obstore": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "obstore"),
+    "curl": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, None),
+    "asyncload": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
+    "asyncload_fsspec": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
+    "s3torchconnector": ({"dcp-one-file", "dcp-per-item"}, "s3torchconnector"),
+    "torch_fsspec": ({"dcp-one-file", "dcp-per-item"}, "s3fs"),
+    "runai": ({"safetensors"}, "runai_model_streamer"),
+    "tensorizer": ({"tensorizer"}, "tensorizer"),
+}
+
+
+def make_tensors(total: int, hidden: int) -> dict[str, Any]:
+    """bf16 matrices of ``hidden`` x 4*hidden (8 MiB at 1024) up to ``total`` bytes, fp32 norms."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    out: dict[str, Any] = {}
+    i = 0
+    size = 0
+    while size < total:
+        w = torch.randn((hidden, 4 * hidden), generator=g).to(torch.bfloat16)
+        n = torch.randn((hidden,), generator=g).to(torch.float32)
+        out[f"layers.{i}.mlp.weight"] = w
+        out[f"layers.{i}.norm.weight"] = n
+        size += w.numel() * 2 + n.numel() * 4
+        i += 1
+    return out
+
+
+def write_layouts(tensors: dict[str, Any], root: Path, layouts: list[str]) -> dict[str, Path]:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    paths: dict[str, Path] = {}
+    if "dcp-one-file" in layouts:
+        p = root / "dcp-one-file"
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(p), single_file_per_rank=True), no_dist=True)
+        paths["dcp-one-file"] = p
+    if "dcp-per-item" in layouts:
+        p = root / "dcp-per-item"
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(p), single_file_per_rank=False), no_dist=True)
+        paths["dcp-per-item"] = p
+    if "safetensors" in layouts:
+        p = root / "safetensors"
+        p.mkdir()
+        save_file(tensors, str(p / "model.safetensors"))
+        paths["safetensors"] = p
+    if "safetensors-index" in layouts:
+        p = root / "safetensors-index"
+        p.mkdir()
+        names = list(tensors)
+        shards = [names[i::4] for i in range(4)]
+        weight_map = {}
+        for j, keys in enumerate(shards):
+            fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: tensors[k] for k in keys}, str(p / fname))
+            weight_map.update(dict.fromkeys(keys, fname))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (p / "model.safetensors.index.json").write_text(json.dumps(index))
+        paths["safetensors-index"] = p
+    if "tensorizer" in layouts and importlib.util.find_spec("tensorizer"):
+        from tensorizer import TensorSerializer
+
+        p = root / "tensorizer"
+        p.mkdir()
+        ser = TensorSerializer(str(p / "model.tensors"))
+        ser.write_state_dict(tensors)
+        ser.close()
+        paths["tensorizer"] = p
+    return paths
+
+
+def data_files(path: Path, layout: str) -> list[tuple[str, int]]:
+    """The files whose bytes a load must read (what the raw bound fetches)."""
+    pattern = {"tensorizer": "*.tensors"}.get(layout, "*.distcp" if layout.startswith("dcp") else "*.safetensors")
+    return sorted((p.name, p.stat().st_size) for p in path.glob(pattern))
+
+
+def run_child(cfg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    try:
+        out = subprocess.run(
+            [sys.executable, CHILD, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": "timeout"}
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--latency", type=float, default=0.010, help="one-way delay added by the proxy, seconds")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layouts", default="dcp-one-file,dcp-per-item,safetensors,safetensors-index,tensorizer")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--timeout", type=float, default=300.0, help="per contender run, seconds")
+    args = ap.parse_args()
+    configure_env()
+    layouts = args.layouts.split(",")
+    wanted = args.contenders.split(",")
+    exe = find_s3rver()
+    if exe is None:
+        sys.exit("s3rver is not installed (npm install --prefix .s3rver s3rver@3.7.1)")
+    missing = [c for c in wanted if CONTENDERS[c][1] and importlib.util.find_spec(CONTENDERS[c][1]) is None]
+    if "curl" in wanted and shutil.which("curl") is None:
+        missing.append("curl")
+    for c in missing:
+        print(f"note: {c} is not installed: skipped (pip install -e '.[bench]')")
+    wanted = [c for c in wanted if c not in missing]
+    tensors = make_tensors(args.size_mib * MiB, args.hidden)
+    spec = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open("/proc/loadavg") as f:
+        load_before = f.read().split()[:3]
+    print(
+        f"{nbytes / MiB:.0f} MiB of tensors ({len(tensors)}), s3rver behind a {args.latency * 1e3:.0f} ms one-way "
+        f"delay proxy, {args.rounds} rounds interleaved, each run a fresh process; {os.cpu_count()} CPUs, "
+        f"load average {' '.join(load_before)}"
+    )
+    with tempfile.TemporaryDirectory(prefix="asyncload-bench-peers-") as tmp, S3rverServer(executable=exe) as server:
+        paths = write_layouts(tensors, Path(tmp), layouts)
+        del tensors
+        urls = {layout: server.upload_dir(p, "peers", layout) for layout, p in paths.items()}
+        results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for _ in range(args.rounds):
+            for layout, path in paths.items():
+                files = [[f"{layout}/{n}", s] for n, s in data_files(path, layout)]
+                for c in wanted:
+                    if layout not in CONTENDERS[c][0]:
+                        continue
+                    proxy = Proxy(server.endpoint_url, args.latency, None)
+                    try:
+                        url = urls[layout] + ("/model.safetensors" if c == "runai" else "")
+                        url = url + ("/model.tensors" if c == "tensorizer" else "")
+                        cfg: dict[str, Any] = {
+                            "mode": c,
+                            "url": url,
+                            "endpoint": proxy.url,
+                            "bucket": "peers",
+                            "files": files,
+                            "tensors": None if c.startswith("raw") or c == "curl" else spec,
+                            "check": SEED if not (c.startswith("raw") or c == "curl") else None,
+                            "env": {
+                                "AWS_ENDPOINT_URL": proxy.url,
+                                "AWS_ACCESS_KEY_ID": "S3RVER",
+                                "AWS_SECRET_ACCESS_KEY": "S3RVER",
+                                "AWS_DEFAULT_REGION": "us-east-1",
+                                "AWS_REGION": "us-east-1",
+                                "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+                                "S3_ENDPOINT_URL": proxy.url,
+                            },
+                        }
+                        if c == "asyncload_fsspec":
+                            cfg["options"] = {"transport": "fsspec"}
+                        results.setdefault((layout, c), []).append(run_child(cfg, args.timeout) or {})
+                    finally:
+                        proxy.close()
+    with open("/proc/loadavg") as f:
+        load_after = f.read().split()[:3]
+    for layout in paths:
+        rows = [(c, results[(layout, c)]) for c in wanted if (layout, c) in results]
+        raw = [r["seconds"] for c, rs in rows if c == "raw_s3fs" for r in rs if "seconds" in r]
+        raw_med = statistics.median(raw) if raw else None
+        print(f"\n== {layout} ==")
+        print(f"{'contender':20s} {'seconds':>8s} {'GiB/s':>7s} {'x raw':>6s} {'CPU s/GiB':>9s} {'peak MiB':>9s}  note")
+        for c, rs in rows:
+            good = [r for r in rs if "seconds" in r]
+            if not good:
+                print(f"{c:20s} {'-':>8s}  {rs[0].get('error')}")
+                continue
+            t = statistics.median(r["seconds"] for r in good)
+            cpu = statistics.median(r["cpu"] for r in good)
+            peak = max(r["peak"] for r in good) / MiB
+            ratio = f"{raw_med / t:6.2f}" if raw_med else "     -"
+            bad = [r for r in good if r.get("ok") is False]
+            note = "WRONG BYTES" if bad else ""
+            print(
+                f"{c:20s} {t:8.2f} {nbytes / GiB / t:7.2f} {ratio} {cpu / (nbytes / GiB):9.2f} {peak:9.0f}  {note}"
+            )
+    print(f"\nload average before {' '.join(load_before)}, after {' '.join(load_after)}")
+
+
+if __name__ == "__main__":
+    main()
