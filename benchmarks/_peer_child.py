@@ -26,7 +26,7 @@ cfg: dict[str, Any] = json.loads(sys.argv[1])
 for k, v in cfg.get("env", {}).items():
     os.environ[k] = v
 
-import torch  # noqa: E402
+import torch
 
 MiB = 1 << 20
 

@@ -227,9 +227,7 @@ def main() -> None:
             ratio = f"{raw_med / t:6.2f}" if raw_med else "     -"
             bad = [r for r in good if r.get("ok") is False]
             note = "WRONG BYTES" if bad else ""
-            print(
-                f"{c:20s} {t:8.2f} {nbytes / GiB / t:7.2f} {ratio} {cpu / (nbytes / GiB):9.2f} {peak:9.0f}  {note}"
-            )
+            print(f"{c:20s} {t:8.2f} {nbytes / GiB / t:7.2f} {ratio} {cpu / (nbytes / GiB):9.2f} {peak:9.0f}  {note}")
     print(f"\nload average before {' '.join(load_before)}, after {' '.join(load_after)}")
 
 
