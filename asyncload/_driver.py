@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._dcp import PipelinedReader
-from ._errors import DistributedLoadError
+from ._errors import CheckpointNotFoundError, DistributedLoadError
 from ._monitor import Monitor
+from ._session import LoadSession
 from ._stats import LoadStats, _fmt_bytes
 
 __all__ = ["Await", "Call", "load_steps", "run_async", "run_sync"]
@@ -144,7 +146,7 @@ def load_steps(
         else:
             session.begin()
             session.use_options(reader.options)
-            metadata = yield Await(session.aread_metadata())
+            metadata, _ = yield Await(aread_metadata_like_dcp(session, 0))
             yield Call(planner.set_up_planner, stateful, metadata, True)
             reader.set_up_storage_reader(metadata, True, rank=0, use_collectives=False)
             local = yield Call(_local_plan, reader, planner)
@@ -163,6 +165,28 @@ def load_steps(
         raise DistributedLoadError("the load ended without statistics")
     log.info("loaded %s: %s", reader.checkpoint, stats)
     return stats
+
+
+async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Metadata, bool]:
+    """``.metadata``, or (as ``dcp.load`` falls back when it is absent) this rank's own
+    ``__{rank}.metadata``, which ``dcp.save(..., use_collectives=False)`` writes instead;
+    whether the global one was read. Only a missing ``.metadata`` falls back: a damaged one
+    is reported as it is."""
+    try:
+        return await session.aread_metadata(), True
+    except CheckpointNotFoundError as missing:
+        try:
+            md = await session.aread_metadata(rank=rank)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{missing}; nor is there the rank-local {exc.path or f'__{rank}.metadata'} that "
+                "dcp.save(..., use_collectives=False) writes for each rank.",
+                path=missing.path,
+                status=missing.status,
+            ) from exc
+        session.metadata_error = None
+        log.debug("%s has no .metadata: rank %d reads its rank-local __%d.metadata", session.checkpoint, rank, rank)
+        return md, False
 
 
 def _local_plan(reader: PipelinedReader, planner: LoadPlanner) -> LoadPlan:
@@ -222,9 +246,9 @@ def _collective_steps(
     try:
         monitor.status(doing)
         session.use_options(reader.options)
-        metadata = yield Await(session.aread_metadata())
+        metadata, global_md = yield Await(aread_metadata_like_dcp(session, dist_w.rank))
         yield Call(planner.set_up_planner, state_dict, metadata, dist_w.is_coordinator)
-        reader.set_up_storage_reader(metadata, dist_w.is_coordinator, rank=dist_w.rank, use_collectives=True)
+        reader.set_up_storage_reader(metadata, dist_w.is_coordinator, rank=dist_w.rank, use_collectives=global_md)
         doing = "making its local plan"
         monitor.status(doing)
         local_plan = yield Call(_local_plan, reader, planner)
