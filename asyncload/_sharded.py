@@ -31,10 +31,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import hashlib
+import heapq
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +54,7 @@ from ._pipeline import Pipeline
 from ._session import LoadSession
 from ._stats import _fmt_bytes
 
-__all__ = ["ShardedLoadPlanner", "Transfer", "plan_transfers"]
+__all__ = ["ShardedLoadPlanner", "Transfer", "checkpoint_identity", "plan_transfers", "split_units"]
 
 log = logging.getLogger("asyncload.sharded")
 
@@ -77,7 +80,19 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     progress before the others give up on it (overrides ``LoadOptions.collective_timeout``).
     ``ordered``: issue the transfers between two ranks in one agreed order on both sides
     (needed by backends that match sends to receives by order, not by tag: ``None`` turns it
-    on for NCCL only). Other keyword arguments are those of :class:`PipelinedLoadPlanner`.
+    on for NCCL only).
+
+    ``adaptive`` (default ``None``: on, except with ``ordered`` or NCCL, which need the
+    fixed order): hand out the shared ranges as ranks get to them instead of fixing their
+    owners before reading. Shared ranges are cut into work units of at most ``unit_size``
+    bytes (default ``min(1 MiB, chunk_size)``); the first rank that needs a unit and has a
+    free reader claims it through an atomic compare-and-set in the group's store, reads
+    it and sends it to the other ranks that need it. Each rank starts with the units
+    ``plan_transfers`` gave it and then takes over, from the back, units that other ranks
+    have not started; a rank whose transfer is late (past the hedge delay of
+    :class:`LoadOptions`, ``hedge=True``) reads it from storage itself and the first copy
+    wins. ``adaptive=False``: the static plan (owners fixed before reading).
+    Other keyword arguments are those of :class:`PipelinedLoadPlanner`.
     """
 
     def __init__(
@@ -86,10 +101,18 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         process_group: Any = None,
         collective_timeout: float | None = _UNSET,
         ordered: bool | None = None,
+        adaptive: bool | None = None,
+        unit_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if adaptive is not None and not isinstance(adaptive, bool):
+            raise ValueError(f"ShardedLoadPlanner(adaptive={adaptive!r}) is invalid: expected a bool or None")
+        if unit_size is not None and (isinstance(unit_size, bool) or not isinstance(unit_size, int) or unit_size <= 0):
+            raise ValueError(f"ShardedLoadPlanner(unit_size={unit_size!r}) is invalid: expected a positive int (bytes)")
         self.ordered = ordered
+        self.adaptive = adaptive
+        self.unit_size = unit_size
         if collective_timeout is not _UNSET:
             # validated like the LoadOptions field
             dataclasses.replace(self.options, collective_timeout=collective_timeout)
@@ -113,6 +136,11 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         """
         return plan_transfers(needs)
 
+    def _custom_plan(self) -> bool:
+        """A subclass chose its own owners (``plan_transfers`` overridden): keep them, unless
+        it asked for ``adaptive=True`` (then they are only where each rank starts)."""
+        return type(self).plan_transfers is not ShardedLoadPlanner.plan_transfers
+
     def share_session(self, session: LoadSession, options: LoadOptions) -> _ShareSession | None:
         """The reading hook: a share session that takes over this rank's reads of the load
         ``session``, or None when there is nobody to share with (no process group, or a
@@ -125,7 +153,16 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         monitor = session.monitor
         if monitor is None or monitor.group is not group:
             monitor = Monitor(group, self.collective_timeout_for(options))
-        return _ShareSession(group, monitor, options, ordered=self.ordered, plan=self.plan_transfers)
+        return _ShareSession(
+            group,
+            monitor,
+            options,
+            ordered=self.ordered,
+            plan=self.plan_transfers,
+            adaptive=self.adaptive if self.adaptive is not None or not self._custom_plan() else False,
+            unit_size=self.unit_size,
+            load_session=session,
+        )
 
 
 # --- the plan: who reads which bytes -------------------------------------------------------
@@ -176,16 +213,20 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
             events.setdefault(end, []).append((r, -1))
         points = sorted(events)
         active: dict[int, int] = {}
+        consumers: tuple[int, ...] = ()
         cur: list[Any] | None = None  # [start, end, consumers]
         for i, p in enumerate(points):
-            edge = set()
+            edge = {r for r, _ in events[p]}
+            was = {r: r in active for r in edge}
             for r, d in events[p]:
-                edge.add(r)
                 c = active.get(r, 0) + d
                 if c:
                     active[r] = c
                 else:
                     active.pop(r, None)
+            if any(was[r] != (r in active) for r in edge):
+                # the set of ranks changed: sort it once (a sweep, not a sort per point)
+                consumers = tuple(sorted(active))
             if i + 1 == len(points):
                 break
             q = points[i + 1]
@@ -194,8 +235,7 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
                     runs.append((name, cur[0], cur[1], cur[2]))
                     cur = None
                 continue
-            consumers = tuple(sorted(active))
-            if cur is not None and cur[1] == p and cur[2] == consumers and not edge.intersection(consumers):
+            if cur is not None and cur[1] == p and cur[2] is consumers and not any(r in active for r in edge):
                 cur[1] = q
                 continue
             if cur is not None:
@@ -209,10 +249,23 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
             load[consumers[0]] += end - start
         else:
             shared.append((name, start, end, consumers))
+    # owner: the consumer with the fewest bytes so far (ties: the lowest rank), through one
+    # lazy heap per set of consumers instead of a scan of every consumer per transfer
     owners: dict[tuple[str, int], int] = {}
+    heaps: dict[int, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
     for name, start, end, consumers in sorted(shared, key=lambda s: (-(s[2] - s[1]), s[0], s[1])):
-        owner = min(consumers, key=lambda c: (load[c], c))
+        entry = heaps.get(id(consumers))
+        if entry is None:
+            heap = [(load[c], c) for c in consumers]
+            heapq.heapify(heap)
+            heaps[id(consumers)] = (consumers, heap)
+        else:
+            heap = entry[1]
+        while heap[0][0] != load[heap[0][1]]:  # stale: that rank was given bytes elsewhere
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        owner = heap[0][1]
         load[owner] += end - start
+        heapq.heapreplace(heap, (load[owner], owner))
         owners[(name, start)] = owner
     transfers = [
         Transfer(i, name, start, end, owners[(name, start)], consumers)
@@ -221,12 +274,27 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
     return transfers, load
 
 
+def split_units(transfers: Sequence[Transfer], unit_size: int) -> list[Transfer]:
+    """The transfers cut into work units of at most ``unit_size`` bytes (equal parts of each
+    transfer), numbered in order; each keeps its transfer's consumers and planned owner."""
+    out: list[Transfer] = []
+    for t in transfers:
+        n = max(1, -(-t.nbytes // unit_size))
+        for k in range(n):
+            lo = t.start + t.nbytes * k // n
+            hi = t.start + t.nbytes * (k + 1) // n
+            out.append(Transfer(len(out), t.name, lo, hi, t.owner, t.consumers))
+    return out
+
+
 def _check_transfers(transfers: Sequence[Transfer], needs: Sequence[Sequence[tuple[str, int, int]]]) -> None:
     """A (custom) plan keeps the rules the reads rely on; raise AsyncLoadError otherwise."""
     for i, t in enumerate(transfers):
         if t.index != i:
             raise AsyncLoadError(f"plan_transfers returned transfer {t} at position {i}: index must be its position")
-        if t.owner not in t.consumers or len(t.consumers) < 2:
+        k = bisect.bisect_left(t.consumers, t.owner)
+        owner_ok = (k < len(t.consumers) and t.consumers[k] == t.owner) or t.owner in t.consumers
+        if not owner_ok or len(t.consumers) < 2:
             raise AsyncLoadError(f"plan_transfers returned {t}: the owner must be one of two or more consumers")
         if i and (transfers[i - 1].name, transfers[i - 1].end) > (t.name, t.start):
             raise AsyncLoadError(f"plan_transfers returned {t} out of order or overlapping the one before")
@@ -570,11 +638,26 @@ class _SharedPipeline(Pipeline):
             )
             self.stats.add(bytes_received=t.nbytes)
 
+    def _direct(self, chunk: Chunk, parts: list[_Part]) -> bool:
+        """Whether the chunk's bytes land straight in its destination: one contiguous CPU
+        view, and nothing received (receive into a staging buffer, never into the
+        destination: after a failure, a transfer still pending can then only ever land in a
+        buffer that was given up on)."""
+        return len(chunk.segments) == 1 and chunk.tiles_into() and all(p.kind != "recv" for p in parts)
+
+    async def _run_parts(
+        self, chunk: Chunk, parts: list[_Part], buf: memoryview, direct: bool, state: dict[str, Any]
+    ) -> None:
+        if len(parts) == 1:
+            await self._part(chunk, parts[0], buf, state)
+        else:
+            async with asyncio.TaskGroup() as tg:
+                for p in parts:
+                    tg.create_task(self._part(chunk, p, buf, state))
+
     async def _shared(self, chunk: Chunk, parts: list[_Part]) -> None:
         loop = asyncio.get_running_loop()
-        # receive into a staging buffer, never into the destination: after a failure, a
-        # transfer still pending can then only ever land in a buffer that was given up on
-        direct = len(chunk.segments) == 1 and chunk.tiles_into() and all(p.kind != "recv" for p in parts)
+        direct = self._direct(chunk, parts)
         pooled: bytearray | None = None
         if direct:
             buf = chunk.segments[0].into
@@ -582,15 +665,11 @@ class _SharedPipeline(Pipeline):
         else:
             pooled = self._pool.get(chunk.nbytes)
             buf = memoryview(pooled)[: chunk.nbytes]
-        state = {"pending": False}
+        #: pending: a transfer into ``buf`` was started; tainted: one may still land after the chunk is done
+        state: dict[str, Any] = {"pending": False, "tainted": False}
         ok = False
         try:
-            if len(parts) == 1:
-                await self._part(chunk, parts[0], buf, state)
-            else:
-                async with asyncio.TaskGroup() as tg:
-                    for p in parts:
-                        tg.create_task(self._part(chunk, p, buf, state))
+            await self._run_parts(chunk, parts, buf, direct, state)
             t1 = time.monotonic()
             if direct:
                 if chunk.trackers:
@@ -601,10 +680,320 @@ class _SharedPipeline(Pipeline):
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         finally:
-            # a buffer a failed transfer may still write into is never reused
-            if pooled is not None and (ok or not state["pending"]):
+            # a buffer a transfer may still write into (a hedged unit's late copy, or after a
+            # failure) is never reused: the thread waiting for it keeps it alive until it lands
+            if pooled is not None and not state["tainted"] and (ok or not state["pending"]):
                 self._pool.put(pooled)
         self._count_assembled(chunk, t1)
+
+
+# --- adaptive sharing: units claimed as ranks get to them ----------------------------------------
+
+
+class _Slots:
+    """At most ``n`` holders at once; waiters are served lowest ``key`` first (not FIFO),
+    so that a rank claims its own planned units before it takes over other ranks'."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiters: list[tuple[Any, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    async def acquire(self, key: Any) -> None:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (key, next(self._seq), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted, then cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
+def _unit_keys(units: Sequence[Transfer], rank: int) -> dict[int, tuple[int, int, int]]:
+    """Claim priority of each unit this rank needs (lower first): the units the plan gave
+    it, in order; then other ranks' units from the back of each one's queue, round-robin
+    over the owners, so that a rank taking over work meets the slow owner in the middle."""
+    queues: dict[int, list[int]] = {}
+    for u in units:
+        if rank in u.consumers:
+            queues.setdefault(u.owner, []).append(u.index)
+    keys: dict[int, tuple[int, int, int]] = {}
+    for owner, q in queues.items():
+        for pos, i in enumerate(q):
+            keys[i] = (0, pos, 0) if owner == rank else (2, len(q) - 1 - pos, owner)
+    return keys
+
+
+class _AdaptivePipeline(_SharedPipeline):
+    """The reader pool of adaptive sharing: each shared unit is claimed by the first rank
+    that needs it and has a free unit reader (``compare_set`` on the unit's key in the
+    group's store: the winner's rank), read by it and sent to the other consumers; they
+    receive it from the winner, or, when it is late, read it themselves (first copy wins).
+
+    Why it cannot deadlock under any budget: a unit is claimed only when its claimant starts
+    reading it, so a receive waits only on a storage read already in flight on the claimant;
+    sends never hold up the sender's reads (from destination memory they run in the
+    background; from a staging buffer they hold only that chunk). Every consumer that did
+    not claim a unit posts exactly one receive for it, so every send is matched.
+    """
+
+    def __init__(
+        self,
+        base: Pipeline,
+        session: _ShareSession,
+        parts: dict[int, list[_Part]],
+        tag_base: int,
+        total_chunks: int,
+        keys: dict[int, tuple[int, int, int]],
+        phase: int,
+    ) -> None:
+        super().__init__(base, session, parts, tag_base, total_chunks)
+        self.keys = keys
+        self.phase = phase
+        opts = base.options
+        self.slots = _Slots(max(2, min(8, opts.initial_concurrency // 4)))
+        self.hedge = opts.hedge_policy
+        self.hedging = 0
+        #: Bytes of send copies (units claimed in staged chunks) allowed at once.
+        self.send_room = opts.memory_budget
+        #: Seconds per byte of this rank's own unit reads (moving average), for the hedge delay.
+        self.read_cost: float | None = None
+        self._bg: asyncio.TaskGroup | None = None
+
+    async def run(self, chunks: Iterable[Chunk]) -> None:
+        # background sends (from destination memory) and late copies of hedged units are
+        # awaited here, before the phase ends; a failure of one cancels the phase
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._bg = tg
+                await super().run(chunks)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        finally:
+            self._bg = None
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        assert self._bg is not None
+        return self._bg.create_task(coro)
+
+    def _hedge_delay(self, nbytes: int) -> float:
+        h = self.hedge
+        if self.read_cost is None:
+            return 4 * h.min_delay
+        return max(h.min_delay, h.factor * self.read_cost * nbytes)
+
+    async def _claim(self, unit: Transfer, send_bytes: int) -> tuple[int, bool]:
+        """Who reads ``unit`` and whether they send it: ``(this rank, ...)`` when it claims
+        it now (holding a unit slot, which the caller releases), else the claimant's rank.
+
+        A claimant that would send from a staging buffer needs ``send_bytes`` of send memory
+        (a copy, so that the chunk does not wait for slow consumers); without that room it
+        claims the unit without sending (value ``"<rank>!"``) and every consumer reads it
+        itself: sends never wait for memory, so they never hold up a receive."""
+        session = self.session
+        await self.slots.acquire(self.keys.get(unit.index, (3, 0, 0)))
+        reserved = send_bytes if send_bytes <= self.send_room else 0
+        self.send_room -= reserved
+        try:
+            key = f"u/{self.phase}/{unit.index}"
+            mark = str(session.rank) if reserved or not send_bytes else f"{session.rank}!"
+            got = session.monitor.store.compare_set(key, "", mark).decode()
+            winner, sends = int(got.rstrip("!")), not got.endswith("!")
+        except BaseException:
+            self.send_room += reserved
+            self.slots.release()
+            raise
+        if winner == session.rank:
+            session.monitor._written.append(key)
+        else:
+            self.send_room += reserved
+            if sends:
+                self.slots.release()  # a transfer is coming; else: read it under this slot
+        return winner, sends
+
+    async def _claimed(self, chunk: Chunk, part: _Part, view: memoryview, unit: Transfer) -> None:
+        """Read a unit under the slot ``_claim`` left held; keep the moving average of its cost."""
+        try:
+            t0 = time.monotonic()
+            await self._read_part(chunk, part, view)
+            cost = (time.monotonic() - t0) / max(1, unit.nbytes)
+            self.read_cost = cost if self.read_cost is None else 0.7 * self.read_cost + 0.3 * cost
+        finally:
+            self.slots.release()
+
+    async def _send_copy(self, unit: Transfer, copy: bytearray) -> None:
+        try:
+            await self._send(unit, memoryview(copy), copy)
+        finally:
+            self.send_room += len(copy)
+
+    async def _send(self, unit: Transfer, view: memoryview, keep: Any) -> None:
+        session = self.session
+        peers = [c for c in unit.consumers if c != session.rank]
+        where = f"bytes [{unit.start}, {unit.end}) of {unit.name}"
+        await session.transport.exchange(
+            "send",
+            peers,
+            self.tag_base + unit.index,
+            unit.index,
+            view,
+            keep,
+            session.monitor,
+            f"sending {where} to rank(s) {peers}",
+        )
+        self.stats.add(bytes_sent=unit.nbytes * len(peers))
+
+    async def _recv(self, unit: Transfer, owner: int, view: memoryview, keep: Any) -> None:
+        session = self.session
+        where = f"bytes [{unit.start}, {unit.end}) of {unit.name}"
+        await session.transport.exchange(
+            "recv",
+            [owner],
+            self.tag_base + unit.index,
+            unit.index,
+            view,
+            keep,
+            session.monitor,
+            f"waiting for {where} from rank {owner}",
+        )
+        self.stats.add(bytes_received=unit.nbytes)
+
+    async def _own_copy(self, chunk: Chunk, unit: Transfer) -> memoryview:
+        """A unit read from storage into memory of its own (a cross-rank hedge)."""
+        if self.storage.supports_readinto:
+            buf = memoryview(bytearray(unit.nbytes))
+            await self.storage.readinto(chunk.name, unit.start, [buf])
+            return buf
+        return await self.storage.read(chunk.name, unit.start, unit.end)
+
+    async def _unit(self, chunk: Chunk, part: _Part, buf: memoryview, direct: bool, state: dict[str, Any]) -> None:
+        unit = part.transfer
+        assert unit is not None
+        view = buf[part.start - chunk.start : part.end - chunk.start]
+        rank = self.session.rank
+        peers = len(unit.consumers) - 1
+        owner, sends = await self._claim(unit, 0 if direct else unit.nbytes if peers else 0)
+        if owner == rank:
+            await self._claimed(chunk, part, view, unit)
+            if unit.owner != rank:
+                self.stats.add(bytes_taken_over=unit.nbytes)
+            if direct:  # from the destination's memory, ready and unchanging: the chunk does not wait
+                self._background(self._send(unit, view, chunk))
+            elif sends:  # from a copy (room reserved at the claim), so the chunk does not wait either
+                self._background(self._send_copy(unit, bytearray(view)))
+            return
+        if not sends:  # claimed without sends (its memory for sends was full): read it here too
+            await self._claimed(chunk, part, view, unit)
+            self.stats.add(bytes_hedged=unit.nbytes)
+            return
+        # receive: into the staging buffer, or (direct chunks) into memory of its own, never
+        # into a destination; a receive that may still land keeps that memory alive
+        target = view if not direct else memoryview(bytearray(unit.nbytes))
+        state["pending"] = True
+        recv = self._background(self._recv(unit, owner, target, chunk))
+        hedge: asyncio.Task[memoryview] | None = None
+        try:
+            if self.hedge.enabled:
+                await asyncio.wait({recv}, timeout=self._hedge_delay(unit.nbytes))
+            if not recv.done() and self.hedge.enabled and self.hedging < self.hedge.max_in_flight:
+                self.hedging += 1
+                try:
+                    hedge = asyncio.ensure_future(self._own_copy(chunk, unit))
+                    await asyncio.wait({recv, hedge}, return_when=asyncio.FIRST_COMPLETED)
+                    if not recv.done() and hedge.done() and hedge.exception() is None:
+                        view[:] = hedge.result()  # first copy wins; the late one lands in `target`
+                        self.stats.add(bytes_hedged=unit.nbytes)
+                        state["tainted"] = True
+                        log.debug(
+                            "rank %d read %s [%d, %d) itself: rank %d was late",
+                            rank,
+                            unit.name,
+                            unit.start,
+                            unit.end,
+                            owner,
+                        )
+                        return
+                finally:
+                    self.hedging -= 1
+            await recv
+            if direct:
+                view[:] = target
+        finally:
+            if hedge is not None and not hedge.done():
+                hedge.cancel()
+                await asyncio.wait({hedge})
+            if hedge is not None and hedge.done() and not hedge.cancelled():
+                hedge.exception()  # retrieved: a failed hedge only means waiting for the transfer
+
+    def _direct(self, chunk: Chunk, parts: list[_Part]) -> bool:
+        # who sends is only known at the claims: received units land in memory of their own
+        return len(chunk.segments) == 1 and chunk.tiles_into()
+
+    async def _run_parts(
+        self, chunk: Chunk, parts: list[_Part], buf: memoryview, direct: bool, state: dict[str, Any]
+    ) -> None:
+        order = sorted(parts, key=lambda p: self.keys.get(p.transfer.index, (3, 0, 0)) if p.transfer else (-1, 0, 0))
+        async with asyncio.TaskGroup() as tg:
+            for p in order:
+                if p.transfer is None:
+                    tg.create_task(self._read_part(chunk, p, buf[p.start - chunk.start : p.end - chunk.start]))
+                else:
+                    tg.create_task(self._unit(chunk, p, buf, direct, state))
+
+
+def checkpoint_identity(metadata: Any) -> str:
+    """A digest of what a checkpoint's metadata says was saved (keys, shapes, dtypes, saved
+    chunks, and which file and byte range holds each), independent of the URL it was
+    reached through: ranks share bytes only when every one of them has the same one."""
+    h = hashlib.sha256()
+    if metadata is None:
+        return ""
+    for key in sorted(metadata.state_dict_metadata):
+        md = metadata.state_dict_metadata[key]
+        h.update(repr((key, type(md).__name__)).encode())
+        props = getattr(md, "properties", None)
+        if props is not None:
+            h.update(repr((str(props.dtype), tuple(md.size))).encode())
+            for c in md.chunks:
+                h.update(repr((tuple(c.offsets), tuple(c.sizes))).encode())
+    for index in sorted(metadata.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)):
+        info = metadata.storage_data[index]
+        where = (getattr(info, "relative_path", ""), getattr(info, "offset", 0), getattr(info, "length", 0))
+        h.update(repr((index.fqn, tuple(index.offset or ()), index.index, where)).encode())
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    h.update(repr(save_id).encode())
+    return h.hexdigest()
+
+
+def _check_identities(identities: Sequence[str], rank: int) -> None:
+    """Every rank loads the same checkpoint (any URL); raise DistributedLoadError otherwise."""
+    groups: dict[str, list[int]] = {}
+    for r, ident in enumerate(identities):
+        groups.setdefault(ident, []).append(r)
+    if len(groups) <= 1:
+        return
+    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    odd = ordered[1][1]
+    shown = "; ".join(f"ranks {rs} have {ident[:12] or 'none'}" for ident, rs in ordered)
+    raise DistributedLoadError(
+        f"the ranks are not loading the same checkpoint: their metadata differs ({shown}, as sha256 digests "
+        f"of what .metadata says was saved); ShardedLoadPlanner shares bytes between ranks that load identical "
+        f"metadata, through whatever URL each reaches it: point rank(s) {odd} at the same checkpoint",
+        rank=odd[0],
+        doing="comparing the checkpoint's metadata",
+    )
 
 
 # --- one rank's part of a sharded read ---------------------------------------------------------
@@ -616,7 +1005,16 @@ class _ShareSession:
     ``Pipeline.run`` for each read phase."""
 
     def __init__(
-        self, group: Any, monitor: Monitor, options: LoadOptions, *, ordered: bool | None = None, plan: Any = None
+        self,
+        group: Any,
+        monitor: Monitor,
+        options: LoadOptions,
+        *,
+        ordered: bool | None = None,
+        plan: Any = None,
+        adaptive: bool | None = None,
+        unit_size: int | None = None,
+        load_session: LoadSession | None = None,
     ) -> None:
         self.group = group
         self.monitor = monitor
@@ -628,6 +1026,16 @@ class _ShareSession:
         self.doing = "reading data"
         self.planned_bytes: list[list[int]] = []
         self.plan = plan or plan_transfers
+        # adaptive needs tag matching in any order: not with ordered (NCCL) transports
+        self.adaptive = (not self.transport.ordered) if adaptive is None else adaptive
+        if self.adaptive and self.transport.ordered:
+            raise AsyncLoadError(
+                "ShardedLoadPlanner(adaptive=True) cannot run with ordered transfers (ordered=True, or NCCL): "
+                "pass adaptive=False"
+            )
+        self.unit_size = unit_size
+        self.load_session = load_session
+        self._identity: str | None = None
 
     def fail(self, exc: BaseException) -> None:
         """read_data failed on this rank: tell the others."""
@@ -637,6 +1045,12 @@ class _ShareSession:
         self.doing = text
         self.monitor.status(text)
 
+    def identity(self) -> str:
+        if self._identity is None:
+            md = self.load_session.metadata if self.load_session is not None else None
+            self._identity = checkpoint_identity(md)
+        return self._identity
+
     async def run(self, pipeline: Pipeline, chunks: Sequence[Chunk]) -> None:
         phase = self.phase
         self.phase += 1
@@ -644,6 +1058,7 @@ class _ShareSession:
         mine = sorted(chunks, key=lambda c: (c.name, c.start))
         adv = _advertise(mine)
         needs = [(c.name, a[0], a[1]) for c, a in zip(mine, adv) if a is not None]
+        payload = (self.identity(), _pack(needs))
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
         await self.monitor.abarrier(f"needs-{phase}", f"waiting for the other ranks to plan reading {what}")
@@ -655,31 +1070,79 @@ class _ShareSession:
         def gather() -> list[Any]:
             out: list[Any] = [None] * world
             with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
-                dist.all_gather_object(out, needs, group=group)
+                dist.all_gather_object(out, payload, group=group)
             return out
 
-        all_needs = await loop.run_in_executor(None, gather)
+        gathered = await loop.run_in_executor(None, gather)
+        _check_identities([g[0] for g in gathered], self.rank)
+        all_needs = [_unpack(g[1]) for g in gathered]
         transfers, load = self.plan(all_needs)
         _check_transfers(transfers, all_needs)
         self.planned_bytes.append(load)
-        self.transport.set_order(transfers, self.rank)
-        parts = _parts_for(mine, adv, transfers, self.rank)
-        by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
-        shared = _SharedPipeline(pipeline, self, by_id, tag_base, len(mine))
+        shared: _SharedPipeline
+        if self.adaptive:
+            unit = self.unit_size or min(1 << 20, pipeline.options.effective_chunk_size)
+            units = split_units(transfers, unit)
+            keys = _unit_keys(units, self.rank)
+            parts = _parts_for(mine, adv, units, self.rank)
+            by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
+            # own planned units first, then chunks only this rank reads, then the others' units
+            rank_of = {
+                id(c): min(keys[q.transfer.index] for q in p if q.transfer is not None)
+                for c, p in zip(mine, parts)
+                if p
+            }
+            order = sorted(range(len(mine)), key=lambda i: rank_of.get(id(mine[i]), (1, i, 0)))
+            mine = [mine[i] for i in order]
+            shared = _AdaptivePipeline(pipeline, self, by_id, tag_base, len(mine), keys, phase)
+            n = len(units)
+        else:
+            self.transport.set_order(transfers, self.rank)
+            parts = _parts_for(mine, adv, transfers, self.rank)
+            by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
+            shared = _SharedPipeline(pipeline, self, by_id, tag_base, len(mine))
+            n = len(transfers)
         t1 = time.monotonic()
         self._set_doing(f"reading and sharing {what}")
         await _run_watched(shared.run(mine), self.monitor)
         log.debug(
-            "rank %d, %s: planned in %.3f s (barrier, all_gather, plan), %d transfers, this rank reads %s; "
+            "rank %d, %s: planned in %.3f s (barrier, all_gather, plan), %d %s, this rank planned to read %s; "
             "read and shared in %.3f s",
             self.rank,
             what,
             t1 - t0,
-            len(transfers),
+            n,
+            "units" if self.adaptive else "transfers",
             _fmt_bytes(load[self.rank]),
             time.monotonic() - t1,
         )
+
+
+def _pack(needs: Sequence[tuple[str, int, int]]) -> dict[str, bytes]:
+    """This rank's needed ranges, compact for the all-gather: per file, the flat
+    ``start, end, start, end ...`` offsets as little-endian int64 bytes."""
+    import array
+
+    flat: dict[str, array.array[int]] = {}
+    for name, start, end in needs:
+        a = flat.get(name)
+        if a is None:
+            a = flat[name] = array.array("q")
+        a.append(start)
+        a.append(end)
+    return {name: a.tobytes() for name, a in flat.items()}
+
+
+def _unpack(packed: dict[str, bytes]) -> list[tuple[str, int, int]]:
+    import array
+
+    out: list[tuple[str, int, int]] = []
+    for name in sorted(packed):
+        a = array.array("q")
+        a.frombytes(packed[name])
+        out.extend((name, a[i], a[i + 1]) for i in range(0, len(a), 2))
+    return out
 
 
 async def _run_watched(coro: Awaitable[None], monitor: Monitor) -> None:

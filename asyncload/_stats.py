@@ -64,6 +64,11 @@ class LoadStats:
     #: Bytes shared with or received from other ranks instead of read (ShardedLoadPlanner).
     bytes_received: int = 0
     bytes_sent: int = 0
+    #: Adaptive sharing (ShardedLoadPlanner): bytes of shared ranges this rank read that the
+    #: plan had given to another rank (it got there first), and bytes it read from storage
+    #: itself because a transfer from another rank was late (the later copy is discarded).
+    bytes_taken_over: int = 0
+    bytes_hedged: int = 0
     #: Keys present in the checkpoint but absent from the destination.
     unexpected_keys: list[str] = field(default_factory=list)
     #: Retries by cause: ``timeout``, ``status_503``, ``connection``, ``short_read`` ...

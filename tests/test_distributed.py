@@ -77,6 +77,8 @@ def stats_dict(s: asyncload.LoadStats) -> dict[str, int]:
         "bytes_received": s.bytes_received,
         "bytes_assembled": s.bytes_assembled,
         "peak_buffered_bytes": s.peak_buffered_bytes,
+        "bytes_taken_over": s.bytes_taken_over,
+        "bytes_hedged": s.bytes_hedged,
     }
 
 
@@ -146,6 +148,8 @@ def _make_planner(kind: str, **kw: Any) -> Any:
         return ShardedLoadPlanner(**kw)
     if kind == "sharded-ordered":
         return ShardedLoadPlanner(ordered=True, **kw)
+    if kind == "sharded-static":
+        return ShardedLoadPlanner(adaptive=False, **kw)
     return PipelinedLoadPlanner(**kw)
 
 
@@ -317,14 +321,18 @@ def test_narrow_reads_2d_mesh_replicas_share(tmp_path: Path) -> None:
     for rank, v in enumerate(values):
         st = v["stats"]
         assert v["bad"] == [], rank
-        assert 0.20 * total <= st["bytes_read"] <= 0.30 * total + probes, (rank, st)
         assert st["bytes_read"] + st["bytes_received"] >= total // 2, (rank, st)
-        assert st["bytes_received"] <= 0.30 * total + probes, (rank, st)
+        assert st["bytes_read"] - st["bytes_hedged"] <= 0.50 * total + probes, (rank, st)
         assert st["peak_buffered_bytes"] <= SHARE_OPTIONS.memory_budget
+    sent = sum(v["stats"]["bytes_sent"] for v in values)
+    assert sent == sum(v["stats"]["bytes_received"] for v in values)
     for pair in ((0, 1), (2, 3)):
-        sent = sum(values[r]["stats"]["bytes_sent"] for r in pair)
+        # tensor data does not cross between the pairs (record headers, which all four need, may)
         received = sum(values[r]["stats"]["bytes_received"] for r in pair)
-        assert sent == received  # nothing crossed between the pairs
+        assert received <= 0.50 * total + 2 * probes, (pair, received)
+        # each pair reads its half once between them (adaptive sharing splits it by speed)
+        once = sum(values[r]["stats"]["bytes_read"] - values[r]["stats"]["bytes_hedged"] for r in pair)
+        assert total // 2 <= once <= 0.50 * total + 2 * probes, (pair, once)
 
 
 def test_narrow_reads_column_shards(tmp_path: Path) -> None:
@@ -353,7 +361,14 @@ SHARE_OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory
 
 
 @pytest.mark.parametrize(
-    "planner_kind,entry", [("sharded", "load"), ("sharded", "dcp"), ("sharded", "aload"), ("sharded-ordered", "load")]
+    "planner_kind,entry",
+    [
+        ("sharded", "load"),
+        ("sharded", "dcp"),
+        ("sharded", "aload"),
+        ("sharded-ordered", "load"),
+        ("sharded-static", "dcp"),
+    ],
 )
 def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: str, entry: str) -> None:
     full = big_model()
@@ -367,7 +382,8 @@ def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: s
         assert v["stats"]["peak_buffered_bytes"] <= SHARE_OPTIONS.memory_budget
         assert v["threads"] == 0
     assert total <= sum(reads) <= 1.05 * total, reads
-    assert max(reads) <= 1.10 * min(reads), reads
+    if planner_kind != "sharded":  # the static plan balances bytes; adaptive sharing balances by speed
+        assert max(reads) <= 1.10 * min(reads), reads
     sent = sum(v["stats"]["bytes_sent"] for v in values)
     received = sum(v["stats"]["bytes_received"] for v in values)
     assert sent == received
@@ -392,7 +408,6 @@ def test_sharded_on_subgroups(replicated_ckpt: str) -> None:
     for pair in ((0, 1), (2, 3)):
         reads = [values[r]["stats"]["bytes_read"] for r in pair]
         assert total <= sum(reads) <= 1.05 * total, reads
-        assert max(reads) <= 1.10 * min(reads), reads
         assert [values[r]["bad"] for r in pair] == [[], []]
 
 
