@@ -381,3 +381,13 @@ def test_over_http(
     reader = PipelinedReader(url, registry, storage_options=opts)
     dcp_load(dest, reader)
     assert_bitwise_equal(dest, saved)
+
+
+def test_read_state_dict_and_iter_tensors(zstd_ckpt: Path, saved: dict[str, Any]) -> None:
+    """Destinations allocated from the metadata: a compressed record is shorter than its tensor,
+    and that is not a lying claim."""
+    assert_bitwise_equal(asyncload.read_state_dict(zstd_ckpt), saved)
+    tensors = dict(asyncload.iter_tensors(zstd_ckpt))
+    assert sorted(tensors) == ["emb", "layers.0.mask", "layers.0.q", "w", "zeros"]
+    assert_bitwise_equal(tensors["w"], saved["w"])
+    assert_bitwise_equal(tensors["layers.0.q"], saved["layers"]["0"]["q"])
