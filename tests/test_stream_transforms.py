@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _ckpt import assert_bitwise_equal, open_fds_under, random_tensor, zeros_like_tree
 from _corrupt import mutate_metadata, read_metadata
+from _dist import all_ok, run_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
@@ -391,3 +392,18 @@ def test_read_state_dict_and_iter_tensors(zstd_ckpt: Path, saved: dict[str, Any]
     assert sorted(tensors) == ["emb", "layers.0.mask", "layers.0.q", "w", "zeros"]
     assert_bitwise_equal(tensors["w"], saved["w"])
     assert_bitwise_equal(tensors["layers.0.q"], saved["layers"]["0"]["q"])
+
+
+def w_sharded_zstd(rank: int, world: int, path: str) -> bool:
+    saved = model()
+    dest = fresh(saved)
+    asyncload.load(dest, path, planner=asyncload.ShardedLoadPlanner())
+    assert_bitwise_equal(dest, saved, where=f"rank {rank}")
+    return True
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_two_ranks_with_sharded_planner(zstd_ckpt: Path) -> None:
+    """Transformed records are read by each rank itself, beside the shared reads of the others."""
+    assert all_ok(run_ranks(w_sharded_zstd, 2, str(zstd_ckpt), timeout=90)) == [True, True]
