@@ -7,6 +7,7 @@ the key, the file and the descriptor, with the destination untouched and nothing
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tracemalloc
 import warnings
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt import assert_bitwise_equal, open_fds_under, random_tensor, zeros_like_tree
+from _ckpt import assert_bitwise_equal, asyncload_threads, live_threads, open_fds_under, random_tensor, zeros_like_tree
 from _corrupt import mutate_metadata, read_metadata
 from _dist import all_ok, run_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -407,3 +408,31 @@ def w_sharded_zstd(rank: int, world: int, path: str) -> bool:
 def test_two_ranks_with_sharded_planner(zstd_ckpt: Path) -> None:
     """Transformed records are read by each rank itself, beside the shared reads of the others."""
     assert all_ok(run_ranks(w_sharded_zstd, 2, str(zstd_ckpt), timeout=90)) == [True, True]
+
+
+@pytest.fixture(scope="module")
+def many_records(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    sd = {f"t{i}": random_tensor((128, 128), torch.float32, i) for i in range(32)}  # 64 KiB each
+    return save(tmp_path_factory.mktemp("many") / "ckpt", sd, [ZStandard()]), sd
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spins", [0, 3, 10, 30, 100])
+async def test_aload_cancelled_while_decoding(many_records: tuple[Path, dict[str, torch.Tensor]], spins: int) -> None:
+    path, sd = many_records
+    before = set(live_threads("asyncload-io"))
+    dest = zeros_like_tree(sd)
+    options = LoadOptions(memory_budget=256 * KiB, concurrency=2)
+    task = asyncio.create_task(asyncload.aload(dest, path, options=options))
+    for _ in range(spins):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    assert asyncload_threads("asyncload-io", ignore=before) == []
+    assert open_fds_under(path) == []
+    # the same destination loads afterwards
+    await asyncload.aload(dest, path, options=options)
+    assert_bitwise_equal(dest, sd)
