@@ -105,7 +105,8 @@ class LoadOptions:
     hedge_factor: float = 3.0
     #: Floor for the hedge delay, seconds.
     hedge_min_delay: float = 0.5
-    #: Allow loading into a destination whose dtype differs from the saved one (cast on copy).
+    #: Allow lossy dtype conversions on load (fp32 into bf16, float into int: cast on copy).
+    #: Lossless widening (bf16 into fp32, int8 into int32) loads without it (docs/errors.md).
     allow_dtype_cast: bool = False
     #: Raise when the checkpoint holds keys the destination lacks (they are always
     #: listed in ``LoadStats.unexpected_keys``).
