@@ -150,8 +150,12 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                 )
 
     def _default_plan(self) -> LoadPlan:
+        # torch's DefaultLoadPlanner.create_local_plan, its intersection done by a sorted
+        # sweep (the same read items in the same order; docs/distributed.md, planning at scale)
+        from ._intersect import local_load_plan
+
         try:
-            return super().create_local_plan()
+            return local_load_plan(self)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
             # torch's planner matching the destination against the (checked) metadata:
             # "Missing key", "Size mismatch", "Invalid checkpoint metadata", a destination
