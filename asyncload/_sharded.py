@@ -85,7 +85,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     ``adaptive`` (default ``None``: on, except with ``ordered`` or NCCL, which need the
     fixed order): hand out the shared ranges as ranks get to them instead of fixing their
     owners before reading. Shared ranges are cut into work units of at most ``unit_size``
-    bytes (default ``min(1 MiB, chunk_size)``); the first rank that needs a unit and has a
+    bytes (default ``min(256 KiB, chunk_size)``); the first rank that needs a unit and has a
     free reader claims it through an atomic compare-and-set in the group's store, reads
     it and sends it to the other ranks that need it. Each rank starts with the units
     ``plan_transfers`` gave it and then takes over, from the back, units that other ranks
@@ -249,29 +249,55 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
             load[consumers[0]] += end - start
         else:
             shared.append((name, start, end, consumers))
-    # owner: the consumer with the fewest bytes so far (ties: the lowest rank), through one
-    # lazy heap per set of consumers instead of a scan of every consumer per transfer
     owners: dict[tuple[str, int], int] = {}
-    heaps: dict[int, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
+    least = _LeastLoaded(load)
     for name, start, end, consumers in sorted(shared, key=lambda s: (-(s[2] - s[1]), s[0], s[1])):
-        entry = heaps.get(id(consumers))
-        if entry is None:
-            heap = [(load[c], c) for c in consumers]
-            heapq.heapify(heap)
-            heaps[id(consumers)] = (consumers, heap)
-        else:
-            heap = entry[1]
-        while heap[0][0] != load[heap[0][1]]:  # stale: that rank was given bytes elsewhere
-            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
-        owner = heap[0][1]
-        load[owner] += end - start
-        heapq.heapreplace(heap, (load[owner], owner))
-        owners[(name, start)] = owner
+        owners[(name, start)] = least.take(consumers, end - start)
     transfers = [
         Transfer(i, name, start, end, owners[(name, start)], consumers)
         for i, (name, start, end, consumers) in enumerate(shared)
     ]
     return transfers, load
+
+
+def balance_units(units: Sequence[Transfer], load: Sequence[int]) -> list[Transfer]:
+    """The units with owners chosen again, unit by unit in order, each to the consumer with
+    the fewest bytes so far (``load``: the bytes each rank reads for itself alone and for
+    units outside ``units``), so that every rank starts with a queue of about the same size."""
+    base = list(load)
+    for u in units:
+        base[u.owner] -= u.nbytes
+    least = _LeastLoaded(base)
+    out: list[Transfer] = []
+    for u in units:
+        owner = least.take(u.consumers, u.nbytes)
+        out.append(dataclasses.replace(u, owner=owner) if owner != u.owner else u)
+    return out
+
+
+class _LeastLoaded:
+    """Hands bytes to the consumer with the fewest so far (ties: the lowest rank), through
+    one lazy heap per set of consumers instead of a scan of every consumer each time."""
+
+    def __init__(self, load: list[int]) -> None:
+        self.load = load
+        self._heaps: dict[int, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
+
+    def take(self, consumers: tuple[int, ...], nbytes: int) -> int:
+        load = self.load
+        entry = self._heaps.get(id(consumers))
+        if entry is None:
+            heap = [(load[c], c) for c in consumers]
+            heapq.heapify(heap)
+            self._heaps[id(consumers)] = (consumers, heap)  # the tuple kept: its id stays unique
+        else:
+            heap = entry[1]
+        while heap[0][0] != load[heap[0][1]]:  # stale: that rank was given bytes elsewhere
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        owner = heap[0][1]
+        load[owner] += nbytes
+        heapq.heapreplace(heap, (load[owner], owner))
+        return owner
 
 
 def split_units(transfers: Sequence[Transfer], unit_size: int) -> list[Transfer]:
@@ -690,35 +716,78 @@ class _SharedPipeline(Pipeline):
 # --- adaptive sharing: units claimed as ranks get to them ----------------------------------------
 
 
+#: Default size of a work unit of adaptive sharing (``ShardedLoadPlanner(unit_size=...)``).
+_UNIT_SIZE = 256 << 10
+#: Seconds of reading a rank may have claimed ahead at its own measured rate: a slow rank
+#: holds few units at a time, so little is left on it when the others run out of work.
+_CLAIM_HORIZON = 0.25
+
+
 class _Slots:
-    """At most ``n`` holders at once; waiters are served lowest ``key`` first (not FIFO),
-    so that a rank claims its own planned units before it takes over other ranks'."""
+    """At most ``n`` holders at once, and (once a rate is known) at most ``rate x
+    _CLAIM_HORIZON`` bytes among them (one holder always may); waiters are served lowest
+    ``key`` first, not FIFO, so that a rank claims its own planned units before it takes
+    over other ranks'. ``rate``: the bytes per second of time with a holder, measured."""
 
     def __init__(self, n: int) -> None:
-        self.free = n
-        self._waiters: list[tuple[Any, int, asyncio.Future[None]]] = []
+        self.n = self.free = n
+        self.active_bytes = 0
+        self._waiters: list[tuple[Any, int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
+        self._done_bytes = 0
+        self._busy = 0.0
+        self._busy_since = 0.0
 
-    async def acquire(self, key: Any) -> None:
-        if self.free > 0 and not self._waiters:
-            self.free -= 1
+    @property
+    def rate(self) -> float | None:
+        busy = self._busy + (time.monotonic() - self._busy_since if self.active_bytes else 0.0)
+        return self._done_bytes / busy if self._done_bytes and busy > 0 else None
+
+    def _fits(self, nbytes: int) -> bool:
+        if self.free <= 0:
+            return False
+        rate = self.rate
+        if rate is None:  # nothing measured yet: two at a time
+            return self.n - self.free < 2
+        return not self.active_bytes or self.active_bytes + nbytes <= rate * _CLAIM_HORIZON
+
+    def _grant(self, nbytes: int) -> None:
+        if not self.active_bytes:
+            self._busy_since = time.monotonic()
+        self.free -= 1
+        self.active_bytes += nbytes
+
+    async def acquire(self, key: Any, nbytes: int = 0) -> None:
+        if not self._waiters and self._fits(nbytes):
+            self._grant(nbytes)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (key, next(self._seq), fut))
+        heapq.heappush(self._waiters, (key, next(self._seq), nbytes, fut))
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # granted, then cancelled: pass it on
-                self.release()
+                self.release(nbytes, done=False)
             raise
 
-    def release(self) -> None:
-        while self._waiters:
-            _, _, fut = heapq.heappop(self._waiters)
-            if not fut.done():
-                fut.set_result(None)
-                return
+    def release(self, nbytes: int = 0, *, done: bool = False) -> None:
+        """Give a slot back; ``done``: its ``nbytes`` were read (they count for the rate)."""
         self.free += 1
+        self.active_bytes -= nbytes
+        if done:
+            self._done_bytes += nbytes
+        if not self.active_bytes:
+            self._busy += time.monotonic() - self._busy_since
+        while self._waiters:
+            _, _, n, fut = self._waiters[0]
+            if fut.done():
+                heapq.heappop(self._waiters)
+                continue
+            if not self._fits(n):
+                return
+            heapq.heappop(self._waiters)
+            self._grant(n)
+            fut.set_result(None)
 
 
 def _unit_keys(units: Sequence[Transfer], rank: int) -> dict[int, tuple[int, int, int]]:
@@ -763,7 +832,7 @@ class _AdaptivePipeline(_SharedPipeline):
         self.keys = keys
         self.phase = phase
         opts = base.options
-        self.slots = _Slots(max(2, min(8, opts.initial_concurrency // 4)))
+        self.slots = _Slots(max(2, min(16, opts.initial_concurrency // 2)))
         self.hedge = opts.hedge_policy
         self.hedging = 0
         #: Bytes of send copies (units claimed in staged chunks) allowed at once.
@@ -803,7 +872,7 @@ class _AdaptivePipeline(_SharedPipeline):
         claims the unit without sending (value ``"<rank>!"``) and every consumer reads it
         itself: sends never wait for memory, so they never hold up a receive."""
         session = self.session
-        await self.slots.acquire(self.keys.get(unit.index, (3, 0, 0)))
+        await self.slots.acquire(self.keys.get(unit.index, (3, 0, 0)), unit.nbytes)
         reserved = send_bytes if send_bytes <= self.send_room else 0
         self.send_room -= reserved
         try:
@@ -813,25 +882,27 @@ class _AdaptivePipeline(_SharedPipeline):
             winner, sends = int(got.rstrip("!")), not got.endswith("!")
         except BaseException:
             self.send_room += reserved
-            self.slots.release()
+            self.slots.release(unit.nbytes)
             raise
         if winner == session.rank:
             session.monitor._written.append(key)
         else:
             self.send_room += reserved
             if sends:
-                self.slots.release()  # a transfer is coming; else: read it under this slot
+                self.slots.release(unit.nbytes)  # a transfer is coming; else: read it under this slot
         return winner, sends
 
     async def _claimed(self, chunk: Chunk, part: _Part, view: memoryview, unit: Transfer) -> None:
         """Read a unit under the slot ``_claim`` left held; keep the moving average of its cost."""
+        done = False
         try:
             t0 = time.monotonic()
             await self._read_part(chunk, part, view)
             cost = (time.monotonic() - t0) / max(1, unit.nbytes)
             self.read_cost = cost if self.read_cost is None else 0.7 * self.read_cost + 0.3 * cost
+            done = True
         finally:
-            self.slots.release()
+            self.slots.release(unit.nbytes, done=done)
 
     async def _send_copy(self, unit: Transfer, copy: bytearray) -> None:
         try:
@@ -1035,6 +1106,8 @@ class _ShareSession:
             )
         self.unit_size = unit_size
         self.load_session = load_session
+        #: plan_transfers was overridden: its owners are kept as where each rank starts.
+        self.custom_plan = plan is not None and getattr(plan, "__func__", None) is not ShardedLoadPlanner.plan_transfers
         self._identity: str | None = None
 
     def fail(self, exc: BaseException) -> None:
@@ -1082,8 +1155,10 @@ class _ShareSession:
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
         shared: _SharedPipeline
         if self.adaptive:
-            unit = self.unit_size or min(1 << 20, pipeline.options.effective_chunk_size)
+            unit = self.unit_size or min(_UNIT_SIZE, pipeline.options.effective_chunk_size)
             units = split_units(transfers, unit)
+            if not self.custom_plan:  # the default plan balanced whole transfers: balance units
+                units = balance_units(units, load)
             keys = _unit_keys(units, self.rank)
             parts = _parts_for(mine, adv, units, self.rank)
             by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}

@@ -1,6 +1,21 @@
 """Multi-rank loading: bytes read per rank and wall time, torch's dcp.load against asyncload.
 
-Cases (each in fresh processes: ``--world`` ranks of a gloo process group on 127.0.0.1):
+Two scenarios (``--scenario``):
+
+``speeds`` (default; issue 13): ranks that differ in speed. A replicated checkpoint served
+by one ``HTTPRangeServer``; each rank reaches it through its own ``FaultProxy`` capped at
+``--rank-bandwidth-mib`` MiB/s (each rank its own link). Settings: all equal; one rank
+(rank 1) at 1/4 of the others' bandwidth; one rank (rank 2) whose assembly is slowed to
+``--slow-assembly-mib`` MiB/s (asyncload: its progress callback sleeps for each chunk's
+bytes, stalling its event loop; torch: its planner's ``commit_tensor`` sleeps for each
+tensor's bytes). For torch ``dcp.load`` (``FsspecReader``), ``PipelinedLoadPlanner``,
+static sharing (``ShardedLoadPlanner(adaptive=False)``) and adaptive sharing (the
+default): wall time, bytes read / sent / received / taken over / hedged per rank, and the
+ratio of each setting's wall time to the all-equal one.
+
+``layouts``: the cases below, every rank behind one shared proxy.
+
+Cases of ``layouts`` (each in fresh processes: ``--world`` ranks of a gloo process group on 127.0.0.1):
 
 * replicated: every rank loads the whole model into plain tensors (DDP-style), with
   torch's ``dcp.load`` (``FileSystemReader`` locally, ``FsspecReader`` over HTTP),
@@ -26,8 +41,9 @@ Wall time: from a barrier before the load to the slowest rank's end. Peak RSS: t
 most any rank's resident memory grew above what it held just before the load.
 Every rank hashes what it loaded; all variants must agree (checked, printed ``ok``).
 
-Run:  python benchmarks/bench_distributed.py                       # http at 50 MiB/s, 64 MiB, 4 ranks
-      python benchmarks/bench_distributed.py --store local --size-mib 256
+Run:  python benchmarks/bench_distributed.py                       # speeds: 28 MiB, 8 MiB/s per rank
+      python benchmarks/bench_distributed.py --scenario layouts       # http at 50 MiB/s, 64 MiB, 4 ranks
+      python benchmarks/bench_distributed.py --scenario layouts --store local --size-mib 256
 """
 
 from __future__ import annotations
@@ -133,8 +149,37 @@ def _digest(sd: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+class _SlowCommitPlanner:
+    """Mix-in for torch's planner: ``commit_tensor`` sleeps for each tensor's bytes (a slow assembly)."""
+
+    rate: float = 0.0
+
+    def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+        time.sleep(tensor.numel() * tensor.element_size() / self.rate)
+        super().commit_tensor(read_item, tensor)  # type: ignore[misc]
+
+
+def _planner(how: str) -> Any:
+    import asyncload
+
+    if how == "sharded":
+        unit = os.environ.get("BENCH_UNIT_KIB")
+        return asyncload.ShardedLoadPlanner(unit_size=int(unit) << 10 if unit else None)
+    if how == "static":
+        return asyncload.ShardedLoadPlanner(adaptive=False)
+    return asyncload.PipelinedLoadPlanner()
+
+
 def rank_main(
-    rank: int, world: int, port: int, out: Any, case: str, url: str, size_mib: int, storage_options: dict[str, Any]
+    rank: int,
+    world: int,
+    port: int,
+    out: Any,
+    case: str,
+    urls: list[str],
+    size_mib: int,
+    storage_options: dict[str, Any],
+    slow_assembly: tuple[int, float] | None = None,
 ) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -149,7 +194,9 @@ def rank_main(
             world_size=world,
             timeout=datetime.timedelta(seconds=600),
         )
+        url = urls[rank]
         layout, _, how = case.partition(":")
+        slow_rate = slow_assembly[1] if slow_assembly is not None and slow_assembly[0] == rank else None
         sd: dict[str, Any] = {}
         if layout == "replicated":
             sd = {k: torch.zeros(s, dtype=dt) for k, (s, dt) in shapes(size_mib).items()}
@@ -183,20 +230,39 @@ def rank_main(
                 reader: Any = FsspecReader(url, **storage_options)
             else:
                 reader = dcp.FileSystemReader(url)
-            dcp.load(sd, storage_reader=reader)
+            torch_planner: Any = None
+            if slow_rate is not None:
+                from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+                torch_planner = type("SlowCommit", (_SlowCommitPlanner, DefaultLoadPlanner), {"rate": slow_rate})()
+            dcp.load(sd, storage_reader=reader, planner=torch_planner)
             read = _socket_bytes[0] if remote else _rchar() - rchar0
-            received = 0
+            counts = {"received": 0, "sent": 0, "taken_over": 0, "hedged": 0}
         else:
-            planner = asyncload.ShardedLoadPlanner() if how == "sharded" else asyncload.PipelinedLoadPlanner()
-            stats = asyncload.load(sd, url, planner=planner, storage_options=storage_options)
-            read, received = stats.bytes_read, stats.bytes_received
+            progress = None
+            if slow_rate is not None:
+                rate = slow_rate
+                last = [0]
+
+                def progress(done: int, total: int) -> None:
+                    time.sleep((done - last[0]) / rate)
+                    last[0] = done
+
+            stats = asyncload.load(sd, url, planner=_planner(how), storage_options=storage_options, progress=progress)
+            read = stats.bytes_read
+            counts = {
+                "received": stats.bytes_received,
+                "sent": stats.bytes_sent,
+                "taken_over": stats.bytes_taken_over,
+                "hedged": stats.bytes_hedged,
+            }
         seconds = time.perf_counter() - t0
         dist.barrier()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
         out.put(
             (
                 rank,
-                {"read": read, "received": received, "seconds": seconds, "peak": max(0, peak), "digest": _digest(sd)},
+                {"read": read, **counts, "seconds": seconds, "peak": max(0, peak), "digest": _digest(sd)},
             )
         )
     except BaseException as exc:
@@ -220,13 +286,24 @@ def _free_port() -> int:
 
 
 def run_case(
-    case: str, url: str, world: int, size_mib: int, timeout: float, storage_options: dict[str, Any]
+    case: str,
+    url: str | list[str],
+    world: int,
+    size_mib: int,
+    timeout: float,
+    storage_options: dict[str, Any],
+    slow_assembly: tuple[int, float] | None = None,
 ) -> list[dict[str, Any]]:
     ctx = mp.get_context("forkserver")
     q = ctx.Queue()
     port = _free_port()
+    urls = [url] * world if isinstance(url, str) else url
     procs = [
-        ctx.Process(target=rank_main, args=(r, world, port, q, case, url, size_mib, storage_options), daemon=True)
+        ctx.Process(
+            target=rank_main,
+            args=(r, world, port, q, case, urls, size_mib, storage_options, slow_assembly),
+            daemon=True,
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -257,10 +334,89 @@ def _mib(n: float) -> str:
     return f"{n / MiB:.1f}"
 
 
+NAMES = {
+    "torch": "torch dcp.load",
+    "pipelined": "asyncload PipelinedLoadPlanner",
+    "static": "asyncload static sharing",
+    "sharded": "asyncload adaptive sharing",
+}
+
+
+def _per_rank(res: list[dict[str, Any]], key: str) -> str:
+    return "/".join(_mib(r[key]) for r in res)
+
+
+def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> None:
+    """The ``speeds`` scenario: every rank behind its own capped proxy; equal, one slow link,
+    one slow assembly; each contender's wall time against its own all-equal time."""
+    from asyncload.testing import FaultProxy, HTTPRangeServer
+
+    bw = args.rank_bandwidth_mib * MiB
+    server = HTTPRangeServer(root=work).start()
+    proxies = [FaultProxy(server, bandwidth=bw).start() for _ in range(args.world)]
+    try:
+        urls = [server.url("ckpt", endpoint_url=p.endpoint_url) for p in proxies]
+        print(
+            f"checkpoint: {_mib(ckpt_bytes)} MiB in {files} data file(s), replicated on {args.world} ranks "
+            f"(gloo, 127.0.0.1); http on 127.0.0.1, each rank through its own FaultProxy at "
+            f"{args.rank_bandwidth_mib:g} MiB/s; slow assembly {args.slow_assembly_mib:g} MiB/s; "
+            f"torch {torch.__version__}, {os.cpu_count()} CPUs; per-rank columns: MiB on ranks 0/1/2/3"
+        )
+        header = (
+            f"{'setting':<26} {'contender':<31} {'wall s':>7} {'x equal':>7} {'read MiB':>9} {'x ckpt':>6}  "
+            f"{'read per rank':<23} {'sent per rank':<23} {'received per rank':<23} {'taken over':<23} hedged"
+        )
+        print(header)
+        print("-" * len(header))
+        settings: list[tuple[str, int | None, tuple[int, float] | None]] = [
+            ("all equal", None, None),
+            ("rank 1 at 1/4 bandwidth", 1, None),
+            ("rank 2 slow assembly", None, (2, args.slow_assembly_mib * MiB)),
+        ]
+        equal: dict[str, float] = {}
+        digests: list[str] | None = None
+        summary: list[str] = []
+        for setting, slow_link, slow_assembly in settings:
+            for i, p in enumerate(proxies):
+                p.bandwidth = bw / 4 if i == slow_link else bw
+            for how in args.contenders.split(","):
+                res = run_case(f"replicated:{how}", urls, args.world, args.size_mib, args.timeout, {}, slow_assembly)
+                wall = max(r["seconds"] for r in res)
+                equal.setdefault(how, wall)
+                total = sum(r["read"] for r in res)
+                print(
+                    f"{setting:<26} {NAMES[how]:<31} {wall:>7.2f} {wall / equal[how]:>7.2f} {_mib(total):>9} "
+                    f"{total / ckpt_bytes:>6.2f}  {_per_rank(res, 'read'):<23} {_per_rank(res, 'sent'):<23} "
+                    f"{_per_rank(res, 'received'):<23} {_per_rank(res, 'taken_over'):<23} {_per_rank(res, 'hedged')}",
+                    flush=True,
+                )
+                got = [r["digest"] for r in res]
+                if digests is not None and got != digests:
+                    raise SystemExit(f"{setting} / {how}: loaded tensors differ from the first case")
+                digests = got
+                if slow_link is not None and how in ("static", "sharded"):
+                    summary.append(
+                        f"{NAMES[how]}, one rank at 1/4 bandwidth: {wall / equal[how]:.2f}x its all-equal time, "
+                        f"{total / ckpt_bytes:.2f}x the checkpoint read in total"
+                    )
+        print("every contender loaded identical tensors on every rank in every setting: ok")
+        for line in summary:
+            print(line)
+    finally:
+        for p in proxies:
+            p.stop()
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", choices=("http", "local", "s3"), default="http")
-    ap.add_argument("--size-mib", type=int, default=64, help="checkpoint size (default 64)")
+    ap.add_argument("--scenario", choices=("speeds", "layouts"), default="speeds")
+    ap.add_argument("--store", choices=("http", "local", "s3"), default="http", help="layouts: where the checkpoint is")
+    ap.add_argument("--size-mib", type=int, default=None, help="checkpoint size (default: 24 speeds, 64 layouts)")
+    ap.add_argument("--rank-bandwidth-mib", type=float, default=8.0, help="speeds: each rank's link, MiB/s")
+    ap.add_argument("--slow-assembly-mib", type=float, default=16.0, help="speeds: the slow rank's assembly, MiB/s")
+    ap.add_argument("--contenders", default="torch,pipelined,static,sharded", help="speeds: which loaders")
+    ap.add_argument("--unit-kib", type=int, default=None, help="adaptive sharing's unit_size, KiB (default: its own)")
     ap.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     ap.add_argument(
         "--bandwidth-mib",
@@ -275,6 +431,10 @@ def main() -> None:
         default="replicated:torch,replicated:pipelined,replicated:sharded,shard0:torch,shard0:pipelined,shard0:sharded",
     )
     args = ap.parse_args()
+    if args.size_mib is None:
+        args.size_mib = 24 if args.scenario == "speeds" else 64
+    if args.unit_kib is not None:
+        os.environ["BENCH_UNIT_KIB"] = str(args.unit_kib)  # read by the ranks (forkserver children inherit it)
 
     mp.get_context("forkserver").set_forkserver_preload(
         [
@@ -296,6 +456,9 @@ def main() -> None:
         dcp.save(sd, checkpoint_id=ckpt, no_dist=True)
         del sd
         ckpt_bytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+        if args.scenario == "speeds":
+            speeds(args, work, ckpt_bytes, len(os.listdir(ckpt)) - 1)
+            return
         url = ckpt
         storage_options: dict[str, Any] = {}
         where = "local disk (warm page cache)"
@@ -328,11 +491,7 @@ def main() -> None:
         )
         print(header)
         print("-" * len(header))
-        names = {
-            "torch": "torch dcp.load",
-            "pipelined": "asyncload PipelinedLoadPlanner",
-            "sharded": "asyncload ShardedLoadPlanner",
-        }
+        names = {**NAMES, "sharded": "asyncload ShardedLoadPlanner"}
         digests: dict[str, list[str]] = {}
         rows: dict[str, tuple[float, float]] = {}
         for case in args.cases.split(","):
