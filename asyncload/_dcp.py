@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, StorageReader
 from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -76,6 +77,10 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         self.unexpected_keys: list[str] = []
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            # before torch's set-up, which replaces values it does not know (a numpy array)
+            # by None in the caller's own dict
+            _refuse_non_tensors(state_dict, metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
         # a torch.save / safetensors file whose keys sit under a prefix ("model.", "module."):
         # load the destination from there (docs/formats.md)
@@ -179,6 +184,23 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:
+    """A destination value that is not a tensor where the checkpoint holds one (an int, a
+    list, a numpy array): StateDictMismatchError, with the caller's dict untouched."""
+    saved = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict(state_dict)
+    for fqn, obj in flat.items():
+        smd = saved.get(fqn)
+        if isinstance(smd, TensorStorageMetadata) and not isinstance(obj, torch.Tensor):
+            kind = type(obj)
+            shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            raise StateDictMismatchError(
+                f"key {fqn!r}: the checkpoint holds a tensor of shape {list(smd.size)}, the destination "
+                f"holds a {shown}: a tensor is loaded in place, so the destination must be a "
+                "torch.Tensor of that shape"
+            )
 
 
 class PipelinedReader(StorageReader):

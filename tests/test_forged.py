@@ -265,12 +265,21 @@ def test_float_tensor_requiring_grad_still_loads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", [3, [1.0, 2.0], "np"], ids=["int", "list", "numpy"])
 def test_destination_that_is_not_a_tensor(ckpt: tuple[Path, dict[str, Any]], value: Any) -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     path, sd = ckpt
     dest = sentinel_like(sd)
-    dest["big"] = np.zeros((64, 64), dtype=np.float32) if value == "np" else value
-    with pytest.raises(StateDictMismatchError, match=r"key 'big': the checkpoint holds a tensor of shape \[64, 64\]"):
+    given = np.zeros((64, 64), dtype=np.float32) if value == "np" else value
+    dest["big"] = given
+    shown = {"int": "int", "list": "list", "np": "numpy.ndarray"}[
+        value if isinstance(value, str) else type(value).__name__
+    ]
+    with pytest.raises(
+        StateDictMismatchError, match=r"key 'big': the checkpoint holds a tensor of shape \[64, 64\]"
+    ) as ei:
         asyncload.load(dest, path, options=PIECES)
+    assert f"the destination holds a {shown}:" in str(ei.value)
+    assert dest["big"] is given  # the caller's dict is left as it was (torch's set-up would put None there)
     assert is_sentinel({k: v for k, v in dest.items() if k != "big"})
 
 
