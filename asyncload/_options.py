@@ -117,6 +117,11 @@ class LoadOptions:
     io_threads: int | None = None
     #: Largest ``.metadata`` / header accepted, bytes (hostile-input guard).
     max_metadata_size: int = 1 * GiB
+    #: The client for ``s3://``, ``gs://``/``gcs://`` and ``http(s)://``: ``"obstore"`` (Rust
+    #: ``object_store``), ``"fsspec"`` (s3fs, gcsfs, aiohttp), or ``"auto"``: obstore when it
+    #: is installed and every ``storage_options`` entry maps onto it, else fsspec
+    #: (docs/remote.md#transport). Other protocols always use fsspec.
+    transport: Literal["auto", "obstore", "fsspec"] = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, want: str) -> None:
@@ -170,6 +175,8 @@ class LoadOptions:
             isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1
         ):
             bad("io_threads", self.io_threads, "expected an int >= 1 or None")
+        if self.transport not in ("auto", "obstore", "fsspec"):
+            bad("transport", self.transport, 'expected "auto", "obstore" or "fsspec"')
         for name in ("verify", "hedge", "allow_dtype_cast", "strict_unexpected_keys", "use_uvloop"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, getattr(self, name), "expected a bool")

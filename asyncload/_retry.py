@@ -33,6 +33,7 @@ import concurrent.futures
 import errno
 import logging
 import random
+import re
 import time
 import weakref
 from collections import deque
@@ -137,6 +138,39 @@ _CONNECTION_ERRORS = {
     "NewConnectionError",
     "ConnectTimeoutError",
 }
+#: obstore (Rust ``object_store``) raises typed classes for some failures and a
+#: ``GenericError`` with the HTTP status, the S3 error code or the OS error in its message
+#: for the others; these read them from the message.
+_OBSTORE_STATUS = re.compile(r"status code: (\d{3})\b")
+_OBSTORE_CODE = re.compile(r"<Code>([A-Za-z0-9.]+)</Code>")
+_OBSTORE_RETRY_AFTER = re.compile(r"retry-after\W{0,3}(\d+(?:\.\d+)?)", re.IGNORECASE)
+_OBSTORE_FINAL = {
+    "PreconditionError": ("object_changed", 412),
+    "NotFoundError": ("not_found", 404),
+    "PermissionDeniedError": ("denied", 403),
+    "UnauthenticatedError": ("credentials", 401),
+    "UnknownConfigurationKeyError": ("config", None),
+    "InvalidPathError": ("config", None),
+    "NotModifiedError": ("status_304", 304),
+}
+#: Words of an obstore message without a status: a body cut short (reqwest's body errors:
+#: the answer had begun), credentials it could not get or decode, a rejected certificate,
+#: a timeout, a failed or broken connection.
+_OBSTORE_SHORT_BODY = ("IncompleteBody", "UnexpectedEof", "request or response body error")
+_OBSTORE_CREDENTIALS = ("credential error", "Credential {", "Unable to decode service account")
+_OBSTORE_TLS = ("InvalidCertificate", "UnknownIssuer", "certificate verify failed", "CertificateExpired")
+_OBSTORE_TIMEOUT = ("TimedOut", "operation timed out", "deadline has elapsed")
+_OBSTORE_CONNECTION = (
+    "ConnectionReset",
+    "ConnectionRefused",
+    "ConnectionAborted",
+    "BrokenPipe",
+    "NotConnected",
+    "error sending request",
+    "request or response body error",
+    "connection closed",
+    "dns error",
+)
 #: Local paths a load cannot read, whatever it retries.
 _LOCAL_ERRNOS = {
     errno.ENOTDIR: "not_a_directory",
@@ -158,7 +192,14 @@ class Failure:
     throttle: bool = False
 
 
+def _is_obstore(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("obstore")
+
+
 def _status_of(exc: BaseException) -> int | None:
+    if _is_obstore(exc):
+        m = _OBSTORE_STATUS.search(str(exc))
+        return int(m.group(1)) if m else None
     for attr in ("status", "code", "status_code"):
         v = getattr(exc, attr, None)
         if isinstance(v, int) and 100 <= v < 600:
@@ -172,6 +213,9 @@ def _status_of(exc: BaseException) -> int | None:
 
 
 def _retry_after(exc: BaseException) -> float | None:
+    if _is_obstore(exc):  # obstore keeps no headers; a message may quote the value
+        m = _OBSTORE_RETRY_AFTER.search(str(exc))
+        return float(m.group(1)) if m else None
     headers = getattr(exc, "headers", None)
     if headers is None:
         resp = getattr(exc, "response", None)
@@ -187,6 +231,9 @@ def _retry_after(exc: BaseException) -> float | None:
 
 
 def _error_code(exc: BaseException) -> str | None:
+    if _is_obstore(exc):  # the S3 error document is quoted in the message
+        m = _OBSTORE_CODE.search(str(exc))
+        return m.group(1) if m else None
     resp = getattr(exc, "response", None)
     if isinstance(resp, dict):
         code = resp.get("Error", {}).get("Code")
@@ -216,6 +263,32 @@ def _is_certificate_error(exc: BaseException) -> bool:
     return "SSLError" in _mro_names(exc) and "certificate verify failed" in str(exc).lower()
 
 
+def _classify_obstore(exc: BaseException) -> Failure | None:
+    """What an obstore exception means, where its class or words say it (``None``: an
+    HTTP status in the message, classified like any other client's, or nothing known)."""
+    name = type(exc).__name__
+    if name in _OBSTORE_FINAL:
+        cause, status = _OBSTORE_FINAL[name]
+        return Failure(False, cause, status, not_found=cause == "not_found")
+    text = str(exc)
+    if name == "NotSupportedError":
+        if "Range request not supported" in text:  # a 200 answer to a ranged GET
+            return Failure(False, "range_ignored", 200)
+        return Failure(False, "not_supported")
+    if _OBSTORE_STATUS.search(text):
+        return None
+    for words, failure in (
+        (_OBSTORE_SHORT_BODY, Failure(True, "short_read")),
+        (_OBSTORE_CREDENTIALS, Failure(False, "credentials")),
+        (_OBSTORE_TLS, Failure(False, "tls")),
+        (_OBSTORE_TIMEOUT, Failure(True, "timeout")),
+        (_OBSTORE_CONNECTION, Failure(True, "connection")),
+    ):
+        if any(w in text for w in words):
+            return failure
+    return None
+
+
 def classify(exc: BaseException) -> Failure:
     """Whether a failed read can succeed if tried again, and why it failed."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
@@ -240,6 +313,10 @@ def classify(exc: BaseException) -> Failure:
             return Failure(False, "config")
         if _is_certificate_error(e):
             return Failure(False, "tls")
+        if _is_obstore(e):
+            known = _classify_obstore(e)
+            if known is not None:
+                return known
     for e in chain:
         code = _error_code(e)
         status = _status_of(e)
@@ -297,6 +374,8 @@ _HINTS = {
         " e.g. AWS_CA_BUNDLE or SSL_CERT_FILE)"
     ),
     "not_a_regular_file": " (a checkpoint file must be a regular file, not a FIFO, socket or device)",
+    "object_changed": " (the object was replaced while this load read it: load again once the save has finished)",
+    "not_supported": " (the store does not support this request: try LoadOptions.transport='fsspec')",
     "not_a_directory": " (a path component is a file where a directory is expected: check the checkpoint path)",
     "name_too_long": " (the path is longer than the file system allows: check the checkpoint path)",
     "symlink_loop": " (the path has a symbolic link loop: check the checkpoint path)",

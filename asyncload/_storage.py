@@ -255,7 +255,30 @@ class LocalStorage(Storage):
                 pass
 
 
-class FsspecStorage(Storage):
+class VersionPins(Storage):
+    """A remote store whose objects are pinned to the version first seen ("etag ...",
+    "generation ...", "last-modified ..."): every later answer about the file must carry
+    the same, else :class:`ObjectChangedError`."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        #: file name -> the version this load first saw
+        self._versions: dict[str, str] = {}
+
+    def _see(self, name: str, version: str | None, byte_range: tuple[int, int] | None = None) -> None:
+        """Pin file ``name`` to ``version`` at first sight; raise if a later answer differs."""
+        if version is None:
+            return
+        seen = self._versions.setdefault(name, version)
+        if seen != version:
+            raise ObjectChangedError(self.url(name), byte_range, seen, version)
+
+    def pinned(self, name: str) -> str | None:
+        """The version of file ``name`` this storage first saw, if the store reports one."""
+        return self._versions.get(name)
+
+
+class FsspecStorage(VersionPins):
     """Any fsspec filesystem: async ones (s3fs, gcsfs, HTTP) natively on our loop,
     sync ones (memory://, ...) in threads.
 
@@ -285,9 +308,6 @@ class FsspecStorage(Storage):
         self._fs_lock: asyncio.Lock | None = None
         self._root_path = self._cls._strip_protocol(root)
         self.is_async = bool(getattr(self._cls, "async_impl", False))
-        #: file name -> the version this load first saw ("etag ...", "generation ...",
-        #: "last-modified ..."): every later answer about the file must carry the same
-        self._versions: dict[str, str] = {}
 
     def _full(self, name: str) -> str:
         if self.protocol in ("http", "https"):
@@ -348,18 +368,6 @@ class FsspecStorage(Storage):
                     self._disable_own_retries(fs)
                 self._fs = fs
         return self._fs
-
-    def _see(self, name: str, version: str | None, byte_range: tuple[int, int] | None = None) -> None:
-        """Pin file ``name`` to ``version`` at first sight; raise if a later answer differs."""
-        if version is None:
-            return
-        seen = self._versions.setdefault(name, version)
-        if seen != version:
-            raise ObjectChangedError(self.url(name), byte_range, seen, version)
-
-    def pinned(self, name: str) -> str | None:
-        """The version of file ``name`` this storage first saw, if the store reports one."""
-        return self._versions.get(name)
 
     async def fingerprint(self, name: str) -> object | None:
         """The pinned version: a change shows on the first answer that carries another
@@ -663,11 +671,44 @@ def local_root(checkpoint: str | os.PathLike[str]) -> str:
 
 
 def open_storage(
-    checkpoint: str | os.PathLike[str], storage_options: Mapping[str, Any] | None, executor: concurrent.futures.Executor
+    checkpoint: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    executor: concurrent.futures.Executor,
+    *,
+    transport: str = "auto",
 ) -> Storage:
-    """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL."""
+    """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL.
+
+    ``transport`` (``LoadOptions.transport``) picks the client for ``s3://``, ``gs://``,
+    ``gcs://`` and ``http(s)://``: ``"obstore"``, ``"fsspec"``, or ``"auto"`` (obstore
+    when it is installed and the URL and ``storage_options`` map onto it, else fsspec;
+    why not is logged at DEBUG). Every other protocol is fsspec's.
+
+    Raised: :class:`StorageReadError` for ``transport="obstore"`` when obstore is not
+    installed or cannot honour an option (the message names it).
+    """
     if is_local(checkpoint):
         return LocalStorage(str(Path(local_root(checkpoint))), executor)
     s = str(checkpoint)
     protocol = s.split("://", 1)[0]
-    return FsspecStorage(s, protocol, storage_options or {}, executor)
+    options = storage_options or {}
+    from . import _obstore  # it builds on this module's classes
+
+    if transport != "fsspec" and protocol.lower() in _obstore.OBSTORE_PROTOCOLS:
+        reason = None if _obstore.obstore_available() else "obstore is not installed (pip install obstore)"
+        if reason is None:
+            try:
+                spec = _obstore.plan_store(s, options)
+            except _obstore.Unmappable as exc:
+                reason = str(exc)
+            else:
+                return _obstore.ObstoreStorage(s, spec, storage_options=options, executor=executor)
+        if transport == "obstore":
+            from ._errors import StorageReadError
+
+            raise StorageReadError(
+                f"{s} cannot be read with LoadOptions.transport='obstore': {reason} (use transport='fsspec', or 'auto' to fall back by itself)",
+                path=s,
+            )
+        log.debug("reading %s through fsspec, not obstore: %s", s, reason)
+    return FsspecStorage(s, protocol, options, executor)

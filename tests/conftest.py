@@ -33,6 +33,25 @@ except ImportError:  # pragma: no cover - only while asyncload.testing is being 
     pass
 
 
+#: The clients a remote test runs with (``LoadOptions.transport``).
+TRANSPORTS = ["obstore", "fsspec"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """``LoadOptions.transport`` for a remote test: each test runs once per client."""
+    return str(request.param)
+
+
+@pytest.fixture
+def transport_options(request: pytest.FixtureRequest, transport: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The module's option constants (``TRANSPORT_OPTIONS``, default ``("OPTS",)``) with
+    ``transport`` for this test (``pytestmark = pytest.mark.usefixtures("transport_options")``)."""
+    for name in getattr(request.module, "TRANSPORT_OPTIONS", ("OPTS",)):
+        monkeypatch.setattr(request.module, name, getattr(request.module, name).replace(transport=transport))
+    return transport
+
+
 @pytest.fixture
 def tmp_ckpt(tmp_path):
     """A fresh directory for one checkpoint."""

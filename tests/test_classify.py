@@ -40,9 +40,10 @@ from asyncload import (
     LoadOptions,
     StorageReadError,
 )
-from asyncload._retry import Failure, RetryingStorage, classify, translate
+from asyncload._retry import _HINTS, Failure, RetryingStorage, classify, translate
 from asyncload._stats import StatsRecorder
 from asyncload._storage import LocalStorage, NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
+from asyncload.testing import reset, status, truncate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -285,6 +286,109 @@ def test_classify(make: Callable[[], BaseException], expected: Failure) -> None:
 
 
 TRANSLATED = [r for r in ROWS if r[3] is not None]
+
+
+async def provoke_obstore(how: str, s3_server: Any, fault_proxy: Callable[..., Any], bucket: str) -> BaseException:
+    """The exception obstore raises for ``how``, provoked against moto (behind a FaultProxy
+    where the server would not fail by itself)."""
+    import obstore
+    from obstore.store import HTTPStore, S3Store
+
+    from asyncload.testing import free_port
+
+    s3_server.put_object(bucket, "ckpt/x.bin", bytes(range(256)) * 16)
+    proxy = fault_proxy(s3_server)
+    client: Any = {"allow_http": True}
+
+    def store(endpoint: str = proxy.endpoint_url, **config: Any) -> Any:
+        return S3Store(
+            bucket,
+            endpoint=endpoint,
+            region="us-east-1",
+            access_key_id="testing",
+            secret_access_key="testing",
+            client_options=client,
+            retry_config={"max_retries": 0},
+            **config,
+        )
+
+    faults = {"403": status(403), "401": status(401), "500": status(500), "503": status(503, retry_after=2),
+              "429": status(429), "reset": reset(), "reset-mid-body": reset(after_bytes=100), "truncated": truncate(100)}  # fmt: skip
+    options: Any = {"range": (0, 4096)}
+    try:
+        if how in faults:
+            proxy.add_rule(faults[how], times=1)
+        elif how == "missing":
+            await obstore.get_async(store(), "ckpt/nope", options=options)
+        elif how == "past-eof":
+            options = {"range": (8192, 9000)}
+        elif how == "precondition":
+            options = {"range": (0, 4096), "if_match": '"not-the-etag"'}
+        elif how == "refused":
+            await obstore.get_async(store(f"http://127.0.0.1:{free_port()}"), "ckpt/x.bin", options=options)
+        elif how == "unknown-key":
+            store(no_such_key="x")
+        elif how == "range-ignored":
+            await obstore.get_async(HTTPStore(ignoring_range_url(), client_options=client), "x.bin", options=options)
+        result = await obstore.get_async(store(), "ckpt/x.bin", options=options)
+        await result.bytes_async()
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"obstore did not fail for {how}")
+
+
+_ignoring: list[Any] = []
+
+
+def ignoring_range_url() -> str:
+    """An HTTP server that answers every ranged GET with 200 and the whole file (started once)."""
+    import atexit
+    import tempfile
+    from pathlib import Path
+
+    from asyncload.testing import HTTPRangeServer
+
+    if not _ignoring:
+        root = Path(tempfile.mkdtemp(prefix="asyncload-ignore-range-"))
+        (root / "x.bin").write_bytes(bytes(4 << 20))
+        server = HTTPRangeServer(root, ignore_range=True)
+        server.start()
+        atexit.register(server.stop)
+        _ignoring.append(server)
+    return str(_ignoring[0].endpoint_url)
+
+
+#: (id, how provoke_obstore provokes it, its Failure, the class translate makes of it)
+# fmt: off
+OBSTORE_ROWS: list[tuple[str, str, Failure, type[AsyncLoadError]]] = [
+    ("obstore-missing", "missing", NOT_FOUND, NF),
+    ("obstore-403", "403", DENIED, SR),
+    ("obstore-401", "401", fail(False, "credentials", 401), SR),
+    ("obstore-500", "500", fail(True, "status_500", 500), SR),
+    ("obstore-503-SlowDown", "503", fail(True, "status_503", 503, throttle=True), SR),
+    ("obstore-429", "429", fail(True, "status_429", 429, throttle=True), SR),
+    ("obstore-416", "past-eof", RANGE_416, FMT),
+    ("obstore-reset-before-headers", "reset", CONNECTION, SR),
+    ("obstore-reset-mid-body", "reset-mid-body", SHORT, SR),
+    ("obstore-body-cut-short", "truncated", SHORT, SR),
+    ("obstore-connection-refused", "refused", CONNECTION, SR),
+    ("obstore-precondition", "precondition", fail(False, "object_changed", 412), SR),
+    ("obstore-unknown-config-key", "unknown-key", CONFIG, SR),
+    ("obstore-range-ignored", "range-ignored", fail(False, "range_ignored", 200), SR),
+]
+# fmt: on
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how,failure,cls", [r[1:] for r in OBSTORE_ROWS], ids=[r[0] for r in OBSTORE_ROWS])
+async def test_classify_and_translate_obstore(s3_server, fault_proxy, bucket_name, how, failure, cls) -> None:
+    exc = await provoke_obstore(how, s3_server, fault_proxy, bucket_name)
+    assert classify(exc) == failure, (type(exc), str(exc)[:300])
+    err = translate(exc, url=URL_, byte_range=RANGE, attempts=1)
+    assert type(err) is cls
+    assert f"{URL_} bytes [1024, 4096)" in str(err)
+    if cls is SR and failure.cause in _HINTS:
+        assert _HINTS[failure.cause] in str(err)
 
 
 @pytest.mark.parametrize("make,failure,cls", [r[1:] for r in TRANSLATED], ids=[r[0] for r in TRANSLATED])

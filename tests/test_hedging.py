@@ -18,7 +18,8 @@ from asyncload._retry import clock_of, hedge_delay
 from asyncload._stats import StatsRecorder
 from asyncload.testing import stall, status
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]
+TRANSPORT_OPTIONS = ("OPTS", "AUTO")
 
 OPTS = LoadOptions(
     chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=10.0, retries=2, backoff=0.02, hedge_min_delay=0.2

@@ -121,7 +121,7 @@ def _save_dcp(path: Path) -> None:
     dcp.save({"w": torch.arange(16, dtype=torch.float32)}, checkpoint_id=str(path))
 
 
-def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_server, tmp_path):
+def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_server, tmp_path, transport):
     """A ``.metadata`` whose storage file name is ``%2e%2e/%2e%2e/other/__0_0.distcp`` (the
     same server serves a real ``other/__0_0.distcp`` there): refused, never fetched."""
     import pickle
@@ -142,7 +142,7 @@ def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_ser
     url = http_server.url("pct", "a/ckpt")
     before = len(http_server.requests())
     with pytest.raises(CheckpointFormatError) as ei:
-        asyncload.load({"w": torch.zeros(16)}, url, options=LoadOptions(retries=0))
+        asyncload.load({"w": torch.zeros(16)}, url, options=LoadOptions(retries=0, transport=transport))
     assert "%2e%2e" in str(ei.value)
     seen = [r["path"] for r in http_server.requests()[before:]]
     assert seen and all("other" not in p and "%2e" not in p.lower() for p in seen), seen
@@ -161,7 +161,7 @@ def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_ser
         "model.safetensors%00.txt",
     ],
 )
-def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(http_server, tmp_path, evil):
+def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(http_server, tmp_path, evil, transport):
     """The same through ``model.safetensors.index.json``'s ``weight_map`` (a real file of the
     same name is served where the name would lead): refused before anything of it is fetched."""
     from safetensors.torch import save_file
@@ -180,7 +180,7 @@ def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(htt
     before = len(http_server.requests())
     dest = {"w": torch.zeros(16)}
     with pytest.raises(CheckpointFormatError) as ei:
-        asyncload.load(dest, http_server.url(bucket, "a/ckpt"), options=LoadOptions(retries=0))
+        asyncload.load(dest, http_server.url(bucket, "a/ckpt"), options=LoadOptions(retries=0, transport=transport))
     assert "model.safetensors" in str(ei.value)
     seen = [r["path"] for r in http_server.requests()[before:]]
     assert seen and all("/other" not in p and "%2e" not in p.lower() for p in seen), seen

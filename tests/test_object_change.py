@@ -19,7 +19,12 @@ from _remote import BACKENDS, make_remote
 import asyncload
 from asyncload import CheckpointChangedError, CheckpointFormatError, LoadOptions
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+    pytest.mark.usefixtures("transport_options"),
+]
+TRANSPORT_OPTIONS = ("SLOW",)
 
 N = 256 << 10  # float32 elements: 1 MiB of data, 16 chunks of 64 KiB
 SLOW = LoadOptions(chunk_size=64 << 10, min_chunk_size=64 << 10, concurrency=1, hedge=False, retries=2, backoff=0)

@@ -17,7 +17,7 @@ import asyncload
 from asyncload import CheckpointNotFoundError, LoadOptions, StorageReadError
 from asyncload.testing import status
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]
 
 OPTS = LoadOptions(chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=5, retries=2, backoff=0.05)
 
@@ -37,15 +37,19 @@ def test_load_bit_exact_and_everything_closed(request, backend, ckpt, bucket_nam
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dcp_load_with_pipelined_reader(request, backend, ckpt, bucket_name, fault_proxy):
+def test_dcp_load_with_pipelined_reader(request, backend, ckpt, bucket_name, fault_proxy, transport):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd, object_placeholder=None)
     with no_unclosed_session_warnings():
         dcp.load(
             dst,
-            storage_reader=asyncload.PipelinedReader(r.url, storage_options=r.storage_options),
-            planner=asyncload.PipelinedLoadPlanner(chunk_size=64 << 10, min_chunk_size=8 << 10, timeout=5),
+            storage_reader=asyncload.PipelinedReader(
+                r.url, storage_options=r.storage_options, options=LoadOptions(transport=transport)
+            ),
+            planner=asyncload.PipelinedLoadPlanner(
+                chunk_size=64 << 10, min_chunk_size=8 << 10, timeout=5, options=LoadOptions(transport=transport)
+            ),
             no_dist=True,
         )
     assert_bitwise_equal(dst, sd)

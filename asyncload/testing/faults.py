@@ -312,8 +312,11 @@ def _is_data_request(req: _Request, flavor: Flavor) -> bool:
         return False
     if flavor == "http":
         return True
-    if flavor == "gcs":
-        return "alt=media" in req.query or req.path.startswith("/download/")
+    if flavor == "gcs":  # JSON API media GETs, or XML API GETs /bucket/object (obstore's)
+        xml = bool(req.path.lstrip("/").partition("/")[2]) and not req.path.startswith(
+            ("/storage/", "/upload/", "/download/", "/batch/", "/_internal/")
+        )
+        return "alt=media" in req.query or req.path.startswith("/download/") or xml
     bucket, _, key = req.path.lstrip("/").partition("/")
     if not bucket or not key:
         return False

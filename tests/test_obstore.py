@@ -1,0 +1,419 @@
+"""The obstore transport (``LoadOptions.transport``): which storage options map onto it and
+which fall back to fsspec, the choice ``open_storage`` makes, reads that return obstore's
+own buffer, versions pinned and compared, obstore's own retries off, and a cancelled or
+timed-out read that leaves no connection or task behind. Real servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import obstore
+import psutil
+import pytest
+from _remote import BACKENDS, wait_closed
+
+from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
+from asyncload._obstore import ObstoreStorage, StoreSpec, Unmappable, plan_store
+from asyncload._retry import RetryingStorage
+from asyncload._stats import StatsRecorder
+from asyncload._storage import FsspecStorage, LocalStorage, ObjectChangedError, RangeIgnoredError, ShortReadError
+from asyncload._storage import open_storage as open_storage_
+from asyncload.testing import HTTPRangeServer, reset, stall, status
+
+pytestmark = pytest.mark.timeout(60)
+
+DATA = bytes(range(256)) * 64  # 16 KiB
+
+
+@pytest.fixture
+def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="test-obstore")
+    yield pool
+    pool.shutdown(wait=True)
+
+
+def _remote(request: pytest.FixtureRequest, backend: str, bucket: str, fault_proxy: Any, data: bytes = DATA):
+    """``(url, storage_options, proxy, server)`` of ``bucket/ckpt/f.bin`` holding ``data``, through a proxy."""
+    server = request.getfixturevalue(f"{backend}_server")
+    server.put_object(bucket, "ckpt/f.bin", data)
+    proxy = fault_proxy(server)
+    if backend == "http":
+        return server.url(bucket, "ckpt", endpoint_url=proxy.endpoint_url), server.storage_options(), proxy, server
+    return f"{server.protocol}://{bucket}/ckpt", server.storage_options(endpoint_url=proxy.endpoint_url), proxy, server
+
+
+def _boundary(raw: Any, executor: Any, **opts: Any) -> tuple[RetryingStorage, StatsRecorder]:
+    stats = StatsRecorder()
+    options = LoadOptions(**{"retries": 3, "backoff": 0, "max_backoff": 0, "timeout": 30.0, "hedge": False, **opts})
+    return RetryingStorage.for_options(raw, options, stats, executor), stats
+
+
+# -- option mapping ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url,options,kind,config,client,retries",
+    [
+        (
+            "s3://b/ckpt/step-1",
+            {"endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s", "skip_instance_cache": True},
+            "s3",
+            {"endpoint": "http://127.0.0.1:9000", "access_key_id": "k", "secret_access_key": "s"},
+            {"allow_http": True},
+            0,
+        ),
+        (
+            "s3://b/ckpt",
+            {"anon": True, "client_kwargs": {"endpoint_url": "https://minio:9000", "region_name": "eu-west-1"}},
+            "s3",
+            {"skip_signature": True, "endpoint": "https://minio:9000", "region": "eu-west-1"},
+            {},
+            0,
+        ),
+        (
+            "s3://b/ckpt",
+            {
+                "key": "k",
+                "secret": "s",
+                "token": "t",
+                "requester_pays": True,
+                "config_kwargs": {
+                    "max_pool_connections": 64,
+                    "retries": {"total_max_attempts": 3},
+                    "connect_timeout": 2,
+                    "s3": {"addressing_style": "virtual"},
+                },
+            },
+            "s3",
+            {"session_token": "t", "request_payer": True, "virtual_hosted_style_request": True},
+            {"pool_max_idle_per_host": "64"},
+            2,
+        ),
+        (
+            "gs://b/ckpt",
+            {"endpoint_url": "http://127.0.0.1:4443", "token": "anon", "project": "test"},
+            "gcs",
+            {"base_url": "http://127.0.0.1:4443", "skip_signature": True},
+            {"allow_http": True},
+            0,
+        ),
+        (
+            "gcs://b/ckpt",
+            {"token": {"type": "service_account", "client_email": "a@b"}},
+            "gcs",
+            {"service_account_key": '{"type": "service_account", "client_email": "a@b"}'},
+            {},
+            0,
+        ),
+        (
+            "http://127.0.0.1:8000/ckpt/",
+            {"headers": {"Authorization": "Bearer x"}, "client_kwargs": {"headers": {"X-A": 1}}, "simple_links": True},
+            "http",
+            {},
+            {"allow_http": True, "default_headers": {"X-A": "1", "Authorization": "Bearer x"}},
+            0,
+        ),
+    ],
+    ids=["s3-endpoint-key-secret", "s3-anon-client-kwargs", "s3-token-config-kwargs", "gcs-anon", "gcs-dict", "http"],
+)
+def test_storage_options_map_onto_obstore(monkeypatch, url, options, kind, config, client, retries) -> None:
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    spec = plan_store(url, options)
+    assert spec.kind == kind
+    assert config.items() <= spec.config.items(), spec.config
+    assert client.items() <= spec.client_options.items(), spec.client_options
+    assert spec.max_retries == retries
+    if kind == "s3":
+        assert (spec.bucket, spec.config["region"]) == ("b", config.get("region", "us-east-1"))
+    if kind == "http":
+        assert spec.url == url.rstrip("/")
+    else:
+        assert spec.prefix == url.split("://", 1)[1].split("/", 1)[1]
+    if "service_account_key" not in spec.config:  # obstore decodes a key at once
+        spec.build()  # obstore accepts every key
+
+
+def test_a_ca_bundle_becomes_obstore_root_certificates(monkeypatch, tmp_path) -> None:
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    (tmp_path / "ca.pem").write_text(pem)
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "ca.pem"))
+    spec = plan_store("s3://b/c", {"key": "k", "secret": "s", "endpoint_url": "https://h"})
+    assert spec.client_options["root_certificate"] == pem
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+    with pytest.raises(Unmappable, match="missing.pem"):
+        plan_store("s3://b/c", {"key": "k", "secret": "s", "endpoint_url": "https://h"})
+
+
+@pytest.mark.parametrize(
+    "url,options,named",
+    [
+        ("s3://b/c", {"profile": "dev"}, "'profile'"),
+        (
+            "s3://b/c",
+            {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://h", "proxies": {}}},
+            "proxies",
+        ),
+        (
+            "s3://b/c",
+            {"key": "k", "secret": "s", "endpoint_url": "http://h", "config_kwargs": {"proxies": {}}},
+            "proxies",
+        ),
+        ("s3://b/c", {"key": "k", "endpoint_url": "http://h"}, "without its secret"),
+        ("s3://b/c", {"key": "k", "secret": "s", "endpoint_url": "http://h", "version_aware": True}, "version_aware"),
+        ("s3://b/c", {"key": "k", "secret": "s"}, "no region"),
+        ("s3://b/c?versionId=1", {}, "query"),
+        ("gs://b/c", {"token": object()}, "token of type object"),
+        ("gs://b/c", {"token": "anon", "requester_pays": True}, "requester_pays"),
+        ("gs://b/c", {"token": "/no/such/key.json"}, "key file"),
+        ("gs://b/c", {"token": "anon", "session_kwargs": {}}, "session_kwargs"),
+        ("http://h/c", {"client_kwargs": {"timeout": 5}}, "timeout"),
+        ("http://h/c", {"encoded": True}, "encoded"),
+        ("memory://c", {}, "memory://"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and "://" not in v and len(v) < 20 else None,
+)
+def test_options_obstore_cannot_honour_are_named(monkeypatch, url, options, named) -> None:
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    with pytest.raises(Unmappable) as ei:
+        plan_store(url, options)
+    assert named in str(ei.value)
+
+
+def test_credentials_from_an_aws_profile_file_fall_back(monkeypatch, tmp_path) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_CA_BUNDLE"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "credentials").write_text("[default]\naws_access_key_id = x\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    with pytest.raises(Unmappable, match="~/.aws"):
+        plan_store("s3://b/c", {"endpoint_url": "http://h"})
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    with pytest.raises(Unmappable, match="AWS_PROFILE"):
+        plan_store("s3://b/c", {"endpoint_url": "http://h", "key": "k", "secret": "s"})
+
+
+# -- the choice ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_picks_obstore_for_the_servers_options_and_fsspec_on_request(request, backend, executor) -> None:
+    server = request.getfixturevalue(f"{backend}_server")
+    url = server.url("bucket", "ckpt") if backend == "http" else f"{server.protocol}://bucket/ckpt"
+    opts = server.storage_options()
+    assert type(open_storage_(url, opts, executor)) is ObstoreStorage
+    assert type(open_storage_(url, opts, executor, transport="obstore")) is ObstoreStorage
+    assert type(open_storage_(url, opts, executor, transport="fsspec")) is FsspecStorage
+
+
+def test_auto_falls_back_to_fsspec_and_says_why(caplog, executor, tmp_path) -> None:
+    opts = {"endpoint_url": "http://127.0.0.1:1", "key": "k", "secret": "s", "config_kwargs": {"proxies": {}}}
+    with caplog.at_level(logging.DEBUG, logger="asyncload.storage"):
+        storage = open_storage_("s3://b/ckpt", opts, executor)
+    assert type(storage) is FsspecStorage
+    assert any("not obstore" in r.getMessage() and "proxies" in r.getMessage() for r in caplog.records)
+    with pytest.raises(StorageReadError) as ei:
+        open_storage_("s3://b/ckpt", opts, executor, transport="obstore")
+    assert "proxies" in str(ei.value) and "transport='fsspec'" in str(ei.value) and ei.value.path == "s3://b/ckpt"
+    # not an object store: fsspec (or local) whatever the transport
+    assert type(open_storage_("memory://x", {}, executor, transport="obstore")) is FsspecStorage
+    assert type(open_storage_(tmp_path, None, executor, transport="obstore")) is LocalStorage
+
+
+def test_transport_is_validated() -> None:
+    assert LoadOptions().transport == "auto"
+    with pytest.raises(ValueError, match=r"LoadOptions.transport='s3fs' is invalid"):
+        LoadOptions(transport="s3fs")  # type: ignore[arg-type]
+
+
+# -- reads --------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_read_returns_obstores_buffer_uncopied(request, backend, bucket_name, fault_proxy, executor) -> None:
+    url, opts, _proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
+    raw = open_storage_(url, opts, executor, transport="obstore")
+    rs, stats = _boundary(raw, executor)
+    try:
+        direct = await raw.read("f.bin", 100, 5000)
+        through = await rs.read("f.bin", 5000, 16384)
+    finally:
+        await rs.aclose()
+    for mv, lo, hi in ((direct, 100, 5000), (through, 5000, 16384)):
+        assert isinstance(mv, memoryview) and isinstance(mv.obj, obstore.Bytes)  # obstore's memory, no copy
+        assert mv.readonly and mv.format == "B" and bytes(mv) == DATA[lo:hi]
+    assert stats.snapshot().bytes_read == 16384 - 5000
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_read_past_the_end_is_a_short_read(request, backend, bucket_name, fault_proxy, executor) -> None:
+    url, opts, _, _ = _remote(request, backend, bucket_name, fault_proxy)
+    raw = open_storage_(url, opts, executor, transport="obstore")
+    try:
+        with pytest.raises(ShortReadError) as ei:
+            await raw.read("f.bin", len(DATA) - 10, len(DATA) + 10)
+    finally:
+        await raw.aclose()
+    assert (ei.value.got, ei.value.start, ei.value.end) == (10, len(DATA) - 10, len(DATA) + 10)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_versions_pinned_and_every_answer_compared(request, backend, bucket_name, fault_proxy, executor) -> None:
+    url, opts, _, server = _remote(request, backend, bucket_name, fault_proxy)
+    raw = open_storage_(url, opts, executor, transport="obstore")
+    assert isinstance(raw, ObstoreStorage)
+    try:
+        assert await raw.size("f.bin") == len(DATA)
+        seen = raw.pinned("f.bin")
+        assert seen is not None and seen.split(" ", 1)[0] == ("generation" if backend == "gcs" else "etag")
+        assert bytes(await raw.read("f.bin", 0, 10)) == DATA[:10]
+        if backend == "http":  # the Range server's ETag is mtime and size: change both
+            await asyncio.sleep(0.01)
+        server.put_object(bucket_name, "ckpt/f.bin", DATA[::-1] + b"x")
+        with pytest.raises(ObjectChangedError) as ei:
+            await raw.read("f.bin", 0, 10)
+        with pytest.raises(ObjectChangedError):
+            await raw.size("f.bin")
+    finally:
+        await raw.aclose()
+    err = ei.value
+    assert err.seen == seen and err.byte_range == (0, 10) and err.url.endswith("/ckpt/f.bin")
+    # S3 and HTTP refuse the read (If-Match: 412); fake-gcs ignores it and the generation differs
+    assert (err.now is None) == (backend != "gcs"), err
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+async def test_sizes_in_one_listing_pin_versions(request, backend, bucket_name, fault_proxy, executor) -> None:
+    server = request.getfixturevalue(f"{backend}_server")
+    names = [f"__{i}_0.distcp" for i in range(5)]
+    for i, n in enumerate(names):
+        server.put_object(bucket_name, f"ckpt/{n}", bytes(i + 1))
+    server.put_object(bucket_name, "ckpt/sub/deeper.bin", b"x")
+    proxy = fault_proxy(server)
+    raw = open_storage_(f"{server.protocol}://{bucket_name}/ckpt", server.storage_options(proxy.endpoint_url), executor)
+    try:
+        assert await raw.sizes([*names, "missing"]) == {n: i + 1 for i, n in enumerate(names)}
+        assert await raw.listdir() == sorted(names)
+    finally:
+        await raw.aclose()
+    assert sum(1 for e in proxy.log if e.method == "GET") == 2  # one listing each, no HEAD per file
+    assert all(raw.pinned(n) is not None for n in names) == (backend == "s3")  # GCS lists no generation
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_ignores_range_is_refused_without_reading_the_body(tmp_path, executor) -> None:
+    big = 64 << 20
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "big.bin").write_bytes(bytes(range(256)) * (big // 256))
+    server = HTTPRangeServer(tmp_path, ignore_range=True)
+    server.start()
+    try:
+        rs, stats = _boundary(open_storage_(f"{server.endpoint_url}/ckpt", {}, executor, transport="obstore"), executor)
+        try:
+            with pytest.raises(StorageReadError) as ei:
+                await rs.read("big.bin", 1024, 5120)
+        finally:
+            await rs.aclose()
+        assert type(ei.value.__cause__) is RangeIgnoredError and ei.value.status == 200
+        assert "the server ignores Range requests" in str(ei.value) and ei.value.attempts == 1
+        assert stats.snapshot().retries == 0
+        logged: list[dict[str, Any]] = []
+        for _ in range(600):  # the server logs a request when its handler ends
+            logged = [r for r in server.requests() if r["path"].endswith("/big.bin")]
+            if logged:
+                break
+            await asyncio.sleep(0.05)
+        assert len(logged) == 1 and logged[0]["sent"] < big // 4, logged
+    finally:
+        server.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_obstores_own_retries_are_off(request, backend, bucket_name, fault_proxy, executor) -> None:
+    url, opts, proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
+    raw = open_storage_(url, opts, executor, transport="obstore")
+    rule = proxy.add_rule(status(503), times=None, data_only=True)
+    try:
+        with pytest.raises(Exception, match="503"):
+            await raw.read("f.bin", 0, 100)
+    finally:
+        await raw.aclose()
+    assert rule.fired == 1  # one request: obstore did not try again by itself
+    rs, stats = _boundary(open_storage_(url, opts, executor, transport="obstore"), executor, retries=2)
+    try:
+        with pytest.raises(StorageReadError) as ei:
+            await rs.read("f.bin", 0, 100)
+    finally:
+        await rs.aclose()
+    assert rule.fired == 1 + 3 and ei.value.status == 503 and ei.value.attempts == 3
+    assert stats.snapshot().retries_by_cause == {"status_503": 2}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_reset_is_retried_and_counted(request, backend, bucket_name, fault_proxy, executor) -> None:
+    url, opts, proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
+    rs, stats = _boundary(open_storage_(url, opts, executor, transport="obstore"), executor)
+    try:
+        assert bytes(await rs.read("f.bin", 0, 100)) == DATA[:100]  # a pooled connection
+        proxy.add_rule(reset(), times=1, data_only=True)
+        assert bytes(await rs.read("f.bin", 100, 4000)) == DATA[100:4000]
+    finally:
+        await rs.aclose()
+    assert proxy.faults_applied == 1
+    assert stats.snapshot().retries_by_cause == {"connection": 1}
+
+
+def _threads() -> int:
+    return psutil.Process().num_threads()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_timed_out_and_cancelled_reads_leave_nothing(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
+    """A stalled read cancelled by asyncload's timeout (``asyncio.wait``) or by the caller:
+    its connection closes at once, before the store is dropped; no task is left, and
+    obstore's runtime starts no thread per read."""
+    url, opts, proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
+    raw = open_storage_(url, opts, executor, transport="obstore")
+    rs, stats = _boundary(raw, executor, timeout=0.3, retries=1)
+    try:
+        assert bytes(await rs.read("f.bin", 0, 10)) == DATA[:10]
+        await asyncio.to_thread(lambda: None)  # the loop's default executor, for wait_closed below
+        threads = _threads()
+        rule = proxy.add_rule(stall(None), times=None, data_only=True)
+        with pytest.raises(ChunkTimeoutError) as ei:
+            await rs.read("f.bin", 0, 1000)
+        assert ei.value.attempts == 2 and rule.fired == 2
+        assert await asyncio.to_thread(wait_closed, proxy.port) == []  # the store is still open
+        task = asyncio.ensure_future(raw.read("f.bin", 0, 1000))
+        while rule.fired < 3:  # noqa: ASYNC110 - the proxy counts in its own thread
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(wait_closed, proxy.port) == []
+        assert _threads() == threads
+    finally:
+        await rs.aclose()
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    snap = stats.snapshot()
+    assert snap.timeouts == 2 and snap.retries_by_cause == {"timeout": 1}
+
+
+def test_spec_is_plain_data() -> None:
+    spec = StoreSpec("http", None, None, url="http://127.0.0.1:1/x")
+    assert spec.build().url == "http://127.0.0.1:1/x" and spec.config == {} and spec.max_retries == 0
