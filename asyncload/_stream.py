@@ -17,11 +17,12 @@ yielded alone. A consumer that does not ask for the next tensor stops the reads 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fnmatch
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -127,6 +128,8 @@ class CheckpointStream:
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self._stats: LoadStats | None = None
+        #: The batch being read (ahead of the consumer), if any.
+        self._pending: asyncio.Task[dict[str, Any]] | None = None
 
     # --- planning ------------------------------------------------------------------------
 
@@ -244,29 +247,29 @@ class CheckpointStream:
         dest = self.allocate(self.tensors + self.objects)
         return await self.aload(dest)
 
-    async def abatches(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def abatches(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """The selected tensors, each as soon as its batch has landed, double-buffered
         within ``memory_budget`` (see the module docstring)."""
         budget = self.options.memory_budget
         todo = self.batches()
         sizes = [sum(self.nbytes(f) for f in b) for b in todo]
-        pending: asyncio.Task[dict[str, Any]] | None = None
         following = 0  # the index of the next batch to start
 
         def start_if_room() -> None:
-            nonlocal pending, following
-            if pending is None and following < len(todo):
+            nonlocal following
+            if self._pending is None and following < len(todo):
                 n = sizes[following]
                 if self.held_bytes == 0 or self.held_bytes + n <= budget:
                     self.held_bytes += n
                     self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-                    pending = asyncio.ensure_future(self.aload(self.allocate(todo[following])))
+                    self._pending = asyncio.ensure_future(self.aload(self.allocate(todo[following])))
                     following += 1
 
         try:
             start_if_room()
-            while pending is not None:
-                loaded, pending = await pending, None
+            while self._pending is not None:
+                loaded = await self._pending
+                self._pending = None
                 names = list(loaded)
                 start_if_room()
                 for fqn in names:
@@ -276,12 +279,17 @@ class CheckpointStream:
                     yield fqn, tensor
                     del tensor
         finally:
-            if pending is not None:
-                pending.cancel()
-                try:
-                    await pending
-                except BaseException:  # cancelled, or failed: the stream is ending anyway
-                    log.debug("the batch in flight of %s ended", self.checkpoint, exc_info=True)
+            await self._astop()
+
+    async def _astop(self) -> None:
+        """Cancel the batch being read ahead, if any, and wait until it has stopped."""
+        task, self._pending = self._pending, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # cancelled, or failed: the stream is ending anyway
+                log.debug("the batch in flight of %s ended", self.checkpoint, exc_info=True)
 
     # --- results and cleanup -------------------------------------------------------------
 
@@ -300,18 +308,20 @@ class CheckpointStream:
         return self._stats if self._stats is not None else self.session.live_stats()
 
     async def aclose(self) -> None:
-        """Close files and sessions and stop the I/O threads."""
+        """Stop a batch in flight, close files and sessions and stop the I/O threads."""
         try:
+            await self._astop()
             await self.session.afinish_device_copies()
         finally:
             await self.session.aclose()
 
 
-async def _astream(stream: CheckpointStream) -> AsyncIterator[tuple[str, torch.Tensor]]:
+async def _astream(stream: CheckpointStream) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
     try:
         await stream.aopen()
-        async for item in stream.abatches():
-            yield item
+        async with contextlib.aclosing(stream.abatches()) as tensors:  # closed now, not when collected
+            async for item in tensors:
+                yield item
         stream.finish()
     finally:
         await stream.aclose()

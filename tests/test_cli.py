@@ -471,3 +471,52 @@ def test_other_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert json.loads(out)["bytes_assembled"] == 406
     code, _, err = _run(["load", str(tmp_path / "st"), "--compare-torch"], capsys)
     assert code == 2 and "not a DCP one" in err and "Traceback" not in err
+
+
+# --- claims checked before allocating (issue 11, item 3d) ---------------------------------------
+
+
+def _forged_8gib(tmp_path: Path) -> Path:
+    """A real dcp.save of one 1.6 KiB tensor whose .metadata claims it is 8 GiB."""
+    from _ckpt import make_checkpoint
+    from _corrupt import mutate_metadata
+
+    path = make_checkpoint(tmp_path / "forged", {"big": torch.arange(400, dtype=torch.float32)})
+
+    def claim(md: object) -> None:
+        smd = md.state_dict_metadata["big"]  # type: ignore[attr-defined]
+        smd.size = torch.Size([1 << 31])
+        smd.chunks[0].sizes = torch.Size([1 << 31])
+
+    mutate_metadata(path, claim)
+    assert (path / ".metadata").stat().st_size < 2048
+    return path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["load", "verify"])
+def test_forged_sizes_are_damage_before_any_allocation(command: str, tmp_path: Path) -> None:
+    """The CLI allocates zeros (touched memory) for ``load``: with 2 GiB of address space to
+    spare, allocating the 8 GiB claimed would fail in torch, not with the typed error."""
+    path = _forged_8gib(tmp_path)
+    code = (
+        "import resource, sys\n"
+        "from asyncload.cli import main\n"
+        "vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.RLIM_INFINITY))\n"
+        f"sys.exit(main([{command!r}, {str(path)!r}, '--no-progress']))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=_env())
+    assert res.returncode == cli.EXIT_DAMAGED, res.stdout + res.stderr
+    assert "'big'" in res.stderr + res.stdout and "8589934592 bytes" in res.stderr + res.stdout
+    assert "MemoryError" not in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_verify_streams_within_the_budget(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["verify", str(ckpt_path), "--budget", "64KiB", "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["ok"] and info["verified_records"] == info["tensor_records"] == 5
+    # the 256 KiB tensor is read alone; everything else within the 64 KiB budget
+    assert info["stats"]["peak_buffered_bytes"] == 128 * 512 * 4

@@ -1,0 +1,216 @@
+"""iter_tensors / aiter_tensors: every tensor bit for bit, the memory bound (from the stats
+and from the reads issued), back-pressure, and leaving early (break, close, cancel) with
+nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _ckpt import (
+    assert_bitwise_equal,
+    asyncload_threads,
+    iter_tensors,
+    open_fds_under,
+    random_tensor,
+    thread_baseline,  # noqa: F401 - autouse fixture
+)
+from _corrupt import records as records_of
+
+import asyncload
+from asyncload import CheckpointFormatError, LoadOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+BUDGET = 256 << 10
+TENSOR = 64 << 10  # 16384 float32
+
+
+@pytest.fixture(scope="module")
+def ckpt_state_dict() -> dict[str, Any]:
+    """24 tensors of 64 KiB (six batches of two under a 256 KiB budget), one of 512 KiB, objects."""
+    sd: dict[str, Any] = {f"t{i:02d}": random_tensor((128, 128), torch.float32, i) for i in range(24)}
+    sd["nested"] = {"big": random_tensor((512, 256), torch.float32, 99), "small": random_tensor((5,), torch.int64, 7)}
+    sd["step"] = 12
+    return sd
+
+
+class ReadLog(logging.Handler):
+    """The bytes of every read request the pipeline issued (its DEBUG line per chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.mu = threading.Lock()
+        self.bytes = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("chunk ") and isinstance(record.args, tuple):
+            with self.mu:
+                self.bytes += int(record.args[3])
+
+
+@pytest.fixture
+def reads() -> Iterator[ReadLog]:
+    handler = ReadLog()
+    logger = logging.getLogger("asyncload.pipeline")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _stats(caplog: pytest.LogCaptureFixture) -> asyncload.LoadStats:
+    found = [r.args[1] for r in caplog.records if r.name == "asyncload.stream" and isinstance(r.args, tuple)]
+    assert found, "no 'read ...' INFO line was logged"
+    return found[-1]
+
+
+def _nothing_left(path: Path) -> None:
+    assert asyncload_threads() == []
+    assert open_fds_under(path) == []
+
+
+def test_every_tensor_bit_for_bit(ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
+    path, saved = ckpt
+    caplog.set_level(logging.INFO, logger="asyncload.stream")
+    got = dict(asyncload.iter_tensors(path, options=LoadOptions(memory_budget=BUDGET)))
+    want = dict(iter_tensors({k: v for k, v in saved.items() if k != "step"}))  # objects are not yielded
+    assert_bitwise_equal(got, want)
+    records = records_of(path)
+    assert list(got) == sorted(got, key=lambda n: (records[n].file, records[n].offset))  # file and offset order
+    stats = _stats(caplog)
+    big = saved["nested"]["big"].nbytes
+    # the 512 KiB tensor was read and held alone; never more than the budget otherwise
+    assert stats.peak_buffered_bytes == big
+    _nothing_left(path)
+
+
+def test_memory_bound_and_back_pressure(ckpt_path: Path, reads: ReadLog, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="asyncload.stream")
+    small = [f"t{i:02d}" for i in range(24)]
+    it = asyncload.iter_tensors(ckpt_path, keys=small, options=LoadOptions(memory_budget=BUDGET))
+    name, _first = next(it)
+    assert name == "t00"
+    time.sleep(0.3)  # a slow consumer: the stream must not read on while it holds the budget
+    # batch 0 (two tensors) landed, batch 1 may be read ahead: within the budget, plus record headers
+    assert 2 * TENSOR <= reads.bytes <= BUDGET + 4 * 2048
+    names = [name] + [n for n, _ in it]
+    assert names == small  # file and offset order
+    stats = _stats(caplog)
+    assert stats.peak_buffered_bytes <= BUDGET
+    assert stats.bytes_assembled == 24 * TENSOR
+    _nothing_left(ckpt_path)
+
+
+def test_break_close_and_exceptions_stop_the_reads(ckpt_path: Path, reads: ReadLog) -> None:
+    opts = LoadOptions(memory_budget=BUDGET)
+    for _name, _t in asyncload.iter_tensors(ckpt_path, options=opts):
+        break
+    _nothing_left(ckpt_path)
+    after_break = reads.bytes
+    assert after_break <= BUDGET + 4 * 2048
+    time.sleep(0.2)
+    assert reads.bytes == after_break  # nothing reads on
+
+    it = asyncload.iter_tensors(ckpt_path, options=opts)
+    next(it)
+    next(it)
+    it.close()  # type: ignore[attr-defined]
+    _nothing_left(ckpt_path)
+
+    with pytest.raises(KeyError):
+        for _name, _t in asyncload.iter_tensors(ckpt_path, options=opts):
+            raise KeyError("the consumer failed")
+    _nothing_left(ckpt_path)
+
+
+def test_keys_meta_and_dtype(ckpt: tuple[Path, dict[str, Any]], reads: ReadLog) -> None:
+    path, saved = ckpt
+    got = dict(asyncload.iter_tensors(path, keys=["nested"], dtype=torch.float16))
+    assert_bitwise_equal(got, {"nested.big": saved["nested"]["big"].half(), "nested.small": saved["nested"]["small"]})
+    before = reads.bytes
+    meta = dict(asyncload.iter_tensors(path, keys=lambda n: n.startswith("t0"), device="meta"))
+    assert reads.bytes == before  # no data read
+    assert sorted(meta) == [f"t0{i}" for i in range(10)]
+    assert all(t.device.type == "meta" and t.shape == (128, 128) for t in meta.values())
+
+
+def test_async_bit_for_bit_and_aclose(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, saved = ckpt
+
+    async def main() -> tuple[dict[str, torch.Tensor], list[str]]:
+        got = {n: t async for n, t in asyncload.aiter_tensors(path, options=LoadOptions(memory_budget=BUDGET))}
+        seen = []
+        async with contextlib.aclosing(asyncload.aiter_tensors(path, options=LoadOptions(memory_budget=BUDGET))) as it:
+            async for n, _ in it:
+                seen.append(n)
+                if len(seen) == 3:
+                    break
+        return got, seen
+
+    got, seen = asyncio.run(main())
+    assert_bitwise_equal(got, dict(iter_tensors({k: v for k, v in saved.items() if k != "step"})))
+    assert seen == ["t00", "t01", "t02"]
+    _nothing_left(path)
+
+
+def test_cancelling_the_consumer_stops_the_reads(ckpt_path: Path, reads: ReadLog) -> None:
+    async def main() -> None:
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in asyncload.aiter_tensors(ckpt_path, options=LoadOptions(memory_budget=BUDGET)):
+                first.set()
+                await asyncio.sleep(3600)  # a consumer stuck on its first tensor
+
+        task = asyncio.ensure_future(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    _nothing_left(ckpt_path)
+    after = reads.bytes
+    assert after <= BUDGET + 4 * 2048
+    time.sleep(0.2)
+    assert reads.bytes == after
+
+
+def test_damage_is_found_before_the_first_tensor(fresh_ckpt: tuple[Path, dict[str, Any]], reads: ReadLog) -> None:
+    path, _ = fresh_ckpt
+    data = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    os.truncate(data, data.stat().st_size - 100)
+    it = asyncload.iter_tensors(path)
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        next(it)
+    assert reads.bytes == 0
+    _nothing_left(path)
+
+
+def test_remote_stream_over_s3(ckpt: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str) -> None:
+    path, saved = ckpt
+    url = s3_server.upload_dir(path, bucket_name, "run/it")
+    got = dict(
+        asyncload.iter_tensors(
+            url,
+            keys=["t1*", "nested.small"],
+            options=LoadOptions(memory_budget=BUDGET),
+            storage_options=s3_server.storage_options(),
+        )
+    )
+    want = {f"t1{i}": saved[f"t1{i}"] for i in range(10)} | {"nested.small": saved["nested"]["small"]}
+    assert_bitwise_equal(got, want)
