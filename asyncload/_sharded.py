@@ -54,7 +54,15 @@ from ._pipeline import Pipeline
 from ._session import LoadSession
 from ._stats import _fmt_bytes
 
-__all__ = ["ShardedLoadPlanner", "Transfer", "checkpoint_identity", "plan_transfers", "split_units"]
+__all__ = [
+    "ShardedLoadPlanner",
+    "Transfer",
+    "balance_units",
+    "checkpoint_identity",
+    "file_identities",
+    "plan_transfers",
+    "split_units",
+]
 
 log = logging.getLogger("asyncload.sharded")
 
@@ -1024,47 +1032,61 @@ class _AdaptivePipeline(_SharedPipeline):
                     tg.create_task(self._unit(chunk, p, buf, direct, state))
 
 
-def checkpoint_identity(metadata: Any) -> str:
-    """A digest of what a checkpoint's metadata says was saved (keys, shapes, dtypes, saved
-    chunks, and which file and byte range holds each), independent of the URL it was
-    reached through: ranks share bytes only when every one of them has the same one."""
-    h = hashlib.sha256()
+def file_identities(metadata: Any) -> dict[str, str]:
+    """Per file of the checkpoint, a digest of what the metadata says it holds: the saved
+    items in it (key, saved chunk, byte range, and the key's dtype and shape) and the save's
+    id. Independent of the URL the checkpoint was reached through: two ranks share the bytes
+    of a file only when they agree on its digest."""
     if metadata is None:
-        return ""
-    for key in sorted(metadata.state_dict_metadata):
-        md = metadata.state_dict_metadata[key]
-        h.update(repr((key, type(md).__name__)).encode())
-        props = getattr(md, "properties", None)
-        if props is not None:
-            h.update(repr((str(props.dtype), tuple(md.size))).encode())
-            for c in md.chunks:
-                h.update(repr((tuple(c.offsets), tuple(c.sizes))).encode())
-    for index in sorted(metadata.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)):
-        info = metadata.storage_data[index]
-        where = (getattr(info, "relative_path", ""), getattr(info, "offset", 0), getattr(info, "length", 0))
-        h.update(repr((index.fqn, tuple(index.offset or ()), index.index, where)).encode())
+        return {}
+    sdm = metadata.state_dict_metadata
     save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-    h.update(repr(save_id).encode())
+    per_file: dict[str, list[str]] = {}
+    for index, info in metadata.storage_data.items():
+        name = str(getattr(info, "relative_path", ""))
+        md = sdm.get(index.fqn)
+        props = getattr(md, "properties", None)
+        shape = (str(props.dtype), tuple(md.size)) if props is not None else type(md).__name__
+        item = (index.fqn, tuple(index.offset or ()), index.index, getattr(info, "offset", 0), info.length, shape)
+        per_file.setdefault(name, []).append(repr(item))
+    out = {}
+    for name, items in per_file.items():
+        h = hashlib.sha256(repr(save_id).encode())
+        for text in sorted(items):
+            h.update(text.encode())
+        out[name] = h.hexdigest()[:32]
+    return out
+
+
+def checkpoint_identity(metadata: Any) -> str:
+    """One digest of :func:`file_identities`: the same for every URL of one checkpoint."""
+    h = hashlib.sha256()
+    for name, digest in sorted(file_identities(metadata).items()):
+        h.update(f"{name}={digest};".encode())
     return h.hexdigest()
 
 
-def _check_identities(identities: Sequence[str], rank: int) -> None:
-    """Every rank loads the same checkpoint (any URL); raise DistributedLoadError otherwise."""
-    groups: dict[str, list[int]] = {}
-    for r, ident in enumerate(identities):
-        groups.setdefault(ident, []).append(r)
-    if len(groups) <= 1:
-        return
-    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-    odd = ordered[1][1]
-    shown = "; ".join(f"ranks {rs} have {ident[:12] or 'none'}" for ident, rs in ordered)
-    raise DistributedLoadError(
-        f"the ranks are not loading the same checkpoint: their metadata differs ({shown}, as sha256 digests "
-        f"of what .metadata says was saved); ShardedLoadPlanner shares bytes between ranks that load identical "
-        f"metadata, through whatever URL each reaches it: point rank(s) {odd} at the same checkpoint",
-        rank=odd[0],
-        doing="comparing the checkpoint's metadata",
-    )
+def _check_identities(identities: Sequence[dict[str, str]], rank: int) -> None:
+    """Ranks that need bytes of one file agree on what it holds (the same checkpoint, any
+    URL); raise DistributedLoadError otherwise."""
+    by_file: dict[str, dict[str, list[int]]] = {}
+    for r, files in enumerate(identities):
+        for name, digest in files.items():
+            by_file.setdefault(name, {}).setdefault(digest, []).append(r)
+    for name in sorted(by_file):
+        groups = by_file[name]
+        if len(groups) <= 1:
+            continue
+        ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+        odd = ordered[1][1]
+        shown = "; ".join(f"ranks {rs}: {digest[:12]}" for digest, rs in ordered)
+        raise DistributedLoadError(
+            f"the ranks are not loading the same checkpoint: their metadata says different things about {name} "
+            f"({shown}, as digests of what it holds); ShardedLoadPlanner shares bytes between ranks that load "
+            f"identical metadata, through whatever URL each reaches it: point rank(s) {odd} at the same checkpoint",
+            rank=odd[0],
+            doing="comparing the checkpoint's metadata",
+        )
 
 
 # --- one rank's part of a sharded read ---------------------------------------------------------
@@ -1108,7 +1130,7 @@ class _ShareSession:
         self.load_session = load_session
         #: plan_transfers was overridden: its owners are kept as where each rank starts.
         self.custom_plan = plan is not None and getattr(plan, "__func__", None) is not ShardedLoadPlanner.plan_transfers
-        self._identity: str | None = None
+        self._identity: dict[str, str] | None = None
 
     def fail(self, exc: BaseException) -> None:
         """read_data failed on this rank: tell the others."""
@@ -1118,11 +1140,12 @@ class _ShareSession:
         self.doing = text
         self.monitor.status(text)
 
-    def identity(self) -> str:
+    def identity(self, files: Iterable[str]) -> dict[str, str]:
+        """The digests of ``files`` (those this rank needs bytes of) in this rank's metadata."""
         if self._identity is None:
             md = self.load_session.metadata if self.load_session is not None else None
-            self._identity = checkpoint_identity(md)
-        return self._identity
+            self._identity = file_identities(md)
+        return {f: self._identity.get(f, "") for f in sorted(set(files))}
 
     async def run(self, pipeline: Pipeline, chunks: Sequence[Chunk]) -> None:
         phase = self.phase
@@ -1131,7 +1154,7 @@ class _ShareSession:
         mine = sorted(chunks, key=lambda c: (c.name, c.start))
         adv = _advertise(mine)
         needs = [(c.name, a[0], a[1]) for c, a in zip(mine, adv) if a is not None]
-        payload = (self.identity(), _pack(needs))
+        payload = (self.identity(n for n, _, _ in needs), _pack(needs))
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
         await self.monitor.abarrier(f"needs-{phase}", f"waiting for the other ranks to plan reading {what}")

@@ -34,6 +34,7 @@ from asyncload._sharded import (
     _unit_keys,
     _unpack,
     checkpoint_identity,
+    file_identities,
     plan_transfers,
     split_units,
 )
@@ -325,15 +326,17 @@ def test_checkpoint_identity_follows_the_metadata_not_the_path(tmp_path: Path) -
     a = save(tmp_path / "a")
     b = shutil.copytree(a, tmp_path / "b")
     c = save(tmp_path / "c")
-    ids = [
-        checkpoint_identity(decode_metadata((Path(p) / ".metadata").read_bytes(), str(p), max_size=1 << 30))
-        for p in (a, b, c)
-    ]
+    mds = [decode_metadata((Path(p) / ".metadata").read_bytes(), str(p), max_size=1 << 30) for p in (a, b, c)]
+    ids = [checkpoint_identity(md) for md in mds]
     assert ids[0] == ids[1] != ids[2]
-    _check_identities([ids[0], ids[1], ids[0]], 0)
+    files = [file_identities(md) for md in mds]
+    assert sorted(files[0]) == ["__0_0.distcp"]
+    _check_identities([files[0], files[1], files[0]], 0)
+    _check_identities([files[0], {}, files[2] and {"other.distcp": "x"}], 0)  # no file in common: nothing to compare
     with pytest.raises(asyncload.DistributedLoadError, match=r"point rank\(s\) \[2\] at the same checkpoint") as err:
-        _check_identities([ids[0], ids[0], ids[2]], 1)
+        _check_identities([files[0], files[0], files[2]], 1)
     assert err.value.rank == 2
+    assert "different things about __0_0.distcp" in str(err.value)
 
 
 def test_planner_arguments_are_checked() -> None:
