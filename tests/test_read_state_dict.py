@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +238,20 @@ def test_cancelled_async_read_leaves_nothing(ckpt_path: Path) -> None:
 
     asyncio.run(main())
     assert asyncload_threads() == [] and open_fds_under(ckpt_path) == []
+
+
+def test_progress_moves_forward_to_the_total(ckpt: tuple[Path, dict[str, Any]]) -> None:
+    path, saved = ckpt
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def progress(done: int, total: int) -> None:
+        with lock:
+            seen.append((done, total))
+
+    out = asyncload.read_state_dict(path, keys="layers", progress=progress, options=LoadOptions(chunk_size=16 << 10))
+    assert_bitwise_equal(out, {"layers": saved["layers"]})  # a single string is one name or pattern
+    want = total_tensor_bytes(saved["layers"])
+    assert seen and all(total == want for _, total in seen)
+    done = [d for d, _ in seen]
+    assert done == sorted(set(done)) and done[-1] == want
