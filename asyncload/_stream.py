@@ -80,8 +80,11 @@ def _device(device: str | torch.device) -> torch.device:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda", "meta"):
         raise ValueError(f"device={device!r}: asyncload loads into 'cpu', 'cuda', 'cuda:N' or 'meta'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: torch sees no CUDA device here")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: torch sees no CUDA device here")
+        if dev.index is None:  # the caller's current device: allocation runs on a worker thread
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -128,6 +131,9 @@ class CheckpointStream:
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self._stats: LoadStats | None = None
+        #: Files read by the batches, and those counted when the metadata was read.
+        self._files: set[str] = set()
+        self._files_at_open = 0
         #: The batch being read (ahead of the consumer), if any.
         self._pending: asyncio.Task[dict[str, Any]] | None = None
 
@@ -143,6 +149,7 @@ class CheckpointStream:
         sdm = md.state_dict_metadata
         self.tensors = sorted((k for k in chosen if isinstance(sdm[k], TensorStorageMetadata)), key=self._where)
         self.objects = [k for k in chosen if not isinstance(sdm[k], TensorStorageMetadata)]
+        self._files_at_open = session.live_stats().files
         if check:
             await self.acheck()
         return md
@@ -211,17 +218,20 @@ class CheckpointStream:
 
     # --- loading -------------------------------------------------------------------------
 
-    async def aload(self, dest: dict[str, Any]) -> dict[str, Any]:
-        """Load ``dest`` (flattened names, from :meth:`allocate`) through the open session;
-        the planner's work runs on a worker thread."""
-        if self.device.type == "meta":
-            return {k: v for k, v in dest.items() if v is not None}  # no data read: objects left out
+    async def aload(self, fqns: list[str]) -> dict[str, Any]:
+        """Allocate ``fqns`` (:meth:`allocate`) and load them through the open session: the
+        flattened names and their values. Allocation and the planner's work run on a worker
+        thread, the reads on this loop."""
+        if self.device.type == "meta":  # no data read: objects left out
+            return {k: v for k, v in self.allocate(fqns).items() if v is not None}
         session = self.session
         md = self.metadata
         assert md is not None
         planner = PipelinedLoadPlanner(options=self.options, allow_partial_load=True)
+        dest: dict[str, Any] = {}
 
         def prepare() -> Any:
+            dest.update(self.allocate(fqns))
             planner.set_up_planner(dest, md, True)
             local = planner.create_local_plan()
             planner.unexpected_keys = []  # the other keys are other batches', or not selected
@@ -229,6 +239,7 @@ class CheckpointStream:
             return session.prepare_reads(final, planner, md)
 
         records = await _in_thread(prepare)
+        self._files.update(r.name for r in records)
         user = self.progress
         if user is not None:  # the session counts one batch: report over the whole stream
             base = self._progress_done
@@ -244,8 +255,7 @@ class CheckpointStream:
 
     async def aload_all(self) -> dict[str, Any]:
         """Every selected key in one load (``read_state_dict``), flattened names."""
-        dest = self.allocate(self.tensors + self.objects)
-        return await self.aload(dest)
+        return await self.aload(self.tensors + self.objects)
 
     async def abatches(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """The selected tensors, each as soon as its batch has landed, double-buffered
@@ -262,7 +272,7 @@ class CheckpointStream:
                 if self.held_bytes == 0 or self.held_bytes + n <= budget:
                     self.held_bytes += n
                     self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-                    self._pending = asyncio.ensure_future(self.aload(self.allocate(todo[following])))
+                    self._pending = asyncio.ensure_future(self.aload(todo[following]))
                     following += 1
 
         try:
@@ -295,9 +305,10 @@ class CheckpointStream:
 
     def finish(self) -> LoadStats:
         """The stream has ended: its :class:`LoadStats` (``peak_buffered_bytes`` counts the
-        tensors held but not yet handed over too), logged as one INFO line."""
+        tensors held but not yet handed over too; ``files`` each file once), logged as one INFO line."""
         stats = self.session.finish()
         stats.peak_buffered_bytes = max(stats.peak_buffered_bytes, self.peak_held_bytes)
+        stats.files = self._files_at_open + len(self._files)  # each batch counts its files again
         self._stats = stats
         log.info("read %s: %s", self.checkpoint, stats)
         return stats

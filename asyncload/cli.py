@@ -661,7 +661,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     try:
         try:  # claims checked before anything is allocated, then batch by batch within the budget
             _run(stream, stream.acheck())
-            _run(stream, stream.aload(stream.allocate(stream.objects)))  # objects decoded
+            _run(stream, stream.aload(stream.objects))  # objects decoded
             with _bar(args, "verify", info["tensor_bytes"]) as bar:
                 stream.progress = bar
                 for _ in sync_iter(stream.abatches(), stream.options):
@@ -730,7 +730,6 @@ def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         check_destination(args.url, Path(args.dst), args.force)
     except (FileExistsError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    _note(f"asyncload: converting {args.url} into safetensors in {args.dst}")
     with _bar(args, "convert", 0) as bar:
         result = convert(
             args.url,
