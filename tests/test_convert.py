@@ -19,8 +19,9 @@ from _ckpt import (
     random_tensor,
     thread_baseline,  # noqa: F401 - autouse fixture
 )
+from _corrupt import flip_byte, record_of
 
-from asyncload import LoadOptions
+from asyncload import CheckpointFormatError, LoadOptions
 from asyncload._convert import convert
 from asyncload.cli import main
 
@@ -146,3 +147,15 @@ def test_cli_convert(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: 
     assert info["files"] == ["model.safetensors"] and sorted(info["skipped_objects"]) == ["config.name", "step"]
     assert "skipped 2 objects" in captured.err
     assert_bitwise_equal(_load_dir(out), _tensors(saved))
+
+
+def test_damage_mid_stream_leaves_no_output(fresh_ckpt: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """A checksum failure after some tensors were written: no DST, no temporary directory."""
+    path, _ = fresh_ckpt
+    rec = record_of(path, "head")  # not the first tensor in the file: others were written already
+    flip_byte(path / rec.file, rec.data_start + 10)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointFormatError, match="checksum mismatch"):
+        convert(path, out, options=LoadOptions(verify=True, memory_budget=64 << 10))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert asyncload_threads() == []
