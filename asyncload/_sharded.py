@@ -37,10 +37,11 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -197,8 +198,9 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
     """Which rank reads which shared bytes. Pure and deterministic: every rank computes
     the same answer from the same all-gathered ``needs``.
 
-    ``needs[r]`` lists the half-open byte ranges ``(file, start, end)`` rank ``r`` needs;
-    one rank's ranges do not overlap (they may touch). Returns the transfers, in global
+    ``needs[r]`` lists the half-open byte ranges ``(file, start, end)`` rank ``r`` needs
+    (or holds them packed, as the all-gather carries them: ``{file: bytes}`` of little-endian
+    int64 ``start, end, start, end ...``); one rank's ranges do not overlap (they may touch). Returns the transfers, in global
     order (by file, then offset), and the bytes each rank will read from storage.
 
     Every byte that two or more ranks need is in exactly one transfer; its owner is one of
@@ -207,56 +209,49 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
     range boundary of any of its consumers, so it lands inside one read request of each.
     """
     world = len(needs)
-    load = [0] * world
-    by_file: dict[str, list[tuple[int, int, int]]] = {}
-    for r, ranges in enumerate(needs):
-        for name, start, end in ranges:
-            if end > start:
-                by_file.setdefault(name, []).append((start, end, r))
-    runs: list[tuple[str, int, int, tuple[int, ...]]] = []
-    for name in sorted(by_file):
-        events: dict[int, list[tuple[int, int]]] = {}
-        for start, end, r in by_file[name]:
-            events.setdefault(start, []).append((r, 1))
-            events.setdefault(end, []).append((r, -1))
-        points = sorted(events)
-        active: dict[int, int] = {}
-        consumers: tuple[int, ...] = ()
-        cur: list[Any] | None = None  # [start, end, consumers]
-        for i, p in enumerate(points):
-            edge = {r for r, _ in events[p]}
-            was = {r: r in active for r in edge}
-            for r, d in events[p]:
-                c = active.get(r, 0) + d
-                if c:
-                    active[r] = c
-                else:
-                    active.pop(r, None)
-            if any(was[r] != (r in active) for r in edge):
-                # the set of ranks changed: sort it once (a sweep, not a sort per point)
-                consumers = tuple(sorted(active))
-            if i + 1 == len(points):
-                break
-            q = points[i + 1]
-            if not active:
-                if cur is not None:
-                    runs.append((name, cur[0], cur[1], cur[2]))
-                    cur = None
-                continue
-            if cur is not None and cur[1] == p and cur[2] is consumers and not any(r in active for r in edge):
-                cur[1] = q
-                continue
-            if cur is not None:
-                runs.append((name, cur[0], cur[1], cur[2]))
-            cur = [p, q, consumers]
-        if cur is not None:
-            runs.append((name, cur[0], cur[1], cur[2]))
+    per_file: dict[str, list[tuple[Any, Any, int]]] = {}
+    for r, item in enumerate(needs):
+        for name, starts_r, ends_r in _columns(item):
+            per_file.setdefault(name, []).append((starts_r, ends_r, r))
+    files = sorted(per_file)
+    alone = np.zeros(world, dtype=np.int64)
     shared: list[tuple[str, int, int, tuple[int, ...]]] = []
-    for name, start, end, consumers in runs:
-        if len(consumers) == 1:
-            load[consumers[0]] += end - start
-        else:
-            shared.append((name, start, end, consumers))
+    sets: dict[bytes, tuple[int, ...]] = {}  # one tuple per distinct set of consumers
+    for name in files:
+        # a sorted sweep in numpy: cut the file at every rank's boundaries, then list who
+        # covers each piece; a piece is one transfer (every boundary is a consumer's)
+        cols = per_file[name]
+        starts = np.concatenate([c[0] for c in cols])
+        ends = np.concatenate([c[1] for c in cols])
+        ranks = np.repeat(np.asarray([c[2] for c in cols], dtype=np.int64), [len(c[0]) for c in cols])
+        keep = ends > starts
+        starts, ends, ranks = starts[keep], ends[keep], ranks[keep]
+        if not len(starts):
+            continue
+        points = _sorted_unique(np.concatenate([starts, ends]))
+        lo = np.searchsorted(points, starts)
+        count = np.searchsorted(points, ends) - lo
+        total = int(count.sum())
+        offsets = np.repeat(np.cumsum(count) - count, count)
+        piece = np.repeat(lo, count) + (np.arange(total, dtype=np.int64) - offsets)
+        pairs = _sorted_unique(piece * world + np.repeat(ranks, count))
+        piece, who = pairs // world, pairs % world
+        first = np.flatnonzero(np.concatenate([[True], piece[1:] != piece[:-1]]))
+        last = np.append(first[1:], len(piece))
+        pstart, pend = points[piece[first]], points[piece[first] + 1]
+        single = last - first == 1
+        np.add.at(alone, who[first[single]], (pend - pstart)[single])
+        multi = ~single
+        for a, b, lo_b, hi_b in zip(
+            first[multi].tolist(), last[multi].tolist(), pstart[multi].tolist(), pend[multi].tolist()
+        ):
+            members = who[a:b]
+            raw = members.tobytes()
+            consumers = sets.get(raw)
+            if consumers is None:
+                consumers = sets[raw] = tuple(members.tolist())
+            shared.append((name, lo_b, hi_b, consumers))
+    load = alone.tolist()
     owners: dict[tuple[str, int], int] = {}
     least = _LeastLoaded(load)
     for name, start, end, consumers in sorted(shared, key=lambda s: (-(s[2] - s[1]), s[0], s[1])):
@@ -266,6 +261,36 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
         for i, (name, start, end, consumers) in enumerate(shared)
     ]
     return transfers, load
+
+
+def _columns(item: Any) -> list[tuple[str, Any, Any]]:
+    """One rank's needs as ``(file, starts, ends)`` int64 arrays: from ``(file, start, end)``
+    tuples, or from the packed form :func:`_pack` makes (``{file: int64 start, end, ...}``)."""
+    if isinstance(item, Mapping):
+        out = []
+        for name, raw in item.items():
+            flat = np.frombuffer(raw, dtype="<i8")
+            out.append((name, flat[0::2], flat[1::2]))
+        return out
+    if not item:
+        return []
+    names, starts, ends = zip(*item)  # transposed in C
+    if len(set(names)) == 1:
+        return [(names[0], np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))]
+    split: dict[str, tuple[list[int], list[int]]] = {}
+    for name, start, end in item:
+        got = split.get(name)
+        if got is None:
+            got = split[name] = ([], [])
+        got[0].append(start)
+        got[1].append(end)
+    return [(name, np.asarray(st, dtype=np.int64), np.asarray(en, dtype=np.int64)) for name, (st, en) in split.items()]
+
+
+def _sorted_unique(a: Any) -> Any:
+    """``np.unique`` by sorting (its hash-based path is slower on large int64 arrays)."""
+    a = np.sort(a)
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a
 
 
 def balance_units(units: Sequence[Transfer], load: Sequence[int]) -> list[Transfer]:
@@ -1171,7 +1196,8 @@ class _ShareSession:
 
         gathered = await loop.run_in_executor(None, gather)
         _check_identities([g[0] for g in gathered], self.rank)
-        all_needs = [_unpack(g[1]) for g in gathered]
+        # the default plan reads the packed ranges as they came; an override gets tuples
+        all_needs: list[Any] = [_unpack(g[1]) for g in gathered] if self.custom_plan else [g[1] for g in gathered]
         transfers, load = self.plan(all_needs)
         _check_transfers(transfers, all_needs)
         self.planned_bytes.append(load)

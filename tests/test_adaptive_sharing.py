@@ -249,6 +249,7 @@ def test_plan_transfers_on_random_layouts(seed: int) -> None:
         for r in t.consumers:
             assert any(n == t.name and s <= t.start and t.end <= e for n, s, e in needs[r]), (t, r)
     assert set(seen) == {k for k, v in who.items() if len(v) >= 2}
+    assert plan_transfers([_pack(n) for n in needs]) == (transfers, load)  # the packed form, as gathered
     alone = [0] * world
     for v in who.values():
         if len(v) == 1:
