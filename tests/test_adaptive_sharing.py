@@ -174,14 +174,14 @@ def per_rank_proxies(tmp_path: Path) -> Any:
 
 
 def test_a_slow_rank_gets_a_smaller_share_and_late_transfers_are_hedged(per_rank_proxies: Any) -> None:
-    """Rank 1's link adds 0.3 s to every data request. The others take over the units it has
+    """Rank 1's link adds 1 s to every data request. The others take over the units it has
     not started (its share shrinks well below the quarter the plan gave it) and read the
     ones it is still reading themselves once they are late (hedged); every unit is still
     read once apart from those hedges, and every byte lands once in each destination."""
     from asyncload.testing import delay
 
     server, proxies = per_rank_proxies
-    proxies[1].add_rule(delay(0.3), data_only=True, times=None)
+    proxies[1].add_rule(delay(1.0), data_only=True, times=None)
     urls = [server.url("ck", endpoint_url=p.endpoint_url) for p in proxies]
     options = OPTIONS.replace(hedge_min_delay=0.05, timeout=20.0)
     total = tensor_bytes(big_model())
@@ -196,8 +196,7 @@ def test_a_slow_rank_gets_a_smaller_share_and_late_transfers_are_hedged(per_rank
     assert once[1] < 0.7 * (total / 4), once  # the plan gave it a quarter
     assert once[1] < min(once[r] for r in (0, 2, 3)), once
     assert sum(_column(values, "adaptive", "bytes_taken_over")) > 0
-    assert sum(hedged) > 0, values
-    assert hedged[1] == 0  # nobody else was late for rank 1
+    assert sum(h for r, h in enumerate(hedged) if r != 1) > 0, values  # the others read its late units
     assert total <= sum(once) <= 1.05 * total, once
     assert sum(_column(values, "adaptive", "bytes_sent")) == sum(_column(values, "adaptive", "bytes_received"))
 
