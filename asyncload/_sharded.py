@@ -78,9 +78,9 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     """A :class:`PipelinedLoadPlanner` for multi-rank loads that reads every byte once.
 
     Before each read phase the ranks all-gather the byte ranges they need; every range
-    that two or more ranks need is then read from storage by exactly one of them (chosen
-    to balance bytes read per rank) and sent to the others over the process group, chunk
-    by chunk as reads land, within ``memory_budget``. With 4 ranks loading a replicated
+    that two or more ranks need is then read from storage by exactly one of them (the
+    first to get to it, by default; see ``adaptive``) and sent to the others over the
+    process group as reads land, within ``memory_budget``. With 4 ranks loading a replicated
     model, the ranks together read the checkpoint about once instead of 4 times.
 
     ``process_group``: the group the load runs on (default: the world). ``asyncload.load``
@@ -92,7 +92,8 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     on for NCCL only).
 
     ``adaptive`` (default ``None``: on, except with ``ordered`` or NCCL, which need the
-    fixed order): hand out the shared ranges as ranks get to them instead of fixing their
+    fixed order, and for a subclass that overrides :meth:`plan_transfers`, whose owners are
+    kept): hand out the shared ranges as ranks get to them instead of fixing their
     owners before reading. Shared ranges are cut into work units of at most ``unit_size``
     bytes (default ``min(256 KiB, chunk_size)``); the first rank that needs a unit and has a
     free reader claims it through an atomic compare-and-set in the group's store, reads
