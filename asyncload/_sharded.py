@@ -847,9 +847,11 @@ class _AdaptivePipeline(_SharedPipeline):
 
     Why it cannot deadlock under any budget: a unit is claimed only when its claimant starts
     reading it, so a receive waits only on a storage read already in flight on the claimant;
-    sends never hold up the sender's reads (from destination memory they run in the
-    background; from a staging buffer they hold only that chunk). Every consumer that did
-    not claim a unit posts exactly one receive for it, so every send is matched.
+    sends never hold memory a receive needs and never hold up the sender's chunks (they run
+    in the background, from destination memory or from a copy whose room was reserved at
+    the claim; without room the unit is claimed "without sending" and each consumer reads
+    it). Every consumer that did not claim a unit posts exactly one receive for it (unless
+    it was claimed without sending), so every send is matched.
     """
 
     def __init__(
