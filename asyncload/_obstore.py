@@ -91,7 +91,8 @@ class StoreSpec:
         return HTTPStore(str(self.url), client_options=client, retry_config=retry)
 
 
-_settling: list[bool] = []
+#: the process that built the first store (its runtime threads do not survive a fork)
+_settling: list[int] = []
 
 
 def _settle_at_exit() -> None:
@@ -102,8 +103,14 @@ def _settle_at_exit() -> None:
     exit in four right after concurrent reads, measured here; ``tests/test_obstore.py``). 50 ms
     in an ``atexit`` hook (registered on first use, not at import) closes the window."""
     if not _settling:
-        _settling.append(True)
+        _settling.append(os.getpid())
         atexit.register(time.sleep, 0.05)
+
+
+def forked_after_use() -> bool:
+    """Whether this process is a fork of one that used obstore: the child inherits its
+    runtime without the runtime's threads, and every read would hang until it times out."""
+    return bool(_settling) and _settling[0] != os.getpid()
 
 
 def obstore_available() -> bool:
@@ -124,6 +131,10 @@ def plan_store(url: str, storage_options: Mapping[str, Any]) -> StoreSpec:
     protocol = parts.scheme.lower()
     if protocol not in OBSTORE_PROTOCOLS:
         raise Unmappable(f"obstore is not used for {protocol}:// URLs")
+    if forked_after_use():
+        raise Unmappable(
+            "this process was forked from one that used obstore, whose runtime threads a fork does not copy"
+        )
     if parts.query or parts.fragment:
         raise Unmappable(f"the URL {url!r} has a query or fragment")
     opts = {k: v for k, v in storage_options.items() if k not in _NO_EFFECT}

@@ -456,3 +456,42 @@ def test_a_process_that_exits_right_after_concurrent_reads_exits_cleanly(http_se
         for _ in range(12)
     ]
     assert [(c.returncode, c.stdout.strip()) for c in codes] == [(0, str(128 << 10))] * 12, [c.stderr for c in codes]
+
+
+@pytest.mark.slow
+def test_a_fork_of_a_process_that_used_obstore_falls_back_to_fsspec(http_server, executor) -> None:
+    """obstore's runtime threads are not copied by ``fork``: a forked child's reads would hang
+    until they time out, so there "auto" picks fsspec and "obstore" says why it cannot."""
+    import os
+
+    http_server.put_object("forked", "c/f.bin", DATA)
+    url = http_server.url("forked", "c")
+
+    async def read(storage: Any) -> bytes:
+        try:
+            return bytes(await asyncio.wait_for(storage.read("f.bin", 0, 100), 10))
+        finally:
+            await storage.aclose()
+
+    assert asyncio.run(read(open_storage_(url, {}, executor, transport="obstore"))) == DATA[:100]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, whatever happens
+        try:
+            auto = open_storage_(url, {}, executor)
+            try:
+                open_storage_(url, {}, executor, transport="obstore")
+                refused = ""
+            except StorageReadError as exc:
+                refused = str(exc)
+            ok = asyncio.run(read(auto)) == DATA[:100]
+            os.write(w, f"{type(auto).__name__}|{ok}|{refused}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        report = f.read().decode()
+    os.waitpid(pid, 0)
+    kind, ok, refused = report.split("|", 2)
+    assert (kind, ok) == ("FsspecStorage", "True")
+    assert "forked" in refused and "transport='fsspec'" in refused
