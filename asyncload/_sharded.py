@@ -754,7 +754,7 @@ class _SharedPipeline(Pipeline):
 _UNIT_SIZE = 256 << 10
 #: Seconds of reading a rank may have claimed ahead at its own measured rate: a slow rank
 #: holds few units at a time, so little is left on it when the others run out of work.
-_CLAIM_HORIZON = 0.25
+_CLAIM_HORIZON = 0.1
 
 
 class _Slots:
