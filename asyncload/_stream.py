@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fnmatch
+import gc
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator, Mapping
@@ -250,8 +251,18 @@ class CheckpointStream:
         finally:
             await session.afinish_device_copies()
         self._progress_done += sum(t.numel() * t.element_size() for t in dest.values() if t is not None)
-        await _in_thread(session.commit, records, planner)
+        await _in_thread(self._commit, records, planner)
         return dest
+
+    def _commit(self, records: Any, planner: PipelinedLoadPlanner) -> None:
+        session = self.session
+        session.commit(records, planner)
+        del records, planner
+        # The planning leaves small reference cycles (recursive closures) that hold views of
+        # the destinations; a stream hands its tensors over and must not keep them until
+        # the next full collection. They are young: collecting the two young generations
+        # frees them (well under a millisecond; a full collection takes 150 ms here).
+        gc.collect(1)
 
     async def aload_all(self) -> dict[str, Any]:
         """Every selected key in one load (``read_state_dict``), flattened names."""
