@@ -23,6 +23,7 @@ import fnmatch
 import gc
 import logging
 import os
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator, Mapping
 from typing import Any
 
@@ -413,4 +414,7 @@ def sync_iter(agen: Any, options: LoadOptions) -> Iterator[Any]:
             yield item
             del item
     finally:
-        run_sync(agen.aclose(), loop)
+        # a generator left open until the interpreter exits is finalised after the loop
+        # thread has stopped: nothing could run the cleanup (the process is ending anyway)
+        if not sys.is_finalizing():
+            run_sync(agen.aclose(), loop)

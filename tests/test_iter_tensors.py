@@ -263,3 +263,18 @@ def test_rss_stays_within_the_budget(tmp_path: Path) -> None:
     out = json.loads(res.stdout)
     assert out["bytes"] == 12 * 8 << 20
     assert out["peak_above_start"] <= budget + (4 << 20), out
+
+
+@pytest.mark.timeout(120)
+def test_an_iterator_left_open_does_not_hang_the_exit(ckpt_path: Path) -> None:
+    """A script that takes one tensor and exits without closing the iterator ends at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncload\n"
+        f"it = asyncload.iter_tensors({str(ckpt_path)!r}, options=asyncload.LoadOptions(memory_budget=256 << 10))\n"
+        "print(next(it)[0])\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "t00", res.stderr
