@@ -90,6 +90,8 @@ def test_keys_read_only_their_bytes(ckpt: tuple[Path, dict[str, Any]], caplog: p
     assert recs["emb"].length + recs["layers.0.q"].length - 2048 <= _stats(caplog).bytes_read <= span
     out = asyncload.read_state_dict(path, keys=lambda name: name.startswith("blocks.") or name == "step")
     assert_bitwise_equal(out, {"blocks": saved["blocks"], "step": 4000})
+    out = asyncload.read_state_dict(path, keys=["blocks.1"])  # a list keeps its length
+    assert_bitwise_equal(out, {"blocks": [None, saved["blocks"][1]]})
 
 
 def test_keys_that_select_nothing_are_an_error(ckpt_path: Path) -> None:
