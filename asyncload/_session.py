@@ -844,7 +844,7 @@ class LoadSession:
                     claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
                     if claimed > length:
                         raise CheckpointFormatError(
-                            f"{rec.where}: the metadata claims a chunk of shape {list(chunk.sizes)} "
+                            f"{self.checkpoint}, {rec.where}: the metadata claims a chunk of shape {list(chunk.sizes)} "
                             f"({claimed} bytes of {smd.properties.dtype}) in a record of {length} bytes: "
                             "the metadata does not match the data files"
                         )
