@@ -261,6 +261,10 @@ def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec
         ]
         if any(os.path.exists(p) for p in shared):
             raise Unmappable("credentials would come from ~/.aws (a botocore profile), which obstore does not read")
+        if str(_env("AWS_EC2_METADATA_DISABLED") or "").lower() == "true":
+            # botocore then finds no credentials and stops; obstore would ask the instance
+            # metadata endpoint (169.254.169.254) instead
+            raise Unmappable("no credentials, and AWS_EC2_METADATA_DISABLED=true rules out the instance metadata")
     if endpoint is not None:
         config["endpoint"] = endpoint
         _allow_http(endpoint, client)

@@ -200,6 +200,19 @@ def test_credentials_from_an_aws_profile_file_fall_back(monkeypatch, tmp_path) -
         plan_store("s3://b/c", {"endpoint_url": "http://h", "key": "k", "secret": "s"})
 
 
+def test_no_credentials_with_instance_metadata_disabled_falls_back(monkeypatch, tmp_path) -> None:
+    """botocore stops at NoCredentialsError; obstore would ask 169.254.169.254 (off loopback)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(Unmappable, match="AWS_EC2_METADATA_DISABLED"):
+        plan_store("s3://b/c", {"endpoint_url": "http://127.0.0.1:1"})
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
+    assert plan_store("s3://b/c", {"endpoint_url": "http://127.0.0.1:1"}).kind == "s3"
+
+
 # -- the choice ---------------------------------------------------------------------------
 
 
