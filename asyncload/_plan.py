@@ -272,7 +272,11 @@ def plan_tensor(
 
         pieces.append(Piece(loc.name, start_b, end_b, deliver=deliver, keep=view, useful=useful))
 
-    def visit(o: list[int], lens: list[int]) -> None:
+    # boxes still to place, depth first in order (an explicit stack: a recursive closure would
+    # be a reference cycle keeping the destination views alive until a garbage collection)
+    todo = [(list(offs_p), list(lens_p))]
+    while todo:
+        o, lens = todo.pop()
         view = dest_p
         for d, (a, ln) in enumerate(zip(o, lens)):
             rel = a - offs_p[d]
@@ -285,13 +289,13 @@ def plan_tensor(
         if _contiguous_box(lens, strides_p):
             if can_direct and view.is_contiguous():
                 emit_direct(start_b, end_b - start_b, view)
-                return
+                continue
             if end_b - start_b <= chunk_size:
                 emit_staged(start_b, end_b, lens, view)
-                return
+                continue
         elif end_b - start_b <= chunk_size and _max_gap_elems(lens, strides_p) * isz <= min_chunk_size:
             emit_staged(start_b, end_b, lens, view)
-            return
+            continue
         # split along the outermost dimension that has more than one index; rows are
         # grouped into one staged read when the gaps between them are small
         d = next(i for i, ln in enumerate(lens) if ln > 1)
@@ -302,14 +306,15 @@ def plan_tensor(
             group = max(1, chunk_size // row_bytes)
         if group >= lens[d]:
             group = max(1, lens[d] // 2)
+        subs = []
         for a in range(0, lens[d], group):
             sub_o = list(o)
             sub_l = list(lens)
             sub_o[d] = o[d] + a
             sub_l[d] = min(group, lens[d] - a)
-            visit(sub_o, sub_l)
+            subs.append((sub_o, sub_l))
+        todo.extend(reversed(subs))
 
-    visit(list(offs_p), list(lens_p))
     return pieces
 
 
