@@ -7,6 +7,7 @@ from ._api import LoadHandle, aload, load, start_load
 from ._dcp import PipelinedLoadPlanner, PipelinedReader
 from ._errors import (
     AsyncLoadError,
+    CheckpointChangedError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     ChunkTimeoutError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncLoadError",
+    "CheckpointChangedError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "ChunkTimeoutError",

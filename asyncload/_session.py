@@ -42,7 +42,7 @@ from . import _cuda, _transforms, formats
 from ._assembly import copy_bytes
 from ._chunks import Chunk, Piece
 from ._crc import CrcTracker, gaps
-from ._errors import CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
+from ._errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
 from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
 from ._paths import check_relative_path
@@ -543,6 +543,7 @@ class LoadSession:
         # two round trips, and it guarantees that a large record's head and tail probes are
         # more than min_chunk_size apart, so coalescing never reads through its data.
         small = chunking.min_chunk_size + HEAD_PROBE + TAIL_PROBE
+        _check_object_claims(records, options, self.checkpoint)
         trackers: list[tuple[CrcTracker, _Record]] = []
         # Phase A: whole small records and objects; head and tail probes of large records
         pieces: list[Piece] = []
@@ -579,8 +580,9 @@ class LoadSession:
                 loc = rec.known
             else:
 
-                async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes:
-                    return bytes(await storage.read(rec.name, lo, hi))
+                async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes | memoryview:
+                    data = await storage.read(rec.name, lo, hi)  # not copied: may be a large zip directory
+                    return data if isinstance(data, bytes) else memoryview(data)
 
                 layout = await aparse_archive(
                     rec.window,
@@ -659,9 +661,12 @@ class LoadSession:
         now = await asyncio.gather(*(storage.fingerprint(n) for n in names), return_exceptions=True)
         for name, fp in zip(names, now):
             if fp != self._fingerprints[name]:
-                raise CheckpointFormatError(
+                raise CheckpointChangedError(
                     f"{storage.url(name)} changed while it was being read: a save is writing into this checkpoint "
-                    "(or replaced it); the destination holds a mix, load again once the save has finished"
+                    "(or replaced it); the destination holds a mix, load again once the save has finished",
+                    path=storage.url(name),
+                    seen=repr(self._fingerprints[name]),
+                    now=None if isinstance(fp, BaseException) else repr(fp),
                 )
 
     async def _locate(self, storage: RetryingStorage, records: list[_Record], options: LoadOptions) -> list[_Record]:
@@ -861,7 +866,6 @@ class LoadSession:
             await asyncio.to_thread(stager.finish_sync)
 
 
-
 def _check_planned(item: ReadItem, dest: torch.Tensor, pieces: list[Piece], rec: _Record) -> None:
     """The pieces planned for ``item`` fill every byte of its destination view, before any is read."""
     want = dest.numel() * dest.element_size()
@@ -880,6 +884,22 @@ def _raise_on_bad_crc(tracker: CrcTracker, rec: _Record, url: str) -> None:
             f"checksum mismatch in {url}: key {rec.fqn!r}, {rec.where}, tensor bytes [{tracker.start}, "
             f"{tracker.end}) of the file: CRC-32 {got:#010x}, the record says {tracker.expected:#010x}: "
             "the file is damaged"
+        )
+
+
+def _check_object_claims(records: list[_Record], options: LoadOptions, checkpoint: object) -> None:
+    """Objects are read whole and kept until the planner decodes them: what the metadata
+    claims for them, together, must fit ``LoadOptions.max_metadata_size`` (checked before
+    any is read, so a forged length cannot make the load allocate it)."""
+    objects = [r for r in records if r.entry is None and r.byte_items and not r.tensor_items]
+    claimed = sum(r.length for r in objects)
+    if claimed > options.max_metadata_size:
+        big = max(objects, key=lambda r: r.length)
+        raise CheckpointFormatError(
+            f"{checkpoint}: the checkpoint's objects claim {claimed} bytes in all (the largest, {big.fqn!r}, "
+            f"{big.length} bytes at [{big.offset}, {big.end}) of {big.name}), more than "
+            f"LoadOptions.max_metadata_size={options.max_metadata_size}: objects are read whole before they are "
+            "decoded; raise max_metadata_size if the checkpoint is trusted to hold objects that large"
         )
 
 
