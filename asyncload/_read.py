@@ -25,7 +25,8 @@ __all__ = ["aread_state_dict", "nest", "read_state_dict"]
 def nest(flat: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
     """``flat`` (the checkpoint's flattened names) nested as it was saved: through DCP's
     ``planner_data`` (``{"layers": {"0": {"q": ...}}}``, lists as lists). Formats that
-    carry no nesting (safetensors, torch.save files) keep their flat names."""
+    carry no nesting (safetensors) keep their flat names; torch.save files come back nested
+    as saved too (their metadata records each key's path the same way)."""
     from torch.distributed.checkpoint._traverse import set_element
 
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -68,8 +69,9 @@ def read_state_dict(
 
     Works for DCP checkpoints, safetensors (one file or indexed shards) and zip-format
     ``torch.save`` files, local or remote (``storage_options`` go to fsspec). The result is
-    nested as it was saved (DCP's flattened keys restored through its planner data; flat
-    formats keep their names) and holds the objects too, decoded with the allow-list.
+    nested as it was saved (DCP's flattened keys restored through its planner data, a
+    torch.save dict as ``torch.load`` gives it; safetensors names are flat) and holds the
+    objects too, decoded with the allow-list.
 
     ``keys``: names (a name selects everything saved under it), glob patterns, or a callable
     over the flattened names; only the selected keys' bytes are read. ``device``: ``"cpu"``,

@@ -172,6 +172,21 @@ def test_torch_save_file(tmp_path: Path) -> None:
     assert_bitwise_equal(asyncload.read_state_dict(f), sd)
 
 
+def test_a_nested_torch_save_file_comes_back_nested_as_torch_load_gives_it(tmp_path: Path) -> None:
+    sd = {
+        "model": {"w": random_tensor((8, 3), torch.bfloat16, 7), "layers": [random_tensor((5,), torch.float32, 8)]},
+        "optim": {"lr": 0.1, "step": 12},
+        "epoch": 3,
+    }
+    f = tmp_path / "nested.pt"
+    torch.save(sd, f)
+    out = asyncload.read_state_dict(f)
+    assert_bitwise_equal(out, torch.load(f, weights_only=True))
+    assert_bitwise_equal(out, sd)
+    # selected by flattened name, nested back
+    assert_bitwise_equal(asyncload.read_state_dict(f, keys=["model.w"]), {"model": {"w": sd["model"]["w"]}})
+
+
 def test_from_s3(ckpt: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str) -> None:
     path, saved = ckpt
     url = s3_server.upload_dir(path, bucket_name, "run/rsd")

@@ -375,15 +375,17 @@ async def _atorchsave_files(
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     origin: dict[str, str] = {}
+    paths: dict[str, tuple[Any, ...]] = {}  # flattened key -> its path in the saved dict, as DCP's planner_data
     for (name, _), layout in zip(files, layouts):
         if not isinstance(layout.obj, dict):
             raise CheckpointFormatError(
                 f"{layout.where} holds a {type(layout.obj).__name__}, not a dict; asyncload loads state dicts "
                 "(a dict of tensors, possibly nested) from torch.save files"
             )
-        for key, value in _flatten(layout.obj).items():
+        for key, (path, value) in _flatten(layout.obj).items():
             if weight_map is not None and weight_map.get(key) != name:
                 continue
+            paths[key] = path
             if key in origin:
                 raise CheckpointFormatError(f"{source}: key {key!r} is in both {origin[key]} and {name}")
             origin[key] = name
@@ -407,21 +409,27 @@ async def _atorchsave_files(
                 storage[MetadataIndex(key)] = KnownObject(value, name, sts, f"object {key!r} of {layout.where}")
     check_weight_map(weight_map, sdm, source)
     return FormatMetadata(
-        state_dict_metadata=sdm, storage_data=storage, storage_meta=StorageMeta(), format="torch.save", source=source
+        state_dict_metadata=sdm,
+        planner_data=paths,
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        format="torch.save",
+        source=source,
     )
 
 
-def _flatten(obj: dict[Any, Any]) -> dict[str, Any]:
-    """Flatten like DCP flattens a destination state dict (TensorRefs count as tensors)."""
+def _flatten(obj: dict[Any, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    """Flatten like DCP flattens a destination state dict (TensorRefs count as tensors):
+    each key's path in ``obj`` and its value."""
     from torch.distributed.checkpoint._traverse import traverse_state_dict
 
-    flat: dict[str, Any] = {}
+    flat: dict[str, tuple[tuple[Any, ...], Any]] = {}
 
     def visit(path: tuple[Any, ...], value: Any) -> None:
         key = ".".join(map(str, path))
         if key in flat:
             raise CheckpointFormatError(f"two entries of the torch.save dict flatten to the same key {key!r}")
-        flat[key] = value
+        flat[key] = (tuple(path), value)
 
     try:
         traverse_state_dict(obj, visit, keep_traversing=lambda v: isinstance(v, (TensorRef, torch.Tensor)))
