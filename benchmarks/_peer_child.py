@@ -97,13 +97,23 @@ async def _raw_obstore(files: list[list[Any]]) -> None:
 
 
 def _curl(files: list[list[Any]]) -> None:
-    """curl --parallel with the same ranged GETs (s3rver serves unsigned GETs)."""
-    args = ["curl", "-sS", "--fail", "--parallel", "--parallel-max", "32"]
+    """curl --parallel with the same ranged GETs (s3rver serves unsigned GETs). Each transfer
+    is its own ``--next`` group (curl applies a later ``-r`` to every URL otherwise); the
+    bytes each one got are counted and checked."""
+    args = ["curl", "--parallel", "--parallel-max", "32"]
+    want = 0
+    first = True
     for k, n in files:
         for lo in range(0, n, 8 * MiB):
             hi = min(n, lo + 8 * MiB)
-            args += ["-r", f"{lo}-{hi - 1}", "-o", "/dev/null", f"{cfg['endpoint']}/{cfg['bucket']}/{k}"]
-    subprocess.run(args, check=True)
+            want += hi - lo
+            args += [] if first else ["--next"]
+            args += ["-sS", "--fail", "-r", f"{lo}-{hi - 1}", "-o", "/dev/null", "-w", "%{size_download}\n"]
+            args.append(f"{cfg['endpoint']}/{cfg['bucket']}/{k}")
+            first = False
+    out = subprocess.run(args, check=True, capture_output=True, text=True)
+    got = sum(int(x) for x in out.stdout.split())
+    assert got == want, (got, want)
 
 
 def run(mode: str, dest: dict[str, torch.Tensor]) -> None:
