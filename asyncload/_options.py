@@ -122,6 +122,12 @@ class LoadOptions:
     #: is installed and every ``storage_options`` entry maps onto it, else fsspec
     #: (docs/remote.md#transport). Other protocols always use fsspec.
     transport: Literal["auto", "obstore", "fsspec"] = "auto"
+    #: The most bytes a load reads per byte its destinations need, with ``verify=False``
+    #: (header probes and gaps read through included): a rank that needs a slice of each
+    #: saved tensor reads gaps only while they fit this bound, cheapest first, and only those
+    #: a cost model (the store's per-request latency x bandwidth) prices below one more
+    #: request. ``None``: no bound, gaps up to ``min_chunk_size`` read through (docs/tuning.md).
+    max_over_read_ratio: float | None = 1.15
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, want: str) -> None:
@@ -175,6 +181,9 @@ class LoadOptions:
             isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1
         ):
             bad("io_threads", self.io_threads, "expected an int >= 1 or None")
+        r = self.max_over_read_ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1 or math.isinf(r)):
+            bad("max_over_read_ratio", r, "expected a finite number >= 1 or None (no bound)")
         if self.transport not in ("auto", "obstore", "fsspec"):
             bad("transport", self.transport, 'expected "auto", "obstore" or "fsspec"')
         for name in ("verify", "hedge", "allow_dtype_cast", "strict_unexpected_keys", "use_uvloop"):

@@ -5,15 +5,20 @@ Pure planning, no I/O. A saved tensor may have any dense layout (a transposed
 tensor is saved with its strides): dimensions are ordered by stride, so the storage
 is row-major in that order, and a box of the tensor is a set of runs. A run whose
 destination memory is contiguous in the same order is read straight into it; other
-runs, and runs whose gaps are small enough to read through (``min_chunk_size``), go
-through a staging buffer and one strided copy.
+runs, and runs whose gaps are small enough to read through (``max_gap``, by default
+``min_chunk_size``), go through a staging buffer and one strided copy.
+
+Reading a gap costs its bytes; skipping it costs one more request. :func:`break_even_gap`
+prices the two from a store's per-request latency and bandwidth, and :func:`make_chunks`
+reads through a gap only when that is cheaper and, under ``max_over_read``, only while the
+bytes read through gaps stay within a budget (``LoadOptions.max_over_read_ratio``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +27,15 @@ from ._assembly import memory_of, tensor_over
 from ._chunks import Chunk, Piece, TensorLocation
 from ._errors import CheckpointFormatError, StateDictMismatchError
 
-__all__ = ["can_copy", "cast_loss", "check_cast", "make_chunks", "plan_tensor", "widening_is_lossless"]
+__all__ = [
+    "break_even_gap",
+    "can_copy",
+    "cast_loss",
+    "check_cast",
+    "make_chunks",
+    "plan_tensor",
+    "widening_is_lossless",
+]
 
 _COPYABLE: dict[tuple[torch.dtype, torch.dtype], bool] = {}
 
@@ -200,8 +213,13 @@ def plan_tensor(
     key: str = "",
     direct_ok: bool = True,
     stager: Any = None,
+    max_gap: int | None = None,
 ) -> list[Piece]:
     """Pieces that copy box ``[offsets, offsets + lengths)`` of the saved tensor into ``dest``.
+
+    Runs of the box separated by gaps up to ``max_gap`` bytes (``None``: ``min_chunk_size``)
+    are read as one staged piece, the gaps read through; ``max_gap=0`` reads every run on
+    its own (joining runs is then left to :func:`make_chunks` and its over-read budget).
 
     ``dest`` has shape ``lengths`` (already narrowed to the destination box). When
     ``stager`` (a ``_cuda.DeviceStager``) claims ``dest``, every piece is staged through
@@ -227,6 +245,7 @@ def plan_tensor(
     if math.prod(lengths) == 0:
         return []
     isz = loc.itemsize
+    gap_ok = min_chunk_size if max_gap is None else max_gap
     perm = sorted(range(n), key=lambda i: (-loc.stride[i], i))
     strides_p = [loc.stride[i] for i in perm]
     offs_p = [offsets[i] for i in perm]
@@ -240,8 +259,9 @@ def plan_tensor(
     def base_elem(o: Sequence[int]) -> int:
         return loc.storage_offset + sum(a * s for a, s in zip(o, strides_p))
 
-    def emit_direct(start_b: int, nbytes: int, view: torch.Tensor) -> None:
-        mv = memory_of(view)
+    def emit_direct(start_b: int, nbytes: int, view: torch.Tensor, mv: memoryview | None = None) -> None:
+        if mv is None:
+            mv = memory_of(view)
         for lo in range(0, nbytes, chunk_size):
             hi = min(nbytes, lo + chunk_size)
             pieces.append(Piece(loc.name, start_b + lo, start_b + hi, into=mv[lo:hi], keep=view))
@@ -293,7 +313,7 @@ def plan_tensor(
             if end_b - start_b <= chunk_size:
                 emit_staged(start_b, end_b, lens, view)
                 continue
-        elif end_b - start_b <= chunk_size and _max_gap_elems(lens, strides_p) * isz <= min_chunk_size:
+        elif end_b - start_b <= chunk_size and _max_gap_elems(lens, strides_p) * isz <= gap_ok:
             emit_staged(start_b, end_b, lens, view)
             continue
         # split along the outermost dimension that has more than one index; rows are
@@ -302,10 +322,18 @@ def plan_tensor(
         row_bytes = max(1, strides_p[d] * isz)
         row_gap = (strides_p[d] - _span_elems(lens[d + 1 :], strides_p[d + 1 :])) * isz
         group = 1
-        if row_gap <= min_chunk_size and _max_gap_elems(lens[d + 1 :], strides_p[d + 1 :]) * isz <= min_chunk_size:
+        if row_gap <= gap_ok and _max_gap_elems(lens[d + 1 :], strides_p[d + 1 :]) * isz <= gap_ok:
             group = max(1, chunk_size // row_bytes)
         if group >= lens[d]:
             group = max(1, lens[d] // 2)
+        if group == 1 and can_direct and view.is_contiguous() and _contiguous_box(lens[d + 1 :], strides_p[d + 1 :]):
+            # one direct run per index of ``d`` (a column slice's rows), without a box each
+            inner = math.prod(lens[d + 1 :]) * isz
+            step = strides_p[d] * isz
+            mv = memory_of(view)
+            for a in range(lens[d]):
+                emit_direct(start_b + a * step, inner, view, mv[a * inner : (a + 1) * inner])
+            continue
         subs = []
         for a in range(0, lens[d], group):
             sub_o = list(o)
@@ -318,24 +346,49 @@ def plan_tensor(
     return pieces
 
 
-def make_chunks(pieces: Iterable[Piece], *, chunk_size: int, min_chunk_size: int) -> list[Chunk]:
+def break_even_gap(latency: float, bandwidth: float) -> int:
+    """The gap, in bytes, that costs as much to read through as one more request does:
+    ``latency`` (seconds a request costs beyond its bytes) times ``bandwidth`` (bytes per
+    second of one stream). Smaller gaps are cheaper read; larger ones cheaper skipped."""
+    if not latency > 0 or not bandwidth > 0:
+        return 0
+    return int(min(latency * bandwidth, float(1 << 62)))
+
+
+def make_chunks(
+    pieces: Iterable[Piece],
+    *,
+    chunk_size: int,
+    min_chunk_size: int,
+    max_over_read: int | None = None,
+    charge: Callable[[str, int, int], int] | None = None,
+) -> list[Chunk]:
     """Group pieces into read requests: sorted by file and offset; neighbours joined when
-    the gap is small (``min_chunk_size``) and the request stays within ``chunk_size``."""
+    the gap is small (``min_chunk_size``) and the request stays within ``chunk_size``.
+
+    ``max_over_read`` bounds the bytes read through gaps, over all files together: the
+    cheapest gaps are joined first (each saves one request for the fewest bytes) until the
+    next would exceed it. ``None``: no bound. ``charge(name, start, end)``: the bytes of a
+    gap that count against the bound (default: all of them)."""
     by_file: dict[str, list[Piece]] = {}
     for p in pieces:
         by_file.setdefault(p.name, []).append(p)
+    for ps in by_file.values():
+        ps.sort(key=lambda p: (p.start, p.end))
+    chosen = None if max_over_read is None else _chosen_gaps(by_file, min_chunk_size, max_over_read, charge)
     chunks: list[Chunk] = []
     for name, ps in by_file.items():
-        ps.sort(key=lambda p: (p.start, p.end))
         cur: list[Piece] = []
         cur_start = cur_end = 0
-        for p in ps:
+        for i, p in enumerate(ps):
             if cur:
                 gap = p.start - cur_end
-                small = p.nbytes < min_chunk_size and (cur_end - cur_start) < min_chunk_size
-                if (gap == 0 or (0 < gap <= min_chunk_size and small) or gap < 0) and max(
-                    cur_end, p.end
-                ) - cur_start <= chunk_size:
+                if chosen is None:
+                    small = p.nbytes < min_chunk_size and (cur_end - cur_start) < min_chunk_size
+                    joined = 0 < gap <= min_chunk_size and small
+                else:
+                    joined = (name, i) in chosen
+                if (gap <= 0 or (gap > 0 and joined)) and max(cur_end, p.end) - cur_start <= chunk_size:
                     cur.append(p)
                     cur_end = max(cur_end, p.end)
                     continue
@@ -344,6 +397,42 @@ def make_chunks(pieces: Iterable[Piece], *, chunk_size: int, min_chunk_size: int
         if cur:
             chunks.append(_chunk(name, cur, cur_start, cur_end))
     return chunks
+
+
+def _chosen_gaps(
+    by_file: dict[str, list[Piece]],
+    min_chunk_size: int,
+    budget: int,
+    charge: Callable[[str, int, int], int] | None,
+) -> set[tuple[str, int]]:
+    """The gaps (file, index of the piece after it) worth reading through within ``budget``
+    bytes: gaps up to ``min_chunk_size`` between pieces smaller than it, cheapest first."""
+    candidates: list[tuple[int, str, int]] = []
+    for name, ps in by_file.items():
+        end = None
+        prev = 0
+        for i, p in enumerate(ps):
+            if end is not None:
+                gap = p.start - end
+                if 0 < gap <= min_chunk_size and p.nbytes < min_chunk_size and prev < min_chunk_size:
+                    candidates.append((gap if charge is None else charge(name, end, p.start), name, i))
+            end = p.end if end is None else max(end, p.end)
+            prev = p.nbytes
+    # equal gaps (a column slice's rows) are taken spread over the file, not in a row: the
+    # same bytes and requests, but the requests stay small (tiny local reads are batched)
+    candidates.sort(key=lambda c: (c[0], _spread_key(c[2]), c[1]))
+    chosen: set[tuple[str, int]] = set()
+    for cost, name, i in candidates:
+        if cost > budget:
+            break
+        budget -= cost
+        chosen.add((name, i))
+    return chosen
+
+
+def _spread_key(i: int) -> int:
+    """``i`` with its 32 low bits reversed: sorting by it visits 0..n spread evenly (0, n/2, n/4, 3n/4...)."""
+    return int(f"{i & 0xFFFFFFFF:032b}"[::-1], 2) | (i >> 32) << 32
 
 
 def _chunk(name: str, ps: list[Piece], start: int, end: int) -> Chunk:

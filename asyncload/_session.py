@@ -23,8 +23,10 @@ resolves one ``LoadOptions`` before anything is read and gives it to both.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import io
+import itertools
 import logging
 import os
 import threading
@@ -47,7 +49,7 @@ from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
 from ._paths import check_relative_path
 from ._pipeline import Pipeline
-from ._plan import make_chunks, plan_tensor
+from ._plan import break_even_gap, make_chunks, plan_tensor
 from ._retry import RetryingStorage
 from ._stats import LoadStats, StatsRecorder
 from ._storage import open_storage
@@ -541,14 +543,18 @@ class LoadSession:
         await self._aread_transformed(pipeline, [r for r in records if r.transforms], options)
         # Records up to min_chunk_size (plus the probes' size) are read whole: cheaper than
         # two round trips, and it guarantees that a large record's head and tail probes are
-        # more than min_chunk_size apart, so coalescing never reads through its data.
+        # more than min_chunk_size apart, so coalescing never reads through its data. Under
+        # max_over_read_ratio a record of which this rank needs a slice is read whole only
+        # where the bound (and the cost model) allow it, else probed like a large one.
         small = chunking.min_chunk_size + HEAD_PROBE + TAIL_PROBE
         _check_object_claims(records, options, self.checkpoint)
         trackers: list[tuple[CrcTracker, _Record]] = []
+        ecs = chunking.chunk_size
+        reads = _ReadBudget.for_load(options, storage.hedgeable, records, self._recorder.stats.bytes_read)
+        whole = reads.whole_records(records, min(small, ecs))
         # Phase A: whole small records and objects; head and tail probes of large records
         pieces: list[Piece] = []
         large: list[_Record] = []
-        ecs = chunking.chunk_size
         for rec in records:
             if rec.entry is not None or rec.transforms:
                 continue  # located already (safetensors, torch.save files), or read and decoded whole
@@ -559,22 +565,30 @@ class LoadSession:
                 for lo in range(0, rec.length, ecs):
                     hi = min(rec.length, lo + ecs)
                     pieces.append(Piece(rec.name, rec.offset + lo, rec.offset + hi, into=memoryview(buf)[lo:hi]))
-            elif rec.byte_items or rec.length <= min(small, ecs):
+            elif id(rec) in whole:
                 pieces.append(Piece(rec.name, rec.offset, rec.end, deliver=self._whole_record(rec, options)))
             else:
                 large.append(rec)
-                head = min(HEAD_PROBE, rec.length)
-                tail = min(TAIL_PROBE, rec.length)
-                pieces.append(Piece(rec.name, rec.offset, rec.offset + head, deliver=_store(rec.window, rec.offset)))
-                pieces.append(Piece(rec.name, rec.end - tail, rec.end, deliver=_store(rec.window, rec.end - tail)))
-        chunks = make_chunks(pieces, chunk_size=chunking.chunk_size, min_chunk_size=chunking.min_chunk_size)
+                head, tail = _probes(rec)
+                pieces.append(Piece(rec.name, *head, deliver=_store(rec.window, head[0])))
+                pieces.append(Piece(rec.name, *tail, deliver=_store(rec.window, tail[0])))
+        chunks = make_chunks(
+            pieces,
+            chunk_size=chunking.chunk_size,
+            min_chunk_size=reads.join_gap(chunking.min_chunk_size),
+            max_over_read=reads.gap_allowance(),
+        )
         for c in chunks:
             for s in c.segments:
                 s.payload = False
         await run(pipeline, chunks)
+        reads.measure(self._recorder)
         t_phase_a = time.monotonic()
         # Phase B: locate each large record's tensor, then read the boxes each item needs
         data_pieces: list[Piece] = []
+        # destination bytes the probes already read: copied once every item is planned
+        from_probes: list[tuple[memoryview, memoryview]] = []
+        headers: list[tuple[_Record, Any]] = []  # each record's tensor location: the rest is its headers
         for rec in large + located:
             if rec.known is not None:
                 loc = rec.known
@@ -610,9 +624,14 @@ class LoadSession:
                     allow_cast=options.allow_dtype_cast or self._torch_casts,
                     key=item.dest_index.fqn,
                     stager=stager,
+                    max_gap=reads.max_gap,
                 )
                 _check_planned(item, dest, item_pieces, rec)
                 rec_pieces.extend(item_pieces)
+            if reads.bounded and run_chunks is None and tracker is None and stager is None and rec.known is None:
+                # (not under ShardedLoadPlanner: its plan of who reads what counts every range)
+                rec_pieces = _from_probes(rec, rec_pieces, from_probes)
+            headers.append((rec, loc))
             if tracker is not None:
                 for p in rec_pieces:
                     p.tracker = tracker
@@ -624,7 +643,21 @@ class LoadSession:
                         rec_pieces.append(Piece(rec.name, a, min(hi, a + ecs), tracker=tracker))
             data_pieces.extend(rec_pieces)
             rec.window = ByteWindow()  # probes are no longer needed
-        chunks = make_chunks(data_pieces, chunk_size=chunking.chunk_size, min_chunk_size=chunking.min_chunk_size)
+        copied = 0
+        for into, data in from_probes:
+            into[:] = data
+            copied += len(data)
+        if copied:
+            self._recorder.add(bytes_assembled=copied)
+            if self._report is not None:
+                self._report(copied)
+        chunks = make_chunks(
+            data_pieces,
+            chunk_size=chunking.chunk_size,
+            min_chunk_size=reads.join_gap(chunking.min_chunk_size),
+            max_over_read=reads.gap_allowance(self._recorder.stats.bytes_read, data_pieces),
+            charge=_ForeignBytes(self.metadata, headers) if reads.bounded else None,
+        )
         for c in chunks:
             for s in c.segments:
                 if s.into is None and s.deliver is None:
@@ -921,6 +954,191 @@ def _check_decoded_storage(rec: _Record, loc: Any) -> None:
             f"bytes, the metadata claims {expected} ({list(rec.chunk_md.sizes)} of {rec.dtype}): the record is "
             "damaged or the metadata lies"
         )
+
+
+#: The cost model's assumptions until the load has measured its store (docs/tuning.md):
+#: seconds one more request costs beyond its bytes, and bytes per second of one stream.
+LOCAL_REQUEST_SECONDS = 20e-6
+LOCAL_BANDWIDTH = 4 << 30
+REMOTE_REQUEST_SECONDS = 20e-3
+REMOTE_BANDWIDTH = 64 << 20
+
+
+class _ReadBudget:
+    """What a load may read beyond what its destinations need (``max_over_read_ratio``),
+    and what reading a gap is worth (:func:`asyncload._plan.break_even_gap`): records read
+    whole or probed, gaps read through or skipped. Unbounded (``None``, or ``verify=True``,
+    which reads every byte of a storage anyway): the rules of ``min_chunk_size`` alone."""
+
+    def __init__(self, ratio: float | None, remote: bool, needed: int, read_before: int) -> None:
+        self.bounded = ratio is not None
+        self.limit = int((ratio or 1.0) * needed)
+        self.read_before = read_before
+        self.latency = REMOTE_REQUEST_SECONDS if remote else LOCAL_REQUEST_SECONDS
+        self.bandwidth = REMOTE_BANDWIDTH if remote else LOCAL_BANDWIDTH
+        #: plan_tensor's gap limit: 0 under the bound (make_chunks joins within the budget)
+        self.max_gap: int | None = 0 if self.bounded else None
+        self._spare = 0
+
+    @classmethod
+    def for_load(cls, options: LoadOptions, remote: bool, records: list[_Record], read_before: int) -> _ReadBudget:
+        ratio = None if options.verify else options.max_over_read_ratio
+        return cls(ratio, remote, sum(_needed(r) for r in records if not r.transforms), read_before)
+
+    def whole_records(self, records: list[_Record], small: int) -> set[int]:
+        """ids of the records phase A reads whole (the others with tensors are probed)."""
+        whole: set[int] = set()
+        candidates: list[tuple[int, _Record]] = []
+        spare = self.limit - sum(_needed(r) for r in records if not r.transforms)
+        for rec in records:
+            if rec.entry is not None or rec.transforms:
+                continue
+            if rec.byte_items:
+                whole.add(id(rec))
+                continue
+            probed = min(rec.length, HEAD_PROBE + TAIL_PROBE)
+            if rec.length > small:
+                spare -= probed
+                continue
+            extra = rec.length - _needed(rec)
+            if not self.bounded or extra <= probed:  # whole costs no more bytes than probing
+                whole.add(id(rec))
+                spare -= extra
+                continue
+            spare -= probed
+            candidates.append((extra - probed, rec))
+        # whole instead of probed: saves the probes' and the data's requests for ``cost`` bytes
+        worth = 3 * break_even_gap(self.latency, self.bandwidth)
+        for cost, rec in sorted(candidates, key=lambda c: c[0]):
+            if cost > spare or cost > worth:
+                break
+            spare -= cost
+            whole.add(id(rec))
+        self._spare = max(0, spare)
+        return whole
+
+    def measure(self, recorder: StatsRecorder) -> None:
+        """Use the latency measured so far (the requests' median), where there is one."""
+        p50 = recorder.snapshot().latency_p50
+        if p50 > 0:
+            self.latency = p50
+
+    def join_gap(self, min_chunk_size: int) -> int:
+        """The largest gap make_chunks may read through."""
+        if not self.bounded:
+            return min_chunk_size
+        return max(1, min(min_chunk_size, break_even_gap(self.latency, self.bandwidth)))
+
+    def gap_allowance(self, read_now: int | None = None, pieces: list[Piece] | None = None) -> int | None:
+        """Bytes make_chunks may read through gaps: what phase A left (no arguments), or
+        what is left once ``read_now`` bytes were read and ``pieces`` are still to read."""
+        if not self.bounded:
+            return None
+        if read_now is None or pieces is None:
+            return self._spare
+        return max(0, self.limit - (read_now - self.read_before) - sum(p.nbytes for p in pieces))
+
+
+class _ForeignBytes:
+    """``charge`` for make_chunks: the bytes of a gap that count against the over-read bound,
+    those of saved items (tensors, objects) the load does not need. The headers of the
+    records it reads (a zip's directory between two tensors it needs), and bytes the
+    metadata describes no item in (torch.save's local headers between storages), are priced
+    by the cost model alone: reading them never means reading another rank's data."""
+
+    def __init__(self, metadata: Metadata | None, located: list[tuple[_Record, Any]]) -> None:
+        self._metadata = metadata
+        self._located = located
+        self._items: dict[str, _Coverage] | None = None
+        self._headers: dict[str, _Coverage] = {}
+
+    def __call__(self, name: str, start: int, end: int) -> int:
+        found = self._items if self._items is not None else self._build()
+        items, headers = found.get(name), self._headers.get(name)
+        n = items.overlap(start, end) if items is not None else 0
+        return max(0, n - (headers.overlap(start, end) if headers is not None else 0))
+
+    def _build(self) -> dict[str, _Coverage]:
+        extents: dict[str, list[tuple[int, int]]] = {}
+        storage_data = getattr(self._metadata, "storage_data", None) or {}
+        for sinfo in storage_data.values():
+            name, offset, length = (getattr(sinfo, a, None) for a in ("relative_path", "offset", "length"))
+            if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int) and length > 0:
+                extents.setdefault(name, []).append((offset, offset + length))
+        heads: dict[str, list[tuple[int, int]]] = {}
+        for rec, loc in self._located:
+            data_end = loc.data_start + loc.storage_nbytes
+            for lo, hi in ((rec.offset, min(rec.end, loc.data_start)), (max(rec.offset, data_end), rec.end)):
+                if lo < hi:
+                    heads.setdefault(rec.name, []).append((lo, hi))
+        self._headers = {n: _Coverage(v) for n, v in heads.items()}
+        self._items = {n: _Coverage(v) for n, v in extents.items()}
+        return self._items
+
+
+class _Coverage:
+    """Byte ranges of one file, merged; ``overlap(start, end)``: how many bytes of
+    ``[start, end)`` they cover (a bisection)."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        merged: list[list[int]] = []
+        for lo, hi in sorted(ranges):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.starts = [lo for lo, _ in merged]
+        self.ends = [hi for _, hi in merged]
+        self.before = list(itertools.accumulate((hi - lo for lo, hi in merged), initial=0))
+
+    def _covered(self, x: int) -> int:
+        i = bisect.bisect_right(self.starts, x) - 1
+        if i < 0:
+            return 0
+        return self.before[i] + min(x, self.ends[i]) - self.starts[i]
+
+    def overlap(self, start: int, end: int) -> int:
+        return self._covered(end) - self._covered(start)
+
+
+def _needed(rec: _Record) -> int:
+    """Bytes of ``rec`` the load's destinations need: an object's whole record, a tensor's boxes."""
+    if rec.byte_items and not rec.tensor_items:
+        return rec.length
+    saved = rec.dtype if rec.dtype is not None else getattr(rec.known, "dtype", None)
+    n = 0
+    for item, dest in rec.tensor_items:
+        size = saved.itemsize if isinstance(saved, torch.dtype) else dest.element_size()
+        n += int(torch.Size(item.lengths).numel()) * size
+    return n
+
+
+def _probes(rec: _Record) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The head and tail probes of a record: the byte ranges whose layout they hold."""
+    return (rec.offset, rec.offset + min(HEAD_PROBE, rec.length)), (rec.end - min(TAIL_PROBE, rec.length), rec.end)
+
+
+def _from_probes(rec: _Record, pieces: list[Piece], out: list[tuple[memoryview, memoryview]]) -> list[Piece]:
+    """Direct pieces trimmed of the bytes the record's probes already read (a rank that needs
+    the first or last rows of a tensor); those bytes are copied from the probes (``out``)."""
+    kept: list[Piece] = []
+    for p in pieces:
+        if p.into is not None and p.deliver is None and not p.pinned:
+            for lo, hi in _probes(rec):
+                if p.start >= lo and p.start < hi:  # a prefix of the piece was probed
+                    k = min(p.end, hi) - p.start
+                    out.append((p.into[:k], rec.window.get(p.start, p.start + k)))
+                    p.into, p.start = p.into[k:], p.start + k
+                elif p.start < lo < p.end <= hi:  # a suffix was probed
+                    k = p.end - lo
+                    out.append((p.into[len(p.into) - k :], rec.window.get(lo, p.end)))
+                    p.into, p.end = p.into[: len(p.into) - k], lo
+                if p.start >= p.end:
+                    break
+            if p.start >= p.end:
+                continue
+        kept.append(p)
+    return kept
 
 
 def _store(win: ByteWindow, start: int) -> Callable[[memoryview], None]:
