@@ -35,14 +35,18 @@ nothing else escape.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import reprlib
 import struct
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from ._errors import CheckpointFormatError, UnsafeCheckpointError
 
-__all__ = ["PicklePolicy", "PickleVM", "check_structure", "short_repr"]
+__all__ = ["PicklePolicy", "PickleVM", "check_structure", "collector_paused", "short_repr"]
 
 #: Deepest nesting of a dict/set key (tuples in tuples).
 _MAX_KEY_DEPTH = 32
@@ -55,6 +59,11 @@ _SMALL_INT = 1 << 60
 #: Work budget: units (roughly: Python objects touched) per byte of pickle, plus a floor.
 _WORK_PER_BYTE = 8
 _WORK_FLOOR = 1 << 20
+
+#: Keys whose check costs more units than this are remembered (cheaper ones are checked again).
+_CACHE_COST = 64
+#: Pickles from this size on are decoded with the cyclic garbage collector paused.
+_PAUSE_GC_FROM = 1 << 20
 
 _NO_FIELDS: frozenset[str] = frozenset()
 #: Stands for "no such type" where the policy declares none (never the type of a value).
@@ -130,6 +139,61 @@ class PicklePolicy(Protocol):
         """The object a persistent id stands for."""
 
 
+# --- the garbage collector ----------------------------------------------------------
+# A large pickle makes millions of objects that all stay alive until the end (the memo
+# holds them), and each generational collection in between walks them again: for a DCP
+# .metadata of 1 M chunks that is most of what pickle.loads itself spends (13 s, 2 s with
+# the collector paused). A decode makes no cyclic garbage except lists a pickle appends to
+# themselves after a DUP, which the memory the pickle's size allows bounds like every other
+# object; the collector frees them when it resumes.
+
+
+class _CollectorPause:
+    """Pauses the cyclic garbage collector while at least one decode holds it; restores
+    the state it found when the last one leaves (also in a child forked meanwhile)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._resume = False
+        self._fork_hook = False
+
+    def enter(self) -> None:
+        with self._lock:
+            if not self._fork_hook:
+                os.register_at_fork(after_in_child=self._after_fork)
+                self._fork_hook = True
+            if self._holders == 0:
+                self._resume = gc.isenabled()
+                gc.disable()
+            self._holders += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._resume:
+                gc.enable()
+
+    def _after_fork(self) -> None:  # only the forking thread lives on: no decode is running
+        self._lock = threading.Lock()
+        if self._holders and self._resume:
+            gc.enable()
+        self._holders = 0
+
+
+_PAUSE = _CollectorPause()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Run the body with the cyclic garbage collector paused (nestable, thread-safe)."""
+    _PAUSE.enter()
+    try:
+        yield
+    finally:
+        _PAUSE.leave()
+
+
 # --- the machine --------------------------------------------------------------------
 # Over the bytes in memory: faster than pickle's pure-Python unpickler, and every opcode
 # that could allocate, hash or call is checked before it does.
@@ -156,8 +220,8 @@ class PickleVM:
         self._fresh: dict[int, Any] = {}
         #: ids of container keys already checked -> (key, cost); keeps the keys alive
         self._key_ok: dict[int, tuple[Any, int]] = {}
-        #: (id(container), hash) -> number of keys inserted with that hash
-        self._hash_counts: dict[tuple[int, int], int] = {}
+        #: id(container) -> {hash: number of keys inserted with that hash}
+        self._hash_counts: dict[int, dict[int, int]] = {}
         self._shape_type: Any = policy.shape_type if policy.shape_type is not None else _NO_TYPE
 
     # -- for the policy --
@@ -204,7 +268,8 @@ class PickleVM:
     # -- guards --
 
     def _key_cost(self, key: Any) -> int:
-        """Check that hashing ``key`` is cheap and safe; return its cost (cached per object)."""
+        """Check that hashing ``key`` is cheap and safe; return its cost (cached per object
+        when walking it took more than a few steps)."""
         t = type(key)
         if t is str or key is None or t is bool or t is float or t is bytes or t is complex:
             return 1
@@ -212,17 +277,19 @@ class PickleVM:
             if not -_MAX_INT_KEY < key < _MAX_INT_KEY:
                 raise self.bad(f"an int dict/set key of {key.bit_length()} bits")
             return 1
+        shape_type = self._shape_type
+        if t is shape_type:  # only ints of at most 64 bits, never nested: hashed in len(key) steps
+            return 1 + len(key)
         if isinstance(key, self._policy.atomic_key_types):
             return 1
         cached = self._key_ok.get(id(key))
         if cached is not None and cached[0] is key:
             return cached[1]
         cost = 1
-        shape_type = self._shape_type
         record_fields = self._policy.record_fields
         if t is frozenset:
             pass  # its items were checked when it was built; Python caches its hash
-        elif t is tuple or t is shape_type:
+        elif t is tuple:
             stack: list[tuple[Any, int]] = [(key, 1)]
             while stack:  # iterative: nested tuples, bounded depth
                 obj, depth = stack.pop()
@@ -230,54 +297,67 @@ class PickleVM:
                     raise self.unsafe(f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep")
                 for item in obj:
                     it = type(item)
-                    if it is tuple or it is shape_type:
+                    if it is tuple:
                         c = self._key_ok.get(id(item))
                         if c is not None and c[0] is item:
                             cost += c[1]
                         else:
                             cost += 1
                             stack.append((item, depth + 1))
+                    elif it is shape_type:
+                        if depth >= _MAX_KEY_DEPTH:
+                            raise self.unsafe(f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep")
+                        cost += 1 + len(item)
                     else:
                         cost += self._key_cost(item)
                 if cost > 1 << 16:
                     raise self.bad("a dict/set key of more than 65536 items")
         elif t in record_fields and t.__hash__ is not None:
+            fields = key.__dict__
             for name in record_fields[t]:
-                value = key.__dict__.get(name)
-                if value is not None:
+                value = fields.get(name)
+                vt = type(value)
+                if vt is str or value is None:
+                    cost += value is not None
+                elif vt is shape_type:
+                    cost += 1 + len(value)
+                else:
                     cost += self._key_cost(value)
         else:
             raise self.bad(f"a dict/set key of type {t.__name__}")
-        self._key_ok[id(key)] = (key, cost)
+        if cost > _CACHE_COST:  # cheaper keys are checked again rather than remembered
+            self._key_ok[id(key)] = (key, cost)
         return cost
 
     def _check_key(self, container: Any, key: Any) -> None:
         self.charge(self._key_cost(key))
-        slot = (id(container), hash(key))
-        n = self._hash_counts.get(slot, 0) + 1
+        counts = self._hash_counts.get(id(container))
+        if counts is None:
+            counts = self._hash_counts[id(container)] = {}
+        h = hash(key)
+        n = counts.get(h, 0) + 1
         if n > _MAX_SAME_HASH:
             raise self.unsafe(f"more than {_MAX_SAME_HASH} keys of one dict or set share a hash value (hash flooding)")
-        self._hash_counts[slot] = n
+        counts[h] = n
 
     def _set_items(self, target: Any, items: list[Any]) -> None:
         if not isinstance(target, dict) or len(items) % 2:
             raise self.bad(f"SETITEMS on a {type(target).__name__}")
         check = self._check_key
+        cheap = 0
         for i in range(0, len(items), 2):
             k = items[i]
             t = type(k)
             # str hashes are salted per process and small ints hash to themselves: neither
             # can be made to collide, so they only cost one unit
             if t is str or (t is int and -_SMALL_INT < k < _SMALL_INT):
-                self._work += 1
+                cheap += 1
             else:
                 check(target, k)
             target[k] = items[i + 1]
+        self._work += cheap
         if self._work > self.work_limit:
             self.charge(0)
-
-    def _truncated(self, pos: int, n: int) -> CheckpointFormatError:
-        return self.bad(f"truncated: {n} bytes at offset {pos} run past the end ({self._size})")
 
     def _line(self, pos: int) -> tuple[bytes, int]:
         e = self._data.find(b"\n", pos, pos + 65536)
@@ -285,20 +365,53 @@ class PickleVM:
             raise self.bad(f"no end of line within 64 KiB after offset {pos}")
         return self._data[pos:e], e + 1
 
-    def _memo_index(self, i: int) -> int:
+    def _memo_put(self, memo: list[Any], sparse: dict[int, Any], i: int, value: Any) -> None:
+        """``memo[i] = value`` as pickle's dict memo does it, over the list of the first
+        indices and the dict of the others (whose keys are all past the list's end)."""
         if i < 0 or i > self._size:
             raise self.bad(f"memo index {i} is out of range for a pickle of {self._size} bytes")
-        return i
+        n = len(memo)
+        if i < n:
+            memo[i] = value
+        elif i == n:
+            memo.append(value)
+            while sparse and len(memo) in sparse:
+                memo.append(sparse.pop(len(memo)))
+        else:
+            sparse[i] = value
+
+    def _newobj(self, cls: Any, args: Any) -> Any:
+        # a type before anything hashes it: a nested tuple or a record holding one would
+        # crash ``in`` with a C stack overflow
+        if isinstance(cls, type) and cls in self._policy.record_classes and args == () and type(args) is tuple:
+            obj = cls.__new__(cls)  # type: ignore[call-overload]
+            self._fresh[id(obj)] = obj
+            return obj
+        return self._policy.newobj(self, cls, args, None)
+
+    def _build(self, inst: Any, state: Any) -> None:
+        if (
+            type(state) is dict
+            and self._fresh.get(id(inst)) is inst
+            and state.keys() <= self._policy.record_fields.get(type(inst), _NO_FIELDS)
+        ):
+            inst.__dict__.update(state)
+        else:
+            self._policy.build(self, inst, state)
 
     # -- the machine --
 
     def run(self) -> Any:
         """Decode the pickle and return its object. Raises only UnsafeCheckpointError and
         CheckpointFormatError (whatever the bytes, whatever the policy's constructors raise
-        beyond those: a damaged stream)."""
+        beyond those: a damaged stream). The cyclic garbage collector is paused while a
+        large pickle is decoded (see :func:`collector_paused`)."""
         what = self.what
         try:
-            return self.load()
+            if self._size < _PAUSE_GC_FROM:
+                return self.load()
+            with collector_paused():
+                return self.load()
         except (UnsafeCheckpointError, CheckpointFormatError):
             raise
         except RecursionError as exc:  # pragma: no cover - the decoder is iterative
@@ -312,6 +425,7 @@ class PickleVM:
         finally:
             self._fresh.clear()
             self._key_ok.clear()
+            self._hash_counts.clear()
 
     def load(self) -> Any:
         """Decode the pickle (:meth:`run` without its translation of stray exceptions)."""
@@ -320,373 +434,374 @@ class PickleVM:
         pos = 0
         stack: list[Any] = []
         metastack: list[list[Any]] = []
-        memo: dict[int, Any] = {}
+        # the memo: indices 0..len(memo)-1 in a list (what picklers write), any others in
+        # ``sparse`` (PUT out of order; see _memo_put)
+        memo: list[Any] = []
+        sparse: dict[int, Any] = {}
+        remember = memo.append
+        value: Any
         append = stack.append
-        fresh = self._fresh
         policy = self._policy
-        newobj_classes = policy.record_classes
-        fields_of = policy.record_fields
         shape_type = self._shape_type
-
-        while True:
-            if pos >= end:
-                raise self.bad("truncated: no STOP opcode")
-            op = data[pos]
-            pos += 1
-            # opcodes ordered by how often DCP metadata and torch.save records use them
-            if op == 0x94:  # MEMOIZE
-                memo[len(memo)] = stack[-1]
-            elif op == 0x68:  # BINGET
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                append(memo[data[pos]])
+        set_items, newobj, build = self._set_items, self._newobj, self._build
+        # Opcodes ordered by how often DCP metadata uses them. The value an opcode pushes is
+        # memoized on the spot when a MEMOIZE follows (protocol 4 memoizes nearly every
+        # object), and the frequent sequences (a shape's TUPLE1 REDUCE, a record's
+        # EMPTY_TUPLE NEWOBJ, EMPTY_DICT MARK and SETITEMS BUILD) run as one step, with the
+        # checks they get one by one. An opcode or a fixed-size argument past the end raises
+        # IndexError (data[pos]) or struct.error, caught below; variable lengths are checked.
+        try:
+            while True:
+                op = data[pos]
                 pos += 1
-            elif op == 0x6A:  # LONG_BINGET
-                if pos + 4 > end:
-                    raise self._truncated(pos, 4)
-                append(memo[_U4(data, pos)[0]])
-                pos += 4
-            elif op == 0x28:  # MARK
-                metastack.append(stack)
-                stack = []
-                append = stack.append
-            elif op == 0x4B:  # BININT1
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                append(data[pos])
-                pos += 1
-            elif op == 0x29:  # EMPTY_TUPLE
-                append(())
-            elif op == 0x81:  # NEWOBJ
-                args = stack.pop()
-                cls = stack.pop()
-                if cls in newobj_classes and args == () and type(args) is tuple:
-                    obj = cls.__new__(cls)
-                    fresh[id(obj)] = obj
-                    append(obj)
-                else:
-                    append(policy.newobj(self, cls, args, None))
-            elif op == 0x62:  # BUILD
-                state = stack.pop()
-                inst = stack[-1]
-                if (
-                    type(state) is dict
-                    and fresh.get(id(inst)) is inst
-                    and state.keys() <= fields_of.get(type(inst), _NO_FIELDS)
-                ):
-                    inst.__dict__.update(state)
-                else:
-                    policy.build(self, inst, state)
-            elif op == 0x7D:  # EMPTY_DICT
-                append({})
-            elif op == 0x75:  # SETITEMS
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                self._set_items(stack[-1], items)
-            elif op == 0x85:  # TUPLE1
-                stack[-1] = (stack[-1],)
-            elif op == 0x52:  # REDUCE
-                args = stack.pop()
-                func = stack[-1]
-                if (
-                    func is shape_type
-                    and type(args) is tuple
-                    and len(args) == 1
-                    and type(args[0]) in (tuple, list)
-                    and len(args[0]) <= 1024
-                    and all(type(v) is int for v in args[0])
-                ):
-                    stack[-1] = shape_type(args[0])  # the one frequent call: shapes in .metadata
-                else:
-                    stack[-1] = policy.call(self, func, args)
-            elif op == 0x4D:  # BININT2
-                if pos + 2 > end:
-                    raise self._truncated(pos, 2)
-                append(_U2(data, pos)[0])
-                pos += 2
-            elif op == 0x86:  # TUPLE2
-                b = stack.pop()
-                stack[-1] = (stack[-1], b)
-            elif op == 0x89:  # NEWFALSE
-                append(False)
-            elif op == 0x4A:  # BININT
-                if pos + 4 > end:
-                    raise self._truncated(pos, 4)
-                append(_I4(data, pos)[0])
-                pos += 4
-            elif op == 0x8C:  # SHORT_BINUNICODE
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                n = data[pos]
-                if pos + 1 + n > end:
-                    raise self._truncated(pos, 1 + n)
-                append(str(data[pos + 1 : pos + 1 + n], "utf-8", "surrogatepass"))
-                pos += 1 + n
-            elif op == 0x93:  # STACK_GLOBAL
-                name = stack.pop()
-                module = stack.pop()
-                if type(name) is not str or type(module) is not str:
-                    raise self.bad("STACK_GLOBAL requires str")
-                append(policy.find_class(self, module, name))
-            elif op == 0x74:  # TUPLE
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                append(tuple(items))
-            elif op == 0x5D:  # EMPTY_LIST
-                append([])
-            elif op == 0x61:  # APPEND
-                value = stack.pop()
-                target = stack[-1]
-                if type(target) is list or type(target) is bytearray:
-                    target.append(value)
-                else:
-                    raise self.bad(f"APPEND on a {type(target).__name__}")
-            elif op == 0x71:  # BINPUT
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                memo[data[pos]] = stack[-1]
-                pos += 1
-            elif op == 0x72:  # LONG_BINPUT
-                if pos + 4 > end:
-                    raise self._truncated(pos, 4)
-                memo[self._memo_index(_U4(data, pos)[0])] = stack[-1]
-                pos += 4
-            elif op == 0x4E:  # NONE
-                append(None)
-            elif op == 0x88:  # NEWTRUE
-                append(True)
-            elif op == 0x87:  # TUPLE3
-                c = stack.pop()
-                b = stack.pop()
-                stack[-1] = (stack[-1], b, c)
-            elif op == 0x65:  # APPENDS
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                target = stack[-1]
-                if type(target) is list or type(target) is bytearray:
-                    target.extend(items)
-                else:
-                    raise self.bad(f"APPENDS on a {type(target).__name__}")
-                self.charge(len(items) // 8)
-            elif op == 0x2E:  # STOP
-                if not stack:
-                    raise self.bad("STOP with an empty stack")
-                return stack.pop()
-            elif op == 0x95:  # FRAME: informational only
-                if pos + 8 > end:
-                    raise self._truncated(pos, 8)
-                pos += 8
-            elif op == 0x80:  # PROTO
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                if data[pos] > 5:
-                    raise self.bad(f"unsupported pickle protocol {data[pos]}")
-                pos += 1
-            elif op == 0x51:  # BINPERSID
-                stack[-1] = policy.persistent_load(self, stack[-1])
-            elif op == 0x58:  # BINUNICODE
-                if pos + 4 > end:
-                    raise self._truncated(pos, 4)
-                n = _U4(data, pos)[0]
-                if pos + 4 + n > end:
-                    raise self._truncated(pos, 4 + n)
-                append(str(data[pos + 4 : pos + 4 + n], "utf-8", "surrogatepass"))
-                pos += 4 + n
-            elif op == 0x6C:  # LIST
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                append(items)
-            elif op == 0x64:  # DICT
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                d: dict[Any, Any] = {}
-                self._set_items(d, items)
-                append(d)
-            elif op == 0x73:  # SETITEM
-                value = stack.pop()
-                key = stack.pop()
-                self._set_items(stack[-1], [key, value])
-            elif op == 0x8D:  # BINUNICODE8
-                if pos + 8 > end:
-                    raise self._truncated(pos, 8)
-                n = _U8(data, pos)[0]
-                if pos + 8 + n > end:
-                    raise self._truncated(pos, 8 + n)
-                append(str(data[pos + 8 : pos + 8 + n], "utf-8", "surrogatepass"))
-                pos += 8 + n
-            elif op == 0x43:  # SHORT_BINBYTES
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                n = data[pos]
-                if pos + 1 + n > end:
-                    raise self._truncated(pos, 1 + n)
-                append(data[pos + 1 : pos + 1 + n])
-                pos += 1 + n
-            elif op == 0x42:  # BINBYTES
-                if pos + 4 > end:
-                    raise self._truncated(pos, 4)
-                n = _U4(data, pos)[0]
-                if pos + 4 + n > end:
-                    raise self._truncated(pos, 4 + n)
-                append(data[pos + 4 : pos + 4 + n])
-                pos += 4 + n
-            elif op == 0x8E:  # BINBYTES8
-                if pos + 8 > end:
-                    raise self._truncated(pos, 8)
-                n = _U8(data, pos)[0]
-                if pos + 8 + n > end:
-                    raise self._truncated(pos, 8 + n)
-                append(data[pos + 8 : pos + 8 + n])
-                pos += 8 + n
-            elif op == 0x96:  # BYTEARRAY8
-                if pos + 8 > end:
-                    raise self._truncated(pos, 8)
-                n = _U8(data, pos)[0]
-                if pos + 8 + n > end:
-                    raise self._truncated(pos, 8 + n)
-                append(bytearray(data[pos + 8 : pos + 8 + n]))
-                pos += 8 + n
-            elif op == 0x55:  # SHORT_BINSTRING (Python 2 str)
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                n = data[pos]
-                if pos + 1 + n > end:
-                    raise self._truncated(pos, 1 + n)
-                append(str(data[pos + 1 : pos + 1 + n], "ascii"))
-                pos += 1 + n
-            elif op == 0x54:  # BINSTRING (Python 2 str)
-                if pos + 4 > end:
-                    raise self._truncated(pos, 4)
-                n = _I4(data, pos)[0]
-                if pos + 4 + n > end:
-                    raise self._truncated(pos, 4 + n)
-                append(str(data[pos + 4 : pos + 4 + n], "ascii"))
-                pos += 4 + n
-            elif op == 0x8A:  # LONG1
-                if pos + 1 > end:
-                    raise self._truncated(pos, 1)
-                n = data[pos]
-                if pos + 1 + n > end:
-                    raise self._truncated(pos, 1 + n)
-                append(int.from_bytes(data[pos + 1 : pos + 1 + n], "little", signed=True))
-                pos += 1 + n
-            elif op == 0x8B:  # LONG4
-                if pos + 4 > end:
-                    raise self._truncated(pos, 4)
-                n = _I4(data, pos)[0]
-                if pos + 4 + n > end:
-                    raise self._truncated(pos, 4 + n)
-                if n > 4096:
-                    raise self.bad(f"an integer of {n} bytes")
-                append(int.from_bytes(data[pos + 4 : pos + 4 + n], "little", signed=True))
-                pos += 4 + n
-            elif op == 0x47:  # BINFLOAT
-                if pos + 8 > end:
-                    raise self._truncated(pos, 8)
-                append(_F8(data, pos)[0])
-                pos += 8
-            elif op == 0x46:  # FLOAT
-                s, pos = self._line(pos)
-                append(float(s))
-            elif op == 0x49:  # INT
-                s, pos = self._line(pos)
-                if len(s) > 64:
-                    raise self.bad("an INT of more than 64 digits")
-                append(False if s == b"00" else True if s == b"01" else int(s))
-            elif op == 0x4C:  # LONG
-                s, pos = self._line(pos)
-                if len(s) > 4096:
-                    raise self.bad("a LONG of more than 4096 digits")
-                append(int(s[:-1] if s.endswith(b"L") else s))
-            elif op == 0x56:  # UNICODE
-                s, pos = self._line(pos)
-                append(str(s, "raw-unicode-escape"))
-            elif op == 0x53:  # STRING
-                raise self.bad("the Python 2 STRING opcode, which no checkpoint writer emits")
-            elif op == 0x67:  # GET
-                s, pos = self._line(pos)
-                if len(s) > 20:
-                    raise self.bad("malformed GET")
-                append(memo[int(s)])
-            elif op == 0x70:  # PUT
-                s, pos = self._line(pos)
-                if len(s) > 20:
-                    raise self.bad("malformed PUT")
-                memo[self._memo_index(int(s))] = stack[-1]
-            elif op == 0x30:  # POP
-                if stack:
-                    stack.pop()
-                else:
+                if op == 0x94:  # MEMOIZE
+                    if sparse:
+                        self._memo_put(memo, sparse, len(memo) + len(sparse), stack[-1])
+                    else:
+                        remember(stack[-1])
+                elif op == 0x6A:  # LONG_BINGET
+                    i = _U4(data, pos)[0]
+                    try:
+                        append(memo[i])
+                    except IndexError:
+                        append(sparse[i])
+                    pos += 4
+                elif op == 0x68:  # BINGET
+                    i = data[pos]
+                    try:
+                        append(memo[i])
+                    except IndexError:
+                        append(sparse[i])
+                    pos += 1
+                elif op == 0x85:  # TUPLE1
+                    value = (stack[-1],)
+                    if data[pos] == 0x94 and not sparse:
+                        remember(value)
+                        pos += 1
+                    if data[pos] == 0x52 and stack[-2] is shape_type:  # REDUCE: a shape in .metadata
+                        a = value[0]
+                        if type(a) in (tuple, list) and len(a) <= 1024 and all(type(v) is int for v in a):
+                            stack.pop()
+                            value = shape_type(a)
+                            stack[-1] = value
+                            pos += 1
+                            if data[pos] == 0x94 and not sparse:
+                                remember(value)
+                                pos += 1
+                            continue
+                    stack[-1] = value
+                elif op == 0x4D:  # BININT2
+                    append(_U2(data, pos)[0])
+                    pos += 2
+                elif op == 0x28:  # MARK
+                    metastack.append(stack)
+                    stack = []
+                    append = stack.append
+                elif op == 0x75:  # SETITEMS
+                    items = stack
                     stack = metastack.pop()
                     append = stack.append
-            elif op == 0x31:  # POP_MARK
-                stack = metastack.pop()
-                append = stack.append
-            elif op == 0x32:  # DUP
-                append(stack[-1])
-            elif op == 0x63:  # GLOBAL
-                s, pos = self._line(pos)
-                module = str(s, "utf-8")
-                s, pos = self._line(pos)
-                name = str(s, "utf-8")
-                append(policy.find_class(self, module, name))
-            elif op == 0x69:  # INST
-                s, pos = self._line(pos)
-                module = str(s, "ascii")
-                s, pos = self._line(pos)
-                name = str(s, "ascii")
-                func = policy.find_class(self, module, name)
-                args = tuple(stack)
-                stack = metastack.pop()
-                append = stack.append
-                append(policy.call(self, func, args))
-            elif op == 0x6F:  # OBJ
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                if not items:
-                    raise self.bad("OBJ without a class")
-                append(policy.call(self, items[0], tuple(items[1:])))
-            elif op == 0x92:  # NEWOBJ_EX
-                kwargs = stack.pop()
-                args = stack.pop()
-                cls = stack.pop()
-                append(policy.newobj(self, cls, args, kwargs))
-            elif op == 0x8F:  # EMPTY_SET: 216 bytes of memory for one byte of pickle
-                self._work += 28
-                if self._work > self.work_limit:
-                    self.charge(0)
-                append(set())
-            elif op == 0x90:  # ADDITEMS
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                target = stack[-1]
-                if type(target) is not set:
-                    raise self.bad(f"ADDITEMS on a {type(target).__name__}")
-                for item in items:
-                    self._check_key(target, item)
-                    target.add(item)
-            elif op == 0x91:  # FROZENSET
-                items = stack
-                stack = metastack.pop()
-                append = stack.append
-                self.check_keys(items, "frozenset")
-                append(frozenset(items))
-            elif op == 0x50:  # PERSID
-                s, pos = self._line(pos)
-                append(policy.persistent_load(self, str(s, "ascii")))
-            elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4
-                raise self.unsafe("uses the copyreg extension registry")
-            elif op in (0x97, 0x98):  # NEXT_BUFFER, READONLY_BUFFER
-                raise self.bad("refers to out-of-band buffers")
-            else:
-                raise self.bad(f"unknown opcode {op:#04x} at offset {pos - 1}")
+                    target = stack[-1]
+                    set_items(target, items)
+                    if data[pos] == 0x62:  # BUILD: a record's fields
+                        pos += 1
+                        stack.pop()
+                        build(stack[-1], target)
+                elif op == 0x7D:  # EMPTY_DICT
+                    value = {}
+                    append(value)
+                    if data[pos] == 0x94 and not sparse:
+                        remember(value)
+                        pos += 1
+                    if data[pos] == 0x28:  # MARK: its items follow
+                        pos += 1
+                        metastack.append(stack)
+                        stack = []
+                        append = stack.append
+                elif op == 0x29:  # EMPTY_TUPLE
+                    if data[pos] == 0x81:  # NEWOBJ without arguments: a record
+                        pos += 1
+                        value = stack[-1] = newobj(stack[-1], ())
+                        if data[pos] == 0x94 and not sparse:
+                            remember(value)
+                            pos += 1
+                    else:
+                        append(())
+                elif op == 0x4B:  # BININT1
+                    append(data[pos])
+                    pos += 1
+                elif op == 0x86:  # TUPLE2
+                    b = stack.pop()
+                    value = (stack[-1], b)
+                    stack[-1] = value
+                    if data[pos] == 0x94 and not sparse:
+                        remember(value)
+                        pos += 1
+                elif op == 0x8C:  # SHORT_BINUNICODE
+                    n = data[pos]
+                    if pos + 1 + n > end:
+                        raise self._truncated(pos, 1 + n)
+                    value = str(data[pos + 1 : pos + 1 + n], "utf-8", "surrogatepass")
+                    append(value)
+                    pos += 1 + n
+                    if data[pos] == 0x94 and not sparse:
+                        remember(value)
+                        pos += 1
+                elif op == 0x4A:  # BININT
+                    append(_I4(data, pos)[0])
+                    pos += 4
+                elif op == 0x8A:  # LONG1
+                    a, pos = self._span(pos, 1)
+                    append(int.from_bytes(data[a:pos], "little", signed=True))
+                elif op == 0x81:  # NEWOBJ
+                    args = stack.pop()
+                    stack[-1] = newobj(stack[-1], args)
+                elif op == 0x62:  # BUILD
+                    state = stack.pop()
+                    build(stack[-1], state)
+                elif op == 0x52:  # REDUCE
+                    args = stack.pop()
+                    func = stack[-1]
+                    if (
+                        func is shape_type
+                        and type(args) is tuple
+                        and len(args) == 1
+                        and type(args[0]) in (tuple, list)
+                        and len(args[0]) <= 1024
+                        and all(type(v) is int for v in args[0])
+                    ):
+                        stack[-1] = shape_type(args[0])  # the one frequent call: shapes in .metadata
+                    else:
+                        stack[-1] = policy.call(self, func, args)
+                elif op == 0x71:  # BINPUT
+                    i = data[pos]
+                    if i == len(memo) and not sparse:
+                        remember(stack[-1])
+                    else:
+                        self._memo_put(memo, sparse, i, stack[-1])
+                    pos += 1
+                elif op == 0x89:  # NEWFALSE
+                    append(False)
+                elif op == 0x93:  # STACK_GLOBAL
+                    name = stack.pop()
+                    module = stack.pop()
+                    if type(name) is not str or type(module) is not str:
+                        raise self.bad("STACK_GLOBAL requires str")
+                    append(policy.find_class(self, module, name))
+                elif op == 0x74:  # TUPLE
+                    items = stack
+                    stack = metastack.pop()
+                    append = stack.append
+                    append(tuple(items))
+                elif op == 0x5D:  # EMPTY_LIST
+                    append([])
+                elif op == 0x61:  # APPEND
+                    value = stack.pop()
+                    target = stack[-1]
+                    if type(target) is list or type(target) is bytearray:
+                        target.append(value)
+                    else:
+                        raise self.bad(f"APPEND on a {type(target).__name__}")
+                elif op == 0x72:  # LONG_BINPUT
+                    self._memo_put(memo, sparse, _U4(data, pos)[0], stack[-1])
+                    pos += 4
+                elif op == 0x4E:  # NONE
+                    append(None)
+                elif op == 0x88:  # NEWTRUE
+                    append(True)
+                elif op == 0x87:  # TUPLE3
+                    c = stack.pop()
+                    b = stack.pop()
+                    stack[-1] = (stack[-1], b, c)
+                elif op == 0x65:  # APPENDS
+                    items = stack
+                    stack = metastack.pop()
+                    append = stack.append
+                    target = stack[-1]
+                    if type(target) is list or type(target) is bytearray:
+                        target.extend(items)
+                    else:
+                        raise self.bad(f"APPENDS on a {type(target).__name__}")
+                    self.charge(len(items) // 8)
+                elif op == 0x2E:  # STOP
+                    if not stack:
+                        raise self.bad("STOP with an empty stack")
+                    return stack.pop()
+                elif op == 0x95:  # FRAME: informational only
+                    if pos + 8 > end:
+                        raise self._truncated(pos, 8)
+                    pos += 8
+                elif op == 0x80:  # PROTO
+                    if data[pos] > 5:
+                        raise self.bad(f"unsupported pickle protocol {data[pos]}")
+                    pos += 1
+                elif op == 0x51:  # BINPERSID
+                    stack[-1] = policy.persistent_load(self, stack[-1])
+                elif op == 0x58:  # BINUNICODE
+                    a, pos = self._span(pos, 4)
+                    append(str(data[a:pos], "utf-8", "surrogatepass"))
+                elif op == 0x6C:  # LIST
+                    items = stack
+                    stack = metastack.pop()
+                    append = stack.append
+                    append(items)
+                elif op == 0x64:  # DICT
+                    items = stack
+                    stack = metastack.pop()
+                    append = stack.append
+                    d: dict[Any, Any] = {}
+                    set_items(d, items)
+                    append(d)
+                elif op == 0x73:  # SETITEM
+                    value = stack.pop()
+                    key = stack.pop()
+                    set_items(stack[-1], [key, value])
+                elif op == 0x8D:  # BINUNICODE8
+                    a, pos = self._span(pos, 8)
+                    append(str(data[a:pos], "utf-8", "surrogatepass"))
+                elif op == 0x43:  # SHORT_BINBYTES
+                    a, pos = self._span(pos, 1)
+                    append(data[a:pos])
+                elif op == 0x42:  # BINBYTES
+                    a, pos = self._span(pos, 4)
+                    append(data[a:pos])
+                elif op == 0x8E:  # BINBYTES8
+                    a, pos = self._span(pos, 8)
+                    append(data[a:pos])
+                elif op == 0x96:  # BYTEARRAY8
+                    a, pos = self._span(pos, 8)
+                    append(bytearray(data[a:pos]))
+                elif op == 0x55:  # SHORT_BINSTRING (Python 2 str)
+                    a, pos = self._span(pos, 1)
+                    append(str(data[a:pos], "ascii"))
+                elif op == 0x54:  # BINSTRING (Python 2 str)
+                    a, pos = self._span(pos, -4)
+                    append(str(data[a:pos], "ascii"))
+                elif op == 0x8B:  # LONG4
+                    a, pos = self._span(pos, -4)
+                    if pos - a > 4096:
+                        raise self.bad(f"an integer of {pos - a} bytes")
+                    append(int.from_bytes(data[a:pos], "little", signed=True))
+                elif op == 0x47:  # BINFLOAT
+                    append(_F8(data, pos)[0])
+                    pos += 8
+                elif op == 0x46:  # FLOAT
+                    s, pos = self._line(pos)
+                    append(float(s))
+                elif op == 0x49:  # INT
+                    s, pos = self._line(pos)
+                    if len(s) > 64:
+                        raise self.bad("an INT of more than 64 digits")
+                    append(False if s == b"00" else True if s == b"01" else int(s))
+                elif op == 0x4C:  # LONG
+                    s, pos = self._line(pos)
+                    if len(s) > 4096:
+                        raise self.bad("a LONG of more than 4096 digits")
+                    append(int(s[:-1] if s.endswith(b"L") else s))
+                elif op == 0x56:  # UNICODE
+                    s, pos = self._line(pos)
+                    append(str(s, "raw-unicode-escape"))
+                elif op == 0x53:  # STRING
+                    raise self.bad("the Python 2 STRING opcode, which no checkpoint writer emits")
+                elif op == 0x67:  # GET
+                    s, pos = self._line(pos)
+                    if len(s) > 20:
+                        raise self.bad("malformed GET")
+                    i = int(s)
+                    append(memo[i] if 0 <= i < len(memo) else sparse[i])
+                elif op == 0x70:  # PUT
+                    s, pos = self._line(pos)
+                    if len(s) > 20:
+                        raise self.bad("malformed PUT")
+                    self._memo_put(memo, sparse, int(s), stack[-1])
+                elif op == 0x30:  # POP
+                    if stack:
+                        stack.pop()
+                    else:
+                        stack = metastack.pop()
+                        append = stack.append
+                elif op == 0x31:  # POP_MARK
+                    stack = metastack.pop()
+                    append = stack.append
+                elif op == 0x32:  # DUP
+                    append(stack[-1])
+                elif op == 0x63:  # GLOBAL
+                    s, pos = self._line(pos)
+                    module = str(s, "utf-8")
+                    s, pos = self._line(pos)
+                    name = str(s, "utf-8")
+                    append(policy.find_class(self, module, name))
+                elif op == 0x69:  # INST
+                    s, pos = self._line(pos)
+                    module = str(s, "ascii")
+                    s, pos = self._line(pos)
+                    name = str(s, "ascii")
+                    func = policy.find_class(self, module, name)
+                    args = tuple(stack)
+                    stack = metastack.pop()
+                    append = stack.append
+                    append(policy.call(self, func, args))
+                elif op == 0x6F:  # OBJ
+                    items = stack
+                    stack = metastack.pop()
+                    append = stack.append
+                    if not items:
+                        raise self.bad("OBJ without a class")
+                    append(policy.call(self, items[0], tuple(items[1:])))
+                elif op == 0x92:  # NEWOBJ_EX
+                    kwargs = stack.pop()
+                    args = stack.pop()
+                    cls = stack.pop()
+                    append(policy.newobj(self, cls, args, kwargs))
+                elif op == 0x8F:  # EMPTY_SET: 216 bytes of memory for one byte of pickle
+                    self._work += 28
+                    if self._work > self.work_limit:
+                        self.charge(0)
+                    append(set())
+                elif op == 0x90:  # ADDITEMS
+                    items = stack
+                    stack = metastack.pop()
+                    append = stack.append
+                    target = stack[-1]
+                    if type(target) is not set:
+                        raise self.bad(f"ADDITEMS on a {type(target).__name__}")
+                    for item in items:
+                        self._check_key(target, item)
+                        target.add(item)
+                elif op == 0x91:  # FROZENSET
+                    items = stack
+                    stack = metastack.pop()
+                    append = stack.append
+                    self.check_keys(items, "frozenset")
+                    append(frozenset(items))
+                elif op == 0x50:  # PERSID
+                    s, pos = self._line(pos)
+                    append(policy.persistent_load(self, str(s, "ascii")))
+                elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4
+                    raise self.unsafe("uses the copyreg extension registry")
+                elif op in (0x97, 0x98):  # NEXT_BUFFER, READONLY_BUFFER
+                    raise self.bad("refers to out-of-band buffers")
+                else:
+                    raise self.bad(f"unknown opcode {op:#04x} at offset {pos - 1}")
+        except (IndexError, struct.error) as exc:
+            if isinstance(exc, struct.error) or pos >= end:
+                raise self.bad(f"truncated: an opcode or its argument runs past the end ({end} bytes)") from None
+            raise
+
+    def _span(self, pos: int, width: int) -> tuple[int, int]:
+        """Where the bytes of an opcode's argument lie, after its length of ``abs(width)``
+        bytes (negative: signed) at ``pos``: ``(start, end)``, checked against the pickle's end."""
+        data = self._data
+        n = data[pos] if width == 1 else (_U4 if width == 4 else _U8 if width == 8 else _I4)(data, pos)[0]
+        start = pos + abs(width)
+        if n < 0:  # LONG4, BINSTRING: moving back would run the same opcode forever
+            raise self.bad(f"a negative length {n} at offset {pos}")
+        if start + n > self._size:
+            raise self._truncated(pos, abs(width) + n)
+        return start, start + n
+
+    def _truncated(self, pos: int, n: int) -> CheckpointFormatError:
+        return self.bad(f"truncated: {n} bytes at offset {pos} run past the end ({self._size})")
 
 
 # --- the decoded value --------------------------------------------------------------
