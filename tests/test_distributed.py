@@ -338,7 +338,8 @@ def test_narrow_reads_2d_mesh_replicas_share(tmp_path: Path) -> None:
 def test_narrow_reads_column_shards(tmp_path: Path) -> None:
     """Shard(1) on 4 ranks: each row of a saved 1024-column matrix is 4 KiB, a rank's columns
     1 KiB of it. With min_chunk_size below the 3 KiB gaps each rank reads only its columns;
-    with the default (1 MiB) the gaps are read through and each rank reads about everything."""
+    by default (max_over_read_ratio=1.15) gaps are read through only within that bound; without
+    the bound (None) min_chunk_size's rule reads through them: each rank reads about everything."""
     full = narrow_model()
     save_single(tmp_path / "ck", full)
     total = tensor_bytes(full)
@@ -349,6 +350,11 @@ def test_narrow_reads_column_shards(tmp_path: Path) -> None:
         assert v["bad"] == [], rank
         assert total // 4 <= v["stats"]["bytes_read"] <= 0.30 * total + probes, (rank, v["stats"])
     values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", None, "load", "pipelined"))
+    for rank, v in enumerate(values):
+        assert v["bad"] == [], rank
+        assert total // 4 <= v["stats"]["bytes_read"] <= 1.15 * (total // 4), (rank, v["stats"])
+    unbounded = LoadOptions(max_over_read_ratio=None)
+    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", unbounded, "load", "pipelined"))
     for rank, v in enumerate(values):
         assert v["bad"] == [], rank
         assert v["stats"]["bytes_read"] >= 0.70 * total, (rank, v["stats"])
