@@ -148,6 +148,18 @@ def _concurrency_arg(text: str) -> int | str:
     return n
 
 
+def _ratio_arg(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ratio (e.g. 1.15) or 'none'") from None
+    if not v >= 1 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"{text!r}: the ratio of bytes read to bytes needed is at least 1")
+    return v
+
+
 def _timeout_arg(text: str) -> float | None:
     if text.lower() in ("none", "off"):
         return None
@@ -220,6 +232,17 @@ def _parser() -> argparse.ArgumentParser:
         help="memory budget: most bytes read but not yet assembled, e.g. 512MiB",
     )
     g.add_argument("--retries", type=_count_arg, metavar="N", help="extra attempts after a failed read")
+    g.add_argument(
+        "--max-over-read-ratio",
+        type=_ratio_arg,
+        metavar="R|none",
+        help="most bytes read per byte needed by narrow reads, e.g. 1.15, or none (read through gaps)",
+    )
+    g.add_argument(
+        "--transport",
+        choices=("auto", "obstore", "fsspec"),
+        help="client for s3://, gs://, http(s):// (auto: obstore where the options map, else fsspec)",
+    )
     g.add_argument("--no-progress", action="store_true", default=False, help="no progress bar even on a terminal")
 
     epilog = "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_CODES.items())
@@ -326,6 +349,8 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
         ("min_chunk_size", "min_chunk_size"),
         ("budget", "memory_budget"),
         ("retries", "retries"),
+        ("max_over_read_ratio", "max_over_read_ratio"),
+        ("transport", "transport"),
     ):
         if hasattr(args, arg):  # given on the command line (the knobs default to "absent")
             changes[field] = getattr(args, arg)

@@ -194,6 +194,17 @@ def test_load_json_reflects_options(ckpt_path: Path, capsys: pytest.CaptureFixtu
     assert stats["verified_records"] == 5
 
 
+def test_over_read_ratio_and_transport_reach_the_options() -> None:
+    import argparse
+
+    from asyncload.cli import _options
+
+    opts = _options(argparse.Namespace(max_over_read_ratio=None, transport="fsspec"))
+    assert (opts.max_over_read_ratio, opts.transport) == (None, "fsspec")
+    opts = _options(argparse.Namespace(max_over_read_ratio=2.0))
+    assert (opts.max_over_read_ratio, opts.transport) == (2.0, "auto")
+
+
 @pytest.mark.timeout(60)
 def test_load_compare_torch_local(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(["load", str(ckpt_path), "--compare-torch", "--no-progress"], capsys)
@@ -329,6 +340,9 @@ def test_not_a_checkpoint_is_3(tmp_path: Path, capsys: pytest.CaptureFixture[str
         ["load", "x", "--concurrency", "0"],
         ["load", "x", "--timeout", "soon"],
         ["load", "x", "--retries", "-1"],
+        ["load", "x", "--max-over-read-ratio", "0.5"],
+        ["load", "x", "--max-over-read-ratio", "much"],
+        ["load", "x", "--transport", "curl"],
     ],
 )
 def test_usage_errors_are_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
