@@ -173,6 +173,10 @@ class _CollectorPause:
             self._holders -= 1
             if self._holders == 0 and self._resume:
                 gc.enable()
+                # the objects made meanwhile are all young: one collection of the young
+                # generations walks them once, where the next allocations would trigger two
+                # (generation 0, then generation 1) that walk them twice
+                gc.collect(1)
 
     def _after_fork(self) -> None:  # only the forking thread lives on: no decode is running
         self._lock = threading.Lock()
