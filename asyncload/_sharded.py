@@ -208,84 +208,253 @@ def plan_transfers(needs: Sequence[Sequence[tuple[str, int, int]]]) -> tuple[lis
     the ranks that need it, chosen greedily (largest transfers first, to the consumer with
     the fewest bytes so far) to balance bytes read per rank. A transfer never crosses a
     range boundary of any of its consumers, so it lands inside one read request of each.
+
+    This is the whole plan, one object per transfer; a load plans only its own part of it
+    (:func:`_rank_plan`: the same transfers and owners, numbered within the ranks it shares
+    files with).
     """
     world = len(needs)
-    per_file: dict[str, list[tuple[Any, Any, int]]] = {}
-    for r, item in enumerate(needs):
-        for name, starts_r, ends_r in _columns(item):
-            per_file.setdefault(name, []).append((starts_r, ends_r, r))
-    files = sorted(per_file)
-    alone = np.zeros(world, dtype=np.int64)
-    shared: list[tuple[str, int, int, tuple[int, ...]]] = []
-    sets: dict[bytes, tuple[int, ...]] = {}  # one tuple per distinct set of consumers
-    for name in files:
-        # a sorted sweep in numpy: cut the file at every rank's boundaries, then list who
-        # covers each piece; a piece is one transfer (every boundary is a consumer's)
-        cols = per_file[name]
-        starts = np.concatenate([c[0] for c in cols])
-        ends = np.concatenate([c[1] for c in cols])
-        ranks = np.repeat(np.asarray([c[2] for c in cols], dtype=np.int64), [len(c[0]) for c in cols])
-        keep = ends > starts
-        starts, ends, ranks = starts[keep], ends[keep], ranks[keep]
-        if not len(starts):
-            continue
-        points = _sorted_unique(np.concatenate([starts, ends]))
-        lo = np.searchsorted(points, starts)
-        count = np.searchsorted(points, ends) - lo
-        total = int(count.sum())
-        offsets = np.repeat(np.cumsum(count) - count, count)
-        piece = np.repeat(lo, count) + (np.arange(total, dtype=np.int64) - offsets)
-        pairs = _sorted_unique(piece * world + np.repeat(ranks, count))
-        piece, who = pairs // world, pairs % world
-        first = np.flatnonzero(np.concatenate([[True], piece[1:] != piece[:-1]]))
-        last = np.append(first[1:], len(piece))
-        pstart, pend = points[piece[first]], points[piece[first] + 1]
-        single = last - first == 1
-        np.add.at(alone, who[first[single]], (pend - pstart)[single])
-        multi = ~single
-        for a, b, lo_b, hi_b in zip(
-            first[multi].tolist(), last[multi].tolist(), pstart[multi].tolist(), pend[multi].tolist()
-        ):
-            members = who[a:b]
-            raw = members.tobytes()
-            consumers = sets.get(raw)
-            if consumers is None:
-                consumers = sets[raw] = tuple(members.tolist())
-            shared.append((name, lo_b, hi_b, consumers))
-    load = alone.tolist()
-    owners: dict[tuple[str, int], int] = {}
-    least = _LeastLoaded(load)
-    for name, start, end, consumers in sorted(shared, key=lambda s: (-(s[2] - s[1]), s[0], s[1])):
-        owners[(name, start)] = least.take(consumers, end - start)
+    shared = _sweep(needs, range(world))
+    sets, set_of = _consumer_sets(shared)
+    load = shared.alone.tolist()
+    owners = _greedy(shared.end - shared.start, set_of, sets, load, largest_first=True)
+    names = shared.names
     transfers = [
-        Transfer(i, name, start, end, owners[(name, start)], consumers)
-        for i, (name, start, end, consumers) in enumerate(shared)
+        Transfer(i, names[f], start, end, owner, sets[k])
+        for i, (f, start, end, owner, k) in enumerate(
+            zip(shared.file.tolist(), shared.start.tolist(), shared.end.tolist(), owners, set_of.tolist())
+        )
     ]
     return transfers, load
 
 
-def _columns(item: Any) -> list[tuple[str, Any, Any]]:
-    """One rank's needs as ``(file, starts, ends)`` int64 arrays: from ``(file, start, end)``
-    tuples, or from the packed form :func:`_pack` makes (``{file: int64 start, end, ...}``)."""
+@dataclass(frozen=True)
+class _Shared:
+    """What the sweep finds, as arrays (one entry per transfer, in global order: by file,
+    then offset) instead of an object per transfer."""
+
+    names: list[str]
+    #: Per transfer: the index of its file in ``names``, its bytes ``[start, end)``.
+    file: Any
+    start: Any
+    end: Any
+    #: The consumers of transfer ``i`` are ``who[ptr[i]:ptr[i + 1]]`` (ascending).
+    ptr: Any
+    who: Any
+    #: Per rank: the bytes it alone needs.
+    alone: Any
+
+
+def _sweep(needs: Sequence[Any], ranks: Iterable[int]) -> _Shared:
+    """The shared pieces of the needs of ``ranks`` (``needs[r]``: packed, or tuples): a sorted
+    sweep in numpy over all files at once (each file's offsets shifted past the files before
+    it), cut at every rank's boundaries; a piece two or more ranks cover is one transfer
+    (every boundary is a consumer's), a piece one rank covers is that rank's alone."""
+    world = len(needs)
+    names, starts, ends, rank, files = _ranges(needs, ranks)
+    alone = np.zeros(world, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    keep = ends > starts
+    starts, ends, rank, files = starts[keep], ends[keep], rank[keep], files[keep]
+    if not len(starts):
+        return _Shared(names, empty, empty, empty, np.zeros(1, dtype=np.int64), empty, alone)
+    span = int(ends.max()) + 1
+    if len(names) * span < 1 << 62:  # the same room for every file
+        base = np.arange(len(names), dtype=np.int64) * span
+    else:  # each file's own size (needed only past exabytes)
+        top = np.zeros(len(names), dtype=np.int64)
+        np.maximum.at(top, files, ends)
+        base = np.concatenate([[0], np.cumsum(top + 1)[:-1]])
+    # strictly increasing bases: no piece spans two files
+    starts, ends = starts + base[files], ends + base[files]
+    points = _sorted_unique(np.concatenate([starts, ends]))
+    lo = np.searchsorted(points, starts)
+    count = np.searchsorted(points, ends) - lo
+    total = int(count.sum())
+    piece = np.arange(total, dtype=np.int64) + np.repeat(lo - (np.cumsum(count) - count), count)
+    pairs = _sorted_unique(piece * world + np.repeat(rank, count))
+    piece, who = pairs // world, pairs % world
+    first = np.flatnonzero(np.concatenate([[True], piece[1:] != piece[:-1]]))
+    size = np.diff(np.append(first, len(piece)))
+    pstart, pend = points[piece[first]], points[piece[first] + 1]
+    single = size == 1
+    np.add.at(alone, who[first[single]], (pend - pstart)[single])
+    multi = ~single
+    who = who[np.repeat(multi, size)]
+    ptr = np.concatenate([[0], np.cumsum(size[multi])])
+    pstart, pend = pstart[multi], pend[multi]
+    file = np.searchsorted(base, pstart, side="right") - 1
+    return _Shared(names, file, pstart - base[file], pend - base[file], ptr, who, alone)
+
+
+def _consumer_sets(shared: _Shared) -> tuple[list[tuple[int, ...]], Any]:
+    """The distinct sets of consumers, one tuple each, and the set of each transfer (an index
+    into them), in numpy: per number of consumers, the rows of the consumer matrix hashed to
+    one int64 each (checked: equal hashes must be equal rows), unique over the hashes."""
+    sets: list[tuple[int, ...]] = []
+    set_of = np.zeros(len(shared.start), dtype=np.int64)
+    size = np.diff(shared.ptr)
+    weights = np.random.default_rng(0x5EED).integers(1, 1 << 62, size=int(size.max(initial=0)), dtype=np.int64)
+    for n in np.unique(size).tolist():
+        which = np.flatnonzero(size == n)
+        rows = shared.who[shared.ptr[which][:, None] + np.arange(n)]
+        with np.errstate(over="ignore"):
+            digest = (rows * weights[:n]).sum(axis=1)  # wraps around: a hash
+        _, first, inverse = np.unique(digest, return_index=True, return_inverse=True)
+        distinct = rows[first]
+        if not np.array_equal(distinct[inverse], rows):  # a collision (never seen): sort the rows themselves
+            distinct, inverse = np.unique(rows, axis=0, return_inverse=True)
+        set_of[which] = len(sets) + inverse.reshape(-1)
+        sets.extend(tuple(r) for r in distinct.tolist())
+    return sets, set_of
+
+
+def _greedy(
+    nbytes: Any, set_of: Any, sets: Sequence[tuple[int, ...]], load: list[int], *, largest_first: bool
+) -> list[int]:
+    """An owner for each item (``nbytes[i]`` bytes, consumers ``sets[set_of[i]]``): the consumer
+    with the fewest bytes so far (``load``, updated; ties: the lowest rank), items taken in
+    order or (``largest_first``) largest first, ties in order. One lazy heap per set of
+    consumers instead of a scan of every consumer each time: an entry is stale when its rank
+    was given bytes through another set (loads only grow, so a fresh top is the least)."""
+    n = len(nbytes)
+    order = np.argsort(-np.asarray(nbytes), kind="stable").tolist() if largest_first else range(n)
+    sizes = np.asarray(nbytes).tolist()
+    which = np.asarray(set_of).tolist()
+    heaps: list[list[tuple[int, int]] | None] = [None] * len(sets)
+    owners = [0] * n
+    replace = heapq.heapreplace
+    for i in order:
+        k = which[i]
+        heap = heaps[k]
+        if heap is None:
+            heap = heaps[k] = [(load[c], c) for c in sets[k]]
+            heapq.heapify(heap)
+        top = heap[0]
+        while top[0] != load[top[1]]:
+            replace(heap, (load[top[1]], top[1]))
+            top = heap[0]
+        owner = top[1]
+        got = load[owner] = top[0] + sizes[i]
+        replace(heap, (got, owner))
+        owners[i] = owner
+    return owners
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """One rank's part of the global plan of a read phase (:func:`_rank_plan`)."""
+
+    #: The lowest rank of the ranks it shares files with, directly or through others (its
+    #: component): the items are numbered within the component, which names their claim keys.
+    component: int
+    #: Ranks in the component, and how many transfers (or units) it has in all.
+    ranks: list[int]
+    count: int
+    #: The transfers (or units) this rank is a consumer of, in order, numbered in the component.
+    items: list[Transfer]
+    #: Bytes this rank is planned to read from storage (alone, and as owner).
+    planned: int
+
+
+def _rank_plan(needs: Sequence[Any], rank: int, unit_size: int | None = None) -> _RankPlan:
+    """What ``rank`` needs of :func:`plan_transfers` (``unit_size=None``) or of adaptive
+    sharing's balanced work units (``balance_units(split_units(...), load)``), without the
+    rest of the plan: the same items, owners and order, numbered from 0 within its component.
+
+    Exact because the greedy owner choices only ever compare the loads of one item's
+    consumers, and the ranks that share a file are in one component: the components'
+    choices do not depend on each other. Every rank of a component computes the same
+    component plan (the same sweep over the same ranges); ranks of other components never
+    exchange bytes with it, so numbering within the component keeps transfer tags and claim
+    keys (which name the component) apart."""
+    ranks = _component(needs, rank)
+    shared = _sweep(needs, ranks)
+    sets, set_of = _consumer_sets(shared)
+    load = shared.alone.tolist()
+    names = shared.names
+    n = len(set_of)
+    mine = np.zeros(n, dtype=bool)
+    mine[np.repeat(np.arange(n), np.diff(shared.ptr))[shared.who == rank]] = True
+    if unit_size is None:
+        start, end, of = shared.start, shared.end, np.arange(n)
+        owners = _greedy(end - start, set_of, sets, load, largest_first=True)
+    else:  # split_units, then balance_units (whose starting loads are what each rank reads alone)
+        start, end, of = _split(shared.start, shared.end, unit_size)
+        owners = _greedy(end - start, set_of[of], sets, load, largest_first=False)
+        mine = mine[of]
+    file, unit_set = shared.file[of], set_of[of]
+    items = [
+        Transfer(i, names[file[i]], int(start[i]), int(end[i]), owners[i], sets[unit_set[i]])
+        for i in np.flatnonzero(mine).tolist()
+    ]
+    return _RankPlan(ranks[0], ranks, len(start), items, load[rank])
+
+
+def _split(start: Any, end: Any, unit_size: int) -> tuple[Any, Any, Any]:
+    """:func:`split_units` on arrays: each ``[start, end)`` cut into equal parts of at most
+    ``unit_size`` bytes; returns the parts' starts, ends and the index of the range each is of."""
+    nbytes = end - start
+    count = np.maximum(1, -(-nbytes // unit_size))
+    of = np.repeat(np.arange(len(start)), count)
+    k = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    s, n, c = start[of], nbytes[of], count[of]
+    return s + n * k // c, s + n * (k + 1) // c, of
+
+
+def _component(needs: Sequence[Any], rank: int) -> list[int]:
+    """The ranks connected to ``rank`` through files they need (ascending): whoever needs a
+    file that a rank of the component needs is in it."""
+    files = [_files(item) for item in needs]
+    readers: dict[str, list[int]] = {}
+    for r, fs in enumerate(files):
+        for f in fs:
+            readers.setdefault(f, []).append(r)
+    seen = {rank}
+    todo = [rank]
+    done: set[str] = set()
+    while todo:
+        for f in files[todo.pop()]:
+            if f in done:
+                continue
+            done.add(f)
+            for q in readers[f]:
+                if q not in seen:
+                    seen.add(q)
+                    todo.append(q)
+    return sorted(seen)
+
+
+def _files(item: Any) -> set[str]:
+    """The files one rank's needs (packed or tuples) have bytes of."""
     if isinstance(item, Mapping):
-        out = []
-        for name, raw in item.items():
-            flat = np.frombuffer(raw, dtype="<i8")
-            out.append((name, flat[0::2], flat[1::2]))
-        return out
-    if not item:
-        return []
-    names, starts, ends = zip(*item)  # transposed in C
-    if len(set(names)) == 1:
-        return [(names[0], np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))]
-    split: dict[str, tuple[list[int], list[int]]] = {}
-    for name, start, end in item:
-        got = split.get(name)
-        if got is None:
-            got = split[name] = ([], [])
-        got[0].append(start)
-        got[1].append(end)
-    return [(name, np.asarray(st, dtype=np.int64), np.asarray(en, dtype=np.int64)) for name, (st, en) in split.items()]
+        return {name for name, raw in item.items() if raw}
+    return {name for name, start, end in item if end > start}
+
+
+def _ranges(needs: Sequence[Any], ranks: Iterable[int]) -> tuple[list[str], Any, Any, Any, Any]:
+    """The ranges of ``ranks``' needs as int64 arrays: the files' names (sorted), then per
+    range its start, end, rank and file (an index into the names). A rank's needs are
+    ``(file, start, end)`` tuples, or the packed form :func:`_pack` makes (``{file: int64
+    start, end, ...}``), whose bytes are joined and read as they are."""
+    raw: list[bytes] = []
+    owner: list[int] = []
+    where: list[str] = []
+    for r in ranks:
+        item = needs[r]
+        if not isinstance(item, Mapping):
+            item = _pack(item)
+        for name, b in item.items():
+            raw.append(b)
+            owner.append(r)
+            where.append(name)
+    names = sorted(set(where))
+    fid = {name: i for i, name in enumerate(names)}
+    counts = [len(b) // 16 for b in raw]
+    flat = np.frombuffer(b"".join(raw), dtype="<i8").astype(np.int64, copy=False)
+    ranks_ = np.repeat(np.asarray(owner, dtype=np.int64), counts)
+    files = np.repeat(np.asarray([fid[n] for n in where], dtype=np.int64), counts)
+    return names, flat[0::2], flat[1::2], ranks_, files
 
 
 def _sorted_unique(a: Any) -> Any:
@@ -301,37 +470,17 @@ def balance_units(units: Sequence[Transfer], load: Sequence[int]) -> list[Transf
     base = list(load)
     for u in units:
         base[u.owner] -= u.nbytes
-    least = _LeastLoaded(base)
-    out: list[Transfer] = []
+    sets: list[tuple[int, ...]] = []
+    index: dict[int, int] = {}  # by the tuple's id: the tuple is kept in ``sets``, so its id stays unique
+    set_of = []
     for u in units:
-        owner = least.take(u.consumers, u.nbytes)
-        out.append(dataclasses.replace(u, owner=owner) if owner != u.owner else u)
-    return out
-
-
-class _LeastLoaded:
-    """Hands bytes to the consumer with the fewest so far (ties: the lowest rank), through
-    one lazy heap per set of consumers instead of a scan of every consumer each time."""
-
-    def __init__(self, load: list[int]) -> None:
-        self.load = load
-        self._heaps: dict[int, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
-
-    def take(self, consumers: tuple[int, ...], nbytes: int) -> int:
-        load = self.load
-        entry = self._heaps.get(id(consumers))
-        if entry is None:
-            heap = [(load[c], c) for c in consumers]
-            heapq.heapify(heap)
-            self._heaps[id(consumers)] = (consumers, heap)  # the tuple kept: its id stays unique
-        else:
-            heap = entry[1]
-        while heap[0][0] != load[heap[0][1]]:  # stale: that rank was given bytes elsewhere
-            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
-        owner = heap[0][1]
-        load[owner] += nbytes
-        heapq.heapreplace(heap, (load[owner], owner))
-        return owner
+        k = index.get(id(u.consumers))
+        if k is None:
+            k = index[id(u.consumers)] = len(sets)
+            sets.append(u.consumers)
+        set_of.append(k)
+    owners = _greedy([u.nbytes for u in units], set_of, sets, base, largest_first=False)
+    return [dataclasses.replace(u, owner=o) if o != u.owner else u for u, o in zip(units, owners)]
 
 
 def split_units(transfers: Sequence[Transfer], unit_size: int) -> list[Transfer]:
@@ -862,11 +1011,13 @@ class _AdaptivePipeline(_SharedPipeline):
         tag_base: int,
         total_chunks: int,
         keys: dict[int, tuple[int, int, int]],
-        phase: int,
+        claims: str,
     ) -> None:
         super().__init__(base, session, parts, tag_base, total_chunks)
         self.keys = keys
-        self.phase = phase
+        #: The prefix of the units' claim keys in the store (the phase, and the component
+        #: their numbers are within): ``<claims><unit index>``.
+        self.claims = claims
         opts = base.options
         self.slots = _Slots(max(2, min(16, opts.initial_concurrency // 2)))
         self.hedge = opts.hedge_policy
@@ -912,7 +1063,7 @@ class _AdaptivePipeline(_SharedPipeline):
         reserved = send_bytes if send_bytes <= self.send_room else 0
         self.send_room -= reserved
         try:
-            key = f"u/{self.phase}/{unit.index}"
+            key = f"{self.claims}{unit.index}"
             mark = str(session.rank) if reserved or not send_bytes else f"{session.rank}!"
             got = session.monitor.store.compare_set(key, "", mark).decode()
             winner, sends = int(got.rstrip("!")), not got.endswith("!")
@@ -1145,7 +1296,8 @@ class _ShareSession:
         self.transport = _Transport(group, ordered=ordered)
         self.phase = 0
         self.doing = "reading data"
-        self.planned_bytes: list[list[int]] = []
+        #: Per read phase, the bytes this rank was planned to read from storage.
+        self.planned_bytes: list[int] = []
         self.plan = plan or plan_transfers
         # adaptive needs tag matching in any order: not with ordered (NCCL) transports
         self.adaptive = (not self.transport.ordered) if adaptive is None else adaptive
@@ -1199,20 +1351,23 @@ class _ShareSession:
 
         gathered = await loop.run_in_executor(None, gather)
         _check_identities([g[0] for g in gathered], self.rank)
-        # the default plan reads the packed ranges as they came; an override gets tuples
-        all_needs: list[Any] = [_unpack(g[1]) for g in gathered] if self.custom_plan else [g[1] for g in gathered]
-        transfers, load = self.plan(all_needs)
-        _check_transfers(transfers, all_needs)
-        self.planned_bytes.append(load)
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
+        unit = self.unit_size or min(_UNIT_SIZE, pipeline.options.effective_chunk_size)
+        if self.custom_plan:  # the override's whole plan, as tuples; its owners are where each rank starts
+            all_needs: list[Any] = [_unpack(g[1]) for g in gathered]
+            transfers, load = self.plan(all_needs)
+            _check_transfers(transfers, all_needs)
+            items = split_units(transfers, unit) if self.adaptive else transfers
+            scope, n, planned = "", len(items), load[self.rank]
+        else:  # the default plan: only this rank's part of it, from the packed ranges as they came
+            part = _rank_plan([g[1] for g in gathered], self.rank, unit if self.adaptive else None)
+            items, n, planned = part.items, part.count, part.planned
+            scope = f"c{part.component}/"  # items are numbered within the component
+        self.planned_bytes.append(planned)
         shared: _SharedPipeline
         if self.adaptive:
-            unit = self.unit_size or min(_UNIT_SIZE, pipeline.options.effective_chunk_size)
-            units = split_units(transfers, unit)
-            if not self.custom_plan:  # the default plan balanced whole transfers: balance units
-                units = balance_units(units, load)
-            keys = _unit_keys(units, self.rank)
-            parts = _parts_for(mine, adv, units, self.rank)
+            keys = _unit_keys(items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank)
             by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
             # own planned units first, then chunks only this rank reads, then the others' units
             rank_of = {
@@ -1222,14 +1377,12 @@ class _ShareSession:
             }
             order = sorted(range(len(mine)), key=lambda i: rank_of.get(id(mine[i]), (1, i, 0)))
             mine = [mine[i] for i in order]
-            shared = _AdaptivePipeline(pipeline, self, by_id, tag_base, len(mine), keys, phase)
-            n = len(units)
+            shared = _AdaptivePipeline(pipeline, self, by_id, tag_base, len(mine), keys, f"u/{phase}/{scope}")
         else:
-            self.transport.set_order(transfers, self.rank)
-            parts = _parts_for(mine, adv, transfers, self.rank)
+            self.transport.set_order(items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank)
             by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
             shared = _SharedPipeline(pipeline, self, by_id, tag_base, len(mine))
-            n = len(transfers)
         t1 = time.monotonic()
         self._set_doing(f"reading and sharing {what}")
         await _run_watched(shared.run(mine), self.monitor)
@@ -1241,7 +1394,7 @@ class _ShareSession:
             t1 - t0,
             n,
             "units" if self.adaptive else "transfers",
-            _fmt_bytes(load[self.rank]),
+            _fmt_bytes(planned),
             time.monotonic() - t1,
         )
 

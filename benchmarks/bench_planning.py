@@ -25,16 +25,24 @@ Per rank and case (loaded on 1,024 ... 8,192 ranks, FSDP or FSDP x TP):
   head and tail probes of larger ones, their data boxes in phase 1; pieces coalesced by
   ``make_chunks``' rule, checked against it on rank 0), for every rank; the pickled payload
   one rank contributes (``all_gather_object`` pickles it), the seconds to unpickle all of
-  them (what every rank does after the all-gather) and ``asyncload._sharded.plan_transfers``
-  over them (seconds, heap peak), both phases summed.
+  them (what every rank does after the all-gather), and what the share session then plans
+  on a rank with adaptive sharing (the default): ``asyncload._sharded._rank_plan`` over the
+  packed needs as gathered (its part of the global plan: the ranks it shares files with, and
+  the balanced work units it reads, sends or receives), seconds (best of 3, the slowest of
+  ranks 0, world/2 and world-1) and heap peak, both phases summed. The whole plan's size
+  (transfers, units, bytes read) is counted from the sweep's arrays; ``--reference`` also
+  times it as every rank computed it before (``plan_transfers``, ``split_units``,
+  ``balance_units``: one object per transfer and unit).
 
-Targets (issue 13): local planning + plan_transfers <= 2 s and <= 1 GiB per rank at 8,192
+Targets (issue 13): local planning + the global plan <= 2 s and <= 1 GiB per rank at 8,192
 ranks; payload per rank a few MiB at most.
 
 Run:  python benchmarks/bench_planning.py            # the figures of docs/distributed.md (~2-3 min, 2 cores)
       python benchmarks/bench_planning.py --quick    # 12 layers, 1,024 and 8,192 ranks, FSDP (seconds)
       python benchmarks/bench_planning.py --decode --plot docs/img/planning_scaling.png
           # also the time to read .metadata (about 2 more minutes) and the PNG (needs matplotlib)
+      python benchmarks/bench_planning.py --ranks 8192 --reference   # the 8,192-rank points, and the
+          # whole plan as before, side by side
 """
 
 from __future__ import annotations
@@ -378,28 +386,50 @@ def encode(needs: list[tuple[str, int, int]], identity: Any) -> bytes:
     return pickle.dumps((identity, pack(needs)))
 
 
-def decode(blob: bytes) -> list[tuple[str, int, int]]:
-    """What every rank does with each rank's contribution after the all-gather."""
-    obj = pickle.loads(blob)
-    unpack = getattr(sharded, "_unpack", None)
-    return unpack(obj[1]) if unpack is not None else obj
+def decode(blob: bytes) -> Any:
+    """What every rank does with each rank's contribution after the all-gather
+    (``all_gather_object`` unpickles it); the share session plans from the packed ranges as
+    they come."""
+    return pickle.loads(blob)
 
 
-def make_units(transfers: list[Any], load: list[int], options: LoadOptions) -> list[Any]:
-    """Adaptive sharing's work units (``split_units``, ``balance_units``) where this tree has them."""
-    if not hasattr(sharded, "split_units"):
-        return list(transfers)
-    unit = min(getattr(sharded, "_UNIT_SIZE", 4 * MiB), options.effective_chunk_size)
-    units = sharded.split_units(transfers, unit)
-    balance = getattr(sharded, "balance_units", None)
-    return balance(units, load) if balance is not None else units
+def unit_size(options: LoadOptions) -> int:
+    return min(sharded._UNIT_SIZE, options.effective_chunk_size)
+
+
+def rank_plan(gathered: list[Any], rank: int, options: LoadOptions) -> Any:
+    """What the share session plans on ``rank`` (adaptive sharing, the default): its part of
+    the global plan, from the packed needs as gathered (``_rank_plan``)."""
+    return sharded._rank_plan([g[1] for g in gathered], rank, unit_size(options))
+
+
+def full_plan(gathered: list[Any], options: LoadOptions) -> tuple[int, int, int]:
+    """The whole plan, one object per transfer and unit (``plan_transfers``, ``split_units``,
+    ``balance_units``: the reference, what every rank computed before ``_rank_plan``):
+    transfers, units, bytes read."""
+    transfers, load = sharded.plan_transfers([g[1] for g in gathered])
+    units = sharded.balance_units(sharded.split_units(transfers, unit_size(options)), load)
+    return len(transfers), len(units), sum(load)
+
+
+def full_counts(gathered: list[Any], options: LoadOptions) -> tuple[int, int, int]:
+    """The whole plan's size, from the sweep's arrays (no object per transfer): transfers,
+    units, bytes read."""
+    needs = [g[1] for g in gathered]
+    shared = sharded._sweep(needs, range(len(needs)))
+    starts = sharded._split(shared.start, shared.end, unit_size(options))[0]
+    return len(shared.start), len(starts), int(shared.alone.sum() + (shared.end - shared.start).sum())
 
 
 # --- one case -----------------------------------------------------------------------------------------
 
 
 def run_case(
-    tensors: list[tuple[str, tuple[int, ...], str]], ck: Checkpoint, mesh: Mesh, options: LoadOptions
+    tensors: list[tuple[str, tuple[int, ...], str]],
+    ck: Checkpoint,
+    mesh: Mesh,
+    options: LoadOptions,
+    reference: bool = False,
 ) -> dict[str, Any]:
     row: dict[str, Any] = {"mesh": str(mesh), "ranks": mesh.world, "tensors": len(tensors)}
     md = ck.md
@@ -439,8 +469,10 @@ def run_case(
     row["wanted_bytes"] = wanted
     row["needed_bytes"] = sum(e - s for phase in all_needs for ns in phase for _, s, e in ns)
     identity = identities(md)
-    sums = dict.fromkeys(("payload_max", "gathered_bytes", "decode_s", "decode_heap", "plan_transfers_s"), 0.0)
-    sums.update(dict.fromkeys(("units_s", "plan_heap", "transfers", "units", "read_bytes"), 0.0))
+    sums = dict.fromkeys(("payload_max", "gathered_bytes", "decode_s", "decode_heap", "plan_s", "plan_heap"), 0.0)
+    sums.update(dict.fromkeys(("units_rank", "component", "full_s", "full_heap", "transfers", "units"), 0.0))
+    sums["read_bytes"] = 0.0
+    samples = sorted({0, mesh.world // 2, mesh.world - 1})
     for phase in (0, 1):
         blobs = [encode(ns, identity) for ns in all_needs[phase]]
         sums["payload_max"] += max(map(len, blobs))
@@ -448,19 +480,31 @@ def run_case(
         d, gathered = best_of(lambda blobs=blobs: [decode(b) for b in blobs], 1)
         sums["decode_s"] += d
         sums["decode_heap"] = max(sums["decode_heap"], heap_peak(lambda blobs=blobs: [decode(b) for b in blobs]))
-        p, (ts, load) = best_of(lambda g=gathered: sharded.plan_transfers(g), 1)
-        u, units = best_of(lambda ts=ts, load=load: make_units(ts, load, options), 1)
-        sums["plan_transfers_s"] += p
-        sums["units_s"] += u
-        peak = heap_peak(lambda g=gathered: make_units(*sharded.plan_transfers(g), options))
+        # the runtime: each rank plans its part; the slowest of the sampled ranks
+        times, parts = [], []
+        for rank in samples:
+            t, part = best_of(lambda g=gathered, r=rank: rank_plan(g, r, options), 3)
+            times.append(t)
+            parts.append(part)
+        sums["plan_s"] += max(times)
+        peak = max(heap_peak(lambda g=gathered, r=rank: rank_plan(g, r, options)) for rank in samples)
         sums["plan_heap"] = max(sums["plan_heap"], peak)
-        sums["transfers"] += len(ts)
-        sums["units"] += len(units)
-        sums["read_bytes"] += sum(load)
-        del blobs, gathered, ts, load, units
+        sums["units_rank"] += max(len(p.items) for p in parts)
+        sums["component"] = max(sums["component"], max(len(p.ranks) for p in parts))
+        # the whole plan: how many transfers and units, the bytes read (and, --reference, its cost)
+        if reference:
+            f, (n_t, n_u, read) = best_of(lambda g=gathered: full_plan(g, options), 1)
+            sums["full_s"] += f
+            sums["full_heap"] = max(sums["full_heap"], heap_peak(lambda g=gathered: full_plan(g, options)))
+        else:
+            n_t, n_u, read = full_counts(gathered, options)
+        sums["transfers"] += n_t
+        sums["units"] += n_u
+        sums["read_bytes"] += read
+        del blobs, gathered, parts
     row |= sums
     row["entries_per_rank"] = sum(len(ns) for phase in all_needs for ns in phase) / mesh.world
-    row["total_s"] = row["local_ours_s"] + sums["decode_s"] + sums["plan_transfers_s"] + sums["units_s"]
+    row["total_s"] = row["local_ours_s"] + sums["decode_s"] + sums["plan_s"]
     return row
 
 
@@ -482,12 +526,17 @@ COLUMNS = [
     ("payload/rank KiB", "payload_max", "KiB"),
     ("all-gathered MiB", "gathered_bytes", "MiB"),
     ("decode s", "decode_s", "s"),
-    ("plan_transfers s", "plan_transfers_s", "s"),
-    ("units s", "units_s", "s"),
+    ("transfers (all)", "transfers", "n"),
+    ("units (all)", "units", "n"),
+    ("component ranks", "component", "n"),
+    ("units/rank", "units_rank", "n"),
+    ("rank plan s", "plan_s", "s"),
     ("heap decode MiB", "decode_heap", "MiB"),
-    ("heap plan MiB", "plan_heap", "MiB"),
-    ("local + decode + plan s", "total_s", "s"),
+    ("heap rank plan MiB", "plan_heap", "MiB"),
+    ("local + decode + rank plan s", "total_s", "s"),
 ]
+#: With --reference: the whole plan as every rank computed it before (one object per unit).
+REFERENCE = [("full plan s (reference)", "full_s", "s"), ("heap full plan MiB", "full_heap", "MiB")]
 
 
 def cell(value: Any, unit: str) -> str:
@@ -498,8 +547,9 @@ def cell(value: Any, unit: str) -> str:
     return f"{value:.0f}" if unit == "n" else str(value)
 
 
-def print_rows(rows: list[dict[str, Any]]) -> None:
-    cols = [(head, lambda r, k=key, u=unit: cell(r[k], u)) for head, key, unit in COLUMNS]
+def print_rows(rows: list[dict[str, Any]], reference: bool) -> None:
+    columns = COLUMNS + (REFERENCE if reference else [])
+    cols = [(head, lambda r, k=key, u=unit: cell(r[k], u)) for head, key, unit in columns]
     print("| " + " | ".join(c for c, _ in cols) + " |")
     print("|" + "|".join([" --- "] * len(cols)) + "|")
     for r in rows:
@@ -531,11 +581,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         xs = [r["ranks"] for r in sel]
         ax_t.plot(xs, [r["local_torch_s"] for r in sel], "o--", label=f"{label}: torch local planning")
         ax_t.plot(xs, [r["local_ours_s"] for r in sel], "o-", label=f"{label}: asyncload local planning")
-        both = [r["decode_s"] + r["plan_transfers_s"] + r["units_s"] for r in sel]
-        ax_t.plot(xs, both, "s-", label=f"{label}: decode needs + plan_transfers + units")
+        both = [r["decode_s"] + r["plan_s"] for r in sel]
+        ax_t.plot(xs, both, "s-", label=f"{label}: decode needs + this rank's plan")
+        if any(r["full_s"] for r in sel):
+            full = [r["decode_s"] + r["full_s"] for r in sel]
+            ax_t.plot(xs, full, "x:", label=f"{label}: decode + the whole plan (before)")
         ax_b.plot(xs, [r["payload_max"] / 1024 for r in sel], "o-", label=f"{label}: payload per rank (KiB)")
         ax_b.plot(xs, [r["gathered_bytes"] / MiB for r in sel], "s--", label=f"{label}: all-gathered (MiB)")
-        ax_b.plot(xs, [r["plan_heap"] / MiB for r in sel], "^-", label=f"{label}: plan_transfers + units heap (MiB)")
+        ax_b.plot(xs, [r["plan_heap"] / MiB for r in sel], "^-", label=f"{label}: heap of this rank's plan (MiB)")
+        ax_b.plot(xs, [r["decode_heap"] / MiB for r in sel], "v--", label=f"{label}: heap of the gathered needs (MiB)")
     for ax in (ax_t, ax_b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("ranks loading (checkpoint saved on 1,024)")
@@ -559,6 +613,13 @@ def main() -> None:
     )
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--plot", help="write the PNG plot here (needs matplotlib)")
+    ap.add_argument("--ranks", help="only these numbers of ranks loading, comma-separated (e.g. 8192)")
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the whole plan as one object per transfer and unit (plan_transfers, split_units, "
+        "balance_units; about 10 s per 8,192-rank case)",
+    )
     args = ap.parse_args()
     layers = 12 if args.quick else args.layers
     tensors = model(layers)
@@ -568,6 +629,9 @@ def main() -> None:
     ]
     if not args.quick:
         cases.append((Mesh(128, 8), [Mesh(128, 8), Mesh(256, 8), Mesh(512, 8), Mesh(1024, 8)]))
+    if args.ranks:
+        keep = {int(n) for n in args.ranks.split(",")}
+        cases = [(saved, [m for m in loads if m.world in keep]) for saved, loads in cases]
     print(
         f"{len(tensors)} tensors, {sum(math.prod(s) for _, s, _ in tensors) * ITEM / 2**30:.0f} GiB in bfloat16; "
         f"torch {torch.__version__}; chunk_size {options.effective_chunk_size >> 20} MiB, "
@@ -597,19 +661,19 @@ def main() -> None:
             )
             del raw
         for mesh in loads:
-            row = run_case(tensors, ck, mesh, options)
+            row = run_case(tensors, ck, mesh, options, args.reference)
             row["saved"] = str(saved_mesh)
             rows.append(row)
             print(
                 f"  loaded as {mesh}: local planning torch {row['local_torch_s']:.3f} s, asyncload "
-                f"{row['local_ours_s']:.3f} s; plan_transfers {row['plan_transfers_s']:.3f} s; "
+                f"{row['local_ours_s']:.3f} s; this rank's plan {row['plan_s']:.3f} s; "
                 f"payload {row['payload_max'] / 1024:.1f} KiB/rank (simulated every rank in {row['simulate_s']:.1f} s)",
                 flush=True,
             )
         del ck
         gc.collect()
     print()
-    print_rows(rows)
+    print_rows(rows, args.reference)
     print(f"\nload average after: {loadavg()}")
     if args.json:
         with open(args.json, "w") as f:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _dist import all_ok, run_ranks
 from test_distributed import big_model, same_bits, stats_dict, tensor_bytes
+from test_sharded_plan import random_ranges
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
@@ -246,15 +247,7 @@ def test_plan_transfers_on_random_layouts(seed: int) -> None:
     world = rng.randint(2, 9)
     needs: list[list[tuple[str, int, int]]] = []
     for _ in range(world):
-        ranges = []
-        for name in ("a", "b"):
-            pos = rng.randint(0, 20)
-            while pos < 300:
-                n = rng.randint(1, 40)
-                if rng.random() < 0.7:
-                    ranges.append((name, pos, pos + n))
-                pos += n + (rng.randint(1, 15) if rng.random() < 0.3 else 0)
-        needs.append(ranges)
+        needs.append([r for name in ("a", "b") for r in random_ranges(rng, name, 20, 300, 40, 15)])
     who = _brute_force(needs)
     transfers, load = plan_transfers(needs)
     seen: dict[tuple[str, int], int] = {}
