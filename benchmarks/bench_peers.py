@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="dcp-one-file,dcp-per-item,safetensors,safetensors-index,tensorizer")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--timeout", type=float, default=300.0, help="per contender run, seconds")
+    ap.add_argument("--json", help="also write the medians to this JSON file")
+    ap.add_argument("--plot", help="also draw the medians (GiB/s per layout and contender) into this PNG (matplotlib)")
     args = ap.parse_args()
     configure_env()
     layouts = args.layouts.split(",")
@@ -229,6 +231,49 @@ def main() -> None:
             note = "WRONG BYTES" if bad else ""
             print(f"{c:20s} {t:8.2f} {nbytes / GiB / t:7.2f} {ratio} {cpu / (nbytes / GiB):9.2f} {peak:9.0f}  {note}")
     print(f"\nload average before {' '.join(load_before)}, after {' '.join(load_after)}")
+    table = {
+        layout: {
+            c: {
+                "seconds": statistics.median(r["seconds"] for r in rs if "seconds" in r),
+                "cpu_s_per_gib": statistics.median(r["cpu"] for r in rs if "seconds" in r) / (nbytes / GiB),
+                "peak_mib": max(r["peak"] for r in rs if "seconds" in r) / MiB,
+            }
+            for c in wanted
+            if (rs := results.get((layout, c))) and any("seconds" in r for r in rs)
+        }
+        for layout in paths
+    }
+    meta = {"bytes": nbytes, "latency_s": args.latency, "rounds": args.rounds, "load": [load_before, load_after]}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "medians": table}, indent=1))
+    if args.plot:
+        plot(table, nbytes, meta, args.plot)
+
+
+def plot(table: dict[str, dict[str, dict[str, float]]], nbytes: int, meta: dict[str, Any], out: str) -> None:
+    """Grouped bars: GiB/s of each contender on each layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(table)
+    contenders = [c for c in CONTENDERS if any(c in table[la] for la in layouts)]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / max(1, len(contenders))
+    for i, c in enumerate(contenders):
+        xs = [j + i * width for j, la in enumerate(layouts) if c in table[la]]
+        ys = [nbytes / GiB / table[la][c]["seconds"] for la in layouts if c in table[la]]
+        ax.bar(xs, ys, width, label=c)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layouts))], layouts)
+    ax.set_ylabel("GiB/s (median, fresh process per run)")
+    ax.set_title(
+        f"{nbytes / MiB:.0f} MiB from S3 (s3rver) behind {meta['latency_s'] * 1e3:.0f} ms one-way delay, "
+        f"{meta['rounds']} rounds; load average {' '.join(meta['load'][0])}"
+    )
+    ax.legend(ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":
