@@ -58,7 +58,7 @@ def test_an_object_rewritten_mid_load_is_a_clear_error(request, backend, tmp_pat
     assert replaced, "the object was never replaced: the test did not run its case"
     assert isinstance(err, CheckpointFormatError)  # what callers of older versions catch
     assert err.path.endswith(f"ckpt/{name}") and name in str(err)
-    assert err.byte_range is not None and err.byte_range[1] - err.byte_range[0] == 64 << 10
+    assert err.byte_range is not None and 0 < err.byte_range[1] - err.byte_range[0] <= 64 << 10  # one chunk
     assert err.seen and err.seen.split()[0] in {"etag", "generation"}
     assert "load again" in str(err)
     # the pinned version went with every read: the store refused, or its answer was compared
