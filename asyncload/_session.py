@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from . import _cuda, _transforms, formats
 from ._assembly import copy_bytes
-from ._chunks import Chunk, Piece
+from ._chunks import Chunk, Piece, TensorLocation
 from ._crc import CrcTracker, gaps
 from ._errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
 from ._loop import loop_thread, run_sync
@@ -612,22 +612,13 @@ class LoadSession:
             if options.verify and loc.crc32 is not None:
                 tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
                 trackers.append((tracker, rec))
-            rec_pieces: list[Piece] = []
-            for item, dest in rec.tensor_items:
-                item_pieces = plan_tensor(
-                    loc,
-                    item.storage_offsets,
-                    item.lengths,
-                    dest,
-                    chunk_size=chunking.chunk_size,
-                    min_chunk_size=chunking.min_chunk_size,
-                    allow_cast=options.allow_dtype_cast or self._torch_casts,
-                    key=item.dest_index.fqn,
-                    stager=stager,
-                    max_gap=reads.max_gap,
+            rec_pieces = [
+                p
+                for _, item_pieces in self._plan_items(
+                    rec, loc, options, chunking.chunk_size, chunking.min_chunk_size, stager, max_gap=reads.max_gap
                 )
-                _check_planned(item, dest, item_pieces, rec)
-                rec_pieces.extend(item_pieces)
+                for p in item_pieces
+            ]
             if reads.bounded and run_chunks is None and tracker is None and stager is None and rec.known is None:
                 # (not under ShardedLoadPlanner: its plan of who reads what counts every range)
                 rec_pieces = _from_probes(rec, rec_pieces, from_probes)
@@ -686,6 +677,38 @@ class LoadSession:
         for tracker, rec in trackers:
             self._check_crc(tracker, rec, storage)
         await self._check_unchanged(storage)
+
+    def _plan_items(
+        self,
+        rec: _Record,
+        loc: TensorLocation,
+        options: LoadOptions,
+        chunk_size: int,
+        min_chunk_size: int,
+        stager: Any,
+        *,
+        max_gap: int | None = None,
+    ) -> list[tuple[torch.Tensor, list[Piece]]]:
+        """Each of ``rec``'s tensor items as pieces of its destination view, each item checked
+        to fill its view before any is read (the dtype rule: this load's options, or torch's
+        casts under torch's own planner)."""
+        planned = []
+        for item, dest in rec.tensor_items:
+            pieces = plan_tensor(
+                loc,
+                item.storage_offsets,
+                item.lengths,
+                dest,
+                chunk_size=chunk_size,
+                min_chunk_size=min_chunk_size,
+                allow_cast=options.allow_dtype_cast or self._torch_casts,
+                key=item.dest_index.fqn,
+                stager=stager,
+                max_gap=max_gap,
+            )
+            _check_planned(item, dest, pieces, rec)
+            planned.append((dest, pieces))
+        return planned
 
     async def _check_unchanged(self, storage: RetryingStorage) -> None:
         """Raise if a file of the checkpoint was rewritten or replaced while this load read
@@ -783,21 +806,7 @@ class LoadSession:
                 _raise_on_bad_crc(tracker, rec, rec.name)
                 recorder.add(verified_records=1)
             n = 0
-            planned = []
-            for item, dest in rec.tensor_items:
-                item_pieces = plan_tensor(
-                    loc,
-                    item.storage_offsets,
-                    item.lengths,
-                    dest,
-                    chunk_size=1 << 62,
-                    min_chunk_size=1 << 62,
-                    allow_cast=options.allow_dtype_cast or self._torch_casts,
-                    key=item.dest_index.fqn,
-                    stager=self._stager,
-                )
-                _check_planned(item, dest, item_pieces, rec)
-                planned.append((dest, item_pieces))
+            planned = self._plan_items(rec, loc, options, 1 << 62, 1 << 62, self._stager)
             for dest, item_pieces in planned:  # every item planned before any is written
                 for p in item_pieces:
                     part = data[p.start - base : p.end - base]
