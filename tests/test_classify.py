@@ -40,9 +40,10 @@ from asyncload import (
     LoadOptions,
     StorageReadError,
 )
+from asyncload._local import LocalStorage
 from asyncload._retry import _HINTS, Failure, RetryingStorage, classify, translate
 from asyncload._stats import StatsRecorder
-from asyncload._storage import LocalStorage, NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
+from asyncload._storage import NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
 from asyncload.testing import reset, status, truncate
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,10 +19,11 @@ from _remote import BACKENDS, wait_closed
 
 import asyncload._obstore as asyncload_obstore
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
+from asyncload._local import LocalStorage
 from asyncload._obstore import ObstoreStorage, StoreSpec, Unmappable, plan_store
 from asyncload._retry import RetryingStorage
 from asyncload._stats import StatsRecorder
-from asyncload._storage import FsspecStorage, LocalStorage, ObjectChangedError, RangeIgnoredError, ShortReadError
+from asyncload._storage import FsspecStorage, ObjectChangedError, RangeIgnoredError, ShortReadError
 from asyncload._storage import open_storage as open_storage_
 from asyncload.testing import HTTPRangeServer, reset, stall, status
 

@@ -14,9 +14,9 @@ from _ckpt import open_fds_under
 from asyncload import AsyncLoadError, LoadOptions
 from asyncload._budget import BudgetStatistics, ByteBudget, Limiter
 from asyncload._chunks import Chunk, Piece
+from asyncload._local import LocalStorage
 from asyncload._pipeline import Pipeline
 from asyncload._stats import StatsRecorder
-from asyncload._storage import LocalStorage
 
 pytestmark = pytest.mark.timeout(30)
 
