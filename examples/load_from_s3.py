@@ -4,11 +4,14 @@
     ASYNCLOAD_S3_URL=s3://bucket/prefix/step-4000 python examples/load_from_s3.py
     python examples/load_from_s3.py          # no bucket: a loopback S3 server is started for you
 
-With a URL, credentials come from the usual places (environment, ~/.aws) through s3fs;
-the destination is built from the checkpoint's own metadata. Without one, the script
-starts moto's S3 server on 127.0.0.1, writes a small checkpoint with ``dcp.save``,
-uploads it, loads it back with ``asyncload.load`` and checks every tensor bit for bit.
-Set ASYNCLOAD_EXAMPLE_SMALL=1 for a tiny checkpoint.
+With a URL, credentials come from the usual places (environment, ~/.aws); the state dict
+is allocated from the checkpoint's own metadata by ``asyncload.read_state_dict``. S3 is read
+through obstore by default (``LoadOptions.transport="auto"``; ``"fsspec"`` uses s3fs), the
+same ``storage_options`` either way. Without a URL, the script starts moto's S3 server on
+127.0.0.1, writes a small checkpoint with ``dcp.save``, uploads it, loads it back twice
+(into tensors you already have with ``asyncload.load``, and into new ones with
+``read_state_dict``) and checks every tensor bit for bit. Set ASYNCLOAD_EXAMPLE_SMALL=1 for a
+tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import asyncload
 
@@ -31,25 +33,18 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 SMALL = os.environ.get("ASYNCLOAD_EXAMPLE_SMALL") == "1"
 
 
-def zeros_from_metadata(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
-    """A destination for every key of the checkpoint: zeros of the saved shapes and dtypes."""
-    reader = asyncload.PipelinedReader(url, storage_options=storage_options)
-    try:
-        md = reader.read_metadata()
-    finally:
-        reader.close()
-    return {
-        k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-        for k, m in md.state_dict_metadata.items()
-    }
+OPTIONS = asyncload.LoadOptions(concurrency=32, chunk_size=8 << 20, timeout=30, retries=4)
 
 
-def load(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
-    state = zeros_from_metadata(url, storage_options)
-    options = asyncload.LoadOptions(concurrency=32, chunk_size=8 << 20, timeout=30, retries=4)
-    stats = asyncload.load(state, url, options=options, storage_options=storage_options)
+def load_into(state: dict[str, Any], url: str, storage_options: dict[str, Any]) -> None:
+    """Into tensors you already have (a model's state dict): every key must be in the checkpoint."""
+    stats = asyncload.load(state, url, options=OPTIONS, storage_options=storage_options)
     print(stats)
-    return state
+
+
+def load_new(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """No destination yet: the checkpoint's metadata says what to allocate."""
+    return asyncload.read_state_dict(url, options=OPTIONS, storage_options=storage_options)
 
 
 def with_loopback_server() -> None:
@@ -70,13 +65,16 @@ def with_loopback_server() -> None:
         # what you would pass for a real S3-compatible store: endpoint_url, key, secret...
         storage_options = s3.storage_options()
         print(f"loopback S3 server at {s3.endpoint_url}; loading {url}")
-        state = load(url, storage_options)
-    bad = [
-        k for k, v in saved.items() if not (torch.equal(state[k], v) if isinstance(v, torch.Tensor) else state[k] == v)
-    ]
-    if bad:
-        raise SystemExit(f"loaded values differ for {bad}")
-    print(f"all {len(saved)} keys identical to what was saved")
+        state = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()}
+        load_into(state, url, storage_options)
+        fresh = load_new(url, storage_options)
+    for got in (state, fresh):
+        bad = [
+            k for k, v in saved.items() if not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)
+        ]
+        if bad or set(got) != set(saved):
+            raise SystemExit(f"loaded values differ for {bad or sorted(set(got) ^ set(saved))}")
+    print(f"all {len(saved)} keys identical to what was saved, both ways")
 
 
 def main() -> None:
@@ -89,10 +87,11 @@ def main() -> None:
     if args.url is None:
         with_loopback_server()
         return
-    storage_options: dict[str, Any] = {"config_kwargs": {"max_pool_connections": 64}}  # s3fs's default pool is 10
+    storage_options: dict[str, Any] = {}
     if args.endpoint_url:
         storage_options["endpoint_url"] = args.endpoint_url
-    load(args.url, storage_options)
+    state = load_new(args.url, storage_options)
+    print(f"{len(state)} keys loaded")
 
 
 if __name__ == "__main__":
