@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ._storage import FsspecStorage, ObjectChangedError, RangeIgnoredError, ShortReadError, VersionPins
+from ._storage import (
+    FsspecStorage,
+    ObjectChangedError,
+    RangeIgnoredError,
+    ShortReadError,
+    VersionPins,
+    first_byte,
+)
 
 __all__ = ["OBSTORE_PROTOCOLS", "ObstoreStorage", "StoreSpec", "Unmappable", "plan_store"]
 
@@ -457,6 +464,7 @@ class ObstoreStorage(VersionPins):
             if "Range request not supported" in str(exc):  # a 200 for a ranged GET: the body is never read
                 raise RangeIgnoredError(self.url(name), start, end, 200, "the whole file") from exc
             raise
+        first_byte()  # the answer has begun: the hedge's first-byte clock
         problem: OSError | None = None
         try:
             self._see_meta(name, result.meta, (start, end))
@@ -476,6 +484,31 @@ class ObstoreStorage(VersionPins):
         if got != end - start:
             raise ShortReadError(self.url(name), start, end, got)
         return memoryview(data)
+
+    supports_read_object = True
+
+    async def read_object(self, name: str, max_size: int) -> tuple[memoryview | None, int]:
+        """One GET of the whole file (no HEAD first): the answer's headers give its size and
+        version (pinned here, as a HEAD would); a body larger than ``max_size`` is never read."""
+        import obstore
+
+        result = await obstore.get_async(self._get_store(), name)
+        first_byte()
+        meta = result.meta
+        self._see_meta(name, meta)
+        size = int(meta["size"])
+        lo, hi = result.range
+        if lo != 0 or hi != size:
+            del result
+            raise RangeIgnoredError(self.url(name), 0, size, 200, f"bytes [{lo}, {hi})")
+        if size > max_size:
+            del result  # the response and its connection go now, the body unread
+            return None, size
+        data = await result.bytes_async()
+        del result
+        if len(data) != size:
+            raise ShortReadError(self.url(name), 0, size, len(data))
+        return memoryview(data), size
 
     async def size(self, name: str) -> int:
         import obstore

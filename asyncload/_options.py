@@ -18,6 +18,9 @@ GiB = 1 << 30
 MIN_MEMORY_BUDGET = 64 * KiB
 #: ``min_chunk_size`` when it is not given: this, or ``chunk_size`` when that is smaller.
 DEFAULT_MIN_CHUNK_SIZE = 1 * MiB
+#: ``HedgePolicy.min_delay`` where ``hedge_min_delay`` is derived (None): the fixed floor
+#: that peer transfers of multi-rank loads keep, seconds.
+DEFAULT_HEDGE_MIN_DELAY = 0.5
 
 
 class _Derived(int):
@@ -52,9 +55,14 @@ class HedgePolicy:
 
     enabled: bool
     factor: float
+    #: The floor, seconds: ``LoadOptions.hedge_min_delay``, or ``DEFAULT_HEDGE_MIN_DELAY``
+    #: where it is derived (the floor of peer transfers in multi-rank loads).
     min_delay: float
     #: Duplicate requests in flight at once, at most (hedging must not double the load).
     max_in_flight: int
+    #: ``hedge_min_delay=None``: the floor of a storage read is derived from the load's
+    #: measured latency and per-stream rate (:func:`asyncload._retry.hedge_delay`).
+    derived: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +108,15 @@ class LoadOptions:
     verify: bool = False
     #: Re-issue a chunk that is much slower than its peers (remote stores only).
     hedge: bool = True
-    #: A chunk becomes a straggler after ``max(hedge_min_delay, hedge_factor x p90 latency)``
-    #: of recent comparable reads (``4 x hedge_min_delay`` before there are any; docs/remote.md).
+    #: A chunk becomes a straggler after ``max(floor, hedge_factor x p90 latency)`` of recent
+    #: comparable reads, or once its answer has not begun ``hedge_factor x p90`` first-byte
+    #: latency after it was asked for while later requests had theirs (docs/remote.md).
     hedge_factor: float = 3.0
-    #: Floor for the hedge delay, seconds.
-    hedge_min_delay: float = 0.5
+    #: Floor for the hedge delay, seconds (``4 x`` it before any comparable read finished).
+    #: ``None`` (the default): derived from this load's measured first-byte latency and
+    #: per-stream rate (``hedge_factor x`` the expected time of the chunk, at least 0.05 s;
+    #: 1 s before any history). A number keeps the fixed floor (0.5 was the default before).
+    hedge_min_delay: float | None = None
     #: Allow lossy dtype conversions on load (fp32 into bf16, float into int: cast on copy).
     #: Lossless widening (bf16 into fp32, int8 into int32) loads without it (docs/errors.md).
     allow_dtype_cast: bool = False
@@ -166,8 +178,10 @@ class LoadOptions:
             bad("retries", self.retries, "expected an int >= 0")
         for name in ("backoff", "max_backoff", "hedge_min_delay"):
             v = getattr(self, name)
+            if v is None and name == "hedge_min_delay":
+                continue  # derived from the load's measurements
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
-                bad(name, v, "expected a number of seconds >= 0")
+                bad(name, v, "expected a number of seconds >= 0" + (" or None" if name == "hedge_min_delay" else ""))
         if (
             isinstance(self.hedge_factor, bool)
             or not isinstance(self.hedge_factor, (int, float))
@@ -201,8 +215,9 @@ class LoadOptions:
         return HedgePolicy(
             enabled=self.hedge,
             factor=self.hedge_factor,
-            min_delay=self.hedge_min_delay,
+            min_delay=DEFAULT_HEDGE_MIN_DELAY if self.hedge_min_delay is None else self.hedge_min_delay,
             max_in_flight=max(2, self.max_in_flight // 4),
+            derived=self.hedge_min_delay is None,
         )
 
     @functools.cached_property

@@ -21,7 +21,7 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from ._assembly import StagingPool, assemble, track
@@ -83,13 +83,22 @@ class Pipeline:
                 # Many tiny local reads (header probes, small records): one thread hop per
                 # batch instead of per read. Same budget; errors translated the same way.
                 chunks = _batches(chunks, min(self.budget.capacity, _BATCH_BYTES))
+        if self.storage.hedgeable:
+            chunks = self._spread(chunks)
+        await self._run(_aiter(chunks))
+
+    async def run_stream(self, chunks: AsyncIterable[Chunk]) -> None:
+        """:meth:`run` for a source that yields chunks as they become known (a record's data
+        once its header probes have landed), dispatched in its order; an error the source
+        raises fails the run like a failed read."""
+        await self._run(chunks)
+
+    async def _run(self, chunks: AsyncIterable[Chunk]) -> None:
         error: BaseException | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 tuner = tg.create_task(self._autotune()) if self.options.concurrency == "auto" else None
-                if self.storage.hedgeable:
-                    chunks = self._spread(chunks)
-                for chunk in chunks:
+                async for chunk in chunks:
                     t0 = time.monotonic()
                     await self.budget.acquire(chunk.nbytes)
                     try:
@@ -291,6 +300,11 @@ class _AutoTuner:
                     max(1, limit - max(1, limit // 5)), f"throughput flat at {rate / 2**20:.1f} MiB/s, latency rising"
                 )
         self.prev_rate = rate
+
+
+async def _aiter(chunks: Iterable[Chunk]) -> AsyncIterator[Chunk]:
+    for c in chunks:
+        yield c
 
 
 _BATCH_CHUNK = 64 << 10

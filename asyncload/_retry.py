@@ -17,13 +17,25 @@ turned off in :mod:`asyncload._storage`):
   exponential backoff (``backoff`` doubling up to ``max_backoff``), at least the
   server's ``Retry-After``. Counted in ``LoadStats.retries`` and ``retries_by_cause``.
   403/404/missing objects and other 4xx fail at once.
-* **Hedging**: an attempt still running after ``max(hedge_min_delay, hedge_factor x p90)``
-  of recent comparable reads (same size or larger, scaled to this chunk's size) gets one
-  duplicate request; the first to succeed wins, the other is cancelled (its connection
-  closed). With fewer than 4 comparable reads finished the delay is
-  ``4 x hedge_min_delay``. The delay is re-evaluated while the attempt waits, so reads
-  that started before any history existed are hedged as soon as their peers show
-  they are stragglers. Counted in ``LoadStats.hedges``.
+* **Hedging**: an attempt still running after its hedge delay gets one duplicate request;
+  the first to succeed wins, the other is cancelled (its connection closed). Counted in
+  ``LoadStats.hedges``; at most ``HedgePolicy.max_in_flight`` duplicates at once. Two
+  rules, the earlier wins (:func:`hedge_delay`):
+
+  - *body*: ``max(floor, hedge_factor x p90)`` of recent comparable reads (same size or
+    larger, scaled to this chunk's size), the cold delay before 4 of them have finished;
+  - *first byte* (stores that tell when an answer begins: obstore): a request whose
+    answer has not begun after ``max(floor, hedge_factor x p90)`` of recent first-byte
+    latencies, while requests asked for after it have had theirs (a stalled GET is
+    caught after a few round trips, not after the whole chunk's time).
+
+  The floor is ``hedge_min_delay`` (cold: ``4 x`` it) or, with ``hedge_min_delay=None``
+  (the default), derived from this load: ``hedge_factor x`` the expected time of the
+  chunk at the measured first-byte latency and per-stream rate, at least 0.05 s (cold:
+  1 s, or more where the expected time says so). Each rule compares a read with its
+  peers on the same link now, so a uniformly slow or congested link hedges nothing. The
+  delay is re-evaluated while the attempt waits, so reads that started before any
+  history existed are hedged as soon as their peers show they are stragglers.
 """
 
 from __future__ import annotations
@@ -51,7 +63,14 @@ from ._errors import (
 )
 from ._options import HedgePolicy, LoadOptions, RetryPolicy
 from ._stats import StatsRecorder
-from ._storage import NotRegularFileError, ObjectChangedError, RangeIgnoredError, ShortReadError, Storage
+from ._storage import (
+    REQUEST,
+    NotRegularFileError,
+    ObjectChangedError,
+    RangeIgnoredError,
+    ShortReadError,
+    Storage,
+)
 
 __all__ = [
     "Failure",
@@ -465,22 +484,41 @@ def translate(
 
 class LoadClock:
     """What the reads of one load share: when a read last finished (the timeout's
-    progress clock), recent read latencies by size (the hedge's yardstick), and how
-    many hedged requests are in flight. One per :class:`StatsRecorder` (one per load)."""
+    progress clock), recent read latencies by size and recent first-byte latencies (the
+    hedge's yardsticks), and how many hedged requests are in flight. One per
+    :class:`StatsRecorder` (one per load)."""
 
     WINDOW = 256
+    #: Reads at least this large give a per-stream transfer rate (smaller ones are latency).
+    RATE_MIN_BYTES = 256 << 10
 
-    def __init__(self) -> None:
-        self.last_progress = time.monotonic()
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        #: The clock itself (``time.monotonic``; a test gives a synthetic one).
+        self.now = now
+        self.last_progress = now()
         self.samples: deque[tuple[float, int]] = deque(maxlen=self.WINDOW)
         self.hedges_in_flight = 0
         #: Reads finished so far (``samples`` keeps only the last WINDOW).
         self.total_samples = 0
+        #: Seconds from each request's start until its answer began (stores that tell:
+        #: :func:`asyncload._storage.first_byte`), and when each of those requests started.
+        self.first_bytes: deque[float] = deque(maxlen=self.WINDOW)
+        self.first_byte_starts: deque[float] = deque(maxlen=self.WINDOW)
+        #: Bytes per second of one stream once its answer had begun (reads of RATE_MIN_BYTES or more).
+        self.stream_rates: deque[float] = deque(maxlen=self.WINDOW)
 
-    def finished(self, seconds: float, nbytes: int) -> None:
-        self.last_progress = time.monotonic()
+    def finished(self, seconds: float, nbytes: int, body_seconds: float | None = None) -> None:
+        """A read of ``nbytes`` took ``seconds`` (``body_seconds`` of them after its answer began)."""
+        self.last_progress = self.now()
         self.samples.append((seconds, nbytes))
         self.total_samples += 1
+        if body_seconds is not None and nbytes >= self.RATE_MIN_BYTES:
+            self.stream_rates.append(nbytes / max(body_seconds, 1e-4))
+
+    def answered(self, seconds: float, started: float) -> None:
+        """The answer to a request started at ``started`` began after ``seconds``."""
+        self.first_bytes.append(seconds)
+        self.first_byte_starts.append(started)
 
     def deadline(self, started: float, timeout: float) -> float:
         """When an attempt started at ``started`` times out, as things stand."""
@@ -491,9 +529,48 @@ class LoadClock:
         with fewer than 4 comparable reads (same size or up to 4x smaller)."""
         lo = nbytes / 4
         times = sorted(t * max(1.0, nbytes / n) if n > 0 else t for t, n in self.samples if n >= lo)
-        if len(times) < 4:
+        return _quantile(times, q)
+
+    def first_byte_time(self, q: float = 0.9) -> float | None:
+        """The ``q`` quantile of recent first-byte latencies; None with fewer than 4."""
+        return _quantile(sorted(self.first_bytes), q)
+
+    def expected_time(self, nbytes: int) -> float | None:
+        """How long a read of ``nbytes`` should take on this load's link as measured so far:
+        the median first-byte latency plus ``nbytes`` at the median per-stream rate; None
+        before both are known."""
+        latency = self.first_byte_time(0.5)
+        rate = _quantile(sorted(self.stream_rates), 0.5)
+        if latency is None or rate is None:
             return None
-        return times[min(len(times) - 1, int(q * len(times)))]
+        return latency + nbytes / rate
+
+    def overtaken(self, started: float) -> int:
+        """Requests started after ``started`` whose answers have begun (among the recent ones)."""
+        return sum(1 for s in self.first_byte_starts if s > started)
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if len(values) < 4:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class _Request:
+    """One request to the store (an attempt's original or its hedged duplicate): when it
+    started and when its answer began. Stores tell through :func:`asyncload._storage.first_byte`."""
+
+    __slots__ = ("clock", "first_byte", "started")
+
+    def __init__(self, clock: LoadClock) -> None:
+        self.clock = clock
+        self.started = clock.now()
+        self.first_byte: float | None = None
+
+    def answered(self) -> None:
+        if self.first_byte is None:
+            self.first_byte = self.clock.now()
+            self.clock.answered(self.first_byte - self.started, self.started)
 
 
 _clocks: weakref.WeakKeyDictionary[StatsRecorder, LoadClock] = weakref.WeakKeyDictionary()
@@ -507,22 +584,58 @@ def clock_of(stats: StatsRecorder) -> LoadClock:
     return clock
 
 
-#: Hedge delay before any comparable read has finished, in units of ``HedgePolicy.min_delay``.
+#: Explicit ``hedge_min_delay``: the delay before any comparable read has finished, in its units.
 HEDGE_COLD_FACTOR = 4.0
+#: Derived floor (``hedge_min_delay=None``): the delay before the load has any history, seconds.
+HEDGE_COLD_DELAY = 1.0
+#: Derived floor: no read is hedged sooner than this, seconds (a hiccup of the client's own
+#: event loop or a GC pause must not look like a straggling store).
+HEDGE_DERIVED_FLOOR = 0.05
+#: A request still waiting for its answer is a straggler only once this many requests
+#: started after it have had theirs (on a uniformly slow link, answers come in order).
+HEDGE_OVERTAKEN = 2
 #: How often a waiting read re-checks whether it has become a straggler, seconds.
 HEDGE_POLL = 0.05
 
 
-def hedge_delay(policy: HedgePolicy, clock: LoadClock, nbytes: int = 0) -> float | None:
-    """Seconds after which a read of ``nbytes`` still running is hedged (None: never):
-    ``max(min_delay, factor x p90)`` of recent comparable reads, or ``4 x min_delay``
-    before 4 of them have finished."""
+def hedge_delay(
+    policy: HedgePolicy, clock: LoadClock, nbytes: int = 0, *, waiting_since: float | None = None
+) -> float | None:
+    """Seconds after which a read of ``nbytes`` still running is hedged (None: never).
+
+    The body rule: ``max(floor, factor x p90)`` of recent comparable reads; before 4 of
+    them have finished, the cold delay. With an explicit ``min_delay`` the floor is it and
+    the cold delay ``4 x min_delay``. Derived (``min_delay=None``), the floor is
+    ``max(HEDGE_DERIVED_FLOOR, factor x expected)``, the expected time of ``nbytes`` at this
+    load's measured first-byte latency and per-stream rate (:meth:`LoadClock.expected_time`),
+    and the cold delay ``max(HEDGE_COLD_DELAY, factor x expected)``.
+
+    The first-byte rule (``waiting_since``: the request started then and its answer has
+    not begun, on a store that tells): ``max(floor, factor x p90)`` of recent first-byte
+    latencies (floor: ``min_delay``, or ``HEDGE_DERIVED_FLOOR``), once ``HEDGE_OVERTAKEN``
+    requests started after it have had their answers. The earlier of the two rules wins.
+    """
     if not policy.enabled:
         return None
+    factor = policy.factor
+    explicit = policy.min_delay if not policy.derived else None
     p90 = clock.straggler_time(nbytes)
-    if p90 is None:
-        return policy.min_delay * HEDGE_COLD_FACTOR
-    return max(policy.min_delay, policy.factor * p90)
+    if explicit is not None:
+        body = explicit * HEDGE_COLD_FACTOR if p90 is None else max(explicit, factor * p90)
+    else:
+        expected = clock.expected_time(nbytes)
+        scaled = 0.0 if expected is None else factor * expected
+        if p90 is None:
+            body = max(HEDGE_COLD_DELAY, scaled)
+        else:
+            body = max(HEDGE_DERIVED_FLOOR, scaled, factor * p90)
+    if waiting_since is None:
+        return body
+    ttfb = clock.first_byte_time()
+    if ttfb is None or clock.overtaken(waiting_since) < HEDGE_OVERTAKEN:
+        return body
+    floor = explicit if explicit is not None else HEDGE_DERIVED_FLOOR
+    return min(body, max(floor, factor * ttfb))
 
 
 async def _cancel_and_wait(tasks: set[asyncio.Task[Any]]) -> None:
@@ -542,18 +655,31 @@ async def _attempt(
     stats: StatsRecorder,
     clock: LoadClock,
     nbytes: int,
-) -> T:
-    """One attempt, with at most one hedged duplicate; the first success wins.
+) -> tuple[T, _Request]:
+    """One attempt, with at most one hedged duplicate; the first success wins (returned
+    with its request: when it started, when its answer began).
 
     Raises ``asyncio.TimeoutError`` when ``limit`` seconds pass without progress (see the
     module docstring), or the error of the last request to fail."""
-    started = time.monotonic()
-    pending: set[asyncio.Future[Any]] = {asyncio.ensure_future(op())}
+    started = clock.now()
+    first = _Request(clock)
+    requests: dict[asyncio.Future[Any], _Request] = {}
+
+    def start(req: _Request) -> asyncio.Future[Any]:
+        token = REQUEST.set(req)  # the request's task copies it: the store's first_byte() reaches req
+        try:
+            fut = asyncio.ensure_future(op())
+        finally:
+            REQUEST.reset(token)
+        requests[fut] = req
+        return fut
+
+    pending: set[asyncio.Future[Any]] = {start(first)}
     hedged = False
     last_exc: BaseException | None = None
     try:
         while pending:
-            now = time.monotonic()
+            now = clock.now()
             wait: float | None = None
             if limit is not None:
                 deadline = clock.deadline(started, limit)
@@ -561,19 +687,21 @@ async def _attempt(
                     raise TimeoutError()
                 wait = deadline - now
             if hedge is not None and not hedged:
-                after = hedge_delay(hedge, clock, nbytes)
+                waiting = first.started if first.first_byte is None and clock.first_bytes else None
+                after = hedge_delay(hedge, clock, nbytes, waiting_since=waiting)
                 if after is not None:
                     if now - started >= after and clock.hedges_in_flight < hedge.max_in_flight:
                         hedged = True
                         stats.add(hedges=1)
                         clock.hedges_in_flight += 1
                         log.debug(
-                            "hedging a read of %d bytes still running after %.3f s (delay %.3f s)",
+                            "hedging a read of %d bytes still running after %.3f s (delay %.3f s, %s)",
                             nbytes,
                             now - started,
                             after,
+                            "no answer yet" if first.first_byte is None else "answer begun",
                         )
-                        dup = asyncio.ensure_future(op())
+                        dup = start(_Request(clock))
                         dup.add_done_callback(lambda _f: _hedge_done(clock))
                         pending.add(dup)
                         continue
@@ -584,7 +712,7 @@ async def _attempt(
             done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 if t.exception() is None:
-                    return t.result()
+                    return t.result(), requests[t]
                 last_exc = t.exception()
         assert last_exc is not None
         raise last_exc
@@ -621,7 +749,7 @@ async def call_with_retry(
     for attempt in range(1, attempts + 1):
         t0 = time.monotonic()
         try:
-            result = await _attempt(op, retry.timeout, hedge, stats, clock, nbytes)
+            result, request = await _attempt(op, retry.timeout, hedge, stats, clock, nbytes)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -650,10 +778,12 @@ async def call_with_retry(
             )
             await asyncio.sleep(delay)
         else:
-            elapsed = time.monotonic() - t0
+            now = time.monotonic()
+            elapsed = now - t0
             if byte_range is not None:
                 stats.latency(elapsed)
-                clock.finished(elapsed, nbytes)
+                body = None if request.first_byte is None else now - request.first_byte
+                clock.finished(elapsed, nbytes, body)
             else:
                 clock.last_progress = time.monotonic()
             return result
@@ -731,6 +861,17 @@ class RetryingStorage:
         if counted:
             self.stats.add(bytes_read=end - start)
         return memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+
+    @property
+    def supports_read_object(self) -> bool:
+        return self.raw.supports_read_object
+
+    async def read_object(self, name: str, max_size: int) -> tuple[memoryview | None, int]:
+        """The whole of file ``name`` and its size in one request (``supports_read_object``;
+        not counted in ``bytes_read``: the checkpoint's ``.metadata``). ``(None, size)`` when
+        it is larger than ``max_size``."""
+        raw = self.raw
+        return await self._call(lambda: raw.read_object(name, max_size), name, None, hedge=True)
 
     async def readinto(
         self, name: str, start: int, buffers: Sequence[memoryview], *, then: Callable[[], None] | None = None

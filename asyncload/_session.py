@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import functools
 import io
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -46,7 +47,7 @@ from ._chunks import Chunk, Piece, TensorLocation
 from ._crc import CrcTracker, gaps
 from ._errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
 from ._loop import loop_thread, run_sync
-from ._options import LoadOptions
+from ._options import ChunkPolicy, LoadOptions
 from ._paths import check_relative_path
 from ._pipeline import Pipeline
 from ._plan import break_even_gap, make_chunks, plan_tensor
@@ -339,8 +340,12 @@ class LoadSession:
         storage = await self.storage()
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         url = storage.url(name)
+        raw: memoryview | None = None
         try:  # retried like any read: a 503 on this first request must not fail the load
-            size = await storage.size(name)
+            if storage.supports_read_object:  # one GET: its answer gives the size and version
+                raw, size = await storage.read_object(name, options.max_metadata_size)
+            else:
+                size = await storage.size(name)
         except CheckpointNotFoundError as exc:
             if rank is None:
                 found = await formats.aprobe_fallback(self.checkpoint, storage, self._open_root, options)
@@ -361,7 +366,8 @@ class LoadSession:
         fp = await storage.fingerprint(name)
         if fp is not None:
             self._fingerprints[name] = fp
-        raw = await storage.read(name, 0, size, counted=False)
+        if raw is None:
+            raw = await storage.read(name, 0, size, counted=False)
         md = formats.decode_metadata(raw, url, max_size=options.max_metadata_size)
         self._recorder.add(files=1)
         return md
@@ -538,7 +544,10 @@ class LoadSession:
         t_start = time.monotonic()
         assembled_before = self._recorder.stats.bytes_assembled
         await self._check_files(storage, records)
-        located = await self._locate(storage, records, options)
+        # A remote load of plain DCP records, each needed whole (one process loading its
+        # checkpoint): each record's data is read as soon as its own probes land (_aread_streamed).
+        streamed = run_chunks is None and stager is None and storage.hedgeable and _dense(records)
+        located = [] if streamed else await self._locate(storage, records, options)
         t_checked = time.monotonic()
         await self._aread_transformed(pipeline, [r for r in records if r.transforms], options)
         # Records up to min_chunk_size (plus the probes' size) are read whole: cheaper than
@@ -555,6 +564,7 @@ class LoadSession:
         # Phase A: whole small records and objects; head and tail probes of large records
         pieces: list[Piece] = []
         large: list[_Record] = []
+        probe_of: dict[int, _Record] = {}  # id of a probe piece -> its record
         for rec in records:
             if rec.entry is not None or rec.transforms:
                 continue  # located already (safetensors, torch.save files), or read and decoded whole
@@ -570,8 +580,10 @@ class LoadSession:
             else:
                 large.append(rec)
                 head, tail = _probes(rec)
-                pieces.append(Piece(rec.name, *head, deliver=_store(rec.window, head[0])))
-                pieces.append(Piece(rec.name, *tail, deliver=_store(rec.window, tail[0])))
+                for lo, hi in (head, tail):
+                    probe = Piece(rec.name, lo, hi, deliver=_store(rec.window, lo))
+                    probe_of[id(probe)] = rec
+                    pieces.append(probe)
         chunks = make_chunks(
             pieces,
             chunk_size=chunking.chunk_size,
@@ -581,6 +593,18 @@ class LoadSession:
         for c in chunks:
             for s in c.segments:
                 s.payload = False
+        if streamed:
+            await self._aread_streamed(pipeline, storage, options, chunks, probe_of, len(large), reads, trackers)
+            self._check_written(records, assembled_before, total)
+            log.debug(
+                "read %d records streamed (each record's data once its probes landed): %.4f s",
+                len(records),
+                time.monotonic() - t_start,
+            )
+            for tracker, rec in trackers:
+                self._check_crc(tracker, rec, storage)
+            await self._check_unchanged(storage)
+            return
         await run(pipeline, chunks)
         reads.measure(self._recorder)
         t_phase_a = time.monotonic()
@@ -590,80 +614,17 @@ class LoadSession:
         from_probes: list[tuple[memoryview, memoryview]] = []
         headers: list[tuple[_Record, Any]] = []  # each record's tensor location: the rest is its headers
         for rec in large + located:
-            if rec.known is not None:
-                loc = rec.known
-            else:
-
-                async def fetch(lo: int, hi: int, rec: _Record = rec) -> bytes | memoryview:
-                    data = await storage.read(rec.name, lo, hi)  # not copied: may be a large zip directory
-                    return data if isinstance(data, bytes) else memoryview(data)
-
-                layout = await aparse_archive(
-                    rec.window,
-                    rec.offset,
-                    rec.length,
-                    f"{storage.url(rec.name)} {rec.where}",
-                    fetch,
-                    max_pickle=options.max_metadata_size,
+            data_pieces.extend(
+                await self._record_pieces(
+                    rec, storage, options, stager, reads, trackers, from_probes, headers, shared=run_chunks is not None
                 )
-                loc = tensor_location(layout, rec.name)
-                self._check_against_metadata(rec, loc)
-            tracker = None
-            if options.verify and loc.crc32 is not None:
-                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
-                trackers.append((tracker, rec))
-            rec_pieces = [
-                p
-                for _, item_pieces in self._plan_items(
-                    rec, loc, options, chunking.chunk_size, chunking.min_chunk_size, stager, max_gap=reads.max_gap
-                )
-                for p in item_pieces
-            ]
-            if reads.bounded and run_chunks is None and tracker is None and stager is None and rec.known is None:
-                # (not under ShardedLoadPlanner: its plan of who reads what counts every range)
-                rec_pieces = _from_probes(rec, rec_pieces, from_probes)
-            headers.append((rec, loc))
-            if tracker is not None:
-                for p in rec_pieces:
-                    p.tracker = tracker
-                # a narrow read (a rank's slice of a saved chunk) leaves bytes of the storage
-                # out: read them too, only to checksum them, so that verify=True never hands
-                # over bytes it did not check (docs/integrity.md)
-                for lo, hi in gaps([(p.start, p.end) for p in rec_pieces], tracker.start, tracker.end):
-                    for a in range(lo, hi, ecs):
-                        rec_pieces.append(Piece(rec.name, a, min(hi, a + ecs), tracker=tracker))
-            data_pieces.extend(rec_pieces)
-            rec.window = ByteWindow()  # probes are no longer needed
-        copied = 0
-        for into, data in from_probes:
-            into[:] = data
-            copied += len(data)
-        if copied:
-            self._recorder.add(bytes_assembled=copied)
-            if self._report is not None:
-                self._report(copied)
-        chunks = make_chunks(
-            data_pieces,
-            chunk_size=chunking.chunk_size,
-            min_chunk_size=reads.join_gap(chunking.min_chunk_size),
-            max_over_read=reads.gap_allowance(self._recorder.stats.bytes_read, data_pieces),
-            charge=_ForeignBytes(self.metadata, headers) if reads.bounded else None,
-        )
-        for c in chunks:
-            for s in c.segments:
-                if s.into is None and s.deliver is None:
-                    s.payload = False  # read only to be checksummed
+            )
+        self._copy_from_probes(from_probes)
+        charge = _ForeignBytes(self.metadata, headers) if reads.bounded else None
+        chunks = self._data_chunks(data_pieces, chunking, reads, charge)
         t_planned = time.monotonic()
         await run(pipeline, chunks)
-        # every destination byte the plan asked for was written: counted per assembled chunk
-        # (phase B) and per whole record (phase A), against the destinations' sizes
-        written = self._recorder.stats.bytes_assembled - assembled_before
-        if written != total:
-            keys = sorted({item.dest_index.fqn for r in records for item, _ in r.tensor_items})
-            raise CheckpointFormatError(
-                f"{self.checkpoint}: the load wrote {written} of the {total} destination bytes it planned "
-                f"(keys {keys[:8]}{' ...' if len(keys) > 8 else ''}): the destination is incomplete"
-            )
+        self._check_written(records, assembled_before, total)
         log.debug(
             "read %d records: files checked in %.4f s, probes and small records %.4f s, "
             "layouts and planning %.4f s (%d chunks), data %.4f s",
@@ -677,6 +638,192 @@ class LoadSession:
         for tracker, rec in trackers:
             self._check_crc(tracker, rec, storage)
         await self._check_unchanged(storage)
+
+    def _check_written(self, records: list[_Record], assembled_before: int, total: int) -> None:
+        """Every destination byte the plan asked for was written: counted per assembled chunk
+        (data) and per whole record (small records), against the destinations' sizes."""
+        written = self._recorder.stats.bytes_assembled - assembled_before
+        if written != total:
+            keys = sorted({item.dest_index.fqn for r in records for item, _ in r.tensor_items})
+            raise CheckpointFormatError(
+                f"{self.checkpoint}: the load wrote {written} of the {total} destination bytes it planned "
+                f"(keys {keys[:8]}{' ...' if len(keys) > 8 else ''}): the destination is incomplete"
+            )
+
+    async def _aread_streamed(
+        self,
+        pipeline: Pipeline,
+        storage: RetryingStorage,
+        options: LoadOptions,
+        first: list[Chunk],
+        probe_of: dict[int, _Record],
+        n_large: int,
+        reads: _ReadBudget,
+        trackers: list[tuple[CrcTracker, _Record]],
+    ) -> None:
+        """One pipeline run for probes, small records and data: the chunks of ``first``
+        (probes and small records) go out first, then each large record's data as soon as
+        its own probes have landed (planned on the loop as they do), not after every
+        record's probes."""
+        loop = asyncio.get_running_loop()
+        chunking = options.chunk_policy
+        ready: asyncio.Queue[list[Chunk] | BaseException] = asyncio.Queue()
+        planning: set[asyncio.Task[None]] = set()
+        waiting: dict[int, int] = {}
+        measured = [False]
+
+        async def plan(rec: _Record) -> None:
+            try:
+                if not measured[0]:
+                    measured[0] = True
+                    reads.measure(self._recorder)
+                from_probes: list[tuple[memoryview, memoryview]] = []
+                pieces = await self._record_pieces(
+                    rec, storage, options, None, reads, trackers, from_probes, [], shared=False
+                )
+                self._copy_from_probes(from_probes)
+                ready.put_nowait(self._data_chunks(pieces, chunking, reads, None))
+            except Exception as exc:
+                ready.put_nowait(exc)
+
+        def landed(rec: _Record) -> None:
+            waiting[id(rec)] -= 1
+            if waiting[id(rec)] == 0:
+                task = asyncio.ensure_future(plan(rec))
+                planning.add(task)
+                task.add_done_callback(planning.discard)
+
+        for c in first:
+            for seg in c.segments:
+                owner = probe_of.get(id(seg))
+                if owner is not None:
+                    waiting[id(owner)] = waiting.get(id(owner), 0) + 1
+                    seg.deliver = _then(seg.deliver, loop, functools.partial(landed, owner))
+
+        planned = [0]
+
+        def take(got: list[Chunk] | BaseException) -> list[Chunk]:
+            if isinstance(got, BaseException):
+                raise got
+            planned[0] += 1
+            return got
+
+        async def source() -> AsyncIterator[Chunk]:
+            for c in first:
+                # the data of records whose probes have landed goes before the remaining
+                # probes: the link fills with data as soon as there is some to read
+                while not ready.empty():
+                    for d in take(ready.get_nowait()):
+                        yield d
+                yield c
+            while planned[0] < n_large:
+                for d in take(await ready.get()):
+                    yield d
+
+        try:
+            await pipeline.run_stream(source())
+        finally:
+            for task in list(planning):
+                task.cancel()
+            await asyncio.gather(*planning, return_exceptions=True)
+
+    async def _record_pieces(
+        self,
+        rec: _Record,
+        storage: RetryingStorage,
+        options: LoadOptions,
+        stager: Any,
+        reads: _ReadBudget,
+        trackers: list[tuple[CrcTracker, _Record]],
+        from_probes: list[tuple[memoryview, memoryview]],
+        headers: list[tuple[_Record, Any]],
+        *,
+        shared: bool,
+    ) -> list[Piece]:
+        """The data reads of one large (probed) or located record: its tensor located
+        from the probes (more of its headers fetched where they fall short), each item
+        planned and checked, bytes the probes hold taken from them (``from_probes``), a
+        checksum tracker under ``verify`` (``trackers``); ``headers``: the record's tensor
+        location, the rest of it being headers. ``shared``: reads planned by
+        ShardedLoadPlanner, whose plan of who reads what counts every range."""
+        chunking = options.chunk_policy
+        if rec.known is not None:
+            loc = rec.known
+        else:
+
+            async def fetch(lo: int, hi: int) -> bytes | memoryview:
+                data = await storage.read(rec.name, lo, hi)  # not copied: may be a large zip directory
+                return data if isinstance(data, bytes) else memoryview(data)
+
+            layout = await aparse_archive(
+                rec.window,
+                rec.offset,
+                rec.length,
+                f"{storage.url(rec.name)} {rec.where}",
+                fetch,
+                max_pickle=options.max_metadata_size,
+            )
+            loc = tensor_location(layout, rec.name)
+            self._check_against_metadata(rec, loc)
+        tracker = None
+        if options.verify and loc.crc32 is not None:
+            tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
+            trackers.append((tracker, rec))
+        rec_pieces = [
+            p
+            for _, item_pieces in self._plan_items(
+                rec, loc, options, chunking.chunk_size, chunking.min_chunk_size, stager, max_gap=reads.max_gap
+            )
+            for p in item_pieces
+        ]
+        if reads.bounded and not shared and tracker is None and stager is None and rec.known is None:
+            rec_pieces = _from_probes(rec, rec_pieces, from_probes)
+        headers.append((rec, loc))
+        if tracker is not None:
+            for p in rec_pieces:
+                p.tracker = tracker
+            # a narrow read (a rank's slice of a saved chunk) leaves bytes of the storage
+            # out: read them too, only to checksum them, so that verify=True never hands
+            # over bytes it did not check (docs/integrity.md)
+            ecs = chunking.chunk_size
+            for lo, hi in gaps([(p.start, p.end) for p in rec_pieces], tracker.start, tracker.end):
+                for a in range(lo, hi, ecs):
+                    rec_pieces.append(Piece(rec.name, a, min(hi, a + ecs), tracker=tracker))
+        rec.window = ByteWindow()  # probes are no longer needed
+        return rec_pieces
+
+    def _data_chunks(
+        self,
+        pieces: list[Piece],
+        chunking: ChunkPolicy,
+        reads: _ReadBudget,
+        charge: Callable[[str, int, int], int] | None,
+    ) -> list[Chunk]:
+        """Data pieces as read requests, gaps read through within what the over-read bound leaves."""
+        chunks = make_chunks(
+            pieces,
+            chunk_size=chunking.chunk_size,
+            min_chunk_size=reads.join_gap(chunking.min_chunk_size),
+            max_over_read=reads.gap_allowance(self._recorder.stats.bytes_read, pieces),
+            charge=charge,
+        )
+        for c in chunks:
+            for seg in c.segments:
+                if seg.into is None and seg.deliver is None:
+                    seg.payload = False  # read only to be checksummed
+        return chunks
+
+    def _copy_from_probes(self, from_probes: list[tuple[memoryview, memoryview]]) -> None:
+        """Destination bytes the probes already read, copied (once every item is planned)."""
+        copied = 0
+        for into, data in from_probes:
+            into[:] = data
+            copied += len(data)
+        from_probes.clear()
+        if copied:
+            self._recorder.add(bytes_assembled=copied)
+            if self._report is not None:
+                self._report(copied)
 
     def _plan_items(
         self,
@@ -1148,6 +1295,35 @@ def _from_probes(rec: _Record, pieces: list[Piece], out: list[tuple[memoryview, 
                 continue
         kept.append(p)
     return kept
+
+
+def _dense(records: list[_Record]) -> bool:
+    """Plain DCP records (no format entries, no stream transforms), each tensor record
+    needed whole by one destination: no narrow read, nothing for the over-read bound to
+    weigh across records."""
+    for rec in records:
+        if rec.entry is not None or rec.transforms:
+            return False
+        if rec.tensor_items:
+            if rec.byte_items or len(rec.tensor_items) != 1:
+                return False
+            expected = _expected_storage(rec)
+            if expected is None or _needed(rec) != expected:
+                return False
+    return True
+
+
+def _then(
+    deliver: Callable[[memoryview], None] | None, loop: asyncio.AbstractEventLoop, after: Callable[[], None]
+) -> Callable[[memoryview], None]:
+    """``deliver``, then ``after`` scheduled on ``loop`` (deliveries run on assembly threads)."""
+
+    def both(data: memoryview) -> None:
+        if deliver is not None:
+            deliver(data)
+        loop.call_soon_threadsafe(after)
+
+    return both
 
 
 def _store(win: ByteWindow, start: int) -> Callable[[memoryview], None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import os
 import posixpath
@@ -31,11 +32,26 @@ __all__ = [
     "ShortReadError",
     "Storage",
     "close_async_fs",
+    "first_byte",
     "is_local",
     "open_storage",
 ]
 
 log = logging.getLogger("asyncload.storage")
+
+
+#: The request the running task makes (set per request by :mod:`asyncload._retry`, which
+#: copies it into the request's task): ``first_byte()`` tells it the answer has begun.
+REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncload_request", default=None)
+
+
+def first_byte() -> None:
+    """Called by a store once the answer to the current request has begun (its status and
+    headers are in, the body not yet read): the hedge's first-byte clock
+    (:class:`asyncload._retry.LoadClock`). A store that cannot tell never calls it."""
+    req = REQUEST.get()
+    if req is not None:
+        req.answered()
 
 
 class ShortReadError(OSError):
@@ -132,6 +148,15 @@ class Storage:
             pos += len(b)
 
     async def size(self, name: str) -> int:
+        raise NotImplementedError
+
+    #: :meth:`read_object` fetches a whole file and its size in one request.
+    supports_read_object = False
+
+    async def read_object(self, name: str, max_size: int) -> tuple[memoryview | None, int]:
+        """The whole of file ``name`` and its size, in one request (stores with
+        ``supports_read_object``): ``(None, size)`` when ``size`` exceeds ``max_size`` (the
+        body is never read), else ``(bytes, size)`` with exactly ``size`` bytes."""
         raise NotImplementedError
 
     async def fingerprint(self, name: str) -> object | None:

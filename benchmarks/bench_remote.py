@@ -139,6 +139,8 @@ def run_setting(
     data_bytes = sum(s for _, s in files)
     opts = asyncload.LoadOptions(chunk_size=args.chunk_mib * MiB, concurrency=args.concurrency)
     rows: list[tuple[str, float]] = []
+    #: row name -> LoadStats.hedges of each asyncload run (hedges must stay ~0 without stalls)
+    hedges: dict[str, list[int]] = {}
 
     def with_proxy(stalls: int, fn: Callable[[dict[str, Any]], Any]) -> float:
         proxy = Proxy(server.endpoint_url, args.latency, bandwidth, stalls)
@@ -155,8 +157,12 @@ def run_setting(
 
         dcp.load(dst, storage_reader=FsspecReader(url, **so), no_dist=True)
 
-    def al_load(options: asyncload.LoadOptions) -> Callable[[dict[str, Any]], Any]:
-        return lambda so: asyncload.load(dst, url, options=options, storage_options=so)
+    def al_load(options: asyncload.LoadOptions, row: str) -> Callable[[dict[str, Any]], Any]:
+        def go(so: dict[str, Any]) -> None:
+            stats = asyncload.load(dst, url, options=options, storage_options=so)
+            hedges.setdefault(row, []).append(stats.hedges)
+
+        return go
 
     for _r in range(args.rounds):
         rows.append(
@@ -166,18 +172,17 @@ def run_setting(
             )
         )
         rows.append(("torch dcp.load + FsspecReader", with_proxy(0, torch_load)))
-        rows.append((f"asyncload concurrency={args.concurrency}", with_proxy(0, al_load(opts))))
+        name = f"asyncload concurrency={args.concurrency}"
+        rows.append((name, with_proxy(0, al_load(opts, name))))
         for k in sd:
             assert torch.equal(dst[k], sd[k]), k
-        rows.append(("asyncload concurrency=auto", with_proxy(0, al_load(opts.replace(concurrency="auto")))))
+        name = "asyncload concurrency=auto"
+        rows.append((name, with_proxy(0, al_load(opts.replace(concurrency="auto"), name))))
         if straggle:
-            rows.append((f"asyncload concurrency={args.concurrency}, 2 stalls of 5 s", with_proxy(2, al_load(opts))))
-            rows.append(
-                (
-                    "asyncload concurrency=auto, 2 stalls of 5 s",
-                    with_proxy(2, al_load(opts.replace(concurrency="auto"))),
-                )
-            )
+            name = f"asyncload concurrency={args.concurrency}, 2 stalls of 5 s"
+            rows.append((name, with_proxy(2, al_load(opts, name))))
+            name = "asyncload concurrency=auto, 2 stalls of 5 s"
+            rows.append((name, with_proxy(2, al_load(opts.replace(concurrency="auto"), name))))
             if not args.skip_torch_stall:
                 rows.append(("torch dcp.load + FsspecReader, 2 stalls of 5 s", with_proxy(2, torch_load)))
     # report: median per row name
@@ -204,6 +209,8 @@ def run_setting(
                 else clean["asyncload auto" if "auto" in name else "asyncload"]
             )
             note = f"{t / ref:.2f}x its clean run"
+        if name in hedges:
+            note = (note + "; " if note else "") + f"hedges {hedges[name]}"
         print(f"{name:52s} {t:8.2f} {data_bytes / MiB / t:8.1f} {raw / t:6.2f}  {note}")
     return rows
 
