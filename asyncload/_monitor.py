@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -52,7 +52,10 @@ def _group_store(group: Any) -> Any:
 
 _seq_lock = threading.Lock()
 _seq: dict[str, int] = {}
-_previous_keys: dict[str, tuple[Any, list[str]]] = {}
+#: Per group: the monitor of the load before this one (its keys go once every rank has
+#: passed the next load's first barrier, which also tells its background sends that every
+#: rank finished it).
+_previous: dict[str, Monitor] = {}
 
 
 def _group_name(group: Any) -> str:
@@ -145,10 +148,18 @@ class Monitor:
         self._written: list[str] = []
         #: Set from another thread to stop waiting (LoadHandle.cancel).
         self.cancelled: threading.Event | None = None
+        #: Set by a sharing session that lets this rank return before the others finish
+        #: (``ShardedLoadPlanner(wait_for_peers=False)``): :meth:`finish` then waits for nobody
+        #: and calls ``after_return`` (which hands this rank's pending sends to the background).
+        self.returns_early = False
+        self.after_return: Callable[[], None] | None = None
+        #: Set once every rank is known to have finished this load (a later load on the group
+        #: passed its first barrier, or every rank arrived at "done").
+        self.all_finished = threading.Event()
         with _seq_lock:
             # the previous load's keys go once every rank has passed this load's first barrier
-            self._to_delete = _previous_keys.get(self.group_name)
-            _previous_keys[self.group_name] = (self.store, self._written)
+            self._to_delete: Monitor | None = _previous.get(self.group_name)
+            _previous[self.group_name] = self
         self.status("starting the load")
 
     # --- this rank's status ---------------------------------------------------------------
@@ -301,10 +312,10 @@ class Monitor:
         """After the first barrier every rank has finished the previous load: drop its keys."""
         prev, self._to_delete = self._to_delete, None
         if prev is not None:
-            store, keys = prev
-            for k in set(keys):
+            prev.all_finished.set()  # its background sends stop waiting for the other ranks
+            for k in set(prev._written):
                 try:
-                    store.delete_key(k)
+                    prev.store.delete_key(k)
                 except Exception:
                     break
 
@@ -329,6 +340,40 @@ class Monitor:
             await asyncio.sleep(delay)
             delay = min(_MAX_POLL, delay * 2)
         self._passed()
+
+    def finish(self, doing: str) -> None:
+        """This rank's end of the load (the driver's last step, caller's thread).
+
+        By default every rank waits here for all the others ("done" barrier, then one
+        collective, so that no rank (rank 0 hosts the store) leaves while another still
+        reads the barrier's keys): a failure anywhere is raised everywhere. When the sharing
+        session set :attr:`returns_early`, this rank waits for nobody: it raises any failure
+        known by now, marks itself done (so peers stop waiting on its status) and calls
+        :attr:`after_return`, which hands the bytes it still owes peers to the background."""
+        if not self.returns_early:
+            self.barrier("done", doing)
+            if self.world > 1:
+                dist.barrier(group=self.group)
+            self.all_finished.set()
+            return
+        self.check()
+        key = f"at/done/{self.rank}"
+        got = self.store.compare_set(key, "", "arrived")
+        self._written.append(key)
+        if got != b"arrived":  # pragma: no cover - only a barrier's waiters give up on a rank
+            self.check()
+        if self.after_return is not None:
+            self.after_return()
+        else:
+            self.status("finished its load")
+
+    def finished(self, rank: int) -> bool:
+        """Whether ``rank`` has finished its part of the load (returned early or passed "done")."""
+        return bool(self.store.check([f"at/done/{rank}"]))
+
+    def finished_ranks(self) -> list[int]:
+        keys = [f"at/done/{r}" for r in range(self.world)]
+        return [r for r, k in enumerate(keys) if self.store.check([k])]
 
     async def wait_on(self, fut: asyncio.Future[Any], peers: Sequence[int], doing: str) -> Any:
         """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls."""

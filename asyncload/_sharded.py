@@ -29,6 +29,7 @@ rank that has already failed.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import bisect
 import dataclasses
 import hashlib
@@ -39,7 +40,7 @@ import threading
 import time
 from collections.abc import Awaitable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +57,7 @@ from ._session import LoadSession
 from ._stats import _fmt_bytes
 
 __all__ = [
+    "BackgroundSends",
     "ShardedLoadPlanner",
     "Transfer",
     "balance_units",
@@ -63,11 +65,13 @@ __all__ = [
     "file_identities",
     "plan_transfers",
     "split_units",
+    "wait_for_background_sends",
 ]
 
 log = logging.getLogger("asyncload.sharded")
 
 _UNSET: Any = object()
+_T = TypeVar("_T")
 
 #: Point-to-point tags: ``(load sequence % _TAG_LOADS) * _TAG_SPAN + transfer index``.
 _TAG_SPAN = 2_000_000
@@ -102,6 +106,21 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     have not started; a rank whose transfer is late (past the hedge delay of
     :class:`LoadOptions`, ``hedge=True``) reads it from storage itself and the first copy
     wins. ``adaptive=False``: the static plan (owners fixed before reading).
+
+    ``wait_for_peers`` (default ``False``; adaptive sharing only): whether a rank waits at
+    the end of the load until every rank has finished. By default a rank returns as soon
+    as its own destinations are complete and every failure known by then has been raised,
+    so that a slow consumer (a busy GPU, a slow host) falls behind alone. Bytes it still
+    owes slower peers are sent from private copies (never from the destinations, which the
+    caller may overwrite at once), at most ``memory_budget`` of them per rank; a peer whose
+    copies would pass half of that reads those units from storage itself instead. The copies
+    drain in the background (:attr:`background_sends`, :func:`wait_for_background_sends`),
+    bounded by ``collective_timeout``: a receiver that stops making progress is declared
+    stalled, as during the load. The trade-off: a failure on a peer after this rank returned
+    is raised on that peer (naming it) and only logged here, and this rank's destinations
+    are complete and correct either way. ``wait_for_peers=True`` keeps the behaviour where
+    every rank waits for all, sends come straight from destination memory, and any
+    failure is raised on every rank. The static plan (``adaptive=False``, NCCL) always waits.
     Other keyword arguments are those of :class:`PipelinedLoadPlanner`.
     """
 
@@ -113,9 +132,12 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         ordered: bool | None = None,
         adaptive: bool | None = None,
         unit_size: int | None = None,
+        wait_for_peers: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if not isinstance(wait_for_peers, bool):
+            raise ValueError(f"ShardedLoadPlanner(wait_for_peers={wait_for_peers!r}) is invalid: expected a bool")
         if adaptive is not None and not isinstance(adaptive, bool):
             raise ValueError(f"ShardedLoadPlanner(adaptive={adaptive!r}) is invalid: expected a bool or None")
         if unit_size is not None and (isinstance(unit_size, bool) or not isinstance(unit_size, int) or unit_size <= 0):
@@ -123,6 +145,9 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         self.ordered = ordered
         self.adaptive = adaptive
         self.unit_size = unit_size
+        self.wait_for_peers = wait_for_peers
+        #: The last load's sends that may outlive it (``wait_for_peers=False``), or None.
+        self.background_sends: BackgroundSends | None = None
         if collective_timeout is not _UNSET:
             # validated like the LoadOptions field
             dataclasses.replace(self.options, collective_timeout=collective_timeout)
@@ -163,7 +188,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         monitor = session.monitor
         if monitor is None or monitor.group is not group:
             monitor = Monitor(group, self.collective_timeout_for(options))
-        return _ShareSession(
+        share = _ShareSession(
             group,
             monitor,
             options,
@@ -172,7 +197,10 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
             adaptive=self.adaptive if self.adaptive is not None or not self._custom_plan() else False,
             unit_size=self.unit_size,
             load_session=session,
+            wait_for_peers=self.wait_for_peers,
         )
+        self.background_sends = share.sends
+        return share
 
 
 # --- the plan: who reads which bytes -------------------------------------------------------
@@ -777,6 +805,306 @@ async def _poll_works(works: list[Any], fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+#: Loads whose sends outlive them (returned early) and still drain: waited for at exit.
+_live_sends: set[BackgroundSends] = set()
+_live_lock = threading.Lock()
+_exit_hook: list[bool] = []
+#: Seconds between the drain's checks of stalled peers (the monitor's heartbeat interval).
+_BEAT = 1.0
+#: Seconds interpreter exit waits at most for background sends (also when collective_timeout is None).
+_EXIT_WAIT = 300.0
+#: Bytes held in send copies by every load of this process together (at most one memory_budget).
+_copy_lock = threading.Lock()
+_copy_held = [0]
+
+
+class BackgroundSends:
+    """The sends of one load on this rank under ``ShardedLoadPlanner(wait_for_peers=False)``:
+    every unit this rank sends goes out from a private copy of its bytes (never from the
+    destination, which the caller may overwrite as soon as the load returns), so the load
+    can return while slower peers still have to post their receives.
+
+    The copies are bounded: at most one ``memory_budget`` per process, and a peer whose
+    pending copies would pass half of it is left out of new units (it reads them from
+    storage itself, counted in its ``bytes_hedged``). After the load returned, a daemon
+    thread keeps this rank's status alive while sends are pending (so peers do not declare
+    it stalled), declares a receiver that makes no progress for ``collective_timeout``
+    stalled (posting the failure that rank and the others still loading raise), logs a
+    failure a peer posts after this rank returned, and ends once every rank has finished
+    the load. Interpreter exit waits for it, bounded by those same rules.
+
+    Attributes (bytes count once per peer): ``bytes_posted`` (every send of the load),
+    ``bytes_at_return`` (still on their way when the load returned), ``bytes_sent_after_return``
+    (of those, delivered since), ``error`` (a send that failed, or the failure that stopped
+    the drain), ``returned``.
+    """
+
+    def __init__(self, monitor: Monitor, budget: int) -> None:
+        self.monitor = monitor
+        self.rank = monitor.rank
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        #: Per peer: copies waiting for it (FIFO, one waiter thread per peer at most).
+        self._queues: dict[int, list[tuple[Any, int, list[Any]]]] = {}
+        self._waiters: set[int] = set()
+        self._to: dict[int, int] = {}
+        self._held = 0
+        self.bytes_posted = 0
+        self.bytes_at_return = 0
+        self.bytes_sent_after_return = 0
+        self.returned = False
+        self.abandoned = False
+        self.error: BaseException | None = None
+        self._drained = threading.Event()
+
+    # --- during the load (the event loop's thread) ------------------------------------------
+
+    def behind(self, peers: Sequence[int], nbytes: int) -> list[int]:
+        """The peers that fall behind: their pending copies would pass half the budget with
+        ``nbytes`` more, and they hold more than twice what the least behind of this rank's
+        peers does (with a single peer there is nobody to fall behind: it is never left out)."""
+        with self._lock:
+            if len(self._to) < 2:
+                return []
+            least = min(self._to.values())
+            held = [self._to.get(p, 0) for p in peers]
+        return [p for p, h in zip(peers, held) if h + nbytes > self.budget // 2 and h > 2 * least + nbytes]
+
+    def reserve(self, nbytes: int) -> bool:
+        """Room for a copy of ``nbytes`` within the budget (every load of the process together)."""
+        with _copy_lock:
+            if _copy_held[0] + nbytes > self.budget:
+                return False
+            _copy_held[0] += nbytes
+        with self._lock:
+            self._held += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self.abandoned:
+                return
+            self._held -= nbytes
+        with _copy_lock:
+            _copy_held[0] -= nbytes
+
+    def post(self, group: Any, peers: Sequence[int], tag: int, copy: bytearray) -> None:
+        """Send ``copy`` (room reserved) to ``peers``; a waiter thread per peer sees it land."""
+        n = len(copy)
+        tensor = torch.frombuffer(copy, dtype=torch.uint8)
+        # the copy is freed (and its room given back) when its last peer has it
+        left = [len(peers), copy]
+        works: list[tuple[int, Any]] = []
+        try:
+            for p in peers:
+                works.append((p, dist.isend(tensor, group=group, group_dst=p, tag=tag)))
+        finally:
+            if len(works) < len(peers):
+                left[0] = len(works)
+                if not works:
+                    self.unreserve(n)
+        with self._lock:
+            for p, w in works:
+                self._queues.setdefault(p, []).append((w, n, left))
+                self._to[p] = self._to.get(p, 0) + n
+                self.bytes_posted += n
+                if p not in self._waiters:
+                    self._waiters.add(p)
+                    threading.Thread(
+                        target=self._wait_peer, args=(p,), name="asyncload-share-send", daemon=True
+                    ).start()
+
+    def _wait_peer(self, peer: int) -> None:
+        while True:
+            with self._lock:
+                q = self._queues.get(peer)
+                if not q:
+                    self._waiters.discard(peer)
+                    self._cond.notify_all()
+                    return
+                work, n, left = q[0]
+            err: BaseException | None = None
+            try:
+                work.wait()
+            except BaseException as exc:
+                err = exc
+            with self._lock:
+                q.pop(0)
+                self._to[peer] -= n
+                if self.returned and err is None:
+                    self.bytes_sent_after_return += n
+                left[0] -= 1
+                last = left[0] == 0
+                self._cond.notify_all()
+            if last:
+                left[1] = None  # the copy
+                self.unreserve(n)
+            if err is not None:
+                self._failed(peer, err)
+
+    def _failed(self, peer: int, exc: BaseException) -> None:
+        try:
+            gone_after_done = self.monitor.finished(peer)
+        except Exception:
+            gone_after_done = False
+        if gone_after_done:  # it finished its load (it hedged this unit) and left: nothing is lost
+            log.debug("rank %d: a send to rank %d, which had finished its load, failed: %s", self.rank, peer, exc)
+            return
+        err = DistributedLoadError(
+            f"rank {self.rank} lost its connection to rank {peer} while sending it shared bytes: {exc}",
+            rank=peer,
+            doing="receiving shared bytes",
+        )
+        with self._lock:
+            first = self.error is None
+            if first:
+                self.error = err
+            returned = self.returned
+        if returned:
+            if first:
+                log.warning("rank %d, after its load returned: %s", self.rank, err)
+            return
+        try:  # the load is still running here: every rank still loading raises it
+            self.monitor.fail(err, err.doing)
+        except Exception:  # pragma: no cover - the store is gone too
+            log.debug("could not post a send failure", exc_info=True)
+
+    def abandon(self) -> None:
+        """The load failed or the drain gave up: stop counting the pending copies against the
+        budget (their sends stay posted; the threads waiting for them keep the memory alive)."""
+        with self._lock:
+            if self.abandoned:
+                return
+            self.abandoned = True
+            held, self._held = self._held, 0
+            self._cond.notify_all()
+        with _copy_lock:
+            _copy_held[0] -= held
+
+    @property
+    def bytes_pending(self) -> int:
+        """Bytes (once per peer) posted and not yet delivered."""
+        with self._lock:
+            return sum(self._to.values())
+
+    def pending_peers(self) -> list[int]:
+        with self._lock:
+            return sorted(p for p, n in self._to.items() if n > 0)
+
+    # --- after the load returned ------------------------------------------------------------
+
+    def after_return(self) -> None:
+        """The load returned (``Monitor.finish``): raise a send failure known by now; else
+        drain the rest in the background."""
+        with self._lock:
+            self.returned = True
+            self.bytes_at_return = sum(self._to.values())
+            error = self.error
+        if error is not None:
+            self.abandon()
+            raise error
+        peers = self.pending_peers()
+        what = f"; sending {_fmt_bytes(self.bytes_at_return)} to rank(s) {peers}" if peers else ""
+        self.monitor.status(f"finished its load{what}")
+        with _live_lock:
+            _live_sends.add(self)
+            if not _exit_hook:
+                _exit_hook.append(True)
+                atexit.register(_wait_at_exit)
+        threading.Thread(target=self._drain, name="asyncload-share-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        m = self.monitor
+        keys = [f"at/done/{r}" for r in range(m.world)]
+        delay = 0.005
+        checked = 0.0
+        try:
+            while True:
+                peers = self.pending_peers()
+                if not peers and (m.all_finished.is_set() or m.store.check(keys)):
+                    m.all_finished.set()
+                    return
+                if m.store.check(["abort"]):
+                    err = m.store.get("abort").decode("utf-8", "replace").partition("|")[2].partition("|")[2]
+                    log.warning("rank %d, after its load returned: another rank failed: %s", self.rank, err)
+                    self._stop(DistributedLoadError(err))
+                    return
+                if peers:
+                    m.beat()  # receivers waiting on this rank see it alive
+                now = time.monotonic()
+                if now - checked >= _BEAT:
+                    checked = now
+                    waiting = peers or [r for r, k in enumerate(keys) if not m.store.check([k])]
+                    idle = m.idle_peer(waiting)
+                    if idle is not None:
+                        rank, seconds, status = idle
+                        message = (
+                            f"rank {rank} made no progress for {seconds:.1f} s (LoadOptions.collective_timeout="
+                            f"{m.timeout}); its last status: {status or 'none'}; rank {self.rank} gave up on it "
+                            "after its own load had returned"
+                        )
+                        m.store.compare_set("abort", "", f"{rank}|{status}|{message}")
+                        log.warning("rank %d: %s", self.rank, message)
+                        self._stop(DistributedLoadError(message, rank=rank, doing=status))
+                        return
+                time.sleep(delay)
+                delay = min(0.05, delay * 2)
+        except Exception as exc:  # the store is gone (its host exited): nothing left to coordinate
+            log.debug("rank %d: background sends stop watching: %s", self.rank, exc)
+            self._stop(exc)
+        finally:
+            self._drained.set()
+            with self._lock:
+                self._cond.notify_all()
+            with _live_lock:
+                _live_sends.discard(self)
+
+    def _stop(self, exc: BaseException) -> None:
+        with self._lock:
+            self.error = self.error or exc
+        self.abandon()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every send has landed and (once the load returned) the drain ended or
+        gave up; True if so, False at ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                if self._drained.is_set() if self.returned else self.abandoned or not any(self._to.values()):
+                    return True
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(0.1 if left is None else min(left, 0.1))
+
+
+def wait_for_background_sends(timeout: float | None = None) -> bool:
+    """Wait until the sends of every load of this process that returned before its peers
+    (``ShardedLoadPlanner(wait_for_peers=False)``) have landed or were given up on (a
+    receiver stalled or failed); True if so, False at ``timeout``. Call it before
+    ``dist.destroy_process_group()``: destroying the group drops sends still on their way
+    (the receivers then read those bytes from storage themselves)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _live_lock:
+        live = list(_live_sends)
+    for rec in live:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not rec.wait(left):
+            return False
+    return True
+
+
+def _wait_at_exit() -> None:
+    """Interpreter exit: let background sends land (bounded: the drain declares a receiver
+    that stops progressing stalled; at most ``_EXIT_WAIT`` s in all)."""
+    with _live_lock:
+        live = list(_live_sends)
+    if live:
+        log.debug("waiting for %d load(s)' background sends before exit", len(live))
+        wait_for_background_sends(_EXIT_WAIT)
+
+
 class _SharedPipeline(Pipeline):
     """The reader pool, where a chunk's bytes may come from storage, from another rank, or
     both; bytes this rank owns are sent on as soon as they are read."""
@@ -988,6 +1316,18 @@ def _unit_keys(units: Sequence[Transfer], rank: int) -> dict[int, tuple[int, int
     return keys
 
 
+def _parse_claim(value: str, consumers: Sequence[int]) -> tuple[int, frozenset[int]]:
+    """A claim's value: the claimant and the consumers that read the unit themselves
+    (``"3"``: none; ``"3!"``: all; ``"3!1,2"``: ranks 1 and 2)."""
+    who, bang, rest = value.partition("!")
+    winner = int(who)
+    if not bang:
+        return winner, frozenset()
+    if not rest:
+        return winner, frozenset(c for c in consumers if c != winner)
+    return winner, frozenset(int(x) for x in rest.split(","))
+
+
 class _AdaptivePipeline(_SharedPipeline):
     """The reader pool of adaptive sharing: each shared unit is claimed by the first rank
     that needs it and has a free unit reader (``compare_set`` on the unit's key in the
@@ -1024,6 +1364,9 @@ class _AdaptivePipeline(_SharedPipeline):
         self.hedging = 0
         #: Bytes of send copies (units claimed in staged chunks) allowed at once.
         self.send_room = opts.memory_budget
+        #: Returning before the peers (``wait_for_peers=False``): every send from a private
+        #: copy, handed to this load's BackgroundSends.
+        self.sends: BackgroundSends | None = session.sends
         #: Seconds per byte of this rank's own unit reads (moving average), for the hedge delay.
         self.read_cost: float | None = None
         self._bg: asyncio.TaskGroup | None = None
@@ -1040,7 +1383,7 @@ class _AdaptivePipeline(_SharedPipeline):
         finally:
             self._bg = None
 
-    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _background(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         assert self._bg is not None
         return self._bg.create_task(coro)
 
@@ -1050,34 +1393,69 @@ class _AdaptivePipeline(_SharedPipeline):
             return 4 * h.min_delay
         return max(h.min_delay, h.factor * self.read_cost * nbytes)
 
-    async def _claim(self, unit: Transfer, send_bytes: int) -> tuple[int, bool]:
-        """Who reads ``unit`` and whether they send it: ``(this rank, ...)`` when it claims
-        it now (holding a unit slot, which the caller releases), else the claimant's rank.
+    async def _claim(self, unit: Transfer, send_bytes: int, direct_ok: bool = False) -> tuple[int, frozenset[int], int]:
+        """Who reads ``unit``, which of its consumers read it themselves instead of receiving
+        it, and the bytes of send copy reserved: ``(this rank, ...)`` when it claims it now
+        (holding a unit slot, which the caller releases), else the claimant's rank.
 
-        A claimant that would send from a staging buffer needs ``send_bytes`` of send memory
-        (a copy, so that the chunk does not wait for slow consumers); without that room it
-        claims the unit without sending (value ``"<rank>!"``) and every consumer reads it
-        itself: sends never wait for memory, so they never hold up a receive."""
+        A claimant that would send from a copy (a staged chunk; every unit when returning
+        before the peers) needs ``send_bytes`` of send memory, so that the chunk does not
+        wait for slow consumers; without that room it claims the unit without sending (value
+        ``"<rank>!"``) and every consumer reads it itself: sends never wait for memory, so they
+        never hold up a receive. Returning before the peers, a consumer whose pending copies
+        would pass half the budget is left out (``"<rank>!<peer>,<peer>"``): it reads the unit
+        itself and the others still receive it."""
         session = self.session
+        rank = session.rank
         await self.slots.acquire(self.keys.get(unit.index, (3, 0, 0)), unit.nbytes)
-        reserved = send_bytes if send_bytes <= self.send_room else 0
-        self.send_room -= reserved
+        peers = [c for c in unit.consumers if c != rank]
+        reserved = 0
+        skip: list[int] = []
+        sends = self.sends
+        if sends is not None and peers:
+            # a copy if there is room; else from the destination (waited for before the load
+            # returns) or, from a staging buffer, not at all
+            skip = sends.behind(peers, unit.nbytes)
+            if len(skip) < len(peers) and sends.reserve(unit.nbytes):
+                reserved = unit.nbytes
+            elif direct_ok is False:
+                skip = peers
+        elif send_bytes and send_bytes <= self.send_room:
+            reserved = send_bytes
+            self.send_room -= reserved
+        elif send_bytes:
+            skip = peers
         try:
             key = f"{self.claims}{unit.index}"
-            mark = str(session.rank) if reserved or not send_bytes else f"{session.rank}!"
+            mark = (
+                str(rank)
+                if not skip
+                else f"{rank}!"
+                if len(skip) == len(peers)
+                else f"{rank}!" + ",".join(map(str, skip))
+            )
             got = session.monitor.store.compare_set(key, "", mark).decode()
-            winner, sends = int(got.rstrip("!")), not got.endswith("!")
+            winner, left_out = _parse_claim(got, unit.consumers)
         except BaseException:
-            self.send_room += reserved
+            self._unreserve(reserved)
             self.slots.release(unit.nbytes)
             raise
-        if winner == session.rank:
+        if winner == rank:
             session.monitor._written.append(key)
         else:
-            self.send_room += reserved
-            if sends:
+            self._unreserve(reserved)
+            reserved = 0
+            if rank not in left_out:
                 self.slots.release(unit.nbytes)  # a transfer is coming; else: read it under this slot
-        return winner, sends
+        return winner, left_out, reserved
+
+    def _unreserve(self, nbytes: int) -> None:
+        if not nbytes:
+            return
+        if self.sends is not None:
+            self.sends.unreserve(nbytes)
+        else:
+            self.send_room += nbytes
 
     async def _claimed(self, chunk: Chunk, part: _Part, view: memoryview, unit: Transfer) -> None:
         """Read a unit under the slot ``_claim`` left held; keep the moving average of its cost."""
@@ -1091,15 +1469,14 @@ class _AdaptivePipeline(_SharedPipeline):
         finally:
             self.slots.release(unit.nbytes, done=done)
 
-    async def _send_copy(self, unit: Transfer, copy: bytearray) -> None:
+    async def _send_copy(self, unit: Transfer, copy: bytearray, peers: list[int]) -> None:
         try:
-            await self._send(unit, memoryview(copy), copy)
+            await self._send(unit, memoryview(copy), copy, peers)
         finally:
             self.send_room += len(copy)
 
-    async def _send(self, unit: Transfer, view: memoryview, keep: Any) -> None:
+    async def _send(self, unit: Transfer, view: memoryview, keep: Any, peers: list[int]) -> None:
         session = self.session
-        peers = [c for c in unit.consumers if c != session.rank]
         where = f"bytes [{unit.start}, {unit.end}) of {unit.name}"
         await session.transport.exchange(
             "send",
@@ -1113,20 +1490,29 @@ class _AdaptivePipeline(_SharedPipeline):
         )
         self.stats.add(bytes_sent=unit.nbytes * len(peers))
 
-    async def _recv(self, unit: Transfer, owner: int, view: memoryview, keep: Any) -> None:
+    async def _recv(self, unit: Transfer, owner: int, view: memoryview, keep: Any) -> BaseException | None:
+        """Receive ``unit`` from ``owner`` (counted once posted: a late copy of a hedged unit
+        lands too, in memory nobody reads). Returning before the peers, a failure is returned,
+        not raised (the caller decides: a sender that returned and died is read around)."""
         session = self.session
         where = f"bytes [{unit.start}, {unit.end}) of {unit.name}"
-        await session.transport.exchange(
-            "recv",
-            [owner],
-            self.tag_base + unit.index,
-            unit.index,
-            view,
-            keep,
-            session.monitor,
-            f"waiting for {where} from rank {owner}",
-        )
         self.stats.add(bytes_received=unit.nbytes)
+        try:
+            await session.transport.exchange(
+                "recv",
+                [owner],
+                self.tag_base + unit.index,
+                unit.index,
+                view,
+                keep,
+                session.monitor,
+                f"waiting for {where} from rank {owner}",
+            )
+        except Exception as exc:
+            if self.sends is None:
+                raise
+            return exc
+        return None
 
     async def _own_copy(self, chunk: Chunk, unit: Transfer) -> memoryview:
         """A unit read from storage into memory of its own (a cross-rank hedge)."""
@@ -1142,17 +1528,25 @@ class _AdaptivePipeline(_SharedPipeline):
         view = buf[part.start - chunk.start : part.end - chunk.start]
         rank = self.session.rank
         peers = len(unit.consumers) - 1
-        owner, sends = await self._claim(unit, 0 if direct else unit.nbytes if peers else 0)
+        owner, left_out, reserved = await self._claim(unit, 0 if direct else unit.nbytes if peers else 0, direct)
         if owner == rank:
-            await self._claimed(chunk, part, view, unit)
+            try:
+                await self._claimed(chunk, part, view, unit)
+            except BaseException:
+                self._unreserve(reserved)
+                raise
             if unit.owner != rank:
                 self.stats.add(bytes_taken_over=unit.nbytes)
-            if direct:  # from the destination's memory, ready and unchanging: the chunk does not wait
-                self._background(self._send(unit, view, chunk))
-            elif sends:  # from a copy (room reserved at the claim), so the chunk does not wait either
-                self._background(self._send_copy(unit, bytearray(view)))
+            to = [c for c in unit.consumers if c != rank and c not in left_out]
+            if reserved and self.sends is not None:  # from a copy that may outlive the load
+                self.sends.post(self.session.group, to, self.tag_base + unit.index, bytearray(view))
+                self.stats.add(bytes_sent=unit.nbytes * len(to))
+            elif to and direct:  # from the destination's memory, ready and unchanging: the chunk does not wait
+                self._background(self._send(unit, view, chunk, to))
+            elif to:  # from a copy (room reserved at the claim), so the chunk does not wait either
+                self._background(self._send_copy(unit, bytearray(view), to))
             return
-        if not sends:  # claimed without sends (its memory for sends was full): read it here too
+        if rank in left_out:  # claimed without a send to this rank (its memory for sends was full): read it
             await self._claimed(chunk, part, view, unit)
             self.stats.add(bytes_hedged=unit.nbytes)
             return
@@ -1182,10 +1576,17 @@ class _AdaptivePipeline(_SharedPipeline):
                             unit.end,
                             owner,
                         )
+                        if self.sends is not None:
+                            # nobody waits for the late copy: its receive stays posted (so the
+                            # owner's send is matched) and its thread keeps `target` alive
+                            recv.cancel()
                         return
                 finally:
                     self.hedging -= 1
-            await recv
+            failed = await recv
+            if failed is not None:
+                await self._sender_lost(chunk, unit, owner, view, failed)
+                return
             if direct:
                 view[:] = target
         finally:
@@ -1194,6 +1595,27 @@ class _AdaptivePipeline(_SharedPipeline):
                 await asyncio.wait({hedge})
             if hedge is not None and hedge.done() and not hedge.cancelled():
                 hedge.exception()  # retrieved: a failed hedge only means waiting for the transfer
+
+    async def _sender_lost(
+        self, chunk: Chunk, unit: Transfer, owner: int, view: memoryview, exc: BaseException
+    ) -> None:
+        """A receive failed while returning before the peers: when its sender had already
+        finished its load (and then exited, or destroyed its group), read the unit from
+        storage; anything else is this load's failure."""
+        monitor = self.session.monitor
+        if not (isinstance(exc, DistributedLoadError) and exc.rank == owner and monitor.finished(owner)):
+            raise exc
+        log.info(
+            "rank %d read %s [%d, %d) itself: rank %d finished its load and can no longer send it (%s)",
+            self.session.rank,
+            unit.name,
+            unit.start,
+            unit.end,
+            owner,
+            exc,
+        )
+        view[:] = await self._own_copy(chunk, unit)
+        self.stats.add(bytes_hedged=unit.nbytes)
 
     def _direct(self, chunk: Chunk, parts: list[_Part]) -> bool:
         # who sends is only known at the claims: received units land in memory of their own
@@ -1268,6 +1690,21 @@ def _check_identities(identities: Sequence[dict[str, str]], rank: int) -> None:
         )
 
 
+def _check_same_ending(early: Sequence[bool]) -> None:
+    """Every rank ends the load the same way: returning before its peers, or waiting for
+    all (a rank that waits would otherwise wait at the end for ranks that never come)."""
+    if len(set(early)) <= 1:
+        return
+    waits = [r for r, e in enumerate(early) if not e]
+    odd = waits if len(waits) <= len(early) - len(waits) else [r for r, e in enumerate(early) if e]
+    raise DistributedLoadError(
+        f"the ranks' ShardedLoadPlanner disagree on wait_for_peers (rank(s) {waits} wait for all ranks at the "
+        f"end of the load, the others return before their peers): give every rank the same planner settings",
+        rank=odd[0],
+        doing="comparing the ranks' planner settings",
+    )
+
+
 # --- one rank's part of a sharded read ---------------------------------------------------------
 
 
@@ -1287,6 +1724,7 @@ class _ShareSession:
         adaptive: bool | None = None,
         unit_size: int | None = None,
         load_session: LoadSession | None = None,
+        wait_for_peers: bool = True,
     ) -> None:
         self.group = group
         self.monitor = monitor
@@ -1308,6 +1746,13 @@ class _ShareSession:
             )
         self.unit_size = unit_size
         self.load_session = load_session
+        #: Returning before the peers (adaptive sharing without wait_for_peers): this load's
+        #: sends, which may outlive it; the monitor's finish then waits for nobody.
+        self.sends: BackgroundSends | None = None
+        if self.adaptive and not wait_for_peers and self.transport.kind == "thread":
+            self.sends = BackgroundSends(monitor, options.memory_budget)
+            monitor.returns_early = True
+            monitor.after_return = self.sends.after_return
         #: plan_transfers was overridden: its owners are kept as where each rank starts.
         self.custom_plan = plan is not None and getattr(plan, "__func__", None) is not ShardedLoadPlanner.plan_transfers
         self._identity: dict[str, str] | None = None
@@ -1315,6 +1760,8 @@ class _ShareSession:
     def fail(self, exc: BaseException) -> None:
         """read_data failed on this rank: tell the others."""
         self.monitor.fail(exc, self.doing)
+        if self.sends is not None:
+            self.sends.abandon()
 
     def _set_doing(self, text: str) -> None:
         self.doing = text
@@ -1334,7 +1781,7 @@ class _ShareSession:
         mine = sorted(chunks, key=lambda c: (c.name, c.start))
         adv = _advertise(mine)
         needs = [(c.name, a[0], a[1]) for c, a in zip(mine, adv) if a is not None]
-        payload = (self.identity(n for n, _, _ in needs), _pack(needs))
+        payload = (self.identity(n for n, _, _ in needs), _pack(needs), self.sends is not None)
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
         await self.monitor.abarrier(f"needs-{phase}", f"waiting for the other ranks to plan reading {what}")
@@ -1351,6 +1798,7 @@ class _ShareSession:
 
         gathered = await loop.run_in_executor(None, gather)
         _check_identities([g[0] for g in gathered], self.rank)
+        _check_same_ending([g[2] for g in gathered])
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
         unit = self.unit_size or min(_UNIT_SIZE, pipeline.options.effective_chunk_size)
         if self.custom_plan:  # the override's whole plan, as tuples; its owners are where each rank starts

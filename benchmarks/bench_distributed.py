@@ -164,7 +164,8 @@ def _planner(how: str) -> Any:
 
     if how == "sharded":
         unit = os.environ.get("BENCH_UNIT_KIB")
-        return asyncload.ShardedLoadPlanner(unit_size=int(unit) << 10 if unit else None)
+        kw = {"wait_for_peers": True} if os.environ.get("BENCH_WAIT_FOR_PEERS") else {}
+        return asyncload.ShardedLoadPlanner(unit_size=int(unit) << 10 if unit else None, **kw)
     if how == "static":
         return asyncload.ShardedLoadPlanner(adaptive=False)
     return asyncload.PipelinedLoadPlanner()
@@ -223,6 +224,7 @@ def rank_main(
         rchar0 = _rchar()
         dist.barrier()
         t0 = time.perf_counter()
+        seconds_ = 0.0
         if how == "torch":
             if remote:
                 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -237,7 +239,7 @@ def rank_main(
                 torch_planner = type("SlowCommit", (_SlowCommitPlanner, DefaultLoadPlanner), {"rate": slow_rate})()
             dcp.load(sd, storage_reader=reader, planner=torch_planner)
             read = _socket_bytes[0] if remote else _rchar() - rchar0
-            counts = {"received": 0, "sent": 0, "taken_over": 0, "hedged": 0}
+            counts = {"received": 0, "sent": 0, "taken_over": 0, "hedged": 0, "at_return": 0}
         else:
             progress = None
             if slow_rate is not None:
@@ -248,15 +250,19 @@ def rank_main(
                     time.sleep((done - last[0]) / rate)
                     last[0] = done
 
-            stats = asyncload.load(sd, url, planner=_planner(how), storage_options=storage_options, progress=progress)
+            planner = _planner(how)
+            stats = asyncload.load(sd, url, planner=planner, storage_options=storage_options, progress=progress)
+            seconds_ = time.perf_counter() - t0
             read = stats.bytes_read
+            bg = getattr(planner, "background_sends", None)
             counts = {
                 "received": stats.bytes_received,
                 "sent": stats.bytes_sent,
                 "taken_over": stats.bytes_taken_over,
                 "hedged": stats.bytes_hedged,
+                "at_return": bg.bytes_at_return if bg is not None else 0,
             }
-        seconds = time.perf_counter() - t0
+        seconds = seconds_ if how != "torch" else time.perf_counter() - t0
         dist.barrier()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
         out.put(
@@ -363,8 +369,10 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
             f"torch {torch.__version__}, {os.cpu_count()} CPUs; per-rank columns: MiB on ranks 0/1/2/3"
         )
         header = (
-            f"{'setting':<26} {'contender':<31} {'wall s':>7} {'x equal':>7} {'read MiB':>9} {'x ckpt':>6}  "
-            f"{'read per rank':<23} {'sent per rank':<23} {'received per rank':<23} {'taken over':<23} hedged"
+            f"{'setting':<26} {'contender':<31} {'wall s':>7} {'x equal':>7} {'fast s':>7} {'x eq':>5} "
+            f"{'slow s':>7} {'x eq':>5} {'read MiB':>9} {'x ckpt':>6}  {'wall s per rank':<23} "
+            f"{'read per rank':<23} {'sent per rank':<23} {'received per rank':<23} {'taken over':<23} "
+            f"{'hedged':<23} owed at return"
         )
         print(header)
         print("-" * len(header))
@@ -373,6 +381,8 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
             ("rank 1 at 1/4 bandwidth", 1, None),
             ("rank 2 slow assembly", None, (2, args.slow_assembly_mib * MiB)),
         ]
+        chosen = args.settings.split(",")
+        settings = [st for st, key in zip(settings, ("equal", "slowlink", "slowasm")) if key in chosen]
         equal: dict[str, float] = {}
         digests: list[str] | None = None
         summary: list[str] = []
@@ -382,12 +392,19 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
             for how in args.contenders.split(","):
                 res = run_case(f"replicated:{how}", urls, args.world, args.size_mib, args.timeout, {}, slow_assembly)
                 wall = max(r["seconds"] for r in res)
+                # the slow rank (the slow link's or the slow assembly's) and the others apart
+                slow_rank = slow_link if slow_link is not None else slow_assembly[0] if slow_assembly else None
+                fast = max(r["seconds"] for i, r in enumerate(res) if i != slow_rank)
+                slow = res[slow_rank]["seconds"] if slow_rank is not None else fast
                 equal.setdefault(how, wall)
                 total = sum(r["read"] for r in res)
+                walls = "/".join(f"{r['seconds']:.2f}" for r in res)
                 print(
-                    f"{setting:<26} {NAMES[how]:<31} {wall:>7.2f} {wall / equal[how]:>7.2f} {_mib(total):>9} "
-                    f"{total / ckpt_bytes:>6.2f}  {_per_rank(res, 'read'):<23} {_per_rank(res, 'sent'):<23} "
-                    f"{_per_rank(res, 'received'):<23} {_per_rank(res, 'taken_over'):<23} {_per_rank(res, 'hedged')}",
+                    f"{setting:<26} {NAMES[how]:<31} {wall:>7.2f} {wall / equal[how]:>7.2f} {fast:>7.2f} "
+                    f"{fast / equal[how]:>5.2f} {slow:>7.2f} {slow / equal[how]:>5.2f} {_mib(total):>9} "
+                    f"{total / ckpt_bytes:>6.2f}  {walls:<23} {_per_rank(res, 'read'):<23} "
+                    f"{_per_rank(res, 'sent'):<23} {_per_rank(res, 'received'):<23} "
+                    f"{_per_rank(res, 'taken_over'):<23} {_per_rank(res, 'hedged'):<23} {_per_rank(res, 'at_return')}",
                     flush=True,
                 )
                 got = [r["digest"] for r in res]
@@ -398,6 +415,11 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
                     summary.append(
                         f"{NAMES[how]}, one rank at 1/4 bandwidth: {wall / equal[how]:.2f}x its all-equal time, "
                         f"{total / ckpt_bytes:.2f}x the checkpoint read in total"
+                    )
+                if slow_assembly is not None and how in equal:
+                    summary.append(
+                        f"{NAMES[how]}, rank {slow_rank} slow assembly: fast ranks {fast:.2f} s "
+                        f"({fast / equal[how]:.2f}x all-equal), the slow rank {slow:.2f} s ({slow / equal[how]:.2f}x)"
                     )
         print("every contender loaded identical tensors on every rank in every setting: ok")
         for line in summary:
@@ -416,6 +438,10 @@ def main() -> None:
     ap.add_argument("--rank-bandwidth-mib", type=float, default=8.0, help="speeds: each rank's link, MiB/s")
     ap.add_argument("--slow-assembly-mib", type=float, default=16.0, help="speeds: the slow rank's assembly, MiB/s")
     ap.add_argument("--contenders", default="torch,pipelined,static,sharded", help="speeds: which loaders")
+    ap.add_argument(
+        "--settings", default="equal,slowlink,slowasm", help="speeds: which settings (equal, slowlink, slowasm)"
+    )
+    ap.add_argument("--wait-for-peers", action="store_true", help="sharing: ShardedLoadPlanner(wait_for_peers=True)")
     ap.add_argument("--unit-kib", type=int, default=None, help="adaptive sharing's unit_size, KiB (default: its own)")
     ap.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     ap.add_argument(
@@ -435,6 +461,8 @@ def main() -> None:
         args.size_mib = 24 if args.scenario == "speeds" else 64
     if args.unit_kib is not None:
         os.environ["BENCH_UNIT_KIB"] = str(args.unit_kib)  # read by the ranks (forkserver children inherit it)
+    if args.wait_for_peers:
+        os.environ["BENCH_WAIT_FOR_PEERS"] = "1"
 
     mp.get_context("forkserver").set_forkserver_preload(
         [

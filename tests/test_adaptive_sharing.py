@@ -356,3 +356,5 @@ def test_planner_arguments_are_checked() -> None:
         ShardedLoadPlanner(unit_size=0)
     with pytest.raises(ValueError, match="adaptive='yes'"):
         ShardedLoadPlanner(adaptive="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="wait_for_peers=1"):
+        ShardedLoadPlanner(wait_for_peers=1)  # type: ignore[arg-type]

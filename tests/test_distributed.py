@@ -150,6 +150,8 @@ def _make_planner(kind: str, **kw: Any) -> Any:
         return ShardedLoadPlanner(ordered=True, **kw)
     if kind == "sharded-static":
         return ShardedLoadPlanner(adaptive=False, **kw)
+    if kind == "sharded-wait":
+        return ShardedLoadPlanner(wait_for_peers=True, **kw)
     return PipelinedLoadPlanner(**kw)
 
 
@@ -216,12 +218,13 @@ def w_load_narrow(
 
 
 def _share_threads(wait: float = 2.0) -> int:
-    """asyncload's transfer-waiting threads still alive (none after a load that succeeded)."""
+    """asyncload's transfer-waiting threads still alive (none after a load that succeeded on
+    every rank: background sends land and their drain ends once every rank has finished)."""
     import threading
 
     deadline = time.monotonic() + wait
     while True:
-        n = sum(1 for t in threading.enumerate() if t.name == "asyncload-share-wait")
+        n = sum(1 for t in threading.enumerate() if t.name.startswith("asyncload-share"))
         if n == 0 or time.monotonic() > deadline:
             return n
         time.sleep(0.01)
@@ -372,6 +375,7 @@ SHARE_OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory
         ("sharded", "load"),
         ("sharded", "dcp"),
         ("sharded", "aload"),
+        ("sharded-wait", "load"),
         ("sharded-ordered", "load"),
         ("sharded-static", "dcp"),
     ],
@@ -388,7 +392,7 @@ def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: s
         assert v["stats"]["peak_buffered_bytes"] <= SHARE_OPTIONS.memory_budget
         assert v["threads"] == 0
     assert total <= sum(reads) <= 1.05 * total, reads
-    if planner_kind != "sharded":  # the static plan balances bytes; adaptive sharing balances by speed
+    if planner_kind not in ("sharded", "sharded-wait"):  # the static plan balances bytes; adaptive: by speed
         assert max(reads) <= 1.10 * min(reads), reads
     sent = sum(v["stats"]["bytes_sent"] for v in values)
     received = sum(v["stats"]["bytes_received"] for v in values)
@@ -572,7 +576,7 @@ def replicated_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("planner_kind", ["sharded", "pipelined"])
+@pytest.mark.parametrize("planner_kind", ["sharded", "sharded-wait", "pipelined"])
 def test_a_rank_that_raises_fails_every_rank(replicated_ckpt: str, planner_kind: str) -> None:
     results = run_ranks(
         w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "raise", 1, FAIL_OPTIONS, timeout=30
@@ -599,7 +603,15 @@ def test_a_rank_that_raises_under_dcp_load_fails_every_rank(replicated_ckpt: str
         assert r.seconds < 20
 
 
-@pytest.mark.parametrize("planner_kind", ["sharded", "pipelined"])
+def _named_the_stalled_rank(r: Any) -> None:
+    assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
+    assert r.attrs["rank"] == 2
+    assert r.message.startswith("rank 2 made no progress for "), r.message
+    assert "collective_timeout=4.0" in r.message and "its last status: reading" in r.message
+    assert r.seconds < 20
+
+
+@pytest.mark.parametrize("planner_kind", ["sharded-wait", "pipelined"])
 def test_a_stalled_rank_is_named_on_every_other_rank(replicated_ckpt: str, planner_kind: str) -> None:
     """Rank 2 hangs (its progress callback sleeps for an hour): within collective_timeout
     (4 s) plus a little, every other rank raises DistributedLoadError naming it and what it
@@ -609,19 +621,37 @@ def test_a_stalled_rank_is_named_on_every_other_rank(replicated_ckpt: str, plann
     )
     assert results[2].status == "timed_out"
     for r in (results[0], results[1], results[3]):
-        assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
-        assert r.attrs["rank"] == 2
-        assert r.message.startswith("rank 2 made no progress for "), r.message
-        assert "collective_timeout=4.0" in r.message and "its last status: reading" in r.message
-        assert r.seconds < 20
+        _named_the_stalled_rank(r)
 
 
-def test_a_rank_that_dies_fails_every_other_rank(replicated_ckpt: str) -> None:
+def test_a_stalled_rank_with_ranks_that_return_early(replicated_ckpt: str) -> None:
+    """ShardedLoadPlanner's default (``wait_for_peers=False``): a rank that has every byte of
+    its own (the stalled rank's units read from storage once late) returns with them bit for
+    bit; one that still waits on the stalled rank raises the error naming it. Never a hang."""
     results = run_ranks(
-        w_one_rank_fails, 4, replicated_ckpt, "sharded", "load", "die", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
+        w_one_rank_fails, 4, replicated_ckpt, "sharded", "load", "stall", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
+    )
+    assert results[2].status == "timed_out"
+    for r in (results[0], results[1], results[3]):
+        if r.status == "ok":
+            assert r.value == {"bad": []}, r.rank
+        else:
+            _named_the_stalled_rank(r)
+
+
+@pytest.mark.parametrize("planner_kind", ["sharded", "sharded-wait"])
+def test_a_rank_that_dies_fails_every_other_rank(replicated_ckpt: str, planner_kind: str) -> None:
+    """Rank 2 exits mid-load. Waiting for peers, every other rank raises DistributedLoadError
+    naming it; returning early (the default), a rank may instead have had every byte of its
+    own already (then they are bit for bit), never a hang."""
+    results = run_ranks(
+        w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "die", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
     )
     assert results[2].status == "timed_out" and results[2].exitcode == 3
     for r in (results[0], results[1], results[3]):
+        if planner_kind == "sharded" and r.status == "ok":
+            assert r.value == {"bad": []}, r.rank
+            continue
         assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
         assert r.attrs["rank"] == 2, r.message
         assert r.seconds < 20
