@@ -421,6 +421,9 @@ class ObstoreStorage(VersionPins):
         self._storage_options = dict(storage_options or {})
         self._executor = executor
         self._lister: FsspecStorage | None = None
+        #: file name -> its size, as a HEAD, a whole GET or a listing gave it (the version
+        #: those answers carried is pinned: a later answer of another version fails the load)
+        self._sizes: dict[str, int] = {}
 
     def _get_store(self) -> Any:
         if self._store is None:
@@ -496,7 +499,7 @@ class ObstoreStorage(VersionPins):
         first_byte()
         meta = result.meta
         self._see_meta(name, meta)
-        size = int(meta["size"])
+        size = self._sizes[name] = int(meta["size"])
         lo, hi = result.range
         if lo != 0 or hi != size:
             del result
@@ -515,7 +518,8 @@ class ObstoreStorage(VersionPins):
 
         meta = await obstore.head_async(self._get_store(), name)
         self._see_meta(name, meta)
-        return int(meta["size"])
+        size = self._sizes[name] = int(meta["size"])
+        return size
 
     async def _list(self) -> list[Any]:
         import obstore
@@ -524,15 +528,17 @@ class ObstoreStorage(VersionPins):
         return list(listing["objects"])
 
     async def sizes(self, names: Sequence[str]) -> dict[str, int]:
-        """One listing of the checkpoint's directory instead of a HEAD per file (S3, GCS)."""
-        if len(names) < 4 or self.spec.kind == "http":
-            return {}
-        wanted = set(names)
-        out: dict[str, int] = {}
+        """The sizes this load has already seen (a HEAD, a whole GET: no request), and one
+        listing of the checkpoint's directory instead of a HEAD per file for the others (S3,
+        GCS; 4 files or more)."""
+        out = {n: self._sizes[n] for n in names if n in self._sizes}
+        wanted = set(names) - set(out)
+        if len(wanted) < 4 or self.spec.kind == "http":
+            return out
         for meta in await self._list():
             path = str(meta["path"])
             if path in wanted:
-                out[path] = int(meta["size"])
+                out[path] = self._sizes[path] = int(meta["size"])
                 self._see(path, self._version_of(meta))
         return out
 
