@@ -154,6 +154,13 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         self.process_group = process_group
         self._collective_timeout = collective_timeout
 
+    @staticmethod
+    def wait_for_background_sends(timeout: float | None = None) -> bool:
+        """Wait until every load of this process that returned before its peers has
+        delivered what it owed them (or given up on a stalled or failed receiver): see
+        :func:`wait_for_background_sends`. Call it before ``dist.destroy_process_group()``."""
+        return wait_for_background_sends(timeout)
+
     def collective_timeout_for(self, options: LoadOptions) -> float | None:
         """This planner's ``collective_timeout`` if it was given one, else the options'."""
         return options.collective_timeout if self._collective_timeout is _UNSET else self._collective_timeout

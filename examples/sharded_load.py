@@ -60,6 +60,11 @@ def rank_main(rank: int, port: int, urls: list[str], results: Any) -> None:
     )
     try:
         results.put((rank, load_on_rank(urls[rank]).to_dict()))
+        # A rank returns from the load as soon as its own tensors are complete (a slower rank
+        # falls behind alone); what it still owes slower ranks goes out in the background,
+        # from copies, so the tensors are yours at once. Let those sends land before
+        # destroying the group.
+        asyncload.ShardedLoadPlanner.wait_for_background_sends()
         dist.barrier()  # rank 0 hosts the store: nobody leaves while another still uses it
     finally:
         dist.destroy_process_group()

@@ -130,8 +130,10 @@ def _check_load(values: list[list[dict[str, Any]]], n: int, total: int) -> None:
         assert st["bytes_assembled"] == total
         assert st["bytes_read"] + st["bytes_received"] >= total, (rank, st)
     assert sum(v[n]["stats"]["bytes_sent"] for v in values) == sum(v[n]["stats"]["bytes_received"] for v in values)
+    # hedged units aside, read about once in all (what is above the checkpoint's bytes is what
+    # each rank reads for itself: record headers, and gaps read through between records)
     once = sum(v[n]["stats"]["bytes_read"] - v[n]["stats"]["bytes_hedged"] for v in values)
-    assert total <= once <= 1.05 * total, once
+    assert total <= once <= 1.10 * total, once
 
 
 @needs_early_return
