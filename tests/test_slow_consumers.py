@@ -30,12 +30,14 @@ from test_distributed import big_model, same_bits, stats_dict, tensor_bytes
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
 from asyncload import _driver as driver
-from asyncload._sharded import BackgroundSends, _parse_claim
+from asyncload._sharded import BackgroundSends, _parse_claim, _wait_at_exit
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 
 KiB = 1 << 10
 SLOW = 2
+#: The rank that runs the interpreter-exit hook after its last load.
+EXITS = 3
 #: Big enough that every send copy fits (the budget bounds send copies too).
 OPTIONS = LoadOptions(
     chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=8 << 20, hedge_min_delay=0.05, collective_timeout=30.0
@@ -118,7 +120,11 @@ def w_slow_consumer(
             if rank == die_after_return:
                 os._exit(0)
     if bg is not None:
-        out[-1]["drained"] = bg.wait(20.0)
+        if rank == EXITS:  # what interpreter exit runs: wait (bounded) for the sends to land
+            _wait_at_exit()
+            out[-1]["drained"] = bg.wait(0)
+        else:
+            out[-1]["drained"] = bg.wait(20.0)
         out[-1]["after_return"] = bg.bytes_sent_after_return
     return out
 
@@ -141,7 +147,8 @@ def test_fast_ranks_return_while_a_slow_consumer_assembles(tmp_path: Path) -> No
     """Two loads in a row on one process group. In each, the slow rank saw every fast
     rank's load return while it was still assembling; the fast ranks still owed it bytes
     when they returned (sent after return from copies, so overwriting their tensors right
-    away did not reach it); every rank bit for bit; every unit read once (hedges aside)."""
+    away did not reach it); every rank bit for bit; every unit read once (hedges aside).
+    The interpreter-exit hook, run on one fast rank, returns once what it owed has landed."""
     path = save(tmp_path / "ck")
     total = tensor_bytes(big_model())
     values = all_ok(run_ranks(w_slow_consumer, 4, path, str(tmp_path), OPTIONS, 2, timeout=100))
@@ -153,6 +160,8 @@ def test_fast_ranks_return_while_a_slow_consumer_assembles(tmp_path: Path) -> No
     for r in (0, 1, 3):
         assert values[r][-1]["drained"] is True
         assert 0 < values[r][-1]["after_return"] <= values[r][-1]["at_return"]
+    # the exit hook returned once everything owed had landed
+    assert values[EXITS][-1]["after_return"] == values[EXITS][-1]["at_return"]
 
 
 @needs_early_return
