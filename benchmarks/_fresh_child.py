@@ -8,7 +8,10 @@ The parent warms the page cache. Prints one line ``RESULT <json>``: seconds, pea
 the destination (the kernel's high-water mark, reset just before the call), and, when
 asked, the same call again in the same (now warm) process.
 
-Modes: ``bound`` (positional reads into one destination-sized buffer), ``torch``
+Modes: ``bound`` (positional reads into one destination-sized buffer), ``raw`` (the same
+with ``"how"``: ``plain``, ``fadvise`` (``POSIX_FADV_SEQUENTIAL`` on open and
+``POSIX_FADV_WILLNEED`` before each block) or ``direct`` (``O_DIRECT`` into a page-aligned
+destination-sized buffer), for the cold-cache section), ``torch``
 (``dcp.load`` + ``FileSystemReader``), ``asyncload`` (``asyncload.load``), ``timeline``
 (``asyncload.load`` with a record of what happened when: file opens, positional reads,
 DEBUG log records of the "asyncload" logger, modules imported during the call).
@@ -109,9 +112,59 @@ def checksums(sd: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: float(sd[k].double().sum()) for k in cfg.get("check", {})}
 
 
+def raw_reads(files: list[str], dest: memoryview, how: str, threads: int = 2, block: int = 8 << 20) -> None:
+    """Positional reads of every byte of ``files`` into ``dest`` on ``threads`` threads,
+    ``block`` bytes each (as ``_common.raw_into_destination``): ``plain``, with ``fadvise``
+    hints, or ``direct`` (``O_DIRECT``; ``dest`` page-aligned, each file's first block at a
+    page boundary of ``dest``, each block rounded up to 4 KiB: the extra bytes of a file's
+    tail land in ``dest``'s slack)."""
+    import concurrent.futures
+    import contextlib
+
+    flags = os.O_RDONLY | (os.O_DIRECT if how == "direct" else 0)
+    with contextlib.ExitStack() as stack:
+        jobs: list[tuple[int, int, int, int]] = []  # (fd, file offset, dest offset, length)
+        at = 0
+        for f in files:
+            fd = os.open(f, flags)
+            stack.callback(os.close, fd)
+            if how == "fadvise":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            at += -at % 4096
+            size = os.path.getsize(f)
+            jobs += [(fd, off, at + off, min(block, size - off)) for off in range(0, size, block)]
+            at += size
+
+        def work(share: list[tuple[int, int, int, int]]) -> None:
+            for fd, off, pos, n in share:
+                if how == "fadvise":
+                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+                if how == "direct":
+                    n += -n % 4096
+                os.preadv(fd, [dest[pos : pos + n]], off)
+
+        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(threads))
+        for fut in [pool.submit(work, jobs[i::threads]) for i in range(threads)]:
+            fut.result()
+
+
 out: dict[str, Any] = {"mode": mode, "asyncload_file": al_file, "pid": os.getpid()}
 fn: Callable[[], Any]
-if mode == "bound":
+if mode == "raw":
+    import mmap
+
+    nbytes = sum(os.path.getsize(f) for f in cfg["files"])
+    # page-aligned (O_DIRECT needs it), touched, with room for the last block rounded up
+    # (and for each file's tail: blocks of every file are rounded up)
+    raw_buf = mmap.mmap(-1, nbytes + 4096 * (len(cfg["files"]) + 1))
+    for i in range(0, len(raw_buf), mmap.PAGESIZE):
+        raw_buf[i] = 1
+    raw_mv = memoryview(raw_buf)
+    raw_files, how = cfg["files"], cfg["how"]
+
+    def fn() -> Any:
+        return raw_reads(raw_files, raw_mv, how)
+elif mode == "bound":
     buf = torch.zeros(sum(os.path.getsize(f) for f in cfg["files"]), dtype=torch.uint8)
     mv = memoryview(buf.numpy())
     files = cfg["files"]
@@ -132,6 +185,9 @@ else:
         def fn() -> Any:
             return asyncload.load(dest, path, options=opts) if opts is not None else asyncload.load(dest, path)
 
+
+if cfg.get("drop_caches"):  # cold section: the imports above read libraries; drop again
+    C.drop_caches()
 
 if mode == "timeline":
     import threading

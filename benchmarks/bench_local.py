@@ -4,6 +4,7 @@ asyncload.load, interleaved in one run on the same checkpoint, warm page cache.
     python benchmarks/bench_local.py --size-mib 1024 --rounds 3            # one warmed process
     python benchmarks/bench_local.py --size-mib 1024 --rounds 3 --fresh    # + first loads in fresh processes
     PYTHONPATH=/path/to/tree python benchmarks/bench_local.py --fresh-only # another asyncload tree
+    python benchmarks/bench_local.py --size-mib 1024 --rounds 3 --cold-only  # cold page cache (root)
 
 Prints throughput (GiB/s of tensor bytes), ratios to the raw bound and peak RSS above
 the destination tensors (the destination is allocated with torch.zeros before timing).
@@ -17,7 +18,16 @@ round, the bound measured the same way (positional reads into a touched destinat
 buffer in a fresh process). Then asyncload's fixed cost: the first ``asyncload.load`` of a
 one-tensor checkpoint in a fresh process (and a second load of it in the same process), and
 a timeline of a first load (file opens, first positional reads, "asyncload" DEBUG log
-records, modules imported during the call). Children inherit this process's asyncload: the
+records, modules imported during the call).
+
+``--cold`` (root: it writes ``/proc/sys/vm/drop_caches``): every contender's first load in
+a fresh process, the page cache dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``) in
+the child after its imports and destination, just before the clock, interleaved round by
+round: cold raw reads into a touched
+destination-sized buffer (plain ``preadv``; with ``posix_fadvise`` SEQUENTIAL + WILLNEED;
+``O_DIRECT`` into a page-aligned buffer), torch's ``dcp.load`` and ``asyncload.load``.
+
+Children inherit this process's asyncload: the
 directory above ``asyncload.__file__`` goes first on their PYTHONPATH, and each child's
 ``asyncload.__file__`` is checked against this one.
 """
@@ -33,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -191,6 +202,29 @@ def warm_section(
     print(f"\nasyncload stats: {st}", flush=True)
 
 
+def run_rounds(
+    args: argparse.Namespace,
+    contenders: dict[str, dict[str, object]],
+    base: dict[str, object],
+    checks: dict[str, float],
+    before: Callable[[], object],
+    what: str,
+) -> dict[str, list[dict[str, object]]]:
+    """Each contender in a fresh child per round, interleaved, the order rotated each round;
+    ``before()`` runs before every child (warms the page cache, for example)."""
+    env = child_env()
+    names = list(contenders)
+    res: dict[str, list[dict[str, object]]] = {k: [] for k in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            before()
+            out = run_child({**base, **contenders[name]}, env)
+            if "check" in out and out["check"] != checks:
+                raise SystemExit(f"{name} ({what}) loaded wrong values: {out['check']} != {checks}")
+            res[name].append(out)
+    return res
+
+
 def fresh_section(
     args: argparse.Namespace,
     tmp: str,
@@ -202,21 +236,15 @@ def fresh_section(
     o: dict[str, object],
 ) -> None:
     env = child_env()
-    base = {"path": path, "files": files, "shapes": shapes_file, "check": checks}
-    contenders = {
+    base: dict[str, object] = {"path": path, "files": files, "shapes": shapes_file, "check": checks}
+    contenders: dict[str, dict[str, object]] = {
         "raw into destination-sized buffer": {"mode": "bound"},
         "torch dcp.load FileSystemReader": {"mode": "torch", "second": True},
         "asyncload.load": {"mode": "asyncload", "options": o, "second": True},
     }
     names = list(contenders)
-    res: dict[str, list[dict[str, object]]] = {k: [] for k in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # interleaved, order rotated per round
-            raw_bound(files)  # page cache warm before every child
-            out = run_child({**base, **contenders[name]}, env)
-            if "check" in out and out["check"] != checks:
-                raise SystemExit(f"{name} (fresh) loaded wrong values: {out['check']} != {checks}")
-            res[name].append(out)
+    # page cache warm before every child
+    res = run_rounds(args, contenders, base, checks, lambda: raw_bound(files), "fresh")
     print(f"\n== first load in a fresh process ({args.rounds} interleaved rounds, medians) ==")
     print(
         "each in its own subprocess: imports and the torch.zeros destination before the clock, page cache warm;"
@@ -286,6 +314,44 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
         )
 
 
+def cold_section(args: argparse.Namespace, base: dict[str, object], total: int, o: dict[str, object]) -> None:
+    """``base``: the children's common config (checkpoint, files, shapes, checksums)."""
+    checks: dict[str, float] = base["check"]  # type: ignore[assignment]
+    base = {**base, "drop_caches": True}  # the child drops the page cache just before its clock
+    contenders: dict[str, dict[str, object]] = {
+        "raw preadv (cold)": {"mode": "raw", "how": "plain"},
+        "raw preadv + fadvise SEQ/WILLNEED": {"mode": "raw", "how": "fadvise"},
+        "raw O_DIRECT (aligned buffer)": {"mode": "raw", "how": "direct"},
+        "torch dcp.load FileSystemReader": {"mode": "torch"},
+        "asyncload.load": {"mode": "asyncload", "options": o},
+    }
+    names = list(contenders)
+    if not C.drop_caches():
+        raise SystemExit("--cold needs root: cannot write /proc/sys/vm/drop_caches")
+    res = run_rounds(args, contenders, base, checks, os.sync, "cold")
+    print(f"\n== cold page cache: first load in a fresh process ({args.rounds} interleaved rounds, medians) ==")
+    print(
+        "page cache dropped (sync; echo 3 > /proc/sys/vm/drop_caches) in each child after its imports and its"
+        "\ndestination, just before the clock; raw reads: 2 threads, 8 MiB blocks, touched destination-sized buffer"
+    )
+    med = {n: C.median([float(x["seconds"]) for x in res[n]]) for n in names}
+    plain = med[names[0]]
+    best_raw = min(med[n] for n in names[:3])
+    print(
+        f"{'reader (cold, fresh process)':36s} {'seconds':>8s} {'GiB/s':>7s} {'x plain raw':>11s} {'x best raw':>10s} "
+        f"{'peak RSS above dest':>20s}   per round (s)"
+    )
+    for name in names:
+        t = med[name]
+        peak = max(int(x["peak"]) for x in res[name]) / (1 << 20)  # type: ignore[call-overload]
+        each = ", ".join(f"{float(x['seconds']):.3f}" for x in res[name])
+        print(
+            f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {plain / t:11.2f} {best_raw / t:10.2f} "
+            f"{peak:17.1f} MiB   {each}"
+        )
+    print(f"(asyncload memory_budget {args.budget_mib} MiB; target: peak RSS above the destination <= budget + 64 MiB)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024)
@@ -301,6 +367,8 @@ def main() -> None:
         help="also time each contender's first load in a fresh process, and asyncload's fixed cost",
     )
     ap.add_argument("--fresh-only", action="store_true", help="only the fresh-process sections")
+    ap.add_argument("--cold", action="store_true", help="also time cold page cache loads (root: drops caches)")
+    ap.add_argument("--cold-only", action="store_true", help="only the cold page cache section")
     args = ap.parse_args()
 
     print(
@@ -326,15 +394,19 @@ def main() -> None:
         opts = asyncload.LoadOptions(
             concurrency=args.concurrency, chunk_size=args.chunk_mib << 20, memory_budget=args.budget_mib << 20
         )
-        if not args.fresh_only:
+        o = {
+            "concurrency": args.concurrency,
+            "chunk_size": args.chunk_mib << 20,
+            "memory_budget": args.budget_mib << 20,
+        }
+        if not (args.fresh_only or args.cold_only):
             warm_section(args, path, files, total, file_bytes, shapes, opts)
             loadavg("after the warmed-process section")
-        if args.fresh or args.fresh_only:
-            o = {
-                "concurrency": args.concurrency,
-                "chunk_size": args.chunk_mib << 20,
-                "memory_budget": args.budget_mib << 20,
-            }
+        if args.cold or args.cold_only:
+            os.sync()
+            cold_section(args, {"path": path, "files": files, "shapes": shapes_file, "check": checks}, total, o)
+            loadavg("after the cold page cache section")
+        if (args.fresh or args.fresh_only) and not args.cold_only:
             fresh_section(args, tmp, path, files, total, shapes_file, checks, o)
             loadavg("after the fresh-process section")
             fixed_cost_section(args, tmp, path, shapes_file)

@@ -1,0 +1,182 @@
+"""LocalStorage's read path (asyncload/_local.py): positional reads (``os.preadv``) from
+a thread pool straight into caller memory, several destination buffers per read. Bit-exact
+at unaligned starts and ends and at a file's tail, with the page cache warm and cold; a file
+shorter than the read is the typed short read of a local file (a truncated checkpoint), the
+same warm or cold; tmpfs reads the same.
+
+A file is made cold for real: ``fsync`` then ``POSIX_FADV_DONTNEED`` (which drops a file's
+clean pages, no root needed). An ``O_DIRECT`` path and readahead hints were measured and not
+kept (docs/performance.md, "Cold page cache").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _ckpt import assert_bitwise_equal
+
+import asyncload
+from asyncload import CheckpointFormatError, LoadOptions
+from asyncload._local import LocalStorage
+from asyncload._storage import ShortReadError
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+
+MiB = 1 << 20
+PIECE = 4 * MiB  # sizes around it: pieces of a read that cross several destination buffers
+
+
+def _evict(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache (written back first; a no-op on tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Iterator[LocalStorage]:
+    ex = concurrent.futures.ThreadPoolExecutor(2)
+    st = LocalStorage(str(tmp_path), ex)
+    try:
+        yield st
+    finally:
+        asyncio.run(st.aclose())
+        ex.shutdown()
+
+
+def _scatter(rnd: random.Random, n: int) -> list[bytearray]:
+    """``n`` bytes of destination in pieces of odd sizes (several tensors of one read)."""
+    parts, left = [], n
+    while left:
+        k = min(left, rnd.choice([1, 7, 4095, 4097, 300_001, PIECE - 3, PIECE + 5, 3 * MiB]))
+        parts.append(bytearray(k))
+        left -= k
+    return parts
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_reads_are_bit_exact_at_unaligned_starts_ends_and_the_tail(
+    tmp_path: Path, storage: LocalStorage, cold: bool
+) -> None:
+    size = 3 * PIECE + 187  # the tail is not a multiple of a block or page
+    data = os.urandom(size)
+    f = tmp_path / "f"
+    f.write_bytes(data)
+    rnd = random.Random(7)
+    cases = [
+        (0, PIECE),  # aligned both ends
+        (1, PIECE + 1),  # one byte in
+        (4095, PIECE + 2),  # one byte before a page boundary
+        (size - PIECE - 5, PIECE + 5),  # up to the unaligned end of the file
+        (0, size),  # the whole file
+        (size - 1, 1),  # its last byte
+        (PIECE - 1, PIECE + 2),
+    ]
+    cases += [(s, rnd.randrange(1, size - s + 1)) for s in (rnd.randrange(0, size) for _ in range(8))]
+    for start, n in cases:
+        if cold:
+            _evict(f)
+        parts = _scatter(rnd, n)
+        storage.readinto_sync("f", start, [memoryview(p) for p in parts])
+        assert b"".join(parts) == data[start : start + n], (start, n)
+        got = asyncio.run(storage.read("f", start, start + n))
+        assert got == data[start : start + n], (start, n)
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_read_past_the_end_is_the_short_read_of_a_local_file(
+    tmp_path: Path, storage: LocalStorage, cold: bool
+) -> None:
+    size = 2 * PIECE + 1001
+    data = os.urandom(size)
+    f = tmp_path / "f"
+    f.write_bytes(data)
+    if cold:
+        _evict(f)
+    start, n = 513, size  # asks for 513 bytes more than the file holds
+    buf = bytearray(n)
+    with pytest.raises(ShortReadError) as err:
+        storage.readinto_sync("f", start, [memoryview(buf)])
+    assert err.value.local and err.value.got == size - start and (err.value.start, err.value.end) == (start, start + n)
+    assert buf[: size - start] == data[start:]  # what the file holds was delivered
+
+
+def test_tmpfs_reads_the_same() -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    d = shm / f"asyncload-test-{os.getpid()}"
+    d.mkdir()
+    ex = concurrent.futures.ThreadPoolExecutor(2)
+    st = LocalStorage(str(d), ex)
+    try:
+        data = os.urandom(PIECE + 12345)
+        (d / "f").write_bytes(data)
+        _evict(d / "f")  # a no-op on tmpfs: its pages are the file
+        parts = _scatter(random.Random(1), len(data) - 11)
+        st.readinto_sync("f", 11, [memoryview(p) for p in parts])
+        assert b"".join(parts) == data[11:]
+        with pytest.raises(ShortReadError):
+            st.readinto_sync("f", 11, [memoryview(bytearray(len(data)))])
+    finally:
+        asyncio.run(st.aclose())
+        ex.shutdown()
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+
+
+@pytest.fixture
+def big_ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    sd = {
+        "big": torch.randn(3 * PIECE // 4 + 13, generator=g),  # ~3 pieces, odd length
+        "bf16": torch.randn(1537, 1031, generator=g).to(torch.bfloat16),  # ~3 MiB
+        "small": torch.arange(100, dtype=torch.int32),
+        "f64": torch.randn(301, 2011, generator=g, dtype=torch.float64),  # ~4.6 MiB
+    }
+    path = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=path, no_dist=True)
+    return path, sd
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_cold_load_is_bit_exact(big_ckpt: tuple[Path, dict[str, torch.Tensor]], verify: bool) -> None:
+    path, sd = big_ckpt
+    for f in path.iterdir():
+        _evict(f)
+    dest = {k: torch.zeros_like(v) for k, v in sd.items()}
+    opts = LoadOptions(chunk_size=8 * MiB, verify=verify)
+    asyncload.load(dest, path, options=opts)
+    assert_bitwise_equal(dest, sd)
+
+
+def test_a_file_truncated_under_a_cold_load_is_a_format_error(big_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """The file shrinks under a cold load, after its size was checked: the short local
+    read is the truncated file it is (CheckpointFormatError), as with a warm cache
+    (tests/test_integrity.py)."""
+    path, sd = big_ckpt
+    (data,) = path.glob("*.distcp")
+    _evict(data)
+    state = {"cut": False}
+
+    def progress(done: int, total: int) -> None:
+        if not state["cut"]:
+            state["cut"] = True
+            os.truncate(data, os.path.getsize(data) // 3)
+
+    opts = LoadOptions(chunk_size=8 * MiB, concurrency=1, retries=3, backoff=5.0)
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        asyncload.load({k: torch.zeros_like(v) for k, v in sd.items()}, path, options=opts, progress=progress)
+    assert state["cut"]
