@@ -1090,8 +1090,8 @@ def wait_for_background_sends(timeout: float | None = None) -> bool:
     """Wait until the sends of every load of this process that returned before its peers
     (``ShardedLoadPlanner(wait_for_peers=False)``) have landed or were given up on (a
     receiver stalled or failed); True if so, False at ``timeout``. Call it before
-    ``dist.destroy_process_group()``: destroying the group drops sends still on their way
-    (the receivers then read those bytes from storage themselves)."""
+    ``dist.destroy_process_group()``: with gloo, destroying the group while a send is still on
+    its way aborts the process at exit."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with _live_lock:
         live = list(_live_sends)
