@@ -424,6 +424,8 @@ class ObstoreStorage(VersionPins):
         #: file name -> its size, as a HEAD, a whole GET or a listing gave it (the version
         #: those answers carried is pinned: a later answer of another version fails the load)
         self._sizes: dict[str, int] = {}
+        #: the listing :meth:`prefetch_sizes` started
+        self._listing: asyncio.Future[list[Any]] | None = None
 
     def _get_store(self) -> Any:
         if self._store is None:
@@ -527,20 +529,38 @@ class ObstoreStorage(VersionPins):
         listing = await obstore.list_with_delimiter_async(self._get_store())
         return list(listing["objects"])
 
+    def prefetch_sizes(self) -> None:
+        """Start listing the checkpoint's directory now (S3, GCS), while ``.metadata`` is
+        read: :meth:`sizes` takes the files' sizes from it if it has finished by then."""
+        if self.spec.kind != "http" and self._listing is None:
+            self._listing = asyncio.ensure_future(self._list())
+
     async def sizes(self, names: Sequence[str]) -> dict[str, int]:
-        """The sizes this load has already seen (a HEAD, a whole GET: no request), and one
-        listing of the checkpoint's directory instead of a HEAD per file for the others (S3,
-        GCS; 4 files or more)."""
+        """The sizes this load has already seen (a HEAD, a whole GET, a listing started by
+        :meth:`prefetch_sizes` that has finished: no request), and one listing of the
+        checkpoint's directory instead of a HEAD per file for the others (S3, GCS; 4 files
+        or more)."""
+        listing, self._listing = self._listing, None
+        if listing is not None:
+            if listing.done() and not listing.cancelled() and listing.exception() is None:
+                self._take_listing(listing.result(), set(names))
+            else:  # not back yet (a large directory): never wait for it
+                listing.cancel()
+                await asyncio.gather(listing, return_exceptions=True)
         out = {n: self._sizes[n] for n in names if n in self._sizes}
         wanted = set(names) - set(out)
         if len(wanted) < 4 or self.spec.kind == "http":
             return out
-        for meta in await self._list():
+        self._take_listing(await self._list(), wanted)
+        out.update((n, self._sizes[n]) for n in wanted if n in self._sizes)
+        return out
+
+    def _take_listing(self, metas: list[Any], wanted: set[str]) -> None:
+        for meta in metas:
             path = str(meta["path"])
             if path in wanted:
-                out[path] = self._sizes[path] = int(meta["size"])
+                self._sizes[path] = int(meta["size"])
                 self._see(path, self._version_of(meta))
-        return out
 
     async def listdir(self) -> list[str]:
         if self.spec.kind == "http":  # an HTML index page: fsspec parses its links
@@ -559,6 +579,10 @@ class ObstoreStorage(VersionPins):
 
     async def aclose(self) -> None:
         """Drop the store (its connection pool closes with it) and the HTTP lister. Safe to call twice."""
+        listing, self._listing = self._listing, None
+        if listing is not None:
+            listing.cancel()
+            await asyncio.gather(listing, return_exceptions=True)
         self._store = None
         lister, self._lister = self._lister, None
         if lister is not None:

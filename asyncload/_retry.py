@@ -31,11 +31,12 @@ turned off in :mod:`asyncload._storage`):
 
   The floor is ``hedge_min_delay`` (cold: ``4 x`` it) or, with ``hedge_min_delay=None``
   (the default), derived from this load: ``hedge_factor x`` the expected time of the
-  chunk at the measured first-byte latency and per-stream rate, at least 0.05 s (cold:
-  1 s, or more where the expected time says so). Each rule compares a read with its
-  peers on the same link now, so a uniformly slow or congested link hedges nothing. The
-  delay is re-evaluated while the attempt waits, so reads that started before any
-  history existed are hedged as soon as their peers show they are stragglers.
+  chunk at the measured first-byte latency and per-stream rate, at least 0.05 s; derived,
+  the body rule waits for 4 comparable reads to finish (no cold delay). Each rule
+  compares a read with its peers on the same link now, so a uniformly slow or congested
+  link hedges nothing. The delay is re-evaluated while the attempt waits, so reads that
+  started before any history existed are hedged as soon as their peers show they are
+  stragglers.
 """
 
 from __future__ import annotations
@@ -586,8 +587,6 @@ def clock_of(stats: StatsRecorder) -> LoadClock:
 
 #: Explicit ``hedge_min_delay``: the delay before any comparable read has finished, in its units.
 HEDGE_COLD_FACTOR = 4.0
-#: Derived floor (``hedge_min_delay=None``): the delay before the load has any history, seconds.
-HEDGE_COLD_DELAY = 1.0
 #: Derived floor: no read is hedged sooner than this, seconds (a hiccup of the client's own
 #: event loop or a GC pause must not look like a straggling store).
 HEDGE_DERIVED_FLOOR = 0.05
@@ -601,14 +600,17 @@ HEDGE_POLL = 0.05
 def hedge_delay(
     policy: HedgePolicy, clock: LoadClock, nbytes: int = 0, *, waiting_since: float | None = None
 ) -> float | None:
-    """Seconds after which a read of ``nbytes`` still running is hedged (None: never).
+    """Seconds after which a read of ``nbytes`` still running is hedged (None: not yet,
+    as things stand; ask again as reads finish).
 
-    The body rule: ``max(floor, factor x p90)`` of recent comparable reads; before 4 of
-    them have finished, the cold delay. With an explicit ``min_delay`` the floor is it and
-    the cold delay ``4 x min_delay``. Derived (``min_delay=None``), the floor is
+    The body rule: ``max(floor, factor x p90)`` of recent comparable reads. With an
+    explicit ``min_delay`` the floor is it, and before 4 comparable reads have finished the
+    delay is ``4 x min_delay``. Derived (``min_delay=None``), the floor is
     ``max(HEDGE_DERIVED_FLOOR, factor x expected)``, the expected time of ``nbytes`` at this
     load's measured first-byte latency and per-stream rate (:meth:`LoadClock.expected_time`),
-    and the cold delay ``max(HEDGE_COLD_DELAY, factor x expected)``.
+    and before 4 comparable reads have finished this rule hedges nothing: the first reads of
+    a load share the link and finish together however long they take (a fixed cold delay
+    would hedge every one of them on a congested link).
 
     The first-byte rule (``waiting_since``: the request started then and its answer has
     not begun, on a store that tells): ``max(floor, factor x p90)`` of recent first-byte
@@ -620,22 +622,22 @@ def hedge_delay(
     factor = policy.factor
     explicit = policy.min_delay if not policy.derived else None
     p90 = clock.straggler_time(nbytes)
+    body: float | None
     if explicit is not None:
         body = explicit * HEDGE_COLD_FACTOR if p90 is None else max(explicit, factor * p90)
+    elif p90 is None:
+        body = None
     else:
         expected = clock.expected_time(nbytes)
-        scaled = 0.0 if expected is None else factor * expected
-        if p90 is None:
-            body = max(HEDGE_COLD_DELAY, scaled)
-        else:
-            body = max(HEDGE_DERIVED_FLOOR, scaled, factor * p90)
+        body = max(HEDGE_DERIVED_FLOOR, 0.0 if expected is None else factor * expected, factor * p90)
     if waiting_since is None:
         return body
     ttfb = clock.first_byte_time()
     if ttfb is None or clock.overtaken(waiting_since) < HEDGE_OVERTAKEN:
         return body
     floor = explicit if explicit is not None else HEDGE_DERIVED_FLOOR
-    return min(body, max(floor, factor * ttfb))
+    first = max(floor, factor * ttfb)
+    return first if body is None else min(body, first)
 
 
 async def _cancel_and_wait(tasks: set[asyncio.Task[Any]]) -> None:
@@ -689,7 +691,10 @@ async def _attempt(
             if hedge is not None and not hedged:
                 waiting = first.started if first.first_byte is None and clock.first_bytes else None
                 after = hedge_delay(hedge, clock, nbytes, waiting_since=waiting)
-                if after is not None:
+                if after is None:  # no yardstick yet: look again as peers answer and finish
+                    step = HEDGE_POLL if waiting is not None else HEDGE_POLL * 4
+                    wait = step if wait is None else min(wait, step)
+                else:
                     if now - started >= after and clock.hedges_in_flight < hedge.max_in_flight:
                         hedged = True
                         stats.add(hedges=1)
@@ -920,6 +925,13 @@ class RetryingStorage:
     async def size(self, name: str) -> int:
         raw = self.raw
         return int(await self._call(lambda: raw.size(name), name, None))
+
+    def prefetch_sizes(self) -> None:
+        """Let the store start listing the checkpoint's files now, where it can (a hint:
+        :meth:`sizes` uses the listing if it is back in time, nothing waits for it)."""
+        prefetch = getattr(self.raw, "prefetch_sizes", None)
+        if prefetch is not None:
+            prefetch()
 
     async def sizes(self, names: Sequence[str]) -> dict[str, int]:
         """Sizes of several files in one listing where the store can (an optimisation: the

@@ -50,6 +50,8 @@ CONTENDERS: dict[str, tuple[set[str], str | None]] = {
     "curl": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, None),
     "asyncload": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
     "asyncload_fsspec": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
+    #: asyncload imported from ``--baseline`` (another tree: a before/after in the same run)
+    "asyncload_baseline": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
     "s3torchconnector": ({"dcp-one-file", "dcp-per-item"}, "s3torchconnector"),
     "torch_fsspec": ({"dcp-one-file", "dcp-per-item"}, "s3fs"),
     "runai": ({"safetensors"}, "runai_model_streamer"),
@@ -125,10 +127,16 @@ def data_files(path: Path, layout: str) -> list[tuple[str, int]]:
     return sorted((p.name, p.stat().st_size) for p in path.glob(pattern))
 
 
-def run_child(cfg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+def run_child(cfg: dict[str, Any], timeout: float, pythonpath: str | None = None) -> dict[str, Any] | None:
+    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
     try:
         out = subprocess.run(
-            [sys.executable, CHILD, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout, check=False
+            [sys.executable, CHILD, json.dumps(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
@@ -149,6 +157,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="per contender run, seconds")
     ap.add_argument("--json", help="also write the medians to this JSON file")
     ap.add_argument("--plot", help="also draw the medians (GiB/s per layout and contender) into this PNG (matplotlib)")
+    ap.add_argument(
+        "--baseline",
+        help="a source tree (e.g. `git archive` of an earlier commit) whose asyncload the asyncload_baseline "
+        "contender imports (PYTHONPATH), for a before/after in the same interleaved run",
+    )
     args = ap.parse_args()
     configure_env()
     layouts = args.layouts.split(",")
@@ -162,6 +175,9 @@ def main() -> None:
     for c in missing:
         print(f"note: {c} is not installed: skipped (pip install -e '.[bench]')")
     wanted = [c for c in wanted if c not in missing]
+    if "asyncload_baseline" in wanted and not args.baseline:
+        print("note: asyncload_baseline needs --baseline: skipped")
+        wanted.remove("asyncload_baseline")
     tensors = make_tensors(args.size_mib * MiB, args.hidden)
     spec = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -207,7 +223,8 @@ def main() -> None:
                         }
                         if c == "asyncload_fsspec":
                             cfg["options"] = {"transport": "fsspec"}
-                        results.setdefault((layout, c), []).append(run_child(cfg, args.timeout) or {})
+                        pythonpath = args.baseline if c == "asyncload_baseline" else None
+                        results.setdefault((layout, c), []).append(run_child(cfg, args.timeout, pythonpath) or {})
                     finally:
                         proxy.close()
     with open("/proc/loadavg") as f:

@@ -217,15 +217,17 @@ def test_slow_link_with_steady_progress_does_not_time_out(request, ckpt, bucket_
     the shared deadline keeps moving and nothing fails (a dead link fails: test above)."""
     path, sd = ckpt
     total = sum(p.stat().st_size for p in path.glob("*.distcp"))
-    # ~1.5 s for the whole load; 8 reads of 128 KiB in flight each take ~0.9 s > timeout
+    # ~1.5 s for the whole load; 8 reads of 128 KiB in flight each take ~1.4 s > timeout. The
+    # small reads among them finish every 0.3-0.45 s (measured), so the timeout leaves room
+    # for that: reads are dispatched as records' probes land, in no fixed order
     r = make_remote(request, "http", path, bucket_name, fault_proxy, bandwidth=total / 1.5)
     dst = zeros_like_tree(sd, object_placeholder=None)
     stats = asyncload.load(
-        dst, r.url, options=OPTS.replace(timeout=0.6, retries=0, concurrency=8), storage_options=r.storage_options
+        dst, r.url, options=OPTS.replace(timeout=0.9, retries=0, concurrency=8), storage_options=r.storage_options
     )
     assert_bitwise_equal(dst, sd)
     assert stats.timeouts == 0 and stats.retries == 0
-    assert stats.latency_max > 0.6  # single reads did take longer than the timeout
+    assert stats.latency_max > 0.9  # single reads did take longer than the timeout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -16,7 +16,6 @@ from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_cl
 import asyncload
 from asyncload import LoadOptions
 from asyncload._retry import (
-    HEDGE_COLD_DELAY,
     HEDGE_COLD_FACTOR,
     HEDGE_DERIVED_FLOOR,
     LoadClock,
@@ -65,11 +64,18 @@ def test_the_default_floor_is_derived_and_explicit_values_keep_working():
         LoadOptions(hedge_min_delay="0.5")  # type: ignore[arg-type]
 
 
-def test_derived_cold_delay_before_any_history():
+def test_derived_no_body_hedge_before_comparable_history():
+    """Derived: before 4 comparable reads have finished, the body rule hedges nothing (the
+    first reads share the link and finish together, however long a congested link makes them)."""
     clock, _ = _clock()
-    assert hedge_delay(DERIVED, clock, 8 * MiB) == HEDGE_COLD_DELAY
-    # a request waiting for its answer, with no first-byte history: the cold delay too
-    assert hedge_delay(DERIVED, clock, 8 * MiB, waiting_since=clock.now()) == HEDGE_COLD_DELAY
+    assert hedge_delay(DERIVED, clock, 8 * MiB) is None
+    # a request waiting for its answer, with no first-byte history: nothing either
+    assert hedge_delay(DERIVED, clock, 8 * MiB, waiting_since=clock.now()) is None
+    for _ in range(3):
+        clock.finished(2.5, 8 * MiB, 2.48)
+    assert hedge_delay(DERIVED, clock, 8 * MiB) is None
+    clock.finished(2.5, 8 * MiB, 2.48)  # the 4th: now the peers say what normal is
+    assert hedge_delay(DERIVED, clock, 8 * MiB) == pytest.approx(3 * 2.5)
     assert hedge_delay(LoadOptions(hedge=False).hedge_policy, clock, 8 * MiB) is None
 
 
@@ -99,8 +105,8 @@ def test_a_request_without_an_answer_is_hedged_after_a_few_first_byte_latencies(
     # an explicit floor bounds the first-byte rule too
     fixed = LoadOptions(hedge_min_delay=0.25).hedge_policy
     assert hedge_delay(fixed, clock, 8 * MiB, waiting_since=waiting_since) == pytest.approx(0.25)
-    # once the answer has begun, only the body rule applies
-    assert hedge_delay(DERIVED, clock, 8 * MiB) == HEDGE_COLD_DELAY
+    # once the answer has begun, only the body rule applies (no comparable history: none)
+    assert hedge_delay(DERIVED, clock, 8 * MiB) is None
 
 
 def test_a_request_not_overtaken_is_left_to_the_body_rule():
@@ -109,10 +115,10 @@ def test_a_request_not_overtaken_is_left_to_the_body_rule():
     _answers(clock, t, 10, 0.02)
     last = t.t  # the newest request: nothing started after it has been answered
     assert clock.overtaken(last) == 0
-    assert hedge_delay(DERIVED, clock, 8 * MiB, waiting_since=last) == HEDGE_COLD_DELAY
+    assert hedge_delay(DERIVED, clock, 8 * MiB, waiting_since=last) is None
     t.t += 0.001
     clock.answered(0.02, t.t)  # one later answer is not enough (HEDGE_OVERTAKEN = 2)
-    assert hedge_delay(DERIVED, clock, 8 * MiB, waiting_since=last) == HEDGE_COLD_DELAY
+    assert hedge_delay(DERIVED, clock, 8 * MiB, waiting_since=last) is None
     t.t += 0.001
     clock.answered(0.02, t.t)
     assert hedge_delay(DERIVED, clock, 8 * MiB, waiting_since=last) == pytest.approx(0.06)
@@ -128,21 +134,26 @@ def test_the_body_floor_is_the_expected_time_at_the_measured_rate():
     assert hedge_delay(DERIVED, clock, 8 * MiB) == pytest.approx(0.3)
     # the same history under the old fixed floor of 0.5 s
     assert hedge_delay(LoadOptions(hedge_min_delay=0.5).hedge_policy, clock, 8 * MiB) == pytest.approx(0.5)
-    # a read 4x larger than any so far: no comparable history, but its expected time is known
+    # a read 4x larger than any so far: no comparable history, so no body hedge though its
+    # expected time is known
     big = 64 * MiB
-    assert clock.straggler_time(big) is None
-    assert hedge_delay(DERIVED, clock, big) == pytest.approx(max(HEDGE_COLD_DELAY, 3 * (0.02 + 0.64)))
+    assert clock.straggler_time(big) is None and clock.expected_time(big) == pytest.approx(0.02 + 0.64)
+    assert hedge_delay(DERIVED, clock, big) is None
 
 
-def test_a_slow_link_raises_the_cold_delay():
-    """A per-stream rate of 5 MiB/s: a 16 MiB chunk is expected to take 3.2 s; it is not
-    hedged after the 1 s cold delay (a slow link is not a straggler)."""
+def test_a_slow_stream_raises_the_floor_above_the_peers_p90():
+    """The expected time at the measured per-stream rate is a floor under the peers' p90:
+    1 MiB reads at 5 MiB/s, then 16 MiB reads that happened to be fast are no yardstick
+    for hedging a 16 MiB read after 3 x 0.5 s when the stream rate says it takes 3.2 s."""
     clock, t = _clock()
     _answers(clock, t, 8, 0.05)
     for _ in range(8):
         clock.finished(0.05 + 0.2, 1 * MiB, 0.2)  # 1 MiB reads at 5 MiB/s
     expected = 0.05 + 16 / 5
     assert clock.expected_time(16 * MiB) == pytest.approx(expected)
+    for _ in range(4):
+        clock.finished(0.5, 16 * MiB, None)  # comparable, but no body time (not rate samples)
+    assert clock.straggler_time(16 * MiB) == pytest.approx(0.5)
     assert hedge_delay(DERIVED, clock, 16 * MiB) == pytest.approx(3 * expected)
 
 
