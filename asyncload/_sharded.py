@@ -868,9 +868,10 @@ class BackgroundSends:
     # --- during the load (the event loop's thread) ------------------------------------------
 
     def behind(self, peers: Sequence[int], nbytes: int) -> list[int]:
-        """The peers that fall behind: their pending copies would pass half the budget with
-        ``nbytes`` more, and they hold more than twice what the least behind of this rank's
-        peers does (with a single peer there is nobody to fall behind: it is never left out)."""
+        """The peers that fall behind, asked when the copies fill the budget: their pending
+        copies would pass half of it with ``nbytes`` more, and they hold more than twice what
+        the least behind of this rank's peers does (so that peers that are all equally late
+        are not left out; with a single peer there is nobody to fall behind)."""
         with self._lock:
             if len(self._to) < 2:
                 return []
@@ -1420,13 +1421,13 @@ class _AdaptivePipeline(_SharedPipeline):
         skip: list[int] = []
         sends = self.sends
         if sends is not None and peers:
-            # a copy if there is room; else from the destination (waited for before the load
-            # returns) or, from a staging buffer, not at all
-            skip = sends.behind(peers, unit.nbytes)
-            if len(skip) < len(peers) and sends.reserve(unit.nbytes):
+            # a copy if there is room; else the peers far behind (those holding the copies) read
+            # it themselves, and the others get it from the destination (waited for before the
+            # load returns) or, from a staging buffer, not at all
+            if sends.reserve(unit.nbytes):
                 reserved = unit.nbytes
-            elif direct_ok is False:
-                skip = peers
+            else:
+                skip = sends.behind(peers, unit.nbytes) if direct_ok else peers
         elif send_bytes and send_bytes <= self.send_room:
             reserved = send_bytes
             self.send_room -= reserved

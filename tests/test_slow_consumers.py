@@ -66,12 +66,14 @@ def _wait_for(files: list[Path], deadline: float) -> bool:
 
 
 class _LeaveOutTheSlowRank(ShardedLoadPlanner):
-    """Every unit is claimed with the slow rank left out (as a rank whose send copies passed
-    their share of the budget would be): the slow rank must read each unit itself."""
+    """No room for send copies, and the slow rank far behind (as when its pending copies fill
+    the budget): every unit is claimed with the slow rank left out, so it must read each unit
+    itself, and the others get it straight from the destination."""
 
     def share_session(self, session: Any, options: LoadOptions) -> Any:
         share = super().share_session(session, options)
         if share is not None and share.sends is not None:
+            share.sends.reserve = lambda nbytes: False  # type: ignore[method-assign]
             share.sends.behind = lambda peers, nbytes: [p for p in peers if p == SLOW]  # type: ignore[method-assign]
         return share
 
