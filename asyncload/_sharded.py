@@ -112,8 +112,9 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     as its own destinations are complete and every failure known by then has been raised,
     so that a slow consumer (a busy GPU, a slow host) falls behind alone. Bytes it still
     owes slower peers are sent from private copies (never from the destinations, which the
-    caller may overwrite at once), at most ``memory_budget`` of them per rank; a peer whose
-    copies would pass half of that reads those units from storage itself instead. The copies
+    caller may overwrite at once), at most ``memory_budget`` of them per process; once they
+    fill it, a peer far behind reads new units from storage itself and the others get them
+    from the destination (waited for before the load returns). The copies
     drain in the background (:attr:`background_sends`, :func:`wait_for_background_sends`),
     bounded by ``collective_timeout``: a receiver that stops making progress is declared
     stalled, as during the load. The trade-off: a failure on a peer after this rank returned
@@ -831,9 +832,9 @@ class BackgroundSends:
     destination, which the caller may overwrite as soon as the load returns), so the load
     can return while slower peers still have to post their receives.
 
-    The copies are bounded: at most one ``memory_budget`` per process, and a peer whose
-    pending copies would pass half of it is left out of new units (it reads them from
-    storage itself, counted in its ``bytes_hedged``). After the load returned, a daemon
+    The copies are bounded: at most one ``memory_budget`` per process; once they fill it, a
+    peer far behind (:meth:`behind`) is left out of new units (it reads them from storage
+    itself, counted in its ``bytes_hedged``). After the load returned, a daemon
     thread keeps this rank's status alive while sends are pending (so peers do not declare
     it stalled), declares a receiver that makes no progress for ``collective_timeout``
     stalled (posting the failure that rank and the others still loading raise), logs a
@@ -1410,9 +1411,10 @@ class _AdaptivePipeline(_SharedPipeline):
         before the peers) needs ``send_bytes`` of send memory, so that the chunk does not
         wait for slow consumers; without that room it claims the unit without sending (value
         ``"<rank>!"``) and every consumer reads it itself: sends never wait for memory, so they
-        never hold up a receive. Returning before the peers, a consumer whose pending copies
-        would pass half the budget is left out (``"<rank>!<peer>,<peer>"``): it reads the unit
-        itself and the others still receive it."""
+        never hold up a receive. Returning before the peers, without room for a copy, a
+        consumer far behind is left out (``"<rank>!<peer>,<peer>"``): it reads the unit itself
+        and the others receive it from the destination (``direct_ok``), sent in the background
+        and waited for at the end of the phase."""
         session = self.session
         rank = session.rank
         await self.slots.acquire(self.keys.get(unit.index, (3, 0, 0)), unit.nbytes)
