@@ -50,6 +50,7 @@ for cls in (_obstore.ObstoreStorage, _storage.FsspecStorage):
     wrap(cls, "read", "GET")
     wrap(cls, "size", "HEAD")
     wrap(cls, "sizes", "LIST")
+wrap(_obstore.ObstoreStorage, "_list", "LIST-request")
 if hasattr(_obstore.ObstoreStorage, "read_object"):
     wrap(_obstore.ObstoreStorage, "read_object", "GET-whole")
 
@@ -116,7 +117,7 @@ def main() -> None:
 def report(layout: str, r: int, res: dict[str, Any]) -> None:
     events = sorted(res["events"], key=lambda e: e[3])
     total = res["total"]
-    data = [e for e in events if e[0] == "GET" and e[2] and e[2][1] - e[2][0] >= MiB]
+    data = [e for e in events if e[0] == "GET" and len(e[2]) == 2 and e[2][1] - e[2][0] >= MiB]
     first_data = data[0] if data else None
     print(f"\n== {layout}, round {r + 1}: {total * 1e3:.0f} ms, {len(events)} requests ==")
     if not events:
@@ -125,7 +126,7 @@ def report(layout: str, r: int, res: dict[str, Any]) -> None:
     before = [e for e in events if first_data is None or e[3] < first_data[3]]
     kinds: dict[str, list[Any]] = {}
     for e in before:
-        small = e[0] == "GET" and e[2] and e[2][1] - e[2][0] < MiB
+        small = e[0] == "GET" and len(e[2]) == 2 and e[2][1] - e[2][0] < MiB
         kinds.setdefault(("probe/metadata GET" if small else e[0]) if e[0] == "GET" else e[0], []).append(e)
     for kind, es in kinds.items():
         print(
@@ -133,7 +134,7 @@ def report(layout: str, r: int, res: dict[str, Any]) -> None:
             f"last done {max(e[4] for e in es) * 1e3:7.1f} ms"
         )
     for e in events[:8]:
-        rng = f"[{e[2][0]}, {e[2][1]})" if e[2] else ""
+        rng = f"[{e[2][0]}, {e[2][1]})" if len(e[2]) == 2 else ""
         print(f"    {e[0]:5s} {str(e[1])[:40]:40s} {rng:24s} {e[3] * 1e3:7.1f} -> {e[4] * 1e3:7.1f} ms")
     if first_data is not None:
         fb = [t for t in res["first_bytes"] if t >= first_data[3]]
