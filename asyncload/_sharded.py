@@ -882,11 +882,13 @@ class BackgroundSends:
 
     def reserve(self, nbytes: int) -> bool:
         """Room for a copy of ``nbytes`` within the budget (every load of the process together)."""
-        with _copy_lock:
-            if _copy_held[0] + nbytes > self.budget:
-                return False
-            _copy_held[0] += nbytes
         with self._lock:
+            if self.abandoned:  # the load failed: its copies no longer count, so none is made
+                return False
+            with _copy_lock:
+                if _copy_held[0] + nbytes > self.budget:
+                    return False
+                _copy_held[0] += nbytes
             self._held += nbytes
         return True
 

@@ -547,6 +547,8 @@ def w_one_rank_fails(
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
 
     def progress(done: int, total: int) -> None:
+        if rank == victim and mode == "raise-first":  # in the first read phase: before any rank can return
+            raise RuntimeError(f"injected failure on rank {rank}")
         if rank == victim and done >= total // 3:
             if mode == "raise":
                 raise RuntimeError(f"injected failure on rank {rank}")
@@ -576,15 +578,24 @@ def replicated_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("planner_kind", ["sharded", "sharded-wait", "pipelined"])
-def test_a_rank_that_raises_fails_every_rank(replicated_ckpt: str, planner_kind: str) -> None:
-    results = run_ranks(
-        w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "raise", 1, FAIL_OPTIONS, timeout=30
-    )
+@pytest.mark.parametrize(
+    "planner_kind,when",
+    [("sharded", "raise-first"), ("sharded", "raise"), ("sharded-wait", "raise"), ("pipelined", "raise")],
+)
+def test_a_rank_that_raises_fails_every_rank(replicated_ckpt: str, planner_kind: str, when: str) -> None:
+    """Rank 1 raises from its progress callback: at its first bytes (the first read phase,
+    which every rank must finish before any can read tensor data: no rank can have returned)
+    or once a third of its bytes landed. Every other rank raises DistributedLoadError naming
+    it; returning early (``sharded``), a rank that already had every byte of its own when
+    rank 1 failed late may instead return them, bit for bit."""
+    results = run_ranks(w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", when, 1, FAIL_OPTIONS, timeout=30)
     victim = results[1]
     assert victim.status == "error" and victim.error_type == "RuntimeError", victim
     assert victim.message == "injected failure on rank 1"
     for r in (results[0], results[2], results[3]):
+        if planner_kind == "sharded" and when == "raise" and r.status == "ok":
+            assert r.value == {"bad": []}, r.rank
+            continue
         assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
         assert "AsyncLoadError" in r.error_types
         assert r.attrs["rank"] == 1
