@@ -25,6 +25,7 @@ from torch.futures import Future
 
 from . import formats
 from ._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
+from ._intersect import local_load_plan
 from ._options import LoadOptions
 from ._plan import check_cast
 from ._session import LoadSession, decode_object
@@ -157,8 +158,6 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
     def _default_plan(self) -> LoadPlan:
         # torch's DefaultLoadPlanner.create_local_plan, its intersection done by a sorted
         # sweep (the same read items in the same order; docs/distributed.md, planning at scale)
-        from ._intersect import local_load_plan
-
         try:
             return local_load_plan(self)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:

@@ -764,10 +764,12 @@ def _grid_covers(offs: np.ndarray[Any, Any], lens: np.ndarray[Any, Any], size: t
     boxes = len(offs)
     if boxes == 0:
         return False
+    if boxes == 1:  # one chunk (what one process saves): a grid of one cell is the whole tensor
+        return bool((offs[0] == 0).all() and (lens[0] == np.asarray(size, dtype=np.int64)).all())
     cell = np.zeros(boxes, dtype=np.int64)
     cells = 1
     for k, extent in enumerate(size):
-        starts = np.unique(offs[:, k])
+        starts = _unique(offs[:, k])
         at = np.searchsorted(starts, offs[:, k])
         length = np.zeros(len(starts), dtype=np.int64)
         length[at] = lens[:, k]
@@ -779,7 +781,14 @@ def _grid_covers(offs: np.ndarray[Any, Any], lens: np.ndarray[Any, Any], size: t
         if cells > boxes:
             return False
         cell = cell * len(starts) + at
-    return cells == boxes and len(np.unique(cell)) == boxes
+    return cells == boxes and len(_unique(cell)) == boxes
+
+
+def _unique(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``np.unique(a)`` of a 1-D integer array (``np.unique`` imports ``numpy.ma`` on first
+    use: 5 ms of a fresh process's first load)."""
+    s = np.sort(a)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
 
 
 def _chunks_fine(chunks: list[Any], size: tuple[int, ...], chunk_type: type) -> bool:
