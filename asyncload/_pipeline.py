@@ -87,11 +87,16 @@ class Pipeline:
             chunks = self._spread(chunks)
         await self._run(_aiter(chunks))
 
-    async def run_stream(self, chunks: AsyncIterable[Chunk]) -> None:
+    async def run_stream(self, chunks: AsyncIterator[Chunk]) -> None:
         """:meth:`run` for a source that yields chunks as they become known (a record's data
         once its header probes have landed), dispatched in its order; an error the source
-        raises fails the run like a failed read."""
-        await self._run(chunks)
+        raises fails the run like a failed read. A generator source is closed on every path."""
+        try:
+            await self._run(chunks)
+        finally:
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
 
     async def _run(self, chunks: AsyncIterable[Chunk]) -> None:
         error: BaseException | None = None

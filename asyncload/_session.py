@@ -341,11 +341,12 @@ class LoadSession:
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         url = storage.url(name)
         raw: memoryview | None = None
-        if rank is None:
-            storage.prefetch_sizes()  # the data files' sizes, listed while .metadata is read
         try:  # retried like any read: a 503 on this first request must not fail the load
             if storage.supports_read_object:  # one GET: its answer gives the size and version
-                raw, size = await storage.read_object(name, options.max_metadata_size)
+                first = asyncio.ensure_future(storage.read_object(name, options.max_metadata_size))
+                if rank is None:
+                    storage.prefetch_sizes()  # the data files' sizes, listed while .metadata is read
+                raw, size = await first
             else:
                 size = await storage.size(name)
         except CheckpointNotFoundError as exc:
