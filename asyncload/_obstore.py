@@ -424,8 +424,10 @@ class ObstoreStorage(VersionPins):
         #: file name -> its size, as a HEAD, a whole GET or a listing gave it (the version
         #: those answers carried is pinned: a later answer of another version fails the load)
         self._sizes: dict[str, int] = {}
-        #: the listing :meth:`prefetch_sizes` started
+        #: the listing :meth:`prefetch_sizes` started, and the sizes it gave that :meth:`size`
+        #: has not yet answered from (once each: a later ``size`` asks the store again)
         self._listing: asyncio.Future[list[Any]] | None = None
+        self._listed: dict[str, int] = {}
 
     def _get_store(self) -> Any:
         if self._store is None:
@@ -518,6 +520,9 @@ class ObstoreStorage(VersionPins):
     async def size(self, name: str) -> int:
         import obstore
 
+        self._take_listing_if_back()
+        if name in self._listed:  # the listing beside the .metadata GET gave it: answers once
+            return self._listed.pop(name)
         meta = await obstore.head_async(self._get_store(), name)
         self._see_meta(name, meta)
         size = self._sizes[name] = int(meta["size"])
@@ -540,13 +545,10 @@ class ObstoreStorage(VersionPins):
         :meth:`prefetch_sizes` that has finished: no request), and one listing of the
         checkpoint's directory instead of a HEAD per file for the others (S3, GCS; 4 files
         or more)."""
-        listing, self._listing = self._listing, None
-        if listing is not None:
-            if listing.done() and not listing.cancelled() and listing.exception() is None:
-                self._take_listing(listing.result(), set(names))
-            else:  # not back yet (a large directory): never wait for it
-                listing.cancel()
-                await asyncio.gather(listing, return_exceptions=True)
+        if not self._take_listing_if_back() and self._listing is not None:
+            listing, self._listing = self._listing, None  # not back yet (a large directory): never wait for it
+            listing.cancel()
+            await asyncio.gather(listing, return_exceptions=True)
         out = {n: self._sizes[n] for n in names if n in self._sizes}
         wanted = set(names) - set(out)
         if len(wanted) < 4 or self.spec.kind == "http":
@@ -555,10 +557,24 @@ class ObstoreStorage(VersionPins):
         out.update((n, self._sizes[n]) for n in wanted if n in self._sizes)
         return out
 
-    def _take_listing(self, metas: list[Any], wanted: set[str]) -> None:
+    def _take_listing_if_back(self) -> bool:
+        """Take the sizes and versions of every file of the listing :meth:`prefetch_sizes`
+        started, if it is back (a failed one, e.g. without permission to list, is dropped)."""
+        listing = self._listing
+        if listing is None or not listing.done():
+            return False
+        self._listing = None
+        if listing.cancelled() or listing.exception() is not None:
+            return False
+        for meta in listing.result():
+            self._listed[str(meta["path"])] = int(meta["size"])
+        self._take_listing(listing.result(), None)
+        return True
+
+    def _take_listing(self, metas: list[Any], wanted: set[str] | None) -> None:
         for meta in metas:
             path = str(meta["path"])
-            if path in wanted:
+            if wanted is None or path in wanted:
                 self._sizes[path] = int(meta["size"])
                 self._see(path, self._version_of(meta))
 

@@ -135,8 +135,9 @@ def test_metadata_larger_than_the_limit_is_refused_before_its_body(
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
 def test_a_size_seen_once_is_not_asked_for_again(request, backend, bucket_name, fault_proxy, tmp_path):
-    """A safetensors directory: the file's size from the HEAD that found it serves the size
-    check before the reads (no second HEAD)."""
+    """A safetensors directory: the file's size from the HEAD that found it (or from the
+    listing started beside the ``.metadata`` GET) serves the size check before the reads
+    (no second HEAD)."""
     from safetensors.torch import save_file
 
     sd = {f"t{i}": random_tensor((64, 64), torch.float32, 40 + i) for i in range(4)}
@@ -148,4 +149,4 @@ def test_a_size_seen_once_is_not_asked_for_again(request, backend, bucket_name, 
     asyncload.load(dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options)
     assert_bitwise_equal(dst, sd)
     heads = [e for e in r.proxy.log if _unquoted(e.path).endswith("model.safetensors") and e.range is None]
-    assert len(heads) == 1, heads
+    assert len(heads) <= 1, heads
