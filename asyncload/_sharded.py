@@ -869,16 +869,20 @@ class BackgroundSends:
     # --- during the load (the event loop's thread) ------------------------------------------
 
     def behind(self, peers: Sequence[int], nbytes: int) -> list[int]:
-        """The peers that fall behind, asked when the copies fill the budget: their pending
-        copies would pass half of it with ``nbytes`` more, and they hold more than twice what
-        the least behind of this rank's peers does (so that peers that are all equally late
-        are not left out; with a single peer there is nobody to fall behind)."""
+        """The peers far behind, once the copies fill the budget (no room for ``nbytes``
+        more; before that, nobody): those whose pending copies pass half of it and more than
+        twice what any other peer of this rank holds (one clear straggler; peers late alike
+        are never left out, and with a single peer there is nobody to fall behind)."""
+        with _copy_lock:
+            if _copy_held[0] + nbytes <= self.budget:
+                return []
         with self._lock:
             if len(self._to) < 2:
                 return []
-            least = min(self._to.values())
+            top = sorted(self._to.values(), reverse=True)
             held = [self._to.get(p, 0) for p in peers]
-        return [p for p, h in zip(peers, held) if h + nbytes > self.budget // 2 and h > 2 * least + nbytes]
+        half = self.budget // 2
+        return [p for p, h in zip(peers, held) if h + nbytes > half and h == top[0] and h > 2 * top[1] + nbytes]
 
     def reserve(self, nbytes: int) -> bool:
         """Room for a copy of ``nbytes`` within the budget (every load of the process together)."""
@@ -1413,10 +1417,10 @@ class _AdaptivePipeline(_SharedPipeline):
         before the peers) needs ``send_bytes`` of send memory, so that the chunk does not
         wait for slow consumers; without that room it claims the unit without sending (value
         ``"<rank>!"``) and every consumer reads it itself: sends never wait for memory, so they
-        never hold up a receive. Returning before the peers, without room for a copy, a
-        consumer far behind is left out (``"<rank>!<peer>,<peer>"``): it reads the unit itself
-        and the others receive it from the destination (``direct_ok``), sent in the background
-        and waited for at the end of the phase."""
+        never hold up a receive. Returning before the peers, a consumer far behind
+        (:meth:`BackgroundSends.behind`) is left out (``"<rank>!<peer>,<peer>"``): it reads the
+        unit itself; the others receive it from a copy or, without room, from the destination
+        (``direct_ok``; sent in the background and waited for at the end of the phase)."""
         session = self.session
         rank = session.rank
         await self.slots.acquire(self.keys.get(unit.index, (3, 0, 0)), unit.nbytes)
@@ -1425,13 +1429,15 @@ class _AdaptivePipeline(_SharedPipeline):
         skip: list[int] = []
         sends = self.sends
         if sends is not None and peers:
-            # a copy if there is room; else the peers far behind (those holding the copies) read
-            # it themselves, and the others get it from the destination (waited for before the
-            # load returns) or, from a staging buffer, not at all
-            if sends.reserve(unit.nbytes):
+            # without room for a copy, a peer far behind (holding this rank's copies) reads it
+            # itself; the others get a copy if there is room, else the destination's bytes
+            # (waited for before the load returns) or, from a staging buffer, nothing (each
+            # reads it)
+            skip = sends.behind(peers, unit.nbytes)
+            if len(skip) < len(peers) and sends.reserve(unit.nbytes):
                 reserved = unit.nbytes
-            else:
-                skip = sends.behind(peers, unit.nbytes) if direct_ok else peers
+            elif not direct_ok:
+                skip = peers
         elif send_bytes and send_bytes <= self.send_room:
             reserved = send_bytes
             self.send_room -= reserved

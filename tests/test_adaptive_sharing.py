@@ -204,7 +204,10 @@ def test_a_slow_rank_gets_a_smaller_share_and_late_transfers_are_hedged(per_rank
 
 def test_a_slow_host_falls_behind_alone(tmp_path: Path) -> None:
     """Rank 2's event loop stalls 30 ms at every chunk it assembles (a busy host): it claims
-    fewer units than any other rank, and everything still lands bit for bit."""
+    less than the quarter the plan gave it and less than the other ranks on average, and
+    everything still lands bit for bit. (Which of the fast ranks takes over what varies:
+    since ranks return before their peers, they no longer wait for each other's sends, so
+    one of them may take over much of another's queue.)"""
     path = save(tmp_path / "ck")
     total = tensor_bytes(big_model())
     values = all_ok(run_ranks(w_load, 4, [path] * 4, ["adaptive"], OPTIONS, 16 * KiB, (2, 0.03), timeout=80))
@@ -212,7 +215,8 @@ def test_a_slow_host_falls_behind_alone(tmp_path: Path) -> None:
     once = [
         r - h for r, h in zip(_column(values, "adaptive", "bytes_read"), _column(values, "adaptive", "bytes_hedged"))
     ]
-    assert once[2] < min(once[r] for r in (0, 1, 3)), once
+    assert once[2] < total / 4, once
+    assert once[2] < sum(once[r] for r in (0, 1, 3)) / 3, once
 
 
 def test_adaptive_under_the_smallest_memory_budget(tmp_path: Path) -> None:

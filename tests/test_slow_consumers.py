@@ -66,14 +66,13 @@ def _wait_for(files: list[Path], deadline: float) -> bool:
 
 
 class _LeaveOutTheSlowRank(ShardedLoadPlanner):
-    """No room for send copies, and the slow rank far behind (as when its pending copies fill
-    the budget): every unit is claimed with the slow rank left out, so it must read each unit
-    itself, and the others get it straight from the destination."""
+    """The slow rank far behind from the start (as once its pending copies fill half the
+    budget): every unit is claimed with it left out, so it must read each unit itself, and
+    the others still get the unit from a copy."""
 
     def share_session(self, session: Any, options: LoadOptions) -> Any:
         share = super().share_session(session, options)
         if share is not None and share.sends is not None:
-            share.sends.reserve = lambda nbytes: False  # type: ignore[method-assign]
             share.sends.behind = lambda peers, nbytes: [p for p in peers if p == SLOW]  # type: ignore[method-assign]
         return share
 
@@ -275,13 +274,27 @@ class _FakeMonitor:
 
 
 def test_a_peer_falls_behind_only_against_the_others() -> None:
-    """A peer is left out of new units once its pending copies pass half the budget and more
-    than twice those of the least behind peer; with one peer, never."""
+    """Once the copies fill the budget, a peer is left out of new units if its pending copies
+    pass half of it and more than twice those of every other peer; peers late alike, or a
+    single peer, never."""
+    from asyncload import _sharded
+
     sends = BackgroundSends(_FakeMonitor(), 1000)  # type: ignore[arg-type]
     sends._to = {1: 600, 2: 100, 3: 0}
+    assert sends.behind([1, 2, 3], 10) == []  # the copies do not fill the budget yet
+    _sharded._copy_held[0] += 1000  # they do now
+    try:
+        _check_behind(sends)
+    finally:
+        _sharded._copy_held[0] -= 1000
+
+
+def _check_behind(sends: BackgroundSends) -> None:
+    sends._to = {1: 600, 2: 100, 3: 0}
     assert sends.behind([1, 2, 3], 10) == [1]
-    sends._to = {1: 600, 2: 500, 3: 400}
-    assert sends.behind([1, 2, 3], 10) == []
+    assert sends.behind([2, 3], 10) == []  # rank 1 is not among this unit's consumers
+    sends._to = {1: 600, 2: 500, 3: 0}
+    assert sends.behind([1, 2, 3], 10) == []  # two late alike: neither is left out
     sends._to = {1: 900}
     assert sends.behind([1], 10) == []
     sends._to = {1: 300, 2: 0}
