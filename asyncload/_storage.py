@@ -332,6 +332,7 @@ class FsspecStorage(VersionPins):
             if seen is not None and _status_412(exc):
                 raise ObjectChangedError(self.url(name), (start, end), seen, None) from exc
             raise
+        first_byte()  # the answer's headers are in, its body unread: the hedge's first-byte clock
         body = resp["Body"]
         try:
             etag = resp.get("ETag")
@@ -372,6 +373,7 @@ class FsspecStorage(VersionPins):
             headers["If-Match"] = seen[5:]
         session = await fs.set_session()
         async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+            first_byte()
             if r.status == 412 and seen is not None:
                 r.close()
                 raise ObjectChangedError(self.url(name), (start, end), seen, _http_version(r.headers))
