@@ -20,7 +20,7 @@ from ._errors import (
 )
 from ._options import LoadOptions
 from ._read import aread_state_dict, read_state_dict
-from ._sharded import ShardedLoadPlanner
+from ._sharded import BackgroundSends, ShardedLoadPlanner, wait_for_background_sends
 from ._stats import LoadStats
 from ._stream import aiter_tensors, iter_tensors
 
@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncLoadError",
+    "BackgroundSends",
     "CheckpointChangedError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
@@ -52,4 +53,5 @@ __all__ = [
     "load",
     "read_state_dict",
     "start_load",
+    "wait_for_background_sends",
 ]

@@ -271,10 +271,9 @@ def _collective_steps(
         final = yield Call(planner.finish_plan, central)
         yield from read_steps(reader, final, planner)
         doing = "waiting for the other ranks to finish reading"
-        yield Call(monitor.barrier, "done", doing)
-        # one collective, so that no rank (rank 0 hosts the store) leaves while another is
-        # still reading the barrier's keys
-        yield Call(dist_w.barrier)
+        # the "done" barrier and one collective (so that no rank leaves while another still
+        # reads the barrier's keys), or, when ShardedLoadPlanner returns early, neither
+        yield Call(monitor.finish, doing)
     except BaseException as exc:
         monitor.fail(exc, monitor.doing if doing == "reading data" else doing)
         raise

@@ -566,6 +566,11 @@ class LoadSession:
         whole = reads.whole_records(records, min(small, ecs))
         # Phase A: whole small records and objects; head and tail probes of large records
         pieces: list[Piece] = []
+        deferred: list[Piece] = []  # whole small tensor records read in phase B (sharing)
+
+        def shared_tensor_record(rec: _Record) -> bool:
+            return run_chunks is not None and bool(rec.tensor_items) and not rec.byte_items
+
         large: list[_Record] = []
         probe_of: dict[int, _Record] = {}  # id of a probe piece -> its record
         for rec in records:
@@ -579,7 +584,10 @@ class LoadSession:
                     hi = min(rec.length, lo + ecs)
                     pieces.append(Piece(rec.name, rec.offset + lo, rec.offset + hi, into=memoryview(buf)[lo:hi]))
             elif id(rec) in whole:
-                pieces.append(Piece(rec.name, rec.offset, rec.end, deliver=self._whole_record(rec, options)))
+                whole_piece = Piece(rec.name, rec.offset, rec.end, deliver=self._whole_record(rec, options))
+                # sharing: a small tensor record is read with the data (phase B), so that a rank
+                # whose assembly is slow does not hold up every rank's start of phase B
+                (deferred if shared_tensor_record(rec) else pieces).append(whole_piece)
             else:
                 large.append(rec)
                 head, tail = _probes(rec)
@@ -587,15 +595,7 @@ class LoadSession:
                     probe = Piece(rec.name, lo, hi, deliver=_store(rec.window, lo))
                     probe_of[id(probe)] = rec
                     pieces.append(probe)
-        chunks = make_chunks(
-            pieces,
-            chunk_size=chunking.chunk_size,
-            min_chunk_size=reads.join_gap(chunking.min_chunk_size),
-            max_over_read=reads.gap_allowance(),
-        )
-        for c in chunks:
-            for s in c.segments:
-                s.payload = False
+        chunks = _unit_chunks(pieces, chunking, reads)
         if streamed:
             await self._aread_streamed(pipeline, storage, options, chunks, probe_of, len(large), reads, trackers)
             self._check_written(records, assembled_before, total)
@@ -625,6 +625,8 @@ class LoadSession:
         self._copy_from_probes(from_probes)
         charge = _ForeignBytes(self.metadata, headers) if reads.bounded else None
         chunks = self._data_chunks(data_pieces, chunking, reads, charge)
+        if deferred:
+            chunks = [*chunks, *_unit_chunks(deferred, chunking, reads)]
         t_planned = time.monotonic()
         await run(pipeline, chunks)
         self._check_written(records, assembled_before, total)
@@ -1270,6 +1272,21 @@ def _needed(rec: _Record) -> int:
         size = saved.itemsize if isinstance(saved, torch.dtype) else dest.element_size()
         n += int(torch.Size(item.lengths).numel()) * size
     return n
+
+
+def _unit_chunks(pieces: list[Piece], chunking: ChunkPolicy, reads: _ReadBudget) -> list[Chunk]:
+    """Chunks of probes and whole records: not payload (each whole record's delivery, and
+    each record's data read later, count their own bytes)."""
+    chunks = make_chunks(
+        pieces,
+        chunk_size=chunking.chunk_size,
+        min_chunk_size=reads.join_gap(chunking.min_chunk_size),
+        max_over_read=reads.gap_allowance(),
+    )
+    for c in chunks:
+        for seg in c.segments:
+            seg.payload = False
+    return chunks
 
 
 def _probes(rec: _Record) -> tuple[tuple[int, int], tuple[int, int]]:

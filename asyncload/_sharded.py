@@ -826,6 +826,10 @@ _copy_lock = threading.Lock()
 _copy_held = [0]
 
 
+#: How often a late unit whose hedge found every slot taken looks again, seconds.
+_HEDGE_SLOT_POLL = 0.05
+
+
 class BackgroundSends:
     """The sends of one load on this rank under ``ShardedLoadPlanner(wait_for_peers=False)``:
     every unit this rank sends goes out from a private copy of its bytes (never from the
@@ -911,14 +915,17 @@ class BackgroundSends:
         # the copy is freed (and its room given back) when its last peer has it
         left = [len(peers), copy]
         works: list[tuple[int, Any]] = []
-        try:
-            for p in peers:
+        for p in peers:
+            try:
                 works.append((p, dist.isend(tensor, group=group, group_dst=p, tag=tag)))
-        finally:
-            if len(works) < len(peers):
-                left[0] = len(works)
-                if not works:
-                    self.unreserve(n)
+            except RuntimeError as exc:  # gloo: the peer's connection closed (it died)
+                # not this rank's failure: that peer reads the unit itself or fails on its own,
+                # and the monitor tells the others; the send is simply not made
+                log.warning("rank %d: no send to rank %d, its connection is gone: %s", self.rank, p, exc)
+        left[0] = len(works)
+        if not works:
+            self.unreserve(n)
+            return
         with self._lock:
             for p, w in works:
                 self._queues.setdefault(p, []).append((w, n, left))
@@ -1577,6 +1584,10 @@ class _AdaptivePipeline(_SharedPipeline):
         try:
             if self.hedge.enabled:
                 await asyncio.wait({recv}, timeout=self._hedge_delay(unit.nbytes))
+                # late, with every hedge slot taken: wait for one to free, not for the owner
+                # alone (an owner that stalls must not hold this unit up for ever)
+                while not recv.done() and self.hedging >= self.hedge.max_in_flight:
+                    await asyncio.wait({recv}, timeout=_HEDGE_SLOT_POLL)
             if not recv.done() and self.hedge.enabled and self.hedging < self.hedge.max_in_flight:
                 self.hedging += 1
                 try:

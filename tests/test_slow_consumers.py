@@ -15,7 +15,6 @@ checkpoint on local disk.
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ from test_distributed import big_model, same_bits, stats_dict, tensor_bytes
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload import _driver as driver
 from asyncload._sharded import BackgroundSends, _parse_claim, _wait_at_exit
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
@@ -44,11 +42,6 @@ OPTIONS = LoadOptions(
 )
 #: Seconds the slow rank waits for the fast ranks' files at most (a failure cut-off).
 CUT_OFF = 15.0
-#: The driver ends a load with ``Monitor.finish`` (the patch that lets a rank return before
-#: its peers); without it every rank still waits for all at the end, and the tests that
-#: observe an early return are expected to fail.
-EARLY = "monitor.finish" in inspect.getsource(driver)
-needs_early_return = pytest.mark.xfail(not EARLY, reason="asyncload._driver waits for every rank", strict=True)
 
 
 def save(path: Path) -> str:
@@ -143,11 +136,10 @@ def _check_load(values: list[list[dict[str, Any]]], n: int, total: int) -> None:
     assert total <= once <= 1.10 * total, once
 
 
-@needs_early_return
 def test_fast_ranks_return_while_a_slow_consumer_assembles(tmp_path: Path) -> None:
     """Two loads in a row on one process group. In each, the slow rank saw every fast
-    rank's load return while it was still assembling; the fast ranks still owed it bytes
-    when they returned (sent after return from copies, so overwriting their tensors right
+    rank's load return while it was still assembling; the fast ranks (together) still owed
+    it bytes when they returned (sent after return from copies, so overwriting their tensors right
     away did not reach it); every rank bit for bit; every unit read once (hedges aside).
     The interpreter-exit hook, run on one fast rank, returns once what it owed has landed."""
     path = save(tmp_path / "ck")
@@ -156,16 +148,17 @@ def test_fast_ranks_return_while_a_slow_consumer_assembles(tmp_path: Path) -> No
     for n in (0, 1):
         assert values[SLOW][n]["saw_returns"] is True, n
         _check_load(values, n, total)
-        for r in (0, 1, 3):
-            assert values[r][n]["at_return"] > 0, (r, n, values[r][n])
+        # the fast ranks together still owed the slow one bytes (which of them did depends
+        # on which units each claimed, and on whether the slow rank's receive was already up)
+        assert sum(values[r][n]["at_return"] for r in (0, 1, 3)) > 0, (n, values)
     for r in (0, 1, 3):
         assert values[r][-1]["drained"] is True
-        assert 0 < values[r][-1]["after_return"] <= values[r][-1]["at_return"]
+        owed = values[r][-1]["at_return"]
+        assert (0 < values[r][-1]["after_return"] <= owed) if owed else values[r][-1]["after_return"] == 0, r
     # the exit hook returned once everything owed had landed
     assert values[EXITS][-1]["after_return"] == values[EXITS][-1]["at_return"]
 
 
-@needs_early_return
 def test_a_unit_left_out_for_the_slow_rank_is_read_from_storage(tmp_path: Path) -> None:
     """Units whose sends to the slow rank were not made (its copies over budget: here every
     unit) are read from storage by the slow rank itself; the fast ranks still exchange them."""
@@ -184,7 +177,6 @@ def test_a_unit_left_out_for_the_slow_rank_is_read_from_storage(tmp_path: Path) 
     assert all(stats[r]["bytes_received"] > 0 for r in (0, 1, 3))
 
 
-@needs_early_return
 def test_a_sender_that_dies_after_returning(tmp_path: Path) -> None:
     """Rank 1 exits right after its load returned, while it still owed the slow rank bytes:
     the slow rank reads those units from storage itself (or, had it been waiting on rank 1
