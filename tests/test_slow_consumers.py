@@ -191,7 +191,10 @@ def test_a_sender_that_dies_after_returning(tmp_path: Path) -> None:
     if slow.ok:
         assert slow.value[0]["saw_returns"] is True
         assert slow.value[0]["bad"] == []
-        assert slow.value[0]["stats"]["bytes_hedged"] > 0
+        # every byte in place: what rank 1 still owed was read around (bytes_hedged), unless its
+        # sends had landed between its return and its exit (gloo completes posted receives on
+        # its own threads), so which of the two happened is not asserted
+        assert slow.value[0]["stats"]["bytes_assembled"] == tensor_bytes(big_model())
     else:
         assert slow.error_type == "DistributedLoadError", (slow.status, slow.message, slow.traceback)
         assert slow.attrs["rank"] == 1, slow.message
