@@ -114,3 +114,9 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages, as /proc/loadavg gives them."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])

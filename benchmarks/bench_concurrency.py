@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import loadavg
 from bench_peers import CHILD, SEED, make_tensors, write_layouts
 from bench_remote import Proxy, find_s3rver
 
@@ -33,11 +34,6 @@ from asyncload.testing import S3rverServer, configure_env
 MiB = 1 << 20
 SETTINGS = [("10ms", 0.010, None), ("10ms-100MiB/s", 0.010, 100 * MiB), ("1ms", 0.001, None)]
 LAYOUTS = ["dcp-one-file", "safetensors"]
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def main() -> None:
@@ -54,7 +50,7 @@ def main() -> None:
     configure_env()
     tensors = make_tensors(args.size_mib * MiB, 1024)
     spec = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
-    before = _loadavg()
+    before = loadavg()
     print(f"{args.size_mib} MiB, {args.rounds} rounds, variants {variants}; load average {before}", flush=True)
     results: dict[tuple[str, str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="asyncload-bench-conc-") as tmp, S3rverServer(executable=exe) as server:
@@ -98,7 +94,7 @@ def main() -> None:
                             sys.exit(f"{setting} {layout} concurrency={v}: {got or out.stderr[-500:]}")
                         results.setdefault((setting, layout, str(v)), []).append(got["seconds"])
                         print(f"{setting:14s} {layout:13s} concurrency={v!s:5s} {got['seconds']:.3f} s", flush=True)
-    print(f"\nmedian seconds (load average before {before}, after {_loadavg()})")
+    print(f"\nmedian seconds (load average before {before}, after {loadavg()})")
     print(f"{'setting':14s} {'layout':13s} " + " ".join(f"{v!s:>8s}" for v in variants))
     for setting, _, _ in SETTINGS:
         for layout in LAYOUTS:

@@ -40,6 +40,7 @@ from asyncload.testing import GCSServer, HTTPRangeServer, S3rverServer, S3Server
 
 configure_env()
 import bench_remote as BR
+from _common import loadavg
 
 GiB = 1 << 30
 
@@ -143,7 +144,7 @@ def _rounds(contenders: dict[str, tuple[str, dict[str, Any]]], rounds: int, nbyt
 
 def _table(title: str, res: dict[str, list[Any]], nbytes: int, ref: dict[str, str]) -> None:
     gib = nbytes / GiB
-    print(f"\n{title} (medians of {len(next(iter(res.values())))}; load average {_loadavg()})")
+    print(f"\n{title} (medians of {len(next(iter(res.values())))}; load average {loadavg()})")
     print("| contender | seconds | GiB/s | CPU s/GiB | vs its fsspec peer |")
     print("| --- | ---: | ---: | ---: | ---: |")
     med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in res.items()}
@@ -151,11 +152,6 @@ def _table(title: str, res: dict[str, list[Any]], nbytes: int, ref: dict[str, st
         peer = ref.get(name)
         vs = f"{med[peer][0] / t:.2f}x faster, {med[peer][1] / c:.2f}x less CPU" if peer in med else ""
         print(f"| {name} | {t:.3f} | {gib / t:.2f} | {c / gib:.2f} | {vs} |")
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def main() -> None:
@@ -169,7 +165,7 @@ def main() -> None:
     size = args.size_mib << 20
     exe = BR.find_s3rver()
     s3: Any = S3rverServer(executable=exe) if exe is not None else S3Server()
-    print(f"S3 server: {type(s3).__name__}; {args.size_mib} MiB; load average {_loadavg()}", flush=True)
+    print(f"S3 server: {type(s3).__name__}; {args.size_mib} MiB; load average {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp, s3:
         if args.part in ("raw", "both"):
             _raw(args, size, s3, Path(tmp))
