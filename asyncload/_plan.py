@@ -245,6 +245,27 @@ def plan_tensor(
     if math.prod(lengths) == 0:
         return []
     isz = loc.itemsize
+    if (
+        direct_ok
+        and dest.dtype == loc.dtype
+        and dest.device.type == "cpu"
+        and not any(offsets)
+        and tuple(lengths) == tuple(loc.size)
+        and _contiguous_box(lengths, loc.stride)
+        and dest.is_contiguous()
+        and (stager is None or not stager.claims(dest))
+    ):
+        # the common case (a whole saved tensor, row-major, into a CPU tensor of its dtype):
+        # the pieces the box walk below makes for it, without the walk
+        start_b = loc.data_start + loc.storage_offset * isz
+        nbytes = math.prod(lengths) * isz
+        mv = memory_of(dest)
+        return [
+            Piece(
+                loc.name, start_b + lo, start_b + min(nbytes, lo + chunk_size), into=mv[lo : lo + chunk_size], keep=dest
+            )
+            for lo in range(0, nbytes, chunk_size)
+        ]
     gap_ok = min_chunk_size if max_gap is None else max_gap
     perm = sorted(range(n), key=lambda i: (-loc.stride[i], i))
     strides_p = [loc.stride[i] for i in perm]

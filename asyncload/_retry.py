@@ -922,6 +922,23 @@ class RetryingStorage:
         await self._call(lambda: loop.run_in_executor(self.executor, job), first[0], span)
         self.stats.add(bytes_read=sum(r[2] - r[1] for r in reads))
 
+    async def readinto_many(self, reads: Sequence[tuple[str, int, Sequence[memoryview]]]) -> None:
+        """Several reads of a store that reads into caller memory, each ``(name, start,
+        buffers)`` filled in turn on one I/O thread, in one hop. A failure retries them all
+        (refilling a buffer is idempotent); the error names their span."""
+        raw = self.raw
+        loop = asyncio.get_running_loop()
+
+        def job() -> None:
+            for name, start, buffers in reads:
+                raw.readinto_sync(name, start, buffers)
+
+        first = reads[0]
+        ends = [start + sum(len(b) for b in buffers) for _, start, buffers in reads]
+        span = (min(r[1] for r in reads), max(ends)) if all(r[0] == first[0] for r in reads) else (first[1], ends[0])
+        await self._call(lambda: loop.run_in_executor(self.executor, job), first[0], span)
+        self.stats.add(bytes_read=sum(e - r[1] for r, e in zip(reads, ends)))
+
     async def size(self, name: str) -> int:
         raw = self.raw
         return int(await self._call(lambda: raw.size(name), name, None))

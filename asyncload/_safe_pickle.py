@@ -793,7 +793,21 @@ def _unique(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 def _chunks_fine(chunks: list[Any], size: tuple[int, ...], chunk_type: type) -> bool:
     """Whether a tensor's chunks are provably what the field-by-field checks accept."""
-    if set(map(type, chunks)) != {chunk_type} or type(size) is not torch.Size:
+    if type(size) is not torch.Size:
+        return False
+    if len(chunks) == 1:  # what one process saves: one chunk, the whole tensor (no arrays needed)
+        only = chunks[0]
+        if type(only) is not chunk_type:
+            return False
+        offs, lens = getattr(only, "offsets", None), getattr(only, "sizes", None)
+        return (
+            type(offs) is torch.Size
+            and type(lens) is torch.Size
+            and len(offs) == len(size)
+            and not any(offs)
+            and tuple(lens) == tuple(size)
+        )
+    if set(map(type, chunks)) != {chunk_type}:
         return False
     try:
         offs_list, lens_list = list(map(_offsets_of, chunks)), list(map(_sizes_of, chunks))

@@ -264,10 +264,13 @@ class LoadSession:
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """The load's I/O and assembly threads (started on first use)."""
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self._io_threads(), thread_name_prefix="asyncload-io"
-            )
+            self._executor = _IOThreads(self._io_threads(), thread_name_prefix="asyncload-io")
         return self._executor
+
+    @property
+    def open(self) -> bool:
+        """Whether files, sessions or I/O threads are open (:meth:`aclose` has work to do)."""
+        return self._storage is not None or self._executor is not None
 
     async def storage(self) -> RetryingStorage:
         """The checkpoint's storage behind the retrying error boundary (opened on first use)."""
@@ -296,6 +299,12 @@ class LoadSession:
         if storage is not None:
             await storage.aclose()
         if executor is not None:
+            if isinstance(executor, _IOThreads) and executor.idle:
+                # nothing is running or queued (a load that ended well): the idle threads
+                # exit as soon as they are told, so they are joined here, without a hop to
+                # another thread (a stuck read, which could block the loop, is never idle)
+                executor.shutdown(wait=True)
+                return
             await asyncio.get_running_loop().run_in_executor(
                 None, lambda: executor.shutdown(wait=True, cancel_futures=True)
             )
@@ -608,7 +617,11 @@ class LoadSession:
                 self._check_crc(tracker, rec, storage)
             await self._check_unchanged(storage)
             return
-        await run(pipeline, chunks)
+        pipeline.headers = True
+        try:
+            await run(pipeline, chunks)
+        finally:
+            pipeline.headers = False
         reads.measure(self._recorder)
         t_phase_a = time.monotonic()
         # Phase B: locate each large record's tensor, then read the boxes each item needs
@@ -1058,6 +1071,35 @@ class LoadSession:
         stager, self._stager = self._stager, None
         if stager is not None:
             await asyncio.to_thread(stager.finish_sync)
+
+
+class _IOThreads(concurrent.futures.ThreadPoolExecutor):
+    """The load's I/O thread pool, counting the jobs submitted and not yet finished."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+        self._unfinished = 0
+        self._count_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        with self._count_lock:
+            self._unfinished += 1
+        try:
+            fut = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._finished(None)
+            raise
+        fut.add_done_callback(self._finished)
+        return fut
+
+    def _finished(self, _fut: object) -> None:
+        with self._count_lock:
+            self._unfinished -= 1
+
+    @property
+    def idle(self) -> bool:
+        """No job is queued or running (a job counts until its result is set)."""
+        return self._unfinished == 0
 
 
 def _check_planned(item: ReadItem, dest: torch.Tensor, pieces: list[Piece], rec: _Record) -> None:

@@ -593,6 +593,13 @@ async def _readinto(rs: RetryingStorage) -> bytes:
     return bytes(a + b)
 
 
+async def _many(rs: RetryingStorage) -> list[bytes]:
+    """Two reads straight into caller memory in one hop (large local chunks, grouped)."""
+    a, b, c = bytearray(4), bytearray(3), bytearray(5)
+    await rs.readinto_many([("f", 200, [memoryview(a), memoryview(b)]), ("f", 300, [memoryview(c)])])
+    return [bytes(a + b), bytes(c)]
+
+
 #: (id, the call, what it returns, bytes_read it adds, the raw operation, the byte range it
 #: names). A batch makes one raw call per member: a failure at the first retries the whole batch.
 OPS: list[tuple[str, Callable[[RetryingStorage], Any], Any, int, str, tuple[int, int] | None]] = [
@@ -600,6 +607,7 @@ OPS: list[tuple[str, Callable[[RetryingStorage], Any], Any, int, str, tuple[int,
     ("read-uncounted", lambda rs: rs.read("f", 10, 20, counted=False), DATA[10:20], 0, "read", (10, 20)),
     ("readinto", _readinto, DATA[100:110], 10, "readinto", (100, 110)),
     ("read_batch", _batch, [DATA[0:4], DATA[50:60]], 14, "readinto", (0, 60)),
+    ("readinto_many", _many, [DATA[200:207], DATA[300:305]], 12, "readinto", (200, 305)),
     ("size", lambda rs: rs.size("f"), len(DATA), 0, "size", None),
     ("fingerprint", lambda rs: rs.fingerprint("f"), ("v1", len(DATA)), 0, "fingerprint", None),
     ("listdir", lambda rs: rs.listdir(), [".metadata", "__0_0.distcp"], 0, "listdir", None),
@@ -629,7 +637,7 @@ async def test_retryable_errors_are_retried_then_succeed(executor, call, result,
     rs.on_throttle = lambda: throttled.append(1)
     assert _norm(await call(rs)) == result
     # two failed attempts, then one that made every raw call (a batch: one per member)
-    assert raw.calls == {op: 2 + (2 if call is _batch else 1)}
+    assert raw.calls == {op: 2 + (2 if call in (_batch, _many) else 1)}
     s = stats.snapshot()
     assert (s.retries, s.retries_by_cause) == (2, {cause: 2})
     assert s.timeouts == (2 if cause == "timeout" else 0)
@@ -787,12 +795,13 @@ async def test_local_storage_through_the_boundary(local):
         assert bytes(await rs.read("f", 0, 5, counted=False)) == DATA[:5]
         assert await _readinto(rs) == DATA[100:110]
         assert await _batch(rs) == [DATA[0:4], DATA[50:60]]
+        assert await _many(rs) == [DATA[200:207], DATA[300:305]]
         assert await rs.size("f") == len(DATA)
         st = os.stat(root / "f")
         assert await rs.fingerprint("f") == (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         assert await rs.listdir() == ["f", "g"]  # plain files only
         s = stats.snapshot()
-        assert (s.bytes_read, s.retries) == (10 + 10 + 14, 0)
+        assert (s.bytes_read, s.retries) == (10 + 10 + 14 + 12, 0)
     finally:
         await rs.aclose()
 

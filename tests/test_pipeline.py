@@ -325,3 +325,110 @@ async def test_pipeline_cancelled_mid_run_leaves_budget_and_limiter_whole(data_f
         ex.shutdown(wait=True)
     await storage.aclose()
     assert open_fds_under(root) == []
+
+
+# --- local chunks grouped into thread hops ---------------------------------------------------
+
+
+def _members(c: Chunk) -> list[Chunk]:
+    return list(getattr(c, "members", [c]))
+
+
+def test_local_chunks_are_grouped_in_order_within_their_limits():
+    from asyncload import _pipeline as P
+
+    KiB = 1 << 10
+    dest = memoryview(bytearray(64 << 20))
+    pos = 0
+
+    def chunk(n: int, kind: str = "direct") -> Chunk:
+        nonlocal pos
+        lo, pos = pos, pos + n
+        if kind == "direct":
+            seg = Piece("f", lo, lo + n, into=dest[lo : lo + n])
+        else:
+            seg = Piece("f", lo, lo + n, deliver=lambda _d: None, pinned=kind == "pinned")
+        return Chunk("f", lo, lo + n, [seg], trackers=(object(),) if kind == "tracked" else ())
+
+    chunks = (
+        [chunk(4 * KiB) for _ in range(3)]  # tiny, straight into a destination
+        + [chunk(100 * KiB, "staged") for _ in range(2)]  # small records read whole
+        + [chunk(300 * KiB) for _ in range(20)]  # large, straight into destinations
+        + [chunk(300 * KiB, "tracked")]  # verify=True: read on its own (its checksum)
+        + [chunk(300 * KiB) for _ in range(5)]
+        + [chunk(2 << 20, "pinned")]  # a device destination's staged read
+        + [chunk(4 * KiB, "pinned")]
+    )
+    groups = P._group(chunks, budget=4 << 20, workers=2, direct_ok=True, staged_limit=P._BATCH_STAGED_CHUNK)
+    # every chunk once, in the order given
+    assert [m for g in groups for m in _members(g)] == chunks
+    kinds = [type(g).__name__ for g in groups]
+    assert kinds[0] == "_Batch" and [len(_members(g)) for g in groups[:1]] == [5]  # tiny + staged together
+    direct = [g for g in groups if isinstance(g, P._DirectBatch)]
+    assert direct, kinds
+    # 25 large direct chunks, 2 workers: groups of min(8, 25 // (4 * 2)) = 3, within a quarter of the budget
+    assert all(2 <= len(g.members) <= 3 and g.nbytes <= (4 << 20) // 4 for g in direct)
+    # a device destination's read is never grouped; a checksummed one only with tiny reads
+    # assembled on the I/O thread (where its bytes are checksummed), never in a direct group
+    assert all(g is m for g in groups for m in _members(g) if m.needs_pinned)
+    assert all(not m.trackers and m.tiles_into() for g in direct for m in g.members)
+    tracked = next(g for g in groups for m in _members(g) if m.trackers)
+    assert type(tracked).__name__ == "_Batch"
+    # too few large chunks for 4 groups per worker: no direct groups at all
+    few = P._group(chunks[5:25], budget=4 << 20, workers=4, direct_ok=True)
+    assert not any(isinstance(g, P._DirectBatch) for g in few) and few == chunks[5:25]
+    # device destinations (direct_ok=False): large chunks stay one by one
+    assert not any(isinstance(g, P._DirectBatch) for g in P._group(chunks, 4 << 20, 2, direct_ok=False))
+    # outside the header phase, only reads of up to _BATCH_CHUNK are grouped with tiny ones
+    data_phase = P._group(chunks, budget=4 << 20, workers=2, direct_ok=True)
+    assert [len(_members(g)) for g in data_phase[:3]] == [3, 1, 1]
+
+
+class _CountingPool(concurrent.futures.ThreadPoolExecutor):
+    def __init__(self, n: int) -> None:
+        super().__init__(n, thread_name_prefix="test-io")
+        self.jobs = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.asyncio
+async def test_large_local_chunks_read_in_groups_are_bit_exact_and_counted(tmp_path):
+    data = os.urandom((4 << 20) + 12345)
+    (tmp_path / "f.bin").write_bytes(data)
+    opts = LoadOptions(chunk_size=128 << 10, memory_budget=8 << 20, concurrency=4)
+    with _CountingPool(2) as ex:
+        storage = LocalStorage(str(tmp_path), ex)
+        rec = StatsRecorder()
+        dest = bytearray(len(data))
+        chunks = _chunks_into(dest, "f.bin", len(data), 128 << 10)
+        await Pipeline(storage, opts, rec, ex).run(chunks)
+        await storage.aclose()
+    assert bytes(dest) == data
+    s = rec.snapshot()
+    assert (s.chunks, s.bytes_read, s.bytes_assembled) == (len(chunks), len(data), len(data))
+    # 33 chunks on 2 threads: groups of 4, so 9 hops instead of 33
+    assert ex.jobs == 9
+
+
+@pytest.mark.asyncio
+async def test_a_group_that_runs_past_the_end_of_its_file_names_the_file_and_its_span(tmp_path):
+    from asyncload import CheckpointFormatError
+
+    data = os.urandom(4 << 20)
+    (tmp_path / "f.bin").write_bytes(data[: (4 << 20) - 1000])  # truncated under the plan
+    opts = LoadOptions(chunk_size=128 << 10, memory_budget=8 << 20, concurrency=4, retries=1)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        storage = LocalStorage(str(tmp_path), ex)
+        pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+        dest = bytearray(len(data))
+        with pytest.raises(CheckpointFormatError) as ei:
+            await pipe.run(_chunks_into(dest, "f.bin", len(data), 128 << 10))
+        assert pipe.budget.used == 0 and pipe.limiter.active == 0
+        await storage.aclose()
+    msg = str(ei.value)
+    # the last group: chunks 28-31 of 128 KiB, [3.5 MiB, 4 MiB)
+    assert "f.bin" in msg and f"[{28 << 17}, {4 << 20})" in msg, msg
+    assert open_fds_under(tmp_path) == []

@@ -162,7 +162,10 @@ def test_peak_rss_above_destination_under_concurrency_64(tmp_path_factory: pytes
     for r in out:
         assert r["ok"], r
         assert r["peak_buffered_bytes"] <= budget, r
-        assert r["peak_concurrency"] >= 32, r
+        assert r["peak_buffered_bytes"] >= budget // 2, r  # the budget really filled up
+        # reads straight into contiguous destinations go to the I/O threads 8 at a time
+        # (one thread hop per group, each group one slot of the limiter); staged ones one by one
+        assert r["peak_concurrency"] >= (4 if r["layout"] == "contiguous" else 32), r
         assert r["above_destination"] <= budget + 64 * MiB, r
 
 

@@ -352,3 +352,58 @@ def test_hf_bin_shards_with_index(tmp_path: Path) -> None:
         dest = zeros_tree(sd)
         asyncload.load(dest, target)
         assert_bitwise_equal(dest, sd)
+
+
+# --- a record's data.pkl decoded once per distinct pickle -------------------------------------
+
+
+def _archive(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _parse(raw: bytes) -> Any:
+    from asyncload.formats.torchsave import ByteWindow, parse_archive
+
+    win = ByteWindow()
+    win.add(0, memoryview(raw))
+    return parse_archive(win, 0, len(raw), "record 'k' of __0_0.distcp")
+
+
+def test_records_with_the_same_pickle_share_its_decode_and_keep_their_own_checks() -> None:
+    from asyncload.formats import torchsave
+
+    torchsave._TENSOR_PICKLES.clear()
+    a, b = _archive(torch.arange(12.0).reshape(3, 4)), _archive(torch.ones(3, 4))  # same data.pkl bytes
+    la, lb = _parse(a), _parse(b)
+    assert lb.obj is la.obj and len(torchsave._TENSOR_PICKLES) == 1  # decoded once
+    assert la.storages["0"].crc32 != lb.storages["0"].crc32  # each archive's own directory
+    # an archive with that pickle whose storage entry disagrees with it is still refused:
+    # the shared decode skips the pickle, never the checks of the record's own entries
+    with zipfile.ZipFile(io.BytesIO(b)) as z:
+        prefix = z.namelist()[0].split("/")[0]
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
+            for info in z.infolist():
+                data = z.read(info)
+                w.writestr(info, data[:-4] if info.filename == f"{prefix}/data/0" else data)
+    with pytest.raises(CheckpointFormatError, match=r"storage data/0 holds 44 bytes, data.pkl says 48"):
+        _parse(out.getvalue())
+    # only single-tensor records are kept (a dict of tensors is not), and hostile pickles never
+    _parse(_archive({"w": torch.zeros(2)}))
+    assert len(torchsave._TENSOR_PICKLES) == 1
+
+
+def test_a_hostile_record_pickle_is_refused_every_time() -> None:
+    from asyncload.formats import torchsave
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("true",))
+
+    raw = _archive(Evil())
+    for _ in range(2):
+        with pytest.raises(UnsafeCheckpointError):
+            _parse(raw)
+    assert all(type(v).__name__ == "TensorRef" for v in torchsave._TENSOR_PICKLES.values())

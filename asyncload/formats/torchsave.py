@@ -152,10 +152,7 @@ def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickl
     ds = _data_start(win, start, pkl.header_offset, pkl.name, where)
     if pkl.method != 0:
         raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
-    pickle_bytes = win.get(start + ds, start + ds + pkl.size)
-    obj = safe_loads(
-        pickle_bytes, what=f"{where} (data.pkl)", allowed=record_globals(), persistent_load=storage_persistent_load
-    )
+    obj = _record_object(win.get(start + ds, start + ds + pkl.size), where)
     refs: list[TensorRef] = []
     _walk_refs(obj, refs)
     storages: dict[str, StorageLoc] = {}
@@ -177,6 +174,33 @@ def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickl
             raise CheckpointFormatError(f"{where}: storage data/{key} runs past the end of the archive")
         storages[key] = StorageLoc(key, start + dstart, entry.size, entry.crc32)
     return ArchiveLayout(obj, storages, where)
+
+
+#: Decoded ``data.pkl`` of single-tensor records, by their bytes. The records of one DCP
+#: file differ mostly in their data: a model's layers repeat a few shapes, so most of
+#: its records' pickles are byte for byte one of a few (a 67-record checkpoint has 6).
+#: Only a :class:`TensorRef` (frozen, all of it immutable) is kept, and only the decode
+#: is skipped: every record's directory, entries and sizes are still checked.
+_TENSOR_PICKLES: dict[bytes, TensorRef] = {}
+_TENSOR_PICKLES_MAX = 4096
+_TENSOR_PICKLE_MAX_BYTES = 4096
+
+
+def _record_object(pickle_bytes: memoryview, where: str) -> Any:
+    """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode)."""
+    key = bytes(pickle_bytes) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES else None
+    if key is not None:
+        hit = _TENSOR_PICKLES.get(key)
+        if hit is not None:
+            return hit
+    obj = safe_loads(
+        pickle_bytes, what=f"{where} (data.pkl)", allowed=record_globals(), persistent_load=storage_persistent_load
+    )
+    if key is not None and type(obj) is TensorRef:
+        if len(_TENSOR_PICKLES) >= _TENSOR_PICKLES_MAX:
+            _TENSOR_PICKLES.clear()
+        _TENSOR_PICKLES[key] = obj
+    return obj
 
 
 def _data_start(win: ByteWindow, start: int, header_offset: int, name: str, where: str) -> int:

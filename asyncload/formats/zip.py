@@ -102,29 +102,35 @@ def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size
     cd = memoryview(cd)  # no copy: the directory may be large (up to LoadOptions.max_metadata_size)
     entries: dict[str, ZipEntry] = {}
     pos = 0
-    _need(n_entries <= len(cd) // _CDH.size, where, f"central directory claims {n_entries} entries in {len(cd)} bytes")
+    total = len(cd)
+    _need(n_entries <= total // _CDH.size, where, f"central directory claims {n_entries} entries in {total} bytes")
+    unpack, head = _CDH.unpack_from, _CDH.size
+    # the checks below build their messages only when one fails: this loop runs per record
     for _ in range(n_entries):
-        _need(pos + _CDH.size <= len(cd), where, "central directory is truncated")
-        f = _CDH.unpack_from(cd, pos)
-        _need(f[0] == _SIG_CDH, where, f"bad central directory signature at +{pos}")
+        if pos + head > total:
+            raise CheckpointFormatError(f"{where}: central directory is truncated")
+        f = unpack(cd, pos)
+        if f[0] != _SIG_CDH:
+            raise CheckpointFormatError(f"{where}: bad central directory signature at +{pos}")
         method, crc, csize, usize, nl, el, cl, lho = f[4], f[7], f[8], f[9], f[10], f[11], f[12], f[16]
-        end = pos + _CDH.size + nl + el + cl
-        _need(end <= len(cd), where, "central directory entry runs past the directory")
-        name = bytes(cd[pos + _CDH.size : pos + _CDH.size + nl]).decode("utf-8", "replace")
-        extra = bytes(cd[pos + _CDH.size + nl : pos + _CDH.size + nl + el])
+        end = pos + head + nl + el + cl
+        if end > total:
+            raise CheckpointFormatError(f"{where}: central directory entry runs past the directory")
+        name = bytes(cd[pos + head : pos + head + nl]).decode("utf-8", "replace")
         if 0xFFFFFFFF in (csize, usize, lho):
+            extra = bytes(cd[pos + head + nl : pos + head + nl + el])
             usize, csize, lho = _zip64_extra(extra, usize, csize, lho, where)
-        _need(
-            lho + LOCAL_HEADER_SIZE + csize <= archive_size,
-            where,
-            f"entry {name[:200]!r} of {csize} bytes at {lho} runs past the end of the {archive_size}-byte archive",
-        )
-        _need(
-            method != 0 or csize == usize,
-            where,
-            f"stored entry {name[:200]!r} claims {csize} bytes stored but {usize} bytes of data",
-        )
-        _need(name not in entries, where, f"entry {name[:200]!r} appears twice in the central directory")
+        if lho + LOCAL_HEADER_SIZE + csize > archive_size:
+            raise CheckpointFormatError(
+                f"{where}: entry {name[:200]!r} of {csize} bytes at {lho} runs past the end of the "
+                f"{archive_size}-byte archive"
+            )
+        if method == 0 and csize != usize:
+            raise CheckpointFormatError(
+                f"{where}: stored entry {name[:200]!r} claims {csize} bytes stored but {usize} bytes of data"
+            )
+        if name in entries:
+            raise CheckpointFormatError(f"{where}: entry {name[:200]!r} appears twice in the central directory")
         entries[name] = ZipEntry(name, lho, csize, usize, crc, method)
         pos = end
     return CentralDirectory(entries, 0, len(cd))
@@ -158,19 +164,19 @@ def local_data_start(head: bytes | memoryview, header_offset: int, expected_name
     if len(head) < LOCAL_HEADER_SIZE:
         return None
     f = _LFH.unpack_from(head, 0)
-    _need(f[0] == _SIG_LFH, where, f"no local header for {expected_name!r} at archive offset {header_offset}")
-    _need(
-        f[3] == 0,
-        where,
-        f"entry {expected_name[:200]!r} is compressed (method {f[3]}); torch.save stores entries uncompressed",
-    )
+    if f[0] != _SIG_LFH:
+        raise CheckpointFormatError(f"{where}: no local header for {expected_name!r} at archive offset {header_offset}")
+    if f[3] != 0:
+        raise CheckpointFormatError(
+            f"{where}: entry {expected_name[:200]!r} is compressed (method {f[3]}); torch.save stores entries "
+            "uncompressed"
+        )
     nl, el = f[9], f[10]
     if len(head) < LOCAL_HEADER_SIZE + nl:
         return None
     name = bytes(head[LOCAL_HEADER_SIZE : LOCAL_HEADER_SIZE + nl]).decode("utf-8", "replace")
-    _need(
-        name == expected_name,
-        where,
-        f"local header at {header_offset} names {name[:200]!r}, the directory says {expected_name[:200]!r}",
-    )
+    if name != expected_name:
+        raise CheckpointFormatError(
+            f"{where}: local header at {header_offset} names {name[:200]!r}, the directory says {expected_name[:200]!r}"
+        )
     return header_offset + LOCAL_HEADER_SIZE + nl + el
