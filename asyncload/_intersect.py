@@ -127,6 +127,21 @@ def read_items_for_chunks(
     saved = checkpoint_md.chunks
     if not local_chunks or not saved:
         return []
+    if len(saved) == 1 and len(local_chunks) == 1:
+        # one process's checkpoint into one process's tensor: the whole box, when they agree
+        sc, lc = saved[0], local_chunks[0]
+        if sc.offsets == lc.offsets and sc.sizes == lc.sizes and not any(sc.offsets) and all(sc.sizes):
+            zeros = torch.Size([0] * len(sc.offsets))
+            return [
+                ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(fqn, lc.offsets, 0),
+                    dest_offsets=zeros,
+                    storage_index=MetadataIndex(fqn, sc.offsets, 0),
+                    storage_offsets=zeros,
+                    lengths=torch.Size(sc.sizes),
+                )
+            ]
     order = _torch_order()
     if order is None:  # pragma: no cover - a torch with a third order
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list

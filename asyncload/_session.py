@@ -461,6 +461,7 @@ class LoadSession:
 
         storage_data = md.storage_data
         records: dict[tuple[str, int, int], _Record] = {}
+        checked: set[str] = set()  # file names already found to be plain relative paths
         located: list[_Record] = []
         self._torch_casts = not isinstance(planner, PipelinedLoadPlanner)
         for item in plan.items:
@@ -487,7 +488,9 @@ class LoadSession:
                 raise CheckpointFormatError(
                     f"{self.checkpoint}: malformed storage entry {sinfo!r:.200} for {item.storage_index.fqn!r}"
                 )
-            name = check_relative_path(name, f"{self.checkpoint}: storage entry of {item.storage_index.fqn!r:.200}")
+            if type(name) is not str or name not in checked:
+                name = check_relative_path(name, f"{self.checkpoint}: storage entry of {item.storage_index.fqn!r:.200}")
+                checked.add(name)
             key = (name, offset, length)
             found = records.get(key)
             if found is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .._errors import CheckpointFormatError
 
@@ -32,8 +33,9 @@ _SIG_CDH = 0x02014B50
 _SIG_LFH = 0x04034B50
 
 
-@dataclass(frozen=True)
-class ZipEntry:
+class ZipEntry(NamedTuple):
+    """One central directory entry (a tuple: parsed for every record of a load)."""
+
     name: str
     #: Offset of the entry's local header from the start of the archive.
     header_offset: int
