@@ -635,7 +635,27 @@ def _children(o: Any) -> list[Any] | None:
 
 def _check_structure(obj: Any, what: str, max_depth: int, budget: int) -> None:
     """:func:`~asyncload._pickle_vm.check_structure` over checkpoint values (see :func:`_children`)."""
+    if _flat_within(obj, max_depth, budget):
+        return
     _walk_structure(obj, what, max_depth, budget, _children)
+
+
+def _flat_within(obj: Any, max_depth: int, budget: int) -> bool:
+    """Whether ``obj`` is a plain dict of strings to tuples (or lists) of strings (DCP's
+    ``planner_data``: each key's path) that the walk would accept: two levels deep, and
+    ``1 + len + sum(1 + len(value))`` nodes with shared values counted each time, as the walk
+    counts them. Anything else (or over the budget) is left to the walk and its messages."""
+    if type(obj) is not dict or max_depth < 2:
+        return False
+    n = 1 + len(obj)
+    for k, v in obj.items():
+        if type(k) is not str or type(v) not in (tuple, list):
+            return False
+        for x in v:
+            if type(x) is not str:
+                return False
+        n += 1 + len(v)
+    return n <= budget
 
 
 def safe_loads(

@@ -241,3 +241,34 @@ def test_unsafe_is_still_unsafe_at_scale(big: tuple[dm.Metadata, bytes]) -> None
     hostile = raw[:cut].replace(b"\x8c\x15TensorStorageMetadata", b"\x8c\x15TensorStorageMetadatb")
     with pytest.raises(UnsafeCheckpointError, match="TensorStorageMetadatb"):
         safe_loads(hostile + raw[cut:], what="scale/.metadata", check_structure=False)
+
+
+# --- planner_data's flat shape, checked without the walk ------------------------------------
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("extra", [0, 1, 7, 100])
+def test_flat_planner_data_is_accepted_exactly_when_the_walk_accepts_it(shared: bool, extra: int) -> None:
+    """DCP's planner_data ({fqn: (path, ...)}) takes a fast path; its verdict, budget by budget,
+    is the walk's (shared tuples counted each time they are referenced, as the walk counts)."""
+    from asyncload._pickle_vm import check_structure as walk
+    from asyncload._safe_pickle import _check_structure, _children, _flat_within
+
+    one = tuple(f"p{i}" for i in range(3))
+    data = {f"layers.{i}.w": one if shared else tuple(f"p{i}.{j}" for j in range(3)) for i in range(20 + extra)}
+    n = 1 + len(data) + sum(1 + len(v) for v in data.values())
+    for budget in (n - 1, n, n + 1):
+        try:
+            walk(data, "pd", 64, budget, _children)
+            walked = True
+        except UnsafeCheckpointError:
+            walked = False
+        assert _flat_within(data, 64, budget) is walked is (budget >= n)
+        if not walked:  # the fast path leaves it to the walk, which names the problem
+            with pytest.raises(UnsafeCheckpointError, match="expands to more than"):
+                _check_structure(data, "pd", 64, budget)
+    # anything else is the walk's
+    assert not _flat_within({"k": ("a", ("nested",))}, 64, 1 << 20)
+    assert not _flat_within({"k": ("a",)}, 1, 1 << 20)
+    assert not _flat_within({1: ("a",)}, 64, 1 << 20)
+    assert not _flat_within([("a",)], 64, 1 << 20)
