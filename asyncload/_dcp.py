@@ -188,6 +188,8 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
 def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:
     """A destination value that is not a tensor where the checkpoint holds one (an int, a
     list, a numpy array): StateDictMismatchError, with the caller's dict untouched."""
+    if isinstance(state_dict, dict) and all(type(v) in (torch.Tensor, torch.nn.Parameter) for v in state_dict.values()):
+        return  # a flat dict of plain tensors (most state dicts): nothing to refuse, nothing to flatten
     saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state_dict)
     for fqn, obj in flat.items():
