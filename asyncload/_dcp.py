@@ -185,10 +185,14 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+#: The types of plain tensors (not a subclass that could be ``Stateful``, a DTensor, ...).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:
     """A destination value that is not a tensor where the checkpoint holds one (an int, a
     list, a numpy array): StateDictMismatchError, with the caller's dict untouched."""
-    if isinstance(state_dict, dict) and all(type(v) in (torch.Tensor, torch.nn.Parameter) for v in state_dict.values()):
+    if isinstance(state_dict, dict) and all(type(v) in PLAIN_TENSOR_TYPES for v in state_dict.values()):
         return  # a flat dict of plain tensors (most state dicts): nothing to refuse, nothing to flatten
     saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state_dict)

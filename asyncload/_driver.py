@@ -30,13 +30,12 @@ from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._dcp import PipelinedReader
+from ._dcp import PLAIN_TENSOR_TYPES, PipelinedReader
 from ._errors import CheckpointNotFoundError, DistributedLoadError
 from ._monitor import Monitor
 from ._session import LoadSession
@@ -169,13 +168,10 @@ def load_steps(
     return stats
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def _is_stateful(value: Any) -> bool:
     """``isinstance(value, Stateful)``, skipping the protocol check (tens of microseconds a
     key) for a plain tensor or parameter, which has neither of its methods."""
-    return type(value) not in _PLAIN_TENSORS and isinstance(value, Stateful)
+    return type(value) not in PLAIN_TENSOR_TYPES and isinstance(value, Stateful)
 
 
 async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Metadata, bool]:
