@@ -13,8 +13,9 @@ import time
 
 import pytest
 import torch
-from _ckpt import assert_bitwise_equal, zeros_like_tree
+from _ckpt import assert_bitwise_equal, make_checkpoint, zeros_like_tree
 from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_closed
+from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
@@ -212,22 +213,31 @@ async def test_cancelled_aload_leaves_nothing_behind(request, backend, ckpt, buc
     assert left == set()
 
 
-def test_slow_link_with_steady_progress_does_not_time_out(request, ckpt, bucket_name, fault_proxy):
-    """A bandwidth cap makes every read slower than ``timeout``; reads keep finishing, so
-    the shared deadline keeps moving and nothing fails (a dead link fails: test above)."""
-    path, sd = ckpt
-    total = sum(p.stat().st_size for p in path.glob("*.distcp"))
-    # ~1.5 s for the whole load; 8 reads of 128 KiB in flight each take ~1.4 s > timeout. The
-    # small reads among them finish every 0.3-0.45 s (measured), so the timeout leaves room
-    # for that: reads are dispatched as records' probes land, in no fixed order
-    r = make_remote(request, "http", path, bucket_name, fault_proxy, bandwidth=total / 1.5)
-    dst = zeros_like_tree(sd, object_placeholder=None)
-    stats = asyncload.load(
-        dst, r.url, options=OPTS.replace(timeout=0.9, retries=0, concurrency=8), storage_options=r.storage_options
+def test_slow_link_with_steady_progress_does_not_time_out(request, tmp_path, bucket_name, fault_proxy):
+    """A bandwidth cap makes single reads slower than ``timeout``; other reads keep finishing,
+    so the shared deadline keeps moving and nothing fails (a dead link fails: test above).
+
+    Built so that progress does not hang on the order or timing in which reads go out: one
+    512 KiB tensor (4 reads of 128 KiB) and 48 tensors of 8 KiB, one file per item (so the
+    small ones are 48 reads, never joined into one). On a link of ``total / 2`` bytes/s with 8
+    reads in flight, the large reads took 1.75-1.78 s and the longest wait between two reads
+    finishing was 0.15 s (3 loads, with and without two CPU hogs beside them), against a
+    timeout of 1 s. The ``ckpt`` fixture's few small reads left the 8 large ones a wave of
+    their own in one CI run, which timed out."""
+    sd = {"big": torch.randn(512, 256, generator=torch.Generator().manual_seed(1))}
+    for i in range(48):
+        sd[f"small.{i:02d}"] = torch.full((2048,), float(i))
+    path = make_checkpoint(
+        tmp_path / "ckpt", sd, storage_writer=FileSystemWriter(tmp_path / "ckpt", single_file_per_rank=False)
     )
+    total = sum(p.stat().st_size for p in path.glob("*.distcp"))
+    r = make_remote(request, "http", path, bucket_name, fault_proxy, bandwidth=total / 2.0)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    opts = OPTS.replace(timeout=1.0, retries=0, concurrency=8, min_chunk_size=4096)
+    stats = asyncload.load(dst, r.url, options=opts, storage_options=r.storage_options)
     assert_bitwise_equal(dst, sd)
     assert stats.timeouts == 0 and stats.retries == 0
-    assert stats.latency_max > 0.9  # single reads did take longer than the timeout
+    assert stats.latency_max > 1.0  # single reads did take longer than the timeout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
