@@ -7,6 +7,7 @@ pieces go through ``deliver``), and checks the destination bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 
@@ -402,3 +403,33 @@ def test_staged_copy_from_a_misaligned_buffer_is_bit_exact(dtype: torch.dtype, m
         buf = bytes(misalign) + part  # the piece's bytes at a misaligned address
         p.deliver(memoryview(buf)[misalign:])  # type: ignore[misc]
     assert_bitwise_equal(dest, saved[:, :2, :3])
+
+
+# --- the whole-tensor fast path --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (1, 9), (9, 1), (2, 1, 3), (40, 33), ()])
+@pytest.mark.parametrize("chunk", [16, 1000, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.float64])
+def test_a_whole_contiguous_tensor_is_read_straight_into_its_destination_in_chunk_size_runs(shape, chunk, dtype):
+    """The common case (a whole saved tensor, row-major, into a contiguous CPU destination of
+    its dtype) skips the box walk: one direct run of the storage, cut at ``chunk_size``, each
+    into the destination's own memory at the same offset; bit for bit."""
+    saved = random_tensor(shape, dtype, 3)
+    off = 2 if saved.numel() else 0  # a storage offset: the tensor starts 2 elements in
+    storage = torch.cat([random_tensor((off,), dtype, 4), saved.reshape(-1)])
+    view = storage[off:].view(shape)
+    loc = location(view)
+    dest = torch.zeros(shape, dtype=dtype)
+    pieces = plan_tensor(loc, [0] * len(shape), list(shape), dest, chunk_size=chunk, min_chunk_size=8)
+    nbytes = saved.numel() * saved.element_size()
+    start = HEADER + off * saved.element_size()
+    want = [(start + lo, start + min(nbytes, lo + chunk)) for lo in range(0, nbytes, chunk)]
+    assert [(p.start, p.end) for p in pieces] == want
+    assert all(p.into is not None and p.deliver is None for p in pieces)
+    base = dest.data_ptr()
+    assert [ctypes.addressof(ctypes.c_char.from_buffer(p.into)) - base for p in pieces] == [
+        lo - start for lo, _ in want
+    ]
+    run_pieces(pieces, fake_file(view))
+    assert_bitwise_equal(dest, saved)
