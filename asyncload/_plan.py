@@ -245,15 +245,14 @@ def plan_tensor(
     if math.prod(lengths) == 0:
         return []
     isz = loc.itemsize
+    on_device = stager is not None and stager.claims(dest)
+    can_direct = direct_ok and dest.dtype == loc.dtype and dest.device.type == "cpu" and not on_device
     if (
-        direct_ok
-        and dest.dtype == loc.dtype
-        and dest.device.type == "cpu"
+        can_direct
         and not any(offsets)
         and tuple(lengths) == tuple(loc.size)
         and _contiguous_box(lengths, loc.stride)
         and dest.is_contiguous()
-        and (stager is None or not stager.claims(dest))
     ):
         # the common case (a whole saved tensor, row-major, into a CPU tensor of its dtype):
         # the pieces the box walk below makes for it, without the walk
@@ -272,8 +271,6 @@ def plan_tensor(
     offs_p = [offsets[i] for i in perm]
     lens_p = [lengths[i] for i in perm]
     dest_p = dest.permute(perm) if n > 1 else dest
-    on_device = stager is not None and stager.claims(dest)
-    can_direct = direct_ok and dest.dtype == loc.dtype and dest.device.type == "cpu" and not on_device
     src_dtype = loc.dtype
     pieces: list[Piece] = []
 
