@@ -47,6 +47,10 @@ ap.add_argument("--rounds", type=int, default=6)
 ap.add_argument("--size-mib", type=int, default=256)
 args = ap.parse_args()
 trees = {"A": os.path.abspath(args.a), "B": os.path.abspath(args.b)}
+from _common import ensure_bytecode
+
+for tree in trees.values():  # the fresh children import bytecode, as from an installed package
+    ensure_bytecode(os.path.join(tree, "asyncload"))
 size = args.size_mib << 20
 exe = BR.find_s3rver()
 if exe is None:

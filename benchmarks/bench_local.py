@@ -27,9 +27,15 @@ round: cold raw reads into a touched
 destination-sized buffer (plain ``preadv``; with ``posix_fadvise`` SEQUENTIAL + WILLNEED;
 ``O_DIRECT`` into a page-aligned buffer), torch's ``dcp.load`` and ``asyncload.load``.
 
+``--asyncio-loop`` adds asyncload on the standard asyncio event loop
+(``LoadOptions(use_uvloop=False)``) beside the default (uvloop) in every section: no uvloop
+import in a first load, a slower loop in the warm ones.
+
 Children inherit this process's asyncload: the
 directory above ``asyncload.__file__`` goes first on their PYTHONPATH, and each child's
-``asyncload.__file__`` is checked against this one.
+``asyncload.__file__`` is checked against this one. asyncload's bytecode is written first
+(``_common.ensure_bytecode``), as ``pip install`` writes an installed package's: the
+children import it as they import torch's.
 """
 
 from __future__ import annotations
@@ -170,6 +176,9 @@ def warm_section(
     if args.verify:
         vopts = opts.replace(verify=True)
         competitors["asyncload.load verify=True"] = lambda: asyncload.load(dest, path, options=vopts)
+    if args.asyncio_loop:
+        aopts = opts.replace(use_uvloop=False)
+        competitors["asyncload.load use_uvloop=False"] = lambda: asyncload.load(dest, path, options=aopts)
     times: dict[str, list[float]] = {k: [] for k in competitors}
     peaks: dict[str, list[int]] = {k: [] for k in competitors}
     for _ in range(args.rounds):
@@ -242,6 +251,12 @@ def fresh_section(
         "torch dcp.load FileSystemReader": {"mode": "torch", "second": True},
         "asyncload.load": {"mode": "asyncload", "options": o, "second": True},
     }
+    if args.asyncio_loop:
+        contenders["asyncload.load use_uvloop=False"] = {
+            "mode": "asyncload",
+            "options": {**o, "use_uvloop": False},
+            "second": True,
+        }
     names = list(contenders)
     # page cache warm before every child
     res = run_rounds(args, contenders, base, checks, lambda: raw_bound(files), "fresh")
@@ -284,10 +299,15 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
         "asyncload.load (default options)": [],
         "torch dcp.load FileSystemReader": [],
     }
+    options: dict[str, dict[str, object]] = {}
+    if args.asyncio_loop:
+        rows["asyncload.load use_uvloop=False"] = []
+        options["asyncload.load use_uvloop=False"] = {"options": {"use_uvloop": False}}
     for _ in range(n):
         for name in rows:
             mode = "asyncload" if name.startswith("asyncload") else "torch"
-            rows[name].append(run_child({"mode": mode, "path": tiny, "shapes": tiny_shapes, "second": True}, env))
+            cfg = {"mode": mode, "path": tiny, "shapes": tiny_shapes, "second": True, **options.get(name, {})}
+            rows[name].append(run_child(cfg, env))
     print(f"\n== fixed cost: a one-tensor checkpoint (16 float32), first load in a fresh process (median of {n}) ==")
     print(f"{'loader':36s} {'first load ms':>13s} {'2nd load ms':>11s} {'first - 2nd':>12s}   first loads (ms)")
     for name, rs in rows.items():
@@ -362,6 +382,11 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, default=512)
     ap.add_argument("--verify", action="store_true", help="also time asyncload with verify=True")
     ap.add_argument(
+        "--asyncio-loop",
+        action="store_true",
+        help="also time asyncload on the standard asyncio loop (LoadOptions(use_uvloop=False)): no uvloop import",
+    )
+    ap.add_argument(
         "--fresh",
         action="store_true",
         help="also time each contender's first load in a fresh process, and asyncload's fixed cost",
@@ -376,6 +401,7 @@ def main() -> None:
         f"{sys.executable}; PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}"
     )
     loadavg("start")
+    C.ensure_bytecode()  # fresh processes import asyncload's bytecode, as torch's
     tmp = tempfile.mkdtemp(prefix="asyncload-bench-", dir=args.dir)
     try:
         sd = C.transformer_state_dict(args.size_mib << 20)

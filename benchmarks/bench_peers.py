@@ -164,6 +164,11 @@ def main() -> None:
     )
     args = ap.parse_args()
     configure_env()
+    from _common import ensure_bytecode
+
+    ensure_bytecode()  # each contender's fresh process imports installed-like bytecode
+    if args.baseline:
+        ensure_bytecode(os.path.join(args.baseline, "asyncload"))
     layouts = args.layouts.split(",")
     wanted = args.contenders.split(",")
     exe = find_s3rver()

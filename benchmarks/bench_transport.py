@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--part", choices=["raw", "load", "both"], default="both")
     args = ap.parse_args()
+    from _common import ensure_bytecode
+
+    ensure_bytecode()  # the fresh children import bytecode, as from an installed package
     size = args.size_mib << 20
     exe = BR.find_s3rver()
     s3: Any = S3rverServer(executable=exe) if exe is not None else S3Server()

@@ -81,7 +81,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--layouts", default="dcp-one-file,dcp-per-item,safetensors")
     args = ap.parse_args()
+    from _common import ensure_bytecode
 
+    ensure_bytecode()  # the fresh children import bytecode, as from an installed package
     from bench_peers import make_tensors, write_layouts
     from bench_remote import Proxy, find_s3rver
 
