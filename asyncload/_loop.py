@@ -3,6 +3,11 @@
 One per process and loop kind (uvloop or asyncio), started on first use, recreated
 in a forked child (the parent's thread does not survive a fork). Works when the
 calling thread already runs an event loop: the caller blocks, our loop works.
+
+The first local load of a process runs on the standard loop unless uvloop is imported
+already: importing uvloop takes 2-4 ms, more than it saves in one local load (a fresh
+process's first load of 1 GiB measured 5 ms faster without it); later loads, and every
+remote one, run on uvloop (a warm local load measured 2 ms faster on it). docs/performance.md.
 """
 
 from __future__ import annotations
@@ -10,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ._errors import LoadReentryError
 
-__all__ = ["loop_thread", "run_sync", "uvloop_available"]
+__all__ = ["loop_thread", "refuse_on_library_loop", "run_sync", "uvloop_available"]
 
 log = logging.getLogger("asyncload.loop")
 T = TypeVar("T")
@@ -57,11 +63,17 @@ class _LoopThread:
         ready.wait()
 
 
-def loop_thread(use_uvloop: bool) -> asyncio.AbstractEventLoop:
-    """The library's loop (started on first use), uvloop when asked and installed."""
-    use_uvloop = use_uvloop and uvloop_available()
+def loop_thread(use_uvloop: bool, *, local: bool = False) -> asyncio.AbstractEventLoop:
+    """The library's loop (started on first use), uvloop when asked and installed.
+
+    ``local``: for a load of local files. While the process has no loop thread and uvloop
+    is not imported, that is the standard loop: the first load does not wait for uvloop's
+    import (see the module's docstring). Callers keep the loop they got for the whole load."""
     _watch_forks()
     with _lock:
+        if use_uvloop and local and not _threads and "uvloop" not in sys.modules:
+            use_uvloop = False
+        use_uvloop = use_uvloop and uvloop_available()
         lt = _threads.get(use_uvloop)
         if lt is None or lt.pid != os.getpid() or not lt.thread.is_alive():
             lt = _threads[use_uvloop] = _LoopThread(use_uvloop)
@@ -86,6 +98,24 @@ def _after_fork_in_child() -> None:
     _threads.clear()
 
 
+def refuse_on_library_loop(coro: Coroutine[Any, Any, Any]) -> None:
+    """Raise :class:`LoadReentryError` (closing ``coro``) when called on one of the library's
+    loop threads (a progress callback that calls ``asyncload.load``): waiting there would
+    stop the loop that has to do the work, or another library loop's loads for as long.
+    Checked before a loop is chosen, so that a refused call starts no loop thread."""
+    if on_library_loop():
+        coro.close()
+        raise _reentry_error()
+
+
+def _reentry_error() -> LoadReentryError:
+    return LoadReentryError(
+        "asyncload's blocking API was called from its own event-loop thread (for example from a "
+        "progress callback): it would wait forever; call it from another thread, or use "
+        "asyncload.aload from async code"
+    )
+
+
 def on_library_loop() -> bool:
     """Whether the calling thread is one of the library's own loop threads."""
     running = asyncio._get_running_loop()
@@ -102,14 +132,9 @@ def run_sync(
     ``on_task(task)`` is called on the loop thread once the task exists (for cancellation).
     """
     if asyncio._get_running_loop() is loop:
-        # called from a coroutine or callback on that very loop (a progress callback that
-        # calls asyncload.load): waiting here would stop the loop that has to do the work
         coro.close()
-        raise LoadReentryError(
-            "asyncload's blocking API was called from its own event-loop thread (for example from a "
-            "progress callback): it would wait forever; call it from another thread, or use "
-            "asyncload.aload from async code"
-        )
+        raise _reentry_error()
+    refuse_on_library_loop(coro)
     done = threading.Event()
     box: dict[str, asyncio.Task[T]] = {}
 

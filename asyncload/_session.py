@@ -46,14 +46,14 @@ from ._assembly import copy_bytes
 from ._chunks import Chunk, Piece, TensorLocation
 from ._crc import CrcTracker, gaps
 from ._errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
-from ._loop import loop_thread, run_sync
+from ._loop import loop_thread, refuse_on_library_loop, run_sync
 from ._options import ChunkPolicy, LoadOptions
 from ._paths import check_relative_path
 from ._pipeline import Pipeline
 from ._plan import break_even_gap, make_chunks, plan_tensor
 from ._retry import RetryingStorage
 from ._stats import LoadStats, StatsRecorder
-from ._storage import open_storage
+from ._storage import is_local, open_storage
 from .formats.torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
@@ -132,6 +132,8 @@ class LoadSession:
         self.progress: Callable[[int, int], None] | None = None
         #: The loop the coroutines run on for the sync faces (``None``: the library's loop thread).
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: (pid, loop) of the library loop thread the sync faces chose (:meth:`_library_loop`).
+        self._pinned_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
         #: The final statistics of the last load, once it has finished.
         self.stats: LoadStats | None = None
         #: The metadata the reads are planned from (set by :meth:`prepare_reads`).
@@ -214,8 +216,19 @@ class LoadSession:
         if self._cancelled.is_set() and not cleanup:
             coro.close()
             raise asyncio.CancelledError()
-        loop = self.loop or loop_thread(self.options.use_uvloop)
+        if self.loop is None:
+            refuse_on_library_loop(coro)
+        loop = self.loop or self._library_loop()
         return run_sync(coro, loop, on_task=None if cleanup else self._track_task)
+
+    def _library_loop(self) -> asyncio.AbstractEventLoop:
+        """The library loop thread this session runs on: chosen once (its storage's clients
+        belong to that loop), again in a forked child or once that loop has stopped."""
+        pinned = self._pinned_loop
+        if pinned is None or pinned[0] != os.getpid() or not pinned[1].is_running():
+            loop = loop_thread(self.options.use_uvloop, local=is_local(self.checkpoint))
+            pinned = self._pinned_loop = (os.getpid(), loop)
+        return pinned[1]
 
     def _track_task(self, task: asyncio.Task[Any]) -> None:
         with self._lock:

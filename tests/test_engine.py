@@ -116,6 +116,113 @@ def test_import_has_no_side_effects_and_a_load_prints_nothing(ckpt):
     assert out["sha256"] == {k: hashlib.sha256(tensor_bytes(sd[k])).hexdigest() for k in ("big", "small", "half")}
 
 
+_LOOP_CHILD = textwrap.dedent(
+    """
+    import hashlib, json, sys, threading
+    import torch
+    import asyncload
+
+    def loops():
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncload-loop"))
+
+    def digest(dst):
+        return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for k, v in dst.items() if isinstance(v, torch.Tensor)}
+
+    def dst():
+        return {"big": torch.zeros(64, 1024), "small": torch.zeros(33, dtype=torch.int16),
+                "half": torch.zeros(7, 9, dtype=torch.bfloat16), "step": None}
+
+    out = {}
+    nested = []
+
+    def progress(done, total):  # a load from the library's loop thread: refused, whichever loop
+        name = threading.current_thread().name
+        if name.startswith("asyncload-loop") and len(nested) < int(sys.argv[2]):
+            try:
+                asyncload.load(dst(), sys.argv[1])
+            except asyncload.LoadReentryError as exc:
+                nested.append((name, type(exc).__name__))
+                raise
+
+    for i in range(3):
+        d = dst()
+        try:
+            asyncload.load(d, sys.argv[1], progress=progress if i < 2 else None,
+                           options=asyncload.LoadOptions(chunk_size=64 * 1024, retries=0, hedge=False))
+            out[f"load{i}"] = {"ok": True, "sha256": digest(d)}
+        except asyncload.LoadReentryError:
+            out[f"load{i}"] = {"ok": False}
+        out[f"load{i}"].update(loops=loops(), uvloop="uvloop" in sys.modules)
+    out["nested"] = nested
+    print(json.dumps(out))
+    """
+)
+
+
+def test_first_local_load_runs_on_the_standard_loop_then_uvloop(ckpt):
+    """A fresh process's first local load does not import uvloop (2-4 ms, more than it saves
+    in one load): it runs on the standard loop; the next ones on uvloop. A load from a
+    progress callback on either loop thread is refused the same way."""
+    pytest.importorskip("uvloop")  # a test dependency
+    path, sd = ckpt
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOOP_CHILD, str(path), "2"], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    # loads 0 and 1 call asyncload.load from their progress callback: refused on the standard
+    # loop (load 0) and on uvloop's (load 1), each failing its outer load
+    assert out["load0"] == {"ok": False, "loops": ["asyncload-loop"], "uvloop": False}
+    assert out["load1"] == {"ok": False, "loops": ["asyncload-loop", "asyncload-loop-uvloop"], "uvloop": True}
+    assert out["nested"] == [["asyncload-loop", "LoadReentryError"], ["asyncload-loop-uvloop", "LoadReentryError"]]
+    want = {k: hashlib.sha256(tensor_bytes(sd[k])).hexdigest() for k in ("big", "small", "half")}
+    assert out["load2"] == {
+        "ok": True,
+        "sha256": want,
+        "loops": ["asyncload-loop", "asyncload-loop-uvloop"],
+        "uvloop": True,
+    }
+
+
+def test_first_local_load_without_progress_is_bit_exact_on_the_standard_loop(ckpt):
+    """The same child without nested loads: the first load (standard loop) and the next
+    (uvloop) both land every byte."""
+    pytest.importorskip("uvloop")
+    path, sd = ckpt
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOOP_CHILD, str(path), "0"], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    want = {k: hashlib.sha256(tensor_bytes(sd[k])).hexdigest() for k in ("big", "small", "half")}
+    assert out["load0"] == {"ok": True, "sha256": want, "loops": ["asyncload-loop"], "uvloop": False}
+    assert out["load1"]["sha256"] == want and out["load1"]["loops"] == ["asyncload-loop", "asyncload-loop-uvloop"]
+    assert out["nested"] == []
+
+
+def test_a_session_keeps_its_loop_for_the_whole_load(ckpt):
+    """Every step of one sync load runs on the loop its first step chose, even when the
+    process's choice changes meanwhile (its storage's clients belong to that loop)."""
+    from asyncload import _loop
+
+    path, _sd = ckpt
+    reader = PipelinedReader(path)
+    session = reader.session
+    first = session._library_loop()
+    assert session._library_loop() is first and first.is_running()
+    seen: list[asyncio.AbstractEventLoop] = []
+
+    async def where() -> None:
+        seen.append(asyncio.get_running_loop())
+
+    other = _loop.loop_thread(not any(lt.loop is first and lt.uvloop for lt in _loop._threads.values()))
+    assert other is not first
+    session.run(where())
+    session.run(where())
+    assert seen == [first, first]
+
+
 # --- b. the re-entry guard ---------------------------------------------------------------------
 
 
