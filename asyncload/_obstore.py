@@ -428,6 +428,10 @@ class ObstoreStorage(VersionPins):
         #: has not yet answered from (once each: a later ``size`` asks the store again)
         self._listing: asyncio.Future[list[Any]] | None = None
         self._listed: dict[str, int] = {}
+        #: the names of that listing, once it is back; a file directly under the root that it
+        #: lacks is answered missing once, without a HEAD (the format probe's "is there an
+        #: index?" of a Hugging Face directory)
+        self._listed_names: frozenset[str] | None = None
 
     def _get_store(self) -> Any:
         if self._store is None:
@@ -518,11 +522,36 @@ class ObstoreStorage(VersionPins):
         return memoryview(data), size
 
     async def size(self, name: str) -> int:
-        import obstore
-
         self._take_listing_if_back()
+        listing = self._listing
+        if listing is not None and "/" not in name:
+            # the listing beside the .metadata GET is still on its way (it and the GET go out
+            # together and come back about together): the answer is whichever comes first,
+            # it or a HEAD, so a name it lacks (is there an index?) costs no extra round trip
+            head = asyncio.ensure_future(self._head(name))
+            try:
+                pending: set[asyncio.Future[Any]] = {head, listing}
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                self._take_listing_if_back()
+                if head.done() or self._listed_names is None:  # the HEAD first, or no listing
+                    return await head
+            finally:  # the listing answers (or this call is cancelled): the HEAD is not needed
+                if not head.done():
+                    head.cancel()
+                    await asyncio.gather(head, return_exceptions=True)
         if name in self._listed:  # the listing beside the .metadata GET gave it: answers once
             return self._listed.pop(name)
+        names = self._listed_names
+        if names is not None and "/" not in name and name not in names:
+            # the listing lacks it: missing, without a round trip; once (the name joins the
+            # set): a later size asks the store
+            self._listed_names = names | {name}
+            raise FileNotFoundError(f"{self.url(name)} is not in the listing of {self.root}")
+        return await self._head(name)
+
+    async def _head(self, name: str) -> int:
+        import obstore
+
         meta = await obstore.head_async(self._get_store(), name)
         self._see_meta(name, meta)
         size = self._sizes[name] = int(meta["size"])
@@ -568,6 +597,7 @@ class ObstoreStorage(VersionPins):
             return False
         for meta in listing.result():
             self._listed[str(meta["path"])] = int(meta["size"])
+        self._listed_names = frozenset(self._listed)
         self._take_listing(listing.result(), None)
         return True
 

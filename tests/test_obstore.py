@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from asyncload._retry import RetryingStorage
 from asyncload._stats import StatsRecorder
 from asyncload._storage import FsspecStorage, ObjectChangedError, RangeIgnoredError, ShortReadError
 from asyncload._storage import open_storage as open_storage_
-from asyncload.testing import HTTPRangeServer, reset, stall, status
+from asyncload.testing import HTTPRangeServer, delay, reset, stall, status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -323,6 +324,59 @@ async def test_sizes_in_one_listing_pin_versions(request, backend, bucket_name, 
         await raw.aclose()
     assert sum(1 for e in proxy.log if e.method == "GET") == 2  # one listing each, no HEAD per file
     assert all(raw.pinned(n) is not None for n in names) == (backend == "s3")  # GCS lists no generation
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+async def test_a_size_asked_while_the_listing_is_out_takes_the_first_answer(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
+    """The format probe asks whether a Hugging Face directory has an index while the listing
+    that went out beside the ``.metadata`` GET is still on its way: the listing answers (its
+    HEAD is held back here), so a name it lacks is missing without a round trip of its own;
+    asked again, the store is asked; a name it has is its size, version pinned."""
+    server = request.getfixturevalue(f"{backend}_server")
+    server.put_object(bucket_name, "ckpt/model.safetensors", DATA)
+    proxy = fault_proxy(server)
+    held = proxy.add_rule(delay(0.3), method="HEAD", times=None)
+    raw = open_storage_(f"{server.protocol}://{bucket_name}/ckpt", server.storage_options(proxy.endpoint_url), executor)
+    assert isinstance(raw, ObstoreStorage)
+    try:
+        raw.prefetch_sizes()
+        with pytest.raises(FileNotFoundError, match="is not in the listing of"):
+            await raw.size("model.safetensors.index.json")
+        assert await raw.size("model.safetensors") == len(DATA)
+        assert raw.pinned("model.safetensors") is not None or backend == "gcs"  # GCS lists no generation
+        with pytest.raises(FileNotFoundError) as again:  # once: now the store answers (a 404)
+            await raw.size("model.safetensors.index.json")
+    finally:
+        await raw.aclose()
+    assert "not in the listing" not in str(again.value)
+    assert sum(1 for e in proxy.log if e.method == "GET") == 1  # the listing
+    assert held.matched >= 1  # the HEAD that raced the listing went out, and lost
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+async def test_a_size_asked_while_the_listing_is_stalled_is_the_heads_answer(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
+    """The same question when the listing is the slow one: the HEAD answers, the listing is
+    not waited for."""
+    server = request.getfixturevalue(f"{backend}_server")
+    server.put_object(bucket_name, "ckpt/model.safetensors", DATA)
+    proxy = fault_proxy(server)
+    proxy.add_rule(stall(None), method="GET", path=re.compile(r"list-type=2|delimiter="), times=None)
+    raw = open_storage_(f"{server.protocol}://{bucket_name}/ckpt", server.storage_options(proxy.endpoint_url), executor)
+    try:
+        raw.prefetch_sizes()
+        assert await asyncio.wait_for(raw.size("model.safetensors"), 20) == len(DATA)
+        with pytest.raises(FileNotFoundError) as ei:
+            await asyncio.wait_for(raw.size("model.safetensors.index.json"), 20)
+    finally:
+        await raw.aclose()
+    assert "not in the listing" not in str(ei.value)
+    assert sum(1 for e in proxy.log if e.method == "HEAD") == 2
 
 
 @pytest.mark.asyncio
