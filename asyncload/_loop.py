@@ -4,10 +4,12 @@ One per process and loop kind (uvloop or asyncio), started on first use, recreat
 in a forked child (the parent's thread does not survive a fork). Works when the
 calling thread already runs an event loop: the caller blocks, our loop works.
 
-The first local load of a process runs on the standard loop unless uvloop is imported
-already: importing uvloop takes 2-4 ms, more than it saves in one local load (a fresh
-process's first load of 1 GiB measured 5 ms faster without it); later loads, and every
-remote one, run on uvloop (a warm local load measured 2 ms faster on it). docs/performance.md.
+A local load runs on uvloop only when uvloop is imported already (by the program, or by an
+earlier remote load), on the standard loop otherwise: importing uvloop takes 2-4 ms, more
+than it saves in a load of local files (a fresh process's first 1 GiB load measured 5 ms
+faster without it), and a load must not import it lazily: a fork while another thread
+imports it leaves the child waiting forever for the import's lock. Remote loads run on
+uvloop (many small requests), importing it on their first use. docs/performance.md.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _threads: dict[bool, _LoopThread] = {}
+
+
+def _imported(name: str) -> bool:
+    """Whether module ``name`` is imported and its import has finished (one still under way
+    in another thread, or in a thread that a fork left behind, is not)."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
 
 
 def uvloop_available() -> bool:
@@ -66,12 +76,11 @@ class _LoopThread:
 def loop_thread(use_uvloop: bool, *, local: bool = False) -> asyncio.AbstractEventLoop:
     """The library's loop (started on first use), uvloop when asked and installed.
 
-    ``local``: for a load of local files. While the process has no loop thread and uvloop
-    is not imported, that is the standard loop: the first load does not wait for uvloop's
-    import (see the module's docstring). Callers keep the loop they got for the whole load."""
+    ``local``: for a load of local files: uvloop only when it is imported already (see the
+    module's docstring). Callers keep the loop they got for the whole load."""
     _watch_forks()
     with _lock:
-        if use_uvloop and local and not _threads and "uvloop" not in sys.modules:
+        if use_uvloop and local and not _imported("uvloop"):
             use_uvloop = False
         use_uvloop = use_uvloop and uvloop_available()
         lt = _threads.get(use_uvloop)

@@ -123,9 +123,9 @@ class LoadOptions:
     #: Raise when the checkpoint holds keys the destination lacks (they are always
     #: listed in ``LoadStats.unexpected_keys``).
     strict_unexpected_keys: bool = False
-    #: Run the event loop on uvloop when it is installed. The sync faces' first local load
-    #: in a process runs on the standard loop unless uvloop is imported already (its import
-    #: costs more than it saves in one load); later loads and remote ones run on uvloop.
+    #: Run the event loop on uvloop when it is installed: remote loads import it on first
+    #: use; the sync faces' local loads run on it only when the program has imported it (its
+    #: import costs more than it saves in a local load), on the standard loop otherwise.
     use_uvloop: bool = True
     #: Threads for local positional reads and for assembly copies (``None``: from concurrency).
     io_threads: int | None = None

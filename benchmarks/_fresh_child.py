@@ -94,6 +94,8 @@ import _common as C
 import torch
 
 al_file = None
+if cfg.get("import_uvloop"):  # a program that imports uvloop itself: asyncload's local loads run on it
+    import uvloop  # noqa: F401
 if mode in ("asyncload", "timeline"):
     import asyncload
 

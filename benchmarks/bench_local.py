@@ -27,9 +27,11 @@ round: cold raw reads into a touched
 destination-sized buffer (plain ``preadv``; with ``posix_fadvise`` SEQUENTIAL + WILLNEED;
 ``O_DIRECT`` into a page-aligned buffer), torch's ``dcp.load`` and ``asyncload.load``.
 
-``--asyncio-loop`` adds asyncload on the standard asyncio event loop
-(``LoadOptions(use_uvloop=False)``) beside the default (uvloop) in every section: no uvloop
-import in a first load, a slower loop in the warm ones.
+``--uvloop`` compares the event loops. A local load runs on uvloop only when the program has
+imported it (asyncload never imports it for one): with the flag this process imports uvloop
+before its warmed section, whose default contender then runs on uvloop, beside
+``LoadOptions(use_uvloop=False)`` (the standard loop); the fresh sections add a contender
+whose process imports uvloop before the clock.
 
 Children inherit this process's asyncload: the
 directory above ``asyncload.__file__`` goes first on their PYTHONPATH, and each child's
@@ -176,8 +178,13 @@ def warm_section(
     if args.verify:
         vopts = opts.replace(verify=True)
         competitors["asyncload.load verify=True"] = lambda: asyncload.load(dest, path, options=vopts)
-    if args.asyncio_loop:
+    if args.uvloop:
+        import uvloop  # noqa: F401  # the default contender's local loads then run on it
+
         aopts = opts.replace(use_uvloop=False)
+        competitors = {
+            "asyncload.load (uvloop imported)" if k == "asyncload.load" else k: v for k, v in competitors.items()
+        }
         competitors["asyncload.load use_uvloop=False"] = lambda: asyncload.load(dest, path, options=aopts)
     times: dict[str, list[float]] = {k: [] for k in competitors}
     peaks: dict[str, list[int]] = {k: [] for k in competitors}
@@ -251,10 +258,11 @@ def fresh_section(
         "torch dcp.load FileSystemReader": {"mode": "torch", "second": True},
         "asyncload.load": {"mode": "asyncload", "options": o, "second": True},
     }
-    if args.asyncio_loop:
-        contenders["asyncload.load use_uvloop=False"] = {
+    if args.uvloop:
+        contenders["asyncload.load, uvloop imported"] = {
             "mode": "asyncload",
-            "options": {**o, "use_uvloop": False},
+            "options": o,
+            "import_uvloop": True,
             "second": True,
         }
     names = list(contenders)
@@ -300,9 +308,9 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
         "torch dcp.load FileSystemReader": [],
     }
     options: dict[str, dict[str, object]] = {}
-    if args.asyncio_loop:
-        rows["asyncload.load use_uvloop=False"] = []
-        options["asyncload.load use_uvloop=False"] = {"options": {"use_uvloop": False}}
+    if args.uvloop:
+        rows["asyncload.load, uvloop imported"] = []
+        options["asyncload.load, uvloop imported"] = {"import_uvloop": True}
     for _ in range(n):
         for name in rows:
             mode = "asyncload" if name.startswith("asyncload") else "torch"
@@ -382,9 +390,9 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, default=512)
     ap.add_argument("--verify", action="store_true", help="also time asyncload with verify=True")
     ap.add_argument(
-        "--asyncio-loop",
+        "--uvloop",
         action="store_true",
-        help="also time asyncload on the standard asyncio loop (LoadOptions(use_uvloop=False)): no uvloop import",
+        help="also time asyncload with uvloop imported by the program (local loads then run on it)",
     )
     ap.add_argument(
         "--fresh",

@@ -120,6 +120,8 @@ _LOOP_CHILD = textwrap.dedent(
     """
     import hashlib, json, sys, threading
     import torch
+    if sys.argv[3] == "uvloop":
+        import uvloop  # the program's own import
     import asyncload
 
     def loops():
@@ -136,7 +138,7 @@ _LOOP_CHILD = textwrap.dedent(
     out = {}
     nested = []
 
-    def progress(done, total):  # a load from the library's loop thread: refused, whichever loop
+    def progress(done, total):  # a load from the library's loop thread: refused
         name = threading.current_thread().name
         if name.startswith("asyncload-loop") and len(nested) < int(sys.argv[2]):
             try:
@@ -148,7 +150,7 @@ _LOOP_CHILD = textwrap.dedent(
     for i in range(3):
         d = dst()
         try:
-            asyncload.load(d, sys.argv[1], progress=progress if i < 2 else None,
+            asyncload.load(d, sys.argv[1], progress=progress,
                            options=asyncload.LoadOptions(chunk_size=64 * 1024, retries=0, hedge=False))
             out[f"load{i}"] = {"ok": True, "sha256": digest(d)}
         except asyncload.LoadReentryError:
@@ -160,45 +162,64 @@ _LOOP_CHILD = textwrap.dedent(
 )
 
 
-def test_first_local_load_runs_on_the_standard_loop_then_uvloop(ckpt):
-    """A fresh process's first local load does not import uvloop (2-4 ms, more than it saves
-    in one load): it runs on the standard loop; the next ones on uvloop. A load from a
-    progress callback on either loop thread is refused the same way."""
+def _loop_child(path: Any, nested: int, imports: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOOP_CHILD, str(path), str(nested), imports],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+def test_local_loads_run_on_the_standard_loop_unless_uvloop_is_imported(ckpt):
+    """A local load never imports uvloop (2-4 ms, more than it saves in one load; and a fork
+    while another thread imports it would leave the child waiting on the import's lock):
+    every load of a process that has not imported it runs on the standard loop, bit for bit.
+    A load from a progress callback on the loop thread is refused there as on uvloop's."""
     pytest.importorskip("uvloop")  # a test dependency
     path, sd = ckpt
-    proc = subprocess.run(
-        [sys.executable, "-c", _LOOP_CHILD, str(path), "2"], capture_output=True, text=True, timeout=50, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    # loads 0 and 1 call asyncload.load from their progress callback: refused on the standard
-    # loop (load 0) and on uvloop's (load 1), each failing its outer load
-    assert out["load0"] == {"ok": False, "loops": ["asyncload-loop"], "uvloop": False}
-    assert out["load1"] == {"ok": False, "loops": ["asyncload-loop", "asyncload-loop-uvloop"], "uvloop": True}
-    assert out["nested"] == [["asyncload-loop", "LoadReentryError"], ["asyncload-loop-uvloop", "LoadReentryError"]]
     want = {k: hashlib.sha256(tensor_bytes(sd[k])).hexdigest() for k in ("big", "small", "half")}
-    assert out["load2"] == {
-        "ok": True,
-        "sha256": want,
-        "loops": ["asyncload-loop", "asyncload-loop-uvloop"],
-        "uvloop": True,
-    }
+    out = _loop_child(path, 2, "none")
+    # loads 0 and 1 call asyncload.load from their progress callback: refused, each failing its load
+    assert out["load0"] == {"ok": False, "loops": ["asyncload-loop"], "uvloop": False}
+    assert out["load1"] == {"ok": False, "loops": ["asyncload-loop"], "uvloop": False}
+    assert out["nested"] == [["asyncload-loop", "LoadReentryError"]] * 2
+    assert out["load2"] == {"ok": True, "sha256": want, "loops": ["asyncload-loop"], "uvloop": False}
 
 
-def test_first_local_load_without_progress_is_bit_exact_on_the_standard_loop(ckpt):
-    """The same child without nested loads: the first load (standard loop) and the next
-    (uvloop) both land every byte."""
+def test_local_loads_run_on_uvloop_once_the_program_imported_it(ckpt):
     pytest.importorskip("uvloop")
     path, sd = ckpt
-    proc = subprocess.run(
-        [sys.executable, "-c", _LOOP_CHILD, str(path), "0"], capture_output=True, text=True, timeout=50, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
     want = {k: hashlib.sha256(tensor_bytes(sd[k])).hexdigest() for k in ("big", "small", "half")}
-    assert out["load0"] == {"ok": True, "sha256": want, "loops": ["asyncload-loop"], "uvloop": False}
-    assert out["load1"]["sha256"] == want and out["load1"]["loops"] == ["asyncload-loop", "asyncload-loop-uvloop"]
-    assert out["nested"] == []
+    out = _loop_child(path, 1, "uvloop")
+    assert out["load0"] == {"ok": False, "loops": ["asyncload-loop-uvloop"], "uvloop": True}
+    assert out["nested"] == [["asyncload-loop-uvloop", "LoadReentryError"]]
+    for i in (1, 2):
+        assert out[f"load{i}"] == {"ok": True, "sha256": want, "loops": ["asyncload-loop-uvloop"], "uvloop": True}
+
+
+def test_a_module_still_being_imported_is_not_used():
+    """A module another thread (or a thread a fork left behind) is still importing does not
+    count as imported: using it would wait on its import's lock."""
+    from asyncload._loop import _imported
+
+    class Spec:
+        _initializing = True
+
+    fake = type(sys)("asyncload_test_half_imported")
+    fake.__spec__ = Spec()  # type: ignore[assignment]
+    sys.modules[fake.__name__] = fake
+    try:
+        assert _imported(fake.__name__) is False
+        Spec._initializing = False
+        assert _imported(fake.__name__) is True
+    finally:
+        del sys.modules[fake.__name__]
+    assert _imported("asyncload_test_never_imported") is False
 
 
 def test_a_session_keeps_its_loop_for_the_whole_load(ckpt):
