@@ -795,6 +795,15 @@ async def call_with_retry(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _group_span(ranges: Sequence[tuple[str, int, int]]) -> tuple[int, int]:
+    """The byte range that a group of reads (``(name, start, end)`` each, read in one thread
+    hop) names in its errors: all of them when they are of one file, else the first."""
+    name, start, end = ranges[0]
+    if all(r[0] == name for r in ranges):
+        return min(r[1] for r in ranges), max(r[2] for r in ranges)
+    return start, end
+
+
 class RetryingStorage:
     """The one storage error boundary: every call a load makes to its storage (sizes,
     listings, fingerprints, metadata, probes, data, batched local reads) goes through
@@ -913,13 +922,8 @@ class RetryingStorage:
                 raw.readinto_sync(name, start, [memoryview(buf)])
                 deliver(memoryview(buf))
 
-        first = reads[0]
-        span = (
-            (min(r[1] for r in reads), max(r[2] for r in reads))
-            if all(r[0] == first[0] for r in reads)
-            else (first[1], first[2])
-        )
-        await self._call(lambda: loop.run_in_executor(self.executor, job), first[0], span)
+        span = _group_span([(name, start, end) for name, start, end, _ in reads])
+        await self._call(lambda: loop.run_in_executor(self.executor, job), reads[0][0], span)
         self.stats.add(bytes_read=sum(r[2] - r[1] for r in reads))
 
     async def readinto_many(self, reads: Sequence[tuple[str, int, Sequence[memoryview]]]) -> None:
@@ -933,11 +937,9 @@ class RetryingStorage:
             for name, start, buffers in reads:
                 raw.readinto_sync(name, start, buffers)
 
-        first = reads[0]
-        ends = [start + sum(len(b) for b in buffers) for _, start, buffers in reads]
-        span = (min(r[1] for r in reads), max(ends)) if all(r[0] == first[0] for r in reads) else (first[1], ends[0])
-        await self._call(lambda: loop.run_in_executor(self.executor, job), first[0], span)
-        self.stats.add(bytes_read=sum(e - r[1] for r, e in zip(reads, ends)))
+        ranges = [(name, start, start + sum(len(b) for b in buffers)) for name, start, buffers in reads]
+        await self._call(lambda: loop.run_in_executor(self.executor, job), reads[0][0], _group_span(ranges))
+        self.stats.add(bytes_read=sum(end - start for _, start, end in ranges))
 
     async def size(self, name: str) -> int:
         raw = self.raw
