@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -218,22 +219,51 @@ class Pipeline:
 
     async def _run_batch(self, batch: _Batch) -> None:
         t0 = time.monotonic()
-        if isinstance(batch, _DirectBatch):
-            # every segment of a member has its destination (_direct: tiles_into)
-            reads = [(c.name, c.start, [s.into for s in c.segments if s.into is not None]) for c in batch.members]
-            await self.storage.readinto_many(reads)
-            t1 = time.monotonic()
-            self.stats.add(chunks=len(batch.members), storage_wait_seconds=t1 - t0)
-            for c in batch.members:
-                self._count_assembled(c, t1, t0)
+        if isinstance(batch, _DirectRun):
+            await self._run_direct(batch)
             return
         await self.storage.read_batch([(c.name, c.start, c.end, functools.partial(assemble, c)) for c in batch.members])
         self.stats.add(chunks=len(batch.members), storage_wait_seconds=time.monotonic() - t0)
         for c in batch.members:
             self._count_assembled(c, time.monotonic())
 
+    async def _run_direct(self, run: _DirectRun) -> None:
+        """Read a run's members (every segment has its destination: ``_direct``) on as many
+        I/O threads as the concurrency limit allows, each pulling the next read from one
+        queue; each member is counted (bytes, progress) on its thread as its last read lands."""
+        members = run.members
+        jobs = max(1, min(_workers(self.executor), self.limiter.limit))
+        reads, owner = _run_reads(members, jobs)
+        left = [0] * len(members)
+        for i in owner:
+            left[i] += 1
+        payloads = [_payload(m) for m in members]
+        lock = threading.Lock()
+        waited = [0.0]
+        t0 = time.monotonic()
+        debug = log.isEnabledFor(logging.DEBUG)
+        add, progress = self.stats.add, self.on_progress
+        self.stats.maximum("peak_concurrency", self.limiter.active - 1 + min(jobs, len(reads)))
+
+        def landed(i: int, seconds: float) -> None:
+            m = owner[i]
+            with lock:
+                waited[0] += seconds
+                left[m] -= 1
+                if left[m]:
+                    return
+            if debug:
+                self._count_assembled(members[m], time.monotonic(), t0)
+                return
+            add(bytes_assembled=payloads[m])
+            if progress is not None and payloads[m]:
+                progress(payloads[m])
+
+        await self.storage.readinto_shared(run.name, reads, jobs=jobs, landed=landed)
+        self.stats.add(chunks=len(members), storage_wait_seconds=waited[0])
+
     def _count_assembled(self, chunk: Chunk, t1: float, t0: float | None = None) -> None:
-        payload = sum(s.end - s.start if s.useful is None else s.useful for s in chunk.segments if s.payload)
+        payload = _payload(chunk)
         t2 = time.monotonic()
         self.stats.add(bytes_assembled=payload, assembly_seconds=t2 - t1)
         if log.isEnabledFor(logging.DEBUG):
@@ -341,18 +371,22 @@ class _Batch(Chunk):
     members: list[Chunk]
 
 
-class _DirectBatch(_Batch):
-    """Several large local chunks, each read straight into its destinations, in one thread hop."""
+class _DirectRun(_Batch):
+    """The large local chunks of one file that each read straight into their destinations,
+    read by several I/O threads that pull them from one queue (:meth:`Pipeline._run_direct`).
+    Its ``nbytes`` is the budget it holds: what can be in flight at once."""
 
 
-#: Large local reads straight into destinations are handed to an I/O thread up to this
-#: many at a time (each still one positional read of at most ``chunk_size``): one thread
-#: hop per group instead of per read. The loop's work per hop runs beside page-cache
-#: copies that evict its caches (it took 20-30 ms of CPU for 64 hops of 16 MiB on 2
-#: cores); 1 GiB warm measured 4 ms faster in groups of 8 than one by one (docs/performance.md).
-_DIRECT_GROUP = 8
-#: ... and only where that leaves at least this many groups per I/O thread.
-_GROUPS_PER_THREAD = 4
+#: Large local reads straight into destinations go to the I/O threads as one run per file:
+#: each thread pulls the next read from a shared queue until none is left. One thread hop
+#: per thread for the whole run (instead of one per read, or per group of reads), every
+#: thread busy until the end, and the loop idle while they copy: on 2 cores the loop's work
+#: per hop runs beside page-cache copies that evict its caches (docs/performance.md).
+#: False: one hop per read (what ``benchmarks/profile_local_start.py`` compares).
+_DIRECT_RUNS = True
+#: The last reads of a run are cut into pieces of this size, so that the threads finish
+#: together: a thread left without work while another copies a whole chunk idles a core.
+_TAIL_PIECE = 4 << 20
 
 
 def _workers(executor: concurrent.futures.Executor) -> int:
@@ -363,53 +397,92 @@ def _workers(executor: concurrent.futures.Executor) -> int:
 def _group(
     chunks: list[Chunk], budget: int, workers: int, *, direct_ok: bool, staged_limit: int = _BATCH_CHUNK
 ) -> list[Chunk]:
-    """Local chunks in dispatch order, consecutive ones grouped: tiny ones (up to
+    """Local chunks in dispatch order, grouped: consecutive tiny ones (up to
     ``_BATCH_CHUNK``, or ``staged_limit`` when assembled from a buffer anyway; no device
-    staging) into :class:`_Batch` es of up to ``_BATCH_BYTES``;
-    large ones that each read straight into their destinations (no checksum; ``direct_ok``:
-    no device staging) :data:`_DIRECT_GROUP` at a time within a quarter of the budget, where
-    that leaves :data:`_GROUPS_PER_THREAD` groups per I/O thread. Others stay as they are."""
-    direct = [c for c in chunks if direct_ok and c.nbytes > _BATCH_CHUNK and _direct(c)]
-    group = min(_DIRECT_GROUP, len(direct) // (_GROUPS_PER_THREAD * workers))
-    tiny_limit, direct_limit = min(budget, _BATCH_BYTES), budget // 4
+    staging) into :class:`_Batch` es of up to ``_BATCH_BYTES``; large ones that each read
+    straight into their destinations (no checksum; ``direct_ok``: no device staging) into
+    one :class:`_DirectRun` per file, where the file's first one was (holding
+    ``workers`` reads' worth of the budget). Others stay as they are."""
+    tiny_limit = min(budget, _BATCH_BYTES)
     out: list[Chunk] = []
     cur: list[Chunk] = []
-    kind: type[_Batch] | None = None
     size = 0
+    runs: dict[str, _DirectRun] = {}
 
     def flush() -> None:
-        nonlocal cur, size, kind
-        if len(cur) == 1 and kind is _DirectBatch:
-            out.append(cur[0])
-        elif cur:
-            assert kind is not None
-            b = kind(cur[0].name, 0, size, [])
+        nonlocal cur, size
+        if cur:
+            b = _Batch(cur[0].name, 0, size, [])
             b.members = cur
             out.append(b)
-        cur, size, kind = [], 0, None
+        cur, size = [], 0
 
     for c in chunks:
         if not c.needs_pinned and (
             c.nbytes <= _BATCH_CHUNK or (c.nbytes <= staged_limit and (c.trackers or not c.tiles_into()))
         ):
-            want: type[_Batch] | None = _Batch
-            full = size + c.nbytes > tiny_limit
-        elif group >= 2 and direct_ok and _direct(c):
-            want = _DirectBatch
-            full = len(cur) == group or size + c.nbytes > direct_limit
-        else:
-            want = None
-            full = True
-        if cur and (want is not kind or full):
-            flush()
-        if want is None:
-            out.append(c)
+            if cur and size + c.nbytes > tiny_limit:
+                flush()
+            cur.append(c)
+            size += c.nbytes
             continue
-        kind = want
-        cur.append(c)
-        size += c.nbytes
+        flush()
+        if _DIRECT_RUNS and direct_ok and _direct(c):
+            run = runs.get(c.name)
+            if run is None:
+                run = runs[c.name] = direct_run(c.name, [], 0)  # its reservation: below, once all are in
+                out.append(run)
+            run.members.append(c)
+        else:
+            out.append(c)
     flush()
+    for run in runs.values():
+        run.end = min(budget, sum(m.nbytes for m in run.members), workers * max(m.nbytes for m in run.members))
     return out
+
+
+def direct_run(name: str, members: list[Chunk], reserve: int) -> _DirectRun:
+    """A :class:`_DirectRun` of ``members`` (large chunks of file ``name`` that each read
+    straight into their destinations) holding ``reserve`` bytes of the budget."""
+    run = _DirectRun(name, 0, reserve, [])
+    run.members = members
+    return run
+
+
+def _run_reads(members: list[Chunk], jobs: int) -> tuple[list[tuple[int, list[memoryview]]], list[int]]:
+    """A run's reads, in order: each member whole, except that (``jobs`` > 1) the members in
+    the last ``2 x jobs`` largest members' worth of bytes are cut into :data:`_TAIL_PIECE`
+    pieces; and the member each read belongs to."""
+    tail = 2 * jobs * max(m.nbytes for m in members) if jobs > 1 else 0  # one thread: nothing to even out
+    reads: list[tuple[int, list[memoryview]]] = []
+    owner: list[int] = []
+    after = sum(m.nbytes for m in members)
+    for i, m in enumerate(members):
+        views = [s.into for s in m.segments if s.into is not None]  # all of them: tiles_into
+        after -= m.nbytes
+        if after >= tail or m.nbytes <= _TAIL_PIECE:
+            reads.append((m.start, views))
+            owner.append(i)
+            continue
+        pos, cur, n = m.start, [], 0
+        for v in views:
+            while len(v):
+                take = min(len(v), _TAIL_PIECE - n)
+                cur.append(v[:take])
+                v, n = v[take:], n + take
+                if n == _TAIL_PIECE:
+                    reads.append((pos, cur))
+                    owner.append(i)
+                    pos, cur, n = pos + n, [], 0
+        if cur:
+            reads.append((pos, cur))
+            owner.append(i)
+    return reads, owner
+
+
+def _payload(chunk: Chunk) -> int:
+    """The destination bytes a chunk fills (counted in ``bytes_assembled``)."""
+    return sum(s.end - s.start if s.useful is None else s.useful for s in chunk.segments if s.payload)
 
 
 def _direct(c: Chunk) -> bool:

@@ -47,6 +47,7 @@ import errno
 import logging
 import random
 import re
+import threading
 import time
 import weakref
 from collections import deque
@@ -739,6 +740,8 @@ async def call_with_retry(
     byte_range: tuple[int, int] | None,
     hedge: HedgePolicy | None = None,
     on_throttle: Callable[[], None] | None = None,
+    timed: bool = True,
+    culprit: Callable[[], tuple[int, int] | None] | None = None,
 ) -> T:
     """Run ``op`` (one storage call about ``byte_range`` of ``url``; ``None``: the whole
     file) with the load's timeout, retry and hedge policy (module docstring); translate
@@ -747,6 +750,9 @@ async def call_with_retry(
     Raised: :class:`ChunkTimeoutError` when every attempt timed out (it names the URL,
     byte range and attempts), :class:`CheckpointNotFoundError` / :class:`StorageReadError`
     / :class:`CheckpointFormatError` for other failures, at once when retrying cannot help.
+    A call of many reads: ``timed=False``, ``op`` records their latencies itself (the call
+    only counts as progress); ``culprit()``, the byte range its error names instead of
+    ``byte_range`` (the read that failed, or those in flight when the attempt timed out).
     """
     attempts = retry.attempts
     clock = clock_of(stats)
@@ -764,8 +770,9 @@ async def call_with_retry(
             if not failure.retryable or attempt == attempts:
                 if failure.cause == "timeout":
                     stats.add(timeouts=1)
+                named = (culprit() if culprit is not None else None) or byte_range
                 raise translate(
-                    exc, url=url, byte_range=byte_range, attempts=attempt, failure=failure, timeout=retry.timeout
+                    exc, url=url, byte_range=named, attempts=attempt, failure=failure, timeout=retry.timeout
                 ) from exc
             stats.retry(failure.cause)
             delay = min(retry.max_backoff, retry.backoff * (2 ** (attempt - 1)))
@@ -785,7 +792,7 @@ async def call_with_retry(
         else:
             now = time.monotonic()
             elapsed = now - t0
-            if byte_range is not None:
+            if byte_range is not None and timed:
                 stats.latency(elapsed)
                 body = None if request.first_byte is None else now - request.first_byte
                 clock.finished(elapsed, nbytes, body)
@@ -853,7 +860,14 @@ class RetryingStorage:
         return self.raw.url(name)
 
     async def _call(
-        self, op: Callable[[], Awaitable[T]], name: str, byte_range: tuple[int, int] | None, *, hedge: bool = False
+        self,
+        op: Callable[[], Awaitable[T]],
+        name: str,
+        byte_range: tuple[int, int] | None,
+        *,
+        hedge: bool = False,
+        timed: bool = True,
+        culprit: Callable[[], tuple[int, int] | None] | None = None,
     ) -> T:
         return await call_with_retry(
             op,
@@ -863,6 +877,8 @@ class RetryingStorage:
             byte_range=byte_range,
             hedge=self.hedge if hedge else None,
             on_throttle=self.on_throttle,
+            timed=timed,
+            culprit=culprit,
         )
 
     async def read(self, name: str, start: int, end: int, *, hedge: bool = True, counted: bool = True) -> memoryview:
@@ -926,20 +942,92 @@ class RetryingStorage:
         await self._call(lambda: loop.run_in_executor(self.executor, job), reads[0][0], span)
         self.stats.add(bytes_read=sum(r[2] - r[1] for r in reads))
 
-    async def readinto_many(self, reads: Sequence[tuple[str, int, Sequence[memoryview]]]) -> None:
-        """Several reads of a store that reads into caller memory, each ``(name, start,
-        buffers)`` filled in turn on one I/O thread, in one hop. A failure retries them all
-        (refilling a buffer is idempotent); the error names their span."""
+    async def readinto_shared(
+        self,
+        name: str,
+        reads: Sequence[tuple[int, Sequence[memoryview]]],
+        *,
+        jobs: int,
+        landed: Callable[[int, float], None] | None = None,
+    ) -> None:
+        """Reads of file ``name`` straight into caller memory (a store that reads into it),
+        each ``(start, buffers)``, by ``jobs`` I/O threads that pull them from one queue:
+        one thread hop per thread, not per read. ``landed(i, seconds)`` runs on the I/O
+        thread once read ``i`` has landed: once per read, whatever the attempts; an error
+        it raises ends the reads and is raised as it is. Each landing is progress for the
+        timeout. A failed read stops the other threads after their current read; the next
+        attempt reads what has not landed (refilling a buffer is idempotent). The error
+        names the read that failed (a timeout: the reads that were in flight)."""
+        if not reads:
+            return
         raw = self.raw
         loop = asyncio.get_running_loop()
+        clock = clock_of(self.stats)
+        todo: deque[int] = deque(range(len(reads)))
+        sizes = [sum(len(b) for b in buffers) for _, buffers in reads]
+        lock = threading.Lock()
+        times: list[tuple[float, int]] = []
+        refused: list[BaseException] = []  # what ``landed`` raised
+        culprit: list[tuple[int, int] | None] = [None]  # what the last failed attempt's error is about
+        readinto, monotonic = raw.readinto_sync, time.monotonic
 
-        def job() -> None:
-            for name, start, buffers in reads:
-                raw.readinto_sync(name, start, buffers)
+        async def attempt() -> None:
+            stop = False
+            taken: set[int] = set()  # popped by this attempt's threads, not landed yet
+            failed: list[int] = []  # the read whose error ended this attempt
 
-        ranges = [(name, start, start + sum(len(b) for b in buffers)) for name, start, buffers in reads]
-        await self._call(lambda: loop.run_in_executor(self.executor, job), reads[0][0], _group_span(ranges))
-        self.stats.add(bytes_read=sum(end - start for _, start, end in ranges))
+            def job() -> None:
+                while True:
+                    with lock:
+                        if stop or refused or not todo:
+                            return
+                        i = todo.popleft()
+                        taken.add(i)
+                    start, buffers = reads[i]
+                    t0 = monotonic()
+                    try:
+                        readinto(name, start, buffers)
+                    except BaseException:
+                        with lock:
+                            failed.append(i)
+                        raise
+                    seconds = monotonic() - t0
+                    with lock:
+                        if stop:  # the attempt has ended: the read went back to the queue
+                            return
+                        taken.discard(i)
+                        times.append((seconds, sizes[i]))
+                    clock.last_progress = clock.now()
+                    if landed is not None:
+                        try:
+                            landed(i, seconds)
+                        except BaseException as exc:
+                            with lock:
+                                refused.append(exc)
+                            return
+
+            futures = [loop.run_in_executor(self.executor, job) for _ in range(min(jobs, len(todo)))]
+            try:
+                await asyncio.gather(*futures)
+            except BaseException:
+                with lock:  # the read that failed; else (a timeout) those still in flight
+                    about = failed[:1] or sorted(taken)
+                    culprit[0] = (reads[about[0]][0], reads[about[-1]][0] + sizes[about[-1]]) if about else None
+                raise
+            finally:
+                with lock:
+                    stop = True
+                    todo.extendleft(sorted(taken, reverse=True))
+                    taken.clear()
+
+        ends = [(name, start, start + n) for (start, _), n in zip(reads, sizes)]
+        await self._call(attempt, name, _group_span(ends), timed=False, culprit=lambda: culprit[0])
+        if refused:
+            raise refused[0]
+        for seconds, nbytes in times:
+            self.stats.latency(seconds)
+            clock.finished(seconds, nbytes)
+        self.stats.add(bytes_read=sum(end - start for _, start, end in ends))
 
     async def size(self, name: str) -> int:
         raw = self.raw

@@ -52,7 +52,7 @@ from ._dcp import PipelinedLoadPlanner
 from ._errors import AsyncLoadError, DistributedLoadError, first_error
 from ._monitor import Monitor
 from ._options import LoadOptions
-from ._pipeline import Pipeline
+from ._pipeline import Pipeline, _DirectRun, direct_run
 from ._session import LoadSession
 from ._stats import _fmt_bytes
 
@@ -1148,9 +1148,15 @@ class _SharedPipeline(Pipeline):
     async def _read_and_assemble(self, chunk: Chunk) -> None:
         members: list[Chunk] | None = getattr(chunk, "members", None)  # the base pipeline's batch of tiny reads
         if members is not None and any(id(c) in self.parts for c in members):
+            # shared members one by one; a run's others still as a run (of their own)
+            rest = [c for c in members if id(c) not in self.parts] if isinstance(chunk, _DirectRun) else []
             async with asyncio.TaskGroup() as tg:
                 for c in members:
-                    tg.create_task(self._read_and_assemble(c))
+                    if id(c) in self.parts or not rest:
+                        tg.create_task(self._read_and_assemble(c))
+                if rest:
+                    tg.create_task(super()._read_and_assemble(direct_run(chunk.name, rest, chunk.nbytes)))
+            self.done += len(rest)
             return
         parts = self.parts.get(id(chunk))
         if parts is None:

@@ -188,9 +188,10 @@ def warm_section(
         competitors["asyncload.load use_uvloop=False"] = lambda: asyncload.load(dest, path, options=aopts)
     times: dict[str, list[float]] = {k: [] for k in competitors}
     peaks: dict[str, list[int]] = {k: [] for k in competitors}
-    for _ in range(args.rounds):
-        for name, fn in competitors.items():
-            dt, peak = C.measure(fn)
+    names = list(competitors)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # the order rotated each round
+            dt, peak = C.measure(competitors[name])
             times[name].append(dt)
             peaks[name].append(peak)
     print(

@@ -3,8 +3,8 @@
 One process, one DCP checkpoint (the transformer-like state dict of ``_common.py``, one
 ``.distcp`` file), warm page cache. Interleaved round by round: the destination-sized bound
 (positional reads on 2 threads into one touched buffer) and ``asyncload.load`` with large
-local reads handed to the I/O threads one by one (``_DIRECT_GROUP = 1``, as before the
-grouping) and in groups (the default). For each asyncload load, from the session's DEBUG
+local reads handed to the I/O threads one by one (``_pipeline._DIRECT_RUNS = False``) and
+in one run per file, each thread pulling the next read from one queue (the default). For each asyncload load, from the session's DEBUG
 record and the storage's positional reads, timed on the load's own threads:
 
 - ``start``: the call to the first data read (``.metadata``, planning, header probes and
@@ -99,27 +99,26 @@ def main() -> None:
         slog.addHandler(_Keep())
         slog.setLevel(logging.DEBUG)
         slog.propagate = False
-        default_group = _pipeline._DIRECT_GROUP
-        variants = {"one by one": 1, f"groups of {default_group}": default_group}
+        variants = {"one by one": False, "in one run": True}
         times: dict[str, list[float]] = {"bound": [], **{k: [] for k in variants}}
         phases: dict[str, list[tuple[float, float, float]]] = {k: [] for k in variants}
         C.raw_into_destination(files, mv)  # warm the page cache
-        for group in variants.values():
-            _pipeline._DIRECT_GROUP = group
+        for runs in variants.values():
+            _pipeline._DIRECT_RUNS = runs
             asyncload.load(dest, path)
         for _ in range(args.rounds):
             t = time.perf_counter()
             C.raw_into_destination(files, mv)
             times["bound"].append(time.perf_counter() - t)
-            for name, group in variants.items():
-                _pipeline._DIRECT_GROUP = group
+            for name, runs in variants.items():
+                _pipeline._DIRECT_RUNS = runs
                 reads.events.clear()
                 t0 = time.perf_counter()
                 asyncload.load(dest, path)
                 t1 = time.perf_counter()
                 times[name].append(t1 - t0)
                 phases[name].append(_phases(reads, t0, t1, data_from=MiB))
-        _pipeline._DIRECT_GROUP = default_group
+        _pipeline._DIRECT_RUNS = True
         bound = statistics.median(times["bound"])
         print(
             f"\n{C.gib(size)} GiB in {len(files)} file(s), {len(dest)} keys, warm page cache, "

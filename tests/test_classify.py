@@ -593,10 +593,11 @@ async def _readinto(rs: RetryingStorage) -> bytes:
     return bytes(a + b)
 
 
-async def _many(rs: RetryingStorage) -> list[bytes]:
-    """Two reads straight into caller memory in one hop (large local chunks, grouped)."""
+async def _shared(rs: RetryingStorage) -> list[bytes]:
+    """Two reads straight into caller memory pulled from one queue (a run of large local
+    chunks), by one thread here: the failing calls are the first read's."""
     a, b, c = bytearray(4), bytearray(3), bytearray(5)
-    await rs.readinto_many([("f", 200, [memoryview(a), memoryview(b)]), ("f", 300, [memoryview(c)])])
+    await rs.readinto_shared("f", [(200, [memoryview(a), memoryview(b)]), (300, [memoryview(c)])], jobs=1)
     return [bytes(a + b), bytes(c)]
 
 
@@ -607,7 +608,7 @@ OPS: list[tuple[str, Callable[[RetryingStorage], Any], Any, int, str, tuple[int,
     ("read-uncounted", lambda rs: rs.read("f", 10, 20, counted=False), DATA[10:20], 0, "read", (10, 20)),
     ("readinto", _readinto, DATA[100:110], 10, "readinto", (100, 110)),
     ("read_batch", _batch, [DATA[0:4], DATA[50:60]], 14, "readinto", (0, 60)),
-    ("readinto_many", _many, [DATA[200:207], DATA[300:305]], 12, "readinto", (200, 305)),
+    ("readinto_shared", _shared, [DATA[200:207], DATA[300:305]], 12, "readinto", (200, 207)),
     ("size", lambda rs: rs.size("f"), len(DATA), 0, "size", None),
     ("fingerprint", lambda rs: rs.fingerprint("f"), ("v1", len(DATA)), 0, "fingerprint", None),
     ("listdir", lambda rs: rs.listdir(), [".metadata", "__0_0.distcp"], 0, "listdir", None),
@@ -637,7 +638,7 @@ async def test_retryable_errors_are_retried_then_succeed(executor, call, result,
     rs.on_throttle = lambda: throttled.append(1)
     assert _norm(await call(rs)) == result
     # two failed attempts, then one that made every raw call (a batch: one per member)
-    assert raw.calls == {op: 2 + (2 if call in (_batch, _many) else 1)}
+    assert raw.calls == {op: 2 + (2 if call in (_batch, _shared) else 1)}
     s = stats.snapshot()
     assert (s.retries, s.retries_by_cause) == (2, {cause: 2})
     assert s.timeouts == (2 if cause == "timeout" else 0)
@@ -795,7 +796,7 @@ async def test_local_storage_through_the_boundary(local):
         assert bytes(await rs.read("f", 0, 5, counted=False)) == DATA[:5]
         assert await _readinto(rs) == DATA[100:110]
         assert await _batch(rs) == [DATA[0:4], DATA[50:60]]
-        assert await _many(rs) == [DATA[200:207], DATA[300:305]]
+        assert await _shared(rs) == [DATA[200:207], DATA[300:305]]
         assert await rs.size("f") == len(DATA)
         st = os.stat(root / "f")
         assert await rs.fingerprint("f") == (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)

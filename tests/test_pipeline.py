@@ -334,6 +334,12 @@ def _members(c: Chunk) -> list[Chunk]:
     return list(getattr(c, "members", [c]))
 
 
+def _direct_large(c: Chunk) -> bool:
+    from asyncload import _pipeline as P
+
+    return c.nbytes > P._BATCH_CHUNK and P._direct(c)
+
+
 def test_local_chunks_are_grouped_in_order_within_their_limits():
     from asyncload import _pipeline as P
 
@@ -360,28 +366,85 @@ def test_local_chunks_are_grouped_in_order_within_their_limits():
         + [chunk(4 * KiB, "pinned")]
     )
     groups = P._group(chunks, budget=4 << 20, workers=2, direct_ok=True, staged_limit=P._BATCH_STAGED_CHUNK)
-    # every chunk once, in the order given
-    assert [m for g in groups for m in _members(g)] == chunks
+    # every chunk once; in the order given, but for a run, which takes its file's direct
+    # chunks where the first of them was
+    flat = [m for g in groups for m in _members(g)]
+    assert len(flat) == len(chunks) and {id(m) for m in flat} == {id(c) for c in chunks}
+    assert [m for m in flat if not _direct_large(m)] == [c for c in chunks if not _direct_large(c)]
     kinds = [type(g).__name__ for g in groups]
     assert kinds[0] == "_Batch" and [len(_members(g)) for g in groups[:1]] == [5]  # tiny + staged together
-    direct = [g for g in groups if isinstance(g, P._DirectBatch)]
-    assert direct, kinds
-    # 25 large direct chunks, 2 workers: groups of min(8, 25 // (4 * 2)) = 3, within a quarter of the budget
-    assert all(2 <= len(g.members) <= 3 and g.nbytes <= (4 << 20) // 4 for g in direct)
+    # the 25 large direct chunks of the file: one run, where the first of them was, holding
+    # two reads' worth of the budget (2 workers), whatever the checksummed read between them
+    runs = [g for g in groups if isinstance(g, P._DirectRun)]
+    assert len(runs) == 1 and kinds.index("_DirectRun") == 1
+    assert runs[0].members == chunks[5:25] + chunks[26:31]
+    assert runs[0].nbytes == 2 * 300 * KiB
     # a device destination's read is never grouped; a checksummed one only with tiny reads
-    # assembled on the I/O thread (where its bytes are checksummed), never in a direct group
+    # assembled on the I/O thread (where its bytes are checksummed), never in a run
     assert all(g is m for g in groups for m in _members(g) if m.needs_pinned)
-    assert all(not m.trackers and m.tiles_into() for g in direct for m in g.members)
+    assert all(not m.trackers and m.tiles_into() for m in runs[0].members)
     tracked = next(g for g in groups for m in _members(g) if m.trackers)
     assert type(tracked).__name__ == "_Batch"
-    # too few large chunks for 4 groups per worker: no direct groups at all
-    few = P._group(chunks[5:25], budget=4 << 20, workers=4, direct_ok=True)
-    assert not any(isinstance(g, P._DirectBatch) for g in few) and few == chunks[5:25]
+    # the budget bounds the reservation: a run never holds more than the whole budget
+    small = P._group(chunks[5:25], budget=500 * KiB, workers=4, direct_ok=True)
+    assert len(small) == 1 and small[0].nbytes == 500 * KiB and small[0].members == chunks[5:25]
     # device destinations (direct_ok=False): large chunks stay one by one
-    assert not any(isinstance(g, P._DirectBatch) for g in P._group(chunks, 4 << 20, 2, direct_ok=False))
+    assert not any(isinstance(g, P._DirectRun) for g in P._group(chunks, 4 << 20, 2, direct_ok=False))
     # outside the header phase, only reads of up to _BATCH_CHUNK are grouped with tiny ones
     data_phase = P._group(chunks, budget=4 << 20, workers=2, direct_ok=True)
     assert [len(_members(g)) for g in data_phase[:3]] == [3, 1, 1]
+    # one run per file, each where its file's first direct chunk was
+    other = [
+        Chunk("g", c.start, c.end, [Piece("g", s.start, s.end, into=s.into) for s in c.segments]) for c in chunks[5:8]
+    ]
+    mixed = P._group([chunks[5], other[0], chunks[6], other[1], other[2]], 4 << 20, 2, direct_ok=True)
+    assert [(g.name, len(g.members)) for g in mixed] == [("f", 2), ("g", 3)]
+
+
+def test_a_runs_reads_cover_its_members_in_order_the_last_ones_cut_small():
+    from asyncload import _pipeline as P
+
+    piece = P._TAIL_PIECE
+    dest = memoryview(bytearray(200 << 20))
+    members, pos = [], 0
+    for n in [16 << 20] * 9 + [5 << 20, 1 << 20]:
+        # two segments per member (two destinations), tiling it
+        cut = pos + n // 3
+        members.append(
+            Chunk(
+                "f",
+                pos,
+                pos + n,
+                [Piece("f", pos, cut, into=dest[pos:cut]), Piece("f", cut, pos + n, into=dest[cut : pos + n])],
+            )
+        )
+        pos += n
+    for jobs in (1, 2, 3):
+        reads, owner = P._run_reads(members, jobs)
+        assert len(owner) == len(reads) and owner == sorted(owner)
+        # contiguous, in order, exactly the members' bytes, each read inside its member
+        at = 0
+        for (start, views), i in zip(reads, owner):
+            assert start == at and members[i].start <= start
+            n = sum(len(v) for v in views)
+            assert start + n <= members[i].end
+            at += n
+        assert at == pos
+        # each view a slice of the members' own destinations, in order
+        flat = [v for _, views in reads for v in views]
+        assert b"".join(bytes(v) for v in flat) == bytes(dest[:pos])
+        spans = [(start, start + sum(len(v) for v in views)) for start, views in reads]
+        tail = 2 * jobs * (16 << 20) if jobs > 1 else 0
+        for (lo, hi), i in zip(spans, owner):
+            whole = (members[i].start, members[i].end)
+            if pos - members[i].end >= tail or members[i].nbytes <= piece:
+                assert (lo, hi) == whole  # before the tail (and small members): whole
+            else:
+                assert hi - lo <= piece  # in the tail: cut
+        if jobs == 1:
+            assert spans == [(m.start, m.end) for m in members]
+        else:
+            assert max(hi - lo for lo, hi in spans[-4:]) <= piece
 
 
 class _CountingPool(concurrent.futures.ThreadPoolExecutor):
@@ -395,7 +458,7 @@ class _CountingPool(concurrent.futures.ThreadPoolExecutor):
 
 
 @pytest.mark.asyncio
-async def test_large_local_chunks_read_in_groups_are_bit_exact_and_counted(tmp_path):
+async def test_large_local_chunks_read_in_one_run_are_bit_exact_and_counted(tmp_path):
     data = os.urandom((4 << 20) + 12345)
     (tmp_path / "f.bin").write_bytes(data)
     opts = LoadOptions(chunk_size=128 << 10, memory_budget=8 << 20, concurrency=4)
@@ -409,12 +472,15 @@ async def test_large_local_chunks_read_in_groups_are_bit_exact_and_counted(tmp_p
     assert bytes(dest) == data
     s = rec.snapshot()
     assert (s.chunks, s.bytes_read, s.bytes_assembled) == (len(chunks), len(data), len(data))
-    # 33 chunks on 2 threads: groups of 4, so 9 hops instead of 33
-    assert ex.jobs == 9
+    # 32 chunks of 128 KiB in one run on 2 threads (one hop each) and the last, tiny one
+    # in a batch: 3 hops instead of 33
+    assert ex.jobs == 3
+    # in flight at once: the run's two reads (two reads' worth of the budget) and the batch
+    assert s.peak_concurrency == 3 and s.peak_buffered_bytes == 2 * (128 << 10) + 12345
 
 
 @pytest.mark.asyncio
-async def test_a_group_that_runs_past_the_end_of_its_file_names_the_file_and_its_span(tmp_path):
+async def test_a_run_that_reads_past_the_end_of_its_file_names_the_file_and_the_read(tmp_path):
     from asyncload import CheckpointFormatError
 
     data = os.urandom(4 << 20)
@@ -429,6 +495,6 @@ async def test_a_group_that_runs_past_the_end_of_its_file_names_the_file_and_its
         assert pipe.budget.used == 0 and pipe.limiter.active == 0
         await storage.aclose()
     msg = str(ei.value)
-    # the last group: chunks 28-31 of 128 KiB, [3.5 MiB, 4 MiB)
-    assert "f.bin" in msg and f"[{28 << 17}, {4 << 20})" in msg, msg
+    # the read that failed: the last chunk of 128 KiB, [3.875 MiB, 4 MiB)
+    assert "f.bin" in msg and f"bytes [{31 << 17}, {4 << 20})" in msg, msg
     assert open_fds_under(tmp_path) == []
