@@ -259,7 +259,7 @@ class Pipeline:
             if progress is not None and payloads[m]:
                 progress(payloads[m])
 
-        await self.storage.readinto_shared(run.name, reads, jobs=jobs, landed=landed)
+        await self.storage.readinto_shared(reads, jobs=jobs, landed=landed)
         self.stats.add(chunks=len(members), storage_wait_seconds=waited[0])
 
     def _count_assembled(self, chunk: Chunk, t1: float, t0: float | None = None) -> None:
@@ -372,13 +372,13 @@ class _Batch(Chunk):
 
 
 class _DirectRun(_Batch):
-    """The large local chunks of one file that each read straight into their destinations,
-    read by several I/O threads that pull them from one queue (:meth:`Pipeline._run_direct`).
+    """The large local chunks that each read straight into their destinations, read by
+    several I/O threads that pull them from one queue (:meth:`Pipeline._run_direct`).
     Its ``nbytes`` is the budget it holds: what can be in flight at once."""
 
 
-#: Large local reads straight into destinations go to the I/O threads as one run per file:
-#: each thread pulls the next read from a shared queue until none is left. One thread hop
+#: Large local reads straight into destinations go to the I/O threads as one run (of every
+#: file): each thread pulls the next read from a shared queue until none is left. One thread hop
 #: per thread for the whole run (instead of one per read, or per group of reads), every
 #: thread busy until the end, and the loop idle while they copy: on 2 cores the loop's work
 #: per hop runs beside page-cache copies that evict its caches (docs/performance.md).
@@ -401,13 +401,13 @@ def _group(
     ``_BATCH_CHUNK``, or ``staged_limit`` when assembled from a buffer anyway; no device
     staging) into :class:`_Batch` es of up to ``_BATCH_BYTES``; large ones that each read
     straight into their destinations (no checksum; ``direct_ok``: no device staging) into
-    one :class:`_DirectRun` per file, where the file's first one was (holding
-    ``workers`` reads' worth of the budget). Others stay as they are."""
+    one :class:`_DirectRun`, where the first of them was (holding ``workers`` reads' worth
+    of the budget). Others stay as they are."""
     tiny_limit = min(budget, _BATCH_BYTES)
     out: list[Chunk] = []
     cur: list[Chunk] = []
     size = 0
-    runs: dict[str, _DirectRun] = {}
+    run: _DirectRun | None = None
 
     def flush() -> None:
         nonlocal cur, size
@@ -428,40 +428,40 @@ def _group(
             continue
         flush()
         if _DIRECT_RUNS and direct_ok and _direct(c):
-            run = runs.get(c.name)
             if run is None:
-                run = runs[c.name] = direct_run(c.name, [], 0)  # its reservation: below, once all are in
+                run = direct_run([], 0)  # its reservation: below, once all are in
                 out.append(run)
             run.members.append(c)
         else:
             out.append(c)
     flush()
-    for run in runs.values():
+    if run is not None:
+        run.name = run.members[0].name
         run.end = min(budget, sum(m.nbytes for m in run.members), workers * max(m.nbytes for m in run.members))
     return out
 
 
-def direct_run(name: str, members: list[Chunk], reserve: int) -> _DirectRun:
-    """A :class:`_DirectRun` of ``members`` (large chunks of file ``name`` that each read
-    straight into their destinations) holding ``reserve`` bytes of the budget."""
-    run = _DirectRun(name, 0, reserve, [])
+def direct_run(members: list[Chunk], reserve: int) -> _DirectRun:
+    """A :class:`_DirectRun` of ``members`` (large chunks that each read straight into their
+    destinations) holding ``reserve`` bytes of the budget."""
+    run = _DirectRun(members[0].name if members else "", 0, reserve, [])
     run.members = members
     return run
 
 
-def _run_reads(members: list[Chunk], jobs: int) -> tuple[list[tuple[int, list[memoryview]]], list[int]]:
+def _run_reads(members: list[Chunk], jobs: int) -> tuple[list[tuple[str, int, list[memoryview]]], list[int]]:
     """A run's reads, in order: each member whole, except that (``jobs`` > 1) the members in
     the last ``2 x jobs`` largest members' worth of bytes are cut into :data:`_TAIL_PIECE`
     pieces; and the member each read belongs to."""
     tail = 2 * jobs * max(m.nbytes for m in members) if jobs > 1 else 0  # one thread: nothing to even out
-    reads: list[tuple[int, list[memoryview]]] = []
+    reads: list[tuple[str, int, list[memoryview]]] = []
     owner: list[int] = []
     after = sum(m.nbytes for m in members)
     for i, m in enumerate(members):
         views = [s.into for s in m.segments if s.into is not None]  # all of them: tiles_into
         after -= m.nbytes
         if after >= tail or m.nbytes <= _TAIL_PIECE:
-            reads.append((m.start, views))
+            reads.append((m.name, m.start, views))
             owner.append(i)
             continue
         pos, cur, n = m.start, [], 0
@@ -471,11 +471,11 @@ def _run_reads(members: list[Chunk], jobs: int) -> tuple[list[tuple[int, list[me
                 cur.append(v[:take])
                 v, n = v[take:], n + take
                 if n == _TAIL_PIECE:
-                    reads.append((pos, cur))
+                    reads.append((m.name, pos, cur))
                     owner.append(i)
                     pos, cur, n = pos + n, [], 0
         if cur:
-            reads.append((pos, cur))
+            reads.append((m.name, pos, cur))
             owner.append(i)
     return reads, owner
 

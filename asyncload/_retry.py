@@ -741,7 +741,7 @@ async def call_with_retry(
     hedge: HedgePolicy | None = None,
     on_throttle: Callable[[], None] | None = None,
     timed: bool = True,
-    culprit: Callable[[], tuple[int, int] | None] | None = None,
+    culprit: Callable[[], tuple[str, tuple[int, int]] | None] | None = None,
 ) -> T:
     """Run ``op`` (one storage call about ``byte_range`` of ``url``; ``None``: the whole
     file) with the load's timeout, retry and hedge policy (module docstring); translate
@@ -751,8 +751,9 @@ async def call_with_retry(
     byte range and attempts), :class:`CheckpointNotFoundError` / :class:`StorageReadError`
     / :class:`CheckpointFormatError` for other failures, at once when retrying cannot help.
     A call of many reads: ``timed=False``, ``op`` records their latencies itself (the call
-    only counts as progress); ``culprit()``, the byte range its error names instead of
-    ``byte_range`` (the read that failed, or those in flight when the attempt timed out).
+    only counts as progress); ``culprit()``, the URL and byte range its error names instead
+    of ``url`` and ``byte_range`` (the read that failed, or those in flight when the attempt
+    timed out).
     """
     attempts = retry.attempts
     clock = clock_of(stats)
@@ -770,9 +771,10 @@ async def call_with_retry(
             if not failure.retryable or attempt == attempts:
                 if failure.cause == "timeout":
                     stats.add(timeouts=1)
-                named = (culprit() if culprit is not None else None) or byte_range
+                where = culprit() if culprit is not None else None
+                url, byte_range = where if where is not None else (url, byte_range)
                 raise translate(
-                    exc, url=url, byte_range=named, attempts=attempt, failure=failure, timeout=retry.timeout
+                    exc, url=url, byte_range=byte_range, attempts=attempt, failure=failure, timeout=retry.timeout
                 ) from exc
             stats.retry(failure.cause)
             delay = min(retry.max_backoff, retry.backoff * (2 ** (attempt - 1)))
@@ -867,7 +869,7 @@ class RetryingStorage:
         *,
         hedge: bool = False,
         timed: bool = True,
-        culprit: Callable[[], tuple[int, int] | None] | None = None,
+        culprit: Callable[[], tuple[str, tuple[int, int]] | None] | None = None,
     ) -> T:
         return await call_with_retry(
             op,
@@ -944,32 +946,39 @@ class RetryingStorage:
 
     async def readinto_shared(
         self,
-        name: str,
-        reads: Sequence[tuple[int, Sequence[memoryview]]],
+        reads: Sequence[tuple[str, int, Sequence[memoryview]]],
         *,
         jobs: int,
         landed: Callable[[int, float], None] | None = None,
     ) -> None:
-        """Reads of file ``name`` straight into caller memory (a store that reads into it),
-        each ``(start, buffers)``, by ``jobs`` I/O threads that pull them from one queue:
-        one thread hop per thread, not per read. ``landed(i, seconds)`` runs on the I/O
-        thread once read ``i`` has landed: once per read, whatever the attempts; an error
-        it raises ends the reads and is raised as it is. Each landing is progress for the
-        timeout. A failed read stops the other threads after their current read; the next
-        attempt reads what has not landed (refilling a buffer is idempotent). The error
-        names the read that failed (a timeout: the reads that were in flight)."""
+        """Reads straight into caller memory (a store that reads into it), each ``(name,
+        start, buffers)``, by ``jobs`` I/O threads that pull them from one queue: one thread
+        hop per thread, not per read. ``landed(i, seconds)`` runs on the I/O thread once read
+        ``i`` has landed: once per read, whatever the attempts; an error it raises ends the
+        reads and is raised as it is. Each landing is progress for the timeout. A failed read
+        stops the other threads after their current read; the next attempt reads what has not
+        landed (refilling a buffer is idempotent). The error names the file and byte range of
+        the read that failed (a timeout: of the reads in flight)."""
         if not reads:
             return
         raw = self.raw
         loop = asyncio.get_running_loop()
         clock = clock_of(self.stats)
         todo: deque[int] = deque(range(len(reads)))
-        sizes = [sum(len(b) for b in buffers) for _, buffers in reads]
+        sizes = [sum(len(b) for b in buffers) for _, _, buffers in reads]
         lock = threading.Lock()
         times: list[tuple[float, int]] = []
         refused: list[BaseException] = []  # what ``landed`` raised
-        culprit: list[tuple[int, int] | None] = [None]  # what the last failed attempt's error is about
+        culprit: list[tuple[str, tuple[int, int]] | None] = [None]  # what the last failed attempt's error is about
         readinto, monotonic = raw.readinto_sync, time.monotonic
+
+        def about(ids: list[int]) -> tuple[str, tuple[int, int]] | None:
+            """The file of the first of ``ids`` and the span of those of that file."""
+            if not ids:
+                return None
+            name = reads[ids[0]][0]
+            mine = [i for i in ids if reads[i][0] == name]
+            return raw.url(name), (min(reads[i][1] for i in mine), max(reads[i][1] + sizes[i] for i in mine))
 
         async def attempt() -> None:
             stop = False
@@ -983,7 +992,7 @@ class RetryingStorage:
                             return
                         i = todo.popleft()
                         taken.add(i)
-                    start, buffers = reads[i]
+                    name, start, buffers = reads[i]
                     t0 = monotonic()
                     try:
                         readinto(name, start, buffers)
@@ -1011,8 +1020,7 @@ class RetryingStorage:
                 await asyncio.gather(*futures)
             except BaseException:
                 with lock:  # the read that failed; else (a timeout) those still in flight
-                    about = failed[:1] or sorted(taken)
-                    culprit[0] = (reads[about[0]][0], reads[about[-1]][0] + sizes[about[-1]]) if about else None
+                    culprit[0] = about(failed[:1] or sorted(taken))
                 raise
             finally:
                 with lock:
@@ -1020,14 +1028,14 @@ class RetryingStorage:
                     todo.extendleft(sorted(taken, reverse=True))
                     taken.clear()
 
-        ends = [(name, start, start + n) for (start, _), n in zip(reads, sizes)]
-        await self._call(attempt, name, _group_span(ends), timed=False, culprit=lambda: culprit[0])
+        ends = [(name, start, start + n) for (name, start, _), n in zip(reads, sizes)]
+        await self._call(attempt, reads[0][0], _group_span(ends), timed=False, culprit=lambda: culprit[0])
         if refused:
             raise refused[0]
         for seconds, nbytes in times:
             self.stats.latency(seconds)
             clock.finished(seconds, nbytes)
-        self.stats.add(bytes_read=sum(end - start for _, start, end in ends))
+        self.stats.add(bytes_read=sum(sizes))
 
     async def size(self, name: str) -> int:
         raw = self.raw

@@ -1155,7 +1155,7 @@ class _SharedPipeline(Pipeline):
                     if id(c) in self.parts or not rest:
                         tg.create_task(self._read_and_assemble(c))
                 if rest:
-                    tg.create_task(super()._read_and_assemble(direct_run(chunk.name, rest, chunk.nbytes)))
+                    tg.create_task(super()._read_and_assemble(direct_run(rest, chunk.nbytes)))
             self.done += len(rest)
             return
         parts = self.parts.get(id(chunk))

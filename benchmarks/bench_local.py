@@ -168,10 +168,10 @@ def _destination_reads(
     orig = _retry.RetryingStorage.readinto_shared
 
     async def capture(
-        self: _retry.RetryingStorage, name: str, reads: list[tuple[int, list[memoryview]]], **kw: object
+        self: _retry.RetryingStorage, reads: list[tuple[str, int, list[memoryview]]], **kw: object
     ) -> None:
-        got.extend((name, start, list(views)) for start, views in reads)
-        await orig(self, name, reads, **kw)  # type: ignore[arg-type]
+        got.extend((name, start, list(views)) for name, start, views in reads)
+        await orig(self, reads, **kw)  # type: ignore[arg-type]
 
     _retry.RetryingStorage.readinto_shared = capture  # type: ignore[method-assign,assignment]
     try:

@@ -597,7 +597,7 @@ async def _shared(rs: RetryingStorage) -> list[bytes]:
     """Two reads straight into caller memory pulled from one queue (a run of large local
     chunks), by one thread here: the failing calls are the first read's."""
     a, b, c = bytearray(4), bytearray(3), bytearray(5)
-    await rs.readinto_shared("f", [(200, [memoryview(a), memoryview(b)]), (300, [memoryview(c)])], jobs=1)
+    await rs.readinto_shared([("f", 200, [memoryview(a), memoryview(b)]), ("f", 300, [memoryview(c)])], jobs=1)
     return [bytes(a + b), bytes(c)]
 
 

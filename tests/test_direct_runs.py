@@ -71,12 +71,16 @@ def executor():
     pool.shutdown(wait=True)
 
 
-def _reads(n: int, size: int = 4096) -> tuple[list[tuple[int, list[memoryview]]], bytearray]:
-    """``n`` reads of ``size`` bytes (each into two buffers) covering ``DATA[: n * size]``."""
+def _reads(n: int, size: int = 4096, names: str = "f") -> tuple[list[tuple[str, int, list[memoryview]]], bytearray]:
+    """``n`` reads of ``size`` bytes (each into two buffers) covering ``DATA[: n * size]``,
+    of the files ``names`` in turn (each file holds ``DATA``)."""
     dest = bytearray(n * size)
     mv = memoryview(dest)
     half = size // 3
-    return [(i * size, [mv[i * size : i * size + half], mv[i * size + half : (i + 1) * size]]) for i in range(n)], dest
+    return [
+        (names[i % len(names)], i * size, [mv[i * size : i * size + half], mv[i * size + half : (i + 1) * size]])
+        for i in range(n)
+    ], dest
 
 
 def _boundary(store: Storage, executor, **changes) -> tuple[RetryingStorage, StatsRecorder]:
@@ -91,9 +95,9 @@ async def test_every_read_lands_once_bit_exact(executor, jobs):
     landed: Counter[int] = Counter()
     store = Store()
     rs, stats = _boundary(store, executor)
-    await rs.readinto_shared("f", reads, jobs=jobs, landed=lambda i, _s: landed.update([i]))
+    await rs.readinto_shared(reads, jobs=jobs, landed=lambda i, _s: landed.update([i]))
     assert bytes(dest) == DATA[: len(dest)]
-    assert landed == Counter(range(40)) and store.calls == Counter(start for start, _ in reads)
+    assert landed == Counter(range(40)) and store.calls == Counter(start for _, start, _ in reads)
     s = stats.snapshot()
     assert (s.bytes_read, s.retries) == (len(dest), 0)
 
@@ -110,10 +114,10 @@ async def test_a_failed_attempt_is_followed_by_one_that_reads_only_what_has_not_
     landed: Counter[int] = Counter()
     store = Store(fail)
     rs, stats = _boundary(store, executor)
-    await rs.readinto_shared("f", reads, jobs=1, landed=lambda i, _s: landed.update([i]))
+    await rs.readinto_shared(reads, jobs=1, landed=lambda i, _s: landed.update([i]))
     assert bytes(dest) == DATA[: len(dest)]
     # reads 0-6 landed in the first attempt; the second read 7 (again) and 8-11 only
-    assert store.calls == Counter({**{s: 1 for s, _ in reads}, bad: 2})
+    assert store.calls == Counter({**{s: 1 for _, s, _ in reads}, bad: 2})
     assert landed == Counter(range(12))
     s = stats.snapshot()
     assert (s.retries, s.retries_by_cause, s.bytes_read) == (1, {"io_error": 1}, len(dest))
@@ -132,10 +136,10 @@ async def test_with_several_threads_a_retry_still_lands_every_read_once(executor
     landed: Counter[int] = Counter()
     store = Store(fail)
     rs, stats = _boundary(store, executor)
-    await rs.readinto_shared("f", reads, jobs=3, landed=lambda i, _s: landed.update([i]))
+    await rs.readinto_shared(reads, jobs=3, landed=lambda i, _s: landed.update([i]))
     assert bytes(dest) == DATA[: len(dest)]
     assert landed == Counter(range(60))
-    assert all(store.calls[s] >= 1 for s, _ in reads) and all(store.calls[s] == 2 for s in failing)
+    assert all(store.calls[s] >= 1 for _, s, _ in reads) and all(store.calls[s] == 2 for s in failing)
     assert stats.snapshot().bytes_read == len(dest)
 
 
@@ -150,7 +154,7 @@ async def test_the_error_names_the_read_that_failed_after_every_attempt(executor
     store = Store(fail)
     rs, stats = _boundary(store, executor, retries=2)
     with pytest.raises(StorageReadError) as ei:
-        await rs.readinto_shared("f", reads, jobs=2)
+        await rs.readinto_shared(reads, jobs=2)
     err = ei.value
     assert (err.path, err.byte_range, err.attempts) == (f"{ROOT}/f", (6 * 4096, 7 * 4096), 3)
     assert str(err).startswith(f"reading {ROOT}/f bytes [{6 * 4096}, {7 * 4096}) failed after 3 attempts")
@@ -159,12 +163,32 @@ async def test_the_error_names_the_read_that_failed_after_every_attempt(executor
 
 
 @pytest.mark.asyncio
+async def test_a_run_over_several_files_names_the_file_of_the_read_that_failed(executor):
+    reads, dest = _reads(12, names="fgh")  # files f, g, h in turn
+    bad = 7 * 4096  # read 7: file g
+
+    def fail(start: int, n: int) -> None:
+        if start == bad:
+            raise OSError(errno.EIO, "Input/output error")
+
+    rs, stats = _boundary(Store(fail), executor, retries=1)
+    with pytest.raises(StorageReadError) as ei:
+        await rs.readinto_shared(reads, jobs=2)
+    assert (ei.value.path, ei.value.byte_range, ei.value.attempts) == (f"{ROOT}/g", (bad, bad + 4096), 2)
+    # and without the failure, every file's reads land where they belong
+    reads, dest = _reads(12, names="fgh")
+    rs, stats = _boundary(Store(), executor)
+    await rs.readinto_shared(reads, jobs=3)
+    assert bytes(dest) == DATA[: len(dest)] and stats.snapshot().bytes_read == len(dest)
+
+
+@pytest.mark.asyncio
 async def test_reads_that_keep_landing_do_not_time_out_however_long_the_run(executor):
     reads, dest = _reads(12)
     store = Store(lambda _start, _n: time.sleep(0.03))
     rs, stats = _boundary(store, executor, timeout=0.1, retries=0)
     t0 = time.monotonic()
-    await rs.readinto_shared("f", reads, jobs=1)  # 12 x 0.03 s: longer than the timeout
+    await rs.readinto_shared(reads, jobs=1)  # 12 x 0.03 s: longer than the timeout
     assert time.monotonic() - t0 > 0.3
     assert bytes(dest) == DATA[: len(dest)]
     s = stats.snapshot()
@@ -186,7 +210,7 @@ async def test_a_stalled_read_times_out_and_its_late_landing_is_not_counted_twic
     landed: Counter[int] = Counter()
     store = Store(fail)
     rs, stats = _boundary(store, executor, timeout=0.1, retries=1)
-    await rs.readinto_shared("f", reads, jobs=1, landed=lambda i, _s: landed.update([i]))
+    await rs.readinto_shared(reads, jobs=1, landed=lambda i, _s: landed.update([i]))
     assert bytes(dest) == DATA[: len(dest)]
     assert await asyncio.to_thread(released.wait, 5)
     await asyncio.sleep(0.05)  # the stale thread has returned by now
@@ -208,7 +232,7 @@ async def test_a_read_that_never_returns_names_the_reads_in_flight(executor):
     rs, _ = _boundary(store, executor, timeout=0.1, retries=1)
     try:
         with pytest.raises(ChunkTimeoutError) as ei:
-            await rs.readinto_shared("f", reads, jobs=1)
+            await rs.readinto_shared(reads, jobs=1)
         assert (ei.value.byte_range, ei.value.attempts) == ((2 * 4096, 3 * 4096), 2)
     finally:
         stuck.set()
@@ -228,7 +252,7 @@ async def test_an_error_from_landed_is_raised_as_it_is_and_not_retried(executor)
     store = Store(lambda _start, _n: time.sleep(0.001))
     rs, stats = _boundary(store, executor)
     with pytest.raises(Stop):
-        await rs.readinto_shared("f", reads, jobs=2, landed=landed)
+        await rs.readinto_shared(reads, jobs=2, landed=landed)
     assert sum(store.calls.values()) < 30 and max(store.calls.values()) == 1  # stopped, nothing retried
     assert stats.snapshot().retries == 0
 
@@ -244,7 +268,7 @@ async def test_a_cancelled_run_stops_its_threads_after_their_current_read(execut
 
     store = Store(fail)
     rs, _ = _boundary(store, executor)
-    task = asyncio.create_task(rs.readinto_shared("f", reads, jobs=2))
+    task = asyncio.create_task(rs.readinto_shared(reads, jobs=2))
     assert await asyncio.to_thread(started.wait, 5)
     await asyncio.sleep(0.02)
     task.cancel()

@@ -393,12 +393,14 @@ def test_local_chunks_are_grouped_in_order_within_their_limits():
     # outside the header phase, only reads of up to _BATCH_CHUNK are grouped with tiny ones
     data_phase = P._group(chunks, budget=4 << 20, workers=2, direct_ok=True)
     assert [len(_members(g)) for g in data_phase[:3]] == [3, 1, 1]
-    # one run per file, each where its file's first direct chunk was
+    # one run for every file, the reads of each in the order given
     other = [
         Chunk("g", c.start, c.end, [Piece("g", s.start, s.end, into=s.into) for s in c.segments]) for c in chunks[5:8]
     ]
     mixed = P._group([chunks[5], other[0], chunks[6], other[1], other[2]], 4 << 20, 2, direct_ok=True)
-    assert [(g.name, len(g.members)) for g in mixed] == [("f", 2), ("g", 3)]
+    assert len(mixed) == 1 and mixed[0].members == [chunks[5], other[0], chunks[6], other[1], other[2]]
+    reads, _ = P._run_reads(mixed[0].members, 2)
+    assert [(name, start) for name, start, _ in reads] == [(c.name, c.start) for c in mixed[0].members]
 
 
 def test_a_runs_reads_cover_its_members_in_order_the_last_ones_cut_small():
@@ -424,16 +426,17 @@ def test_a_runs_reads_cover_its_members_in_order_the_last_ones_cut_small():
         assert len(owner) == len(reads) and owner == sorted(owner)
         # contiguous, in order, exactly the members' bytes, each read inside its member
         at = 0
-        for (start, views), i in zip(reads, owner):
+        for (name, start, views), i in zip(reads, owner):
+            assert name == "f"
             assert start == at and members[i].start <= start
             n = sum(len(v) for v in views)
             assert start + n <= members[i].end
             at += n
         assert at == pos
         # each view a slice of the members' own destinations, in order
-        flat = [v for _, views in reads for v in views]
+        flat = [v for _, _, views in reads for v in views]
         assert b"".join(bytes(v) for v in flat) == bytes(dest[:pos])
-        spans = [(start, start + sum(len(v) for v in views)) for start, views in reads]
+        spans = [(start, start + sum(len(v) for v in views)) for _, start, views in reads]
         tail = 2 * jobs * (16 << 20) if jobs > 1 else 0
         for (lo, hi), i in zip(spans, owner):
             whole = (members[i].start, members[i].end)
