@@ -1156,7 +1156,9 @@ class _SharedPipeline(Pipeline):
                         tg.create_task(self._read_and_assemble(c))
                 if rest:
                     tg.create_task(super()._read_and_assemble(direct_run(rest, chunk.nbytes)))
-            self.done += len(rest)
+            if rest:
+                self.done += len(rest)
+                self.session.monitor.progress(f"{self.session.doing}: {self.done} of {self.total} chunks done")
             return
         parts = self.parts.get(id(chunk))
         if parts is None:
