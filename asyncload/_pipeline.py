@@ -407,7 +407,8 @@ def _group(
     out: list[Chunk] = []
     cur: list[Chunk] = []
     size = 0
-    run: _DirectRun | None = None
+    direct: list[Chunk] = []
+    run_at = 0  # where the run goes: where the first of its members was
 
     def flush() -> None:
         nonlocal cur, size
@@ -428,23 +429,22 @@ def _group(
             continue
         flush()
         if _DIRECT_RUNS and direct_ok and _direct(c):
-            if run is None:
-                run = direct_run([], 0)  # its reservation: below, once all are in
-                out.append(run)
-            run.members.append(c)
+            if not direct:
+                run_at = len(out)
+            direct.append(c)
         else:
             out.append(c)
     flush()
-    if run is not None:
-        run.name = run.members[0].name
-        run.end = min(budget, sum(m.nbytes for m in run.members), workers * max(m.nbytes for m in run.members))
+    if direct:
+        reserve = min(budget, sum(m.nbytes for m in direct), workers * max(m.nbytes for m in direct))
+        out.insert(run_at, direct_run(direct, reserve))
     return out
 
 
 def direct_run(members: list[Chunk], reserve: int) -> _DirectRun:
     """A :class:`_DirectRun` of ``members`` (large chunks that each read straight into their
     destinations) holding ``reserve`` bytes of the budget."""
-    run = _DirectRun(members[0].name if members else "", 0, reserve, [])
+    run = _DirectRun(members[0].name, 0, reserve, [])
     run.members = members
     return run
 

@@ -971,14 +971,14 @@ class RetryingStorage:
         refused: list[BaseException] = []  # what ``landed`` raised
         culprit: list[tuple[str, tuple[int, int]] | None] = [None]  # what the last failed attempt's error is about
         readinto, monotonic = raw.readinto_sync, time.monotonic
+        ends = [(name, start, start + n) for (name, start, _), n in zip(reads, sizes)]
 
         def about(ids: list[int]) -> tuple[str, tuple[int, int]] | None:
             """The file of the first of ``ids`` and the span of those of that file."""
             if not ids:
                 return None
             name = reads[ids[0]][0]
-            mine = [i for i in ids if reads[i][0] == name]
-            return raw.url(name), (min(reads[i][1] for i in mine), max(reads[i][1] + sizes[i] for i in mine))
+            return raw.url(name), _group_span([ends[i] for i in ids if ends[i][0] == name])
 
         async def attempt() -> None:
             stop = False
@@ -1028,7 +1028,6 @@ class RetryingStorage:
                     todo.extendleft(sorted(taken, reverse=True))
                     taken.clear()
 
-        ends = [(name, start, start + n) for (name, start, _), n in zip(reads, sizes)]
         await self._call(attempt, reads[0][0], _group_span(ends), timed=False, culprit=lambda: culprit[0])
         if refused:
             raise refused[0]

@@ -83,6 +83,19 @@ def _reads(n: int, size: int = 4096, names: str = "f") -> tuple[list[tuple[str, 
     ], dest
 
 
+def _eio_once(starts: set[int], pause: float = 0.0) -> Callable[[int, int], None]:
+    """A ``Store.fail`` that fails the first read of each of ``starts`` with EIO (every read
+    paused ``pause`` seconds first)."""
+
+    def fail(start: int, n: int) -> None:
+        if pause:
+            time.sleep(pause)
+        if start in starts and n == 0:
+            raise OSError(errno.EIO, "Input/output error")
+
+    return fail
+
+
 def _boundary(store: Storage, executor, **changes) -> tuple[RetryingStorage, StatsRecorder]:
     stats = StatsRecorder()
     return RetryingStorage.for_options(store, OPTS.replace(**changes), stats, executor), stats
@@ -106,13 +119,8 @@ async def test_every_read_lands_once_bit_exact(executor, jobs):
 async def test_a_failed_attempt_is_followed_by_one_that_reads_only_what_has_not_landed(executor):
     reads, dest = _reads(12)
     bad = 7 * 4096
-
-    def fail(start: int, n: int) -> None:
-        if start == bad and n == 0:
-            raise OSError(errno.EIO, "Input/output error")
-
     landed: Counter[int] = Counter()
-    store = Store(fail)
+    store = Store(_eio_once({bad}))
     rs, stats = _boundary(store, executor)
     await rs.readinto_shared(reads, jobs=1, landed=lambda i, _s: landed.update([i]))
     assert bytes(dest) == DATA[: len(dest)]
@@ -127,14 +135,8 @@ async def test_a_failed_attempt_is_followed_by_one_that_reads_only_what_has_not_
 async def test_with_several_threads_a_retry_still_lands_every_read_once(executor):
     reads, dest = _reads(60)
     failing = {5 * 4096, 20 * 4096, 41 * 4096}
-
-    def fail(start: int, n: int) -> None:
-        time.sleep(0.001)
-        if start in failing and n == 0:
-            raise OSError(errno.EIO, "Input/output error")
-
     landed: Counter[int] = Counter()
-    store = Store(fail)
+    store = Store(_eio_once(failing, pause=0.001))
     rs, stats = _boundary(store, executor)
     await rs.readinto_shared(reads, jobs=3, landed=lambda i, _s: landed.update([i]))
     assert bytes(dest) == DATA[: len(dest)]
