@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import stat
 import threading
 from collections.abc import Sequence
 
+from ._mapped import MIN_MAPPED_READ, MappedCopies, mapped_copies_available
 from ._storage import NotRegularFileError, ShortReadError, Storage, _check_regular
+
+log = logging.getLogger("asyncload.local")
 
 __all__ = ["LocalStorage"]
 
@@ -29,12 +33,24 @@ class LocalStorage(Storage):
 
     supports_readinto = True
 
-    def __init__(self, root: str, executor: concurrent.futures.Executor) -> None:
+    def __init__(self, root: str, executor: concurrent.futures.Executor, *, mapped_copies: bool = True) -> None:
         super().__init__(root)
         self._executor = executor
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._mapped: MappedCopies | None = None
+        if mapped_copies:
+            why = mapped_copies_available()
+            if why is None:
+                self._mapped = MappedCopies()
+            else:
+                log.debug("local reads without mappings: %s", why)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes copied out of the page cache through leased mappings (:mod:`._mapped`)."""
+        return 0 if self._mapped is None else self._mapped.bytes_copied
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -64,6 +80,16 @@ class LocalStorage(Storage):
         bufs = list(buffers)
         pos = start
         done = 0
+        if self._mapped is not None and want >= MIN_MAPPED_READ:
+            done = self._mapped.copy(fd, self._path(name), start, bufs)
+            if done == want:
+                return
+            pos += done
+            skip = done
+            while skip >= len(bufs[0]):
+                skip -= len(bufs.pop(0))
+            if skip:
+                bufs[0] = bufs[0][skip:]
         while bufs:
             n = os.preadv(fd, bufs, pos)
             if n <= 0:
@@ -115,6 +141,8 @@ class LocalStorage(Storage):
             self._closed = True
             fds, self._fds = self._fds, {}
         for fd in fds.values():
+            if self._mapped is not None:
+                self._mapped.forget(fd)
             try:
                 os.close(fd)
             except OSError:  # pragma: no cover

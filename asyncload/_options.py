@@ -129,6 +129,12 @@ class LoadOptions:
     use_uvloop: bool = True
     #: Threads for local positional reads and for assembly copies (``None``: from concurrency).
     io_threads: int | None = None
+    #: Copy large local reads whose pages are all in the page cache out of a short-lived
+    #: mapping of the file, under a read lease that keeps writers out while it lasts, instead
+    #: of ``preadv`` (Linux 6.5+; faster when a tensor's address and its file offset are not
+    #: aligned alike, the usual case: docs/performance.md). Falls back to ``preadv`` by
+    #: itself where it cannot (no lease, a page not cached, a writer waiting).
+    local_mapped_copies: bool = True
     #: Largest ``.metadata`` / header accepted, bytes (hostile-input guard).
     max_metadata_size: int = 1 * GiB
     #: The client for ``s3://``, ``gs://``/``gcs://`` and ``http(s)://``: ``"obstore"`` (Rust
@@ -193,6 +199,8 @@ class LoadOptions:
         c = self.concurrency
         if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             bad("concurrency", c, 'expected an int >= 1 or "auto"')
+        if not isinstance(self.local_mapped_copies, bool):
+            bad("local_mapped_copies", self.local_mapped_copies, "expected True or False")
         if self.io_threads is not None and (
             isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1
         ):

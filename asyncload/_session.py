@@ -289,7 +289,13 @@ class LoadSession:
         """The checkpoint's storage behind the retrying error boundary (opened on first use)."""
         if self._storage is None:
             root = self._storage_root if self._storage_root is not None else self.checkpoint
-            raw = open_storage(root, self.storage_options, self.executor, transport=self.options.transport)
+            raw = open_storage(
+                root,
+                self.storage_options,
+                self.executor,
+                transport=self.options.transport,
+                mapped_copies=self.options.local_mapped_copies,
+            )
             self._storage = RetryingStorage.for_options(raw, self.options, self._recorder, self.executor)
         elif self._storage.stats is not self._recorder:  # a reused reader's next load
             self._storage.stats = self._recorder

@@ -600,13 +600,15 @@ def open_storage(
     executor: concurrent.futures.Executor,
     *,
     transport: str = "auto",
+    mapped_copies: bool = True,
 ) -> Storage:
     """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL.
 
     ``transport`` (``LoadOptions.transport``) picks the client for ``s3://``, ``gs://``,
     ``gcs://`` and ``http(s)://``: ``"obstore"``, ``"fsspec"``, or ``"auto"`` (obstore
     when it is installed and the URL and ``storage_options`` map onto it, else fsspec;
-    why not is logged at DEBUG). Every other protocol is fsspec's.
+    why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
+    (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload._mapped`.
 
     Raised: :class:`StorageReadError` for ``transport="obstore"`` when obstore is not
     installed or cannot honour an option (the message names it).
@@ -614,7 +616,7 @@ def open_storage(
     if is_local(checkpoint):
         from ._local import LocalStorage
 
-        return LocalStorage(str(Path(local_root(checkpoint))), executor)
+        return LocalStorage(str(Path(local_root(checkpoint))), executor, mapped_copies=mapped_copies)
     s = str(checkpoint)
     protocol = s.split("://", 1)[0]
     options = storage_options or {}

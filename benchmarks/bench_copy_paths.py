@@ -1,0 +1,178 @@
+"""Which copy out of a warm page cache: the kernel's (``preadv``) or a user-space ``memmove``
+out of a short-lived mapping (asyncload/_mapped.py), into aligned and unaligned memory.
+
+    python benchmarks/bench_copy_paths.py --size-mib 1024 --rounds 9
+
+One process, one DCP checkpoint (``_common.transformer_state_dict``, one ``.distcp`` file),
+warm page cache. asyncload's own large reads are captured from one load (their file offsets
+and the destination tensors they land in), then replayed on 2 threads pulling from one
+queue, interleaved round by round, the order rotated each round:
+
+- ``preadv``, into one destination-sized buffer at the reads' file offsets (source and
+  destination alike modulo 4096: the issue's bound), shifted by 1 byte (alike modulo
+  nothing: what a tensor at an arbitrary address gets), and into the real destinations;
+- the leased mapped copy (``_mapped.MappedCopies``), into the same three;
+- whole ``asyncload.load`` calls with ``local_mapped_copies`` off and on.
+
+Prints the median wall time, the ratio to the bound, CPU seconds (user + system, this
+process's ``getrusage``) per GiB, and how the destinations' addresses sit against their file
+offsets (modulo 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _common as C
+
+import asyncload
+from asyncload import _local, _mapped
+
+MiB = 1 << 20
+Read = tuple[str, int, list[memoryview]]
+
+
+def _capture(dest: dict[str, torch.Tensor], path: str) -> list[Read]:
+    """asyncload's positional reads of one load of at least 1 MiB: (file, offset, buffers)."""
+    reads: list[Read] = []
+    orig = _local.LocalStorage._preadv
+
+    def rec(self: Any, name: str, start: int, buffers: Any) -> None:
+        if sum(len(b) for b in buffers) >= MiB:
+            reads.append((self._path(name), start, list(buffers)))
+        orig(self, name, start, buffers)
+
+    _local.LocalStorage._preadv = rec  # type: ignore[method-assign]
+    try:
+        asyncload.load(dest, path, options=asyncload.LoadOptions(local_mapped_copies=False))
+    finally:
+        _local.LocalStorage._preadv = orig  # type: ignore[method-assign]
+    return reads
+
+
+def _replay(reads: list[Read], fds: dict[str, int], copy: Callable[[int, str, int, list[memoryview]], None]) -> None:
+    q = collections.deque(reads)
+
+    def work() -> None:
+        while True:
+            try:
+                f, off, bufs = q.popleft()
+            except IndexError:
+                return
+            copy(fds[f], f, off, bufs)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _address(b: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", module="torch.distributed")
+    why = _mapped.mapped_copies_available()
+    if why is not None:
+        sys.exit(f"no mapped copies on this machine: {why}")
+    print(f"asyncload: {asyncload.__file__}; load average (start): {C.loadavg()}")
+    tmp = tempfile.mkdtemp(prefix="asyncload-copy-")
+    try:
+        sd = C.transformer_state_dict(args.size_mib * MiB)
+        path = os.path.join(tmp, "ckpt")
+        dcp.save(sd, checkpoint_id=path)
+        dest = C.zeros_like(sd)
+        del sd
+        reads = _capture(dest, path)
+        files = sorted({f for f, _, _ in reads})
+        fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        total = sum(len(b) for _, _, bs in reads for b in bs)
+        span = max(off + sum(len(b) for b in bs) for _, off, bs in reads)
+        buf = torch.zeros(span + 8192, dtype=torch.uint8)
+        mv = memoryview(buf.numpy())
+        base = buf.data_ptr()
+
+        def into_buffer(shift: int) -> list[Read]:
+            k = (shift - base) % 4096  # buffer address at file offset o: o + shift modulo 4096
+            return [(f, off, [mv[k + off : k + off + sum(len(b) for b in bs)]]) for f, off, bs in reads]
+
+        aligned, shifted = into_buffer(0), into_buffer(1)
+        mapped = _mapped.MappedCopies()
+
+        def preadv(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
+            os.preadv(fd, bufs, off)
+
+        def leased(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
+            if mapped.copy(fd, f, off, bufs) != sum(len(b) for b in bufs):
+                raise RuntimeError(f"{f}: a window was not mapped (page cache not warm?)")
+
+        variants: dict[str, Callable[[], None]] = {
+            "preadv, buffer at file offsets (bound)": lambda: _replay(aligned, fds, preadv),
+            "preadv, buffer shifted 1 byte": lambda: _replay(shifted, fds, preadv),
+            "preadv, the destinations": lambda: _replay(reads, fds, preadv),
+            "mapped, buffer at file offsets": lambda: _replay(aligned, fds, leased),
+            "mapped, buffer shifted 1 byte": lambda: _replay(shifted, fds, leased),
+            "mapped, the destinations": lambda: _replay(reads, fds, leased),
+            "asyncload.load, mapped copies off": lambda: asyncload.load(
+                dest, path, options=asyncload.LoadOptions(local_mapped_copies=False)
+            ),
+            "asyncload.load (default: mapped)": lambda: asyncload.load(dest, path),
+        }
+        for fn in variants.values():  # warm the cache and every path
+            fn()
+        res: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+        names = list(variants)
+        for r in range(args.rounds):
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                a = resource.getrusage(resource.RUSAGE_SELF)
+                t = time.perf_counter()
+                variants[k]()
+                wall = time.perf_counter() - t
+                b = resource.getrusage(resource.RUSAGE_SELF)
+                res[k].append((wall, b.ru_utime - a.ru_utime + b.ru_stime - a.ru_stime))
+        for fd in fds.values():
+            os.close(fd)
+        rel = collections.Counter(
+            (_address(bs[0]) - off) % 64 == 0 for _, off, bs in reads
+        )  # a destination alike its file offset modulo 64
+        print(
+            f"\n{C.gib(total)} GiB in {len(reads)} reads of {len(files)} file(s), warm page cache, 2 threads, "
+            f"median of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs; "
+            f"destinations alike their file offsets modulo 64: {rel[True]} of {len(reads)} reads"
+        )
+        bound = statistics.median(w for w, _ in res[names[0]])
+        print(f"{'':40s} {'seconds':>8s} {'x bound':>8s} {'CPU s/GiB':>10s}")
+        for k, v in res.items():
+            w = statistics.median(x for x, _ in v)
+            cpu = statistics.median(c for _, c in v) / (total / (1 << 30))
+            print(f"{k:40s} {w:8.4f} {bound / w:8.2f} {cpu:10.3f}")
+        print(f"load average (end): {C.loadavg()}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
