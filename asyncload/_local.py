@@ -77,30 +77,29 @@ class LocalStorage(Storage):
     def _preadv(self, name: str, start: int, buffers: Sequence[memoryview]) -> None:
         fd = self._fd(name)
         want = sum(len(b) for b in buffers)
-        bufs = list(buffers)
-        pos = start
+        mapped = self._mapped
+        if mapped is not None and want >= MIN_MAPPED_READ and mapped.any_aliasing(start, buffers):
+            self._read_aliasing(fd, name, start, buffers, want, mapped)
+            return
+        got = _pread_all(fd, list(buffers), start)
+        if got != want:
+            raise ShortReadError(self._path(name), start, start + want, got, local=True)
+
+    def _read_aliasing(
+        self, fd: int, name: str, start: int, buffers: Sequence[memoryview], want: int, mapped: MappedCopies
+    ) -> None:
+        """Buffer by buffer: those the kernel's copy would alias copied through a leased
+        mapping (:mod:`._mapped`), as far as it goes, the rest with ``preadv``."""
+        path = self._path(name)
         done = 0
-        if self._mapped is not None and want >= MIN_MAPPED_READ:
-            done = self._mapped.copy(fd, self._path(name), start, bufs)
-            if done == want:
-                return
-            pos += done
-            skip = done
-            while skip >= len(bufs[0]):
-                skip -= len(bufs.pop(0))
-            if skip:
-                bufs[0] = bufs[0][skip:]
-        while bufs:
-            n = os.preadv(fd, bufs, pos)
-            if n <= 0:
-                raise ShortReadError(self._path(name), start, start + want, done, local=True)
-            done += n
-            pos += n
-            while bufs and n >= len(bufs[0]):
-                n -= len(bufs[0])
-                bufs.pop(0)
-            if n:
-                bufs[0] = bufs[0][n:]
+        for b in buffers:
+            pos = start + done
+            n = mapped.copy(fd, path, pos, [b]) if mapped.aliasing(pos, b) else 0
+            if n < len(b):
+                got = _pread_all(fd, [b[n:]], pos + n)
+                if got != len(b) - n:
+                    raise ShortReadError(path, start, start + want, done + n + got, local=True)
+            done += len(b)
 
     def readinto_sync(self, name: str, start: int, buffers: Sequence[memoryview]) -> None:
         """Blocking form, for callers already on an I/O thread."""
@@ -147,3 +146,20 @@ class LocalStorage(Storage):
                 os.close(fd)
             except OSError:  # pragma: no cover
                 pass
+
+
+def _pread_all(fd: int, bufs: list[memoryview], pos: int) -> int:
+    """``preadv`` until ``bufs`` are full or the file ends; the bytes read."""
+    done = 0
+    while bufs:
+        n = os.preadv(fd, bufs, pos)
+        if n <= 0:
+            break
+        done += n
+        pos += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+    return done

@@ -1,12 +1,17 @@
-"""Large local reads copied out of the page cache through a short-lived mapping, under a lease.
+"""Local reads the kernel's copy would alias, copied out of the page cache through a
+short-lived mapping, under a lease.
 
-Why: ``preadv`` copies with the kernel's ``rep movsb``, one page at a time. When a tensor's
-address and its bytes' file offset differ modulo 64 (the usual case: ``dcp.save`` records and
-safetensors data start at arbitrary file offsets, the caller's tensors wherever its allocator
-put them), that copy is much slower than the same copy between mutually aligned addresses
-(on the 2-core AMD EPYC development machine: 57 against 44 ms for 1 GiB on two threads). A
-user-space ``memmove`` (glibc's vector loop) out of a mapping of the same page-cache pages
-is not: 45 ms. ``docs/performance.md`` has the figures.
+Why: ``preadv`` copies with the kernel's ``rep movsb``, one 4 KiB page at a time, forward.
+When a destination's address is 1 to 31 bytes past its bytes' file offset modulo 4096, each
+load of that copy aliases a store it has just made (4 KiB aliasing) and the copy is 1.6-3.9x
+slower (on the 2-core AMD EPYC development machine, 256 MiB on two threads: 57-71 ms at 1-8
+bytes, 29-30 ms at 16-24, 17-22 ms from 32 bytes on). Where that happens is chance: DCP
+records and safetensors data start at arbitrary file offsets, tensors wherever the caller's
+allocator put them (about one large tensor in 130). A user-space ``memmove`` (glibc's vector
+loop, which steps around the aliasing) out of a mapping of the same page-cache pages takes
+19-23 ms at every offset. Elsewhere the kernel's copy is as fast or faster (and whole loads
+through mappings were measured slower on a 16-file checkpoint), so only the aliasing reads
+are mapped: :meth:`MappedCopies.aliasing`. ``docs/performance.md`` has the figures.
 
 What could go wrong, and what stops it. A mapping turns two read errors into ``SIGBUS``,
 which no Python code can catch:
@@ -57,6 +62,12 @@ __all__ = ["MappedCopies", "mapped_copies_available"]
 MIN_MAPPED_READ = 1 << 20
 #: The largest window mapped at once (a read larger than this is copied window by window).
 WINDOW = 16 << 20
+#: A destination whose address is 1 to ``ALIAS_WINDOW - 1`` bytes past its bytes' file
+#: offset, modulo 4096, makes the kernel's forward copy alias its loads with its own recent
+#: stores (4 KiB aliasing): 1.6-3.9x slower. Elsewhere the kernel's copy is as fast as the
+#: mapped one or faster, so only those reads are mapped (docs/performance.md).
+ALIAS_WINDOW = 32
+_ALIAS_PERIOD = 4096
 
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", None)
 _F_GETLEASE = getattr(fcntl, "F_GETLEASE", None)
@@ -171,6 +182,27 @@ class MappedCopies:
         self._lock = threading.Lock()
         #: bytes copied through mappings (for tests and the DEBUG log)
         self.bytes_copied = 0
+
+    @staticmethod
+    def aliasing(pos: int, buf: memoryview) -> bool:
+        """Would the kernel's copy of file offset ``pos`` into ``buf`` alias (see the module)?
+        ``buf`` at least :data:`MIN_MAPPED_READ` bytes, its address 1 to 31 bytes past
+        ``pos`` modulo 4096."""
+        if len(buf) < MIN_MAPPED_READ:
+            return False
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        except (TypeError, ValueError):  # read-only or not contiguous: preadv says so
+            return False
+        return 0 < (addr - pos) % _ALIAS_PERIOD < ALIAS_WINDOW
+
+    def any_aliasing(self, start: int, buffers: Sequence[memoryview]) -> bool:
+        pos = start
+        for b in buffers:
+            if self.aliasing(pos, b):
+                return True
+            pos += len(b)
+        return False
 
     def copy(self, fd: int, path: str, start: int, buffers: Sequence[memoryview]) -> int:
         with self._lock:

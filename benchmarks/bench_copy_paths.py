@@ -2,6 +2,7 @@
 out of a short-lived mapping (asyncload/_mapped.py), into aligned and unaligned memory.
 
     python benchmarks/bench_copy_paths.py --size-mib 1024 --rounds 9
+    python benchmarks/bench_copy_paths.py --shifts --size-mib 256 --rounds 5
 
 One process, one DCP checkpoint (``_common.transformer_state_dict``, one ``.distcp`` file),
 warm page cache. asyncload's own large reads are captured from one load (their file offsets
@@ -12,18 +13,23 @@ queue, interleaved round by round, the order rotated each round:
   destination alike modulo 4096: the issue's bound), shifted by 1 byte (alike modulo
   nothing: what a tensor at an arbitrary address gets), and into the real destinations;
 - the leased mapped copy (``_mapped.MappedCopies``), into the same three;
+- asyncload's choice between the two (mapped only where the kernel's copy would alias:
+  ``MappedCopies.aliasing``), into the shifted buffer and the destinations;
 - whole ``asyncload.load`` calls with ``local_mapped_copies`` off and on.
 
+``--shifts`` measures instead one file of random bytes read in 16 MiB reads into one buffer
+whose address is a given number of bytes past the file offset modulo 4096, for a range of
+such shifts, ``preadv`` against the mapped copy (the measurement behind
+``_mapped.ALIAS_WINDOW``).
+
 Prints the median wall time, the ratio to the bound, CPU seconds (user + system, this
-process's ``getrusage``) per GiB, and how the destinations' addresses sit against their file
-offsets (modulo 64).
+process's ``getrusage``) per GiB, and how many of the reads the kernel's copy would alias.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import os
 import resource
 import shutil
@@ -85,20 +91,98 @@ def _replay(reads: list[Read], fds: dict[str, int], copy: Callable[[int, str, in
         t.join()
 
 
-def _address(b: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(b))
+SHIFTS = [
+    0,
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    31,
+    32,
+    48,
+    63,
+    64,
+    65,
+    100,
+    128,
+    129,
+    256,
+    513,
+    1000,
+    2049,
+    3001,
+    4000,
+    4064,
+    4080,
+    4095,
+]
+
+
+def shifts(size_mib: int, rounds: int) -> None:
+    tmp = tempfile.mkdtemp(prefix="asyncload-shifts-")
+    try:
+        f = os.path.join(tmp, "blob")
+        with open(f, "wb") as out:
+            for _ in range(size_mib):
+                out.write(os.urandom(MiB))
+        fd = os.open(f, os.O_RDONLY)
+        size = os.fstat(fd).st_size
+        buf = torch.zeros(size + 8192, dtype=torch.uint8)
+        mv = memoryview(buf.numpy())
+        base = buf.data_ptr()
+        mapped = _mapped.MappedCopies()
+
+        def reads(shift: int) -> list[Read]:
+            k = (shift - base) % 4096
+            return [(f, o, [mv[k + o : k + o + min(16 * MiB, size - o)]]) for o in range(0, size, 16 * MiB)]
+
+        def preadv(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
+            os.preadv(fd, bufs, off)
+
+        def leased(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
+            if mapped.copy(fd, f, off, bufs) != sum(len(b) for b in bufs):
+                raise RuntimeError(f"{f}: a window was not mapped (page cache not warm?)")
+
+        jobs = {s: reads(s) for s in SHIFTS}
+        variants = [(s, name, fn) for s in SHIFTS for name, fn in (("preadv", preadv), ("mapped", leased))]
+        for s, _, fn in variants:
+            _replay(jobs[s], {f: fd}, fn)
+        res: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
+        for r in range(rounds):
+            for s, name, fn in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                t = time.perf_counter()
+                _replay(jobs[s], {f: fd}, fn)
+                res[(s, name)].append(time.perf_counter() - t)
+        os.close(fd)
+        print(
+            f"\n{size_mib} MiB of random bytes, warm page cache, 16 MiB reads on 2 threads into one buffer "
+            f"SHIFT bytes past the file offset modulo 4096, median of {rounds} interleaved rounds"
+        )
+        print(f"{'shift':>6s} {'preadv ms':>10s} {'mapped ms':>10s}  aliasing")
+        for s in SHIFTS:
+            a, b = (statistics.median(res[(s, n)]) * 1e3 for n in ("preadv", "mapped"))
+            print(f"{s:6d} {a:10.1f} {b:10.1f}  {'yes' if 0 < s < _mapped.ALIAS_WINDOW else ''}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--shifts", action="store_true", help="preadv against the mapped copy, shift by shift")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", module="torch.distributed")
     why = _mapped.mapped_copies_available()
     if why is not None:
         sys.exit(f"no mapped copies on this machine: {why}")
     print(f"asyncload: {asyncload.__file__}; load average (start): {C.loadavg()}")
+    if args.shifts:
+        shifts(args.size_mib, args.rounds)
+        print(f"load average (end): {C.loadavg()}")
+        return
     tmp = tempfile.mkdtemp(prefix="asyncload-copy-")
     try:
         sd = C.transformer_state_dict(args.size_mib * MiB)
@@ -129,6 +213,14 @@ def main() -> None:
             if mapped.copy(fd, f, off, bufs) != sum(len(b) for b in bufs):
                 raise RuntimeError(f"{f}: a window was not mapped (page cache not warm?)")
 
+        def choice(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
+            for b in bufs:  # asyncload's: mapped where the kernel's copy would alias
+                if mapped.aliasing(off, b):
+                    leased(fd, f, off, [b])
+                else:
+                    os.preadv(fd, [b], off)
+                off += len(b)
+
         variants: dict[str, Callable[[], None]] = {
             "preadv, buffer at file offsets (bound)": lambda: _replay(aligned, fds, preadv),
             "preadv, buffer shifted 1 byte": lambda: _replay(shifted, fds, preadv),
@@ -136,10 +228,12 @@ def main() -> None:
             "mapped, buffer at file offsets": lambda: _replay(aligned, fds, leased),
             "mapped, buffer shifted 1 byte": lambda: _replay(shifted, fds, leased),
             "mapped, the destinations": lambda: _replay(reads, fds, leased),
-            "asyncload.load, mapped copies off": lambda: asyncload.load(
+            "asyncload's choice, shifted 1 byte": lambda: _replay(shifted, fds, choice),
+            "asyncload's choice, the destinations": lambda: _replay(reads, fds, choice),
+            "asyncload.load, local_mapped_copies=False": lambda: asyncload.load(
                 dest, path, options=asyncload.LoadOptions(local_mapped_copies=False)
             ),
-            "asyncload.load (default: mapped)": lambda: asyncload.load(dest, path),
+            "asyncload.load (default)": lambda: asyncload.load(dest, path),
         }
         for fn in variants.values():  # warm the cache and every path
             fn()
@@ -155,13 +249,11 @@ def main() -> None:
                 res[k].append((wall, b.ru_utime - a.ru_utime + b.ru_stime - a.ru_stime))
         for fd in fds.values():
             os.close(fd)
-        rel = collections.Counter(
-            (_address(bs[0]) - off) % 64 == 0 for _, off, bs in reads
-        )  # a destination alike its file offset modulo 64
+        rel = collections.Counter(mapped.aliasing(off, bs[0]) for _, off, bs in reads)
         print(
             f"\n{C.gib(total)} GiB in {len(reads)} reads of {len(files)} file(s), warm page cache, 2 threads, "
             f"median of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs; "
-            f"destinations alike their file offsets modulo 64: {rel[True]} of {len(reads)} reads"
+            f"reads the kernel's copy would alias: {rel[True]} of {len(reads)}"
         )
         bound = statistics.median(w for w, _ in res[names[0]])
         print(f"{'':40s} {'seconds':>8s} {'x bound':>8s} {'CPU s/GiB':>10s}")

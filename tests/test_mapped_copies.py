@@ -1,5 +1,6 @@
-"""Large local reads copied out of the page cache through leased mappings
-(asyncload/_mapped.py): bit-exact at unaligned offsets, across windows and several
+"""Local reads the kernel's copy would alias (a destination 1-31 bytes past its file offset
+modulo 4096) copied out of the page cache through leased mappings (asyncload/_mapped.py):
+only those reads are mapped; bit-exact at unaligned offsets, across windows and several
 destination buffers; a window with a page not in the cache, a file open for writing, a read
 past the end of the file and a program that handles SIGURG all fall back to ``preadv``; a
 writer that arrives while a window is being copied waits for that window only, and the read
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import fcntl
 import logging
 import os
@@ -53,7 +55,55 @@ def storage(tmp_path: Path) -> Iterator[LocalStorage]:
 
 
 @pytest.fixture
-def small_windows(monkeypatch: pytest.MonkeyPatch) -> int:
+def always_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every large read counts as aliasing: the lease and window machinery on every read."""
+    monkeypatch.setattr(
+        _mapped.MappedCopies, "aliasing", staticmethod(lambda pos, buf: len(buf) >= _mapped.MIN_MAPPED_READ)
+    )
+
+
+def _address(b: bytearray | memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(b))
+
+
+def _at(n: int, file_offset: int, shift: int) -> tuple[bytearray, memoryview]:
+    """``n`` bytes of destination whose address is ``shift`` bytes past ``file_offset``
+    modulo 4096 (the bytearray that holds it, and the view)."""
+    raw = bytearray(n + 8192)
+    k = (file_offset + shift - _address(raw)) % 4096
+    return raw, memoryview(raw)[k : k + n]
+
+
+@pytest.mark.parametrize("shift", [0, 1, 8, 31, 32, 64, 2049, 4095])
+def test_only_reads_the_kernel_would_alias_are_mapped(tmp_path: Path, storage: LocalStorage, shift: int) -> None:
+    data = os.urandom(4 * MiB + 99)
+    (tmp_path / "f").write_bytes(data)
+    start = 77
+    _, view = _at(len(data) - start, start, shift)
+    assert _mapped.MappedCopies.aliasing(start, view) == (0 < shift < 32)
+    storage.readinto_sync("f", start, [view])
+    assert view == data[start:]
+    assert storage.mapped_bytes == (len(view) if 0 < shift < 32 else 0)
+
+
+def test_a_read_into_several_buffers_maps_only_the_aliasing_ones(tmp_path: Path, storage: LocalStorage) -> None:
+    data = os.urandom(6 * MiB)
+    (tmp_path / "f").write_bytes(data)
+    sizes = [2 * MiB + 3, 100, 3 * MiB - 3, MiB - 100]  # the second and last too small to map
+    shifts = [8, 1, 0, 5]
+    views, keep, pos = [], [], 0
+    for n, sh in zip(sizes, shifts, strict=True):
+        raw, v = _at(n, pos, sh)
+        keep.append(raw)
+        views.append(v)
+        pos += n
+    storage.readinto_sync("f", 0, views)
+    assert b"".join(bytes(v) for v in views) == data
+    assert storage.mapped_bytes == sizes[0]
+
+
+@pytest.fixture
+def small_windows(monkeypatch: pytest.MonkeyPatch, always_mapped: None) -> int:
     """Windows of an odd size, so that a read of a few MiB is several windows."""
     window = MiB + 4097
     monkeypatch.setattr(_mapped, "WINDOW", window)
@@ -100,8 +150,9 @@ def test_warm_reads_are_copied_through_mappings_bit_exact(
         before = storage.mapped_bytes
         storage.readinto_sync("f", start, [memoryview(p) for p in parts])
         assert b"".join(parts) == data[start : start + n], (start, n)
-        assert storage.mapped_bytes - before == n, (start, n)  # every window was mapped
-        mapped += n
+        big = sum(len(p) for p in parts if len(p) >= _mapped.MIN_MAPPED_READ)
+        assert storage.mapped_bytes - before == big, (start, n)  # every window of them was mapped
+        mapped += big
     small = bytearray(_mapped.MIN_MAPPED_READ - 1)
     storage.readinto_sync("f", 3, [memoryview(small)])
     assert small == data[3 : 3 + len(small)]
@@ -125,7 +176,7 @@ def test_a_window_with_a_page_not_cached_is_read_with_preadv(
 
 
 def test_a_file_open_for_writing_is_read_with_preadv(
-    tmp_path: Path, storage: LocalStorage, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, storage: LocalStorage, caplog: pytest.LogCaptureFixture, always_mapped: None
 ) -> None:
     data = os.urandom(4 * MiB + 3)
     f = tmp_path / "f"
@@ -257,7 +308,7 @@ def ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def test_a_load_copies_through_mappings_and_is_bit_exact(
-    ckpt: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+    ckpt: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch, always_mapped: None
 ) -> None:
     path, sd = ckpt
     copied: list[tuple[int, int]] = []  # (bytes copied, bytes asked for) per read
@@ -290,7 +341,7 @@ def test_local_mapped_copies_must_be_a_bool() -> None:
         LoadOptions(local_mapped_copies="yes")  # type: ignore[arg-type]
 
 
-def test_a_program_that_handles_sigurg_gets_no_mappings(tmp_path: Path) -> None:
+def test_a_program_that_handles_sigurg_gets_no_mappings(tmp_path: Path, always_mapped: None) -> None:
     old = signal.signal(signal.SIGURG, lambda *_: None)
     try:
         assert "SIGURG" in (_mapped.mapped_copies_available() or "")
@@ -324,7 +375,7 @@ print(n)
 
 
 def test_loads_racing_a_process_that_truncates_the_file_never_crash(
-    ckpt: tuple[Path, dict[str, torch.Tensor]],
+    ckpt: tuple[Path, dict[str, torch.Tensor]], always_mapped: None
 ) -> None:
     """Another process truncates the data file to a third and writes it back, over and over,
     while this one loads it: every load either is bit-exact or raises an asyncload error;
