@@ -15,7 +15,9 @@ queue, interleaved round by round, the order rotated each round:
 - the leased mapped copy (``_mapped.MappedCopies``), into the same three;
 - asyncload's choice between the two (mapped only where the kernel's copy would alias:
   ``MappedCopies.aliasing``), into the shifted buffer and the destinations;
-- whole ``asyncload.load`` calls with ``local_mapped_copies`` off and on.
+- whole ``asyncload.load`` calls with ``local_mapped_copies`` off and on, into the
+  destinations and into destinations placed to alias (each a view into one buffer, 4-7 bytes
+  past its bytes' file offset modulo 4096).
 
 ``--shifts`` measures instead one file of random bytes read in 16 MiB reads into one buffer
 whose address is a given number of bytes past the file offset modulo 4096, for a range of
@@ -29,6 +31,7 @@ process's ``getrusage``) per GiB, and how many of the reads the kernel's copy wo
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import os
 import resource
@@ -42,6 +45,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -168,6 +172,33 @@ def shifts(size_mib: int, rounds: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _aliasing_destinations(dest: dict[str, torch.Tensor], reads: list[Read]) -> dict[str, torch.Tensor]:
+    """Destinations like ``dest``, each a view into one buffer at an address 4-7 bytes past
+    its tensor bytes' file offset modulo 4096 (from the captured reads; aligned for its
+    dtype): every large read is one the kernel's copy aliases."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, t in dest.items())
+    offset: dict[str, int] = {}  # each tensor's first byte's file offset
+    for _, off, bufs in reads:
+        for b in bufs:
+            a = np.frombuffer(b, dtype=np.uint8).ctypes.data
+            i = bisect.bisect_right(spans, (a, float("inf"), "")) - 1
+            lo, hi, k = spans[i]
+            if lo <= a < hi:  # the head probe may have read the first bytes: not at lo
+                offset.setdefault(k, off - (a - lo))
+            off += len(b)
+    big = torch.empty(sum(t.nbytes + 8192 for t in dest.values()), dtype=torch.uint8)
+    base, at, out = big.data_ptr(), 0, {}
+    for k, t in dest.items():
+        if k not in offset:  # a small record: wherever
+            out[k] = torch.zeros_like(t)
+            continue
+        shift = 4 + (-offset[k]) % 4
+        at += (offset[k] + shift - (base + at)) % 4096
+        out[k] = big[at : at + t.nbytes].view(t.dtype).view(t.shape)
+        at += t.nbytes
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024)
@@ -204,6 +235,7 @@ def main() -> None:
             return [(f, off, [mv[k + off : k + off + sum(len(b) for b in bs)]]) for f, off, bs in reads]
 
         aligned, shifted = into_buffer(0), into_buffer(1)
+        alias = _aliasing_destinations(dest, reads)
         mapped = _mapped.MappedCopies()
 
         def preadv(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
@@ -234,6 +266,10 @@ def main() -> None:
                 dest, path, options=asyncload.LoadOptions(local_mapped_copies=False)
             ),
             "asyncload.load (default)": lambda: asyncload.load(dest, path),
+            "aliasing dests, local_mapped_copies=False": lambda: asyncload.load(
+                alias, path, options=asyncload.LoadOptions(local_mapped_copies=False)
+            ),
+            "aliasing dests, asyncload.load (default)": lambda: asyncload.load(alias, path),
         }
         for fn in variants.values():  # warm the cache and every path
             fn()
