@@ -13,12 +13,18 @@ Checkpoints written by torch's own ``dcp.save`` (see :func:`_ckpt.make_checkpoin
 ``ckpt_state_dict`` (module) -> ``dict``
     what those hold: :func:`_ckpt.small_state_dict` unless the module overrides this
     fixture (module scope) with the state dict its tests are written against.
+
+``storage`` (function) -> ``LocalStorage``
+    over ``tmp_path``, 2 I/O threads (tests/test_local_reads.py, test_mapped_copies.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import pytest
 from _ckpt import make_checkpoint, small_state_dict
+
+from asyncload._local import LocalStorage
 
 try:  # the loopback servers' fixtures: s3_server, gcs_server, http_server
     from asyncload.testing.pytest_fixtures import *  # noqa: F403
@@ -85,3 +93,15 @@ def fresh_ckpt(tmp_path: Path, ckpt_state_dict: dict[str, Any]) -> tuple[Path, d
     """``(path, state_dict)``: ``ckpt_state_dict`` saved for this test alone, which may damage it."""
     state_dict = copy.deepcopy(ckpt_state_dict)
     return make_checkpoint(tmp_path / "ckpt", state_dict), state_dict
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Iterator[LocalStorage]:
+    """A LocalStorage over ``tmp_path`` with 2 I/O threads, closed afterwards."""
+    ex = concurrent.futures.ThreadPoolExecutor(2)
+    st = LocalStorage(str(tmp_path), ex)
+    try:
+        yield st
+    finally:
+        asyncio.run(st.aclose())
+        ex.shutdown()

@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import os
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,17 +41,6 @@ def _evict(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[LocalStorage]:
-    ex = concurrent.futures.ThreadPoolExecutor(2)
-    st = LocalStorage(str(tmp_path), ex)
-    try:
-        yield st
-    finally:
-        asyncio.run(st.aclose())
-        ex.shutdown()
 
 
 def _scatter(rnd: random.Random, n: int) -> list[bytearray]:

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,17 +40,6 @@ MiB = 1 << 20
 
 if _mapped.mapped_copies_available() is not None:  # pragma: no cover - not this machine
     pytest.skip(f"no mapped copies here: {_mapped.mapped_copies_available()}", allow_module_level=True)
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[LocalStorage]:
-    ex = concurrent.futures.ThreadPoolExecutor(2)
-    st = LocalStorage(str(tmp_path), ex)
-    try:
-        yield st
-    finally:
-        asyncio.run(st.aclose())
-        ex.shutdown()
 
 
 @pytest.fixture
