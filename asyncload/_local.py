@@ -94,7 +94,7 @@ class LocalStorage(Storage):
         done = 0
         for b in buffers:
             pos = start + done
-            n = mapped.copy(fd, path, pos, [b]) if mapped.aliasing(pos, b) else 0
+            n = mapped.copy(fd, path, pos, b) if mapped.aliasing(pos, b) else 0
             if n < len(b):
                 got = _pread_all(fd, [b[n:]], pos + n)
                 if got != len(b) - n:

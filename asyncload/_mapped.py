@@ -176,8 +176,8 @@ class _Lease:
 class MappedCopies:
     """Copies of large local reads through leased mappings, for one :class:`LocalStorage`.
 
-    :meth:`copy` copies what it can of a read, window by window from its start, and returns
-    how many bytes it copied; the caller reads the rest with ``preadv``. Thread-safe: the I/O
+    :meth:`copy` copies what it can of a buffer's read, window by window from its start, and
+    returns how many bytes it copied; the caller reads the rest with ``preadv``. Thread-safe: the I/O
     threads share one lease per file.
     """
 
@@ -208,40 +208,36 @@ class MappedCopies:
             pos += len(b)
         return False
 
-    def copy(self, fd: int, path: str, start: int, buffers: Sequence[memoryview]) -> int:
+    def copy(self, fd: int, path: str, start: int, buf: memoryview) -> int:
+        """Copy file bytes from ``start`` into ``buf``, window by window, as far as the lease
+        and the page cache allow; the bytes copied (the caller reads the rest)."""
         with self._lock:
             lease = self._leases.get(fd)
             if lease is None:
                 lease = self._leases[fd] = _Lease()
             if lease.dead:
                 return 0
+        n = len(buf)
+        try:
+            dst = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if n else 0
+        except (TypeError, ValueError):  # read-only or not contiguous: preadv says so
+            return 0
         libc = _get_libc()
-        done = 0
-        for buf in buffers:
-            n = len(buf)
-            if not n:
-                continue
+        at = 0
+        while at < n:
+            m = min(WINDOW, n - at)
+            if not self._enter(fd, path, lease, start + at + m):
+                break
             try:
-                dst = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-            except (TypeError, ValueError):  # read-only or not contiguous: preadv says so
-                return done
-            at = 0
-            while at < n:
-                m = min(WINDOW, n - at)
-                pos = start + done + at
-                if not self._enter(fd, path, lease, pos + m):
-                    return done + at
-                try:
-                    copied = _copy_window(libc, fd, pos, dst + at, m)
-                finally:
-                    self._leave(fd, lease)
-                if not copied:
-                    return done + at
-                at += m
-                with self._lock:
-                    self.bytes_copied += m
-            done += n
-        return done
+                copied = _copy_window(libc, fd, start + at, dst + at, m)
+            finally:
+                self._leave(fd, lease)
+            if not copied:
+                break
+            at += m
+            with self._lock:
+                self.bytes_copied += m
+        return at
 
     def _enter(self, fd: int, path: str, lease: _Lease, end: int) -> bool:
         """Hold the lease for one more window ending at file offset ``end``, or say no."""

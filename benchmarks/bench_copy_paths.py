@@ -77,6 +77,22 @@ def _capture(dest: dict[str, torch.Tensor], path: str) -> list[Read]:
     return reads
 
 
+def _preadv(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
+    os.preadv(fd, bufs, off)
+
+
+def _leased(mapped: _mapped.MappedCopies) -> Callable[[int, str, int, list[memoryview]], None]:
+    """The mapped copy of a whole read (every window must map: a warm page cache)."""
+
+    def leased(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
+        for b in bufs:
+            if mapped.copy(fd, f, off, b) != len(b):
+                raise RuntimeError(f"{f}: a window was not mapped (page cache not warm?)")
+            off += len(b)
+
+    return leased
+
+
 def _replay(reads: list[Read], fds: dict[str, int], copy: Callable[[int, str, int, list[memoryview]], None]) -> None:
     q = collections.deque(reads)
 
@@ -142,12 +158,7 @@ def shifts(size_mib: int, rounds: int) -> None:
             k = (shift - base) % 4096
             return [(f, o, [mv[k + o : k + o + min(16 * MiB, size - o)]]) for o in range(0, size, 16 * MiB)]
 
-        def preadv(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
-            os.preadv(fd, bufs, off)
-
-        def leased(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
-            if mapped.copy(fd, f, off, bufs) != sum(len(b) for b in bufs):
-                raise RuntimeError(f"{f}: a window was not mapped (page cache not warm?)")
+        preadv, leased = _preadv, _leased(mapped)
 
         jobs = {s: reads(s) for s in SHIFTS}
         variants = [(s, name, fn) for s in SHIFTS for name, fn in (("preadv", preadv), ("mapped", leased))]
@@ -238,12 +249,7 @@ def main() -> None:
         alias = _aliasing_destinations(dest, reads)
         mapped = _mapped.MappedCopies()
 
-        def preadv(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
-            os.preadv(fd, bufs, off)
-
-        def leased(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
-            if mapped.copy(fd, f, off, bufs) != sum(len(b) for b in bufs):
-                raise RuntimeError(f"{f}: a window was not mapped (page cache not warm?)")
+        preadv, leased = _preadv, _leased(mapped)
 
         def choice(fd: int, f: str, off: int, bufs: list[memoryview]) -> None:
             for b in bufs:  # asyncload's: mapped where the kernel's copy would alias

@@ -50,6 +50,13 @@ def always_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+def _file(tmp_path: Path, size: int) -> bytes:
+    """``size`` random bytes, written to ``tmp_path / "f"``."""
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    return data
+
+
 def _address(b: bytearray | memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(b))
 
@@ -64,8 +71,7 @@ def _at(n: int, file_offset: int, shift: int) -> tuple[bytearray, memoryview]:
 
 @pytest.mark.parametrize("shift", [0, 1, 8, 31, 32, 64, 2049, 4095])
 def test_only_reads_the_kernel_would_alias_are_mapped(tmp_path: Path, storage: LocalStorage, shift: int) -> None:
-    data = os.urandom(4 * MiB + 99)
-    (tmp_path / "f").write_bytes(data)
+    data = _file(tmp_path, 4 * MiB + 99)
     start = 77
     _, view = _at(len(data) - start, start, shift)
     assert _mapped.MappedCopies.aliasing(start, view) == (0 < shift < 32)
@@ -75,8 +81,7 @@ def test_only_reads_the_kernel_would_alias_are_mapped(tmp_path: Path, storage: L
 
 
 def test_a_read_into_several_buffers_maps_only_the_aliasing_ones(tmp_path: Path, storage: LocalStorage) -> None:
-    data = os.urandom(6 * MiB)
-    (tmp_path / "f").write_bytes(data)
+    data = _file(tmp_path, 6 * MiB)
     sizes = [2 * MiB + 3, 100, 3 * MiB - 3, MiB - 100]  # the second and last too small to map
     shifts = [8, 1, 0, 5]
     views, keep, pos = [], [], 0
@@ -129,8 +134,7 @@ def test_warm_reads_are_copied_through_mappings_bit_exact(
     tmp_path: Path, storage: LocalStorage, small_windows: int
 ) -> None:
     size = 9 * MiB + 187
-    data = os.urandom(size)
-    (tmp_path / "f").write_bytes(data)
+    data = _file(tmp_path, size)
     rnd = random.Random(11)
     mapped = 0
     for start, n in [(0, size), (1, 5 * MiB), (4095, 3 * MiB + 2), (size - 4 * MiB - 3, 4 * MiB + 3), (77, MiB)]:
@@ -151,9 +155,8 @@ def test_a_window_with_a_page_not_cached_is_read_with_preadv(
     tmp_path: Path, storage: LocalStorage, small_windows: int
 ) -> None:
     size = 8 * MiB
-    data = os.urandom(size)
+    data = _file(tmp_path, size)
     f = tmp_path / "f"
-    f.write_bytes(data)
     _evict(f, 4 * MiB)  # from inside the fourth window to the end (whole folios)
     if _cached_pages(f, 4 * MiB, 4096) != 0:
         pytest.skip("this file system keeps every page (tmpfs)")
@@ -166,9 +169,8 @@ def test_a_window_with_a_page_not_cached_is_read_with_preadv(
 def test_a_file_open_for_writing_is_read_with_preadv(
     tmp_path: Path, storage: LocalStorage, caplog: pytest.LogCaptureFixture, always_mapped: None
 ) -> None:
-    data = os.urandom(4 * MiB + 3)
+    data = _file(tmp_path, 4 * MiB + 3)
     f = tmp_path / "f"
-    f.write_bytes(data)
     buf = bytearray(len(data) - 5)
     with open(f, "r+b"), caplog.at_level(logging.DEBUG, logger="asyncload.local"):
         storage.readinto_sync("f", 5, [memoryview(buf)])
@@ -181,8 +183,7 @@ def test_a_read_past_the_end_maps_what_is_there_then_is_the_typed_short_read(
     tmp_path: Path, storage: LocalStorage, small_windows: int
 ) -> None:
     size = 5 * MiB + 1001
-    data = os.urandom(size)
-    (tmp_path / "f").write_bytes(data)
+    data = _file(tmp_path, size)
     start = 513
     buf = bytearray(size)  # 513 bytes more than the file holds from start
     with pytest.raises(ShortReadError) as err:
@@ -199,8 +200,7 @@ def test_every_lease_signals_its_break_with_sigurg_not_sigio(
     it. Letting a lease go resets the file's signal, so every lease, not only a file's
     first, must set SIGURG again (this failed once: a rewrite of the checkpoint during a
     load ended the test process with SIGIO)."""
-    data = os.urandom(4 * MiB)
-    (tmp_path / "f").write_bytes(data)
+    data = _file(tmp_path, 4 * MiB)
     real = _mapped._copy_window
     signals: list[tuple[int, int]] = []
 
@@ -226,9 +226,8 @@ def test_a_writer_waits_for_the_window_being_copied_only(
     being copied is copied whole; the lease is let go as it ends, the writer goes on, and
     the read ends in the typed short read of what is left of the file."""
     size = 6 * MiB
-    data = os.urandom(size)
+    data = _file(tmp_path, size)
     f = tmp_path / "f"
-    f.write_bytes(data)
     writer = (
         "import os, sys, time\n"
         "t = time.monotonic()\n"
@@ -299,19 +298,19 @@ def test_a_load_copies_through_mappings_and_is_bit_exact(
     ckpt: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch, always_mapped: None
 ) -> None:
     path, sd = ckpt
-    copied: list[tuple[int, int]] = []  # (bytes copied, bytes asked for) per read
+    copied: list[tuple[int, int]] = []  # (bytes copied, bytes asked for) per buffer
     real = _mapped.MappedCopies.copy
 
-    def spy(self: _mapped.MappedCopies, fd: int, name: str, start: int, buffers: list[memoryview]) -> int:
-        n = real(self, fd, name, start, buffers)
-        copied.append((n, sum(len(b) for b in buffers)))
+    def spy(self: _mapped.MappedCopies, fd: int, name: str, start: int, buf: memoryview) -> int:
+        n = real(self, fd, name, start, buf)
+        copied.append((n, len(buf)))
         return n
 
     monkeypatch.setattr(_mapped.MappedCopies, "copy", spy)
     dest = {k: torch.zeros_like(v) for k, v in sd.items()}
     asyncload.load(dest, path)
     assert_bitwise_equal(dest, sd)
-    # every read of at least MIN_MAPPED_READ was copied whole through mappings: most of
+    # every buffer of at least MIN_MAPPED_READ was copied whole through mappings: most of
     # the bytes (the rest: the last pieces of the reads, cut smaller to end together)
     assert copied and all(n == want for n, want in copied)
     big = sum(v.nbytes for k, v in sd.items() if k != "small")
