@@ -412,7 +412,10 @@ def test_two_ranks_with_sharded_planner(zstd_ckpt: Path) -> None:
 
 @pytest.fixture(scope="module")
 def many_records(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    sd = {f"t{i}": random_tensor((128, 128), torch.float32, i) for i in range(32)}  # 64 KiB each
+    # 512 records: each takes a storage read and a decode, two loop iterations of its own, and
+    # concurrency=2 runs two at once, so no load of it ends in fewer than 512 iterations, far
+    # more than the test's spins however slow a thread makes each one.
+    sd = {f"t{i}": random_tensor((32, 32), torch.float32, i) for i in range(512)}  # 4 KiB each
     return save(tmp_path_factory.mktemp("many") / "ckpt", sd, [ZStandard()]), sd
 
 
@@ -427,6 +430,7 @@ async def test_aload_cancelled_while_decoding(many_records: tuple[Path, dict[str
     task = asyncio.create_task(asyncload.aload(dest, path, options=options))
     for _ in range(spins):
         await asyncio.sleep(0)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
