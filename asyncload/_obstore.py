@@ -521,6 +521,50 @@ class ObstoreStorage(VersionPins):
             raise ShortReadError(self.url(name), 0, size, len(data))
         return memoryview(data), size
 
+    async def read_prefix(self, name: str, n: int) -> tuple[memoryview, int]:
+        """The first ``n`` bytes and the size in one ranged GET (no HEAD first): the answer's
+        headers give the file's size and version (pinned here, as a HEAD would); the store
+        answers a range past the end with the bytes there are. An empty file, which no range
+        fits, is asked its size."""
+        import obstore
+        from obstore.exceptions import GenericError, NotSupportedError
+
+        if n <= 0:
+            return memoryview(b""), await self.size(name)
+        try:
+            result = await obstore.get_async(self._get_store(), name, options={"range": (0, n)})
+        except NotSupportedError as exc:
+            if "Range request not supported" in str(exc):  # a 200 for a ranged GET: the body is never read
+                raise RangeIgnoredError(self.url(name), 0, n, 200, "the whole file") from exc
+            raise
+        except GenericError as exc:
+            # 416 Range Not Satisfiable: no range fits an empty file (S3, GCS, HTTP alike)
+            if "416" in str(exc) and await self._head(name) == 0:
+                return memoryview(b""), 0
+            raise
+        first_byte()
+        meta = result.meta
+        problem: OSError | None = None
+        try:
+            self._see_meta(name, meta, (0, n))
+        except ObjectChangedError as exc:
+            problem = exc
+        size = self._sizes[name] = int(meta["size"])
+        want = min(n, size)
+        lo, hi = result.range
+        if problem is None and (lo != 0 or hi != want):
+            problem = RangeIgnoredError(self.url(name), 0, want, 206, f"bytes [{lo}, {hi})")
+        if problem is not None:
+            del result  # the response and its connection go now, the body unread
+            raise problem
+        data = await result.bytes_async()
+        del result
+        if len(data) > want:
+            raise RangeIgnoredError(self.url(name), 0, want, 206, f"{len(data)} bytes")
+        if len(data) != want:
+            raise ShortReadError(self.url(name), 0, want, len(data))
+        return memoryview(data), size
+
     async def size(self, name: str) -> int:
         self._take_listing_if_back()
         listing = self._listing

@@ -905,6 +905,15 @@ class RetryingStorage:
         raw = self.raw
         return await self._call(lambda: raw.read_object(name, max_size), name, None, hedge=True)
 
+    async def read_prefix(self, name: str, n: int) -> tuple[memoryview, int]:
+        """The first ``n`` bytes of file ``name`` (all of it when shorter) and its size: one
+        request where the store can (obstore), a size and a read otherwise. Counted in
+        ``bytes_read``."""
+        raw = self.raw
+        data, size = await self._call(lambda: raw.read_prefix(name, n), name, (0, n), hedge=True)
+        self.stats.add(bytes_read=len(data))
+        return data, int(size)
+
     async def readinto(
         self, name: str, start: int, buffers: Sequence[memoryview], *, then: Callable[[], None] | None = None
     ) -> None:

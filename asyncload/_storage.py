@@ -159,6 +159,16 @@ class Storage:
         body is never read), else ``(bytes, size)`` with exactly ``size`` bytes."""
         raise NotImplementedError
 
+    async def read_prefix(self, name: str, n: int) -> tuple[memoryview, int]:
+        """The first ``n`` bytes of file ``name`` (all of it when it is shorter) and its size.
+        Here its size, then a read; a store whose answer to a ranged read also gives the
+        file's size (obstore: S3, GCS, HTTP) does both in one request."""
+        size = int(await self.size(name))
+        if size <= 0 or n <= 0:
+            return memoryview(b""), size
+        data = await self.read(name, 0, min(n, size))
+        return (data if isinstance(data, memoryview) else memoryview(data)), size
+
     async def fingerprint(self, name: str) -> object | None:
         """A value that changes when file ``name`` is rewritten or replaced, or ``None`` when
         the store cannot tell cheaply. A load compares it before and after reading."""

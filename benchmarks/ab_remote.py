@@ -3,6 +3,7 @@ the trees alternated round by round (order flipped each round), each load the fi
 child process (imports and destination allocation outside the clock); wall and CPU seconds.
 
     python benchmarks/ab_remote.py --a /path/to/old/tree --b /path/to/new/tree --rounds 8
+    python benchmarks/ab_remote.py --a OLD --b NEW --layout safetensors   # one .safetensors file, its URL
 
 A tree is a directory that holds the ``asyncload`` package (a checkout or a ``git worktree``).
 Needs s3rver (``npm install --prefix .s3rver s3rver@3.7.1``).
@@ -45,6 +46,12 @@ ap.add_argument("--a", required=True, help="tree A (directory holding asyncload/
 ap.add_argument("--b", required=True, help="tree B")
 ap.add_argument("--rounds", type=int, default=6)
 ap.add_argument("--size-mib", type=int, default=256)
+ap.add_argument(
+    "--layout",
+    choices=["dcp", "safetensors"],
+    default="dcp",
+    help="dcp: what dcp.save writes, one file per item; safetensors: one .safetensors file, loaded by its URL",
+)
 args = ap.parse_args()
 trees = {"A": os.path.abspath(args.a), "B": os.path.abspath(args.b)}
 from _common import ensure_bytecode
@@ -60,8 +67,16 @@ sd = transformer_state_dict(size, hidden=1024)
 res: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
 with tempfile.TemporaryDirectory() as tmp, server:
     path = Path(tmp) / "ckpt"
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True)
-    url = server.upload_dir(path, "bench", "ckpt")
+    if args.layout == "safetensors":
+        from safetensors.torch import save_file
+
+        path.mkdir()
+        save_file(sd, str(path / "model.safetensors"))
+        url = server.upload_dir(path, "bench", "st") + "/model.safetensors"
+    else:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True)
+        url = server.upload_dir(path, "bench", "ckpt")
+    del sd
     proxy = BR.Proxy(server.endpoint_url, 0.010, None)
     so = server.storage_options(endpoint_url=proxy.url)
     try:

@@ -9,6 +9,10 @@ probes, and when the first data request started and when its answer began.
 
     python benchmarks/profile_remote_start.py --size-mib 64
     python benchmarks/profile_remote_start.py --layouts dcp-per-item --rounds 3
+    python benchmarks/profile_remote_start.py --layouts safetensors-file   # the URL of one .safetensors file
+
+Layouts: those of ``bench_peers.py``, and ``safetensors-file``: its ``safetensors`` layout
+loaded by the URL of the file itself, not of its directory.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ for cls in (_obstore.ObstoreStorage, _storage.FsspecStorage):
 wrap(_obstore.ObstoreStorage, "_list", "LIST-request")
 if hasattr(_obstore.ObstoreStorage, "read_object"):
     wrap(_obstore.ObstoreStorage, "read_object", "GET-whole")
+if hasattr(_obstore.ObstoreStorage, "read_prefix"):  # a file's first bytes and its size, one GET
+    wrap(_obstore.ObstoreStorage, "read_prefix", "GET-prefix")
 
 first_byte = []
 import obstore
@@ -97,8 +103,13 @@ def main() -> None:
     if exe is None:
         sys.exit("s3rver is not installed (npm install --prefix .s3rver s3rver@3.7.1)")
     with tempfile.TemporaryDirectory(prefix="asyncload-profile-") as tmp, S3rverServer(executable=exe) as server:
-        paths = write_layouts(tensors, Path(tmp), layouts)
+        written = [x for x in layouts if x != "safetensors-file"]
+        if "safetensors-file" in layouts and "safetensors" not in written:
+            written.append("safetensors")
+        paths = write_layouts(tensors, Path(tmp), written)
         urls = {k: server.upload_dir(p, "bench", k) for k, p in paths.items()}
+        if "safetensors-file" in layouts:
+            urls["safetensors-file"] = urls["safetensors"] + "/model.safetensors"
         proxy = Proxy(server.endpoint_url, args.latency, None)
         try:
             for layout in layouts:

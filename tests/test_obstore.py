@@ -409,6 +409,57 @@ async def test_a_server_that_ignores_range_is_refused_without_reading_the_body(t
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_files_first_bytes_and_size_come_in_one_get(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
+    """``read_prefix``: one ranged GET, no HEAD; the version pinned from its answer, as a
+    HEAD would; a file shorter than asked, all of it; an empty file (no range fits it: a
+    416), its size asked; a missing one, FileNotFoundError."""
+    url, opts, proxy, server = _remote(request, backend, bucket_name, fault_proxy)
+    server.put_object(bucket_name, "ckpt/small.bin", b"abc")
+    server.put_object(bucket_name, "ckpt/empty.bin", b"")
+    raw = open_storage_(url, opts, executor, transport="obstore")
+    rs, stats = _boundary(raw, executor)
+    try:
+        data, size = await rs.read_prefix("f.bin", 4096)
+        assert isinstance(data, memoryview) and (bytes(data), size) == (DATA[:4096], len(DATA))
+        assert raw.pinned("f.bin") is not None
+        data, size = await raw.read_prefix("small.bin", 1 << 16)
+        assert (bytes(data), size) == (b"abc", 3)
+        assert [e.method for e in proxy.log] == ["GET", "GET"]
+        data, size = await raw.read_prefix("empty.bin", 1 << 16)
+        assert (bytes(data), size) == (b"", 0)
+        assert [e.method for e in proxy.log][2:] == ["GET", "HEAD"]
+        with pytest.raises(FileNotFoundError):
+            await raw.read_prefix("missing.bin", 10)
+        assert bytes(await rs.read("f.bin", 4096, 8192)) == DATA[4096:8192]  # the pinned version holds
+    finally:
+        await rs.aclose()
+    assert stats.snapshot().bytes_read == 8192
+
+
+@pytest.mark.asyncio
+async def test_a_prefix_from_a_server_that_ignores_range_is_refused(tmp_path, executor) -> None:
+    big = 64 << 20
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "big.safetensors").write_bytes(bytes(range(256)) * (big // 256))
+    server = HTTPRangeServer(tmp_path, ignore_range=True)
+    server.start()
+    try:
+        rs, _ = _boundary(open_storage_(f"{server.endpoint_url}/ckpt", {}, executor, transport="obstore"), executor)
+        try:
+            with pytest.raises(StorageReadError) as ei:
+                await rs.read_prefix("big.safetensors", 1 << 16)
+        finally:
+            await rs.aclose()
+        assert type(ei.value.__cause__) is RangeIgnoredError and ei.value.status == 200
+        assert ei.value.byte_range == (0, 1 << 16) and ei.value.attempts == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_obstores_own_retries_are_off(request, backend, bucket_name, fault_proxy, executor) -> None:
     url, opts, proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
     raw = open_storage_(url, opts, executor, transport="obstore")

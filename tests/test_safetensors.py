@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _ckpt import SAVEABLE_DTYPES, assert_bitwise_equal, random_tensor, tensor_bytes
 from _dist import all_ok, run_ranks
+from _remote import BACKENDS
 from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -158,6 +160,39 @@ def test_s3_single_and_sharded(tmp_path: Path, s3_server: Any, bucket_name: str)
         stats = asyncload.load(dest, url, storage_options=opts, options=MANY)
         assert_bitwise_equal(dest, sd, url)
         assert stats.bytes_assembled == nbytes(sd)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("header_pad", [0, 100_000])
+def test_remote_single_file_asks_no_head(
+    request: pytest.FixtureRequest, backend: str, bucket_name: str, fault_proxy: Any, header_pad: int
+) -> None:
+    """A URL naming one .safetensors file: its first 64 KiB and its size come in one ranged
+    GET (obstore), no HEAD before it; a header longer than that is read with one more GET."""
+    sd = model_state(6)
+    metadata = {"pad": "x" * header_pad} if header_pad else None
+    blob = st_save(sd, metadata=metadata)
+    server = request.getfixturevalue(f"{backend}_server")
+    server.put_object(bucket_name, "one/model.safetensors", blob)
+    proxy = fault_proxy(server)
+    if backend == "http":
+        url, opts = server.url(bucket_name, "one/model.safetensors", endpoint_url=proxy.endpoint_url), {}
+    else:
+        url, opts = (
+            f"{server.protocol}://{bucket_name}/one/model.safetensors",
+            server.storage_options(proxy.endpoint_url),
+        )
+    dest = zeros(sd)
+    stats = asyncload.load(dest, url, storage_options=opts, options=LoadOptions(transport="obstore"))
+    assert_bitwise_equal(dest, sd, url)
+    assert stats.bytes_assembled == nbytes(sd)
+    log = [e for e in proxy.log if urllib.parse.unquote(e.path).endswith("one/model.safetensors")]  # GCS quotes it
+    assert [e.method for e in log] == ["GET"] * len(log)
+    assert log[0].range == "bytes=0-65535"
+    header_end = 8 + struct.unpack("<Q", blob[:8])[0]
+    header_gets = [e for e in log if e.range and int(e.range.split("=")[1].split("-")[0]) < header_end]
+    assert len(header_gets) == (1 if header_end <= 65536 else 2)
 
 
 # --- partial and sliced loads -----------------------------------------------------------------

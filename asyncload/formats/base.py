@@ -171,6 +171,20 @@ class Fetcher:
             raise
         return int(size) if size else None
 
+    async def read_prefix(self, name: str, n: int) -> tuple[bytes, int] | None:
+        """The file's first ``n`` bytes (all of it when shorter) and its size, in one request
+        where the store can; ``None`` when it does not exist or is empty (as :meth:`size`)."""
+        try:
+            async with self._sem:
+                data, size = await self.storage.read_prefix(name, n)
+        except CheckpointNotFoundError:
+            return None
+        except AsyncLoadError as exc:
+            if isinstance(exc.__cause__, NotADirectoryError):
+                return None
+            raise
+        return (bytes(data), size) if size else None
+
     async def listdir(self) -> list[str]:
         """Names of the files directly under the storage root ([] when it cannot be listed)."""
         return await self.storage.listdir()

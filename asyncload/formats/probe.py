@@ -59,11 +59,7 @@ async def aprobe_first(
     if s.endswith("/") or not s.split("?", 1)[0].lower().endswith(_FILE_SUFFIXES):
         return None
     parent, name = split_file_url(checkpoint)
-    fetcher = Fetcher(await open_root(parent), options)
-    size = await fetcher.size(name)
-    if size is None:
-        return None
-    return await _afile(fetcher, name, size, s)
+    return await _aremote_file(Fetcher(await open_root(parent), options), name, s)
 
 
 async def aprobe_fallback(
@@ -83,10 +79,9 @@ async def aprobe_fallback(
     if not is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
         if name:
-            file_fetcher = Fetcher(await open_root(parent), options)
-            size = await file_fetcher.size(name)
-            if size is not None:
-                return await _afile(file_fetcher, name, size, str(checkpoint))
+            md = await _aremote_file(Fetcher(await open_root(parent), options), name, str(checkpoint))
+            if md is not None:
+                return md
             storage = await open_root(str(checkpoint))
             fetcher = Fetcher(storage, options)
     names = await fetcher.listdir()
@@ -101,13 +96,32 @@ async def aprobe_fallback(
     return None
 
 
-async def _afile(fetcher: Fetcher, name: str, size: int, source: str) -> FormatMetadata:
-    """One file: an index (``*.json``), safetensors, or a zip-format torch.save archive."""
+def _probe_size(name: str) -> int:
+    """The bytes read first of a file that is not an index."""
+    return HEADER_PROBE if name.endswith(".safetensors") else min(HEAD_PROBE, HEADER_PROBE)
+
+
+async def _aremote_file(fetcher: Fetcher, name: str, source: str) -> FormatMetadata | None:
+    """The remote file ``name``, or ``None`` when it does not exist. Its first bytes and its
+    size come in one request where the store can (no HEAD first); an index is read whole."""
+    if name.endswith(".json"):
+        size = await fetcher.size(name)
+        return None if size is None else await _aindex(fetcher, name, size, source)
+    got = await fetcher.read_prefix(name, _probe_size(name))
+    if got is None:
+        return None
+    head, size = got
+    return await _afile(fetcher, name, size, source, head=head)
+
+
+async def _afile(fetcher: Fetcher, name: str, size: int, source: str, *, head: bytes | None = None) -> FormatMetadata:
+    """One file: an index (``*.json``), safetensors, or a zip-format torch.save archive;
+    ``head``: its first bytes, already read (at least what it probes first, or all of it)."""
     url = fetcher.url(name)
     if name.endswith(".json"):
         return await _aindex(fetcher, name, size, source)
-    probe = HEADER_PROBE if name.endswith(".safetensors") else min(HEAD_PROBE, HEADER_PROBE)
-    head = await fetcher.read(name, 0, min(size, probe))
+    if head is None or len(head) < min(size, _probe_size(name)):
+        head = await fetcher.read(name, 0, min(size, _probe_size(name)))
     if head.startswith(b"PK\x03\x04"):
         md = await _atorchsave_files(fetcher, [(name, size)], None, source)
         return md
