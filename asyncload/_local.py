@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import os
 import stat
@@ -19,6 +20,12 @@ from ._mapped import MIN_MAPPED_READ, MappedCopies, mapped_copies_available
 from ._storage import NotRegularFileError, ShortReadError, Storage, _check_regular
 
 log = logging.getLogger("asyncload.local")
+
+#: Reads of at most this many bytes (``.metadata``, record probes, small records) are tried on
+#: the loop thread first, from the page cache only: a hop to an I/O thread and back costs
+#: more than copying them (docs/performance.md).
+INLINE_READ = 256 << 10
+_RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 __all__ = ["LocalStorage"]
 
@@ -40,6 +47,8 @@ class LocalStorage(Storage):
         self._lock = threading.Lock()
         self._closed = False
         self._mapped: MappedCopies | None = None
+        #: Small reads are tried on the loop thread first (:meth:`_read_cached`).
+        self._nowait = _RWF_NOWAIT != 0
         if mapped_copies:
             why = mapped_copies_available()
             if why is None:
@@ -107,7 +116,46 @@ class LocalStorage(Storage):
 
     async def readinto(self, name: str, start: int, buffers: Sequence[memoryview]) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._preadv, name, start, buffers)
+        want = sum(len(b) for b in buffers)
+        if not self._nowait or want > INLINE_READ:
+            await loop.run_in_executor(self._executor, self._preadv, name, start, buffers)
+            return
+        rest = self._read_cached(name, start, buffers)
+        if rest is None:
+            return
+        pos, left = rest
+        try:
+            await loop.run_in_executor(self._executor, self._preadv, name, pos, left)
+        except ShortReadError as exc:  # named by the whole read, not by its uncached rest
+            raise ShortReadError(self._path(name), start, start + want, pos - start + exc.got, local=True) from None
+
+    def _read_cached(self, name: str, start: int, buffers: Sequence[memoryview]) -> tuple[int, list[memoryview]] | None:
+        """A small read on the calling (loop) thread, as far as the page cache holds it:
+        ``preadv2(RWF_NOWAIT)`` never waits for the disk (it stops at the first page that is
+        not cached). ``None`` when all of it landed; else where the rest starts and its
+        buffers, for an I/O thread (which also tells a short file from an uncached page)."""
+        fd = self._fd(name)
+        bufs = [b for b in buffers if len(b)]
+        pos = start
+        while bufs:
+            try:
+                n = os.preadv(fd, bufs, pos, _RWF_NOWAIT)
+            except BlockingIOError:  # the next page is not cached
+                break
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # not on this file system
+                    self._nowait = False
+                    break
+                raise
+            if n <= 0:
+                break
+            pos += n
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            if n:
+                bufs[0] = bufs[0][n:]
+        return (pos, bufs) if bufs else None
 
     async def read(self, name: str, start: int, end: int) -> bytearray:
         buf = bytearray(end - start)

@@ -24,7 +24,7 @@ from _ckpt import assert_bitwise_equal
 
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions
-from asyncload._local import LocalStorage
+from asyncload._local import INLINE_READ, LocalStorage
 from asyncload._storage import ShortReadError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
@@ -33,14 +33,76 @@ MiB = 1 << 20
 PIECE = 4 * MiB  # sizes around it: pieces of a read that cross several destination buffers
 
 
-def _evict(path: Path) -> None:
-    """Drop ``path``'s pages from the page cache (written back first; a no-op on tmpfs)."""
+def _evict(path: Path, start: int = 0, n: int = 0) -> None:
+    """Drop ``path``'s pages of ``[start, start + n)`` (``n=0``: to the end) from the page
+    cache (written back first; a no-op on tmpfs)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+class _CountingPool(concurrent.futures.ThreadPoolExecutor):
+    """Counts the jobs given to the I/O threads."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.jobs = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+async def _counted_reads(root: Path, reads: list[tuple[str, int, list[bytearray]]]) -> int:
+    """Run ``reads`` (name, start, buffers) one after the other; the jobs the I/O threads got."""
+    pool = _CountingPool()
+    st = LocalStorage(str(root), pool)
+    try:
+        for name, start, bufs in reads:
+            await st.readinto(name, start, [memoryview(b) for b in bufs])
+    finally:
+        await st.aclose()
+        pool.shutdown()
+    return pool.jobs
+
+
+def test_small_reads_from_the_page_cache_need_no_io_thread(tmp_path: Path) -> None:
+    """A read of at most INLINE_READ bytes lands on the loop thread when its pages are cached
+    (``RWF_NOWAIT``); pages that are not go to an I/O thread, from the first missing one on;
+    a larger read always does. Bit-exact whichever way."""
+    data = random.Random(5).randbytes(3 * INLINE_READ)
+    (tmp_path / "f").write_bytes(data)
+    _evict(tmp_path / "f", 2 * INLINE_READ)  # the last third leaves the cache
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        # the first two thirds are cached since they were written (no read here: its readahead
+        # could bring the rest back); the rest is not (on tmpfs it would be)
+        assert os.preadv(fd, [bytearray(4096)], 2 * INLINE_READ - 4096, os.RWF_NOWAIT) == 4096
+        with pytest.raises(BlockingIOError):
+            os.preadv(fd, [bytearray(4096)], 2 * INLINE_READ, os.RWF_NOWAIT)
+    finally:
+        os.close(fd)
+    cached = [("f", 100, [bytearray(5000), bytearray(1), bytearray(60_000)])]
+    assert asyncio.run(_counted_reads(tmp_path, cached)) == 0
+    assert bytes(b"".join(cached[0][2])) == data[100:65101]
+    across = [("f", 2 * INLINE_READ - 10_000, [bytearray(7), bytearray(30_000)])]  # cached, then not
+    assert asyncio.run(_counted_reads(tmp_path, across)) == 1
+    assert bytes(b"".join(across[0][2])) == data[2 * INLINE_READ - 10_000 : 2 * INLINE_READ + 20_007]
+    large = [("f", 0, [bytearray(INLINE_READ + 1)])]
+    assert asyncio.run(_counted_reads(tmp_path, large)) == 1
+    assert bytes(large[0][2][0]) == data[: INLINE_READ + 1]
+
+
+def test_a_small_read_past_the_end_names_the_whole_range(tmp_path: Path) -> None:
+    """The cached part lands inline, the I/O thread finds the end: the error is about the read
+    as asked, with every byte that was there."""
+    (tmp_path / "f").write_bytes(b"x" * 10_000)
+    with pytest.raises(ShortReadError) as ei:
+        asyncio.run(_counted_reads(tmp_path, [("f", 4000, [bytearray(3000), bytearray(9000)])]))
+    assert (ei.value.start, ei.value.end, ei.value.got) == (4000, 16_000, 6000)
 
 
 def _scatter(rnd: random.Random, n: int) -> list[bytearray]:
