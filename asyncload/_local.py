@@ -150,11 +150,7 @@ class LocalStorage(Storage):
             if n <= 0:
                 break
             pos += n
-            while bufs and n >= len(bufs[0]):
-                n -= len(bufs[0])
-                bufs.pop(0)
-            if n:
-                bufs[0] = bufs[0][n:]
+            _consume(bufs, n)
         return (pos, bufs) if bufs else None
 
     async def read(self, name: str, start: int, end: int) -> bytearray:
@@ -205,9 +201,15 @@ def _pread_all(fd: int, bufs: list[memoryview], pos: int) -> int:
             break
         done += n
         pos += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs.pop(0)
-        if n:
-            bufs[0] = bufs[0][n:]
+        _consume(bufs, n)
     return done
+
+
+def _consume(bufs: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``bufs`` (filled by a read): whole buffers, then the
+    front of the next."""
+    while bufs and n >= len(bufs[0]):
+        n -= len(bufs[0])
+        bufs.pop(0)
+    if n:
+        bufs[0] = bufs[0][n:]

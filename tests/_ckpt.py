@@ -185,6 +185,17 @@ def copy_dir_to_fsspec(local_dir: str | os.PathLike[str], fs: Any, root: str) ->
             fs.pipe_file(f"{root.rstrip('/')}/{rel}", p.read_bytes())
 
 
+def evict_pages(path: str | os.PathLike[str], start: int = 0, n: int = 0) -> None:
+    """Drop ``path``'s pages of ``[start, start + n)`` (``n=0``: to the end) from the page
+    cache (written back first; a no-op on tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def open_fds_under(directory: str | os.PathLike[str]) -> list[str]:
     """Paths under ``directory`` that this process holds open (from /proc/self/fd)."""
     d = os.path.realpath(directory)

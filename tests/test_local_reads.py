@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt import assert_bitwise_equal
+from _ckpt import assert_bitwise_equal, evict_pages
 
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions
@@ -31,17 +31,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::User
 
 MiB = 1 << 20
 PIECE = 4 * MiB  # sizes around it: pieces of a read that cross several destination buffers
-
-
-def _evict(path: Path, start: int = 0, n: int = 0) -> None:
-    """Drop ``path``'s pages of ``[start, start + n)`` (``n=0``: to the end) from the page
-    cache (written back first; a no-op on tmpfs)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 class _CountingPool(concurrent.futures.ThreadPoolExecutor):
@@ -75,7 +64,7 @@ def test_small_reads_from_the_page_cache_need_no_io_thread(tmp_path: Path) -> No
     a larger read always does. Bit-exact whichever way."""
     data = random.Random(5).randbytes(3 * INLINE_READ)
     (tmp_path / "f").write_bytes(data)
-    _evict(tmp_path / "f", 2 * INLINE_READ)  # the last third leaves the cache
+    evict_pages(tmp_path / "f", 2 * INLINE_READ)  # the last third leaves the cache
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         # the first two thirds are cached since they were written (no read here: its readahead
@@ -136,7 +125,7 @@ def test_reads_are_bit_exact_at_unaligned_starts_ends_and_the_tail(
     cases += [(s, rnd.randrange(1, size - s + 1)) for s in (rnd.randrange(0, size) for _ in range(8))]
     for start, n in cases:
         if cold:
-            _evict(f)
+            evict_pages(f)
         parts = _scatter(rnd, n)
         storage.readinto_sync("f", start, [memoryview(p) for p in parts])
         assert b"".join(parts) == data[start : start + n], (start, n)
@@ -153,7 +142,7 @@ def test_a_read_past_the_end_is_the_short_read_of_a_local_file(
     f = tmp_path / "f"
     f.write_bytes(data)
     if cold:
-        _evict(f)
+        evict_pages(f)
     start, n = 513, size  # asks for 513 bytes more than the file holds
     buf = bytearray(n)
     with pytest.raises(ShortReadError) as err:
@@ -173,7 +162,7 @@ def test_tmpfs_reads_the_same() -> None:
     try:
         data = os.urandom(PIECE + 12345)
         (d / "f").write_bytes(data)
-        _evict(d / "f")  # a no-op on tmpfs: its pages are the file
+        evict_pages(d / "f")  # a no-op on tmpfs: its pages are the file
         parts = _scatter(random.Random(1), len(data) - 11)
         st.readinto_sync("f", 11, [memoryview(p) for p in parts])
         assert b"".join(parts) == data[11:]
@@ -205,7 +194,7 @@ def big_ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 def test_a_cold_load_is_bit_exact(big_ckpt: tuple[Path, dict[str, torch.Tensor]], verify: bool) -> None:
     path, sd = big_ckpt
     for f in path.iterdir():
-        _evict(f)
+        evict_pages(f)
     dest = {k: torch.zeros_like(v) for k, v in sd.items()}
     opts = LoadOptions(chunk_size=8 * MiB, verify=verify)
     asyncload.load(dest, path, options=opts)
@@ -218,7 +207,7 @@ def test_a_file_truncated_under_a_cold_load_is_a_format_error(big_ckpt: tuple[Pa
     (tests/test_integrity.py)."""
     path, sd = big_ckpt
     (data,) = path.glob("*.distcp")
-    _evict(data)
+    evict_pages(data)
     state = {"cut": False}
 
     def progress(done: int, total: int) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt import assert_bitwise_equal
+from _ckpt import assert_bitwise_equal, evict_pages
 
 import asyncload
 from asyncload import AsyncLoadError, LoadOptions, _mapped
@@ -111,16 +111,6 @@ def _cached_pages(path: Path, start: int, n: int) -> int:
         os.close(fd)
 
 
-def _evict(path: Path, start: int = 0, n: int = 0) -> None:
-    """Drop pages of ``[start, start + n)`` (``n=0``: to the end) from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _pieces(rnd: random.Random, n: int) -> list[bytearray]:
     parts, left = [], n
     while left:
@@ -157,7 +147,7 @@ def test_a_window_with_a_page_not_cached_is_read_with_preadv(
     size = 8 * MiB
     data = _file(tmp_path, size)
     f = tmp_path / "f"
-    _evict(f, 4 * MiB)  # from inside the fourth window to the end (whole folios)
+    evict_pages(f, 4 * MiB)  # from inside the fourth window to the end (whole folios)
     if _cached_pages(f, 4 * MiB, 4096) != 0:
         pytest.skip("this file system keeps every page (tmpfs)")
     buf = bytearray(size)

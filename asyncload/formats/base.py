@@ -162,11 +162,8 @@ class Fetcher:
         try:
             async with self._sem:
                 size = await self.storage.size(name)
-        except CheckpointNotFoundError:
-            return None
         except AsyncLoadError as exc:
-            # a local path below a regular file ("model.pt/.metadata") is NotADirectoryError
-            if isinstance(exc.__cause__, NotADirectoryError):
+            if _absent(exc):
                 return None
             raise
         return int(size) if size else None
@@ -177,10 +174,8 @@ class Fetcher:
         try:
             async with self._sem:
                 data, size = await self.storage.read_prefix(name, n)
-        except CheckpointNotFoundError:
-            return None
         except AsyncLoadError as exc:
-            if isinstance(exc.__cause__, NotADirectoryError):
+            if _absent(exc):
                 return None
             raise
         return (bytes(data), size) if size else None
@@ -188,6 +183,12 @@ class Fetcher:
     async def listdir(self) -> list[str]:
         """Names of the files directly under the storage root ([] when it cannot be listed)."""
         return await self.storage.listdir()
+
+
+def _absent(exc: AsyncLoadError) -> bool:
+    """Whether ``exc`` says the file is not there: missing, or a local path below a regular
+    file ("model.pt/.metadata": NotADirectoryError)."""
+    return isinstance(exc, CheckpointNotFoundError) or isinstance(exc.__cause__, NotADirectoryError)
 
 
 OpenRoot = Callable[[str], Awaitable[RetryingStorage]]
