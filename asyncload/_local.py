@@ -114,6 +114,13 @@ class LocalStorage(Storage):
         """Blocking form, for callers already on an I/O thread."""
         self._preadv(name, start, buffers)
 
+    def readinto_cached(self, name: str, start: int, buffers: Sequence[memoryview]) -> bool:
+        """At most :data:`INLINE_READ` bytes from the page cache on the calling thread
+        (:meth:`_read_cached`); ``False`` when any of it must come from the disk."""
+        if not self._nowait or sum(len(b) for b in buffers) > INLINE_READ:
+            return False
+        return self._read_cached(name, start, buffers) is None
+
     async def readinto(self, name: str, start: int, buffers: Sequence[memoryview]) -> None:
         loop = asyncio.get_running_loop()
         want = sum(len(b) for b in buffers)

@@ -366,7 +366,8 @@ _BATCH_BYTES = 4 << 20
 
 
 class _Batch(Chunk):
-    """Several tiny local chunks read in one thread hop."""
+    """Several tiny local chunks read together: on the loop from the page cache, or in one
+    thread hop (:meth:`RetryingStorage.read_batch`)."""
 
     members: list[Chunk]
 

@@ -88,6 +88,10 @@ __all__ = [
 log = logging.getLogger("asyncload.retry")
 T = TypeVar("T")
 
+#: Bytes of a :meth:`RetryingStorage.read_batch` read on the loop thread where the store
+#: can without waiting (a local file's cached pages: ``Storage.readinto_cached``).
+BATCH_INLINE = 1 << 20
+
 _THROTTLE_CODES = {
     "SlowDown",
     "Throttling",
@@ -937,20 +941,38 @@ class RetryingStorage:
         self.stats.add(bytes_read=n)
 
     async def read_batch(self, reads: Sequence[tuple[str, int, int, Callable[[memoryview], None]]]) -> None:
-        """Several tiny reads of a store that reads into caller memory, in one thread hop;
-        each ``(name, start, end, deliver)`` hands its bytes to ``deliver`` on that thread.
-        A failure retries the whole batch (its deliveries are idempotent copies)."""
+        """Several tiny reads of a store that reads into caller memory, without a thread hop
+        as far as the store can read them on the loop (``Storage.readinto_cached``: a local
+        file's cached pages, at most :data:`BATCH_INLINE` bytes), the rest in one hop to an
+        I/O thread; each ``(name, start, end, deliver)`` hands its bytes to ``deliver`` on the
+        thread that read them, in order. A failure retries the whole batch (its deliveries
+        are idempotent copies)."""
         raw = self.raw
         loop = asyncio.get_running_loop()
 
-        def job() -> None:
-            for name, start, end, deliver in reads:
+        def job(todo: Sequence[tuple[str, int, int, Callable[[memoryview], None]]]) -> None:
+            for name, start, end, deliver in todo:
                 buf = bytearray(end - start)
                 raw.readinto_sync(name, start, [memoryview(buf)])
                 deliver(memoryview(buf))
 
+        async def attempt() -> None:
+            # what the page cache holds is read here, on the loop, without a thread hop (at
+            # most BATCH_INLINE bytes); the rest from the first read that is not, on an I/O thread
+            i, left = 0, BATCH_INLINE
+            while i < len(reads) and reads[i][2] - reads[i][1] <= left:
+                name, start, end, deliver = reads[i]
+                buf = bytearray(end - start)
+                if not raw.readinto_cached(name, start, [memoryview(buf)]):
+                    break
+                deliver(memoryview(buf))
+                left -= end - start
+                i += 1
+            if i < len(reads):
+                await loop.run_in_executor(self.executor, job, reads[i:])
+
         span = _group_span([(name, start, end) for name, start, end, _ in reads])
-        await self._call(lambda: loop.run_in_executor(self.executor, job), reads[0][0], span)
+        await self._call(attempt, reads[0][0], span)
         self.stats.add(bytes_read=sum(r[2] - r[1] for r in reads))
 
     async def readinto_shared(

@@ -73,12 +73,10 @@ MAX_DEPTH = 1000
 
 
 def _torch_dtypes() -> dict[tuple[str, str], Any]:
-    out: dict[tuple[str, str], Any] = {}
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            out[("torch", name)] = value
-    return out
+    # the module's own attributes (not dir() and getattr: half the time, and no module
+    # __getattr__ runs); a process's first load builds this table
+    kinds = (torch.dtype, torch.layout, torch.memory_format)
+    return {("torch", name): value for name, value in vars(torch).items() if isinstance(value, kinds)}
 
 
 def _get_layout(name: str) -> torch.layout:
@@ -194,9 +192,8 @@ def _storage_types() -> dict[tuple[str, str], Any]:
     }
     with warnings.catch_warnings():  # reading .dtype of the legacy classes warns that TypedStorage is deprecated
         warnings.simplefilter("ignore")
-        for name in dir(torch):
+        for name, cls in list(vars(torch).items()):
             if name.endswith("Storage") and name not in ("UntypedStorage", "TypedStorage"):
-                cls = getattr(torch, name, None)
                 dtype = getattr(cls, "dtype", None)
                 if isinstance(dtype, torch.dtype):
                     out[("torch", name)] = _StorageType(dtype)

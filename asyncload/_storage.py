@@ -140,6 +140,12 @@ class Storage:
         """Blocking positional read into caller memory (stores with ``supports_readinto``)."""
         raise NotImplementedError
 
+    def readinto_cached(self, name: str, start: int, buffers: Sequence[memoryview]) -> bool:
+        """Read into caller memory on the calling thread only what needs no wait (a local
+        file's cached pages); ``True`` when every byte landed. ``False`` leaves the buffers
+        in any state: read them again elsewhere. The base class reads nothing."""
+        return False
+
     async def readinto(self, name: str, start: int, buffers: Sequence[memoryview]) -> None:
         data = await self.read(name, start, start + sum(len(b) for b in buffers))
         pos = 0

@@ -5,8 +5,9 @@ checkpoint (where the hop is most of a read) and a transformer-like one of ``--s
     python benchmarks/ab_inline_reads.py --rounds 300 --size-mib 0     # the one-tensor checkpoint only
     python benchmarks/ab_inline_reads.py --rounds 30 --size-mib 1024
 
-"hop" sets ``asyncload._local.INLINE_READ`` below every read size, which sends each read to
-an I/O thread as before; "inline" is the default.
+"hop" sets ``asyncload._local.INLINE_READ`` below every read size, which sends each read
+and each batch of probes and small records (``RetryingStorage.read_batch``) to an I/O thread
+as before; "inline" is the default.
 """
 
 from __future__ import annotations

@@ -187,7 +187,8 @@ def copy_dir_to_fsspec(local_dir: str | os.PathLike[str], fs: Any, root: str) ->
 
 def evict_pages(path: str | os.PathLike[str], start: int = 0, n: int = 0) -> None:
     """Drop ``path``'s pages of ``[start, start + n)`` (``n=0``: to the end) from the page
-    cache (written back first; a no-op on tmpfs)."""
+    cache (written back first; a no-op on tmpfs). The cache may hold a file in large folios,
+    and a folio the range covers only in part stays: start at a 1 MiB boundary."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from _ckpt import assert_bitwise_equal, evict_pages
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions
 from asyncload._local import INLINE_READ, LocalStorage
+from asyncload._retry import BATCH_INLINE, RetryingStorage
+from asyncload._stats import StatsRecorder
 from asyncload._storage import ShortReadError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
@@ -83,6 +86,52 @@ def test_small_reads_from_the_page_cache_need_no_io_thread(tmp_path: Path) -> No
     large = [("f", 0, [bytearray(INLINE_READ + 1)])]
     assert asyncio.run(_counted_reads(tmp_path, large)) == 1
     assert bytes(large[0][2][0]) == data[: INLINE_READ + 1]
+
+
+async def _counted_batch(root: Path, reads: list[tuple[str, int, int]]) -> tuple[int, list[tuple[bytes, bool]]]:
+    """``RetryingStorage.read_batch`` of ``reads`` (name, start, end): the jobs the I/O threads
+    got, and each read's bytes with whether they were delivered on the calling thread."""
+    pool = _CountingPool()
+    st = RetryingStorage.for_options(LocalStorage(str(root), pool), LoadOptions(), StatsRecorder(), pool)
+    got: list[tuple[bytes, bool]] = []
+
+    def deliver(mv: memoryview) -> None:
+        got.append((bytes(mv), threading.current_thread() is threading.main_thread()))
+
+    try:
+        await st.read_batch([(name, start, end, deliver) for name, start, end in reads])
+    finally:
+        await st.aclose()
+        pool.shutdown()
+    return pool.jobs, got
+
+
+def test_a_batch_of_cached_reads_needs_no_io_thread(tmp_path: Path) -> None:
+    """The probes and small records of a load (one ``read_batch``): reads the page cache holds
+    land on the loop thread, up to BATCH_INLINE bytes; from the first that is not (an evicted
+    page, or past the bound) the rest go to one I/O thread job, in order. Each read is
+    delivered once, bit-exact."""
+    cold = 2 * MiB  # the cache holds a file in large folios: evicted from a 1 MiB boundary on
+    assert cold > BATCH_INLINE + INLINE_READ
+    data = random.Random(6).randbytes(cold + MiB)
+    (tmp_path / "f").write_bytes(data)
+    evict_pages(tmp_path / "f", cold)
+    cached = [("f", 0, 4096), ("f", 100, 70_000), ("f", 5, 6)]
+    jobs, got = asyncio.run(_counted_batch(tmp_path, cached))
+    assert jobs == 0
+    assert got == [(data[s:e], True) for _, s, e in cached]
+    then_cold = [("f", 10, 5000), ("f", cold + 3, cold + 9000), ("f", 0, 100)]
+    jobs, got = asyncio.run(_counted_batch(tmp_path, then_cold))
+    assert jobs == 1
+    assert got == [(data[10:5000], True), (data[cold + 3 : cold + 9000], False), (data[:100], False)]
+    # cached, but more than BATCH_INLINE bytes in all: the reads past the bound go to a thread
+    many = [
+        ("f", i * (INLINE_READ // 2), (i + 1) * (INLINE_READ // 2)) for i in range(2 * BATCH_INLINE // INLINE_READ + 1)
+    ]
+    jobs, got = asyncio.run(_counted_batch(tmp_path, many))
+    inline = BATCH_INLINE // (INLINE_READ // 2)
+    assert jobs == 1
+    assert got == [(data[s:e], i < inline) for i, (_, s, e) in enumerate(many)]
 
 
 def test_a_small_read_past_the_end_names_the_whole_range(tmp_path: Path) -> None:
