@@ -39,6 +39,7 @@ class LocalStorage(Storage):
     """
 
     supports_readinto = True
+    calls_inline = True
 
     def __init__(self, root: str, executor: concurrent.futures.Executor, *, mapped_copies: bool = True) -> None:
         super().__init__(root)

@@ -125,6 +125,11 @@ class Storage:
     supports_readinto = False
     #: Whether a second, hedged request for a slow chunk can help.
     hedgeable = False
+    #: ``size`` and ``fingerprint`` finish without awaiting anything (a local file's
+    #: ``stat``, on the calling thread): no timeout could end them, so the error boundary
+    #: runs them once as they are and brings in its retries and translation only after an
+    #: error (``RetryingStorage.size``).
+    calls_inline = False
 
     def __init__(self, root: str) -> None:
         self.root = root

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from _ckpt import assert_bitwise_equal, evict_pages
 
 import asyncload
-from asyncload import CheckpointFormatError, LoadOptions
+from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
 from asyncload._local import INLINE_READ, LocalStorage
 from asyncload._retry import BATCH_INLINE, RetryingStorage
 from asyncload._stats import StatsRecorder
@@ -132,6 +132,44 @@ def test_a_batch_of_cached_reads_needs_no_io_thread(tmp_path: Path) -> None:
     inline = BATCH_INLINE // (INLINE_READ // 2)
     assert jobs == 1
     assert got == [(data[s:e], i < inline) for i, (_, s, e) in enumerate(many)]
+
+
+def test_a_local_files_size_and_fingerprint_are_asked_once_without_tasks(tmp_path: Path) -> None:
+    """``size`` and ``fingerprint`` of a local file are a ``stat`` on the loop thread: the error
+    boundary runs them as they are (no task, no timeout that could not fire anyway); an
+    error still comes out of the boundary typed, after its attempts."""
+    (tmp_path / "f").write_bytes(b"x" * 1234)
+
+    async def run() -> tuple[int, object, int, int, CheckpointNotFoundError]:
+        loop = asyncio.get_running_loop()
+        made = [0]
+
+        def factory(loop: asyncio.AbstractEventLoop, coro, **kw):  # type: ignore[no-untyped-def]
+            made[0] += 1
+            return asyncio.Task(coro, loop=loop, **kw)
+
+        pool = _CountingPool()
+        st = RetryingStorage.for_options(
+            LocalStorage(str(tmp_path), pool), LoadOptions(retries=2), StatsRecorder(), pool
+        )
+        loop.set_task_factory(factory)
+        try:
+            size, fp = await st.size("f"), await st.fingerprint("f")
+            quiet = made[0]
+            with pytest.raises(CheckpointNotFoundError) as ei:
+                await st.size("missing")
+            return size, fp, quiet, made[0], ei.value
+        finally:
+            loop.set_task_factory(None)
+            await st.aclose()
+            pool.shutdown()
+
+    size, fp, quiet, after, err = asyncio.run(run())
+    st = os.stat(tmp_path / "f")
+    assert (size, fp) == (1234, (1234, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+    assert quiet == 0  # the two stats made no task
+    assert after >= 1  # the missing file went through the boundary's attempts
+    assert "missing" in str(err)
 
 
 def test_a_small_read_past_the_end_names_the_whole_range(tmp_path: Path) -> None:
