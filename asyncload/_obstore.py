@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import logging
@@ -44,6 +45,21 @@ log = logging.getLogger("asyncload.storage")
 OBSTORE_PROTOCOLS = frozenset({"s3", "gs", "gcs", "http", "https"})
 #: obstore's own timeouts, out of the way: a read is cancelled by asyncload's ``timeout``.
 _NO_TIMEOUT = datetime.timedelta(days=7)
+#: The first GET of a ``.metadata`` (:meth:`ObstoreStorage.read_object`) asks for at most this
+#: many bytes: most fit; a larger one takes a second GET.
+OBJECT_PREFIX = 4 << 20
+
+
+async def _finish(result: Any) -> None:
+    """Read a refused answer's body to its end where it is small (at most
+    :data:`OBJECT_PREFIX`): obstore 0.12 can keep the connection of a body dropped unread
+    open for good. A larger body (a server that ignores the range asked for) is dropped."""
+    lo, hi = result.range
+    if hi - lo <= OBJECT_PREFIX:
+        with contextlib.suppress(Exception):
+            await result.bytes_async()
+
+
 #: fsspec options that change nothing about a ranged read (instance caching, file-object
 #: buffering, listing caches, the event loop fsspec runs on): safe to leave out.
 _NO_EFFECT = frozenset(
@@ -485,7 +501,8 @@ class ObstoreStorage(VersionPins):
         if problem is None and (lo != start or hi > end):
             problem = RangeIgnoredError(self.url(name), start, end, 206, f"bytes [{lo}, {hi})")
         if problem is not None:
-            del result  # the response and its connection go now, the body unread
+            await _finish(result)
+            del result
             raise problem
         data = await result.bytes_async()
         del result
@@ -499,27 +516,21 @@ class ObstoreStorage(VersionPins):
     supports_read_object = True
 
     async def read_object(self, name: str, max_size: int) -> tuple[memoryview | None, int]:
-        """One GET of the whole file (no HEAD first): the answer's headers give its size and
-        version (pinned here, as a HEAD would); a body larger than ``max_size`` is never read."""
-        import obstore
-
-        result = await obstore.get_async(self._get_store(), name)
-        first_byte()
-        meta = result.meta
-        self._see_meta(name, meta)
-        size = self._sizes[name] = int(meta["size"])
-        lo, hi = result.range
-        if lo != 0 or hi != size:
-            del result
-            raise RangeIgnoredError(self.url(name), 0, size, 200, f"bytes [{lo}, {hi})")
+        """The whole file and its size, without a HEAD first: one ranged GET of its first
+        ``min(max_size, OBJECT_PREFIX)`` bytes (:meth:`read_prefix`: the answer's headers give
+        the size and version, pinned here as a HEAD would), and for a larger file within
+        ``max_size`` one more GET of the rest, conditional on that version. A file larger than
+        ``max_size`` is refused after the first answer, whose bounded body is read to its end:
+        obstore 0.12 can keep the connection of a body dropped unread open for good."""
+        first, size = await self.read_prefix(name, min(max_size, OBJECT_PREFIX))
         if size > max_size:
-            del result  # the response and its connection go now, the body unread
             return None, size
-        data = await result.bytes_async()
-        del result
-        if len(data) != size:
-            raise ShortReadError(self.url(name), 0, size, len(data))
-        return memoryview(data), size
+        if len(first) >= size:
+            return first, size
+        whole = bytearray(size)
+        whole[: len(first)] = first
+        whole[len(first) :] = await self.read(name, len(first), size)
+        return memoryview(whole), size
 
     async def read_prefix(self, name: str, n: int) -> tuple[memoryview, int]:
         """The first ``n`` bytes and the size in one ranged GET (no HEAD first): the answer's
@@ -555,7 +566,8 @@ class ObstoreStorage(VersionPins):
         if problem is None and (lo != 0 or hi != want):
             problem = RangeIgnoredError(self.url(name), 0, want, 206, f"bytes [{lo}, {hi})")
         if problem is not None:
-            del result  # the response and its connection go now, the body unread
+            await _finish(result)
+            del result
             raise problem
         data = await result.bytes_async()
         del result
