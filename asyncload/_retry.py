@@ -1067,17 +1067,23 @@ class RetryingStorage:
             clock.finished(seconds, nbytes)
         self.stats.add(bytes_read=sum(sizes))
 
-    async def size(self, name: str) -> int:
-        raw = self.raw
-        if raw.calls_inline:  # a stat: once as it is (a tenth of the retrying call's cost)
+    async def _stat(self, op: Callable[[], Awaitable[T]], name: str) -> T:
+        """``size`` or ``fingerprint``: of a store whose calls finish inline (a local file's
+        ``stat``), once as it is (a tenth of the retrying call's cost); after an error, and
+        for every other store, through :meth:`_call`."""
+        if self.raw.calls_inline:
             try:
-                size = int(await raw.size(name))
+                value = await op()
             except Exception:
                 pass  # again below, with retries and translation
             else:
                 clock_of(self.stats).last_progress = time.monotonic()
-                return size
-        return int(await self._call(lambda: raw.size(name), name, None))
+                return value
+        return await self._call(op, name, None)
+
+    async def size(self, name: str) -> int:
+        raw = self.raw
+        return int(await self._stat(lambda: raw.size(name), name))
 
     def prefetch_sizes(self) -> None:
         """Let the store start listing the checkpoint's files now, where it can (a hint:
@@ -1097,15 +1103,7 @@ class RetryingStorage:
 
     async def fingerprint(self, name: str) -> object | None:
         raw = self.raw
-        if raw.calls_inline:  # as for size
-            try:
-                fp = await raw.fingerprint(name)
-            except Exception:
-                pass
-            else:
-                clock_of(self.stats).last_progress = time.monotonic()
-                return fp
-        return await self._call(lambda: raw.fingerprint(name), name, None)
+        return await self._stat(lambda: raw.fingerprint(name), name)
 
     async def listdir(self) -> list[str]:
         """Names of the plain files directly under the root (``[]`` when it cannot be listed)."""

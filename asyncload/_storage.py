@@ -128,7 +128,7 @@ class Storage:
     #: ``size`` and ``fingerprint`` finish without awaiting anything (a local file's
     #: ``stat``, on the calling thread): no timeout could end them, so the error boundary
     #: runs them once as they are and brings in its retries and translation only after an
-    #: error (``RetryingStorage.size``).
+    #: error (``RetryingStorage._stat``).
     calls_inline = False
 
     def __init__(self, root: str) -> None:
