@@ -16,6 +16,7 @@ from typing import Any
 import obstore
 import psutil
 import pytest
+import pytest_asyncio
 from _remote import BACKENDS, wait_closed
 
 import asyncload._obstore as asyncload_obstore
@@ -379,32 +380,45 @@ async def test_a_size_asked_while_the_listing_is_stalled_is_the_heads_answer(
     assert sum(1 for e in proxy.log if e.method == "HEAD") == 2
 
 
-@pytest.mark.asyncio
-async def test_a_server_that_ignores_range_is_refused_without_reading_the_body(tmp_path, executor) -> None:
-    big = 64 << 20
+BIG = 64 << 20
+
+
+@pytest_asyncio.fixture
+async def range_ignoring(tmp_path, executor):
+    """A loopback HTTP server that answers every ranged GET with the whole file (``big.bin``,
+    64 MiB), and obstore's storage of it behind the error boundary: ``(storage, stats, server)``."""
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "big.bin").write_bytes(bytes(range(256)) * (big // 256))
+    (tmp_path / "ckpt" / "big.bin").write_bytes(bytes(range(256)) * (BIG // 256))
     server = HTTPRangeServer(tmp_path, ignore_range=True)
     server.start()
     try:
         rs, stats = _boundary(open_storage_(f"{server.endpoint_url}/ckpt", {}, executor, transport="obstore"), executor)
         try:
-            with pytest.raises(StorageReadError) as ei:
-                await rs.read("big.bin", 1024, 5120)
+            yield rs, stats, server
         finally:
             await rs.aclose()
-        assert type(ei.value.__cause__) is RangeIgnoredError and ei.value.status == 200
-        assert "the server ignores Range requests" in str(ei.value) and ei.value.attempts == 1
-        assert stats.snapshot().retries == 0
-        logged: list[dict[str, Any]] = []
-        for _ in range(600):  # the server logs a request when its handler ends
-            logged = [r for r in server.requests() if r["path"].endswith("/big.bin")]
-            if logged:
-                break
-            await asyncio.sleep(0.05)
-        assert len(logged) == 1 and logged[0]["sent"] < big // 4, logged
     finally:
         server.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_ignores_range_is_refused_without_reading_the_body(range_ignoring) -> None:
+    rs, stats, server = range_ignoring
+    try:
+        with pytest.raises(StorageReadError) as ei:
+            await rs.read("big.bin", 1024, 5120)
+    finally:
+        await rs.aclose()
+    assert type(ei.value.__cause__) is RangeIgnoredError and ei.value.status == 200
+    assert "the server ignores Range requests" in str(ei.value) and ei.value.attempts == 1
+    assert stats.snapshot().retries == 0
+    logged: list[dict[str, Any]] = []
+    for _ in range(600):  # the server logs a request when its handler ends
+        logged = [r for r in server.requests() if r["path"].endswith("/big.bin")]
+        if logged:
+            break
+        await asyncio.sleep(0.05)
+    assert len(logged) == 1 and logged[0]["sent"] < BIG // 4, logged
 
 
 @pytest.mark.asyncio
@@ -444,23 +458,12 @@ async def test_a_files_first_bytes_and_size_come_in_one_get(
 
 
 @pytest.mark.asyncio
-async def test_a_prefix_from_a_server_that_ignores_range_is_refused(tmp_path, executor) -> None:
-    big = 64 << 20
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "big.safetensors").write_bytes(bytes(range(256)) * (big // 256))
-    server = HTTPRangeServer(tmp_path, ignore_range=True)
-    server.start()
-    try:
-        rs, _ = _boundary(open_storage_(f"{server.endpoint_url}/ckpt", {}, executor, transport="obstore"), executor)
-        try:
-            with pytest.raises(StorageReadError) as ei:
-                await rs.read_prefix("big.safetensors", 1 << 16)
-        finally:
-            await rs.aclose()
-        assert type(ei.value.__cause__) is RangeIgnoredError and ei.value.status == 200
-        assert ei.value.byte_range == (0, 1 << 16) and ei.value.attempts == 1
-    finally:
-        server.stop()
+async def test_a_prefix_from_a_server_that_ignores_range_is_refused(range_ignoring) -> None:
+    rs, _, _ = range_ignoring
+    with pytest.raises(StorageReadError) as ei:
+        await rs.read_prefix("big.bin", 1 << 16)
+    assert type(ei.value.__cause__) is RangeIgnoredError and ei.value.status == 200
+    assert ei.value.byte_range == (0, 1 << 16) and ei.value.attempts == 1
 
 
 @pytest.mark.asyncio
