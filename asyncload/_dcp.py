@@ -171,8 +171,16 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             ) from exc
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Decode an object with the allow-list (torch's planner uses ``torch.load(weights_only=False)``)."""
-        self.load_object(read_item, decode_object(value.getvalue(), what=f"object {read_item.dest_index.fqn!r}"))
+        """Decode an object with the allow-list and ``options.safe_globals`` (torch's planner
+        uses ``torch.load(weights_only=False)``). A subclass that overrides this gets each DCP
+        object's raw record instead and decodes it itself (its safety is then the subclass's)."""
+        obj = decode_object(
+            value.getvalue(),
+            what=f"object {read_item.dest_index.fqn!r}",
+            max_pickle=self.options.max_metadata_size,
+            safe_globals=self.options.safe_globals,
+        )
+        self.load_object(read_item, obj)
 
     def load_object(self, read_item: ReadItem, obj: Any) -> None:
         """Place an already decoded object (the reader calls this with what it decoded)."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["ChunkPolicy", "GiB", "HedgePolicy", "KiB", "LoadOptions", "MiB", "RetryPolicy"]
 
@@ -21,6 +23,35 @@ DEFAULT_MIN_CHUNK_SIZE = 1 * MiB
 #: ``HedgePolicy.min_delay`` where ``hedge_min_delay`` is derived (None): the fixed floor
 #: that peer transfers of multi-rank loads keep, seconds.
 DEFAULT_HEDGE_MIN_DELAY = 0.5
+
+
+_QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+\Z")
+
+
+def _check_safe_globals(value: Any) -> tuple[Any, ...]:
+    """``LoadOptions.safe_globals`` as a tuple of classes, functions and ``"module.qualname"``
+    strings; ValueError naming the field and the bad entry otherwise."""
+
+    def bad(want: str) -> ValueError:
+        return ValueError(f"LoadOptions.safe_globals={value!r:.300} is invalid: {want}")
+
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise bad("expected a list or tuple of classes, functions or 'module.qualname' strings")
+    entries = tuple(value)
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            if not _QUALNAME.match(entry):
+                raise bad(f"entry {i} ({entry!r:.200}) is not a 'module.qualname' string such as 'argparse.Namespace'")
+            continue
+        module, qualname = getattr(entry, "__module__", None), getattr(entry, "__qualname__", None)
+        if not (isinstance(entry, type) or callable(entry)) or type(module) is not str or type(qualname) is not str:
+            raise bad(f"entry {i} ({entry!r:.200}) is not a class, a function or a 'module.qualname' string")
+        if "<" in qualname:
+            raise bad(
+                f"entry {i} ({module}.{qualname}) is a local or lambda object, which a pickle cannot name; "
+                "define it at module level"
+            )
+    return entries
 
 
 class _Derived(int):
@@ -148,6 +179,14 @@ class LoadOptions:
     #: a cost model (the store's per-request latency x bandwidth) prices below one more
     #: request. ``None``: no bound, gaps up to ``min_chunk_size`` read through (docs/tuning.md).
     max_over_read_ratio: float | None = 1.15
+    #: Globals the user trusts in the checkpoint's objects beyond asyncload's allow-list
+    #: (tensors, containers, numpy data...), as torch's ``torch.serialization.add_safe_globals``:
+    #: classes or functions, or ``"module.qualname"`` strings (imported only when a pickle names
+    #: them). A listed class may be created and filled (``__setstate__``, else its ``__dict__``
+    #: and slots), a listed function called, with the pickle's arguments: their code runs.
+    #: Applies to every object decode (DCP objects, torch.save files), never to ``.metadata``.
+    #: Stored as a tuple; any iterable is accepted.
+    safe_globals: tuple[type | Callable[..., Any] | str, ...] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, want: str) -> None:
@@ -210,6 +249,7 @@ class LoadOptions:
             bad("max_over_read_ratio", r, "expected a finite number >= 1 or None (no bound)")
         if self.transport not in ("auto", "obstore", "fsspec"):
             bad("transport", self.transport, 'expected "auto", "obstore" or "fsspec"')
+        object.__setattr__(self, "safe_globals", _check_safe_globals(self.safe_globals))
         for name in ("verify", "hedge", "allow_dtype_cast", "strict_unexpected_keys", "use_uvloop"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, getattr(self, name), "expected a bool")

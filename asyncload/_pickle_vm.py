@@ -105,7 +105,8 @@ class PicklePolicy(Protocol):
     """What a pickle may build: the VM asks it about every name, call and object.
 
     Each method gets the running :class:`PickleVM` (for :meth:`~PickleVM.charge`,
-    :meth:`~PickleVM.check_keys`, :meth:`~PickleVM.mark_fresh`, :meth:`~PickleVM.is_fresh`
+    :meth:`~PickleVM.check_keys`, :meth:`~PickleVM.mark_fresh`, :meth:`~PickleVM.is_fresh`,
+    :meth:`~PickleVM.seal`
     and its error constructors) and either returns the value or raises.
     """
 
@@ -251,6 +252,10 @@ class PickleVM:
     def mark_fresh(self, obj: Any) -> None:
         """Record that this pickle created ``obj`` (only such objects may be modified)."""
         self._fresh[id(obj)] = obj
+
+    def seal(self, obj: Any) -> None:
+        """``obj`` may no longer be modified (built once, or in use by another object)."""
+        self._fresh.pop(id(obj), None)
 
     def is_fresh(self, obj: Any) -> bool:
         """Whether this pickle created ``obj`` (:meth:`mark_fresh`, or a record class's ``NEWOBJ``)."""

@@ -22,16 +22,29 @@ from ._stream import CheckpointStream, KeySelection, ProgressCallback
 __all__ = ["aread_state_dict", "nest", "read_state_dict"]
 
 
-def nest(flat: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
-    """``flat`` (the checkpoint's flattened names) nested as it was saved: through DCP's
-    ``planner_data`` (``{"layers": {"0": {"q": ...}}}``, lists as lists). Formats that
-    carry no nesting (safetensors) keep their flat names; torch.save files come back nested
-    as saved too (their metadata records each key's path the same way)."""
+def nest(flat: dict[str, Any], metadata: Metadata) -> dict[Any, Any]:
+    """``flat`` (the checkpoint's flattened names) nested as the checkpoint's own reader gives it.
+
+    torch.save files: as ``torch.load`` gives the file (its decoded pickle is the template:
+    int and tuple keys, key order, OrderedDict, tuples, lists and shared storages as saved;
+    :func:`asyncload.formats.torchsave.nest_saved`). DCP checkpoints: as torch's own reader
+    rebuilds a state dict from the metadata (``_EmptyStateDictLoadPlanner``): each key placed
+    along its ``planner_data`` path in the metadata's order (DCP saved the keys as strings;
+    int path elements are list indices). Formats that carry no nesting (safetensors) keep
+    their flat names."""
     from torch.distributed.checkpoint._traverse import set_element
 
+    from .formats import FormatMetadata
+    from .formats.torchsave import nest_saved
+
+    if isinstance(metadata, FormatMetadata) and metadata.templates:
+        return nest_saved(flat, metadata.templates)
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     out: dict[str, Any] = {}
-    for key, value in flat.items():
+    for key in [k for k in metadata.state_dict_metadata if k in flat] + [
+        k for k in flat if k not in metadata.state_dict_metadata
+    ]:
+        value = flat[key]
         path = mapping.get(key)
         if not isinstance(path, (tuple, list)) or not path:
             path = (key,)

@@ -21,7 +21,13 @@ place that decides what a checkpoint's pickle may build:
   references beyond the work budget, are refused. Memory and time therefore grow
   linearly with the pickle.
 
-Besides: the allow-lists themselves (:func:`metadata_globals`, :func:`record_globals`),
+torch.save records (``data.pkl``: DCP objects, torch.save files) may also hold numpy
+arrays, dtypes and scalars of plain dtypes (checked field by field, never dtype ``O``), and
+the globals the user trusts (``LoadOptions.safe_globals``: :class:`UserGlobals`, with
+torch's ``weights_only`` semantics); a ``.metadata`` gets neither.
+
+Besides: the allow-lists themselves (:func:`metadata_globals`, :func:`record_globals`,
+extended through :func:`record_extensions`, :func:`allow_call`, :func:`allow_build`),
 torch.save's tensor records as :class:`TensorRef`/:class:`StorageRef` (nothing is read),
 and :func:`check_metadata`, the field-by-field shape check of a decoded ``.metadata``.
 
@@ -39,6 +45,7 @@ import itertools
 import math
 import operator
 import pathlib
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,13 +63,20 @@ __all__ = [
     "MAX_DEPTH",
     "StorageRef",
     "TensorRef",
+    "UserGlobals",
+    "allow_build",
+    "allow_call",
     "check_metadata",
     "check_relative_path",
+    "global_name",
     "metadata_globals",
+    "numpy_globals",
+    "record_extensions",
     "record_globals",
     "safe_loads",
     "short_repr",
     "storage_persistent_load",
+    "user_globals",
 ]
 
 #: Deepest nesting of containers accepted in a decoded object (Python's own pickler
@@ -292,8 +306,17 @@ def record_globals() -> Mapping[tuple[str, str], Any]:
             ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
             ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
             ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+            **record_extensions(),
         }
     return _record_cache
+
+
+def record_extensions() -> dict[tuple[str, str], Any]:
+    """Names torch.save records may use beyond torch's tensors and DCP's types: the data that
+    training loops save next to their tensors. Each source registers the calls and BUILD
+    rules of its names (:func:`allow_call`, :func:`allow_build`); a new kind of data is one
+    more source here."""
+    return {**numpy_globals()}
 
 
 def storage_persistent_load(pid: Any) -> StorageRef:
@@ -428,12 +451,31 @@ def _args_rebuild(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
     return 1 + sum(len(a) for a in args if type(a) in (tuple, list))
 
 
-#: Objects a pickle may call (REDUCE, OBJ, INST), by identity, with their argument check.
-_CALLABLE_CHECKS: dict[int, tuple[Any, Callable[[PickleVM, tuple[Any, ...], str], int]]] = {}
+#: An argument check: ``(vm, args, what)`` -> the work units the call costs; raises before
+#: the call runs when the arguments are not what a real checkpoint holds.
+ArgCheck = Callable[[PickleVM, tuple[Any, ...], str], int]
+#: A BUILD rule: ``(vm, inst, state)``; sets ``inst`` from a checked ``state`` or raises.
+BuildRule = Callable[[PickleVM, Any, Any], None]
+
+#: Objects a pickle may call (REDUCE, OBJ, INST), by identity, with their argument check
+#: and whether the call's result may then be BUILT (it is a new object of this pickle's).
+_CALLABLE_CHECKS: dict[int, tuple[Any, ArgCheck, bool]] = {}
+#: BUILD rules for objects of these types (``isinstance``) that this pickle created.
+_BUILD_RULES: list[tuple[type, BuildRule]] = []
 
 
-def _allow_call(obj: Any, check: Callable[[PickleVM, tuple[Any, ...], str], int]) -> None:
-    _CALLABLE_CHECKS[id(obj)] = (obj, check)
+def allow_call(obj: Any, check: ArgCheck, *, fresh_result: bool = False) -> None:
+    """Let checkpoint pickles call ``obj`` (once a name on an allow-list resolves to it),
+    after ``check`` accepted the arguments; ``fresh_result``: its result may be BUILT."""
+    _CALLABLE_CHECKS[id(obj)] = (obj, check, fresh_result)
+
+
+def allow_build(cls: type, rule: BuildRule) -> None:
+    """Let checkpoint pickles BUILD objects of ``cls`` they created, through ``rule``."""
+    _BUILD_RULES.append((cls, rule))
+
+
+_allow_call = allow_call
 
 
 for _obj, _check in (
@@ -455,6 +497,7 @@ for _obj, _check in (
     (_rebuild_parameter, _args_rebuild),
 ):
     _allow_call(_obj, _check)
+_allow_call(collections.OrderedDict, _args_mapping_ctor, fresh_result=True)  # state_dict()._metadata (BUILD)
 
 
 def _dcp_enum_and_classes() -> tuple[tuple[type, ...], type | None, type | None]:
@@ -475,37 +518,281 @@ _DATACLASS_FIELDS: dict[type, frozenset[str]] = {
 }
 
 
+# --- numpy data: arrays, dtypes and scalars of plain dtypes -------------------------
+# What training loops save next to their tensors (``np.random.get_state()``, metrics as numpy
+# scalars). numpy pickles an array as ``_reconstruct(ndarray, (0,), b"b")`` then BUILD
+# ``(1, shape, dtype, is_fortran, raw bytes)``, a dtype as ``dtype("u4", False, True)`` then
+# BUILD ``(3, byteorder, None, None, None, elsize, alignment, flags)`` (4 and a 9th item for
+# datetimes), a scalar as ``scalar(dtype, raw bytes)``. Each is checked before numpy sees it:
+# the type code against the plain kinds (never ``O``: objects run code when unpickled), a
+# dtype's state against the state numpy itself gives that dtype, an array's bytes against
+# its shape and item size (so the array costs what its pickle holds). Structured dtypes are
+# not decoded. numpy 1.x wrote ``numpy.core.multiarray``, numpy 2 writes ``numpy._core.multiarray``.
+
+#: The type codes numpy pickles a plain dtype with (``np.dtype(x).__reduce__()[1][0]``).
+_NP_TYPECODE = re.compile(r"(?:b1|[iu][1248]|f(?:2|4|8|12|16)|c(?:8|16|24|32)|[SUV][1-9][0-9]{0,8}|[Mm]8)\Z")
+_NP_UNITS = frozenset(("Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", "as", "generic"))
+#: The most dimensions numpy allows.
+_NP_MAX_DIMS = 64
+
+
+def _np_multiarray() -> Any:
+    try:
+        from numpy._core import multiarray  # numpy 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    return multiarray
+
+
+def _np_refuse_objects(vm: PickleVM, what: str) -> UnsafeCheckpointError:
+    return vm.unsafe(
+        f"holds a numpy {what} of Python objects (dtype 'O'), whose decoding would run code from the "
+        "checkpoint; only numpy data of plain dtypes is decoded"
+    )
+
+
+def _args_np_dtype(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
+    if len(args) != 3 or type(args[0]) is not str:
+        raise vm.bad(f"numpy.dtype called with malformed arguments {short_repr(args)}")
+    if args[0][:1] == "O":
+        raise _np_refuse_objects(vm, "dtype")
+    # copy=True: a new dtype object that BUILD may fill (never numpy's shared builtin one)
+    if not _NP_TYPECODE.match(args[0]) or args[1] is not False or args[2] is not True:
+        raise vm.bad(f"numpy.dtype called with malformed arguments {short_repr(args)}")
+    return 2
+
+
+def _np_plain_dtype(vm: PickleVM, dtype: Any, what: str) -> Any:
+    np_dtype = np.dtype
+    if not isinstance(dtype, np_dtype):
+        raise vm.bad(f"{what} has a dtype of type {type(dtype).__name__}")
+    if dtype.hasobject:
+        raise _np_refuse_objects(vm, what)
+    if dtype.names is not None or dtype.subdtype is not None or dtype.itemsize <= 0:
+        raise vm.bad(f"{what} has a dtype that is not a plain numpy dtype")
+    vm.seal(dtype)  # in use: a later BUILD may not change it
+    return dtype
+
+
+def _build_np_dtype(vm: PickleVM, inst: Any, state: Any) -> None:
+    if type(state) is not tuple or len(state) not in (8, 9) or state[0] != len(state) - 5:
+        raise vm.bad(f"numpy dtype with malformed state {short_repr(state)}")
+    if state[2:5] != (None, None, None):
+        raise vm.unsafe("holds a structured numpy dtype, which asyncload does not decode")
+    byteorder = state[1]
+    if byteorder not in ("<", ">", "|", "="):
+        raise vm.bad(f"numpy dtype with byte order {short_repr(byteorder)}")
+    expected = inst
+    if len(state) == 9:  # datetime64 / timedelta64: (None, (unit, count, 1, 1))
+        meta = state[8]
+        if (
+            inst.kind not in "Mm"
+            or type(meta) is not tuple
+            or len(meta) != 2
+            or meta[0] is not None
+            or type(meta[1]) is not tuple
+            or len(meta[1]) != 4
+            or type(meta[1][0]) is not bytes
+            or meta[1][0].decode("ascii", "replace") not in _NP_UNITS
+            or not all(type(v) is int and 1 <= v < 1 << 31 for v in meta[1][1:])
+        ):
+            raise vm.bad(f"numpy datetime dtype with malformed unit {short_repr(state[8])}")
+        unit, count = meta[1][0].decode("ascii"), meta[1][1]
+        expected = np.dtype(f"{inst.str[1:]}[{count if count != 1 else ''}{unit}]")
+    if byteorder in "<>":
+        expected = expected.newbyteorder(byteorder)
+    if expected.__reduce__()[2] != state:  # only the state numpy itself writes for this dtype
+        raise vm.bad(f"numpy dtype {inst.str!r} with a state numpy does not write: {short_repr(state)}")
+    vm.charge(4)
+    inst.__setstate__(state)
+    vm.seal(inst)
+
+
+def _args_np_reconstruct(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
+    if len(args) != 3 or args[0] is not np.ndarray or args[1] != (0,) or type(args[1]) is not tuple:
+        raise vm.bad(f"numpy _reconstruct called with malformed arguments {short_repr(args)}")
+    if args[2] not in (b"b", "b"):
+        raise vm.bad(f"numpy _reconstruct called with malformed arguments {short_repr(args)}")
+    return 2
+
+
+def _build_np_array(vm: PickleVM, inst: Any, state: Any) -> None:
+    if type(inst) is not np.ndarray or type(state) is not tuple or len(state) != 5 or state[0] != 1:
+        raise vm.bad(f"numpy array with malformed state {short_repr(state)[:120]}")
+    _, shape, dtype, fortran, raw = state
+    if (
+        type(shape) is not tuple
+        or len(shape) > _NP_MAX_DIMS
+        or not all(_is_int(n) and n >= 0 for n in shape)
+        or type(fortran) is not bool
+    ):
+        raise vm.bad(f"numpy array with malformed shape {short_repr(shape)} or order {short_repr(fortran)}")
+    if type(raw) is list:
+        raise _np_refuse_objects(vm, "array")
+    _np_plain_dtype(vm, dtype, "numpy array")
+    if type(raw) not in (bytes, bytearray):
+        raise vm.bad(f"numpy array data is a {type(raw).__name__}, not bytes")
+    need = math.prod(shape) * dtype.itemsize  # Python ints: no overflow, nothing allocated
+    if need != len(raw):
+        raise vm.bad(
+            f"numpy array of shape {list(shape)[:8]} and dtype {dtype.str!r} needs {need} bytes, its data holds {len(raw)}"
+        )
+    vm.charge(1 + len(raw) // 64)
+    inst.__setstate__(state)
+    vm.seal(inst)
+
+
+def _args_np_scalar(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
+    if len(args) != 2:
+        if len(args) == 1 and isinstance(args[0], np.dtype) and args[0].hasobject:
+            raise _np_refuse_objects(vm, "scalar")
+        raise vm.bad(f"numpy scalar called with malformed arguments {short_repr(args)}")
+    dtype = _np_plain_dtype(vm, args[0], "numpy scalar")
+    if type(args[1]) is not bytes or len(args[1]) != dtype.itemsize:
+        raise vm.bad(f"numpy scalar called with malformed arguments {short_repr(args)}")
+    return 2
+
+
+def numpy_globals() -> dict[tuple[str, str], Any]:
+    """The names numpy data is pickled with (see the section's comment)."""
+    multiarray = _np_multiarray()
+    out: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        out[(module, "_reconstruct")] = multiarray._reconstruct
+        out[(module, "scalar")] = multiarray.scalar
+    return out
+
+
+allow_call(np.dtype, _args_np_dtype, fresh_result=True)
+allow_call(_np_multiarray()._reconstruct, _args_np_reconstruct, fresh_result=True)
+allow_call(_np_multiarray().scalar, _args_np_scalar)
+allow_build(np.dtype, _build_np_dtype)
+allow_build(np.ndarray, _build_np_array)
+
+
+# --- globals the user trusts: LoadOptions.safe_globals --------------------------------
+
+
+def global_name(entry: Any) -> str:
+    """``"module.qualname"`` of a ``LoadOptions.safe_globals`` entry (a string stays itself)."""
+    if isinstance(entry, str):
+        return entry
+    return f"{entry.__module__}.{entry.__qualname__}"
+
+
+class UserGlobals:
+    """The globals a user trusts (``LoadOptions.safe_globals``), as torch's
+    ``add_safe_globals``: by ``"module.qualname"``; a string entry is imported only when a
+    pickle names it. Calls, ``NEWOBJ`` and ``BUILD`` of these run the user's own code
+    (``__setstate__`` if defined, else ``__dict__`` and slots updated), as torch's
+    ``weights_only`` unpickler does."""
+
+    def __init__(self, entries: tuple[Any, ...]) -> None:
+        self.entries = entries
+        self._by_name: dict[str, Any] = {global_name(e): e for e in entries}
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def find(self, module: str, name: str) -> Any:
+        """The object the pickle's ``module.name`` stands for, or KeyError."""
+        entry = self._by_name[f"{module}.{name}"]
+        if not isinstance(entry, str):
+            return entry
+        import importlib
+
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        self._by_name[entry] = obj
+        return obj
+
+
+_user_globals_cache: dict[tuple[Any, ...], UserGlobals] = {}
+
+
+def user_globals(entries: tuple[Any, ...]) -> UserGlobals:
+    """The :class:`UserGlobals` of ``LoadOptions.safe_globals`` (one per distinct tuple)."""
+    found = _user_globals_cache.get(entries)
+    if found is None:
+        if len(_user_globals_cache) > 64:
+            _user_globals_cache.clear()
+        found = _user_globals_cache[entries] = UserGlobals(entries)
+    return found
+
+
 # --- the policy -------------------------------------------------------------------
 
 
 class _CheckpointPolicy:
     """What a checkpoint's pickle may build (a :class:`~asyncload._pickle_vm.PicklePolicy`):
     the names in ``allowed``, the calls of :data:`_CALLABLE_CHECKS`, the DCP dataclasses,
-    and the persistent ids ``persistent_load`` knows."""
+    the BUILD rules of :data:`_BUILD_RULES`, the persistent ids ``persistent_load`` knows,
+    and the globals the user trusts (``user``: ``LoadOptions.safe_globals``, where given)."""
 
     record_fields: Mapping[type, frozenset[str]] = _DATACLASS_FIELDS
     record_classes: frozenset[type] = _NEWOBJ_CLASSES
     shape_type: type | None = torch.Size
     atomic_key_types: tuple[type, ...] = (torch.dtype, torch.layout, torch.memory_format, torch.device, enum.Enum)
-    unsafe_advice = "Only load checkpoints you trust with torch's own reader."
 
-    def __init__(self, allowed: Mapping[tuple[str, str], Any], persistent_load: Callable[[Any], Any] | None) -> None:
+    def __init__(
+        self,
+        allowed: Mapping[tuple[str, str], Any],
+        persistent_load: Callable[[Any], Any] | None,
+        user: UserGlobals | None = None,
+    ) -> None:
         self._allowed = allowed
         self._persistent = persistent_load
+        #: None: a strict decode (``.metadata``), where safe_globals do not apply.
+        self._user = user
+        #: The user's globals this pickle named, by id (kept alive): they may be called,
+        #: created and built as torch's weights_only unpickler allows them.
+        self._user_objs: dict[int, Any] = {}
+        self._missing: str | None = None
+        self.unsafe_advice = "Only load checkpoints you trust with torch's own reader."
 
     def find_class(self, vm: PickleVM, module: Any, name: Any) -> Any:
         try:
             return self._allowed[(module, name)]
         except (KeyError, TypeError):
-            mod = module[:100] if type(module) is str else short_repr(module)
-            nm = name[:100] if type(name) is str else short_repr(name)
-            raise vm.unsafe(
-                f"asks to import {mod}.{nm}, which is not on asyncload's allow-list of checkpoint data types"
-            ) from None
+            pass
+        mod = module[:100] if type(module) is str else short_repr(module)
+        nm = name[:100] if type(name) is str else short_repr(name)
+        if self._user is not None and type(module) is str and type(name) is str:
+            try:
+                obj = self._user.find(module, name)
+            except KeyError:
+                pass
+            except Exception as exc:  # a string the user gave that does not import
+                raise vm.unsafe(
+                    f"asks for {mod}.{nm}, which LoadOptions.safe_globals names but which cannot be "
+                    f"imported here ({type(exc).__name__}: {str(exc)[:200]})"
+                ) from None
+            else:
+                self._user_objs[id(obj)] = obj
+                return obj
+            self.unsafe_advice = (
+                f"If you trust the checkpoint's {mod}.{nm}, pass it in LoadOptions(safe_globals=[{f'{mod}.{nm}'!r}]) "
+                "(the class or function itself, or that string); otherwise load the checkpoint only "
+                "with torch's own reader, and only if you trust it."
+            )
+        raise vm.unsafe(
+            f"asks to import {mod}.{nm}, which is not on asyncload's allow-list of checkpoint data types"
+        ) from None
+
+    def _user_obj(self, obj: Any) -> bool:
+        return self._user_objs.get(id(obj)) is obj
 
     def call(self, vm: PickleVM, func: Any, args: Any) -> Any:
         entry = _CALLABLE_CHECKS.get(id(func))
         if entry is None or entry[0] is not func:
+            if self._user_obj(func):
+                if type(args) is not tuple:
+                    raise vm.bad(f"call arguments are a {type(args).__name__}, not a tuple")
+                vm.charge(1 + len(args))
+                out = func(*args)  # the user trusts it (LoadOptions.safe_globals)
+                vm.mark_fresh(out)
+                return out
             name = func.__qualname__ if isinstance(func, type) else type(func).__name__
             raise vm.unsafe(f"asks to call {short_repr(name)}, which may not be called while decoding")
         if type(args) is not tuple:
@@ -514,8 +801,8 @@ class _CheckpointPolicy:
         vm.charge(entry[1](vm, args, what))
         try:
             out = func(*args)
-            if func is collections.OrderedDict:
-                vm.mark_fresh(out)  # a module's state_dict() carries a _metadata attribute (BUILD)
+            if entry[2]:
+                vm.mark_fresh(out)  # a new object BUILD may fill (OrderedDict._metadata, numpy data)
             return out
         except (CheckpointFormatError, UnsafeCheckpointError) as exc:
             raise type(exc)(f"{vm.what}: {exc}") from None
@@ -531,6 +818,13 @@ class _CheckpointPolicy:
             raise type(exc)(f"{vm.what}: {exc}") from None
 
     def newobj(self, vm: PickleVM, cls: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(cls, type) and self._user_obj(cls):
+            if type(args) is not tuple or (kwargs is not None and type(kwargs) is not dict):
+                raise vm.bad(f"{cls.__name__} created with malformed arguments")
+            vm.charge(4 + len(args))
+            made: Any = cls.__new__(cls, *args, **(kwargs or {}))  # the user trusts it (safe_globals)
+            vm.mark_fresh(made)
+            return made
         if not isinstance(cls, type) or cls not in _NEWOBJ_CLASSES:
             name = cls.__qualname__ if isinstance(cls, type) else type(cls).__name__
             raise vm.unsafe(f"asks to create a {short_repr(name)} object, which is not a checkpoint data class")
@@ -553,9 +847,28 @@ class _CheckpointPolicy:
             vm.charge(1)
             inst.__dict__.update(state)
             return
+        cls = type(inst)
+        if self._user_obj(cls):  # as torch's weights_only unpickler builds an allowed type
+            vm.charge(1 + (len(state) if isinstance(state, (dict, tuple)) else 0))
+            setstate = getattr(inst, "__setstate__", None)
+            if setstate is not None:
+                setstate(state)
+                return
+            slots = None
+            if type(state) is tuple and len(state) == 2:
+                state, slots = state
+            if state:
+                inst.__dict__.update(state)
+            if slots:
+                for k, v in slots.items():
+                    setattr(inst, k, v)
+            return
         if not vm.is_fresh(inst):
             raise vm.unsafe(f"asks to modify a {type(inst).__name__} object it did not create")
-        cls = type(inst)
+        for rule_cls, rule in _BUILD_RULES:
+            if isinstance(inst, rule_cls):
+                rule(vm, inst, state)
+                return
         if cls is _TENSOR_PROPS:
             ok = (
                 type(state) is tuple
@@ -665,8 +978,13 @@ def safe_loads(
     max_depth: int = MAX_DEPTH,
     check_structure: bool = True,
     expect: type | None = None,
+    safe_globals: tuple[Any, ...] | None = None,
 ) -> Any:
     """Unpickle ``data`` allowing only the globals in ``allowed`` (default: DCP metadata types).
+
+    ``safe_globals``: the globals the user trusts (``LoadOptions.safe_globals``) for a
+    decode of checkpoint objects; ``None`` (``.metadata``): none, and refusals do not
+    suggest any.
 
     Raises :class:`UnsafeCheckpointError` for a non-allowed global, call, persistent id
     or resource use (nesting deeper than ``max_depth``, amplification), and
@@ -681,9 +999,12 @@ def safe_loads(
         raise CheckpointFormatError(
             f"{what} is {len(data)} bytes, more than the {max_size} allowed (LoadOptions.max_metadata_size)"
         )
-    vm = PickleVM(
-        bytes(data), _CheckpointPolicy(metadata_globals() if allowed is None else allowed, persistent_load), what
+    policy = _CheckpointPolicy(
+        metadata_globals() if allowed is None else allowed,
+        persistent_load,
+        None if safe_globals is None else user_globals(safe_globals),
     )
+    vm = PickleVM(bytes(data), policy, what)
     obj = vm.run()
     if check_structure or (expect is not None and not isinstance(obj, expect)):
         _check_structure(obj, what, max_depth, vm.work_limit)

@@ -70,11 +70,14 @@ log = logging.getLogger("asyncload.session")
 T = TypeVar("T")
 
 
-def decode_object(raw: bytes | memoryview, *, what: str, max_pickle: int = 1 << 30) -> Any:
-    """A non-tensor object saved by DCP (a torch.save archive), decoded with the allow-list."""
+def decode_object(
+    raw: bytes | memoryview, *, what: str, max_pickle: int = 1 << 30, safe_globals: tuple[Any, ...] = ()
+) -> Any:
+    """A non-tensor object saved by DCP (a torch.save archive), decoded with the allow-list
+    (and the globals the user trusts: ``LoadOptions.safe_globals``)."""
     win = ByteWindow()
     win.add(0, raw)
-    layout = parse_archive(win, 0, len(raw), what, max_pickle=max_pickle)
+    layout = parse_archive(win, 0, len(raw), what, max_pickle=max_pickle, safe_globals=safe_globals)
     return materialize(layout, win)
 
 
@@ -446,25 +449,41 @@ class LoadSession:
                 log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
 
     def commit(self, records: list[_Record], planner: LoadPlanner) -> None:
-        """Hand every tensor and decoded object to the planner (its hooks: caller's thread)."""
+        """Hand every tensor and decoded object to the planner (its hooks: caller's thread).
+
+        Objects: a :class:`PipelinedLoadPlanner` gets them decoded by the allow-list
+        (``load_object``), unless its class overrides ``load_bytes``: that one gets each DCP
+        object's raw record (an ``io.BytesIO``, as torch's ``FileSystemReader`` gives it) and
+        decodes it itself. Any other planner (torch's ``DefaultLoadPlanner`` decodes with
+        ``torch.load(weights_only=False)``) gets the raw record only after the allow-list has
+        decoded it. Objects of a torch.save file are part of its one pickle, decoded when its
+        layout was read: ``load_bytes`` gets them saved again with ``torch.save``."""
         from ._dcp import PipelinedLoadPlanner
 
         ours = isinstance(planner, PipelinedLoadPlanner)
+        raw_bytes = ours and type(planner).load_bytes is not PipelinedLoadPlanner.load_bytes
+        safe_globals = self.options.safe_globals
         for rec in records:
             for item, dest in rec.tensor_items:
                 planner.commit_tensor(item, dest)
         for rec in records:
             for item in rec.byte_items:
                 if rec.entry is not None:  # decoded by a format module (a torch.save pickle)
-                    if ours:
+                    if ours and not raw_bytes:
                         planner.load_object(item, rec.value)  # type: ignore[attr-defined]
                     else:
                         planner.load_bytes(item, formats.object_bytes(rec.value))
                     continue
                 if rec.raw is None:  # pragma: no cover - every object record is read whole
                     raise CheckpointFormatError(f"{rec.where}: the object was not read")
+                if raw_bytes:  # the planner's own decode (docs/distributed.md): its safety is the user's
+                    planner.load_bytes(item, io.BytesIO(rec.raw))
+                    continue
                 obj = decode_object(
-                    rec.raw, what=f"object {rec.fqn!r} in {rec.where}", max_pickle=self.options.max_metadata_size
+                    rec.raw,
+                    what=f"object {rec.fqn!r} in {rec.where}",
+                    max_pickle=self.options.max_metadata_size,
+                    safe_globals=safe_globals,
                 )
                 if ours:
                     planner.load_object(item, obj)  # type: ignore[attr-defined]
@@ -802,6 +821,7 @@ class LoadSession:
                 f"{storage.url(rec.name)} {rec.where}",
                 fetch,
                 max_pickle=options.max_metadata_size,
+                safe_globals=options.safe_globals,
             )
             loc = tensor_location(layout, rec.name)
             self._check_against_metadata(rec, loc)
@@ -980,7 +1000,9 @@ class LoadSession:
             win = ByteWindow()
             win.add(base, data)
             where = f"{rec.where}, decoded through {list(rec.transforms)}" if rec.transforms else rec.where
-            layout = parse_archive(win, base, len(data), where, max_pickle=options.max_metadata_size)
+            layout = parse_archive(
+                win, base, len(data), where, max_pickle=options.max_metadata_size, safe_globals=options.safe_globals
+            )
             loc = tensor_location(layout, rec.name)
             self._check_against_metadata(rec, loc)
             if rec.transforms:

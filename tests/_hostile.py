@@ -188,8 +188,26 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     )
     add("torch.jit.load", "torch/numpy non-data globals", _g("torch.jit", "load") + b"(" + _u(str(evil_pt)) + b"tR.")
     add("numpy.load", "torch/numpy non-data globals", _dumps(_Call(np.load, str(evil_npy), None, True)))
-    add("numpy._reconstruct", "torch/numpy non-data globals", _g("numpy.core.multiarray", "_reconstruct") + b"(NNNtR.")
-    add("numpy.dtype", "torch/numpy non-data globals", _g("numpy", "dtype") + b"(" + _u("f8") + b"tR.")
+    # numpy data is decoded in records (DCP objects, torch.save files): there these names are
+    # allowed and the malformed calls are damage; .metadata allows no numpy name at all
+    add(
+        "numpy._reconstruct",
+        "torch/numpy non-data globals",
+        _g("numpy.core.multiarray", "_reconstruct") + b"(NNNtR.",
+        record_expect="format",
+    )
+    add(
+        "numpy.dtype",
+        "torch/numpy non-data globals",
+        _g("numpy", "dtype") + b"(" + _u("f8") + b"tR.",
+        record_expect="format",
+    )
+    add(
+        "numpy object array",
+        "torch/numpy non-data globals",
+        _dumps(np.array([_Call(builtins.open, m + "-objarray", "w")], dtype=object)),
+    )
+    add("numpy structured dtype", "torch/numpy non-data globals", _dumps(np.dtype([("a", "i4"), ("b", "O")])))
 
     # --- allowed names used the wrong way ---
     add("REDUCE on torch.float32", "misused allowed names", _g("torch", "float32") + b")R.")

@@ -101,6 +101,10 @@ class FormatMetadata(Metadata):
     source: str = ""
     #: The key prefix the planner stripped (:func:`rebase`), or ``""``.
     prefix: str = ""
+    #: torch.save files: each file's layout (its decoded pickle, tensors as ``TensorRef``), in
+    #: file order: the exact structure a loaded state dict is rebuilt into
+    #: (:func:`asyncload.formats.torchsave.nest_saved`).
+    templates: list[Any] = field(default_factory=list)
 
 
 def split_file_url(checkpoint: str | os.PathLike[str]) -> tuple[str, str]:

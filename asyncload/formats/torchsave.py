@@ -7,9 +7,10 @@ storage located by its local header. Used for every record of a DCP ``.distcp`` 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import io
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,6 +40,7 @@ __all__ = [
     "StorageLoc",
     "aparse_archive",
     "materialize",
+    "nest_saved",
     "parse_archive",
     "tensor_location",
 ]
@@ -111,12 +113,21 @@ def _walk_refs(obj: Any, out: list[TensorRef]) -> None:
             stack.extend(vars(o).values())
 
 
-def parse_archive(win: ByteWindow, start: int, size: int, where: str, *, max_pickle: int = 1 << 30) -> ArchiveLayout:
+def parse_archive(
+    win: ByteWindow,
+    start: int,
+    size: int,
+    where: str,
+    *,
+    max_pickle: int = 1 << 30,
+    safe_globals: tuple[Any, ...] = (),
+) -> ArchiveLayout:
     """Parse the archive at file bytes ``[start, start + size)``; raises NeedBytes for missing
     bytes inside the archive, CheckpointFormatError for anything that points outside it or
-    does not hold together (never an exception from ``struct`` or ``zipfile``)."""
+    does not hold together (never an exception from ``struct`` or ``zipfile``).
+    ``safe_globals``: the globals the user trusts in its pickle (``LoadOptions.safe_globals``)."""
     try:
-        return _parse_archive(win, start, size, where, max_pickle)
+        return _parse_archive(win, start, size, where, max_pickle, safe_globals)
     except NeedBytes as need:
         if need.start < start or need.end > start + size or need.end < need.start:
             raise CheckpointFormatError(
@@ -126,7 +137,9 @@ def parse_archive(win: ByteWindow, start: int, size: int, where: str, *, max_pic
         raise
 
 
-def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickle: int) -> ArchiveLayout:
+def _parse_archive(
+    win: ByteWindow, start: int, size: int, where: str, max_pickle: int, safe_globals: tuple[Any, ...]
+) -> ArchiveLayout:
     if size < 22:
         raise CheckpointFormatError(f"{where}: {size} bytes is too small to be a torch.save archive")
     tail_len = min(size, TAIL_PROBE)
@@ -152,7 +165,7 @@ def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickl
     ds = _data_start(win, start, pkl.header_offset, pkl.name, where)
     if pkl.method != 0:
         raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
-    obj = _record_object(win.get(start + ds, start + ds + pkl.size), where)
+    obj = _record_object(win.get(start + ds, start + ds + pkl.size), where, safe_globals)
     refs: list[TensorRef] = []
     _walk_refs(obj, refs)
     storages: dict[str, StorageLoc] = {}
@@ -186,15 +199,20 @@ _TENSOR_PICKLES_MAX = 4096
 _TENSOR_PICKLE_MAX_BYTES = 4096
 
 
-def _record_object(pickle_bytes: memoryview, where: str) -> Any:
-    """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode)."""
-    key = bytes(pickle_bytes) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES else None
+def _record_object(pickle_bytes: memoryview, where: str, safe_globals: tuple[Any, ...] = ()) -> Any:
+    """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode; only
+    decodes without user globals are remembered)."""
+    key = bytes(pickle_bytes) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES and not safe_globals else None
     if key is not None:
         hit = _TENSOR_PICKLES.get(key)
         if hit is not None:
             return hit
     obj = safe_loads(
-        pickle_bytes, what=f"{where} (data.pkl)", allowed=record_globals(), persistent_load=storage_persistent_load
+        pickle_bytes,
+        what=f"{where} (data.pkl)",
+        allowed=record_globals(),
+        persistent_load=storage_persistent_load,
+        safe_globals=safe_globals,
     )
     if key is not None and type(obj) is TensorRef:
         if len(_TENSOR_PICKLES) >= _TENSOR_PICKLES_MAX:
@@ -222,6 +240,7 @@ async def aparse_archive(
     fetch: Callable[[int, int], Awaitable[bytes | memoryview]],
     *,
     max_pickle: int = 1 << 30,
+    safe_globals: tuple[Any, ...] = (),
 ) -> ArchiveLayout:
     """:func:`parse_archive`, fetching missing bytes with ``fetch(start, end)``: at most 16
     rounds and ``max_pickle`` + 1 MiB in all (a damaged directory cannot make it read a
@@ -230,7 +249,7 @@ async def aparse_archive(
     limit = max_pickle + (1 << 20)
     for _ in range(16):
         try:
-            return parse_archive(win, start, size, where, max_pickle=max_pickle)
+            return parse_archive(win, start, size, where, max_pickle=max_pickle, safe_globals=safe_globals)
         except NeedBytes as need:
             lo = max(start, need.start)
             hi = min(start + size, max(need.end, need.start + HEAD_PROBE))
@@ -439,27 +458,231 @@ async def _atorchsave_files(
         storage_meta=StorageMeta(),
         format="torch.save",
         source=source,
+        templates=list(layouts),
     )
 
 
-def _flatten(obj: dict[Any, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, (TensorRef, torch.Tensor))
+
+
+def _is_terminal(value: Any) -> bool:
+    """A leaf of DCP's flattening (``torch.distributed.checkpoint._traverse``): anything but a
+    mapping, and a list that holds no tensor, mapping or non-terminal list."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _is_terminal(entry):
+            return False
+        if _is_tensor(entry):
+            return False
+    return True
+
+
+def _traverse(obj: Mapping[Any, Any], visit: Callable[[tuple[Any, ...], Any], None]) -> None:
+    """``visit(path, leaf)`` for each leaf of ``obj`` as DCP's ``traverse_state_dict`` visits a
+    state dict (TensorRefs count as tensors): mappings by ``str(key)``, lists holding tensors or
+    mappings by index, everything else (tuples included) a leaf."""
+
+    def walk(path: tuple[Any, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk((*path, str(k)), v)
+        elif _is_terminal(value):
+            visit(path, value)
+        else:
+            for i, v in enumerate(value):
+                walk((*path, i), v)
+
+    try:
+        for key, value in obj.items():
+            walk((str(key),), value)
+    except RecursionError as exc:
+        raise CheckpointFormatError("the torch.save dict is nested too deeply") from exc
+
+
+def _flat_key(path: tuple[Any, ...]) -> str:
+    return ".".join(map(str, path))
+
+
+def _flatten(obj: Mapping[Any, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
     """Flatten like DCP flattens a destination state dict (TensorRefs count as tensors):
     each key's path in ``obj`` and its value."""
-    from torch.distributed.checkpoint._traverse import traverse_state_dict
-
     flat: dict[str, tuple[tuple[Any, ...], Any]] = {}
 
     def visit(path: tuple[Any, ...], value: Any) -> None:
-        key = ".".join(map(str, path))
+        key = _flat_key(path)
         if key in flat:
             raise CheckpointFormatError(f"two entries of the torch.save dict flatten to the same key {key!r}")
-        flat[key] = (tuple(path), value)
+        flat[key] = (path, value)
 
-    try:
-        traverse_state_dict(obj, visit, keep_traversing=lambda v: isinstance(v, (TensorRef, torch.Tensor)))
-    except RecursionError as exc:
-        raise CheckpointFormatError("the torch.save dict is nested too deeply") from exc
+    _traverse(obj, visit)
     return flat
+
+
+# --- the loaded state dict, rebuilt as torch.load gives it -------------------------------
+
+
+def nest_saved(flat: Mapping[str, Any], templates: Sequence[ArchiveLayout]) -> dict[Any, Any]:
+    """The loaded values (``flat``: flattened name -> tensor or object) put back into the
+    structure each file's pickle holds: the keys as saved (ints stay ints, tuples tuples), in
+    the saved order, the containers' types (``OrderedDict`` with its ``_metadata``, tuples,
+    lists), tensors that shared a storage in the file sharing one again (as ``torch.load``
+    builds them, with their saved strides, where the loaded tensors have the saved dtype).
+
+    Entries not in ``flat`` (not selected) are left out, and containers left with nothing;
+    when ``flat`` holds every entry of the files, empty containers are kept as saved: the
+    result then equals ``torch.load`` of the file. Several files (an indexed checkpoint)
+    are merged in file order."""
+    out: dict[Any, Any] | None = None
+    for layout in templates:
+        if not isinstance(layout.obj, Mapping):
+            continue
+        saved = _flatten(layout.obj)
+        leaves = {k: v for k, (_, v) in saved.items() if isinstance(v, TensorRef)}
+        everything = all(k in flat for k in saved)
+        tensors = _shared_tensors(
+            [(k, ref, flat[k]) for k, ref in leaves.items() if isinstance(flat.get(k), torch.Tensor)], layout
+        )
+        built, _ = _rebuild(layout.obj, (), flat, tensors, everything)
+        if out is None:
+            out = built if built is not None else {}
+        elif built is not None:
+            _merge(out, built)
+    return {} if out is None else out
+
+
+_DROP: Any = object()
+
+
+def _rebuild(
+    node: Any, path: tuple[Any, ...], flat: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], everything: bool
+) -> tuple[Any, bool]:
+    """``(value, kept)`` of ``node`` at ``path``, mirroring :func:`_traverse`."""
+    if isinstance(node, Mapping):
+        items = []
+        for k, v in node.items():
+            value, kept = _rebuild(v, (*path, str(k)), flat, tensors, everything)
+            if kept:
+                items.append((k, value))
+        if not items and not (everything and not node):
+            return None, False
+        return _mapping_like(node, items), True
+    if path and not _is_terminal(node):
+        values = []
+        for i, v in enumerate(node):
+            value, kept = _rebuild(v, (*path, i), flat, tensors, everything)
+            values.append(value if kept else _DROP)
+        while values and values[-1] is _DROP:
+            values.pop()
+        if not values:
+            return None, False
+        return [None if v is _DROP else v for v in values], True  # a dropped entry: None, as DCP pads
+    key = _flat_key(path)
+    if key in tensors:
+        return tensors[key], True
+    if key in flat:
+        return flat[key], True
+    return None, False
+
+
+def _mapping_like(node: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> Any:
+    """A mapping of ``node``'s type (and attributes: a state dict's ``_metadata``) holding ``items``."""
+    if type(node) is dict:
+        return dict(items)
+    if isinstance(node, dict):  # OrderedDict, or a dict subclass the user trusts
+        try:
+            new = copy.copy(node)
+            new.clear()
+        except Exception:  # a subclass that cannot be copied: the items in a plain dict
+            return dict(items)
+        new.update(items)
+        return new
+    return dict(items)
+
+
+def _merge(into: dict[Any, Any], more: Mapping[Any, Any]) -> None:
+    for k, v in more.items():
+        if k in into and isinstance(into[k], dict) and isinstance(v, Mapping):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def _view_key(ref: TensorRef) -> tuple[Any, ...]:
+    return (ref.storage_offset, ref.size, ref.stride, ref.dtype)
+
+
+def _shared_tensors(
+    loaded: list[tuple[str, TensorRef, torch.Tensor]], layout: ArchiveLayout
+) -> dict[str, torch.Tensor]:
+    """The tensors to return for the loaded ``(key, ref, tensor)`` of one file, as
+    ``torch.load`` builds them: entries that are one view of one storage become one tensor
+    object; entries that are different views of one storage, or saved with strides other than
+    the loaded tensor's, become views of one storage again (copied into it: only these cost
+    memory beyond the load). ``nn.Parameter`` and ``requires_grad`` as saved."""
+    groups: dict[str, list[tuple[str, TensorRef, torch.Tensor]]] = {}
+    for item in loaded:
+        groups.setdefault(item[1].storage.key, []).append(item)
+    out: dict[str, torch.Tensor] = {}
+    for skey, items in groups.items():
+        views = {_view_key(ref) for _, ref, _ in items}
+        exact = all(
+            t.dtype == ref.dtype and t.device.type != "meta" and tuple(t.shape) == ref.size for _, ref, t in items
+        )
+        restrided = any(tuple(t.stride()) != ref.stride for _, ref, t in items)
+        built: dict[tuple[Any, ...], torch.Tensor] = {}
+        st = layout.storages.get(skey)
+        if exact and st is not None and (len(views) > 1 or restrided):
+            built = _one_storage(items, st.nbytes)
+        for key, ref, t in items:
+            vk = _view_key(ref)
+            if vk not in built:
+                built[vk] = t
+            out[key] = built[vk]
+        wrapped: dict[int, torch.Tensor] = {}
+        for key, ref, _ in items:
+            t = out[key]
+            if id(t) not in wrapped:
+                wrapped[id(t)] = _as_saved(t, ref)
+            out[key] = wrapped[id(t)]
+    return out
+
+
+def _one_storage(items: list[tuple[str, TensorRef, torch.Tensor]], nbytes: int) -> dict[tuple[Any, ...], torch.Tensor]:
+    """Views of one new storage of ``nbytes`` holding the loaded tensors (``{}`` where a view
+    cannot be filled: the loaded tensors are returned as they are)."""
+    device = items[0][2].device
+    if any(t.device != device for _, _, t in items):
+        return {}
+    try:
+        raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        views: dict[tuple[Any, ...], torch.Tensor] = {}
+        for _, ref, t in items:
+            vk = _view_key(ref)
+            if vk in views:
+                continue
+            view = raw.view(ref.dtype).as_strided(ref.size, ref.stride, ref.storage_offset)
+            dst, src = view, t
+            for d, (n, s) in enumerate(zip(ref.size, ref.stride)):
+                if s == 0 and n > 1:  # an expanded dimension: one element of it holds the values
+                    dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+            with torch.no_grad():
+                dst.copy_(src)
+            views[vk] = view
+        return views
+    except RuntimeError:  # overlapping strides, a storage too small: keep the loaded tensors
+        return {}
+
+
+def _as_saved(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    if ref.is_parameter:
+        return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
+    if ref.requires_grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
+        return t.requires_grad_(True)
+    return t
 
 
 def _refs_in(obj: Any, out: list[TensorRef], depth: int = 0) -> None:
@@ -512,7 +735,7 @@ async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
     await _afill(fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP))
     for _ in range(16):
         try:
-            return parse_archive(win, 0, size, url, max_pickle=opts.max_metadata_size)
+            return parse_archive(win, 0, size, url, max_pickle=opts.max_metadata_size, safe_globals=opts.safe_globals)
         except NeedBytes as need:
             lo, hi = max(0, need.start), min(size, max(need.end, need.start + HEAD_PROBE))
             if hi <= lo:
