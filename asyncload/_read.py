@@ -82,9 +82,12 @@ def read_state_dict(
 
     Works for DCP checkpoints, safetensors (one file or indexed shards) and zip-format
     ``torch.save`` files, local or remote (``storage_options`` go to fsspec). The result is
-    nested as it was saved (DCP's flattened keys restored through its planner data, a
-    torch.save dict as ``torch.load`` gives it; safetensors names are flat) and holds the
-    objects too, decoded with the allow-list.
+    what the format's own reader gives, objects included (decoded with the allow-list and
+    ``options.safe_globals``): a torch.save file exactly as ``torch.load(weights_only=True)``
+    gives it (int and tuple keys, key order, OrderedDict, tuples, tensors sharing storages as
+    saved); a DCP checkpoint as torch's reader rebuilds it (the flattened keys nested again
+    through its planner data, in the metadata's order); safetensors names flat. With ``keys``,
+    the same structure restricted to the selected entries.
 
     ``keys``: names (a name selects everything saved under it), glob patterns, or a callable
     over the flattened names; only the selected keys' bytes are read. ``device``: ``"cpu"``,
