@@ -592,7 +592,7 @@ class WithState:
 @pytest.mark.parametrize("where", WHERE)
 def test_safe_globals(tmp_path: Path, publish: Any, where: str) -> None:
     saved = {
-        "args": argparse.Namespace(lr=0.1, name="run", sizes=(1, 2)),
+        "args": argparse.Namespace(lr=0.1, name="run", sizes=(1, 2), scale=torch.full((2,), 0.5)),  # a tensor inside
         "config": RunConfig(0.5, [1, 2]),
         "custom": WithState(4),
         "w": torch.arange(4.0),

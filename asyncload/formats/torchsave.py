@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import enum
 import io
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,12 @@ class ArchiveLayout:
     where: str
 
 
+def _has_fields(o: Any) -> bool:
+    """An object whose attributes may hold tensors: a dataclass, or an object of a class the
+    user trusts (``LoadOptions.safe_globals``: an ``argparse.Namespace`` holding a tensor)."""
+    return hasattr(o, "__dict__") and not isinstance(o, (type, enum.Enum, TensorRef, torch.Tensor))
+
+
 def _walk_refs(obj: Any, out: list[TensorRef]) -> None:
     """Every TensorRef in ``obj`` (iterative; shared and self-referencing objects once)."""
     seen: set[int] = set()
@@ -108,7 +115,7 @@ def _walk_refs(obj: Any, out: list[TensorRef]) -> None:
         elif isinstance(o, (list, tuple, set, frozenset)):
             seen.add(id(o))
             stack.extend(o)
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+        elif _has_fields(o):
             seen.add(id(o))
             stack.extend(vars(o).values())
 
@@ -341,7 +348,7 @@ def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
                 kids: Any = o.values()
             elif isinstance(o, (list, tuple, set, frozenset)):
                 kids = o
-            elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            elif _has_fields(o):
                 kids = vars(o).values()
             else:
                 continue
@@ -367,10 +374,12 @@ def _rebuilt(o: Any, done: dict[int, Any]) -> Any:
         for k, v in o.items():
             o[k] = sub(v)
         return o
-    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+    if _has_fields(o):  # only what changed: the object may be one the user's class shares
         d = vars(o)
-        for k, v in d.items():
-            d[k] = sub(v)
+        for k, v in list(d.items()):
+            new = sub(v)
+            if new is not v:
+                d[k] = new
         return o
     if type(o) is tuple:
         return tuple(sub(v) for v in o)
@@ -446,7 +455,7 @@ async def _atorchsave_files(
                 storage[MetadataIndex(key, zeros, 0)] = KnownTensor(loc)
             else:
                 refs: list[TensorRef] = []
-                _refs_in(value, refs)
+                _walk_refs(value, refs)
                 sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
                 sdm[key] = BytesStorageMetadata()
                 storage[MetadataIndex(key)] = KnownObject(value, name, sts, f"object {key!r} of {layout.where}")
@@ -683,19 +692,6 @@ def _as_saved(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     if ref.requires_grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
         return t.requires_grad_(True)
     return t
-
-
-def _refs_in(obj: Any, out: list[TensorRef], depth: int = 0) -> None:
-    if depth > 200:
-        raise CheckpointFormatError("object is nested more than 200 levels deep")
-    if isinstance(obj, TensorRef):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _refs_in(v, out, depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _refs_in(v, out, depth + 1)
 
 
 async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
