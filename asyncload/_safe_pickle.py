@@ -940,6 +940,9 @@ def _children(o: Any) -> list[Any] | None:
         return [o.start, o.stop, o.step]
     if type(o) in _NEWOBJ_CLASSES:
         return list(vars(o).values())
+    fields = getattr(o, "__dict__", None)
+    if type(fields) is dict and not isinstance(o, type):  # an object of a class the user trusts
+        return list(fields.values())
     return None
 
 
