@@ -631,7 +631,9 @@ def _shared_tensors(
     ``torch.load`` builds them: entries that are one view of one storage become one tensor
     object; entries that are different views of one storage, or saved with strides other than
     the loaded tensor's, become views of one storage again (copied into it: only these cost
-    memory beyond the load). ``nn.Parameter`` and ``requires_grad`` as saved."""
+    memory beyond the load, and only where the storage is at most about twice what they hold;
+    a small slice of a large storage keeps the loaded, contiguous tensor). ``nn.Parameter`` and
+    ``requires_grad`` as saved."""
     groups: dict[str, list[tuple[str, TensorRef, torch.Tensor]]] = {}
     for item in loaded:
         groups.setdefault(item[1].storage.key, []).append(item)
@@ -644,7 +646,9 @@ def _shared_tensors(
         restrided = any(tuple(t.stride()) != ref.stride for _, ref, t in items)
         built: dict[tuple[Any, ...], torch.Tensor] = {}
         st = layout.storages.get(skey)
-        if exact and st is not None and (len(views) > 1 or restrided):
+        held = sum(t.numel() * t.element_size() for t in {id(t): t for _, _, t in items}.values())
+        cheap = st is not None and st.nbytes <= 2 * held + (1 << 20)  # not a large storage for a small slice
+        if exact and cheap and st is not None and (len(views) > 1 or restrided):
             built = _one_storage(items, st.nbytes)
         for key, ref, t in items:
             vk = _view_key(ref)
