@@ -772,7 +772,8 @@ class _CheckpointPolicy:
                 self._user_objs[id(obj)] = obj
                 return obj
             self.unsafe_advice = (
-                f"If you trust the checkpoint's {mod}.{nm}, pass it in LoadOptions(safe_globals=[{f'{mod}.{nm}'!r}]) "
+                f"If you trust the checkpoint's {mod}.{nm}, pass it in "
+                f'LoadOptions(safe_globals=["{mod}.{nm}"]) '
                 "(the class or function itself, or that string); otherwise load the checkpoint only "
                 "with torch's own reader, and only if you trust it."
             )
