@@ -201,15 +201,15 @@ def _parse_archive(
 #: its records' pickles are byte for byte one of a few (a 67-record checkpoint has 6).
 #: Only a :class:`TensorRef` (frozen, all of it immutable) is kept, and only the decode
 #: is skipped: every record's directory, entries and sizes are still checked.
-_TENSOR_PICKLES: dict[bytes, TensorRef] = {}
+_TENSOR_PICKLES: dict[tuple[bytes, tuple[Any, ...]], TensorRef] = {}
 _TENSOR_PICKLES_MAX = 4096
 _TENSOR_PICKLE_MAX_BYTES = 4096
 
 
 def _record_object(pickle_bytes: memoryview, where: str, safe_globals: tuple[Any, ...] = ()) -> Any:
-    """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode; only
-    decodes without user globals are remembered)."""
-    key = bytes(pickle_bytes) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES and not safe_globals else None
+    """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode under the
+    same ``safe_globals``)."""
+    key = (bytes(pickle_bytes), safe_globals) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES else None
     if key is not None:
         hit = _TENSOR_PICKLES.get(key)
         if hit is not None:
