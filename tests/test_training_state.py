@@ -13,6 +13,7 @@ planner that decodes objects itself (``load_bytes``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import copy
 import dataclasses
@@ -633,10 +634,14 @@ def test_safe_globals_reach_dcp_objects_and_not_metadata(tmp_path: Path) -> None
     with pytest.raises(UnsafeCheckpointError, match=r'safe_globals=\["argparse.Namespace"\]'):
         asyncload.read_state_dict(ckpt)
     assert asyncload.read_state_dict(ckpt, options=trusted)["args"] == argparse.Namespace(lr=0.25)
-    for face in ("load", "dcp", "iter"):
+    for face in ("load", "aload", "start_load", "dcp", "iter"):
         dest: dict[str, Any] = {"args": None, "w": torch.zeros(3)}
         if face == "load":
             asyncload.load(dest, ckpt, options=trusted)
+        elif face == "aload":
+            asyncio.run(asyncload.aload(dest, ckpt, options=trusted))
+        elif face == "start_load":
+            asyncload.start_load(dest, ckpt, options=trusted).result(timeout=60)
         elif face == "dcp":
             dcp.load(dest, storage_reader=PipelinedReader(ckpt, options=trusted))
         else:
