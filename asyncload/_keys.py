@@ -1,0 +1,141 @@
+"""Destination keys against the checkpoint's: tied destinations (two keys, one tensor's
+memory), the keys the checkpoint lacks, and the checkpoint key closest to each of them.
+
+Pure functions over the (flattened) destination state dict and the checkpoint's key table;
+:class:`asyncload.PipelinedLoadPlanner` calls them while it plans, before any read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+__all__ = ["MISSING_SHOWN", "alias_groups", "closest_keys", "missing_keys_message", "same_bits"]
+
+#: How many missing keys an error names (with their closest checkpoint keys); the rest are counted.
+MISSING_SHOWN = 20
+#: Checkpoint keys compared character by character with one missing key, at most: those
+#: nearest to it in sorted order (most share a long prefix with it), among the keys of its shape.
+_WINDOW = 256
+
+
+def _alias_identity(value: Any) -> tuple[Any, ...] | None:
+    """What makes two destination tensors one and the same memory: device, storage address,
+    storage offset, shape, stride and dtype; ``None`` for a value that cannot be tied (not a
+    plain tensor: a DTensor or ShardedTensor, an object; an empty or meta tensor)."""
+    if not isinstance(value, torch.Tensor) or callable(getattr(value, "to_local", None)):
+        return None
+    if callable(getattr(value, "local_shards", None)):
+        return None
+    try:
+        if value.numel() == 0 or value.device.type == "meta":
+            return None
+        address = value.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass without storage
+        return None
+    if address == 0:
+        return None
+    return (
+        str(value.device),
+        address,
+        value.storage_offset(),
+        tuple(value.shape),
+        tuple(value.stride()),
+        value.dtype,
+    )
+
+
+def alias_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
+    """The groups of two or more keys of ``state_dict`` whose tensors are one and the same
+    memory (tied weights: ``lm_head.weight`` and ``model.embed_tokens.weight``), each in the
+    state dict's order. Tensors that merely overlap (a view of part of another) are not tied."""
+    seen: dict[tuple[Any, ...], list[str]] = {}
+    for key, value in state_dict.items():
+        identity = _alias_identity(value)
+        if identity is not None:
+            seen.setdefault(identity, []).append(key)
+    return [keys for keys in seen.values() if len(keys) > 1]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes (NaNs with the same bits equal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def _strip_first(key: str) -> str | None:
+    head, dot, rest = key.partition(".")
+    return rest if dot and head and rest else None
+
+
+def closest_keys(
+    missing: Sequence[str],
+    destination: Mapping[str, Any],
+    saved: Mapping[str, Any],
+) -> dict[str, str]:
+    """For each of ``missing`` (destination keys the checkpoint lacks), the checkpoint key
+    that most likely holds it, where one is close: among the checkpoint keys the destination
+    lacks, first one that differs only by a first component added, removed or replaced
+    (``model.``, ``module.``), else the closest by ``difflib`` among the keys whose tensor
+    has the destination's shape. The cost is bounded: one pass over the checkpoint's keys,
+    then at most ``_WINDOW`` comparisons per missing key."""
+    candidates = sorted(k for k in saved if k not in destination)
+    if not candidates or not missing:
+        return {}
+    by_stripped: dict[str, str] = {}
+    by_shape: dict[tuple[int, ...] | None, list[str]] = {}
+    for k in candidates:
+        rest = _strip_first(k)
+        if rest is not None:
+            by_stripped.setdefault(rest, k)
+        smd = saved[k]
+        shape = tuple(smd.size) if isinstance(smd, TensorStorageMetadata) else None
+        by_shape.setdefault(shape, []).append(k)  # sorted, as candidates are
+    exact = set(candidates)
+    found: dict[str, str] = {}
+    for key in missing:
+        rest = _strip_first(key)
+        hit = by_stripped.get(key)  # the checkpoint has a prefix more ("model." + key)
+        if hit is None and rest is not None:
+            if rest in exact:  # the checkpoint has a prefix less
+                hit = rest
+            else:  # another first component ("module." where the destination has "model.")
+                hit = by_stripped.get(rest)
+        if hit is None:
+            value = destination.get(key)
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            pool = by_shape.get(shape) or candidates
+            at = bisect.bisect_left(pool, key)
+            window = pool[max(0, at - _WINDOW // 2) : at + _WINDOW // 2]
+            close = difflib.get_close_matches(key, window, n=1, cutoff=0.6)
+            hit = close[0] if close else None
+        if hit is not None:
+            found[key] = hit
+    return found
+
+
+def missing_keys_message(missing: Sequence[str], n_destination: int, closest: Mapping[str, str]) -> str:
+    """The sentence of the error for destination keys the checkpoint lacks: each of the first
+    :data:`MISSING_SHOWN` with its closest checkpoint key, the count, and the option to pass."""
+    shown = []
+    for key in missing[:MISSING_SHOWN]:
+        hit = closest.get(key)
+        shown.append(f"{key!r} (closest checkpoint key: {hit!r})" if hit is not None else repr(key))
+    more = len(missing) - len(shown)
+    listed = ", ".join(shown) + (f", and {more} more" if more > 0 else "")
+    count = f"{len(missing)} of the destination's {n_destination} keys"
+    return (
+        f"the checkpoint lacks {count}: {listed}. To load the keys it has and leave these as they are, "
+        "pass allow_partial_load=True (to asyncload.load / aload / start_load, or to the planner); "
+        "LoadStats.missing_keys then lists them"
+    )
