@@ -105,7 +105,7 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         if self.flatten_state_dict:
             # older (torch < 2.4) checkpoints flatten differently: the destination's keys as they were then
             _rekey_pre_2_4(self, md)
-        tied, checked = _ties(self.state_dict, saved)
+        tied, checked = _ties(self.state_dict, md)
         missing = [fqn for fqn in self.state_dict if fqn not in saved and fqn not in tied]
         if missing and not self.allow_partial_load:
             missing.sort()
@@ -230,10 +230,12 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def _ties(state_dict: dict[str, Any], saved: Any) -> tuple[dict[str, str], dict[str, str]]:
+def _ties(state_dict: dict[str, Any], md: Metadata) -> tuple[dict[str, str], dict[str, str]]:
     """Tied destination keys -> the key each is loaded through (the first of its group, in
     the destination's order, that the checkpoint holds), and those of them the checkpoint
-    holds too (to compare, not to write twice). Groups the checkpoint lacks entirely stay out."""
+    holds too, under other bytes (read to be compared, not written twice). Groups the
+    checkpoint lacks entirely stay out."""
+    saved = md.state_dict_metadata
     tied: dict[str, str] = {}
     checked: dict[str, str] = {}
     for keys in alias_groups(state_dict):
@@ -243,9 +245,38 @@ def _ties(state_dict: dict[str, Any], saved: Any) -> tuple[dict[str, str], dict[
         for k in keys:
             if k != present[0]:
                 tied[k] = present[0]
-                if k in saved:
+                if k in saved and not _same_saved_bytes(md, k, present[0]):
                     checked[k] = present[0]
     return tied, checked
+
+
+def _same_saved_bytes(md: Metadata, a: str, b: str) -> bool:
+    """Whether the checkpoint holds keys ``a`` and ``b`` as one and the same located tensor
+    (a ``torch.save`` of tied weights: one storage, the same offset, shape and stride), so
+    that reading one reads the other."""
+    ma, mb = md.state_dict_metadata.get(a), md.state_dict_metadata.get(b)
+    if not isinstance(ma, TensorStorageMetadata) or not isinstance(mb, TensorStorageMetadata):
+        return False
+    if ma.size != mb.size or ma.properties.dtype != mb.properties.dtype or len(ma.chunks) != len(mb.chunks):
+        return False
+    data = md.storage_data or {}
+    for i, (ca, cb) in enumerate(zip(ma.chunks, mb.chunks)):
+        if ca.offsets != cb.offsets or ca.sizes != cb.sizes:
+            return False
+        ea, eb = data.get(MetadataIndex(a, ca.offsets, i)), data.get(MetadataIndex(b, cb.offsets, i))
+        if not isinstance(ea, formats.KnownTensor) or not isinstance(eb, formats.KnownTensor):
+            return False
+        la, lb = ea.location, eb.location
+        if (la.name, la.data_start, la.dtype, la.size, la.stride, la.storage_offset) != (
+            lb.name,
+            lb.data_start,
+            lb.dtype,
+            lb.size,
+            lb.stride,
+            lb.storage_offset,
+        ):
+            return False
+    return True
 
 
 #: The types of plain tensors (not a subclass that could be ``Stateful``, a DTensor, ...).

@@ -24,25 +24,32 @@ MISSING_SHOWN = 20
 _WINDOW = 256
 
 
-def _alias_identity(value: Any) -> tuple[Any, ...] | None:
-    """What makes two destination tensors one and the same memory: device, storage address,
-    storage offset, shape, stride and dtype; ``None`` for a value that cannot be tied (not a
-    plain tensor: a DTensor or ShardedTensor, an object; an empty or meta tensor)."""
-    if not isinstance(value, torch.Tensor) or callable(getattr(value, "to_local", None)):
-        return None
-    if callable(getattr(value, "local_shards", None)):
-        return None
+#: Plain tensor types (a subclass may be a DTensor or a wrapper without storage of its own).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _address(value: Any) -> int:
+    """The address of a plain tensor's first element; 0 for anything that cannot be tied
+    (not a plain tensor: a DTensor or ShardedTensor, an object; a tensor without memory)."""
+    if type(value) not in _PLAIN:
+        if not isinstance(value, torch.Tensor) or callable(getattr(value, "to_local", None)):
+            return 0
+        if callable(getattr(value, "local_shards", None)):
+            return 0
     try:
-        if value.numel() == 0 or value.device.type == "meta":
-            return None
-        address = value.untyped_storage().data_ptr()
+        return int(value.data_ptr())
     except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass without storage
-        return None
-    if address == 0:
+        return 0
+
+
+def _alias_identity(value: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two destination tensors one and the same memory: device, storage address,
+    storage offset, shape, stride and dtype; ``None`` for an empty or meta tensor."""
+    if value.numel() == 0 or value.device.type == "meta":
         return None
     return (
         str(value.device),
-        address,
+        value.untyped_storage().data_ptr(),
         value.storage_offset(),
         tuple(value.shape),
         tuple(value.stride()),
@@ -53,13 +60,25 @@ def _alias_identity(value: Any) -> tuple[Any, ...] | None:
 def alias_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
     """The groups of two or more keys of ``state_dict`` whose tensors are one and the same
     memory (tied weights: ``lm_head.weight`` and ``model.embed_tokens.weight``), each in the
-    state dict's order. Tensors that merely overlap (a view of part of another) are not tied."""
-    seen: dict[tuple[Any, ...], list[str]] = {}
+    state dict's order. Tensors that merely overlap (a view of part of another) are not tied.
+    Cheap for large state dicts: only tensors that start at the same address are compared."""
+    first: dict[int, str] = {}
+    shared: dict[int, list[str]] = {}  # (no list per key: 100k small lists cost garbage collections)
     for key, value in state_dict.items():
-        identity = _alias_identity(value)
-        if identity is not None:
-            seen.setdefault(identity, []).append(key)
-    return [keys for keys in seen.values() if len(keys) > 1]
+        address = _address(value)
+        if address:
+            other = first.setdefault(address, key)
+            if other is not key:
+                shared.setdefault(address, [other]).append(key)
+    groups: list[list[str]] = []
+    for keys in shared.values():
+        seen: dict[tuple[Any, ...], list[str]] = {}
+        for key in keys:
+            identity = _alias_identity(state_dict[key])
+            if identity is not None:
+                seen.setdefault(identity, []).append(key)
+        groups.extend(g for g in seen.values() if len(g) > 1)
+    return groups
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
