@@ -136,8 +136,9 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
         self.missing_keys = sorted(missing)
         self.tied_keys = dict(sorted(tied.items()))
-        plan = self._default_plan(skip=[k for k in tied if k not in checked])
-        self._check_plan_covers(plan)
+        skip = [k for k in tied if k not in checked]
+        plan = self._default_plan(skip=skip)
+        self._check_plan_covers(plan, skip)
         # a tied key the checkpoint holds too is read into scratch memory and compared with
         # what its twin loaded: the destination is written once, never twice with two values
         counts: dict[str, int] = {}
@@ -174,18 +175,22 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         else:
             check[2] = left - 1
 
-    def _check_plan_covers(self, plan: LoadPlan) -> None:
+    def _check_plan_covers(self, plan: LoadPlan, skip: list[str] | None = None) -> None:
         """Every element of every tensor destination is read by exactly one planned item:
         the items' volumes add up to the destination's (local) size. check_metadata proved
-        the saved chunks disjoint; a shortfall here is a destination left partly unread."""
+        the saved chunks disjoint; a shortfall here is a destination left partly unread.
+        Keys in ``skip`` (tied keys filled through another) are not read."""
         planned: dict[str, int] = {}
         for item in plan.items:
             if item.type != LoadItemType.BYTE_IO:
                 fqn = item.dest_index.fqn
                 planned[fqn] = planned.get(fqn, 0) + math.prod(item.lengths)
         saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        skipped = set(skip or ())
         for fqn, obj in self.state_dict.items():
             if not isinstance(obj, torch.Tensor) or not isinstance(saved.get(fqn), TensorStorageMetadata):
+                continue
+            if fqn in skipped:
                 continue
             if callable(getattr(obj, "local_shards", None)):  # ShardedTensor: this rank's shards
                 want = sum(sh.tensor.numel() for sh in obj.local_shards())  # type: ignore[attr-defined]
