@@ -136,7 +136,7 @@ def closest_keys(
             pool = by_shape.get(shape) or candidates
             at = bisect.bisect_left(pool, key)
             window = pool[max(0, at - _WINDOW // 2) : at + _WINDOW // 2]
-            close = difflib.get_close_matches(key, window, n=1, cutoff=0.6)
+            close = difflib.get_close_matches(key, window, n=1, cutoff=0.75)
             hit = close[0] if close else None
         if hit is not None:
             found[key] = hit
@@ -152,9 +152,10 @@ def missing_keys_message(missing: Sequence[str], n_destination: int, closest: Ma
         shown.append(f"{key!r} (closest checkpoint key: {hit!r})" if hit is not None else repr(key))
     more = len(missing) - len(shown)
     listed = ", ".join(shown) + (f", and {more} more" if more > 0 else "")
-    count = f"{len(missing)} of the destination's {n_destination} keys"
+    verb = "is" if len(missing) == 1 else "are"
     return (
-        f"the checkpoint lacks {count}: {listed}. To load the keys it has and leave these as they are, "
+        f"{len(missing)} of the destination's {n_destination} keys {verb} missing from the checkpoint: {listed}. "
+        "To load the keys it has and leave these as they are, "
         "pass allow_partial_load=True (to asyncload.load / aload / start_load, or to the planner); "
         "LoadStats.missing_keys then lists them"
     )

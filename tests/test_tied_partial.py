@@ -265,7 +265,7 @@ def test_missing_keys_named_with_closest_and_nothing_written(tmp_path: Path, fac
     with pytest.raises(StateDictMismatchError) as err:
         run_face(face, dest, path, options=SMALL)
     msg = str(err.value)
-    assert msg.startswith("the checkpoint lacks 4 of the destination's 5 keys: "), msg
+    assert msg.startswith("4 of the destination's 5 keys are missing from the checkpoint: "), msg
     assert (
         "'heads.weight' (closest checkpoint key: 'head.weight')" not in msg
     )  # head.weight is loaded: not a suggestion
@@ -286,7 +286,7 @@ def test_renamed_key_suggested_and_count_over_the_cap(tmp_path: Path) -> None:
     with pytest.raises(StateDictMismatchError) as err:
         asyncload.load(dest, path)
     msg = str(err.value)
-    assert msg.startswith("the checkpoint lacks 31 of the destination's 31 keys: "), msg
+    assert msg.startswith("31 of the destination's 31 keys are missing from the checkpoint: "), msg
     assert "'blocks.0.attn.weight' (closest checkpoint key: 'blocks.0.attention.weight')" in msg
     assert f", and {31 - MISSING_SHOWN} more. " in msg
     assert msg.count("'layers.") == MISSING_SHOWN - 1
@@ -320,7 +320,10 @@ def test_partial_hf_load_keeps_missing_tensors(hf: dict[str, Any]) -> None:
     model = llama(8)
     sd = fresh_state(model)
     sd["extra.head.weight"] = torch.full((3, 3), 1.5)
-    with pytest.raises(StateDictMismatchError, match=r"lacks 1 of the destination's 22 keys: 'extra.head.weight'\."):
+    with pytest.raises(
+        StateDictMismatchError,
+        match=r"1 of the destination's 22 keys is missing from the checkpoint: 'extra.head.weight'\.",
+    ):
         asyncload.load(sd, hf["single"])
     stats = asyncload.load(sd, hf["single"], allow_partial_load=True)
     assert stats.missing_keys == ["extra.head.weight"]
@@ -345,7 +348,9 @@ def test_allow_partial_load_with_a_planner(tmp_path: Path) -> None:
     )
     assert stats.missing_keys == ["c"]
     # and without either, the missing key is an error
-    with pytest.raises(StateDictMismatchError, match=r"lacks 1 of the destination's 2 keys: 'b'\."):
+    with pytest.raises(
+        StateDictMismatchError, match=r"1 of the destination's 2 keys is missing from the checkpoint: 'b'\."
+    ):
         asyncload.load({"a": torch.zeros(4), "b": torch.ones(2)}, path, planner=PipelinedLoadPlanner())
     with pytest.raises(TypeError, match="allow_partial_load must be a bool, not str"):
         asyncload.load(dest, path, allow_partial_load="yes")  # type: ignore[arg-type]
