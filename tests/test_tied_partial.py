@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a tiny model from a seed: nothing from the hub
 
@@ -17,13 +17,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, tensor_bytes
+from _dist import all_ok, run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import asyncload
 from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader, ShardedLoadPlanner, StateDictMismatchError
 from asyncload._keys import MISSING_SHOWN, alias_groups, closest_keys
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 CONFIG = {
     "vocab_size": 96,
@@ -40,6 +43,9 @@ SMALL = LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10,
 
 
 def llama(seed: int) -> LlamaForCausalLM:
+    # imported here: the 2-rank test's ranks import this module without needing transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
     model.eval()
@@ -69,6 +75,8 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model.save_pretrained(sharded, max_shard_size="20KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    from transformers import LlamaForCausalLM
+
     ref = LlamaForCausalLM.from_pretrained(single)
     ref.eval()
     want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
@@ -217,6 +225,33 @@ def test_torch_save_tied(tmp_path: Path, hf: dict[str, Any]) -> None:
     # one storage in the archive: read and written once, not compared through scratch memory
     once = sum(v.numel() * v.element_size() for k, v in hf["state"].items() if k != THROUGH)
     assert stats.bytes_assembled == once
+
+
+def _rank_tied(rank: int, world: int, checkpoints: list[str]) -> list[dict[str, Any]]:
+    """A 2-rank load with ShardedLoadPlanner (bytes read once, shared) into a tied destination."""
+    out = []
+    for path in checkpoints:
+        shared = torch.zeros(16, 8, dtype=torch.bfloat16)
+        dest = {"embed": shared, "head": shared, "w": torch.zeros(8, 4)}
+        stats = asyncload.load(dest, path, planner=ShardedLoadPlanner(options=SMALL))
+        # raw bytes, not tensors: tensors would travel as shared memory the exiting rank takes along
+        out.append({"embed": tensor_bytes(dest["head"]), "w": tensor_bytes(dest["w"]), "tied": stats.tied_keys})
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_two_rank_sharded_planner_tied(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    embed, w = random_tensor((16, 8), torch.bfloat16, 1), random_tensor((8, 4), torch.float32, 2)
+    save_file({"embed": embed, "w": w}, str(tmp_path / "model.safetensors"))  # the head left out
+    both = make_checkpoint(tmp_path / "dcp", {"embed": embed, "head": embed.clone(), "w": w})
+    values = all_ok(run_ranks(_rank_tied, 2, [str(tmp_path / "model.safetensors"), str(both)], timeout=90))
+    for per_rank in values:
+        without, with_both = per_rank
+        assert without == {"embed": tensor_bytes(embed), "w": tensor_bytes(w), "tied": {"head": "embed"}}
+        assert with_both == {"embed": tensor_bytes(embed), "w": tensor_bytes(w), "tied": {"head": "embed"}}
 
 
 def test_views_that_only_overlap_are_not_tied() -> None:
