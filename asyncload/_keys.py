@@ -21,7 +21,7 @@ __all__ = ["MISSING_SHOWN", "alias_groups", "closest_keys", "missing_keys_messag
 MISSING_SHOWN = 20
 #: Checkpoint keys compared character by character with one missing key, at most: those
 #: nearest to it in sorted order (most share a long prefix with it), among the keys of its shape.
-_WINDOW = 256
+_WINDOW = 64
 
 
 #: Plain tensor types (a subclass may be a DTensor or a wrapper without storage of its own).
@@ -112,14 +112,18 @@ def closest_keys(
     if not candidates or not missing:
         return {}
     by_stripped: dict[str, str] = {}
-    by_shape: dict[tuple[int, ...] | None, list[str]] = {}
+    by_shape: dict[Any, list[str]] = {}
     for k in candidates:
-        rest = _strip_first(k)
-        if rest is not None:
-            by_stripped.setdefault(rest, k)
+        head, dot, rest = k.partition(".")
+        if dot and head and rest and rest not in by_stripped:
+            by_stripped[rest] = k
         smd = saved[k]
-        shape = tuple(smd.size) if isinstance(smd, TensorStorageMetadata) else None
-        by_shape.setdefault(shape, []).append(k)  # sorted, as candidates are
+        shape = smd.size if isinstance(smd, TensorStorageMetadata) else None
+        same = by_shape.get(shape)
+        if same is None:
+            by_shape[shape] = [k]
+        else:
+            same.append(k)  # sorted, as candidates are
     exact = set(candidates)
     found: dict[str, str] = {}
     for key in missing:
@@ -132,7 +136,7 @@ def closest_keys(
                 hit = by_stripped.get(rest)
         if hit is None:
             value = destination.get(key)
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            shape = value.shape if isinstance(value, torch.Tensor) else None
             pool = by_shape.get(shape) or candidates
             at = bisect.bisect_left(pool, key)
             window = pool[max(0, at - _WINDOW // 2) : at + _WINDOW // 2]
