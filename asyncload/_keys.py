@@ -127,13 +127,13 @@ def closest_keys(
     exact = set(candidates)
     found: dict[str, str] = {}
     for key in missing:
-        rest = _strip_first(key)
+        tail = _strip_first(key)
         hit = by_stripped.get(key)  # the checkpoint has a prefix more ("model." + key)
-        if hit is None and rest is not None:
-            if rest in exact:  # the checkpoint has a prefix less
-                hit = rest
+        if hit is None and tail is not None:
+            if tail in exact:  # the checkpoint has a prefix less
+                hit = tail
             else:  # another first component ("module." where the destination has "model.")
-                hit = by_stripped.get(rest)
+                hit = by_stripped.get(tail)
         if hit is None:
             value = destination.get(key)
             shape = value.shape if isinstance(value, torch.Tensor) else None
