@@ -163,7 +163,9 @@ class LoadStats:
         if self.tied_keys:
             ties = list(self.tied_keys.items())
             shown = ", ".join(f"{k} -> {v}" for k, v in ties[:3]) + (", ..." if len(ties) > 3 else "")
-            parts.append(f"{_plural(len(ties), 'tied key')} filled through the key sharing its memory ({shown}).")
+            parts.append(
+                f"{_plural(len(ties), 'tied key')} (the same memory as another key's) filled through that key ({shown})."
+            )
         return " ".join(parts)
 
 
