@@ -34,10 +34,22 @@ def _prepare(
     planner: LoadPlanner | None,
     progress: ProgressCallback | None,
     extension_registry: ExtensionRegistry | None = None,
+    allow_partial_load: bool = False,
 ) -> tuple[PipelinedReader, LoadPlanner]:
     """The load's reader and planner, with its options resolved once: ``options``, else an
     explicitly configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them.
-    ``extension_registry`` decodes stream transforms (``None``: torch's default registry)."""
+    ``extension_registry`` decodes stream transforms (``None``: torch's default registry).
+    ``allow_partial_load=True`` goes to the planner (see :func:`load`)."""
+    if not isinstance(allow_partial_load, bool):
+        raise TypeError(f"allow_partial_load must be a bool, not {type(allow_partial_load).__name__}")
+    if allow_partial_load and planner is not None:
+        if not hasattr(planner, "allow_partial_load"):
+            raise TypeError(
+                f"allow_partial_load=True was passed with a planner of type {type(planner).__name__}, which "
+                "has no allow_partial_load attribute (torch's DefaultLoadPlanner and asyncload's planners have "
+                "one): make the planner skip missing keys itself, or pass no planner"
+            )
+        planner.allow_partial_load = True
     if options is None:
         if isinstance(planner, PipelinedLoadPlanner) and planner.has_options:
             options = planner.options
@@ -51,7 +63,7 @@ def _prepare(
     reader._options_fixed = True  # these options govern every read, whatever the planner carries
     reader.progress = progress
     if planner is None:
-        planner = PipelinedLoadPlanner(options=options)
+        planner = PipelinedLoadPlanner(options=options, allow_partial_load=allow_partial_load)
     return reader, planner
 
 
@@ -65,6 +77,7 @@ def load(
     process_group: Any = None,
     progress: ProgressCallback | None = None,
     extension_registry: ExtensionRegistry | None = None,
+    allow_partial_load: bool = False,
 ) -> LoadStats:
     """Load ``checkpoint`` into ``state_dict`` in place, like ``dcp.load``; return its :class:`LoadStats`.
 
@@ -75,8 +88,20 @@ def load(
     ``progress(bytes_done, bytes_total)`` is called as data lands (from a library thread).
     ``extension_registry`` (torch's ``ExtensionRegistry``; default: torch's own, which knows
     ``ZStandard``) decodes records saved with stream transforms (docs/formats.md).
+
+    Every destination key must be in the checkpoint (else :class:`StateDictMismatchError`
+    naming each missing key and the closest checkpoint key, before anything is read), except
+    tied keys (one tensor's memory under two keys, such as ``lm_head.weight`` and
+    ``model.embed_tokens.weight``), which are filled through the other (``LoadStats.tied_keys``).
+    ``allow_partial_load=True`` loads the keys the checkpoint has and leaves the others as
+    they were (``LoadStats.missing_keys`` lists them). With a ``planner``, the load is partial
+    when either says so: ``allow_partial_load=True`` here sets the planner's attribute of
+    that name (torch's ``DefaultLoadPlanner`` has it), which it keeps; a planner made with
+    ``allow_partial_load=True`` loads partially whatever is passed here.
     """
-    reader, planner = _prepare(checkpoint, options, storage_options, planner, progress, extension_registry)
+    reader, planner = _prepare(
+        checkpoint, options, storage_options, planner, progress, extension_registry, allow_partial_load
+    )
     return run_sync(load_steps(state_dict, reader, planner, process_group), reader)
 
 
@@ -90,12 +115,15 @@ async def aload(
     process_group: Any = None,
     progress: ProgressCallback | None = None,
     extension_registry: ExtensionRegistry | None = None,
+    allow_partial_load: bool = False,
 ) -> LoadStats:
     """:func:`load` as a coroutine, natively on the caller's event loop (uvloop too): reads
     run on it; planning, collectives and the planner's hooks run on a worker thread so the
     loop stays free. Cancelling it cancels the reads and returns once nothing of the load
     is left running (files and sessions closed)."""
-    reader, planner = _prepare(checkpoint, options, storage_options, planner, progress, extension_registry)
+    reader, planner = _prepare(
+        checkpoint, options, storage_options, planner, progress, extension_registry, allow_partial_load
+    )
     return await run_async(load_steps(state_dict, reader, planner, process_group), reader)
 
 
@@ -177,6 +205,7 @@ def start_load(
     process_group: Any = None,
     progress: ProgressCallback | None = None,
     extension_registry: ExtensionRegistry | None = None,
+    allow_partial_load: bool = False,
 ) -> LoadHandle:
     """Start :func:`load` in a background thread and return a :class:`LoadHandle` at once.
 
@@ -190,7 +219,9 @@ def start_load(
         if progress is not None:
             progress(done, total)
 
-    reader, planner = _prepare(checkpoint, options, storage_options, planner, on_progress, extension_registry)
+    reader, planner = _prepare(
+        checkpoint, options, storage_options, planner, on_progress, extension_registry, allow_partial_load
+    )
     future: concurrent.futures.Future[LoadStats] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
 

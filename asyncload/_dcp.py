@@ -19,13 +19,14 @@ from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, Storag
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from . import formats
 from ._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
-from ._intersect import local_load_plan
+from ._intersect import _rekey_pre_2_4, local_load_plan
+from ._keys import MISSING_SHOWN, alias_groups, closest_keys, missing_keys_message, same_bits
 from ._options import LoadOptions
 from ._plan import check_cast
 from ._session import LoadSession, decode_object
@@ -76,6 +77,13 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         self.has_options = options is not None or bool(changes)
         #: Keys the checkpoint holds that the destination lacks (filled by create_local_plan).
         self.unexpected_keys: list[str] = []
+        #: Destination keys the checkpoint lacks, left as they were (``allow_partial_load=True``).
+        self.missing_keys: list[str] = []
+        #: Tied destination keys (one tensor's memory under two keys) -> the key they were loaded through.
+        self.tied_keys: dict[str, str] = {}
+        #: Tied keys the checkpoint holds too: (the key they are tied to, a scratch tensor their
+        #: saved values are read into, items left to compare against what the other key loaded).
+        self._tie_checks: dict[str, list[Any]] = {}
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         if metadata is not None:
@@ -94,19 +102,20 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         if md is None:  # pragma: no cover - dcp always sets it up
             raise CheckpointFormatError("the planner was not set up with metadata")
         saved = md.state_dict_metadata
+        if self.flatten_state_dict:
+            # older (torch < 2.4) checkpoints flatten differently: the destination's keys as they were then
+            _rekey_pre_2_4(self, md)
+        tied, checked = _ties(self.state_dict, md)
+        missing = [fqn for fqn in self.state_dict if fqn not in saved and fqn not in tied]
+        if missing and not self.allow_partial_load:
+            missing.sort()
+            closest = closest_keys(missing[:MISSING_SHOWN], self.state_dict, saved)
+            raise StateDictMismatchError(missing_keys_message(missing, len(self.state_dict), closest))
         cast_ok = self.options.allow_dtype_cast
         for fqn, obj in self.state_dict.items():
             smd = saved.get(fqn)
             if smd is None:
-                if self.allow_partial_load:
-                    continue
-                # older (torch < 2.4) checkpoints flatten differently: let the default planner decide
-                if any(k not in self.state_dict for k in saved):
-                    continue
-                raise StateDictMismatchError(
-                    f"key {fqn!r} is in the destination state dict but not in the checkpoint "
-                    f"(the checkpoint has {len(saved)} keys; pass allow_partial_load=True to the planner to skip it)"
-                )
+                continue
             if isinstance(smd, TensorStorageMetadata) and not isinstance(obj, torch.Tensor):
                 raise StateDictMismatchError(
                     f"key {fqn!r}: the checkpoint holds a tensor of shape {list(smd.size)}, the destination "
@@ -125,22 +134,63 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                     )
                 check_cast(smd.properties.dtype, obj.dtype, allow_cast=cast_ok, what=f"key {fqn!r}")
         self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
-        plan = self._default_plan()
-        self._check_plan_covers(plan)
+        self.missing_keys = sorted(missing)
+        self.tied_keys = dict(sorted(tied.items()))
+        skip = [k for k in tied if k not in checked]
+        plan = self._default_plan(skip=skip)
+        self._check_plan_covers(plan, skip)
+        # a tied key the checkpoint holds too is read into scratch memory and compared with
+        # what its twin loaded: the destination is written once, never twice with two values
+        counts: dict[str, int] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO and item.dest_index.fqn in checked:
+                counts[item.dest_index.fqn] = counts.get(item.dest_index.fqn, 0) + 1
+        self._tie_checks = {k: [checked[k], torch.empty_like(self.state_dict[k].detach()), counts[k]] for k in counts}
         return plan
 
-    def _check_plan_covers(self, plan: LoadPlan) -> None:
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        check = self._tie_checks.get(index.fqn)
+        if check is not None:
+            return check[1]  # a tied key the checkpoint holds too: its scratch memory
+        return super().lookup_tensor(index)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        fqn = read_item.dest_index.fqn
+        check = self._tie_checks.get(fqn)
+        if check is None:
+            super().commit_tensor(read_item, tensor)
+            return
+        twin, _, left = check
+        loaded = self.transform_tensor(read_item, super().lookup_tensor(read_item.dest_index))
+        if not same_bits(loaded, tensor):
+            self._tie_checks.clear()
+            raise StateDictMismatchError(
+                f"keys {fqn!r} and {twin!r} are one tensor in the destination (tied weights: the same memory), "
+                f"but the checkpoint holds different values for them (in the box at offsets "
+                f"{list(read_item.dest_offsets)}, lengths {list(read_item.lengths)}): the destination holds "
+                f"{twin!r}'s values; untie the two in the model (give one its own memory) to load both"
+            )
+        if left <= 1:
+            del self._tie_checks[fqn]  # every part compared: the scratch memory goes
+        else:
+            check[2] = left - 1
+
+    def _check_plan_covers(self, plan: LoadPlan, skip: list[str] | None = None) -> None:
         """Every element of every tensor destination is read by exactly one planned item:
         the items' volumes add up to the destination's (local) size. check_metadata proved
-        the saved chunks disjoint; a shortfall here is a destination left partly unread."""
+        the saved chunks disjoint; a shortfall here is a destination left partly unread.
+        Keys in ``skip`` (tied keys filled through another) are not read."""
         planned: dict[str, int] = {}
         for item in plan.items:
             if item.type != LoadItemType.BYTE_IO:
                 fqn = item.dest_index.fqn
                 planned[fqn] = planned.get(fqn, 0) + math.prod(item.lengths)
         saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        skipped = set(skip or ())
         for fqn, obj in self.state_dict.items():
             if not isinstance(obj, torch.Tensor) or not isinstance(saved.get(fqn), TensorStorageMetadata):
+                continue
+            if fqn in skipped:
                 continue
             if callable(getattr(obj, "local_shards", None)):  # ShardedTensor: this rank's shards
                 want = sum(sh.tensor.numel() for sh in obj.local_shards())  # type: ignore[attr-defined]
@@ -155,11 +205,11 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                     "part of the tensor was not saved"
                 )
 
-    def _default_plan(self) -> LoadPlan:
+    def _default_plan(self, skip: list[str] | None = None) -> LoadPlan:
         # torch's DefaultLoadPlanner.create_local_plan, its intersection done by a sorted
         # sweep (the same read items in the same order; docs/distributed.md, planning at scale)
         try:
-            return local_load_plan(self)
+            return local_load_plan(self, skip or ())
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
             # torch's planner matching the destination against the (checked) metadata:
             # "Missing key", "Size mismatch", "Invalid checkpoint metadata", a destination
@@ -191,6 +241,55 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _ties(state_dict: dict[str, Any], md: Metadata) -> tuple[dict[str, str], dict[str, str]]:
+    """Tied destination keys -> the key each is loaded through (the first of its group, in
+    the destination's order, that the checkpoint holds), and those of them the checkpoint
+    holds too, under other bytes (read to be compared, not written twice). Groups the
+    checkpoint lacks entirely stay out."""
+    saved = md.state_dict_metadata
+    tied: dict[str, str] = {}
+    checked: dict[str, str] = {}
+    for keys in alias_groups(state_dict):
+        present = [k for k in keys if k in saved]
+        if not present:
+            continue
+        for k in keys:
+            if k != present[0]:
+                tied[k] = present[0]
+                if k in saved and not _same_saved_bytes(md, k, present[0]):
+                    checked[k] = present[0]
+    return tied, checked
+
+
+def _same_saved_bytes(md: Metadata, a: str, b: str) -> bool:
+    """Whether the checkpoint holds keys ``a`` and ``b`` as one and the same located tensor
+    (a ``torch.save`` of tied weights: one storage, the same offset, shape and stride), so
+    that reading one reads the other."""
+    ma, mb = md.state_dict_metadata.get(a), md.state_dict_metadata.get(b)
+    if not isinstance(ma, TensorStorageMetadata) or not isinstance(mb, TensorStorageMetadata):
+        return False
+    if ma.size != mb.size or ma.properties.dtype != mb.properties.dtype or len(ma.chunks) != len(mb.chunks):
+        return False
+    data = md.storage_data or {}
+    for i, (ca, cb) in enumerate(zip(ma.chunks, mb.chunks)):
+        if ca.offsets != cb.offsets or ca.sizes != cb.sizes:
+            return False
+        ea, eb = data.get(MetadataIndex(a, ca.offsets, i)), data.get(MetadataIndex(b, cb.offsets, i))
+        if not isinstance(ea, formats.KnownTensor) or not isinstance(eb, formats.KnownTensor):
+            return False
+        la, lb = ea.location, eb.location
+        if (la.name, la.data_start, la.dtype, la.size, la.stride, la.storage_offset) != (
+            lb.name,
+            lb.data_start,
+            lb.dtype,
+            lb.size,
+            lb.stride,
+            lb.storage_offset,
+        ):
+            return False
+    return True
 
 
 #: The types of plain tensors (not a subclass that could be ``Stateful``, a DTensor, ...).

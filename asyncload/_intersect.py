@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -40,9 +40,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 __all__ = ["local_load_plan", "read_items_for_chunks", "state_dict_read_items"]
 
 
-def local_load_plan(planner: DefaultLoadPlanner) -> LoadPlan:
+def local_load_plan(planner: DefaultLoadPlanner, skip: Collection[str] = ()) -> LoadPlan:
     """What ``DefaultLoadPlanner.create_local_plan`` returns for ``planner`` (set up), with
-    the intersection done by :func:`read_items_for_chunks`.
+    the intersection done by :func:`read_items_for_chunks`. Keys in ``skip`` (tied
+    destinations, filled through another key) are left out of the plan.
 
     Raises what torch's planner raises for a destination that does not match (``RuntimeError``
     for a missing key, ``ValueError`` for a size mismatch or a tensor saved as an object).
@@ -52,7 +53,10 @@ def local_load_plan(planner: DefaultLoadPlanner) -> LoadPlan:
         raise ValueError("the planner was not set up with metadata")
     if planner.flatten_state_dict:
         _rekey_pre_2_4(planner, md)
-    return LoadPlan(state_dict_read_items(planner.state_dict, md, strict=not planner.allow_partial_load))
+    state_dict = planner.state_dict
+    if skip:
+        state_dict = {k: v for k, v in state_dict.items() if k not in skip}
+    return LoadPlan(state_dict_read_items(state_dict, md, strict=not planner.allow_partial_load))
 
 
 def _rekey_pre_2_4(planner: DefaultLoadPlanner, md: Metadata) -> None:

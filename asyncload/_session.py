@@ -416,6 +416,12 @@ class LoadSession:
         records = self.collect(plan, planner)
         # CUDA destinations: pinned staging ring + side stream (caller's thread: stream order)
         self._stager = _cuda.stager_for((d for r in records for _, d in r.tensor_items), self.options)
+        missing = getattr(planner, "missing_keys", None)
+        if isinstance(missing, list):
+            self._recorder.stats.missing_keys = list(missing)
+        tied = getattr(planner, "tied_keys", None)
+        if isinstance(tied, dict):
+            self._recorder.stats.tied_keys = dict(tied)
         unexpected = getattr(planner, "unexpected_keys", None)
         if isinstance(unexpected, list):
             self._recorder.stats.unexpected_keys = list(unexpected)

@@ -71,6 +71,13 @@ class LoadStats:
     bytes_hedged: int = 0
     #: Keys present in the checkpoint but absent from the destination.
     unexpected_keys: list[str] = field(default_factory=list)
+    #: Destination keys the checkpoint lacks, left as they were (``allow_partial_load=True``), sorted.
+    missing_keys: list[str] = field(default_factory=list)
+    #: Tied destination keys (the same memory as another key's tensor: same storage, offset,
+    #: shape, stride and dtype) -> the key whose load filled them (``lm_head.weight`` ->
+    #: ``model.embed_tokens.weight``). Where the checkpoint holds both, their values were
+    #: compared and found bit for bit equal.
+    tied_keys: dict[str, str] = field(default_factory=dict)
     #: Retries by cause: ``timeout``, ``status_503``, ``connection``, ``short_read`` ...
     retries_by_cause: dict[str, int] = field(default_factory=dict)
     #: Latency percentiles of storage requests, seconds: successful attempts of chunk reads (and of the
@@ -148,6 +155,17 @@ class LoadStats:
         if self.unexpected_keys:
             shown = ", ".join(self.unexpected_keys[:3]) + (", ..." if len(self.unexpected_keys) > 3 else "")
             parts.append(f"{_plural(len(self.unexpected_keys), 'checkpoint key')} not in the destination ({shown}).")
+        if self.missing_keys:
+            shown = ", ".join(self.missing_keys[:3]) + (", ..." if len(self.missing_keys) > 3 else "")
+            parts.append(
+                f"{_plural(len(self.missing_keys), 'destination key')} not in the checkpoint, left as they were ({shown})."
+            )
+        if self.tied_keys:
+            ties = list(self.tied_keys.items())
+            shown = ", ".join(f"{k} -> {v}" for k, v in ties[:3]) + (", ..." if len(ties) > 3 else "")
+            parts.append(
+                f"{_plural(len(ties), 'tied key')} (the same memory as another key's) filled through that key ({shown})."
+            )
         return " ".join(parts)
 
 
@@ -185,6 +203,8 @@ class StatsRecorder:
         with self._lock:
             s = LoadStats(**{k: getattr(self.stats, k) for k in self.stats.__dataclass_fields__})
             s.unexpected_keys = list(self.stats.unexpected_keys)
+            s.missing_keys = list(self.stats.missing_keys)
+            s.tied_keys = dict(self.stats.tied_keys)
             s.retries_by_cause = dict(self._causes)
             lat = sorted(self._latencies)
         s.latency_p50 = _percentile(lat, 0.50)
