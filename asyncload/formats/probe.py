@@ -28,6 +28,7 @@ from .safetensors import (
     aread_header,
     looks_like_safetensors,
 )
+from .torch_checkpointing import adirectory_metadata, is_torch_checkpointing
 from .torchsave import HEAD_PROBE, _atorchsave_files
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
@@ -85,6 +86,8 @@ async def aprobe_fallback(
             storage = await open_root(str(checkpoint))
             fetcher = Fetcher(storage, options)
     names = await fetcher.listdir()
+    if is_torch_checkpointing(names):
+        return await adirectory_metadata(fetcher, names, str(checkpoint))
     shards = [n for n in names if n.endswith(".safetensors")]
     if shards:
         return await _asafetensors_files(fetcher, shards, None, str(checkpoint))

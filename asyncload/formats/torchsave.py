@@ -111,12 +111,21 @@ def _walk_refs(obj: Any, out: list[TensorRef]) -> None:
             stack.extend(vars(o).values())
 
 
-def parse_archive(win: ByteWindow, start: int, size: int, where: str, *, max_pickle: int = 1 << 30) -> ArchiveLayout:
+def parse_archive(
+    win: ByteWindow,
+    start: int,
+    size: int,
+    where: str,
+    *,
+    max_pickle: int = 1 << 30,
+    decode: Callable[[memoryview, str], Any] | None = None,
+) -> ArchiveLayout:
     """Parse the archive at file bytes ``[start, start + size)``; raises NeedBytes for missing
     bytes inside the archive, CheckpointFormatError for anything that points outside it or
-    does not hold together (never an exception from ``struct`` or ``zipfile``)."""
+    does not hold together (never an exception from ``struct`` or ``zipfile``).
+    ``decode(data.pkl, where)``: another allow-list decoder (torch-checkpointing's DTensors)."""
     try:
-        return _parse_archive(win, start, size, where, max_pickle)
+        return _parse_archive(win, start, size, where, max_pickle, decode or _record_object)
     except NeedBytes as need:
         if need.start < start or need.end > start + size or need.end < need.start:
             raise CheckpointFormatError(
@@ -126,7 +135,9 @@ def parse_archive(win: ByteWindow, start: int, size: int, where: str, *, max_pic
         raise
 
 
-def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickle: int) -> ArchiveLayout:
+def _parse_archive(
+    win: ByteWindow, start: int, size: int, where: str, max_pickle: int, decode: Callable[[memoryview, str], Any]
+) -> ArchiveLayout:
     if size < 22:
         raise CheckpointFormatError(f"{where}: {size} bytes is too small to be a torch.save archive")
     tail_len = min(size, TAIL_PROBE)
@@ -152,7 +163,7 @@ def _parse_archive(win: ByteWindow, start: int, size: int, where: str, max_pickl
     ds = _data_start(win, start, pkl.header_offset, pkl.name, where)
     if pkl.method != 0:
         raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
-    obj = _record_object(win.get(start + ds, start + ds + pkl.size), where)
+    obj = decode(win.get(start + ds, start + ds + pkl.size), where)
     refs: list[TensorRef] = []
     _walk_refs(obj, refs)
     storages: dict[str, StorageLoc] = {}
@@ -475,7 +486,9 @@ def _refs_in(obj: Any, out: list[TensorRef], depth: int = 0) -> None:
             _refs_in(v, out, depth + 1)
 
 
-async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
+async def _alayout(
+    fetcher: Fetcher, name: str, size: int, *, decode: Callable[[memoryview, str], Any] | None = None
+) -> ArchiveLayout:
     """Parse a torch.save zip file without reading its tensor data: the directory at its
     tail, the pickle and each entry's local header (fetched concurrently, neighbours joined)."""
     url = fetcher.url(name)
@@ -512,7 +525,7 @@ async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
     await _afill(fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP))
     for _ in range(16):
         try:
-            return parse_archive(win, 0, size, url, max_pickle=opts.max_metadata_size)
+            return parse_archive(win, 0, size, url, max_pickle=opts.max_metadata_size, decode=decode)
         except NeedBytes as need:
             lo, hi = max(0, need.start), min(size, max(need.end, need.start + HEAD_PROBE))
             if hi <= lo:
