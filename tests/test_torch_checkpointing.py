@@ -521,3 +521,78 @@ def test_metadata_over_the_bound_is_not_read(two_ranks: Path, tmp_path: Path) ->
     size = (path / "metadata.pkl").stat().st_size
     with pytest.raises(CheckpointFormatError, match=rf"metadata\.pkl is {size} bytes, more than .*max_metadata_size"):
         asyncload.read_state_dict(path, options=LoadOptions(max_metadata_size=size - 1))
+
+
+# --- asyncload as torch-checkpointing's storage backend --------------------------------------------
+
+
+def _reader_on(storage: Any) -> Any:
+    """torch-checkpointing's own loader (rank 0 of 1, model resharded) reading through ``storage``."""
+    from torch_checkpointing import CheckpointLoader, CheckpointReader, RankInfo
+    from torch_checkpointing.metadata_manager import DefaultMetadataManager
+
+    info = RankInfo(global_rank=0, global_world_size=1, role_rank=0, role_world_size=1)
+    # CheckpointReader takes a config even when it is given the storage itself (then unused)
+    reader = CheckpointReader(rank_info=info, storage_config=_storage(), storage=storage)
+    return CheckpointLoader(reader=reader, metadata_manager=DefaultMetadataManager(info))
+
+
+def _own_load_through(storage: Any, checkpoint_id: str, state: dict[str, Any]) -> dict[str, Any]:
+    ck = _Payload({k: _zeros_like(v) for k, v in state.items()})
+    _reader_on(storage).load(checkpoint_id, ck)
+    return dict(ck.result)
+
+
+def test_storage_backend_reads_s3_through_the_engine(
+    one_rank: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str, fault_proxy: Any
+) -> None:
+    """torch-checkpointing's loader with AsyncloadStorage over S3 (behind a proxy that fails
+    the first two data reads with 503): the same values as its own local load, the failures
+    retried by asyncload's policy and counted."""
+    from asyncload.integrations.torch_checkpointing import AsyncloadStorageConfig
+    from asyncload.testing.faults import status
+
+    path, state = one_rank
+    s3_server.upload_dir(path, bucket_name, "run/step_1234")
+    proxy = fault_proxy(s3_server)
+    rule = proxy.add_rule(status(503), data_only=True, times=2)
+    config = AsyncloadStorageConfig(
+        root=f"s3://{bucket_name}/run", storage_options=s3_server.storage_options(proxy.endpoint_url)
+    )
+    storage = config.create_storage()
+    try:
+        got = _own_load_through(storage, "step_1234", state)
+        stats = storage.stats()
+    finally:
+        storage.close()
+    own = _own_load(path, state)
+    assert_bitwise_equal(got["model"], own["model"], "model")
+    _assert_same_leaves(got["optimizer"], own["optimizer"])
+    assert got["step"] == 1234 and got["lr"] == 0.25
+    assert rule.fired == 2 and stats.retries >= 2, (rule.fired, stats.retries)
+    assert stats.bytes_read >= sum(p.stat().st_size for p in path.iterdir())
+
+
+def test_storage_backend_paths_and_refusals(one_rank: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    from asyncload.integrations.torch_checkpointing import AsyncloadStorageConfig
+
+    path, state = one_rank
+    storage = AsyncloadStorageConfig(root=str(path.parent)).create_storage()
+    try:
+        # a checkpoint id relative to the root, or a path under it, reads the same
+        for ckpt_id in ("step_1234", str(path)):
+            got = _own_load_through(storage, ckpt_id, {"model": state["model"]})
+            assert_bitwise_equal(got["model"], state["model"], "model")
+        assert sorted(storage.ls(Path("step_1234"))) == sorted(os.listdir(path))
+        assert storage.getsize(Path("step_1234/model_0.pt")) == (path / "model_0.pt").stat().st_size
+        assert storage.exists(Path("step_1234")) and not storage.exists(Path("step_9"))
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            _own_load_through(storage, "step_9", {"model": state["model"]})
+        with pytest.raises(ValueError, match=r"is not under this storage's root"):
+            storage.getsize(tmp_path / "elsewhere.pt")
+        with pytest.raises(NotImplementedError, match="AsyncloadStorage only reads"):
+            storage.write(Path("step_1234/x.pt"), b"x")
+    finally:
+        storage.close()
+    with pytest.raises(TypeError, match="storage_options must be a mapping"):
+        AsyncloadStorageConfig(root="s3://b/run", storage_options=["x"])  # type: ignore[arg-type]
