@@ -12,6 +12,7 @@ moves the pickled metadata through CUDA tensors; the 2-rank saves here use its p
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _ckpt import assert_bitwise_equal
 from _dist import all_ok, run_ranks
 
@@ -147,6 +149,16 @@ def test_load_into_destination_and_iter_tensors(one_rank: tuple[Path, dict[str, 
     assert dest["step"] == 1234
     assert_bitwise_equal(dest["model"], state["model"], "model")
     assert stats.bytes_assembled == sum(t.numel() * t.element_size() for t in _flat(state["model"]).values())
+    for face in ("aload", "start_load", "dcp"):
+        dest = {"model": _zeros_like(state["model"]), "step": 0}
+        if face == "aload":
+            asyncio.run(asyncload.aload(dest, path))
+        elif face == "start_load":
+            asyncload.start_load(dest, path).result(timeout=60)
+        else:
+            dcp.load(dest, storage_reader=asyncload.PipelinedReader(path))
+        assert dest["step"] == 1234, face
+        assert_bitwise_equal(dest["model"], state["model"], face)
     seen = dict(asyncload.iter_tensors(path, keys=["model"]))
     assert sorted(seen) == sorted(f"model.{k}" for k in _flat(state["model"]))
     for k, t in _flat(state["model"]).items():
@@ -596,3 +608,11 @@ def test_storage_backend_paths_and_refusals(one_rank: tuple[Path, dict[str, Any]
         storage.close()
     with pytest.raises(TypeError, match="storage_options must be a mapping"):
         AsyncloadStorageConfig(root="s3://b/run", storage_options=["x"])  # type: ignore[arg-type]
+
+
+def test_only_metadata_left(two_ranks: Path, tmp_path: Path) -> None:
+    path = tmp_path / "bare"
+    path.mkdir()
+    shutil.copyfile(two_ranks / "metadata.pkl", path / "metadata.pkl")
+    with pytest.raises(CheckpointNotFoundError, match=r"model_0\.pt \(named by .*metadata\.pkl\) does not exist"):
+        asyncload.read_state_dict(path)

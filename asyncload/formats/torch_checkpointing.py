@@ -96,9 +96,10 @@ _MAX_MESH_DIMS = 16
 
 def is_torch_checkpointing(names: Sequence[str]) -> bool:
     """Whether a directory listing is a torch-checkpointing checkpoint: a ``metadata.pkl``
-    or rank-0 item files (``<item>_0.pt``), and no ``.pt`` file of another name."""
+    or rank-0 item files (``<item>_0.pt``), and no ``.pt`` file of another name (a
+    ``metadata.pkl`` alone is one whose item files are missing: it says which)."""
     pts = [n for n in names if n.endswith(".pt")]
-    if not pts or not all(_ITEM_FILE.match(n) for n in pts):
+    if not all(_ITEM_FILE.match(n) for n in pts):
         return False
     return METADATA_FILE in names or any(n.endswith("_0.pt") for n in pts)
 
