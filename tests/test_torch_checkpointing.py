@@ -361,11 +361,17 @@ def test_one_rank_save_loaded_sharded_by_two(tmp_path: Path) -> None:
     assert all(v["bytes_read"] < 0.7 * total for v in values), ([v["bytes_read"] for v in values], total)
 
 
-def test_two_rank_save_from_s3(two_ranks: Path, s3_server: Any, bucket_name: str) -> None:
-    url = s3_server.upload_dir(two_ranks, bucket_name, "tc2")
-    got = asyncload.read_state_dict(url, storage_options=s3_server.storage_options())
+@pytest.mark.parametrize("backend", ["s3", "gcs", "http"])
+def test_two_rank_save_remote(two_ranks: Path, request: pytest.FixtureRequest, backend: str, bucket_name: str) -> None:
+    """From each store: found by listing the directory (HTTP: its index page), read bit for bit."""
+    server = request.getfixturevalue(f"{backend}_server")
+    url = server.upload_dir(two_ranks, bucket_name, "tc2")
+    got = asyncload.read_state_dict(url, storage_options=server.storage_options())
     assert_bitwise_equal(got["model"], _full(), "model")
     assert got["step"] == 40
+    dest = {"model": _zeros_like(_full()), "step": 0}
+    asyncload.load(dest, url, storage_options=server.storage_options())
+    assert_bitwise_equal(dest["model"], _full(), "model")
 
 
 # --- forged and half-written ----------------------------------------------------------------------

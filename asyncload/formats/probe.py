@@ -28,7 +28,7 @@ from .safetensors import (
     aread_header,
     looks_like_safetensors,
 )
-from .torch_checkpointing import adirectory_metadata, is_torch_checkpointing
+from .torch_checkpointing import METADATA_FILE, adirectory_metadata, is_torch_checkpointing
 from .torchsave import HEAD_PROBE, _atorchsave_files
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
@@ -77,6 +77,12 @@ async def aprobe_fallback(
     size = await fetcher.size(HF_SINGLE)
     if size is not None:
         return await _afile(fetcher, HF_SINGLE, size, str(checkpoint))
+    if not is_local(checkpoint) and (await fetcher.size(METADATA_FILE) is not None or str(checkpoint).endswith("/")):
+        # a torch-checkpointing directory, before the URL is tried as a file: over HTTP the
+        # directory's URL answers with its index page, which is no checkpoint file
+        names = await fetcher.listdir()
+        if is_torch_checkpointing(names):
+            return await adirectory_metadata(fetcher, names, str(checkpoint))
     if not is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
         if name:
