@@ -622,3 +622,37 @@ def test_only_metadata_left(two_ranks: Path, tmp_path: Path) -> None:
     shutil.copyfile(two_ranks / "metadata.pkl", path / "metadata.pkl")
     with pytest.raises(CheckpointNotFoundError, match=r"model_0\.pt \(named by .*metadata\.pkl\) does not exist"):
         asyncload.read_state_dict(path)
+
+
+def test_forged_item_file_refused(two_ranks: Path, tmp_path: Path) -> None:
+    """A rank's item file whose pickle runs code: refused by the allow-list, naming that file."""
+    path = _copy(two_ranks, tmp_path / "ck")
+    torch.save(_RunsCode(), path / "step_1.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"step_1\.pt \(data\.pkl\): asks to import posix\.system"):
+        asyncload.read_state_dict(path)
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+
+
+def w_save_stages(rank: int, world: int, path: str) -> None:
+    """Pipeline stages: each rank saves only its own layers (no resharder, no metadata.pkl)."""
+    from torch_checkpointing import RankInfo, make_sync_checkpoint_saver
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+
+    info = RankInfo(global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world)
+    saver = make_sync_checkpoint_saver(config=SyncCheckpointSaverConfig(), rank_info=info, storage_config=_storage())
+    full = _full()
+    mine = {"layers": {str(rank): {"w": full["emb"] + rank, "b": full["norm"] * rank}}, "stage": rank}
+    try:
+        saver.save(path, _Payload({"pipe": mine}))
+    finally:
+        saver.close()
+
+
+def test_pipeline_stages_each_rank_its_layers(tmp_path: Path) -> None:
+    path = tmp_path / "pp"
+    all_ok(run_ranks(w_save_stages, 2, str(path), timeout=90))
+    assert sorted(os.listdir(path)) == ["pipe_0.pt", "pipe_1.pt"]
+    full = _full()
+    got = asyncload.read_state_dict(path)
+    want = {"layers": {str(r): {"w": full["emb"] + r, "b": full["norm"] * r} for r in (0, 1)}, "stage": 0}
+    assert_bitwise_equal(got["pipe"], want, "pipe")

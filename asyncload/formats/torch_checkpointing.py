@@ -24,9 +24,11 @@ checked to tile each tensor exactly (no overlap, no gap), so that every destinat
 (plain tensors, DTensors split differently) is planned by DCP and reads only its bytes.
 
 Keys are the items' paths flattened as DCP flattens a state dict (``model.layers.0.w``,
-``optimizer.state.0.exp_avg``, ``step``). DTensor values are assembled from every rank's
-shard; any other value (a plain tensor, an int, an object) is read from rank 0's file, which
-is what torch-checkpointing's resharder assumes too (it treats plain tensors as replicated).
+``optimizer.state.0.exp_avg``, ``step``), taken from every rank's file (a pipeline stage's rank
+holds its own layers). DTensor values are assembled from the shards of every rank that holds
+them; any other value (a plain tensor, an int, an object) is read from the first rank whose
+file holds it (rank 0 for a key every rank saved), which is what torch-checkpointing's resharder
+assumes too (it treats plain tensors as replicated).
 
 Refused, each with a :class:`~asyncload.CheckpointFormatError` naming the file and the part:
 a ``Partial`` placement (a pending reduction, not a slice), sharding metadata other than
@@ -43,6 +45,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -462,15 +465,22 @@ class _Sharding:
     mesh_ranks: tuple[int, ...]
 
     def coordinate(self, rank: int) -> tuple[int, ...] | None:
-        try:
-            i = self.mesh_ranks.index(rank)
-        except ValueError:
+        i = self._positions.get(rank)
+        if i is None:
             return None
         out = []
         for n in reversed(self.mesh_shape):
             out.append(i % n)
             i //= n
         return tuple(reversed(out))
+
+    @cached_property
+    def _positions(self) -> dict[int, int]:
+        return {r: i for i, r in enumerate(self.mesh_ranks)}
+
+    @cached_property
+    def rank_set(self) -> frozenset[int]:
+        return frozenset(self.ranks)
 
 
 @dataclass
@@ -506,7 +516,11 @@ def decode_metadata_pkl(raw: bytes | memoryview, url: str, *, max_size: int) -> 
         if type(item) is not str or type(md) is not dict:
             raise _bad(url, f"has a malformed entry for item {short_repr(item)}")
         layouts = md.get("rank_to_layout_info")
-        if type(layouts) is not dict or set(layouts) != set(range(world)):
+        if (
+            type(layouts) is not dict
+            or len(layouts) != world  # before any table of ``world`` entries is built
+            or not all(_is_int(r) and 0 <= r < world for r in layouts)
+        ):
             raise _bad(url, f"item {item!r} does not give the file of every rank 0..{world - 1}")
         for rank, layout in layouts.items():
             files[(item, rank)] = _layout_file(layout, item, rank, url)
@@ -695,25 +709,37 @@ def _synthesise(
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     paths: dict[str, tuple[Any, ...]] = {}
-    seen_dtensors: set[str] = set()
     for item in sorted(files):
         ranks = files[item]
         per_rank = [_flatten(item, layouts[rel].obj, layouts[rel].where) for rel in ranks]
-        first = per_rank[0]
-        for key, (path, value) in first.items():
+        # every key of every rank (a pipeline stage's rank holds its own layers), in rank order;
+        # a key's DTensor shards come from every rank that holds it, anything else from the first
+        holders: dict[str, list[int]] = {}
+        for r, flat in enumerate(per_rank):
+            for key in flat:
+                holders.setdefault(key, []).append(r)
+        for key, rs in holders.items():
+            first = rs[0]
+            path, value = per_rank[first][key]
+            rel, layout = ranks[first], layouts[ranks[first]]
             paths[key] = path
-            where0 = layouts[ranks[0]].where
+            kinds = {type(per_rank[r][key][1]) is DTensorRef for r in rs}
+            if len(kinds) > 1:
+                other = next(r for r in rs if (type(per_rank[r][key][1]) is DTensorRef) != (type(value) is DTensorRef))
+                raise CheckpointFormatError(
+                    f"{layouts[ranks[other]].where} and {layout.where}: key {key!r} is a DTensor in one and not "
+                    "in the other: the ranks saved different state"
+                )
             if isinstance(value, DTensorRef):
-                seen_dtensors.add(key)
-                sdm[key], chunks = _dtensor_entry(key, ranks, per_rank, layouts, meta)
+                sdm[key], chunks = _dtensor_entry(key, [(r, ranks[r], per_rank[r][key][1]) for r in rs], layouts, meta)
                 for index, (offsets, loc) in enumerate(chunks):
                     storage[MetadataIndex(key, offsets, index)] = KnownTensor(loc)
             elif isinstance(value, TensorRef):
                 if meta is not None:
                     _check_plain(key, value, meta, fetcher)
                 loc = replace(
-                    tensor_location(layouts[ranks[0]], ranks[0], value),
-                    where=f"tensor {key!r} (storage data/{value.storage.key}) of {where0}",
+                    tensor_location(layout, rel, value),
+                    where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
                 )
                 zeros = (0,) * len(loc.size)
                 sdm[key] = TensorStorageMetadata(
@@ -723,19 +749,11 @@ def _synthesise(
                 )
                 storage[MetadataIndex(key, zeros, 0)] = KnownTensor(loc)
             else:
-                layout = layouts[ranks[0]]
                 refs: list[TensorRef] = []
-                _refs_in(value, refs, f"object {key!r} of {where0}")
+                _refs_in(value, refs, f"object {key!r} of {layout.where}")
                 sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
                 sdm[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = KnownObject(value, ranks[0], sts, f"object {key!r} of {where0}")
-        for r, flat in enumerate(per_rank[1:], start=1):
-            for key, (_, value) in flat.items():
-                if isinstance(value, DTensorRef) and key not in first:
-                    raise CheckpointFormatError(
-                        f"{layouts[ranks[r]].where}: holds DTensor {key!r}, which rank 0's "
-                        f"{ranks[0]} does not hold: the ranks saved different state"
-                    )
+                storage[MetadataIndex(key)] = KnownObject(value, rel, sts, f"object {key!r} of {layout.where}")
     if meta is not None:
         for key in meta.shardings:
             if key not in sdm:
@@ -772,31 +790,25 @@ def _refs_in(obj: Any, out: list[TensorRef], where: str, depth: int = 0) -> None
 
 def _dtensor_entry(
     key: str,
-    ranks: list[str],
-    per_rank: list[dict[str, tuple[tuple[Any, ...], Any]]],
+    held: list[tuple[int, str, DTensorRef]],
     layouts: dict[str, ArchiveLayout],
     meta: _TcMetadata | None,
 ) -> tuple[TensorStorageMetadata, list[tuple[tuple[int, ...], Any]]]:
     """The global tensor ``key`` and its chunks: one per rank that holds the primary copy of
-    its shard, located in that rank's file."""
-    base: DTensorRef = per_rank[0][key][1]
+    its shard (``held``: each rank holding it, its file, its record), located in that file."""
+    base = held[0][2]
+    where0 = layouts[held[0][1]].where
     chunks: list[tuple[tuple[int, ...], Any]] = []
     metas: list[ChunkStorageMetadata] = []
     groups = meta.shardings.get(key) if meta is not None else None
     if meta is not None and groups is None:
-        raise CheckpointFormatError(
-            f"{layouts[ranks[0]].where}: holds DTensor {key!r}, which metadata.pkl does not describe"
-        )
-    for rank, (rel, flat) in enumerate(zip(ranks, per_rank)):
+        raise CheckpointFormatError(f"{where0}: holds DTensor {key!r}, which metadata.pkl does not describe")
+    for rank, rel, d in held:
         layout = layouts[rel]
         where = f"DTensor {key!r} of {layout.where}"
-        got = flat.get(key)
-        if got is None or not isinstance(got[1], DTensorRef):
-            raise CheckpointFormatError(f"{layout.where}: does not hold DTensor {key!r}, which rank 0 saved")
-        d: DTensorRef = got[1]
         if (d.size, d.dtype) != (base.size, base.dtype):
             raise CheckpointFormatError(
-                f"{where}: has size {list(d.size)} and dtype {d.dtype}, rank 0 saved {list(base.size)} and {base.dtype}"
+                f"{where}: has size {list(d.size)} and dtype {d.dtype}, {where0} has {list(base.size)} and {base.dtype}"
             )
         if groups is not None:
             _check_against_metadata(d, rank, groups, where)
@@ -809,7 +821,7 @@ def _dtensor_entry(
         )
         chunks.append((offsets, loc))
         metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
-    _check_coverage(metas, base.size, f"{layouts[ranks[0]].where.rsplit('/', 1)[0]}: DTensor {key!r}")
+    _check_coverage(metas, base.size, f"{where0.rsplit('/', 1)[0]}: DTensor {key!r}")
     return (
         TensorStorageMetadata(
             properties=TensorProperties(dtype=base.dtype, requires_grad=base.requires_grad),
@@ -821,7 +833,7 @@ def _dtensor_entry(
 
 
 def _check_against_metadata(d: DTensorRef, rank: int, groups: list[_Sharding], where: str) -> None:
-    g = next((g for g in groups if rank in g.ranks), None)
+    g = next((g for g in groups if rank in g.rank_set), None)
     if g is None:
         raise CheckpointFormatError(f"{where}: metadata.pkl lists no sharding of it for rank {rank}")
     theirs = (g.size, g.placements, g.mesh_shape, g.coordinate(rank))
