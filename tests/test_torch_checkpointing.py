@@ -656,3 +656,14 @@ def test_pipeline_stages_each_rank_its_layers(tmp_path: Path) -> None:
     got = asyncload.read_state_dict(path)
     want = {"layers": {str(r): {"w": full["emb"] + r, "b": full["norm"] * r} for r in (0, 1)}, "stage": 0}
     assert_bitwise_equal(got["pipe"], want, "pipe")
+
+
+def test_one_item_file_alone_says_load_the_directory(two_ranks: Path) -> None:
+    """Before: "holds a int" (a scalar item) or an allow-list refusal (a DTensor shard), with no
+    word of what the file is; now the same error says to load the directory."""
+    with pytest.raises(CheckpointFormatError, match=r"step_0\.pt is named like one item file of a torch-checkpointing"):
+        asyncload.read_state_dict(two_ranks / "step_0.pt")
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"model_1\.pt is named like one item file .* load the checkpoint's directory"
+    ):
+        asyncload.read_state_dict(two_ranks / "model_1.pt")

@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Awaitable
 
-from .._errors import CheckpointFormatError, CheckpointNotFoundError
+from .._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from .._options import LoadOptions
 from .._paths import check_relative_path
 from .._retry import RetryingStorage
@@ -28,7 +28,7 @@ from .safetensors import (
     aread_header,
     looks_like_safetensors,
 )
-from .torch_checkpointing import METADATA_FILE, adirectory_metadata, is_torch_checkpointing
+from .torch_checkpointing import METADATA_FILE, adirectory_metadata, is_torch_checkpointing, item_file_hint
 from .torchsave import HEAD_PROBE, _atorchsave_files
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
@@ -132,7 +132,13 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str, *, head: b
     if head is None or len(head) < min(size, _probe_size(name)):
         head = await fetcher.read(name, 0, min(size, _probe_size(name)))
     if head.startswith(b"PK\x03\x04"):
-        md = await _atorchsave_files(fetcher, [(name, size)], None, source)
+        try:
+            md = await _atorchsave_files(fetcher, [(name, size)], None, source)
+        except (CheckpointFormatError, UnsafeCheckpointError) as exc:
+            hint = item_file_hint(name)
+            if hint is None:
+                raise
+            raise type(exc)(f"{exc} ({hint})") from None
         return md
 
     def read_header() -> Awaitable[SafetensorsHeader]:

@@ -81,6 +81,7 @@ __all__ = [
     "adirectory_metadata",
     "decode_record",
     "is_torch_checkpointing",
+    "item_file_hint",
 ]
 
 #: The file torch-checkpointing writes when an item declares a resharder.
@@ -105,6 +106,18 @@ def is_torch_checkpointing(names: Sequence[str]) -> bool:
     if not all(_ITEM_FILE.match(n) for n in pts):
         return False
     return METADATA_FILE in names or any(n.endswith("_0.pt") for n in pts)
+
+
+def item_file_hint(name: str) -> str | None:
+    """What to say when a file named like one torch-checkpointing item file cannot be read
+    alone (an int item, a DTensor shard): load its directory."""
+    base = name.rsplit("/", 1)[-1]
+    if not _ITEM_FILE.match(base):
+        return None
+    return (
+        f"{base} is named like one item file of a torch-checkpointing checkpoint (<item>_<rank>.pt): "
+        "load the checkpoint's directory instead, which asyncload reads whole"
+    )
 
 
 # --- the records a DTensor pickle decodes to ------------------------------------------
