@@ -470,6 +470,11 @@ def test_forged_metadata_global_refused(two_ranks: Path, tmp_path: Path) -> None
             CheckpointFormatError,
             r"metadata\.pkl describes key 'model\.ghost', which no file of the checkpoint holds",
         ),
+        (  # a huge world: refused from the table's own size, no table of 10**7 ranks is built
+            lambda md: md.__setitem__("world_size", 10**7),
+            CheckpointFormatError,
+            r"metadata\.pkl: item 'model' does not give the file of every rank 0\.\.9999999",
+        ),
         (
             lambda md: md.__setitem__("version", "9.0"),
             CheckpointFormatError,
@@ -485,6 +490,7 @@ def test_forged_metadata_global_refused(two_ranks: Path, tmp_path: Path) -> None
         "default-tensor",
         "json",
         "ghost",
+        "huge-world",
         "version",
     ],
 )
