@@ -333,6 +333,8 @@ def test_two_rank_save_read_by_one(two_ranks: Path) -> None:
     dest = {"model": _zeros_like(full)}  # plain tensors: 1 rank reading a 2-rank save
     asyncload.load(dest, two_ranks)
     assert_bitwise_equal(dest["model"], full, "model")
+    streamed = dict(asyncload.iter_tensors(two_ranks))
+    assert_bitwise_equal(streamed, {f"model.{k}": v for k, v in full.items()}, "iter_tensors")
 
 
 def test_two_rank_save_resharded_for_two(two_ranks: Path) -> None:
