@@ -192,9 +192,10 @@ _SPEC = {"emb": "S0", "proj": "S1", "norm": "R"}
 
 
 def _placements(spec: str) -> list[Any]:
+    """``"S0"`` -> ``[Shard(0)]``, ``"S1,R"`` -> ``[Shard(1), Replicate()]`` (one per mesh dim)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return [Replicate() if spec == "R" else Shard(int(spec[1:]))]
+    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec.split(",")]
 
 
 def _dtensors(full: dict[str, torch.Tensor], mesh: Any, spec: dict[str, str], *, zeros: bool) -> dict[str, Any]:
@@ -254,12 +255,14 @@ class _Payload:
         return Payload()
 
 
-def w_save(rank: int, world: int, path: str) -> None:
+def w_save(
+    rank: int, world: int, path: str, mesh_shape: tuple[int, ...] | None = None, spec: dict[str, str] | None = None
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch_checkpointing import RankInfo, make_sync_checkpoint_saver
     from torch_checkpointing.config import SyncCheckpointSaverConfig
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", mesh_shape or (world,))
     info = RankInfo(global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world)
     saver = make_sync_checkpoint_saver(
         config=SyncCheckpointSaverConfig(),
@@ -268,7 +271,7 @@ def w_save(rank: int, world: int, path: str) -> None:
         checkpoint_metadata_manager=_gloo_metadata_manager(info),
     )
     try:
-        saver.save(path, _Payload({"model": _dtensors(_full(), mesh, _SPEC, zeros=False), "step": 40 + rank}))
+        saver.save(path, _Payload({"model": _dtensors(_full(), mesh, spec or _SPEC, zeros=False), "step": 40 + rank}))
     finally:
         saver.close()
 
@@ -335,6 +338,17 @@ def test_two_rank_save_read_by_one(two_ranks: Path) -> None:
     assert_bitwise_equal(dest["model"], full, "model")
     streamed = dict(asyncload.iter_tensors(two_ranks))
     assert_bitwise_equal(streamed, {f"model.{k}": v for k, v in full.items()}, "iter_tensors")
+
+
+def test_two_dimensional_mesh(tmp_path: Path) -> None:
+    """A 2 x 1 mesh: shards over one mesh dim, replicas over the other (only one copy is read)."""
+    path = tmp_path / "mesh2d"
+    spec = {"emb": "S0,R", "proj": "R,S1", "norm": "R,S0"}
+    all_ok(run_ranks(w_save, 2, str(path), (2, 1), spec, timeout=90))
+    got = asyncload.read_state_dict(path)
+    assert_bitwise_equal(got["model"], _full(), "model")
+    values = all_ok(run_ranks(w_asyncload, 2, str(path), _SPEC, timeout=90))
+    assert [v["bad"] for v in values] == [[], []]
 
 
 def test_two_rank_save_resharded_for_two(two_ranks: Path) -> None:
