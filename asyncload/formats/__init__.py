@@ -13,6 +13,9 @@ asyncload reads four layouts through the same pipeline:
     ``HuggingFaceStorageWriter(save_distributed=True)`` shards carry their chunk offsets).
 ``torch.save`` (:mod:`.torchsave`, zip container in :mod:`.zip`)
     one zip-format ``torch.save`` file (or HF ``pytorch_model.bin.index.json`` shards of them).
+``torch-checkpointing`` (:mod:`.torch_checkpointing`)
+    a directory of ``<item>_<rank>.pt`` files (+ ``metadata.pkl``), what torch-checkpointing's
+    ``CheckpointManager`` writes; pickled DTensors are assembled from every rank's shard.
 
 For the non-DCP formats :func:`aprobe_first` / :func:`aprobe_fallback` (:mod:`.probe`)
 synthesise a DCP ``Metadata`` (one chunk per tensor, or the chunks the shards name) whose

@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Awaitable
 
-from .._errors import CheckpointFormatError, CheckpointNotFoundError
+from .._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from .._options import LoadOptions
 from .._paths import check_relative_path
 from .._retry import RetryingStorage
@@ -28,6 +28,7 @@ from .safetensors import (
     aread_header,
     looks_like_safetensors,
 )
+from .torch_checkpointing import METADATA_FILE, adirectory_metadata, is_torch_checkpointing, item_file_hint
 from .torchsave import HEAD_PROBE, _atorchsave_files
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
@@ -76,6 +77,12 @@ async def aprobe_fallback(
     size = await fetcher.size(HF_SINGLE)
     if size is not None:
         return await _afile(fetcher, HF_SINGLE, size, str(checkpoint))
+    if not is_local(checkpoint) and (await fetcher.size(METADATA_FILE) is not None or str(checkpoint).endswith("/")):
+        # a torch-checkpointing directory, before the URL is tried as a file: over HTTP the
+        # directory's URL answers with its index page, which is no checkpoint file
+        names = await fetcher.listdir()
+        if is_torch_checkpointing(names):
+            return await adirectory_metadata(fetcher, names, str(checkpoint))
     if not is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
         if name:
@@ -85,6 +92,8 @@ async def aprobe_fallback(
             storage = await open_root(str(checkpoint))
             fetcher = Fetcher(storage, options)
     names = await fetcher.listdir()
+    if is_torch_checkpointing(names):
+        return await adirectory_metadata(fetcher, names, str(checkpoint))
     shards = [n for n in names if n.endswith(".safetensors")]
     if shards:
         return await _asafetensors_files(fetcher, shards, None, str(checkpoint))
@@ -123,7 +132,13 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str, *, head: b
     if head is None or len(head) < min(size, _probe_size(name)):
         head = await fetcher.read(name, 0, min(size, _probe_size(name)))
     if head.startswith(b"PK\x03\x04"):
-        md = await _atorchsave_files(fetcher, [(name, size)], None, source)
+        try:
+            md = await _atorchsave_files(fetcher, [(name, size)], None, source)
+        except (CheckpointFormatError, UnsafeCheckpointError) as exc:
+            hint = item_file_hint(name)
+            if hint is None:
+                raise
+            raise type(exc)(f"{exc} ({hint})") from None
         return md
 
     def read_header() -> Awaitable[SafetensorsHeader]:

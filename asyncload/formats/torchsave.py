@@ -10,6 +10,7 @@ import asyncio
 import copy
 import dataclasses
 import enum
+import functools
 import io
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -128,13 +129,18 @@ def parse_archive(
     *,
     max_pickle: int = 1 << 30,
     safe_globals: tuple[Any, ...] = (),
+    decode: Callable[[memoryview, str], Any] | None = None,
 ) -> ArchiveLayout:
     """Parse the archive at file bytes ``[start, start + size)``; raises NeedBytes for missing
     bytes inside the archive, CheckpointFormatError for anything that points outside it or
     does not hold together (never an exception from ``struct`` or ``zipfile``).
-    ``safe_globals``: the globals the user trusts in its pickle (``LoadOptions.safe_globals``)."""
+    ``safe_globals``: the globals the user trusts in its pickle (``LoadOptions.safe_globals``).
+    ``decode(data.pkl, where)``: another allow-list decoder (torch-checkpointing's DTensors).
+    """
+    if decode is None:
+        decode = functools.partial(_record_object, safe_globals=safe_globals)
     try:
-        return _parse_archive(win, start, size, where, max_pickle, safe_globals)
+        return _parse_archive(win, start, size, where, max_pickle, decode)
     except NeedBytes as need:
         if need.start < start or need.end > start + size or need.end < need.start:
             raise CheckpointFormatError(
@@ -145,7 +151,7 @@ def parse_archive(
 
 
 def _parse_archive(
-    win: ByteWindow, start: int, size: int, where: str, max_pickle: int, safe_globals: tuple[Any, ...]
+    win: ByteWindow, start: int, size: int, where: str, max_pickle: int, decode: Callable[[memoryview, str], Any]
 ) -> ArchiveLayout:
     if size < 22:
         raise CheckpointFormatError(f"{where}: {size} bytes is too small to be a torch.save archive")
@@ -172,7 +178,7 @@ def _parse_archive(
     ds = _data_start(win, start, pkl.header_offset, pkl.name, where)
     if pkl.method != 0:
         raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
-    obj = _record_object(win.get(start + ds, start + ds + pkl.size), where, safe_globals)
+    obj = decode(win.get(start + ds, start + ds + pkl.size), where)
     refs: list[TensorRef] = []
     _walk_refs(obj, refs)
     storages: dict[str, StorageLoc] = {}
@@ -698,7 +704,9 @@ def _as_saved(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     return t
 
 
-async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
+async def _alayout(
+    fetcher: Fetcher, name: str, size: int, *, decode: Callable[[memoryview, str], Any] | None = None
+) -> ArchiveLayout:
     """Parse a torch.save zip file without reading its tensor data: the directory at its
     tail, the pickle and each entry's local header (fetched concurrently, neighbours joined)."""
     url = fetcher.url(name)
@@ -735,7 +743,9 @@ async def _alayout(fetcher: Fetcher, name: str, size: int) -> ArchiveLayout:
     await _afill(fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP))
     for _ in range(16):
         try:
-            return parse_archive(win, 0, size, url, max_pickle=opts.max_metadata_size, safe_globals=opts.safe_globals)
+            return parse_archive(
+                win, 0, size, url, max_pickle=opts.max_metadata_size, safe_globals=opts.safe_globals, decode=decode
+            )
         except NeedBytes as need:
             lo, hi = max(0, need.start), min(size, max(need.end, need.start + HEAD_PROBE))
             if hi <= lo:
