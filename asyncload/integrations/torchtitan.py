@@ -34,7 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
+
+try:
+    from torchtitan.components.checkpoint import MODEL, CheckpointManager
+except ModuleNotFoundError as exc:
+    if exc.name != "torchtitan":
+        raise
+    raise ModuleNotFoundError(
+        "asyncload.integrations.torchtitan needs torchtitan, which is not installed "
+        "(tested with torchtitan 0.3.0: pip install torchtitan==0.3.0)",
+        name="torchtitan",
+    ) from exc
 
 from .._api import load
 from .._options import LoadOptions
@@ -61,7 +71,7 @@ def _redacted(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class AsyncLoadCheckpointManager(CheckpointManager):  # type: ignore[misc]
+class AsyncLoadCheckpointManager(CheckpointManager):
     """torchtitan's ``CheckpointManager`` whose loads go through asyncload.
 
     Saves, purging and step discovery are torchtitan's; :meth:`dcp_load` (every load the
@@ -72,7 +82,7 @@ class AsyncLoadCheckpointManager(CheckpointManager):  # type: ignore[misc]
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(CheckpointManager.Config):  # type: ignore[misc]
+    class Config(CheckpointManager.Config):
         """torchtitan's ``CheckpointManager.Config`` plus the options of asyncload's reads."""
 
         load_options: LoadOptions = field(default_factory=LoadOptions)
@@ -98,8 +108,7 @@ class AsyncLoadCheckpointManager(CheckpointManager):  # type: ignore[misc]
             bad = [k for k in self.storage_options if not isinstance(k, str)]
             if bad:
                 raise ValueError(
-                    f"AsyncLoadCheckpointManager.Config.storage_options is invalid: its key {bad[0]!r} "
-                    "is not a str"
+                    f"AsyncLoadCheckpointManager.Config.storage_options is invalid: its key {bad[0]!r} is not a str"
                 )
             self.storage_options = dict(self.storage_options)
 
@@ -165,4 +174,3 @@ class AsyncLoadCheckpointManager(CheckpointManager):  # type: ignore[misc]
             stats.files,
         )
         return stats
-

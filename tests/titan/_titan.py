@@ -137,7 +137,9 @@ class Run:
         dataloader = self.dataloader.state_dict()
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizers.state_dict().items()},
+            "optimizer": {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizers.state_dict().items()
+            },
             "lr_scheduler": self.lr_schedulers.state_dict(),
             "dataloader": {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in dataloader.items()},
             "dataloader_bytes": dataloader,

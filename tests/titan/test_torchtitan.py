@@ -156,7 +156,9 @@ def test_selected_from_torchtitan_config(tmp_path: Path) -> None:
 
 
 def test_config_validation() -> None:
-    with pytest.raises(ValueError, match=r"load_options=\{'concurrency': 4\} is invalid: it must be an asyncload.LoadOptions"):
+    with pytest.raises(
+        ValueError, match=r"load_options=\{'concurrency': 4\} is invalid: it must be an asyncload.LoadOptions"
+    ):
         AsyncLoadCheckpointManager.Config(load_options={"concurrency": 4})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"storage_options is invalid: it must be a dict with str keys, not a list$"):
         AsyncLoadCheckpointManager.Config(storage_options=[("secret", "s")])  # type: ignore[arg-type]
@@ -205,7 +207,7 @@ def test_resume_s3_bit_exact(
 def test_hf_import_bit_exact(saved: tuple[Path, dict[str, Any], list[torch.Tensor]], tmp_path: Path) -> None:
     """``initial_load_in_hf``: the safetensors torchtitan exported (``last_save_in_hf``),
     read through asyncload and mapped by the model's state-dict adapter."""
-    base, states, _ = saved
+    _, states, _ = saved
     export = Run(titan_config(folder="export", last_save_in_hf=True, last_save_model_only=True), tmp_path, seed=0)
     try:
         export.model.load_state_dict(states["model"])
