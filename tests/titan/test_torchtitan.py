@@ -4,7 +4,7 @@ A debug llama3 trains 3 steps and torchtitan's manager saves it (DCP, step-3); a
 (other initial weights, dataloader at its start) resumes it with torchtitan's manager, and
 another with asyncload's: every model, optimizer, LR scheduler, dataloader and train-state
 entry must be equal bit for bit, and so must the losses and every entry after 3 more steps.
-From local disk and from an S3 server on loopback (both transports), and the Hugging Face
+From local disk and from S3 and GCS servers on loopback (both transports), and the Hugging Face
 import (``initial_load_in_hf``) of a model torchtitan exported.
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 from _titan import Run, assert_same
@@ -32,6 +33,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:To get the last learning rate computed by the scheduler:UserWarning"),
 ]
 
+#: asyncload's clients for remote stores (LoadOptions.transport)
+TRANSPORTS = ["obstore", "fsspec"]
 SAVE_STEP = 3
 MORE_STEPS = 3
 
@@ -177,31 +180,35 @@ def test_resume_local_bit_exact(saved: tuple[Path, dict[str, Any], list[torch.Te
     assert got.stats is not None and got.stats.bytes_read == data_bytes(base) and got.stats.unexpected_keys == []
 
 
-def test_resume_s3_bit_exact(
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_resume_remote_bit_exact(
     saved: tuple[Path, dict[str, Any], list[torch.Tensor]],
     titan_resumed: Resumed,
-    s3_server: Any,
+    store: str,
     bucket_name: str,
-    transport: str,
+    request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``checkpoint.folder`` on S3: torchtitan finds the step (and its own manager reads)
-    through fsspec configured by the environment; asyncload reads with its options."""
+    """``checkpoint.folder`` in a bucket on a loopback server: torchtitan finds the step (and
+    its own manager reads) through fsspec, configured as a torchtitan user configures it
+    (fsspec's config); asyncload reads with the manager's options, on both transports."""
+    server = request.getfixturevalue(f"{store}_server")
     base, _, _ = saved
-    folder = s3_server.upload_dir(base / "checkpoint", bucket_name, "run/checkpoint")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
-    titan_s3 = resume(titan_config(folder=folder), "")
-    assert_resumed_alike(titan_s3, titan_resumed)
-    got = resume(
-        asyncload_config(
-            folder=folder,
-            load_options=LoadOptions(transport=transport),
-            storage_options=s3_server.storage_options(),
-        ),
-        "",
-    )
-    assert_resumed_alike(got, titan_resumed)
-    assert got.stats is not None and got.stats.bytes_read == data_bytes(base)
+    folder = server.upload_dir(base / "checkpoint", bucket_name, "run/checkpoint")
+    monkeypatch.setitem(fsspec.config.conf, server.protocol, server.storage_options())
+    titan_remote = resume(titan_config(folder=folder), "")
+    assert_resumed_alike(titan_remote, titan_resumed)
+    for transport in TRANSPORTS:
+        got = resume(
+            asyncload_config(
+                folder=folder,
+                load_options=LoadOptions(transport=transport),
+                storage_options=server.storage_options(),
+            ),
+            "",
+        )
+        assert_resumed_alike(got, titan_resumed)
+        assert got.stats is not None and got.stats.bytes_read == data_bytes(base), transport
 
 
 def test_hf_import_bit_exact(saved: tuple[Path, dict[str, Any], list[torch.Tensor]], tmp_path: Path) -> None:
