@@ -6,7 +6,8 @@
 # caps fsspec (<=2026.2.0) below what the main suite runs s3fs/gcsfs against; here pip
 # picks the s3fs/gcsfs that match that fsspec. tests/titan/ runs in it (scripts/test.sh).
 # Quiet: prints nothing but errors (and exits non-zero on them).
-# Idempotent: a second run only checks what is installed.
+# Idempotent: a second run with the same pyproject.toml and script only checks the imports
+# (a stamp in .venv-titan records what it was built from).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,6 +15,11 @@ if [ ! -x .venv-titan/bin/python ]; then
   "$PY" -m venv .venv-titan
 fi
 . .venv-titan/bin/activate
+stamp=$(cat pyproject.toml scripts/setup_titan.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat .venv-titan/.built-from 2>/dev/null)" = "$stamp" ] \
+  && python -c "import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, obstore, pytest_asyncio" >/dev/null 2>&1; then
+  exit 0
+fi
 
 # `pip install -q ARGS...`, keeping pip's exit status and its errors, without the notes
 # pip prints when a configured local index folder does not exist on this machine.
@@ -39,3 +45,4 @@ echo "torch==2.13.0" >"$constraints"
 PYTHONWARNINGS="ignore:Editable installation" pip_install -c "$constraints" \
   -e ".[test]" "torchtitan==0.3.0" "torch-checkpointing==0.1.1" "triton==3.8.0"
 python -c "import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, obstore, pytest_asyncio" >/dev/null
+echo "$stamp" >.venv-titan/.built-from
