@@ -206,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="option for the fsspec filesystem of a remote URL (repeatable; values parsed as JSON "
-        "when possible, dotted keys nest: config_kwargs.max_pool_connections=64)",
+        "when possible, dotted keys nest: client_kwargs.region_name=eu-west-1)",
     )
     common.add_argument(
         "-v",

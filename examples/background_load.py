@@ -7,6 +7,8 @@ model's own tensors while the main thread builds the optimizer, the data pipelin
 on. ``handle.progress`` says how far it got, ``handle.result()`` waits for the end (or
 raises the load's error). Without CHECKPOINT the script first writes one with
 ``dcp.save``. Set ASYNCLOAD_EXAMPLE_SMALL=1 for a tiny model.
+
+Needs: torch only (local files).
 """
 
 from __future__ import annotations
