@@ -58,6 +58,20 @@ CONTENDERS: dict[str, tuple[set[str], str | None]] = {
     "tensorizer": ({"tensorizer"}, "tensorizer"),
 }
 
+#: contender -> what a figure's legend calls it: the public name of the reader and how it reads
+LEGEND = {
+    "raw_s3fs": "s3fs ranged reads (bound)",
+    "raw_obstore": "obstore ranged reads (bound)",
+    "curl": "curl --parallel (bound)",
+    "asyncload": "asyncload.load",
+    "asyncload_fsspec": 'asyncload.load, transport="fsspec"',
+    "asyncload_baseline": "asyncload.load (baseline tree)",
+    "s3torchconnector": "s3torchconnector DCP reader",
+    "torch_fsspec": "torch dcp.load + FsspecReader",
+    "runai": "runai-model-streamer",
+    "tensorizer": "tensorizer",
+}
+
 
 def make_tensors(total: int, hidden: int) -> dict[str, Any]:
     """bf16 matrices of ``hidden`` x 4*hidden (8 MiB at 1024) up to ``total`` bytes, fp32 norms."""
@@ -286,7 +300,7 @@ def plot(table: dict[str, dict[str, dict[str, float]]], nbytes: int, meta: dict[
     for i, c in enumerate(contenders):
         xs = [j + i * width for j, la in enumerate(layouts) if c in table[la]]
         ys = [nbytes / GiB / table[la][c]["seconds"] for la in layouts if c in table[la]]
-        ax.bar(xs, ys, width, label=c)
+        ax.bar(xs, ys, width, label=LEGEND.get(c, c))
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layouts))], layouts)
     ax.set_ylabel("GiB/s (median, fresh process per run)")
     ax.set_title(

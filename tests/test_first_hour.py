@@ -302,3 +302,36 @@ def test_load_on_a_running_loop_logs_one_hint(small_ckpt, caplog, monkeypatch) -
     )
     for k, v in sd.items():
         assert torch.equal(dest[k], v)
+
+
+# --- the figures ---------------------------------------------------------------------------
+
+
+def test_the_user_level_pipeline_figure_is_what_its_generator_draws() -> None:
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("draw_pipeline", repo / "benchmarks" / "draw_pipeline.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    committed = (repo / "docs" / "img" / "pipeline_user.svg").read_text()
+    assert committed == mod.svg()
+    for name in ("asyncload.load", "LoadOptions", "chunk_size", "concurrency", "memory_budget", "LoadStats"):
+        assert name in committed
+    assert "_session" not in committed and "Pipeline" not in committed  # no private module or class names
+
+
+def test_the_examples_table_lists_every_example_and_each_says_what_it_needs() -> None:
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    index = (repo / "docs" / "index.md").read_text()
+    listed = set(re.findall(r"\(\.\./examples/([a-z0-9_]+\.py)\)", index))
+    scripts = {p.name for p in (repo / "examples").glob("*.py")}
+    assert listed == scripts
+    for name in scripts:
+        doc = (repo / "examples" / name).read_text().split('"""')[1]
+        assert "Needs:" in doc, name
+    s3 = (repo / "examples" / "load_from_s3.py").read_text()
+    assert "moto" in s3.split('"""')[1] and "os.environ[" not in s3 and "configure_env" not in s3
