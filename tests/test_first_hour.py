@@ -335,3 +335,12 @@ def test_the_examples_table_lists_every_example_and_each_says_what_it_needs() ->
         assert "Needs:" in doc, name
     s3 = (repo / "examples" / "load_from_s3.py").read_text()
     assert "moto" in s3.split('"""')[1] and "os.environ[" not in s3 and "configure_env" not in s3
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    repo = Path(__file__).resolve().parents[1]
+    layout = (repo / "README.md").read_text().split("## Layout", 1)[1]
+    modules = {p.stem for p in (repo / "asyncload").glob("*.py")} - {"__init__", "__main__"}
+    assert sorted(m for m in modules if m not in layout) == []
+    for folder in ("formats/", "testing/", "tests/", "benchmarks/", "examples/", "docs/", "scripts/"):
+        assert folder in layout
