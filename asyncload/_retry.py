@@ -16,7 +16,8 @@ turned off in :mod:`asyncload._storage`):
   (timeouts, 5xx, 429/SlowDown, connection resets, bodies cut short), after a full-jitter
   exponential backoff (``backoff`` doubling up to ``max_backoff``), at least the
   server's ``Retry-After``. Counted in ``LoadStats.retries`` and ``retries_by_cause``.
-  403/404/missing objects and other 4xx fail at once.
+  403/404/missing objects and other 4xx fail at once; nothing answering at the endpoint
+  (refused, host not found) gets :data:`UNREACHABLE_ATTEMPTS` attempts at most.
 * **Hedging**: an attempt still running after its hedge delay gets one duplicate request;
   the first to succeed wins, the other is cancelled (its connection closed). Counted in
   ``LoadStats.hedges``; at most ``HedgePolicy.max_in_flight`` duplicates at once. Two
