@@ -18,7 +18,7 @@ from ._driver import load_steps, run_async, run_sync
 from ._errors import LoadCancelledError, LoadReentryError
 from ._loop import on_library_loop
 from ._options import LoadOptions
-from ._stats import LoadStats
+from ._stats import LoadStats, _fmt_bytes
 
 __all__ = ["LoadHandle", "aload", "load", "start_load"]
 
@@ -99,10 +99,31 @@ def load(
     that name (torch's ``DefaultLoadPlanner`` has it), which it keeps; a planner made with
     ``allow_partial_load=True`` loads partially whatever is passed here.
     """
+    _hint_aload_if_loop_running()
     reader, planner = _prepare(
         checkpoint, options, storage_options, planner, progress, extension_registry, allow_partial_load
     )
     return run_sync(load_steps(state_dict, reader, planner, process_group), reader)
+
+
+_hinted = threading.Event()
+
+
+def _hint_aload_if_loop_running() -> None:
+    """Log once per process (INFO) when :func:`load` is called on a thread that runs an event
+    loop: the load works (on asyncload's own loop thread), but this loop stands still until
+    it returns; ``await asyncload.aload(...)`` keeps it running."""
+    if _hinted.is_set():
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    _hinted.set()
+    log.info(
+        "asyncload.load was called on a thread that runs an event loop: that loop is blocked until the load "
+        "returns; use 'await asyncload.aload(...)' in async code to keep it running"
+    )
 
 
 async def aload(
@@ -133,8 +154,10 @@ class LoadHandle:
     ``result(timeout)`` waits and returns :class:`LoadStats` (or raises the load's error,
     :class:`LoadCancelledError` after ``cancel()``, ``TimeoutError`` if it is still running);
     ``done()`` says whether it finished; ``cancel()`` stops it; ``progress`` is
-    ``(bytes_done, bytes_total)`` so far (``(0, 0)`` until the plan is made);
-    ``statistics()`` a live :class:`LoadStats` snapshot.
+    ``(bytes_done, bytes_total)`` so far, ``bytes_total`` ``None`` while it is not known yet
+    (``(0, None)`` until the metadata is read and the plan made);
+    ``statistics()`` a live :class:`LoadStats` snapshot. ``repr(handle)`` shows the checkpoint,
+    the state (running, done, failed, cancelled) and the progress.
     """
 
     def __init__(
@@ -146,7 +169,7 @@ class LoadHandle:
         self._cancelled = False
         #: Orders cancel() against the load's end: once cancel() returned True, result() raises.
         self._ending = threading.Lock()
-        self.progress: tuple[int, int] = (0, 0)
+        self.progress: tuple[int, int | None] = (0, None)
 
     def result(self, timeout: float | None = None) -> LoadStats:
         if not self._future.done() and on_library_loop():
@@ -193,6 +216,19 @@ class LoadHandle:
         except BaseException as exc:
             return exc
         return None
+
+    def __repr__(self) -> str:
+        done, total = self.progress
+        if not self._future.done():
+            state = "cancelling" if self._cancelled else "running"
+        elif self._future.exception() is None:
+            state = "done"
+        elif isinstance(self._future.exception(), LoadCancelledError):
+            state = "cancelled"
+        else:
+            state = f"failed: {type(self._future.exception()).__name__}"
+        of = f" of {_fmt_bytes(total)}" if total is not None else " (total not known yet)"
+        return f"<LoadHandle {self._reader.checkpoint} {state}, {_fmt_bytes(done)}{of}>"
 
 
 def start_load(

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +131,7 @@ def convert(
         shards = plan_shards(planned, max_shard_size)
         total = sum(s.size for s in shards)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+        tmp = _partial_dir(dst)
         try:
             _write_shards(tmp, shards, sync_iter(stream.abatches(), stream.options), total, progress)
             if len(shards) > 1:
@@ -195,6 +195,19 @@ def _write_shards(
     finally:
         for f in files.values():
             f.close()
+
+
+def _partial_dir(dst: Path) -> Path:
+    """A new, empty directory beside ``dst`` to write into, with the permissions the umask
+    gives (``tempfile.mkdtemp`` makes 0700: a converted model others could not read)."""
+    for _ in range(100):
+        tmp = dst.with_name(f".{dst.name}.partial-{secrets.token_hex(4)}")
+        try:
+            tmp.mkdir(0o777)  # the umask applies, as to the files written into it
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"could not make a new directory beside {dst} to write into")
 
 
 def _replace(tmp: Path, dst: Path) -> None:

@@ -182,6 +182,8 @@ async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Meta
     try:
         return await session.aread_metadata(), True
     except CheckpointNotFoundError as missing:
+        if session.checkpoint_missing:
+            raise
         try:
             md = await session.aread_metadata(rank=rank)
         except CheckpointNotFoundError as exc:
@@ -190,7 +192,7 @@ async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Meta
                 "dcp.save(..., use_collectives=False) writes for each rank.",
                 path=missing.path,
                 status=missing.status,
-            ) from exc
+            ) from missing.__cause__  # the client's first error; this message says what both errors said
         session.metadata_error = None
         log.debug("%s has no .metadata: rank %d reads its rank-local __%d.metadata", session.checkpoint, rank, rank)
         return md, False

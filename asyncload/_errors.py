@@ -152,6 +152,15 @@ class LoadCancelledError(AsyncLoadError, concurrent.futures.CancelledError):
     """Raised by ``LoadHandle.result()`` after ``LoadHandle.cancel()``."""
 
 
+def docs_ref(page: str, section: str = "") -> str:
+    """Where a message points for more: ``"asyncload docs: Errors > StorageReadError"``.
+
+    Pages and sections are named by their titles (the page names of docs/index.md), which stay
+    the same across versions, renderings and installs; a repository path does not exist in an
+    installed package."""
+    return f"asyncload docs: {page}" + (f" > {section}" if section else "")
+
+
 def first_error(group: BaseExceptionGroup) -> BaseException:
     """The one error to raise for a task group's failure (exception groups stop inside the
     library): this process's own asyncload error first, then another rank's

@@ -16,7 +16,8 @@ turned off in :mod:`asyncload._storage`):
   (timeouts, 5xx, 429/SlowDown, connection resets, bodies cut short), after a full-jitter
   exponential backoff (``backoff`` doubling up to ``max_backoff``), at least the
   server's ``Retry-After``. Counted in ``LoadStats.retries`` and ``retries_by_cause``.
-  403/404/missing objects and other 4xx fail at once.
+  403/404/missing objects and other 4xx fail at once; nothing answering at the endpoint
+  (refused, host not found) gets :data:`UNREACHABLE_ATTEMPTS` attempts at most.
 * **Hedging**: an attempt still running after its hedge delay gets one duplicate request;
   the first to succeed wins, the other is cancelled (its connection closed). Counted in
   ``LoadStats.hedges``; at most ``HedgePolicy.max_in_flight`` duplicates at once. Two
@@ -62,6 +63,7 @@ from ._errors import (
     CheckpointNotFoundError,
     ChunkTimeoutError,
     StorageReadError,
+    docs_ref,
 )
 from ._options import HedgePolicy, LoadOptions, RetryPolicy
 from ._stats import StatsRecorder
@@ -215,6 +217,8 @@ class Failure:
     format_error: bool = False
     #: The store asks to slow down (429, 503, SlowDown...): concurrency="auto" backs off.
     throttle: bool = False
+    #: The most attempts this cause deserves, whatever ``LoadOptions.retries`` says (``None``: no cap).
+    max_attempts: int | None = None
 
 
 def _is_obstore(exc: BaseException) -> bool:
@@ -314,6 +318,54 @@ def _classify_obstore(exc: BaseException) -> Failure | None:
     return None
 
 
+#: Nothing answers at the endpoint (connection refused, host name not found): the address is
+#: wrong or the server is down, which retrying with backoff does not fix. One retry, for a
+#: server that restarts or a load balancer that swaps a backend at that moment; then the load
+#: fails with "could not connect to <endpoint>" (docs/errors.md, StorageReadError).
+UNREACHABLE_ATTEMPTS = 2
+UNREACHABLE = Failure(True, "unreachable", max_attempts=UNREACHABLE_ATTEMPTS)
+_OBSTORE_CONNECT = re.compile(r"kind: Connect\b")
+_URL_HOST = re.compile(r"\b(https?)://(?:[^@/\s\"]*@)?([^/\s\"?#,]+)")
+
+
+def unreachable(exc: BaseException) -> tuple[str, str] | None:
+    """``(endpoint, why)`` when ``exc`` (or an error it was raised from) says no connection
+    could be made - refused, or the host name not found - before any answer: ``endpoint``
+    is ``scheme://host:port`` (credentials left out) or ``host:port``; else ``None``."""
+    for e in _causes(exc):
+        names = _mro_names(e)
+        text = str(e)
+        why = ""
+        if _is_obstore(e):
+            if _OBSTORE_CONNECT.search(text) and "ConnectionRefused" in text:
+                why = "connection refused"
+            elif _OBSTORE_CONNECT.search(text) and "dns error" in text:
+                why = "host name not found"
+        elif "EndpointConnectionError" in names:  # botocore: refused or not resolved
+            why = "connection refused or host name not found"
+        elif "ClientConnectorError" in names and not names & {"ClientConnectorCertificateError", "ClientSSLError"}:
+            os_error = getattr(e, "os_error", None)
+            if isinstance(os_error, ConnectionRefusedError):
+                why = "connection refused"
+            elif type(os_error).__name__ == "gaierror":
+                why = "host name not found"
+            if why:
+                host, port = getattr(e, "host", ""), getattr(e, "port", "")
+                return f"{host}:{port}", why
+        elif isinstance(e, ConnectionRefusedError):
+            why = "connection refused"
+        if why:
+            m = _URL_HOST.search(text)
+            return (f"{m.group(1)}://{m.group(2)}" if m else "the endpoint"), why
+    return None
+
+
+def brief(exc: BaseException) -> str:
+    """``exc``'s message without the Rust client's ``Debug source:`` dump that obstore appends
+    (the first line says what failed; the dump repeats it as nested structs)."""
+    return str(exc).split("\n\nDebug source:", 1)[0].strip()
+
+
 def classify(exc: BaseException) -> Failure:
     """Whether a failed read can succeed if tried again, and why it failed."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
@@ -321,6 +373,8 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, ShortReadError):  # a local file's end is final: truncated, not flaky
         return Failure(not exc.local, "short_read", format_error=exc.local)
     chain = _causes(exc)  # s3fs and gcsfs wrap the HTTP error
+    if unreachable(exc) is not None:
+        return UNREACHABLE
     if any(type(e).__name__ in _SHORT_BODY_ERRORS for e in chain):
         # the connection ended before Content-Length bytes arrived: never data (aiohttp's
         # ContentLengthError carries a client-side "400", not the server's status)
@@ -449,11 +503,25 @@ def translate(
             else f"{url} does not exist"
         )
         return CheckpointNotFoundError(
-            f"{what} {tries} ({type(exc).__name__}: {exc})"[:800],
+            f"{what} {tries} ({type(exc).__name__}: {brief(exc)})"[:800],
             path=url,
             byte_range=byte_range,
             attempts=attempts,
             status=404,
+        )
+    if f.cause == "unreachable":
+        endpoint, why = unreachable(exc) or ("the endpoint", "no connection")
+        fix = (
+            "check the host and port in the URL"
+            if url.startswith(("http://", "https://"))
+            else "check storage_options endpoint_url (the CLI's -o endpoint_url=...)"
+        )
+        return StorageReadError(
+            f"could not connect to {endpoint} ({why}) to read {where} {tries}: {fix}, and that the server "
+            f"is running ({docs_ref('Errors', 'StorageReadError')})",
+            path=url,
+            byte_range=byte_range,
+            attempts=attempts,
         )
     if f.format_error or (isinstance(exc, ShortReadError) and not f.retryable):
         return CheckpointFormatError(f"{where} lies past the end of the file: the file is truncated ({exc})")
@@ -480,7 +548,7 @@ def translate(
         hint = " (raise LoadOptions.retries or LoadOptions.timeout for a flaky store)"
     status = f" HTTP {f.status}" if f.status else ""
     return StorageReadError(
-        f"reading {where} failed{status} {tries}: {type(exc).__name__}: {exc}"[:800] + hint,
+        f"reading {where} failed{status} {tries}: {type(exc).__name__}: {brief(exc)}"[:800] + hint,
         path=url,
         byte_range=byte_range,
         attempts=attempts,
@@ -772,7 +840,7 @@ async def call_with_retry(
             failure = classify(exc)
             if failure.throttle and on_throttle is not None:
                 on_throttle()
-            if not failure.retryable or attempt == attempts:
+            if not failure.retryable or attempt >= min(attempts, failure.max_attempts or attempts):
                 if failure.cause == "timeout":
                     stats.add(timeouts=1)
                 where = culprit() if culprit is not None else None

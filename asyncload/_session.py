@@ -45,7 +45,13 @@ from . import _cuda, _transforms, formats
 from ._assembly import copy_bytes
 from ._chunks import Chunk, Piece, TensorLocation
 from ._crc import CrcTracker, gaps
-from ._errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
+from ._errors import (
+    CheckpointChangedError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    StateDictMismatchError,
+    docs_ref,
+)
 from ._loop import loop_thread, refuse_on_library_loop, run_sync
 from ._options import ChunkPolicy, LoadOptions
 from ._paths import check_relative_path
@@ -53,7 +59,7 @@ from ._pipeline import Pipeline
 from ._plan import break_even_gap, make_chunks, plan_tensor
 from ._retry import RetryingStorage
 from ._stats import LoadStats, StatsRecorder
-from ._storage import is_local, open_storage
+from ._storage import is_local, local_root, open_storage
 from .formats.torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
@@ -113,6 +119,19 @@ class _Record:
         return f"record {self.fqn!r} at [{self.offset}, {self.end}) of {self.name}"
 
 
+def _refuse_a_dcp_file(checkpoint: str | os.PathLike[str]) -> None:
+    """Raise :class:`CheckpointFormatError` when ``checkpoint`` names a file inside a DCP
+    checkpoint (a ``.distcp`` data file or the ``.metadata``) instead of its directory."""
+    path = str(checkpoint).split("?", 1)[0].split("#", 1)[0].rstrip("/")
+    name = path.rsplit("/", 1)[-1]
+    if name.endswith(".distcp") or name == ".metadata" or (name.startswith("__") and name.endswith(".metadata")):
+        parent = path[: -len(name)].rstrip("/") or "/"
+        raise CheckpointFormatError(
+            f"{checkpoint} is a file of a DCP checkpoint, not the checkpoint: pass the checkpoint directory "
+            f"({parent}) that holds it and the .metadata"
+        )
+
+
 class LoadSession:
     """The async core of one load of ``checkpoint`` (a local path, ``PathLike``, ``file://``
     or fsspec URL; ``storage_options`` go to the fsspec filesystem).
@@ -143,6 +162,8 @@ class LoadSession:
         self.metadata: Metadata | None = None
         #: The first error of the metadata read in this load (``dcp.load`` hides it behind an AssertionError).
         self.metadata_error: BaseException | None = None
+        #: A local checkpoint directory that does not exist (no rank-local fallback to try).
+        self.checkpoint_missing = False
         #: Multi-rank loads: the process group and its monitor (:mod:`asyncload._driver`).
         self.group: Any = None
         self.monitor: Any = None
@@ -361,6 +382,7 @@ class LoadSession:
 
     async def _aread_metadata(self, rank: int | None) -> Metadata:
         options = self.options
+        _refuse_a_dcp_file(self.checkpoint)
         if rank is None:
             if self._storage_root is not None:
                 await self._open_root(None)  # back to the checkpoint itself
@@ -381,16 +403,24 @@ class LoadSession:
             else:
                 size = await storage.size(name)
         except CheckpointNotFoundError as exc:
+            if is_local(self.checkpoint) and not os.path.lexists(local_root(self.checkpoint)):  # noqa: ASYNC240 - one stat, on the error path
+                self.checkpoint_missing = True
+                raise CheckpointNotFoundError(
+                    f"the checkpoint {self.checkpoint} does not exist: no such file or directory (check the path)",
+                    path=str(self.checkpoint),
+                    status=404,
+                ) from None  # the .metadata it looked for adds nothing
             if rank is None:
                 found = await formats.aprobe_fallback(self.checkpoint, storage, self._open_root, options)
                 if found is not None:
                     return found
             raise CheckpointNotFoundError(
                 f"{url} does not exist: {self.checkpoint} is not a DCP checkpoint, or its save did not finish "
-                "(DCP writes .metadata last); nor is it a safetensors or torch.save checkpoint (docs/formats.md)",
+                "(DCP writes .metadata last); nor is it a safetensors or torch.save checkpoint "
+                f"({docs_ref('Formats')})",
                 path=url,
                 status=404,
-            ) from exc
+            ) from exc.__cause__ or exc  # the client's own error: the translated one says the same
         if size > options.max_metadata_size:
             raise CheckpointFormatError(
                 f"{url} is {size} bytes, more than LoadOptions.max_metadata_size={options.max_metadata_size}"

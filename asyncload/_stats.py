@@ -59,7 +59,8 @@ class LoadStats:
     peak_buffered_bytes: int = 0
     #: Tensor records checked against their stored CRC-32 (``verify=True``).
     verified_records: int = 0
-    #: Files the load opened or fetched from.
+    #: Files the load opened or fetched from: the data files and the metadata file (a DCP
+    #: checkpoint's ``.metadata``), as ``asyncload inspect`` counts them (``file_count``).
     files: int = 0
     #: Bytes shared with or received from other ranks instead of read (ShardedLoadPlanner).
     bytes_received: int = 0

@@ -58,6 +58,28 @@ CONTENDERS: dict[str, tuple[set[str], str | None]] = {
     "tensorizer": ({"tensorizer"}, "tensorizer"),
 }
 
+#: contender -> what a figure's legend calls it: the public name of the reader and how it reads
+LEGEND = {
+    "raw_s3fs": "s3fs ranged reads (bound)",
+    "raw_obstore": "obstore ranged reads (bound)",
+    "curl": "curl --parallel (bound)",
+    "asyncload": "asyncload.load",
+    "asyncload_fsspec": 'asyncload.load, transport="fsspec"',
+    "asyncload_baseline": "asyncload.load (baseline tree)",
+    "s3torchconnector": "s3torchconnector DCP reader",
+    "torch_fsspec": "torch dcp.load + FsspecReader",
+    "runai": "runai-model-streamer",
+    "tensorizer": "tensorizer",
+}
+#: layout -> what a figure calls it
+LAYOUT_NAMES = {
+    "dcp-one-file": "DCP, one file",
+    "dcp-per-item": "DCP, file per item",
+    "safetensors": "safetensors, one file",
+    "safetensors-index": "safetensors + index",
+    "tensorizer": "tensorizer format",
+}
+
 
 def make_tensors(total: int, hidden: int) -> dict[str, Any]:
     """bf16 matrices of ``hidden`` x 4*hidden (8 MiB at 1024) up to ``total`` bytes, fp32 norms."""
@@ -157,12 +179,17 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="per contender run, seconds")
     ap.add_argument("--json", help="also write the medians to this JSON file")
     ap.add_argument("--plot", help="also draw the medians (GiB/s per layout and contender) into this PNG (matplotlib)")
+    ap.add_argument("--plot-from", help="only draw --plot from the medians of an earlier run's --json file")
     ap.add_argument(
         "--baseline",
         help="a source tree (e.g. `git archive` of an earlier commit) whose asyncload the asyncload_baseline "
         "contender imports (PYTHONPATH), for a before/after in the same interleaved run",
     )
     args = ap.parse_args()
+    if args.plot_from:
+        saved = json.loads(Path(args.plot_from).read_text())
+        plot(saved["medians"], saved["meta"]["bytes"], saved["meta"], args.plot or "remote_peers.png")
+        return
     configure_env()
     from _common import ensure_bytecode
 
@@ -281,19 +308,19 @@ def plot(table: dict[str, dict[str, dict[str, float]]], nbytes: int, meta: dict[
 
     layouts = list(table)
     contenders = [c for c in CONTENDERS if any(c in table[la] for la in layouts)]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 5.0))
     width = 0.8 / max(1, len(contenders))
     for i, c in enumerate(contenders):
         xs = [j + i * width for j, la in enumerate(layouts) if c in table[la]]
         ys = [nbytes / GiB / table[la][c]["seconds"] for la in layouts if c in table[la]]
-        ax.bar(xs, ys, width, label=c)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layouts))], layouts)
+        ax.bar(xs, ys, width, label=LEGEND.get(c, c))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layouts))], [LAYOUT_NAMES.get(la, la) for la in layouts])
     ax.set_ylabel("GiB/s (median, fresh process per run)")
     ax.set_title(
         f"{nbytes / MiB:.0f} MiB from S3 (s3rver) behind {meta['latency_s'] * 1e3:.0f} ms one-way delay, "
         f"{meta['rounds']} rounds; load average {' '.join(meta['load'][0])}"
     )
-    ax.legend(ncol=3, fontsize=8)
+    ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)  # off the bars
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -579,17 +579,25 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         if not sel:
             continue
         xs = [r["ranks"] for r in sel]
-        ax_t.plot(xs, [r["local_torch_s"] for r in sel], "o--", label=f"{label}: torch local planning")
-        ax_t.plot(xs, [r["local_ours_s"] for r in sel], "o-", label=f"{label}: asyncload local planning")
+        ax_t.plot(
+            xs, [r["local_torch_s"] for r in sel], "o--", label=f"{label}: torch DefaultLoadPlanner local planning"
+        )
+        ax_t.plot(
+            xs,
+            [r["local_ours_s"] for r in sel],
+            "o-",
+            label=f"{label}: asyncload (PipelinedLoadPlanner) local planning",
+        )
         both = [r["decode_s"] + r["plan_s"] for r in sel]
-        ax_t.plot(xs, both, "s-", label=f"{label}: decode needs + this rank's plan")
+        ax_t.plot(xs, both, "s-", label=f"{label}: ShardedLoadPlanner: decode needs + this rank's plan")
         if any(r["full_s"] for r in sel):
             full = [r["decode_s"] + r["full_s"] for r in sel]
             ax_t.plot(xs, full, "x:", label=f"{label}: decode + the whole plan (before)")
-        ax_b.plot(xs, [r["payload_max"] / 1024 for r in sel], "o-", label=f"{label}: payload per rank (KiB)")
-        ax_b.plot(xs, [r["gathered_bytes"] / MiB for r in sel], "s--", label=f"{label}: all-gathered (MiB)")
-        ax_b.plot(xs, [r["plan_heap"] / MiB for r in sel], "^-", label=f"{label}: heap of this rank's plan (MiB)")
-        ax_b.plot(xs, [r["decode_heap"] / MiB for r in sel], "v--", label=f"{label}: heap of the gathered needs (MiB)")
+        # one unit on the axis (MiB, log scale): a payload of KiB sits at 10^-3..10^-2
+        ax_b.plot(xs, [r["payload_max"] / MiB for r in sel], "o-", label=f"{label}: payload per rank")
+        ax_b.plot(xs, [r["gathered_bytes"] / MiB for r in sel], "s--", label=f"{label}: all-gathered")
+        ax_b.plot(xs, [r["plan_heap"] / MiB for r in sel], "^-", label=f"{label}: heap of this rank's plan")
+        ax_b.plot(xs, [r["decode_heap"] / MiB for r in sel], "v--", label=f"{label}: heap of the gathered needs")
     for ax in (ax_t, ax_b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("ranks loading (checkpoint saved on 1,024)")
@@ -598,7 +606,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax_t.set_ylabel("seconds per rank")
     ax_t.axhline(2.0, color="grey", lw=0.8, ls=":")
     ax_b.set_yscale("log")
-    ax_b.set_ylabel("KiB / MiB per rank")
+    ax_b.set_ylabel("MiB per rank")
     fig.suptitle("Planning a load of a 1,002-tensor model saved on 1,024 ranks (one rank, pure functions)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -7,6 +7,8 @@ stays responsive (a heartbeat task measures it), two checkpoints (weights and an
 load at the same time with ``asyncio.gather``, and a load can be cancelled like any task.
 The script writes the two checkpoints with ``dcp.save`` first. Set
 ASYNCLOAD_EXAMPLE_SMALL=1 for tiny ones.
+
+Needs: torch only (local files).
 """
 
 from __future__ import annotations

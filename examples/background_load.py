@@ -7,6 +7,8 @@ model's own tensors while the main thread builds the optimizer, the data pipelin
 on. ``handle.progress`` says how far it got, ``handle.result()`` waits for the end (or
 raises the load's error). Without CHECKPOINT the script first writes one with
 ``dcp.save``. Set ASYNCLOAD_EXAMPLE_SMALL=1 for a tiny model.
+
+Needs: torch only (local files).
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def main() -> None:
         t0 = time.perf_counter()
         handle = asyncload.start_load(model.state_dict(), ckpt)
         opt = build_rest_of_the_job(model)  # runs while the weights stream in
-        done, total = handle.progress
-        print(f"job built after {time.perf_counter() - t0:.2f} s; load progress {done}/{total} bytes")
+        # the handle's repr: its state and progress (handle.progress: (done, total), total None until known)
+        print(f"job built after {time.perf_counter() - t0:.2f} s; {handle!r}")
         stats = handle.result(timeout=600)
         print(f"weights in after {time.perf_counter() - t0:.2f} s: {stats}")
 

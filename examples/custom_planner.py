@@ -10,6 +10,8 @@ The same subclass works with ``asyncload.load`` and with ``dcp.load``, in one pr
 here: the sharing part has nobody to share with and stays idle) or on every rank of a job.
 
     python examples/custom_planner.py
+
+Needs: torch only (local files).
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@
 
 It ends by itself and removes everything it made (server stopped, temporary files deleted),
 also on Ctrl-C. Progress bars appear when stderr is a terminal.
+
+Needs: the ``s3`` extra and moto (``pip install "moto[server]"``, in the ``test`` extra) or
+Node's npm: with ``node`` and ``npm`` on PATH, the first run installs ``s3rver@3.7.1`` into
+``~/.cache/asyncload-s3rver`` (about 14 MB; npm's own download cache goes to ``~/.npm``) and
+later runs reuse it; ``--no-install`` never installs, ``--server moto`` uses moto.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ same ``storage_options`` either way. Without a URL, the script starts moto's S3 
 (into tensors you already have with ``asyncload.load``, and into new ones with
 ``read_state_dict``) and checks every tensor bit for bit. Set ASYNCLOAD_EXAMPLE_SMALL=1 for a
 tiny checkpoint.
+
+Needs: with a URL, the ``s3`` extra (``pip install ".[s3]"``); without one, also moto's server
+(``pip install "moto[server]"``, part of the ``test`` extra).
 """
 
 from __future__ import annotations
@@ -48,9 +51,8 @@ def load_new(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
 
 
 def with_loopback_server() -> None:
-    from asyncload.testing import S3Server, configure_env
+    from asyncload.testing import S3Server  # moto's S3 server: pip install "moto[server]"
 
-    configure_env()  # fake credentials for the loopback server, set before s3fs is used
     g = torch.Generator().manual_seed(0)
     n = 64 if SMALL else 1024
     saved = {
@@ -62,8 +64,9 @@ def with_loopback_server() -> None:
     with tempfile.TemporaryDirectory(prefix="asyncload-s3-example-") as tmp, S3Server() as s3:
         dcp.save(saved, checkpoint_id=tmp)
         url = s3.upload_dir(tmp, "checkpoints", "run7/step-4000")
-        # what you would pass for a real S3-compatible store: endpoint_url, key, secret...
-        storage_options = s3.storage_options()
+        # what you would pass for your own S3-compatible store (or leave out for AWS S3 with
+        # credentials from the environment or ~/.aws): the loopback server's made-up keys
+        storage_options = {"endpoint_url": s3.endpoint_url, "key": s3.access_key, "secret": s3.secret_key}
         print(f"loopback S3 server at {s3.endpoint_url}; loading {url}")
         state = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()}
         load_into(state, url, storage_options)

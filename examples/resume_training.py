@@ -7,6 +7,8 @@ steps, "crashes" half-way, then resumes in a fresh model and optimizer with
 ``asyncload.load`` and trains to the end. It checks that the resumed run ends with exactly
 the weights (bit for bit) of a run that never stopped. Set ASYNCLOAD_EXAMPLE_SMALL=1 for a
 tiny model.
+
+Needs: torch only (local files).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ received, took over and hedged. Under ``torchrun`` the same ``load_on_rank`` run
 on every rank of your job.
 
     python examples/sharded_load.py
+
+Needs: torch only (its ranks use gloo on 127.0.0.1).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ held besides the model itself. Then the same checkpoint is written as Hugging Fa
 safetensors shards (``asyncload convert``) and read back with ``read_state_dict``, only the
 keys wanted. The script saves its checkpoint with ``dcp.save`` first; set
 ASYNCLOAD_EXAMPLE_SMALL=1 for a tiny one.
+
+Needs: torch only (local files).
 """
 
 from __future__ import annotations

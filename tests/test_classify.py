@@ -147,6 +147,7 @@ CREDS = fail(False, "credentials")
 CONFIG = fail(False, "config")
 TLS = fail(False, "tls")
 CONNECTION = fail(True, "connection")
+UNREACHABLE = fail(True, "unreachable", max_attempts=2)  # nothing answers: one retry, then "could not connect"
 SHORT = fail(True, "short_read")
 TIMEOUT = fail(True, "timeout")
 RANGE_416 = fail(False, "range_not_satisfiable", 416, format_error=True)
@@ -208,12 +209,13 @@ ROWS: list[tuple[str, Callable[[], BaseException], Failure, type[AsyncLoadError]
     # connections
     ("aiohttp-ServerDisconnected", aiohttp.ServerDisconnectedError, CONNECTION, SR),
     ("aiohttp-ClientOSError-reset", lambda: aiohttp.ClientOSError(errno.ECONNRESET, "reset by peer"), CONNECTION, SR),
-    ("aiohttp-ClientConnectorError", connector_error, CONNECTION, SR),
+    ("aiohttp-ClientConnectorError", connector_error, UNREACHABLE, SR),
     ("aiohttp-ServerTimeoutError", lambda: aiohttp.ServerTimeoutError("Timeout on reading data"), TIMEOUT, None),
-    ("botocore-EndpointConnectionError", lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), CONNECTION, SR),
+    ("botocore-EndpointConnectionError", lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), UNREACHABLE, SR),
     ("botocore-ConnectTimeoutError", lambda: botocore.exceptions.ConnectTimeoutError(endpoint_url="http://127.0.0.1:9"), CONNECTION, SR),
     ("botocore-ReadTimeoutError", lambda: botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:9"), CONNECTION, SR),
     ("ConnectionResetError", lambda: ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), CONNECTION, SR),
+    ("ConnectionRefusedError", lambda: ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), UNREACHABLE, SR),
     ("BrokenPipeError", lambda: BrokenPipeError(errno.EPIPE, "Broken pipe"), CONNECTION, SR),
     ("EOFError", EOFError, CONNECTION, SR),
     # bodies cut short
@@ -342,19 +344,18 @@ _ignoring: list[Any] = []
 
 
 def ignoring_range_url() -> str:
-    """An HTTP server that answers every ranged GET with 200 and the whole file (started once)."""
+    """An HTTP server that answers every ranged GET with 200 and the whole file (started once).
+
+    It serves its own temporary directory, which ``stop()`` (at exit) deletes with the file."""
     import atexit
-    import tempfile
-    from pathlib import Path
 
     from asyncload.testing import HTTPRangeServer
 
     if not _ignoring:
-        root = Path(tempfile.mkdtemp(prefix="asyncload-ignore-range-"))
-        (root / "x.bin").write_bytes(bytes(4 << 20))
-        server = HTTPRangeServer(root, ignore_range=True)
+        server = HTTPRangeServer(ignore_range=True)
+        atexit.register(server.stop)  # before start(): a failed start leaves nothing behind either
         server.start()
-        atexit.register(server.stop)
+        server.put_object("", "x.bin", bytes(4 << 20))
         _ignoring.append(server)
     return str(_ignoring[0].endpoint_url)
 
@@ -372,7 +373,7 @@ OBSTORE_ROWS: list[tuple[str, str, Failure, type[AsyncLoadError]]] = [
     ("obstore-reset-before-headers", "reset", CONNECTION, SR),
     ("obstore-reset-mid-body", "reset-mid-body", SHORT, SR),
     ("obstore-body-cut-short", "truncated", SHORT, SR),
-    ("obstore-connection-refused", "refused", CONNECTION, SR),
+    ("obstore-connection-refused", "refused", UNREACHABLE, SR),
     ("obstore-precondition", "precondition", fail(False, "object_changed", 412), SR),
     ("obstore-unknown-config-key", "unknown-key", CONFIG, SR),
     ("obstore-range-ignored", "range-ignored", fail(False, "range_ignored", 200), SR),
@@ -417,6 +418,14 @@ def test_translate(make: Callable[[], BaseException], failure: Failure, cls: typ
     if isinstance(exc, RangeIgnoredError):
         assert "the server ignores Range requests" in msg and "range requests" in msg.split(";")[-1]
         assert "raise LoadOptions.retries" not in msg
+        return
+    if failure == UNREACHABLE:  # what to check instead of the client's words (issue 26)
+        endpoint = "127.0.0.1:9" if "ClientConnector" in type(exc).__name__ else "http://127.0.0.1:9"
+        if isinstance(exc, ConnectionRefusedError):
+            endpoint = "the endpoint"  # the builtin does not say where
+        assert msg.startswith(f"could not connect to {endpoint} (connection refused"), msg
+        assert f"to read {URL_} bytes [1024, 4096) after 3 attempts: " in msg and "endpoint_url" in msg
+        assert "raise LoadOptions.retries" not in msg and "(asyncload docs: Errors > StorageReadError)" in msg
         return
     assert f"{type(exc).__name__}: " in msg
     assert (f" HTTP {failure.status} " in msg) == (failure.status is not None)
