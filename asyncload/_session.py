@@ -45,7 +45,13 @@ from . import _cuda, _transforms, formats
 from ._assembly import copy_bytes
 from ._chunks import Chunk, Piece, TensorLocation
 from ._crc import CrcTracker, gaps
-from ._errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError, StateDictMismatchError
+from ._errors import (
+    CheckpointChangedError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    StateDictMismatchError,
+    redact_url,
+)
 from ._loop import loop_thread, refuse_on_library_loop, run_sync
 from ._options import ChunkPolicy, LoadOptions
 from ._paths import check_relative_path
@@ -165,7 +171,7 @@ class LoadSession:
         self._torch_casts = False
 
     def __repr__(self) -> str:
-        return f"LoadSession({str(self.checkpoint)!r}, started={self._t0 is not None}, done={self.stats is not None})"
+        return f"LoadSession({redact_url(str(self.checkpoint))!r}, started={self._t0 is not None}, done={self.stats is not None})"
 
     # --- one load's clock and statistics -------------------------------------------------
 
@@ -338,7 +344,7 @@ class LoadSession:
         try:
             self.close()
         except Exception:
-            log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
+            log.debug("closing the storage of %s failed", redact_url(str(self.checkpoint)), exc_info=True)
 
     # --- metadata ------------------------------------------------------------------------
 
@@ -443,7 +449,7 @@ class LoadSession:
             try:
                 await self.aclose()
             except Exception:
-                log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
+                log.debug("closing the storage of %s failed", redact_url(str(self.checkpoint)), exc_info=True)
 
     def commit(self, records: list[_Record], planner: LoadPlanner) -> None:
         """Hand every tensor and decoded object to the planner (its hooks: caller's thread)."""

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from ._errors import redact_url
+
 __all__ = [
     "FsspecStorage",
     "NotRegularFileError",
@@ -75,6 +77,66 @@ class RangeIgnoredError(OSError):
             "the server ignores Range requests"
         )
         self.url, self.start, self.end, self.status = url, start, end, status
+
+
+class RangeMismatchError(OSError):
+    """A ranged read was answered for another range than the one asked for (a
+    ``Content-Range`` with another start, end or total, or none on a 206): a cache or proxy
+    that keys ranges by URL. Its bytes are never used. Not worth a retry: the next answer is
+    the same."""
+
+    def __init__(self, url: str, start: int, end: int, status: int | None, got: str) -> None:
+        super().__init__(
+            f"asked for bytes [{start}, {end}) of {url}, got HTTP {status} with {got}: "
+            "the answer is for another range (a cache or proxy between asyncload and the store?)"
+        )
+        self.url, self.start, self.end, self.status = url, start, end, status
+
+
+class CrossOriginRedirectError(OSError):
+    """The store answered with a redirect to another origin (scheme, host and port) than the
+    checkpoint's: refused before any request was sent there, so no credential or header of
+    the caller went along and no byte from elsewhere is used. Not worth a retry."""
+
+    def __init__(self, url: str, location: str, status: int | None) -> None:
+        self.origin, self.target = origin_of(url), origin_of(location)
+        super().__init__(
+            f"{redact_url(url)}: the server answered HTTP {status} with a redirect to another origin, "
+            f"{self.target} (the checkpoint's origin is {self.origin}); asyncload follows redirects within "
+            "the checkpoint's origin only, so nothing was sent there"
+        )
+        self.url, self.location, self.status = redact_url(url), redact_url(location), status
+
+
+def origin_of(url: str) -> str:
+    """``scheme://host:port`` of ``url`` (the default port written out; userinfo left out)."""
+    parts = urlparse(url)
+    scheme = (parts.scheme or "").lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        port = {"http": 80, "https": 443}.get(scheme)
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}" if port is not None else f"{scheme}://{host}"
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """``(first, last + 1, total)`` of a ``Content-Range: bytes first-last/total`` header
+    (``total`` None for ``*``), or None when it is missing or not of that form."""
+    if not value:
+        return None
+    unit, _, spec = value.strip().partition(" ")
+    rng, _, total = spec.strip().partition("/")
+    first, _, last = rng.partition("-")
+    if unit.lower() != "bytes" or not first.isdigit() or not last.isdigit():
+        return None
+    if total.strip() != "*" and not total.strip().isdigit():
+        return None
+    return int(first), int(last) + 1, None if total.strip() == "*" else int(total)
 
 
 class ObjectChangedError(OSError):
@@ -135,8 +197,10 @@ class Storage:
         self.root = root
 
     def url(self, name: str) -> str:
-        """The full location of file ``name`` of the checkpoint, for messages."""
-        return f"{self.root.rstrip('/')}/{name}" if name else self.root
+        """The full location of file ``name`` of the checkpoint, for messages and logs: a
+        password in the URL and a signed URL's signature shown as ``***``
+        (:func:`asyncload._errors.redact_url`)."""
+        return redact_url(f"{self.root.rstrip('/')}/{name}" if name else self.root)
 
     async def read(self, name: str, start: int, end: int) -> bytes | bytearray | memoryview:
         raise NotImplementedError
@@ -207,6 +271,29 @@ class VersionPins(Storage):
         super().__init__(root)
         #: file name -> the version this load first saw
         self._versions: dict[str, str] = {}
+        #: file name -> the size a ranged answer's ``Content-Range`` first gave
+        self._totals: dict[str, int] = {}
+
+    def _check_range(self, name: str, start: int, end: int, status: int | None, content_range: str | None) -> None:
+        """Check a 206 answer to a read of bytes ``[start, end)`` against the request before
+        its bytes are used: its ``Content-Range`` must name exactly that range (the end
+        clamped to the file), with the total every other answer about the file gave.
+
+        Raised: :class:`RangeMismatchError`."""
+        parsed = parse_content_range(content_range)
+        if parsed is None:
+            got = f"Content-Range {content_range!r}" if content_range else "no Content-Range"
+            raise RangeMismatchError(self.url(name), start, end, status, got)
+        first, stop, total = parsed
+        seen = self._totals.setdefault(name, total) if total is not None else self._totals.get(name)
+        short = stop < end and total is not None and stop == total  # the file ends there: a short read
+        if (
+            first != start
+            or (stop != end and not short)
+            or stop <= first
+            or (total is not None and (total != seen or stop > total))
+        ):
+            raise RangeMismatchError(self.url(name), start, end, status, f"Content-Range {content_range!r}")
 
     def _see(self, name: str, version: str | None, byte_range: tuple[int, int] | None = None) -> None:
         """Pin file ``name`` to ``version`` at first sight; raise if a later answer differs."""
@@ -358,7 +445,13 @@ class FsspecStorage(VersionPins):
         try:
             etag = resp.get("ETag")
             self._see(name, f"etag {etag}" if etag else None, (start, end))
-            data: bytes = await body.read()
+            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if status == 206 or resp.get("ContentRange"):
+                self._check_range(name, start, end, status, resp.get("ContentRange"))
+            elif start != 0:
+                raise RangeIgnoredError(self.url(name), start, end, status, "the whole file")
+            # at most one byte more than asked for: a longer body is refused, never buffered whole
+            data = await _read_at_most(body.read, end - start + 1)
         finally:
             body.close()
         return data
@@ -370,15 +463,37 @@ class FsspecStorage(VersionPins):
         params: dict[str, Any] = {}
         if seen is not None and seen.startswith("generation "):
             params["ifGenerationMatch"] = seen[11:]
-        try:
-            headers, data = await fs._call("GET", fs.url(path), headers={"Range": f"bytes={start}-{end - 1}"}, **params)
-        except OSError as exc:
-            if seen is not None and _status_412(exc):
-                raise ObjectChangedError(self.url(name), (start, end), seen, None) from exc
-            raise
-        generation = headers.get("x-goog-generation")
-        self._see(name, f"generation {generation}" if generation else None, (start, end))
-        return bytes(data)
+        from gcsfs.retry import validate_response
+
+        url = fs.url(path)
+        await fs._set_session()
+        # the request gcsfs's _call makes, with its body streamed: an answer's headers are checked
+        # before its bytes are used, and a body longer than asked for is never buffered whole
+        async with fs.session.request(
+            "GET",
+            url,
+            params=fs._get_params(params),
+            headers=fs._get_headers({"Range": f"bytes={start}-{end - 1}"}),
+            timeout=fs.requests_timeout,
+        ) as r:
+            first_byte()
+            if r.status >= 300:
+                content = await _read_at_most(r.content.read, 1 << 16)
+                try:
+                    validate_response(r.status, content, url)
+                except (OSError, FileExistsError) as exc:
+                    if seen is not None and (r.status == 412 or _status_412(exc)):
+                        raise ObjectChangedError(self.url(name), (start, end), seen, None) from exc
+                    raise
+                raise RangeMismatchError(self.url(name), start, end, r.status, "a body that is not the range asked for")
+            generation = r.headers.get("x-goog-generation")
+            self._see(name, f"generation {generation}" if generation else None, (start, end))
+            if r.status == 206 or start != 0:
+                self._check_range(name, start, end, r.status, r.headers.get("Content-Range"))
+            data = await _read_at_most(r.content.read, end - start + 1)
+            if len(data) > end - start:
+                r.close()  # drop the connection: never read the rest of the body
+        return data
 
     async def _read_http(self, fs: Any, name: str, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` over fsspec's HTTP session, streamed: a server that
@@ -401,6 +516,11 @@ class FsspecStorage(VersionPins):
             fs._raise_not_found_for_status(r, path)
             self._see(name, _http_version(r.headers), (start, end))
             length = r.headers.get("Content-Length")
+            if r.status == 206:
+                self._check_range(name, start, end, r.status, r.headers.get("Content-Range"))
+            elif r.status != 200:
+                r.close()
+                raise RangeMismatchError(self.url(name), start, end, r.status, "a body that is not the range asked for")
             if r.status != 206 and (start != 0 or (length is not None and length.isdigit() and int(length) > want)):
                 r.close()  # drop the connection: never read the rest of the body
                 got = f"a {length}-byte body" if length is not None else "the whole file"
@@ -496,6 +616,20 @@ class FsspecStorage(VersionPins):
         await close_async_fs(fs, self.protocol)
 
 
+async def _read_at_most(read: Any, limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``read(n)`` (a body's ``read``, which may return fewer than
+    asked for before its end): stops at ``limit`` or at the end of the body."""
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        piece = await read(limit - got)
+        if not piece:
+            break
+        parts.append(piece)
+        got += len(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def _http_version(headers: Mapping[str, Any]) -> str | None:
     """An HTTP answer's validator: its ETag, else its Last-Modified date."""
     etag = headers.get("ETag")
@@ -533,6 +667,8 @@ def _no_client_resend(fs: Any) -> None:
     session = getattr(fs, "_session", None)
     if session is not None and hasattr(session, "_retry_connection"):
         session._retry_connection = False
+    if session is not None:
+        _same_origin_redirects_only(session)
     endpoint = getattr(getattr(fs, "_s3", None), "_endpoint", None)
     http = getattr(endpoint, "http_session", None)
     make = getattr(http, "_get_session", None)
@@ -543,10 +679,45 @@ def _no_client_resend(fs: Any) -> None:
         made = await make(proxy_url)
         if hasattr(made, "_retry_connection"):
             made._retry_connection = False
+        _same_origin_redirects_only(made)
         return made
 
     get_session._asyncload_no_resend = True  # type: ignore[attr-defined]
     http._get_session = get_session
+
+
+async def _refuse_cross_origin(session: Any, ctx: Any, params: Any) -> None:
+    """aiohttp's ``on_request_redirect`` signal: runs when a redirect has come back and before
+    aiohttp follows it. One to another origin is refused here, so the request that would carry
+    the caller's headers and the store's credentials (an S3 session token, an API key) there
+    is never sent."""
+    resp = params.response
+    location = resp.headers.get("Location") or resp.headers.get("URI")
+    if location is None:
+        return
+    try:
+        target = str(params.url.join(type(params.url)(location)))
+    except ValueError:
+        target = location
+    if origin_of(str(params.url)) != origin_of(target):
+        resp.close()
+        raise CrossOriginRedirectError(str(params.url), target, resp.status)
+
+
+def _same_origin_redirects_only(session: Any) -> None:
+    """Refuse redirects to another origin on an aiohttp ``ClientSession`` (s3fs's, gcsfs's and
+    fsspec HTTP's follow every redirect by default): :func:`_refuse_cross_origin` on its
+    trace signals. A redirect within the origin is followed as aiohttp does (at most 10)."""
+    configs = getattr(session, "_trace_configs", None)
+    if not isinstance(configs, list) or any(getattr(c, "_asyncload_origin", False) for c in configs):
+        return
+    import aiohttp
+
+    config = aiohttp.TraceConfig()
+    config.on_request_redirect.append(_refuse_cross_origin)
+    config._asyncload_origin = True  # type: ignore[attr-defined]
+    config.freeze()
+    configs.append(config)
 
 
 _aio_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
@@ -659,5 +830,5 @@ def open_storage(
                 f"{s} cannot be read with LoadOptions.transport='obstore': {reason} (use transport='fsspec', or 'auto' to fall back by itself)",
                 path=s,
             )
-        log.debug("reading %s through fsspec, not obstore: %s", s, reason)
+        log.debug("reading %s through fsspec, not obstore: %s", redact_url(s), reason)
     return FsspecStorage(s, protocol, options, executor)
