@@ -30,12 +30,14 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ._errors import redact_url
 from ._storage import (
+    CrossOriginRedirectError,
     FsspecStorage,
     ObjectChangedError,
     RangeIgnoredError,
     ShortReadError,
     VersionPins,
     first_byte,
+    origin_of,
 )
 
 __all__ = ["OBSTORE_PROTOCOLS", "ObstoreStorage", "StoreSpec", "Unmappable", "plan_store"]
@@ -122,12 +124,21 @@ class StoreSpec:
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     client_options: dict[str, Any] = field(default_factory=dict, repr=False)
     max_retries: int = 0
+    #: the hosts the store's requests go to (its origin's), when every other host can be
+    #: refused (:class:`RedirectGuard`): a store whose credentials come from another host (an
+    #: instance role, web identity, a token endpoint) has ``None``
+    origin_hosts: tuple[str, ...] | None = None
 
-    def build(self) -> Any:
+    def build(self, guard: RedirectGuard | None = None) -> Any:
         from obstore.store import GCSStore, HTTPStore, S3Store
 
         _settle_at_exit()
         client: Any = {"timeout": _NO_TIMEOUT, "connect_timeout": _NO_TIMEOUT, **self.client_options}
+        if guard is not None and self.origin_hosts:
+            # every host but the origin's goes to the guard, which refuses it: a redirect to
+            # another host is never followed (object_store follows redirects itself)
+            client["proxy_url"] = guard.proxy_url
+            client["proxy_excludes"] = ",".join(self.origin_hosts)
         retry: Any = {"max_retries": self.max_retries}
         config: Any = self.config
         if self.kind == "s3":
@@ -324,7 +335,11 @@ def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec
             raise Unmappable("no region given (s3fs finds the bucket's region itself, obstore needs it)")
         region = "us-east-1"  # what botocore signs with for a custom endpoint without a region
     config["region"] = region
-    return StoreSpec("s3", bucket, prefix, config=config, client_options=client, max_retries=max_retries)
+    static = bool(anon or key)  # no credential provider asks another host
+    hosts = _hosts(endpoint) if endpoint is not None and static else None
+    return StoreSpec(
+        "s3", bucket, prefix, config=config, client_options=client, max_retries=max_retries, origin_hosts=hosts
+    )
 
 
 def _read_pem(path: str) -> str:
@@ -380,7 +395,8 @@ def _gcs_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpe
     if endpoint is not None:
         config["base_url"] = endpoint.rstrip("/")
         _allow_http(endpoint, client)
-    return StoreSpec("gcs", bucket, prefix, config=config, client_options=client)
+    hosts = _hosts(endpoint) if endpoint is not None and config.get("skip_signature") else None
+    return StoreSpec("gcs", bucket, prefix, config=config, client_options=client, origin_hosts=hosts)
 
 
 def _norm_host(emulator: str | None) -> str | None:
@@ -440,7 +456,88 @@ def _http_spec(url: str, opts: dict[str, Any]) -> StoreSpec:
     if headers:
         client["default_headers"] = headers
     _allow_http(url, client)
-    return StoreSpec("http", None, None, url=url.rstrip("/"), client_options=client)
+    return StoreSpec("http", None, None, url=url.rstrip("/"), client_options=client, origin_hosts=_hosts(url))
+
+
+def _hosts(url: str) -> tuple[str, ...] | None:
+    """The host of ``url`` as ``proxy_excludes`` names it (None: none to name)."""
+    host = urlsplit(url if "://" in url else f"http://{url}").hostname
+    return (host,) if host else None
+
+
+class RedirectGuard:
+    """Refuses every request of an obstore store to a host other than its origin's.
+
+    object_store (through reqwest) follows redirects itself, up to 10, and obstore 0.12 offers
+    no redirect policy: a redirect to another host would carry the caller's headers (an API
+    key), an S3 session token and the ``Referer`` there, and its answer would be used. So the
+    store's HTTP client is given this listener on 127.0.0.1 as its proxy for every host but the
+    origin's (``proxy_url`` with ``proxy_excludes``): a request to another host reaches only
+    this process, which notes where it was going, answers 403 and closes. Nothing is
+    forwarded. :meth:`refusal` then turns the store's error into
+    :class:`asyncload._storage.CrossOriginRedirectError`. A redirect to another port of the
+    same host is not caught this way (``proxy_excludes`` names hosts): see docs/remote.md.
+    """
+
+    def __init__(self) -> None:
+        import socket
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self._sock.setblocking(False)
+        self.proxy_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        #: the origins of the requests refused, oldest first
+        self.refused: list[str] = []
+        self._server: asyncio.AbstractServer | None = None
+        self._starting: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Serve on the running loop (connections wait in the backlog until then)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._on_client, sock=self._sock, limit=1 << 16)
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            words = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            target = words[1] if len(words) >= 2 else "?"
+            if words and words[0].upper() == "CONNECT":
+                target = f"https://{target}"
+            where = origin_of(target)
+            self.refused.append(where)
+            log.debug("refused a request of an obstore store to %s: not the checkpoint's origin", where)
+            body = f"asyncload refused a request to {where}: not the checkpoint's origin\n".encode()
+            writer.write(
+                b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    def refusal(self, url: str, origin: str) -> CrossOriginRedirectError | None:
+        """The error to raise for a failed request about ``url`` (a store of ``origin``) when
+        a request was refused."""
+        if not self.refused:
+            return None
+        return CrossOriginRedirectError(url, self.refused[-1], None, origin=origin)
+
+    async def aclose(self) -> None:
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            await asyncio.gather(starting, return_exceptions=True)
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+        self._sock.close()
 
 
 def _etag(value: Any) -> str | None:
@@ -489,10 +586,23 @@ class ObstoreStorage(VersionPins):
         #: lacks is answered missing once, without a HEAD (the format probe's "is there an
         #: index?" of a Hugging Face directory)
         self._listed_names: frozenset[str] | None = None
+        #: refuses the store's requests to other hosts (built with the store)
+        self._guard: RedirectGuard | None = None
+
+    def _refusal(self, name: str) -> CrossOriginRedirectError | None:
+        """The redirect to another host that :class:`RedirectGuard` refused, if any (a
+        request of this store that failed failed because of it)."""
+        if self._guard is None:
+            return None
+        where = self.spec.config.get("endpoint") or self.spec.config.get("base_url") or self.spec.url
+        return self._guard.refusal(self.url(name), origin_of(str(where)))
 
     def _get_store(self) -> Any:
         if self._store is None:
-            self._store = self.spec.build()
+            if self.spec.origin_hosts and self._guard is None:
+                self._guard = RedirectGuard()
+                self._guard.start()
+            self._store = self.spec.build(self._guard)
         return self._store
 
     def _version_of(self, meta: Mapping[str, Any]) -> str | None:
@@ -532,6 +642,11 @@ class ObstoreStorage(VersionPins):
             if "Range request not supported" in str(exc):  # a 200 for a ranged GET: the body is never read
                 raise RangeIgnoredError(self.url(name), start, end, 200, "the whole file") from exc
             raise
+        except Exception as exc:
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
         first_byte()  # the answer has begun: the hedge's first-byte clock
         problem: OSError | None = None
         try:
@@ -593,7 +708,15 @@ class ObstoreStorage(VersionPins):
             # 416 Range Not Satisfiable: no range fits an empty file (S3, GCS, HTTP alike)
             if "416" in str(exc) and await self._head(name) == 0:
                 return memoryview(b""), 0
-            raise
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
+        except Exception as exc:
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
         first_byte()
         meta = result.meta
         problem: OSError | None = None
@@ -649,7 +772,13 @@ class ObstoreStorage(VersionPins):
     async def _head(self, name: str) -> int:
         import obstore
 
-        meta = await obstore.head_async(self._get_store(), name)
+        try:
+            meta = await obstore.head_async(self._get_store(), name)
+        except Exception as exc:
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
         self._see_meta(name, meta)
         size = self._sizes[name] = int(meta["size"])
         return size
@@ -727,6 +856,9 @@ class ObstoreStorage(VersionPins):
             listing.cancel()
             await asyncio.gather(listing, return_exceptions=True)
         self._store = None
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            await guard.aclose()
         lister, self._lister = self._lister, None
         if lister is not None:
             await lister.aclose()

@@ -98,10 +98,11 @@ class CrossOriginRedirectError(OSError):
     checkpoint's: refused before any request was sent there, so no credential or header of
     the caller went along and no byte from elsewhere is used. Not worth a retry."""
 
-    def __init__(self, url: str, location: str, status: int | None) -> None:
-        self.origin, self.target = origin_of(url), origin_of(location)
+    def __init__(self, url: str, location: str, status: int | None, *, origin: str | None = None) -> None:
+        self.origin, self.target = origin or origin_of(url), origin_of(location)
+        answered = f"answered HTTP {status}" if status is not None else "answered"
         super().__init__(
-            f"{redact_url(url)}: the server answered HTTP {status} with a redirect to another origin, "
+            f"{redact_url(url)}: the server {answered} with a redirect to another origin, "
             f"{self.target} (the checkpoint's origin is {self.origin}); asyncload follows redirects within "
             "the checkpoint's origin only, so nothing was sent there"
         )

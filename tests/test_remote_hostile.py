@@ -10,18 +10,19 @@ FaultProxy; the destination is checked to be untouched (still zeros) where a loa
 
 from __future__ import annotations
 
+import http.server
 import logging
+import threading
 from typing import Any
 
 import pytest
 import torch
 from _ckpt import assert_bitwise_equal, iter_tensors, zeros_like_tree
-from _remote import make_remote
+from _remote import make_remote, small_state_dict
 
 import asyncload
 from asyncload import LoadOptions, StorageReadError
 from asyncload.testing import faults
-from asyncload.testing.faults import FaultProxy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,49 +34,95 @@ def _untouched(dst: Any) -> None:
         assert not torch.count_nonzero(t), f"{key} was written by a load that failed"
 
 
-def _other_origin(request: pytest.FixtureRequest, backend: str, fault_proxy: Any) -> FaultProxy:
-    """Another origin (another port) in front of the same server: were a client to follow a
-    redirect there, it would get the same checkpoint's bytes, and its log would show it."""
-    return fault_proxy(request.getfixturevalue(f"{backend}_server"))
+class _Recorder:
+    """An HTTP server on another host of the loopback network (127.0.0.2) that records every
+    request it gets (method, path, headers) and answers 200 with bytes of its own."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                recorder.requests.append((self.command, self.path, dict(self.headers)))
+                body = b"\x5a" * 4096
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_HEAD = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.2", 0), Handler)
+        self.endpoint_url = f"http://127.0.0.2:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
 
 
-@pytest.mark.parametrize("backend", ["http", "s3", "gcs"])
-def test_a_redirect_to_another_origin_is_refused_and_nothing_is_sent_there(
-    request, backend, ckpt, bucket_name, fault_proxy, transport
-):
-    path, sd = ckpt
-    r = make_remote(request, backend, path, bucket_name, fault_proxy)
-    other = _other_origin(request, backend, fault_proxy)
-    code = 302 if backend == "http" else 307
-    if transport == "obstore":
-        pytest.xfail("obstore 0.12 has no redirect policy: object_store follows redirects itself (docs/remote.md)")
-    # every data GET (.metadata included) is redirected to the same path on the other origin
+@pytest.fixture
+def other_host():
+    recorder = _Recorder()
+    yield recorder
+    recorder.close()
+
+
+def _load_redirected(r: Any, transport: str, other_url: str, code: int) -> tuple[StorageReadError, Any]:
+    # every data GET (.metadata included) is redirected to the other origin; the caller's
+    # headers (an API key) and an S3 session token would go along with a followed redirect
     r.proxy.add_rule(
-        faults.status(code, body=b"", headers={"Location": f"{other.endpoint_url}{_TARGET[backend]}"}),
+        faults.status(code, body=b"", headers={"Location": f"{other_url}/elsewhere/.metadata"}),
         data_only=True,
         times=None,
     )
-    headers = {"X-Api-Key": "secret-api-key"} if backend == "http" else None
     opts = dict(r.storage_options)
-    if headers:
-        opts["headers"] = headers
-    if backend == "s3":
+    if r.backend == "http":
+        opts["headers"] = {"X-Api-Key": "secret-api-key"}
+    elif r.backend == "s3":
         opts["token"] = "secret-session-token"
-    dst = zeros_like_tree(sd, object_placeholder=None)
+    dst = zeros_like_tree(small_state_dict(), object_placeholder=None)
     with pytest.raises(StorageReadError) as info:
         asyncload.load(dst, r.url, options=OPTS.replace(transport=transport), storage_options=opts)
-    msg = str(info.value)
-    assert "redirect to another origin" in msg, msg
-    assert f"a redirect to another origin, {other.endpoint_url} " in msg, msg
-    assert f"the checkpoint's origin is {r.proxy.endpoint_url}" in msg, msg
-    assert info.value.attempts == 1 and info.value.status == code
-    assert other.requests_seen == 0, other.log
     _untouched(dst)
+    return info.value, dst
 
 
-#: the path of the redirect's target (the proxy's own path is not known to the rule: a fixed one
-#: under the other origin is enough, since nothing may be requested there)
-_TARGET = {"http": "/elsewhere/.metadata", "s3": "/bucket/elsewhere", "gcs": "/bucket/elsewhere"}
+@pytest.mark.parametrize("backend", ["http", "s3", "gcs"])
+def test_a_redirect_to_another_host_is_refused_and_nothing_is_sent_there(
+    request, backend, ckpt, bucket_name, fault_proxy, transport, other_host
+):
+    r = make_remote(request, backend, ckpt[0], bucket_name, fault_proxy)
+    code = 302 if backend == "http" else 307
+    err, _ = _load_redirected(r, transport, other_host.endpoint_url, code)
+    msg = str(err)
+    assert f"a redirect to another origin, {other_host.endpoint_url} " in msg, msg
+    assert f"(the checkpoint's origin is {r.proxy.endpoint_url})" in msg, msg
+    assert "secret" not in msg
+    assert err.attempts == 1, msg
+    assert other_host.requests == []
+
+
+@pytest.mark.parametrize("backend", ["http", "s3", "gcs"])
+def test_a_redirect_to_another_port_is_refused_on_fsspec(request, backend, ckpt, bucket_name, fault_proxy):
+    """fsspec refuses a redirect to another origin whatever differs (obstore: another host
+    only, docs/remote.md)."""
+    r = make_remote(request, backend, ckpt[0], bucket_name, fault_proxy)
+    other = fault_proxy(request.getfixturevalue(f"{backend}_server"))  # the same server, another port
+    code = 302 if backend == "http" else 307
+    err, _ = _load_redirected(r, "fsspec", other.endpoint_url, code)
+    msg = str(err)
+    assert f"answered HTTP {code} with a redirect to another origin, {other.endpoint_url} " in msg, msg
+    assert f"(the checkpoint's origin is {r.proxy.endpoint_url})" in msg, msg
+    assert err.attempts == 1 and err.status == code, msg
+    assert other.requests_seen == 0, other.log
 
 
 def test_a_redirect_within_the_origin_is_followed(request, ckpt, bucket_name, fault_proxy, transport):
