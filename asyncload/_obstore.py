@@ -566,6 +566,7 @@ class ObstoreStorage(VersionPins):
         *,
         storage_options: Mapping[str, Any] | None = None,
         executor: concurrent.futures.Executor | None = None,
+        max_listing_size: int | None = None,
     ) -> None:
         super().__init__(root)
         self.spec = spec
@@ -588,6 +589,8 @@ class ObstoreStorage(VersionPins):
         self._listed_names: frozenset[str] | None = None
         #: refuses the store's requests to other hosts (built with the store)
         self._guard: RedirectGuard | None = None
+        #: the most bytes an HTTP directory listing may have (``LoadOptions.max_metadata_size``)
+        self.max_listing_size = max_listing_size
 
     def _refusal(self, name: str) -> CrossOriginRedirectError | None:
         """The redirect to another host that :class:`RedirectGuard` refused, if any (a
@@ -840,7 +843,11 @@ class ObstoreStorage(VersionPins):
                 if self._executor is None:
                     return []
                 self._lister = FsspecStorage(
-                    self.root, urlsplit(self.root).scheme, self._storage_options, self._executor
+                    self.root,
+                    urlsplit(self.root).scheme,
+                    self._storage_options,
+                    self._executor,
+                    max_listing_size=self.max_listing_size,
                 )
             return await self._lister.listdir()
         try:

@@ -69,6 +69,7 @@ from ._stats import StatsRecorder
 from ._storage import (
     REQUEST,
     CrossOriginRedirectError,
+    ListingTooLargeError,
     NotRegularFileError,
     ObjectChangedError,
     RangeIgnoredError,
@@ -341,6 +342,8 @@ def classify(exc: BaseException) -> Failure:
             return Failure(False, "range_mismatch", e.status)
         if isinstance(e, CrossOriginRedirectError):
             return Failure(False, "redirect_refused", e.status)
+        if isinstance(e, ListingTooLargeError):
+            return Failure(False, "listing_too_large", format_error=True)
         if isinstance(e, ObjectChangedError):
             return Failure(False, "object_changed", 412 if e.now is None else None)
         if isinstance(e, NotRegularFileError):
@@ -441,6 +444,9 @@ def translate(
     per-attempt limit that ran out, for the message)."""
     if isinstance(exc, AsyncLoadError):
         return exc
+    too_large = next((e for e in _causes(exc) if isinstance(e, ListingTooLargeError)), None)
+    if too_large is not None:
+        return CheckpointFormatError(str(too_large))
     changed = next((e for e in _causes(exc) if isinstance(e, ObjectChangedError)), None)
     if changed is not None:
         return CheckpointChangedError(
@@ -1137,6 +1143,8 @@ class RetryingStorage:
         raw = self.raw
         try:
             return await self._call(raw.listdir, "", None)
+        except CheckpointFormatError:  # a listing larger than max_metadata_size: say so
+            raise
         except AsyncLoadError as exc:  # a listing is a last resort: say why, find nothing
             log.debug("listing %s failed: %r", raw.url(""), exc)
             return []

@@ -301,6 +301,7 @@ class LoadSession:
                 self.executor,
                 transport=self.options.transport,
                 mapped_copies=self.options.local_mapped_copies,
+                max_listing_size=self.options.max_metadata_size,
             )
             self._storage = RetryingStorage.for_options(raw, self.options, self._recorder, self.executor)
         elif self._storage.stats is not self._recorder:  # a reused reader's next load

@@ -11,6 +11,7 @@ translates them once, with the path, range and attempt.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import concurrent.futures
 import contextvars
 import logging
@@ -138,6 +139,18 @@ def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None
     if total.strip() != "*" and not total.strip().isdigit():
         return None
     return int(first), int(last) + 1, None if total.strip() == "*" else int(total)
+
+
+class ListingTooLargeError(OSError):
+    """A directory listing (an HTTP index page) is larger than ``LoadOptions.max_metadata_size``:
+    refused after that many bytes, never read or parsed whole."""
+
+    def __init__(self, url: str, limit: int) -> None:
+        super().__init__(
+            f"the listing of {url} is more than {limit} bytes, LoadOptions.max_metadata_size: "
+            "not read further (raise max_metadata_size if the directory is really that large)"
+        )
+        self.url, self.limit = url, limit
 
 
 class ObjectChangedError(OSError):
@@ -326,11 +339,20 @@ class FsspecStorage(VersionPins):
     hedgeable = True
 
     def __init__(
-        self, root: str, protocol: str, storage_options: Mapping[str, Any], executor: concurrent.futures.Executor
+        self,
+        root: str,
+        protocol: str,
+        storage_options: Mapping[str, Any],
+        executor: concurrent.futures.Executor,
+        *,
+        max_listing_size: int | None = None,
     ) -> None:
         super().__init__(root)
         import fsspec
 
+        #: the most bytes an HTTP directory listing (an HTML index page) may have
+        #: (``LoadOptions.max_metadata_size``; None: no limit)
+        self.max_listing_size = max_listing_size
         self.protocol = protocol
         self._executor = executor
         self._cls = fsspec.get_filesystem_class(protocol)
@@ -595,6 +617,8 @@ class FsspecStorage(VersionPins):
     async def listdir(self) -> list[str]:
         fs = await self._get_fs()
         path = self._full("").rstrip("/") or "/"
+        if self.is_async and self.protocol in ("http", "https") and hasattr(fs, "encode_url"):
+            return await self._list_http(fs, path)
         try:
             if self.is_async:
                 entries = await fs._ls(path, detail=True)
@@ -608,6 +632,72 @@ class FsspecStorage(VersionPins):
             if isinstance(e, dict) and e.get("type", "file") == "file":
                 out.append(posixpath.basename(str(e.get("name", "")).rstrip("/")))
         return sorted(n for n in out if n)
+
+    async def _list_http(self, fs: Any, url: str) -> list[str]:
+        """The files an HTML index page at ``url`` links to directly under it (what fsspec's
+        ``ls`` finds, with its ``simple_links`` and ``same_scheme``), read as a stream and
+        parsed piece by piece: at most ``max_listing_size`` bytes are read, and memory holds
+        one piece and the names found, not the page.
+
+        Raised: :class:`ListingTooLargeError` past ``max_listing_size``."""
+        from fsspec.implementations.http import ex, ex2
+
+        limit = self.max_listing_size
+        base = url.rstrip("/")
+        parts = urlparse(base)
+        simple = bool(getattr(fs, "simple_links", False))
+        names: set[str] = set()
+
+        root = base.replace("https", "http", 1) + "/"
+
+        def take(link: str) -> None:
+            """A link of the page: kept when it names a file directly under ``base``."""
+            if link.startswith("/") and len(link) > 1:
+                link = f"{parts.scheme}://{parts.netloc}{link}"
+            if link.startswith("http"):
+                plain = link.replace("https", "http", 1)  # fsspec allows http <-> https
+                if not plain.startswith(root):
+                    return
+                rel = plain[len(root) :]
+            elif link in ("..", "../"):
+                return
+            else:
+                rel = link.lstrip("/")
+            if rel and "/" not in rel:
+                names.add(rel)
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        overlap = 1 << 13  # a link longer than this may be missed at a piece's edge
+        text, got = "", 0
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(base), **fs.kwargs) as r:
+            if r.status in (404, 410):
+                return []
+            r.raise_for_status()
+            mimetype = r.headers.get("Content-Type", "").partition(";")[0].strip() or None
+            if mimetype not in ("text/html", None):
+                return []
+            while True:
+                piece = await r.content.read(1 << 20)
+                got += len(piece)
+                if limit is not None and got > limit:
+                    r.close()  # drop the connection: never read the rest
+                    raise ListingTooLargeError(self.url(""), limit)
+                text += decoder.decode(piece, final=not piece)
+                # links that end before the last ``overlap`` characters are whole; the rest
+                # are looked at again with the next piece
+                edge = len(text) if not piece else max(0, len(text) - overlap)
+                for m in ex.finditer(text):
+                    if m.end() <= edge or not piece:
+                        take(m.group("url"))
+                if simple:
+                    for m in ex2.finditer(text):
+                        if m.end() <= edge or not piece:
+                            take(m.group("url"))
+                if not piece:
+                    break
+                text = text[max(0, len(text) - 2 * overlap) :]
+        return sorted(names)
 
     async def aclose(self) -> None:
         """Close the filesystem's HTTP session and its connections. Safe to call twice."""
@@ -794,6 +884,7 @@ def open_storage(
     *,
     transport: str = "auto",
     mapped_copies: bool = True,
+    max_listing_size: int | None = None,
 ) -> Storage:
     """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL.
 
@@ -802,6 +893,8 @@ def open_storage(
     when it is installed and the URL and ``storage_options`` map onto it, else fsspec;
     why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
     (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload._mapped`.
+    ``max_listing_size`` (``LoadOptions.max_metadata_size``): the most bytes of an HTTP
+    directory listing.
 
     Raised: :class:`StorageReadError` for ``transport="obstore"`` when obstore is not
     installed or cannot honour an option (the message names it).
@@ -823,7 +916,9 @@ def open_storage(
             except _obstore.Unmappable as exc:
                 reason = str(exc)
             else:
-                return _obstore.ObstoreStorage(s, spec, storage_options=options, executor=executor)
+                return _obstore.ObstoreStorage(
+                    s, spec, storage_options=options, executor=executor, max_listing_size=max_listing_size
+                )
         if transport == "obstore":
             from ._errors import StorageReadError
 
@@ -832,4 +927,4 @@ def open_storage(
                 path=s,
             )
         log.debug("reading %s through fsspec, not obstore: %s", redact_url(s), reason)
-    return FsspecStorage(s, protocol, options, executor)
+    return FsspecStorage(s, protocol, options, executor, max_listing_size=max_listing_size)

@@ -210,3 +210,122 @@ def test_redaction_rule():
     )
     err = StorageReadError("reading http://u:pw@h/x failed", path="http://u:pw@h/x")
     assert "pw" not in str(err) + err.path + repr(err)
+
+
+class _ListingServer:
+    """An HTTP server on 127.0.0.1 whose "directory" ``/ckpt/`` is an HTML page of ``size``
+    bytes (filler, with a link to ``model.safetensors`` at its start and one at its end); a
+    ranged GET of it (a probe for a file named ``ckpt``) and every other path are 404.
+    ``sent`` counts the page's bytes written before the client left."""
+
+    def __init__(self, size: int) -> None:
+        self.sent = 0
+        server = self
+        head = b'<html><body><a href="model.safetensors">model</a>\n'
+        tail = b'<a href="/ckpt/late.safetensors">late</a></body></html>\n'
+        filler = b"<p>" + b"x" * 1020 + b"</p>\n"
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                if self.path.rstrip("/") != "/ckpt" or self.headers.get("Range"):
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                left = size - len(head) - len(tail)
+                try:
+                    self.wfile.write(head)
+                    piece = filler * 64
+                    while left > 0:
+                        n = min(len(piece), left)
+                        self.wfile.write(piece[:n])
+                        left -= n
+                        server.sent += n
+                    self.wfile.write(tail)
+                except OSError:
+                    pass
+
+            def do_HEAD(self) -> None:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ckpt/"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def test_a_listing_larger_than_max_metadata_size_is_refused_after_that_many_bytes(transport):
+    listing = _ListingServer(64 << 20)
+    try:
+        with pytest.raises(asyncload.CheckpointFormatError) as info:
+            asyncload.load({}, listing.url, options=OPTS.replace(transport=transport, max_metadata_size=1 << 20))
+    finally:
+        listing.close()
+    msg = str(info.value)
+    assert f"the listing of {listing.url} is more than 1048576 bytes, LoadOptions.max_metadata_size" in msg, msg
+    assert listing.sent < 16 << 20, listing.sent  # not the 64 MiB page
+
+
+_LISTING_CHILD = """
+import json, sys
+import asyncload
+url = sys.argv[1]
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+opts = asyncload.LoadOptions(transport=sys.argv[2], retries=0, timeout=60.0)
+try:  # warm-up: imports, threads, sessions
+    asyncload.load({}, url + "-missing", options=opts)
+except asyncload.AsyncLoadError:
+    pass
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = status("VmRSS:")
+try:
+    asyncload.load({}, url, options=opts)
+    error = None
+except asyncload.AsyncLoadError as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"above": status("VmHWM:") - base, "error": error}))
+"""
+
+
+def test_a_huge_listing_page_is_parsed_as_a_stream_in_bounded_memory(transport):
+    """A 128 MiB index page under the default max_metadata_size (1 GiB): read piece by piece,
+    never whole (it cost 4.6 GiB of RSS for 512 MiB when it was parsed whole)."""
+    import json
+    import subprocess
+    import sys
+
+    listing = _ListingServer(128 << 20)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _LISTING_CHILD, listing.url, transport],
+            capture_output=True,
+            text=True,
+            timeout=110,
+            check=True,
+        )
+    finally:
+        listing.close()
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert listing.sent >= (128 << 20) - 4096  # the whole page was read
+    # the link at the page's end was found: the whole page was parsed
+    assert result["error"] is not None and "late.safetensors" in result["error"], result
+    assert result["above"] < 96 << 20, result  # peak RSS above the baseline
