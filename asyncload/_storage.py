@@ -18,6 +18,7 @@ import logging
 import os
 import posixpath
 import stat
+import sys
 import types
 import weakref
 from collections.abc import Mapping, Sequence
@@ -147,8 +148,9 @@ class ListingTooLargeError(OSError):
 
     def __init__(self, url: str, limit: int) -> None:
         super().__init__(
-            f"the listing of {url} is more than {limit} bytes, LoadOptions.max_metadata_size: "
-            "not read further (raise max_metadata_size if the directory is really that large)"
+            f"the listing of {url} is more than {limit} bytes (its page and the names it lists), "
+            "LoadOptions.max_metadata_size: not read further (raise max_metadata_size if the directory "
+            "is really that large)"
         )
         self.url, self.limit = url, limit
 
@@ -636,8 +638,9 @@ class FsspecStorage(VersionPins):
     async def _list_http(self, fs: Any, url: str) -> list[str]:
         """The files an HTML index page at ``url`` links to directly under it (what fsspec's
         ``ls`` finds, with its ``simple_links`` and ``same_scheme``), read as a stream and
-        parsed piece by piece: at most ``max_listing_size`` bytes are read, and memory holds
-        one piece and the names found, not the page.
+        parsed piece by piece: memory holds one piece and the names found, not the page. The
+        page's bytes and the memory of the names found (a page of millions of links) count
+        together against ``max_listing_size``.
 
         Raised: :class:`ListingTooLargeError` past ``max_listing_size``."""
         from fsspec.implementations.http import ex, ex2
@@ -663,12 +666,14 @@ class FsspecStorage(VersionPins):
                 return
             else:
                 rel = link.lstrip("/")
-            if rel and "/" not in rel:
+            if rel and "/" not in rel and rel not in names:
                 names.add(rel)
+                cost[0] += sys.getsizeof(rel) + 32  # the string and its slot in the set
 
         decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         overlap = 1 << 13  # a link longer than this may be missed at a piece's edge
         text, got = "", 0
+        cost = [0]  # the memory of the names found
         session = await fs.set_session()
         async with session.get(fs.encode_url(base), **fs.kwargs) as r:
             if r.status in (404, 410):
@@ -680,7 +685,7 @@ class FsspecStorage(VersionPins):
             while True:
                 piece = await r.content.read(1 << 20)
                 got += len(piece)
-                if limit is not None and got > limit:
+                if limit is not None and got + cost[0] > limit:
                     r.close()  # drop the connection: never read the rest
                     raise ListingTooLargeError(self.url(""), limit)
                 text += decoder.decode(piece, final=not piece)
