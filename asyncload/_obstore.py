@@ -34,6 +34,7 @@ from ._storage import (
     FsspecStorage,
     ObjectChangedError,
     RangeIgnoredError,
+    RangeMismatchError,
     ShortReadError,
     VersionPins,
     first_byte,
@@ -666,7 +667,7 @@ class ObstoreStorage(VersionPins):
         data = await _body(result, end - start)
         del result
         if data is None:
-            raise RangeIgnoredError(self.url(name), start, end, 206, "a longer body")
+            raise RangeMismatchError(self.url(name), start, end, 206, "a body longer than that range")
         got = len(data)
         if got != end - start:
             raise ShortReadError(self.url(name), start, end, got)
@@ -739,7 +740,7 @@ class ObstoreStorage(VersionPins):
         data = await _body(result, want)
         del result
         if data is None:
-            raise RangeIgnoredError(self.url(name), 0, want, 206, "a longer body")
+            raise RangeMismatchError(self.url(name), 0, want, 206, "a body longer than that range")
         if len(data) != want:
             raise ShortReadError(self.url(name), 0, want, len(data))
         return memoryview(data), size

@@ -418,8 +418,8 @@ _HINTS = {
     "object_changed": " (the object was replaced while this load read it: load again once the save has finished)",
     "not_supported": " (the store does not support this request: try LoadOptions.transport='fsspec')",
     "range_mismatch": (
-        " (the answer named another byte range than the one asked for, so its bytes were not used: read the "
-        "checkpoint from the store itself, not through a cache or proxy that keys ranges by URL)"
+        " (the answer was not the byte range asked for, so none of its bytes were used: read the checkpoint "
+        "from the store itself, not through a cache or proxy that keys ranges by URL or rewrites answers)"
     ),
     "redirect_refused": (
         " (asyncload follows redirects within the checkpoint's origin only: if you trust the other origin, "

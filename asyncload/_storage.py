@@ -82,15 +82,15 @@ class RangeIgnoredError(OSError):
 
 
 class RangeMismatchError(OSError):
-    """A ranged read was answered for another range than the one asked for (a
-    ``Content-Range`` with another start, end or total, or none on a 206): a cache or proxy
-    that keys ranges by URL. Its bytes are never used. Not worth a retry: the next answer is
-    the same."""
+    """A ranged read was answered with something else than the range asked for: a
+    ``Content-Range`` with another start, end or total, none on a 206 (a cache or proxy that
+    keys ranges by URL), or a body longer than the range. Its bytes are never used. Not worth
+    a retry: the next answer is the same."""
 
     def __init__(self, url: str, start: int, end: int, status: int | None, got: str) -> None:
         super().__init__(
             f"asked for bytes [{start}, {end}) of {url}, got HTTP {status} with {got}: "
-            "the answer is for another range (a cache or proxy between asyncload and the store?)"
+            "the answer does not match the request"
         )
         self.url, self.start, self.end, self.status = url, start, end, status
 
@@ -477,6 +477,8 @@ class FsspecStorage(VersionPins):
                 raise RangeIgnoredError(self.url(name), start, end, status, "the whole file")
             # at most one byte more than asked for: a longer body is refused, never buffered whole
             data = await _read_at_most(body.read, end - start + 1)
+            if len(data) > end - start:
+                raise RangeMismatchError(self.url(name), start, end, status, "a body longer than that range")
         finally:
             body.close()
         return data
@@ -518,6 +520,7 @@ class FsspecStorage(VersionPins):
             data = await _read_at_most(r.content.read, end - start + 1)
             if len(data) > end - start:
                 r.close()  # drop the connection: never read the rest of the body
+                raise RangeMismatchError(self.url(name), start, end, r.status, "a body longer than that range")
         return data
 
     async def _read_http(self, fs: Any, name: str, path: str, start: int, end: int) -> bytes:
@@ -556,6 +559,8 @@ class FsspecStorage(VersionPins):
                 return exc.partial  # the body ended early: read() raises ShortReadError
             if await r.content.read(1):
                 r.close()
+                if r.status == 206:
+                    raise RangeMismatchError(self.url(name), start, end, 206, "a body longer than that range")
                 raise RangeIgnoredError(self.url(name), start, end, r.status, "a longer body")
         return data
 
