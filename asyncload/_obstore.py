@@ -8,8 +8,9 @@ fsspec's HTTP filesystem: :func:`plan_store` maps what it can map faithfully and
 option. obstore's own retries are off and its own timeouts out of the way
 (asyncload's policy in :mod:`asyncload._retry` is the only one); reads are
 conditional on the version of the object first seen and every answer is compared,
-like :class:`asyncload._storage.FsspecStorage`. A read returns obstore's buffer (a
-``memoryview`` over it), not a copy.
+like :class:`asyncload._storage.FsspecStorage`. A read's body is streamed and refused
+past the length asked for (never buffered whole). Requests to hosts other than the
+origin's (a redirect object_store would follow) are refused by :class:`RedirectGuard`.
 """
 
 from __future__ import annotations

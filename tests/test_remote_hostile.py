@@ -362,3 +362,17 @@ def test_a_huge_listing_page_costs_at_most_max_metadata_size(links, limit, expec
     else:
         assert listing.sent < 72 << 20, listing.sent
         assert result["above"] < limit + (32 << 20), result
+
+
+def test_the_cli_never_prints_a_password_of_the_url(request, ckpt, bucket_name, fault_proxy, capsys):
+    from asyncload.cli import main
+
+    r = make_remote(request, "http", ckpt[0], bucket_name, fault_proxy)
+    url = r.url.replace("http://", "http://alice:s3cr%40t@", 1)
+    assert main(["inspect", url]) == 0
+    assert main(["verify", url, "--no-progress"]) == 0
+    assert main(["inspect", url + "-missing"]) != 0
+    out = capsys.readouterr()
+    assert f"checkpoint   {url.replace('s3cr%40t', '***')}" in out.out, out.out
+    assert "alice:***@" in out.err, out.err
+    assert "s3cr" not in out.out + out.err
