@@ -660,7 +660,10 @@ class ObstoreStorage(VersionPins):
             problem = exc
         lo, hi = result.range
         if problem is None and (lo != start or hi > end):
-            problem = RangeIgnoredError(self.url(name), start, end, 206, f"bytes [{lo}, {hi})")
+            problem = RangeMismatchError(self.url(name), start, end, 206, f"bytes [{lo}, {hi})")
+        total, known = int(result.meta["size"]), self._sizes.get(name)
+        if problem is None and known is not None and total != known:  # the Content-Range total
+            problem = RangeMismatchError(self.url(name), start, end, 206, f"a total of {total} bytes, not {known}")
         if problem is not None:
             await _finish(result)
             del result

@@ -588,6 +588,7 @@ class FsspecStorage(VersionPins):
         if size is None:
             raise OSError(f"{self.url(name)}: the store did not report a size")
         self._see(name, self._version_of(info))
+        self._totals.setdefault(name, int(size))  # what every Content-Range must give as the total
         return int(size)
 
     def _version_of(self, info: Mapping[str, Any]) -> str | None:

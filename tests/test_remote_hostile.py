@@ -376,3 +376,25 @@ def test_the_cli_never_prints_a_password_of_the_url(request, ckpt, bucket_name, 
     assert f"checkpoint   {url.replace('s3cr%40t', '***')}" in out.out, out.out
     assert "alice:***@" in out.err, out.err
     assert "s3cr" not in out.out + out.err
+
+
+def test_the_content_range_rule():
+    from asyncload._storage import RangeMismatchError, VersionPins
+
+    v = VersionPins("http://h/c")
+    v._check_range("f", 0, 10, 206, "bytes 0-9/100")
+    v._check_range("f", 90, 100, 206, "bytes 90-99/100")
+    v._check_range("f", 95, 110, 206, "bytes 95-99/100")  # the file ends there: a short read, told apart later
+    v._check_range("f", 0, 10, 206, "bytes 0-9/*")
+    for bad in (
+        None,
+        "",
+        "bytes 1-10/100",
+        "bytes 0-8/100",
+        "bytes 0-10/100",
+        "bytes 0-9/99",
+        "bytes 0-9",
+        "items 0-9/100",
+    ):
+        with pytest.raises(RangeMismatchError, match=r"asked for bytes \[0, 10\) of http://h/c/f, got HTTP 206 with"):
+            v._check_range("f", 0, 10, 206, bad)
