@@ -339,6 +339,8 @@ def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec
     config["region"] = region
     static = bool(anon or key)  # no credential provider asks another host
     hosts = _hosts(endpoint) if endpoint is not None and static else None
+    if hosts and config.get("virtual_hosted_style_request"):
+        hosts = (*hosts, f"{bucket}.{hosts[0]}")  # requests go to bucket.endpoint-host
     return StoreSpec(
         "s3", bucket, prefix, config=config, client_options=client, max_retries=max_retries, origin_hosts=hosts
     )
