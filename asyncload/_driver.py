@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._dcp import PLAIN_TENSOR_TYPES, PipelinedReader
-from ._errors import CheckpointNotFoundError, DistributedLoadError
+from ._errors import CheckpointNotFoundError, DistributedLoadError, redact_url
 from ._monitor import Monitor
 from ._session import LoadSession
 from ._stats import LoadStats, _fmt_bytes
@@ -139,7 +139,7 @@ def load_steps(
     session = reader.session
     keys = sorted(state_dict.keys())
     stateful = {k: state_dict[k].state_dict() if _is_stateful(state_dict[k]) else state_dict[k] for k in keys}
-    log.debug("loading %s into %d keys on %d rank(s)", reader.checkpoint, len(state_dict), world)
+    log.debug("loading %s into %d keys on %d rank(s)", redact_url(str(reader.checkpoint)), len(state_dict), world)
     try:
         if world > 1:
             yield from _collective_steps(stateful, reader, planner, process_group)
@@ -164,7 +164,7 @@ def load_steps(
     stats = reader.stats
     if stats is None:  # pragma: no cover - read_steps finishes the stats
         raise DistributedLoadError("the load ended without statistics")
-    log.info("loaded %s: %s", reader.checkpoint, stats)
+    log.info("loaded %s: %s", redact_url(str(reader.checkpoint)), stats)
     return stats
 
 
@@ -194,7 +194,12 @@ async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Meta
                 status=missing.status,
             ) from missing.__cause__  # the client's first error; this message says what both errors said
         session.metadata_error = None
-        log.debug("%s has no .metadata: rank %d reads its rank-local __%d.metadata", session.checkpoint, rank, rank)
+        log.debug(
+            "%s has no .metadata: rank %d reads its rank-local __%d.metadata",
+            redact_url(str(session.checkpoint)),
+            rank,
+            rank,
+        )
         return md, False
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 __all__ = [
     "AsyncLoadError",
@@ -40,8 +42,83 @@ __all__ = [
 ]
 
 
+#: Query parameters whose value is a secret (a signature, a token, a key): shown as ``***``.
+SECRET_QUERY_KEYS = frozenset(
+    {
+        "x-amz-signature",
+        "x-amz-credential",
+        "x-amz-security-token",
+        "x-goog-signature",
+        "x-goog-credential",
+        "x-goog-security-token",
+        "sig",
+        "signature",
+        "token",
+        "access_token",
+        "id_token",
+        "refresh_token",
+        "key",
+        "api_key",
+        "apikey",
+        "api-key",
+        "password",
+        "passwd",
+        "secret",
+        "client_secret",
+        "auth",
+        "authorization",
+        "code",
+    }
+)
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+
+
+def redact_url(url: str) -> str:
+    """``url`` as messages, log records and ``repr`` show it: the password of its userinfo
+    (``user:pw@``) and the values of query parameters that carry a signature or token
+    (:data:`SECRET_QUERY_KEYS`: ``X-Amz-Signature``, ``X-Goog-Signature``, ``sig``,
+    ``token``, ``key``...) replaced by ``***``. Anything that is not a URL with a scheme and
+    host comes back unchanged."""
+    try:
+        parts = urlsplit(url)
+        if not parts.scheme or not parts.netloc:
+            return url
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user = userinfo.partition(":")[0]
+            netloc = f"{user}:***@{hostport}" if user else f"***@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(k.lower() in SECRET_QUERY_KEYS for k, _ in pairs):
+                query = "&".join(
+                    f"{k}=***" if k.lower() in SECRET_QUERY_KEYS else part
+                    for part in query.split("&")
+                    for k in [part.partition("=")[0]]
+                )
+        if netloc == parts.netloc and query == parts.query:
+            return url
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:  # not parseable as a URL (an invalid port, brackets): hide all of it
+        return "<a URL that cannot be shown>"
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it passed through :func:`redact_url`: the one rule for
+    every message, log record and ``repr`` that may quote a checkpoint's URL (an error of a
+    client library quotes the URL it requested, credentials and signatures included)."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
 class AsyncLoadError(Exception):
-    """Base class of every error asyncload raises on purpose."""
+    """Base class of every error asyncload raises on purpose. Its message never shows a
+    URL's password or a signed URL's signature (:func:`redact_text`)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact_text(a) if isinstance(a, str) else a for a in args))
 
 
 class ChunkTimeoutError(AsyncLoadError, TimeoutError):
@@ -52,7 +129,7 @@ class ChunkTimeoutError(AsyncLoadError, TimeoutError):
 
     def __init__(self, message: str, *, path: str = "", byte_range: tuple[int, int] = (0, 0), attempts: int = 0):
         super().__init__(message)
-        self.path = path
+        self.path = redact_url(path)
         self.byte_range = byte_range
         self.attempts = attempts
 
@@ -75,7 +152,7 @@ class StorageReadError(AsyncLoadError, OSError):
     ):
         # OSError's constructor interprets positional args; keep the message whole.
         super().__init__(message)
-        self.path = path
+        self.path = redact_url(path)
         self.byte_range = byte_range
         self.attempts = attempts
         self.status = status
@@ -113,7 +190,7 @@ class CheckpointChangedError(CheckpointFormatError):
         now: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.path = path
+        self.path = redact_url(path)
         self.byte_range = byte_range
         self.seen = seen
         self.now = now

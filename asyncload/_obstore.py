@@ -8,8 +8,9 @@ fsspec's HTTP filesystem: :func:`plan_store` maps what it can map faithfully and
 option. obstore's own retries are off and its own timeouts out of the way
 (asyncload's policy in :mod:`asyncload._retry` is the only one); reads are
 conditional on the version of the object first seen and every answer is compared,
-like :class:`asyncload._storage.FsspecStorage`. A read returns obstore's buffer (a
-``memoryview`` over it), not a copy.
+like :class:`asyncload._storage.FsspecStorage`. A read's body is streamed and refused
+past the length asked for (never buffered whole). Requests to hosts other than the
+origin's (a redirect object_store would follow) are refused by :class:`RedirectGuard`.
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
+from ._errors import redact_url
 from ._storage import (
+    CrossOriginRedirectError,
     FsspecStorage,
     ObjectChangedError,
     RangeIgnoredError,
+    RangeMismatchError,
     ShortReadError,
     VersionPins,
     first_byte,
+    origin_of,
 )
 
 __all__ = ["OBSTORE_PROTOCOLS", "ObstoreStorage", "StoreSpec", "Unmappable", "plan_store"]
@@ -58,6 +63,27 @@ async def _finish(result: Any) -> None:
     if hi - lo <= OBJECT_PREFIX:
         with contextlib.suppress(Exception):
             await result.bytes_async()
+
+
+async def _body(result: Any, want: int) -> Any:
+    """The body of a ranged answer whose headers promised ``want`` bytes, read as a stream
+    that stops past them: ``None`` when it is longer (a body with the right ``Content-Range``
+    and hundreds of MiB too many bytes is refused after at most about twice ``want`` bytes, not
+    buffered whole, as ``bytes_async`` would). One buffer of obstore's when the body is as
+    long as promised (no copy)."""
+    if want <= 0:
+        want = 1  # an empty range: any byte is one too many
+    stream = result.stream(min_chunk_size=want)
+    first: Any = b""
+    async for piece in stream:  # the first piece holds at least ``want`` bytes, or all there are
+        first = piece
+        break
+    if len(first) > want:
+        return None
+    if len(first) == want:
+        async for _more in stream:  # one more byte is over-long; the end of the body is not
+            return None
+    return first
 
 
 #: fsspec options that change nothing about a ranged read (instance caching, file-object
@@ -96,15 +122,25 @@ class StoreSpec:
     bucket: str | None
     prefix: str | None
     url: str | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-    client_options: dict[str, Any] = field(default_factory=dict)
+    #: (never in ``repr``: keys, secrets and headers)
+    config: dict[str, Any] = field(default_factory=dict, repr=False)
+    client_options: dict[str, Any] = field(default_factory=dict, repr=False)
     max_retries: int = 0
+    #: the hosts the store's requests go to (its origin's), when every other host can be
+    #: refused (:class:`RedirectGuard`): a store whose credentials come from another host (an
+    #: instance role, web identity, a token endpoint) has ``None``
+    origin_hosts: tuple[str, ...] | None = None
 
-    def build(self) -> Any:
+    def build(self, guard: RedirectGuard | None = None) -> Any:
         from obstore.store import GCSStore, HTTPStore, S3Store
 
         _settle_at_exit()
         client: Any = {"timeout": _NO_TIMEOUT, "connect_timeout": _NO_TIMEOUT, **self.client_options}
+        if guard is not None and self.origin_hosts:
+            # every host but the origin's goes to the guard, which refuses it: a redirect to
+            # another host is never followed (object_store follows redirects itself)
+            client["proxy_url"] = guard.proxy_url
+            client["proxy_excludes"] = ",".join(self.origin_hosts)
         retry: Any = {"max_retries": self.max_retries}
         config: Any = self.config
         if self.kind == "s3":
@@ -159,14 +195,19 @@ def plan_store(url: str, storage_options: Mapping[str, Any]) -> StoreSpec:
             "this process was forked from one that used obstore, whose runtime threads a fork does not copy"
         )
     if parts.query or parts.fragment:
-        raise Unmappable(f"the URL {url!r} has a query or fragment")
+        raise Unmappable(f"the URL {redact_url(url)!r} has a query or fragment")
     opts = {k: v for k, v in storage_options.items() if k not in _NO_EFFECT}
     if protocol in ("http", "https"):
         return _http_spec(url, opts)
     bucket = parts.netloc
     prefix = parts.path.strip("/") or None
+    if "@" in bucket:
+        raise Unmappable(
+            f"the URL {redact_url(url)!r} carries credentials (user:password@), which {protocol}:// does not use: "
+            "pass them in storage_options (key/secret/token, or token= for GCS)"
+        )
     if not bucket:
-        raise Unmappable(f"the URL {url!r} names no bucket")
+        raise Unmappable(f"the URL {redact_url(url)!r} names no bucket")
     return _s3_spec(bucket, prefix, opts) if protocol == "s3" else _gcs_spec(bucket, prefix, opts)
 
 
@@ -296,7 +337,13 @@ def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec
             raise Unmappable("no region given (s3fs finds the bucket's region itself, obstore needs it)")
         region = "us-east-1"  # what botocore signs with for a custom endpoint without a region
     config["region"] = region
-    return StoreSpec("s3", bucket, prefix, config=config, client_options=client, max_retries=max_retries)
+    static = bool(anon or key)  # no credential provider asks another host
+    hosts = _hosts(endpoint) if endpoint is not None and static else None
+    if hosts and config.get("virtual_hosted_style_request"):
+        hosts = (*hosts, f"{bucket}.{hosts[0]}")  # requests go to bucket.endpoint-host
+    return StoreSpec(
+        "s3", bucket, prefix, config=config, client_options=client, max_retries=max_retries, origin_hosts=hosts
+    )
 
 
 def _read_pem(path: str) -> str:
@@ -352,7 +399,8 @@ def _gcs_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpe
     if endpoint is not None:
         config["base_url"] = endpoint.rstrip("/")
         _allow_http(endpoint, client)
-    return StoreSpec("gcs", bucket, prefix, config=config, client_options=client)
+    hosts = _hosts(endpoint) if endpoint is not None and config.get("skip_signature") else None
+    return StoreSpec("gcs", bucket, prefix, config=config, client_options=client, origin_hosts=hosts)
 
 
 def _norm_host(emulator: str | None) -> str | None:
@@ -380,6 +428,19 @@ def _http_spec(url: str, opts: dict[str, Any]) -> StoreSpec:
         for k, v in dict(source or {}).items():
             headers[str(k)] = str(v)
     auth = ck.pop("auth", None)
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        # the URL's userinfo, as aiohttp sends it: Basic auth (reqwest drops Authorization on a
+        # redirect to another origin, and asyncload refuses those anyway); the store's URL
+        # carries no userinfo, so it never reaches a message or a request line
+        if auth is not None:
+            raise Unmappable("the URL carries credentials (user:password@) and client_kwargs gives auth too")
+        import base64
+
+        user, password = unquote(parts.username or ""), unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        headers["Authorization"] = f"Basic {token}"
+        url = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, parts.query, parts.fragment))
     if auth is not None:
         encode = getattr(auth, "encode", None)
         if encode is None:
@@ -399,7 +460,88 @@ def _http_spec(url: str, opts: dict[str, Any]) -> StoreSpec:
     if headers:
         client["default_headers"] = headers
     _allow_http(url, client)
-    return StoreSpec("http", None, None, url=url.rstrip("/"), client_options=client)
+    return StoreSpec("http", None, None, url=url.rstrip("/"), client_options=client, origin_hosts=_hosts(url))
+
+
+def _hosts(url: str) -> tuple[str, ...] | None:
+    """The host of ``url`` as ``proxy_excludes`` names it (None: none to name)."""
+    host = urlsplit(url if "://" in url else f"http://{url}").hostname
+    return (host,) if host else None
+
+
+class RedirectGuard:
+    """Refuses every request of an obstore store to a host other than its origin's.
+
+    object_store (through reqwest) follows redirects itself, up to 10, and obstore 0.12 offers
+    no redirect policy: a redirect to another host would carry the caller's headers (an API
+    key), an S3 session token and the ``Referer`` there, and its answer would be used. So the
+    store's HTTP client is given this listener on 127.0.0.1 as its proxy for every host but the
+    origin's (``proxy_url`` with ``proxy_excludes``): a request to another host reaches only
+    this process, which notes where it was going, answers 403 and closes. Nothing is
+    forwarded. :meth:`refusal` then turns the store's error into
+    :class:`asyncload._storage.CrossOriginRedirectError`. A redirect to another port of the
+    same host is not caught this way (``proxy_excludes`` names hosts): see docs/remote.md.
+    """
+
+    def __init__(self) -> None:
+        import socket
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self._sock.setblocking(False)
+        self.proxy_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        #: the origins of the requests refused, oldest first
+        self.refused: list[str] = []
+        self._server: asyncio.AbstractServer | None = None
+        self._starting: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Serve on the running loop (connections wait in the backlog until then)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._on_client, sock=self._sock, limit=1 << 16)
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            words = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            target = words[1] if len(words) >= 2 else "?"
+            if words and words[0].upper() == "CONNECT":
+                target = f"https://{target}"
+            where = origin_of(target)
+            self.refused.append(where)
+            log.debug("refused a request of an obstore store to %s: not the checkpoint's origin", where)
+            body = f"asyncload refused a request to {where}: not the checkpoint's origin\n".encode()
+            writer.write(
+                b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    def refusal(self, url: str, origin: str) -> CrossOriginRedirectError | None:
+        """The error to raise for a failed request about ``url`` (a store of ``origin``) when
+        a request was refused."""
+        if not self.refused:
+            return None
+        return CrossOriginRedirectError(url, self.refused[-1], None, origin=origin)
+
+    async def aclose(self) -> None:
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            await asyncio.gather(starting, return_exceptions=True)
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+        self._sock.close()
 
 
 def _etag(value: Any) -> str | None:
@@ -428,6 +570,7 @@ class ObstoreStorage(VersionPins):
         *,
         storage_options: Mapping[str, Any] | None = None,
         executor: concurrent.futures.Executor | None = None,
+        max_listing_size: int | None = None,
     ) -> None:
         super().__init__(root)
         self.spec = spec
@@ -448,10 +591,25 @@ class ObstoreStorage(VersionPins):
         #: lacks is answered missing once, without a HEAD (the format probe's "is there an
         #: index?" of a Hugging Face directory)
         self._listed_names: frozenset[str] | None = None
+        #: refuses the store's requests to other hosts (built with the store)
+        self._guard: RedirectGuard | None = None
+        #: the most bytes an HTTP directory listing may have (``LoadOptions.max_metadata_size``)
+        self.max_listing_size = max_listing_size
+
+    def _refusal(self, name: str) -> CrossOriginRedirectError | None:
+        """The redirect to another host that :class:`RedirectGuard` refused, if any (a
+        request of this store that failed failed because of it)."""
+        if self._guard is None:
+            return None
+        where = self.spec.config.get("endpoint") or self.spec.config.get("base_url") or self.spec.url
+        return self._guard.refusal(self.url(name), origin_of(str(where)))
 
     def _get_store(self) -> Any:
         if self._store is None:
-            self._store = self.spec.build()
+            if self.spec.origin_hosts and self._guard is None:
+                self._guard = RedirectGuard()
+                self._guard.start()
+            self._store = self.spec.build(self._guard)
         return self._store
 
     def _version_of(self, meta: Mapping[str, Any]) -> str | None:
@@ -491,6 +649,11 @@ class ObstoreStorage(VersionPins):
             if "Range request not supported" in str(exc):  # a 200 for a ranged GET: the body is never read
                 raise RangeIgnoredError(self.url(name), start, end, 200, "the whole file") from exc
             raise
+        except Exception as exc:
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
         first_byte()  # the answer has begun: the hedge's first-byte clock
         problem: OSError | None = None
         try:
@@ -499,16 +662,19 @@ class ObstoreStorage(VersionPins):
             problem = exc
         lo, hi = result.range
         if problem is None and (lo != start or hi > end):
-            problem = RangeIgnoredError(self.url(name), start, end, 206, f"bytes [{lo}, {hi})")
+            problem = RangeMismatchError(self.url(name), start, end, 206, f"bytes [{lo}, {hi})")
+        total, known = int(result.meta["size"]), self._sizes.get(name)
+        if problem is None and known is not None and total != known:  # the Content-Range total
+            problem = RangeMismatchError(self.url(name), start, end, 206, f"a total of {total} bytes, not {known}")
         if problem is not None:
             await _finish(result)
             del result
             raise problem
-        data = await result.bytes_async()
+        data = await _body(result, end - start)
         del result
+        if data is None:
+            raise RangeMismatchError(self.url(name), start, end, 206, "a body longer than that range")
         got = len(data)
-        if got > end - start:
-            raise RangeIgnoredError(self.url(name), start, end, 206, f"{got} bytes")
         if got != end - start:
             raise ShortReadError(self.url(name), start, end, got)
         return memoryview(data)
@@ -552,7 +718,15 @@ class ObstoreStorage(VersionPins):
             # 416 Range Not Satisfiable: no range fits an empty file (S3, GCS, HTTP alike)
             if "416" in str(exc) and await self._head(name) == 0:
                 return memoryview(b""), 0
-            raise
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
+        except Exception as exc:
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
         first_byte()
         meta = result.meta
         problem: OSError | None = None
@@ -569,10 +743,10 @@ class ObstoreStorage(VersionPins):
             await _finish(result)
             del result
             raise problem
-        data = await result.bytes_async()
+        data = await _body(result, want)
         del result
-        if len(data) > want:
-            raise RangeIgnoredError(self.url(name), 0, want, 206, f"{len(data)} bytes")
+        if data is None:
+            raise RangeMismatchError(self.url(name), 0, want, 206, "a body longer than that range")
         if len(data) != want:
             raise ShortReadError(self.url(name), 0, want, len(data))
         return memoryview(data), size
@@ -602,13 +776,19 @@ class ObstoreStorage(VersionPins):
             # the listing lacks it: missing, without a round trip; once (the name joins the
             # set): a later size asks the store
             self._listed_names = names | {name}
-            raise FileNotFoundError(f"{self.url(name)} is not in the listing of {self.root}")
+            raise FileNotFoundError(f"{self.url(name)} is not in the listing of {self.url('')}")
         return await self._head(name)
 
     async def _head(self, name: str) -> int:
         import obstore
 
-        meta = await obstore.head_async(self._get_store(), name)
+        try:
+            meta = await obstore.head_async(self._get_store(), name)
+        except Exception as exc:
+            refusal = self._refusal(name)
+            if refusal is None:
+                raise
+            raise refusal from exc
         self._see_meta(name, meta)
         size = self._sizes[name] = int(meta["size"])
         return size
@@ -670,7 +850,11 @@ class ObstoreStorage(VersionPins):
                 if self._executor is None:
                     return []
                 self._lister = FsspecStorage(
-                    self.root, urlsplit(self.root).scheme, self._storage_options, self._executor
+                    self.root,
+                    urlsplit(self.root).scheme,
+                    self._storage_options,
+                    self._executor,
+                    max_listing_size=self.max_listing_size,
                 )
             return await self._lister.listdir()
         try:
@@ -686,6 +870,9 @@ class ObstoreStorage(VersionPins):
             listing.cancel()
             await asyncio.gather(listing, return_exceptions=True)
         self._store = None
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            await guard.aclose()
         lister, self._lister = self._lister, None
         if lister is not None:
             await lister.aclose()

@@ -64,14 +64,18 @@ from ._errors import (
     ChunkTimeoutError,
     StorageReadError,
     docs_ref,
+    redact_text,
 )
 from ._options import HedgePolicy, LoadOptions, RetryPolicy
 from ._stats import StatsRecorder
 from ._storage import (
     REQUEST,
+    CrossOriginRedirectError,
+    ListingTooLargeError,
     NotRegularFileError,
     ObjectChangedError,
     RangeIgnoredError,
+    RangeMismatchError,
     ShortReadError,
     Storage,
 )
@@ -170,6 +174,10 @@ _CONNECTION_ERRORS = {
 #: for the others; these read them from the message.
 _OBSTORE_STATUS = re.compile(r"status code: (\d{3})\b")
 _OBSTORE_CODE = re.compile(r"<Code>([A-Za-z0-9.]+)</Code>")
+#: object_store's words for a 206 whose ``Content-Range`` is not the range asked for.
+_OBSTORE_RANGE_MISMATCH = re.compile(
+    r"Requested \d+\.\.\d+, got \d+\.\.\d+|Content-Range header not present|value for CONTENT_RANGE header"
+)
 _OBSTORE_RETRY_AFTER = re.compile(r"retry-after\W{0,3}(\d+(?:\.\d+)?)", re.IGNORECASE)
 _OBSTORE_FINAL = {
     "PreconditionError": ("object_changed", 412),
@@ -304,6 +312,8 @@ def _classify_obstore(exc: BaseException) -> Failure | None:
         if "Range request not supported" in text:  # a 200 answer to a ranged GET
             return Failure(False, "range_ignored", 200)
         return Failure(False, "not_supported")
+    if _OBSTORE_RANGE_MISMATCH.search(text):  # object_store checked the answer's Content-Range
+        return Failure(False, "range_mismatch", 206)
     if _OBSTORE_STATUS.search(text):
         return None
     for words, failure in (
@@ -382,6 +392,12 @@ def classify(exc: BaseException) -> Failure:
     for e in chain:
         if isinstance(e, RangeIgnoredError):
             return Failure(False, "range_ignored", e.status)
+        if isinstance(e, RangeMismatchError):
+            return Failure(False, "range_mismatch", e.status)
+        if isinstance(e, CrossOriginRedirectError):
+            return Failure(False, "redirect_refused", e.status)
+        if isinstance(e, ListingTooLargeError):
+            return Failure(False, "listing_too_large", format_error=True)
         if isinstance(e, ObjectChangedError):
             return Failure(False, "object_changed", 412 if e.now is None else None)
         if isinstance(e, NotRegularFileError):
@@ -455,6 +471,14 @@ _HINTS = {
     "not_a_regular_file": " (a checkpoint file must be a regular file, not a FIFO, socket or device)",
     "object_changed": " (the object was replaced while this load read it: load again once the save has finished)",
     "not_supported": " (the store does not support this request: try LoadOptions.transport='fsspec')",
+    "range_mismatch": (
+        " (the answer was not the byte range asked for, so none of its bytes were used: read the checkpoint "
+        "from the store itself, not through a cache or proxy that keys ranges by URL or rewrites answers)"
+    ),
+    "redirect_refused": (
+        " (asyncload follows redirects within the checkpoint's origin only: if you trust the other origin, "
+        "load the checkpoint from the URL the redirect names)"
+    ),
     "not_a_directory": " (a path component is a file where a directory is expected: check the checkpoint path)",
     "name_too_long": " (the path is longer than the file system allows: check the checkpoint path)",
     "symlink_loop": " (the path has a symbolic link loop: check the checkpoint path)",
@@ -474,6 +498,9 @@ def translate(
     per-attempt limit that ran out, for the message)."""
     if isinstance(exc, AsyncLoadError):
         return exc
+    too_large = next((e for e in _causes(exc) if isinstance(e, ListingTooLargeError)), None)
+    if too_large is not None:
+        return CheckpointFormatError(str(too_large))
     changed = next((e for e in _causes(exc) if isinstance(e, ObjectChangedError)), None)
     if changed is not None:
         return CheckpointChangedError(
@@ -547,6 +574,8 @@ def translate(
     if f.retryable:
         hint = " (raise LoadOptions.retries or LoadOptions.timeout for a flaky store)"
     status = f" HTTP {f.status}" if f.status else ""
+    # a client library may wrap asyncload's own refusal (botocore: HTTPClientError): show the refusal
+    exc = next((e for e in _causes(exc) if isinstance(e, (CrossOriginRedirectError, RangeMismatchError))), exc)
     return StorageReadError(
         f"reading {where} failed{status} {tries}: {type(exc).__name__}: {brief(exc)}"[:800] + hint,
         path=url,
@@ -1165,8 +1194,12 @@ class RetryingStorage:
         names it could not list are left out, ask :meth:`size` for those)."""
         try:
             return await asyncio.wait_for(self.raw.sizes(names), self.retry.timeout)
-        except Exception:
-            log.debug("listing %s failed; asking for each file's size instead", self.raw.root, exc_info=True)
+        except Exception as exc:
+            log.debug(
+                "listing %s failed (%s); asking for each file's size instead",
+                self.raw.url(""),
+                redact_text(f"{type(exc).__name__}: {exc}"),
+            )
             return {}
 
     async def fingerprint(self, name: str) -> object | None:
@@ -1178,8 +1211,10 @@ class RetryingStorage:
         raw = self.raw
         try:
             return await self._call(raw.listdir, "", None)
+        except CheckpointFormatError:  # a listing larger than max_metadata_size: say so
+            raise
         except AsyncLoadError as exc:  # a listing is a last resort: say why, find nothing
-            log.debug("listing %s failed: %r", raw.root, exc)
+            log.debug("listing %s failed: %r", raw.url(""), exc)
             return []
 
     async def aclose(self) -> None:

@@ -51,6 +51,7 @@ from ._errors import (
     CheckpointNotFoundError,
     StateDictMismatchError,
     docs_ref,
+    redact_url,
 )
 from ._loop import loop_thread, refuse_on_library_loop, run_sync
 from ._options import ChunkPolicy, LoadOptions
@@ -189,7 +190,7 @@ class LoadSession:
         self._torch_casts = False
 
     def __repr__(self) -> str:
-        return f"LoadSession({str(self.checkpoint)!r}, started={self._t0 is not None}, done={self.stats is not None})"
+        return f"LoadSession({redact_url(str(self.checkpoint))!r}, started={self._t0 is not None}, done={self.stats is not None})"
 
     # --- one load's clock and statistics -------------------------------------------------
 
@@ -319,6 +320,7 @@ class LoadSession:
                 self.executor,
                 transport=self.options.transport,
                 mapped_copies=self.options.local_mapped_copies,
+                max_listing_size=self.options.max_metadata_size,
             )
             self._storage = RetryingStorage.for_options(raw, self.options, self._recorder, self.executor)
         elif self._storage.stats is not self._recorder:  # a reused reader's next load
@@ -362,7 +364,7 @@ class LoadSession:
         try:
             self.close()
         except Exception:
-            log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
+            log.debug("closing the storage of %s failed", redact_url(str(self.checkpoint)), exc_info=True)
 
     # --- metadata ------------------------------------------------------------------------
 
@@ -482,7 +484,7 @@ class LoadSession:
             try:
                 await self.aclose()
             except Exception:
-                log.debug("closing the storage of %s failed", self.checkpoint, exc_info=True)
+                log.debug("closing the storage of %s failed", redact_url(str(self.checkpoint)), exc_info=True)
 
     def commit(self, records: list[_Record], planner: LoadPlanner) -> None:
         """Hand every tensor and decoded object to the planner (its hooks: caller's thread).

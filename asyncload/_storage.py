@@ -11,18 +11,22 @@ translates them once, with the path, range and attempt.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import concurrent.futures
 import contextvars
 import logging
 import os
 import posixpath
 import stat
+import sys
 import types
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
+
+from ._errors import redact_url
 
 __all__ = [
     "FsspecStorage",
@@ -75,6 +79,80 @@ class RangeIgnoredError(OSError):
             "the server ignores Range requests"
         )
         self.url, self.start, self.end, self.status = url, start, end, status
+
+
+class RangeMismatchError(OSError):
+    """A ranged read was answered with something else than the range asked for: a
+    ``Content-Range`` with another start, end or total, none on a 206 (a cache or proxy that
+    keys ranges by URL), or a body longer than the range. Its bytes are never used. Not worth
+    a retry: the next answer is the same."""
+
+    def __init__(self, url: str, start: int, end: int, status: int | None, got: str) -> None:
+        super().__init__(
+            f"asked for bytes [{start}, {end}) of {url}, got HTTP {status} with {got}: "
+            "the answer does not match the request"
+        )
+        self.url, self.start, self.end, self.status = url, start, end, status
+
+
+class CrossOriginRedirectError(OSError):
+    """The store answered with a redirect to another origin (scheme, host and port) than the
+    checkpoint's: refused before any request was sent there, so no credential or header of
+    the caller went along and no byte from elsewhere is used. Not worth a retry."""
+
+    def __init__(self, url: str, location: str, status: int | None, *, origin: str | None = None) -> None:
+        self.origin, self.target = origin or origin_of(url), origin_of(location)
+        answered = f"answered HTTP {status}" if status is not None else "answered"
+        super().__init__(
+            f"{redact_url(url)}: the server {answered} with a redirect to another origin, "
+            f"{self.target} (the checkpoint's origin is {self.origin}); asyncload follows redirects within "
+            "the checkpoint's origin only, so nothing was sent there"
+        )
+        self.url, self.location, self.status = redact_url(url), redact_url(location), status
+
+
+def origin_of(url: str) -> str:
+    """``scheme://host:port`` of ``url`` (the default port written out; userinfo left out)."""
+    parts = urlparse(url)
+    scheme = (parts.scheme or "").lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        port = {"http": 80, "https": 443}.get(scheme)
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}" if port is not None else f"{scheme}://{host}"
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """``(first, last + 1, total)`` of a ``Content-Range: bytes first-last/total`` header
+    (``total`` None for ``*``), or None when it is missing or not of that form."""
+    if not value:
+        return None
+    unit, _, spec = value.strip().partition(" ")
+    rng, _, total = spec.strip().partition("/")
+    first, _, last = rng.partition("-")
+    if unit.lower() != "bytes" or not first.isdigit() or not last.isdigit():
+        return None
+    if total.strip() != "*" and not total.strip().isdigit():
+        return None
+    return int(first), int(last) + 1, None if total.strip() == "*" else int(total)
+
+
+class ListingTooLargeError(OSError):
+    """A directory listing (an HTTP index page) is larger than ``LoadOptions.max_metadata_size``:
+    refused after that many bytes, never read or parsed whole."""
+
+    def __init__(self, url: str, limit: int) -> None:
+        super().__init__(
+            f"the listing of {url} is more than {limit} bytes (its page and the names it lists), "
+            "LoadOptions.max_metadata_size: not read further (raise max_metadata_size if the directory "
+            "is really that large)"
+        )
+        self.url, self.limit = url, limit
 
 
 class ObjectChangedError(OSError):
@@ -135,8 +213,10 @@ class Storage:
         self.root = root
 
     def url(self, name: str) -> str:
-        """The full location of file ``name`` of the checkpoint, for messages."""
-        return f"{self.root.rstrip('/')}/{name}" if name else self.root
+        """The full location of file ``name`` of the checkpoint, for messages and logs: a
+        password in the URL and a signed URL's signature shown as ``***``
+        (:func:`asyncload._errors.redact_url`)."""
+        return redact_url(f"{self.root.rstrip('/')}/{name}" if name else self.root)
 
     async def read(self, name: str, start: int, end: int) -> bytes | bytearray | memoryview:
         raise NotImplementedError
@@ -207,6 +287,29 @@ class VersionPins(Storage):
         super().__init__(root)
         #: file name -> the version this load first saw
         self._versions: dict[str, str] = {}
+        #: file name -> the size a ranged answer's ``Content-Range`` first gave
+        self._totals: dict[str, int] = {}
+
+    def _check_range(self, name: str, start: int, end: int, status: int | None, content_range: str | None) -> None:
+        """Check a 206 answer to a read of bytes ``[start, end)`` against the request before
+        its bytes are used: its ``Content-Range`` must name exactly that range (the end
+        clamped to the file), with the total every other answer about the file gave.
+
+        Raised: :class:`RangeMismatchError`."""
+        parsed = parse_content_range(content_range)
+        if parsed is None:
+            got = f"Content-Range {content_range!r}" if content_range else "no Content-Range"
+            raise RangeMismatchError(self.url(name), start, end, status, got)
+        first, stop, total = parsed
+        seen = self._totals.setdefault(name, total) if total is not None else self._totals.get(name)
+        short = stop < end and total is not None and stop == total  # the file ends there: a short read
+        if (
+            first != start
+            or (stop != end and not short)
+            or stop <= first
+            or (total is not None and (total != seen or stop > total))
+        ):
+            raise RangeMismatchError(self.url(name), start, end, status, f"Content-Range {content_range!r}")
 
     def _see(self, name: str, version: str | None, byte_range: tuple[int, int] | None = None) -> None:
         """Pin file ``name`` to ``version`` at first sight; raise if a later answer differs."""
@@ -238,11 +341,20 @@ class FsspecStorage(VersionPins):
     hedgeable = True
 
     def __init__(
-        self, root: str, protocol: str, storage_options: Mapping[str, Any], executor: concurrent.futures.Executor
+        self,
+        root: str,
+        protocol: str,
+        storage_options: Mapping[str, Any],
+        executor: concurrent.futures.Executor,
+        *,
+        max_listing_size: int | None = None,
     ) -> None:
         super().__init__(root)
         import fsspec
 
+        #: the most bytes an HTTP directory listing (an HTML index page) may have
+        #: (``LoadOptions.max_metadata_size``; None: no limit)
+        self.max_listing_size = max_listing_size
         self.protocol = protocol
         self._executor = executor
         self._cls = fsspec.get_filesystem_class(protocol)
@@ -358,7 +470,15 @@ class FsspecStorage(VersionPins):
         try:
             etag = resp.get("ETag")
             self._see(name, f"etag {etag}" if etag else None, (start, end))
-            data: bytes = await body.read()
+            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if status == 206 or resp.get("ContentRange"):
+                self._check_range(name, start, end, status, resp.get("ContentRange"))
+            elif start != 0:
+                raise RangeIgnoredError(self.url(name), start, end, status, "the whole file")
+            # at most one byte more than asked for: a longer body is refused, never buffered whole
+            data = await _read_at_most(body.read, end - start + 1)
+            if len(data) > end - start:
+                raise RangeMismatchError(self.url(name), start, end, status, "a body longer than that range")
         finally:
             body.close()
         return data
@@ -370,15 +490,38 @@ class FsspecStorage(VersionPins):
         params: dict[str, Any] = {}
         if seen is not None and seen.startswith("generation "):
             params["ifGenerationMatch"] = seen[11:]
-        try:
-            headers, data = await fs._call("GET", fs.url(path), headers={"Range": f"bytes={start}-{end - 1}"}, **params)
-        except OSError as exc:
-            if seen is not None and _status_412(exc):
-                raise ObjectChangedError(self.url(name), (start, end), seen, None) from exc
-            raise
-        generation = headers.get("x-goog-generation")
-        self._see(name, f"generation {generation}" if generation else None, (start, end))
-        return bytes(data)
+        from gcsfs.retry import validate_response
+
+        url = fs.url(path)
+        await fs._set_session()
+        # the request gcsfs's _call makes, with its body streamed: an answer's headers are checked
+        # before its bytes are used, and a body longer than asked for is never buffered whole
+        async with fs.session.request(
+            "GET",
+            url,
+            params=fs._get_params(params),
+            headers=fs._get_headers({"Range": f"bytes={start}-{end - 1}"}),
+            timeout=fs.requests_timeout,
+        ) as r:
+            first_byte()
+            if r.status >= 300:
+                content = await _read_at_most(r.content.read, 1 << 16)
+                try:
+                    validate_response(r.status, content, url)
+                except (OSError, FileExistsError) as exc:
+                    if seen is not None and (r.status == 412 or _status_412(exc)):
+                        raise ObjectChangedError(self.url(name), (start, end), seen, None) from exc
+                    raise
+                raise RangeMismatchError(self.url(name), start, end, r.status, "a body that is not the range asked for")
+            generation = r.headers.get("x-goog-generation")
+            self._see(name, f"generation {generation}" if generation else None, (start, end))
+            if r.status == 206 or start != 0:
+                self._check_range(name, start, end, r.status, r.headers.get("Content-Range"))
+            data = await _read_at_most(r.content.read, end - start + 1)
+            if len(data) > end - start:
+                r.close()  # drop the connection: never read the rest of the body
+                raise RangeMismatchError(self.url(name), start, end, r.status, "a body longer than that range")
+        return data
 
     async def _read_http(self, fs: Any, name: str, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` over fsspec's HTTP session, streamed: a server that
@@ -401,6 +544,11 @@ class FsspecStorage(VersionPins):
             fs._raise_not_found_for_status(r, path)
             self._see(name, _http_version(r.headers), (start, end))
             length = r.headers.get("Content-Length")
+            if r.status == 206:
+                self._check_range(name, start, end, r.status, r.headers.get("Content-Range"))
+            elif r.status != 200:
+                r.close()
+                raise RangeMismatchError(self.url(name), start, end, r.status, "a body that is not the range asked for")
             if r.status != 206 and (start != 0 or (length is not None and length.isdigit() and int(length) > want)):
                 r.close()  # drop the connection: never read the rest of the body
                 got = f"a {length}-byte body" if length is not None else "the whole file"
@@ -411,6 +559,8 @@ class FsspecStorage(VersionPins):
                 return exc.partial  # the body ended early: read() raises ShortReadError
             if await r.content.read(1):
                 r.close()
+                if r.status == 206:
+                    raise RangeMismatchError(self.url(name), start, end, 206, "a body longer than that range")
                 raise RangeIgnoredError(self.url(name), start, end, r.status, "a longer body")
         return data
 
@@ -438,6 +588,7 @@ class FsspecStorage(VersionPins):
         if size is None:
             raise OSError(f"{self.url(name)}: the store did not report a size")
         self._see(name, self._version_of(info))
+        self._totals.setdefault(name, int(size))  # what every Content-Range must give as the total
         return int(size)
 
     def _version_of(self, info: Mapping[str, Any]) -> str | None:
@@ -474,6 +625,8 @@ class FsspecStorage(VersionPins):
     async def listdir(self) -> list[str]:
         fs = await self._get_fs()
         path = self._full("").rstrip("/") or "/"
+        if self.is_async and self.protocol in ("http", "https") and hasattr(fs, "encode_url"):
+            return await self._list_http(fs, path)
         try:
             if self.is_async:
                 entries = await fs._ls(path, detail=True)
@@ -488,12 +641,95 @@ class FsspecStorage(VersionPins):
                 out.append(posixpath.basename(str(e.get("name", "")).rstrip("/")))
         return sorted(n for n in out if n)
 
+    async def _list_http(self, fs: Any, url: str) -> list[str]:
+        """The files an HTML index page at ``url`` links to directly under it (what fsspec's
+        ``ls`` finds, with its ``simple_links`` and ``same_scheme``), read as a stream and
+        parsed piece by piece: memory holds one piece and the names found, not the page. The
+        page's bytes and the memory of the names found (a page of millions of links) count
+        together against ``max_listing_size``.
+
+        Raised: :class:`ListingTooLargeError` past ``max_listing_size``."""
+        from fsspec.implementations.http import ex, ex2
+
+        limit = self.max_listing_size
+        base = url.rstrip("/")
+        parts = urlparse(base)
+        simple = bool(getattr(fs, "simple_links", False))
+        names: set[str] = set()
+
+        root = base.replace("https", "http", 1) + "/"
+
+        def take(link: str) -> None:
+            """A link of the page: kept when it names a file directly under ``base``."""
+            if link.startswith("/") and len(link) > 1:
+                link = f"{parts.scheme}://{parts.netloc}{link}"
+            if link.startswith("http"):
+                plain = link.replace("https", "http", 1)  # fsspec allows http <-> https
+                if not plain.startswith(root):
+                    return
+                rel = plain[len(root) :]
+            elif link in ("..", "../"):
+                return
+            else:
+                rel = link.lstrip("/")
+            if rel and "/" not in rel and rel not in names:
+                names.add(rel)
+                cost[0] += sys.getsizeof(rel) + 32  # the string and its slot in the set
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        overlap = 1 << 13  # a link longer than this may be missed at a piece's edge
+        text, got = "", 0
+        cost = [0]  # the memory of the names found
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(base), **fs.kwargs) as r:
+            if r.status in (404, 410):
+                return []
+            r.raise_for_status()
+            mimetype = r.headers.get("Content-Type", "").partition(";")[0].strip() or None
+            if mimetype not in ("text/html", None):
+                return []
+            while True:
+                piece = await r.content.read(1 << 20)
+                got += len(piece)
+                if limit is not None and got + cost[0] > limit:
+                    r.close()  # drop the connection: never read the rest
+                    raise ListingTooLargeError(self.url(""), limit)
+                text += decoder.decode(piece, final=not piece)
+                # links that end before the last ``overlap`` characters are whole; the rest
+                # are looked at again with the next piece
+                edge = len(text) if not piece else max(0, len(text) - overlap)
+                for m in ex.finditer(text):
+                    if m.end() <= edge or not piece:
+                        take(m.group("url"))
+                if simple:
+                    for m in ex2.finditer(text):
+                        if m.end() <= edge or not piece:
+                            take(m.group("url"))
+                if not piece:
+                    break
+                text = text[max(0, len(text) - 2 * overlap) :]
+        return sorted(names)
+
     async def aclose(self) -> None:
         """Close the filesystem's HTTP session and its connections. Safe to call twice."""
         fs, self._fs = self._fs, None
         if fs is None or not self.is_async:
             return
         await close_async_fs(fs, self.protocol)
+
+
+async def _read_at_most(read: Any, limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``read(n)`` (a body's ``read``, which may return fewer than
+    asked for before its end): stops at ``limit`` or at the end of the body."""
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        piece = await read(limit - got)
+        if not piece:
+            break
+        parts.append(piece)
+        got += len(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _http_version(headers: Mapping[str, Any]) -> str | None:
@@ -533,6 +769,8 @@ def _no_client_resend(fs: Any) -> None:
     session = getattr(fs, "_session", None)
     if session is not None and hasattr(session, "_retry_connection"):
         session._retry_connection = False
+    if session is not None:
+        _same_origin_redirects_only(session)
     endpoint = getattr(getattr(fs, "_s3", None), "_endpoint", None)
     http = getattr(endpoint, "http_session", None)
     make = getattr(http, "_get_session", None)
@@ -543,10 +781,45 @@ def _no_client_resend(fs: Any) -> None:
         made = await make(proxy_url)
         if hasattr(made, "_retry_connection"):
             made._retry_connection = False
+        _same_origin_redirects_only(made)
         return made
 
     get_session._asyncload_no_resend = True  # type: ignore[attr-defined]
     http._get_session = get_session
+
+
+async def _refuse_cross_origin(session: Any, ctx: Any, params: Any) -> None:
+    """aiohttp's ``on_request_redirect`` signal: runs when a redirect has come back and before
+    aiohttp follows it. One to another origin is refused here, so the request that would carry
+    the caller's headers and the store's credentials (an S3 session token, an API key) there
+    is never sent."""
+    resp = params.response
+    location = resp.headers.get("Location") or resp.headers.get("URI")
+    if location is None:
+        return
+    try:
+        target = str(params.url.join(type(params.url)(location)))
+    except ValueError:
+        target = location
+    if origin_of(str(params.url)) != origin_of(target):
+        resp.close()
+        raise CrossOriginRedirectError(str(params.url), target, resp.status)
+
+
+def _same_origin_redirects_only(session: Any) -> None:
+    """Refuse redirects to another origin on an aiohttp ``ClientSession`` (s3fs's, gcsfs's and
+    fsspec HTTP's follow every redirect by default): :func:`_refuse_cross_origin` on its
+    trace signals. A redirect within the origin is followed as aiohttp does (at most 10)."""
+    configs = getattr(session, "_trace_configs", None)
+    if not isinstance(configs, list) or any(getattr(c, "_asyncload_origin", False) for c in configs):
+        return
+    import aiohttp
+
+    config = aiohttp.TraceConfig()
+    config.on_request_redirect.append(_refuse_cross_origin)
+    config._asyncload_origin = True  # type: ignore[attr-defined]
+    config.freeze()
+    configs.append(config)
 
 
 _aio_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
@@ -622,6 +895,7 @@ def open_storage(
     *,
     transport: str = "auto",
     mapped_copies: bool = True,
+    max_listing_size: int | None = None,
 ) -> Storage:
     """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL.
 
@@ -630,6 +904,8 @@ def open_storage(
     when it is installed and the URL and ``storage_options`` map onto it, else fsspec;
     why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
     (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload._mapped`.
+    ``max_listing_size`` (``LoadOptions.max_metadata_size``): the most bytes of an HTTP
+    directory listing.
 
     Raised: :class:`StorageReadError` for ``transport="obstore"`` when obstore is not
     installed or cannot honour an option (the message names it).
@@ -651,7 +927,9 @@ def open_storage(
             except _obstore.Unmappable as exc:
                 reason = str(exc)
             else:
-                return _obstore.ObstoreStorage(s, spec, storage_options=options, executor=executor)
+                return _obstore.ObstoreStorage(
+                    s, spec, storage_options=options, executor=executor, max_listing_size=max_listing_size
+                )
         if transport == "obstore":
             from ._errors import StorageReadError
 
@@ -659,5 +937,5 @@ def open_storage(
                 f"{s} cannot be read with LoadOptions.transport='obstore': {reason} (use transport='fsspec', or 'auto' to fall back by itself)",
                 path=s,
             )
-        log.debug("reading %s through fsspec, not obstore: %s", s, reason)
-    return FsspecStorage(s, protocol, options, executor)
+        log.debug("reading %s through fsspec, not obstore: %s", redact_url(s), reason)
+    return FsspecStorage(s, protocol, options, executor, max_listing_size=max_listing_size)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from ._dcp import PipelinedLoadPlanner
 from ._driver import _in_thread
-from ._errors import StateDictMismatchError
+from ._errors import StateDictMismatchError, redact_url
 from ._loop import loop_thread, run_sync
 from ._options import LoadOptions
 from ._session import LoadSession
@@ -305,7 +305,7 @@ class CheckpointStream:
             try:
                 await task
             except BaseException:  # cancelled, or failed: the stream is ending anyway
-                log.debug("the batch in flight of %s ended", self.checkpoint, exc_info=True)
+                log.debug("the batch in flight of %s ended", redact_url(str(self.checkpoint)), exc_info=True)
 
     # --- results and cleanup -------------------------------------------------------------
 
@@ -316,7 +316,7 @@ class CheckpointStream:
         stats.peak_buffered_bytes = max(stats.peak_buffered_bytes, self.peak_held_bytes)
         stats.files = self._files_at_open + len(self._files)  # each batch counts its files again
         self._stats = stats
-        log.info("read %s: %s", self.checkpoint, stats)
+        log.info("read %s: %s", redact_url(str(self.checkpoint)), stats)
         return stats
 
     @property

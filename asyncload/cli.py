@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ._errors import redact_url
 from ._storage import is_local, local_root
 
 __all__ = ["EXIT_CODES", "main", "parse_size", "parse_storage_options"]
@@ -427,7 +428,7 @@ def describe(metadata: Any, url: str) -> dict[str, Any]:
         else:
             keys.append({"key": fqn, "kind": "object", "stored_bytes": stored_by_key.get(fqn, 0)})
     return {
-        "checkpoint": url,
+        "checkpoint": redact_url(url),
         "format": getattr(metadata, "format", "dcp"),
         "dcp_version": getattr(metadata, "version", None),
         "tensors": sum(1 for k in keys if k["kind"] == "tensor"),
@@ -653,12 +654,12 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         info = describe(md, args.url)
         if args.compare_torch and info["format"] != "dcp":
             raise UsageError(
-                f"--compare-torch compares with torch's DCP readers, and {args.url} is a {info['format']} "
+                f"--compare-torch compares with torch's DCP readers, and {redact_url(args.url)} is a {info['format']} "
                 "checkpoint, not a DCP one"
             )
         _note(
             f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({info['tensors']} tensors, "
-            f"{info['objects']} objects) from {args.url}"
+            f"{info['objects']} objects) from {redact_url(args.url)}"
         )
         _run(stream, stream.acheck())  # before anything is allocated
         stream.touch = True  # zeros: both loads write into memory that is already touched
@@ -755,7 +756,9 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         for idx in (md.storage_data or {})
         if getattr(idx, "fqn", None) in {k["key"] for k in info["keys"] if k["kind"] == "tensor"}
     )
-    _note(f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {len(info['files'])} files of {args.url}")
+    _note(
+        f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {len(info['files'])} files of {redact_url(args.url)}"
+    )
     try:
         try:  # claims checked before anything is allocated, then batch by batch within the budget
             _run(stream, stream.acheck())
@@ -782,7 +785,11 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         if args.json:
             _print(
                 json.dumps(
-                    {"checkpoint": args.url, "ok": False, "damaged": [{"key": k, "error": e} for k, e in damaged]},
+                    {
+                        "checkpoint": redact_url(args.url),
+                        "ok": False,
+                        "damaged": [{"key": k, "error": e} for k, e in damaged],
+                    },
                     indent=2,
                 )
             )
@@ -790,7 +797,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
             for key, err in damaged:
                 _print(f"DAMAGED  {key}: {err}")
             if not damaged:  # the damage is outside every single key's records (or transient)
-                _print(f"DAMAGED  {args.url}: {first}")
+                _print(f"DAMAGED  {redact_url(args.url)}: {first}")
             _print(f"{max(1, len(damaged))} of {len(keys)} keys damaged.")
         return EXIT_DAMAGED
     unchecked = max(0, tensor_records - stats.verified_records)
@@ -798,7 +805,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         _print(
             json.dumps(
                 {
-                    "checkpoint": args.url,
+                    "checkpoint": redact_url(args.url),
                     "ok": True,
                     "tensor_records": tensor_records,
                     "verified_records": stats.verified_records,
@@ -848,7 +855,7 @@ def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         _print(
             json.dumps(
                 {
-                    "checkpoint": args.url,
+                    "checkpoint": redact_url(args.url),
                     "destination": args.dst,
                     "files": result.files,
                     "tensors": result.tensors,

@@ -33,7 +33,15 @@ request; other requests pass through byte for byte. Actions:
 * :func:`truncate` - forward headers and the first ``nbytes`` of the body, then close;
 * :func:`stall` - send nothing (or stop after ``after_bytes`` of body) until the
   time passes, the client goes away or the proxy stops; then close;
-* :func:`trickle` - forward with the body paced at ``bytes_per_second``.
+* :func:`trickle` - forward with the body paced at ``bytes_per_second``;
+* :func:`shift_range` - forward with the request's ``Range`` moved by some bytes: the
+  answer (a true ``Content-Range`` for the moved range) is for another range than the
+  client asked for, as from a cache that keys ranges by URL;
+* :func:`overlong` - forward, then send ``extra`` bytes more than the body (its
+  ``Content-Length`` raised to match, its ``Content-Range`` unchanged).
+
+A redirect is :func:`status` with a ``Location`` header (``status(302, headers={"Location":
+other.endpoint_url + path})``).
 
 Global knobs, settable at any time: ``latency`` (one-way seconds added to each
 request and each response, so +2x per round trip) and ``bandwidth`` (bytes/s
@@ -75,14 +83,18 @@ __all__ = [
     "FaultProxyError",
     "Flavor",
     "LogEntry",
+    "Overlong",
     "Reset",
     "Rule",
+    "ShiftRange",
     "Stall",
     "Status",
     "Trickle",
     "Truncate",
     "delay",
+    "overlong",
     "reset",
+    "shift_range",
     "stall",
     "status",
     "trickle",
@@ -203,6 +215,40 @@ class Trickle(Action):
 
     def describe(self) -> str:
         return f"trickle({self.bytes_per_second:g})"
+
+
+@dataclass(frozen=True)
+class ShiftRange(Action):
+    """Forward with the request's ``Range: bytes=a-b`` moved to ``a+offset-b+offset``."""
+
+    offset: int
+
+    def describe(self) -> str:
+        return f"shift_range({self.offset})"
+
+
+@dataclass(frozen=True)
+class Overlong(Action):
+    """Forward, then send ``extra`` filler bytes after the body, its ``Content-Length`` raised
+    by as many (``Content-Range`` unchanged). :attr:`FaultProxy.extra_bytes_sent` counts what
+    the client took of them."""
+
+    extra: int
+
+    def describe(self) -> str:
+        return f"overlong({self.extra})"
+
+
+def shift_range(offset: int) -> ShiftRange:
+    """Action: forward with the ``Range`` header moved by ``offset`` bytes (another range is answered)."""
+    return ShiftRange(int(offset))
+
+
+def overlong(extra: int) -> Overlong:
+    """Action: forward, then send ``extra`` bytes more than the body (``Content-Length`` raised to match)."""
+    if extra <= 0:
+        raise ValueError("extra must be > 0")
+    return Overlong(int(extra))
 
 
 def delay(seconds: float) -> Delay:
@@ -492,6 +538,8 @@ class FaultProxy:
         self._requests_seen = 0
         self._connections_accepted = 0
         self._faults_applied = 0
+        #: filler bytes of :func:`overlong` answers the client took (written to its socket)
+        self.extra_bytes_sent = 0
 
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -820,6 +868,8 @@ class FaultProxy:
             await conn.writer.drain()
             return req.keep_alive
 
+        if isinstance(action, ShiftRange):
+            req.headers = [(k, _shift_range(v, action.offset) if k.lower() == "range" else v) for k, v in req.headers]
         # forward
         try:
             head, code, resp_headers = await self._exchange(conn, req)
@@ -856,6 +906,16 @@ class FaultProxy:
             # and reconnect upstream for the next request, as real S3 would.
             head = _without_connection_close(head)
 
+        if isinstance(action, Overlong):
+            length = _content_length(resp_headers)
+            if length is None or body is None:
+                action = None  # nothing to lengthen
+            else:
+                head = re.sub(
+                    rb"(?im)^content-length:[ \t]*\d+",
+                    f"Content-Length: {length + action.extra}".encode(),
+                    head,
+                )
         if self.latency > 0:
             await asyncio.sleep(self.latency)
         conn.writer.write(head)
@@ -869,6 +929,10 @@ class FaultProxy:
         rate = action.bytes_per_second if isinstance(action, Trickle) else None
 
         completed = await self._relay(conn, body, limit, rate) if body is not None else True
+        if completed and isinstance(action, Overlong):
+            await self._filler(conn, action.extra)
+            conn.close_upstream()
+            return False
         if limit is not None or not completed:
             conn.close_upstream()
             if isinstance(action, Reset):
@@ -936,6 +1000,22 @@ class FaultProxy:
             conn.writer.transport.abort()
             return False
         return limit is None
+
+    async def _filler(self, conn: _Conn, extra: int) -> bool:
+        """Send ``extra`` filler bytes (an over-long body); False when the client left first."""
+        piece = b"\xa5" * _PIECE
+        left = extra
+        try:
+            while left > 0 and not self._stopping:
+                n = min(_PIECE, left)
+                conn.writer.write(piece[:n])
+                await conn.writer.drain()
+                left -= n
+                with self._lock:
+                    self.extra_bytes_sent += n
+        except ConnectionError:
+            return False
+        return left == 0
 
     async def _send(
         self, writer: asyncio.StreamWriter, data: bytes, rate: float | None, start: float = 0.0, before: int = 0
@@ -1106,6 +1186,16 @@ async def _read_chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
                 raise asyncio.IncompleteReadError(b"", left)
             left -= len(data)
             yield data
+
+
+def _shift_range(value: str, offset: int) -> str:
+    """``bytes=a-b`` moved by ``offset`` (other forms unchanged)."""
+    m = re.fullmatch(r"\s*bytes\s*=\s*(\d+)\s*-\s*(\d*)\s*", value)
+    if m is None:
+        return value
+    first = max(0, int(m.group(1)) + offset)
+    last = f"{max(first, int(m.group(2)) + offset)}" if m.group(2) else ""
+    return f"bytes={first}-{last}"
 
 
 def _without_connection_close(head: bytes) -> bytes:
