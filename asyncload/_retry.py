@@ -342,6 +342,7 @@ def unreachable(exc: BaseException) -> tuple[str, str] | None:
     """``(endpoint, why)`` when ``exc`` (or an error it was raised from) says no connection
     could be made - refused, or the host name not found - before any answer: ``endpoint``
     is ``scheme://host:port`` (credentials left out) or ``host:port``; else ``None``."""
+    outer = ""  # the endpoint an outer error named (botocore's EndpointConnectionError)
     for e in _causes(exc):
         names = _mro_names(e)
         text = str(e)
@@ -351,8 +352,13 @@ def unreachable(exc: BaseException) -> tuple[str, str] | None:
                 why = "connection refused"
             elif _OBSTORE_CONNECT.search(text) and "dns error" in text:
                 why = "host name not found"
-        elif "EndpointConnectionError" in names:  # botocore: refused or not resolved
-            why = "connection refused or host name not found"
+        elif "EndpointConnectionError" in names:
+            # botocore wraps every aiohttp connection error in it, a reset of a pooled
+            # connection too: only the error it was raised from (further down the chain) says
+            # whether the connection was refused or the host not found (its URL names the endpoint)
+            m = _URL_HOST.search(text)
+            outer = f"{m.group(1)}://{m.group(2)}" if m else outer
+            continue
         elif "ClientConnectorError" in names and not names & {"ClientConnectorCertificateError", "ClientSSLError"}:
             os_error = getattr(e, "os_error", None)
             if isinstance(os_error, ConnectionRefusedError):
@@ -361,12 +367,12 @@ def unreachable(exc: BaseException) -> tuple[str, str] | None:
                 why = "host name not found"
             if why:
                 host, port = getattr(e, "host", ""), getattr(e, "port", "")
-                return f"{host}:{port}", why
+                return outer or f"{host}:{port}", why
         elif isinstance(e, ConnectionRefusedError):
             why = "connection refused"
         if why:
             m = _URL_HOST.search(text)
-            return (f"{m.group(1)}://{m.group(2)}" if m else "the endpoint"), why
+            return (f"{m.group(1)}://{m.group(2)}" if m else outer or "the endpoint"), why
     return None
 
 

@@ -8,6 +8,9 @@ checkpointer torchtitan 0.3.0 uses: one ``<item>_<rank>.pt`` file per item and r
 ``asyncload.load``: no pickle of the checkpoint is unpickled, everything is decoded by asyncload's
 allow-list. The same call reads ``s3://``, ``gs://`` or ``https://`` URLs. Checks the weights bit
 for bit. Set ASYNCLOAD_EXAMPLE_SMALL=1 for a tiny model.
+
+Needs: torch and torch-checkpointing (``pip install torch-checkpointing==0.1.1``), to write the
+checkpoint; asyncload reads it without it.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ if the run had never stopped. The Namespace is not data: asyncload refuses it un
 caller trusts it (``LoadOptions(safe_globals=[argparse.Namespace])``), as ``torch.load``
 needs ``torch.serialization.add_safe_globals``. The resumed run must end with exactly the
 weights of a run that never stopped.
+
+Needs: torch and numpy; with ``--url s3://...``, the ``s3`` extra and the bucket's credentials in
+``storage_options`` (edit the script) or the environment.
 """
 
 from __future__ import annotations

@@ -125,6 +125,17 @@ def connector_error() -> Exception:
     return aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
 
 
+def endpoint_error(cause: Exception) -> Exception:
+    """botocore's EndpointConnectionError raised from ``cause``, as its aiohttp session raises it."""
+    try:
+        raise cause
+    except Exception as e:
+        try:
+            raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9", error=e)
+        except Exception as wrapped:
+            return wrapped
+
+
 def certificate_error() -> Exception:
     key = ConnectionKey("127.0.0.1", 9, True, True, None, None, None)
     cert = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
@@ -211,7 +222,11 @@ ROWS: list[tuple[str, Callable[[], BaseException], Failure, type[AsyncLoadError]
     ("aiohttp-ClientOSError-reset", lambda: aiohttp.ClientOSError(errno.ECONNRESET, "reset by peer"), CONNECTION, SR),
     ("aiohttp-ClientConnectorError", connector_error, UNREACHABLE, SR),
     ("aiohttp-ServerTimeoutError", lambda: aiohttp.ServerTimeoutError("Timeout on reading data"), TIMEOUT, None),
-    ("botocore-EndpointConnectionError", lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), UNREACHABLE, SR),
+    # botocore wraps every aiohttp connection error in EndpointConnectionError (a reset of a
+    # pooled connection too): the error it was raised from decides
+    ("botocore-EndpointConnectionError", lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), CONNECTION, SR),
+    ("botocore-EndpointConnectionError-refused", lambda: endpoint_error(connector_error()), UNREACHABLE, SR),
+    ("botocore-EndpointConnectionError-reset", lambda: endpoint_error(aiohttp.ClientOSError(errno.ECONNRESET, "reset by peer")), CONNECTION, SR),
     ("botocore-ConnectTimeoutError", lambda: botocore.exceptions.ConnectTimeoutError(endpoint_url="http://127.0.0.1:9"), CONNECTION, SR),
     ("botocore-ReadTimeoutError", lambda: botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:9"), CONNECTION, SR),
     ("ConnectionResetError", lambda: ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), CONNECTION, SR),
@@ -420,7 +435,7 @@ def test_translate(make: Callable[[], BaseException], failure: Failure, cls: typ
         assert "raise LoadOptions.retries" not in msg
         return
     if failure == UNREACHABLE:  # what to check instead of the client's words (issue 26)
-        endpoint = "127.0.0.1:9" if "ClientConnector" in type(exc).__name__ else "http://127.0.0.1:9"
+        endpoint = "127.0.0.1:9" if type(exc).__name__ == "ClientConnectorError" else "http://127.0.0.1:9"
         if isinstance(exc, ConnectionRefusedError):
             endpoint = "the endpoint"  # the builtin does not say where
         assert msg.startswith(f"could not connect to {endpoint} (connection refused"), msg
