@@ -1072,9 +1072,15 @@ class LoadSession:
                     raise CheckpointFormatError(f"{where} is malformed: {info!r:.200}")
                 rec = _Record(check_relative_path(getattr(info, "relative_path", None), where), offset, length, fqn)
                 # a record saved through stream transforms (compressed) may be shorter than its
-                # tensor: its decoded size is bounded when it is read (asyncload._transforms)
-                transformed = bool(getattr(info, "transform_descriptors", None))
-                if chunk is not None and isinstance(smd, TensorStorageMetadata) and not transformed:
+                # tensor: its claim is bounded by what its bytes can decode to and by the budget
+                # (it is decoded whole); the decoded size is bounded again when it is read
+                transformed = getattr(info, "transform_descriptors", None)
+                if chunk is not None and isinstance(smd, TensorStorageMetadata) and transformed:
+                    claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
+                    budget = self.options.memory_budget
+                    where = f"{self.checkpoint}, {rec.where}"
+                    _transforms.check_claim(transformed, length, claimed, budget, what=where)
+                elif chunk is not None and isinstance(smd, TensorStorageMetadata):
                     claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
                     if claimed > length:
                         raise CheckpointFormatError(
