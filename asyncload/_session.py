@@ -160,6 +160,9 @@ class LoadSession:
         self._stager: Any = None
         #: Decodes records saved with stream transforms (``PipelinedReader(_extension_registry=...)``).
         self.extension_registry = _transforms.default_registry()
+        #: ``.metadata`` decoded before, by URL and bytes (shared by loads of one checkpoint key by
+        #: key, as the CLI's ``verify`` does after damage): the same bytes are decoded once.
+        self.metadata_cache: dict[tuple[str, bytes], Metadata] | None = None
         #: The plan comes from a planner that is not asyncload's (torch's DefaultLoadPlanner):
         #: convert dtypes as torch does, without asyncload's lossless-widening rule.
         self._torch_casts = False
@@ -399,7 +402,14 @@ class LoadSession:
             self._fingerprints[name] = fp
         if raw is None:
             raw = await storage.read(name, 0, size, counted=False)
-        md = formats.decode_metadata(raw, url, max_size=options.max_metadata_size)
+        cache, md = self.metadata_cache, None
+        if cache is not None:
+            md = cache.get((url, bytes(raw)))
+        if md is None:
+            md = formats.decode_metadata(raw, url, max_size=options.max_metadata_size)
+            if cache is not None:
+                cache.clear()  # the last one only
+                cache[(url, bytes(raw))] = md
         self._recorder.add(files=1)
         return md
 
