@@ -135,3 +135,31 @@ def test_planner_data_that_is_not_a_dict_leaves_the_names_flat(saved: tuple[Path
     got = asyncload.read_state_dict(ckpt)
     assert sorted(got) == ["a", "b.c", "b.l.0", "b.l.1", "step"]
     assert torch.equal(got["b.c"], sd["b"]["c"]) and got["b.c"].dtype == torch.int32
+
+
+def test_forged_paths_end_typed_or_nest_exactly(tmp_path: Path) -> None:
+    """The fuzz surface of benchmarks/fuzz_long.py --forged-minutes, bounded: one to three
+    forged paths a read; each ends in an AsyncLoadError or gives every key at its path."""
+    import random
+
+    from _ckpt import make_checkpoint
+    from _corrupt import read_metadata
+    from _forging import forge_state_dict, random_path_mutation, read_forged_paths
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    sd = forge_state_dict()
+    base = make_checkpoint(tmp_path / "ck", forge_state_dict())
+    original = read_metadata(base)
+    seen: set[str] = set()
+
+    @settings(
+        max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    @given(st.integers(0, 1 << 32))
+    def run(seed: int) -> None:
+        rng = random.Random(seed)
+        seen.add(read_forged_paths(base, original, sd, [random_path_mutation(rng) for _ in range(rng.randint(1, 3))]))
+
+    run()
+    assert seen == {"CheckpointFormatError", "loaded"}

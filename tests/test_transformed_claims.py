@@ -149,3 +149,29 @@ def test_a_legitimate_record_near_zstd_s_ratio_loads(tmp_path: Path) -> None:
     assert 64 * MiB > 20000 * stored  # the ratio the bound must allow (archive headers included)
     got = asyncload.read_state_dict(path)
     assert_bitwise_equal(got, sd)
+
+
+def test_forged_claims_end_typed_or_load_exactly(tmp_path: Path) -> None:
+    """The fuzz surface of benchmarks/fuzz_long.py --forged-minutes, bounded: claims of 0 to
+    2^40 elements for zstd records, read under a 64 MiB budget."""
+    import random
+
+    from _forging import forge_state_dict, random_claim, read_forged_claim
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    sd = forge_state_dict()
+    path = _save(tmp_path / "ck", forge_state_dict(), [ZStandard()])
+    original = read_metadata(path)
+    seen: set[str] = set()
+
+    @settings(
+        max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    @given(st.integers(0, 1 << 32))
+    def run(seed: int) -> None:
+        rng = random.Random(seed)
+        seen.add(read_forged_claim(path, original, sd, [random_claim(rng) for _ in range(rng.randint(1, 2))]))
+
+    run()
+    assert "CheckpointFormatError" in seen
