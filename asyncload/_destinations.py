@@ -39,6 +39,11 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
     elif isinstance(obj, torch.Tensor):
+        shards = getattr(type(obj), "local_shards", None)
+        if callable(shards):  # a ShardedTensor: its local shards are written
+            for shard in shards(obj):
+                yield prefix, shard.tensor
+            return
         local = getattr(obj, "_local_tensor", None)  # a DTensor: its local shard is written
         yield prefix, local if isinstance(local, torch.Tensor) else obj
         return
@@ -116,6 +121,11 @@ def check_destinations(state_dict: Any) -> None:
     maps_read = False
     strided = torch.strided
     for key, t in _tensors(state_dict, ""):
+        if type(t) not in _PLAIN:
+            try:  # a tensor subclass may refuse these (a ShardedTensor's __torch_function__ does)
+                t.is_meta, t.layout  # noqa: B018
+            except (RuntimeError, TypeError, NotImplementedError):
+                continue
         if t.is_meta:
             raise StateDictMismatchError(
                 f"key {key!r:.200}: the destination is on the meta device, which has no memory to load into: "
