@@ -35,10 +35,14 @@ from ._stream import CheckpointStream, KeySelection, sync_iter
 from .formats import HF_INDEX, HF_SINGLE
 from .formats.safetensors import SAFETENSORS_DTYPES
 
-__all__ = ["ConvertResult", "check_destination", "convert", "plan_shards"]
+__all__ = ["SAFETENSORS_MAX_HEADER", "ConvertResult", "check_destination", "convert", "plan_shards"]
 
 #: torch dtype -> safetensors' name for it
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+#: The largest header safetensors reads (its ``MAX_HEADER_SIZE``: the JSON, without the 8-byte length).
+SAFETENSORS_MAX_HEADER = 100_000_000
+#: The header entry safetensors keeps for the file's own metadata (not a tensor).
+_RESERVED = "__metadata__"
 
 
 @dataclass
@@ -74,6 +78,7 @@ def plan_shards(tensors: list[tuple[str, torch.dtype, list[int]]], max_shard_siz
     tensor alone), named as Hugging Face names them."""
     shards: list[_Shard] = []
     for key, dtype, shape in tensors:
+        _check_name(key)
         name = _NAMES.get(dtype)
         if name is None:
             raise ValueError(f"key {key!r} is a {dtype} tensor, which safetensors cannot hold")
@@ -89,12 +94,41 @@ def plan_shards(tensors: list[tuple[str, torch.dtype, list[int]]], max_shard_siz
     else:
         for i, s in enumerate(shards, 1):
             s.name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    for s in shards:
+        size = len(s.header()) - 8
+        if size > SAFETENSORS_MAX_HEADER:
+            raise ValueError(
+                f"{s.name}'s header would be {size} bytes ({len(s.tensors)} tensors, the first {s.tensors[0][0]!r:.200}), "
+                f"over the {SAFETENSORS_MAX_HEADER} bytes safetensors reads: lower max_shard_size "
+                "(--max-shard-size) to spread the keys over more shards, or convert fewer keys"
+            )
     return shards
+
+
+def _check_name(key: str) -> None:
+    """Raise unless safetensors can read ``key`` back as a tensor's name."""
+    if key == _RESERVED:
+        raise ValueError(
+            f"key {key!r} is the name safetensors reserves for a file's metadata, not a tensor: "
+            "leave it out (keys=...) or rename it"
+        )
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"key {key!r:.200} holds {key[exc.start]!r} at {exc.start}, a lone surrogate, which is not UTF-8: "
+            "safetensors' header is UTF-8 JSON; leave the key out (keys=...) or rename it"
+        ) from None
 
 
 def check_destination(src: str | os.PathLike[str], dst: Path, force: bool) -> None:
     """Raise unless ``dst`` may be written: it does not exist or is an empty directory (or
-    ``force``), and it is not the checkpoint being converted, nor a directory above it."""
+    ``force``), and it is not the checkpoint being converted, nor a directory above it. A
+    symbolic link (dangling, or to an empty directory) exists: it is replaced only with ``force``."""
+    if dst.is_symlink() and not force:
+        raise FileExistsError(
+            f"{dst} exists (a symbolic link to {os.readlink(dst)}): pass --force (force=True) to replace it"
+        )
     if dst.exists() and not force and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} exists: pass --force (force=True) to replace it")
     if not is_local(src):

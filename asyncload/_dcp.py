@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from . import formats
+from ._destinations import check_destinations
 from ._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
 from ._intersect import _rekey_pre_2_4, local_load_plan
 from ._keys import MISSING_SHOWN, alias_groups, closest_keys, missing_keys_message, same_bits
@@ -86,6 +87,7 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         self._tie_checks: dict[str, list[Any]] = {}
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        check_destinations(state_dict)  # before torch's set-up, which fails on a meta tensor
         if metadata is not None:
             # before torch's set-up, which replaces values it does not know (a numpy array)
             # by None in the caller's own dict
@@ -456,6 +458,8 @@ class PipelinedReader(StorageReader):
         hook = getattr(planner, "share_session", None)
         share = hook(session, session.options) if callable(hook) else None
         try:
+            if not isinstance(planner, PipelinedLoadPlanner):  # checked when ours was set up
+                check_destinations(getattr(planner, "state_dict", None))
             records = session.prepare_reads(plan, planner, self.metadata)
             session.run(session.aread(records, share.run if share is not None else None))
         except BaseException as exc:

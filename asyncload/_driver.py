@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._dcp import PLAIN_TENSOR_TYPES, PipelinedReader
+from ._destinations import check_destinations
 from ._errors import CheckpointNotFoundError, DistributedLoadError, redact_url
 from ._monitor import Monitor
 from ._session import LoadSession
@@ -139,6 +140,7 @@ def load_steps(
     session = reader.session
     keys = sorted(state_dict.keys())
     stateful = {k: state_dict[k].state_dict() if _is_stateful(state_dict[k]) else state_dict[k] for k in keys}
+    check_destinations(stateful)  # before any I/O: memory that cannot be written, meta, sparse
     log.debug("loading %s into %d keys on %d rank(s)", redact_url(str(reader.checkpoint)), len(state_dict), world)
     try:
         if world > 1:

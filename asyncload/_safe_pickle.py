@@ -67,6 +67,7 @@ __all__ = [
     "allow_build",
     "allow_call",
     "check_metadata",
+    "check_planner_paths",
     "check_relative_path",
     "global_name",
     "metadata_globals",
@@ -1291,3 +1292,59 @@ def check_metadata(md: Any, what: str) -> None:
     planner_data = getattr(md, "planner_data", None)
     _check_structure(planner_data, f"{what} (planner_data)", 64, 1 << 24)
     _check_structure(meta, f"{what} (storage_meta)", 16, 1 << 20)
+    check_planner_paths(sdm, planner_data, what)
+
+
+def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str) -> None:
+    """Check that the paths ``planner_data`` gives the keys of ``sdm`` nest them into one tree
+    without a clash, before anything is allocated or nested. A key's path is its entry (a
+    non-empty tuple or list), else ``(fqn,)``, as :func:`asyncload._read.nest` takes it.
+
+    Each step is a ``str`` (a dict key) or an ``int`` (a list index, ``0 <= i < len(sdm)``: a
+    list of ``n`` saved elements holds at least ``n`` keys), the first a ``str``; the steps
+    under one container are all of one kind; no path is another's, nor runs through another
+    key's value (a tensor, an object). Raises :class:`CheckpointFormatError` naming the key,
+    its path and the rule, so that a forged ``.metadata`` can neither write into a tensor's
+    elements, nor grow a list without bound, nor end in a raw ``IndexError``/``TypeError``.
+    Time and memory: linear in the paths' total length.
+    """
+    mapping = planner_data if isinstance(planner_data, dict) else {}
+    n = len(sdm)
+    # a trie of the paths: inner nodes are dicts, a key's place holds its name (a str)
+    root: dict[Any, Any] = {}
+    for fqn in sdm:
+        path = mapping.get(fqn)
+        if not isinstance(path, (tuple, list)) or not path:
+            path = (fqn,)
+        node: Any = root
+        last = len(path) - 1
+        for i, step in enumerate(path):
+            kind = type(step)
+            if kind is int:
+                if not 0 <= step < n:
+                    _bad_path(what, fqn, path, f"indexes a list at {step}, outside the {n} keys of the checkpoint")
+            elif kind is not str:
+                _bad_path(what, fqn, path, f"has a step of type {kind.__name__}, neither a string nor an int")
+            child = node.get(step)
+            if child is None:
+                if node:
+                    first = next(iter(node))
+                    if type(first) is not kind:
+                        where = f"{'a list' if type(first) is int else 'a dict'} that holds {short_repr(first)}"
+                        _bad_path(what, fqn, path, f"steps into {where} with {short_repr(step)}")
+                elif node is root and kind is not str:
+                    _bad_path(what, fqn, path, "does not start with a string (the top level is a dict)")
+                child = node[step] = fqn if i == last else {}
+            elif type(child) is str:
+                rule = "is the path of key" if i == last else "runs through the value of key"
+                _bad_path(what, fqn, path, f"{rule} {child!r:.200} too" if i == last else f"{rule} {child!r:.200}")
+            elif i == last:
+                _bad_path(what, fqn, path, "is a container of other keys' values")
+            node = child
+
+
+def _bad_path(what: str, fqn: str, path: Any, rule: str) -> None:
+    raise CheckpointFormatError(
+        f"{what}: planner_data nests key {fqn!r:.200} at {short_repr(path)}, which {rule}: "
+        "the metadata is damaged or forged"
+    )

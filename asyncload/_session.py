@@ -185,6 +185,9 @@ class LoadSession:
         self._stager: Any = None
         #: Decodes records saved with stream transforms (``PipelinedReader(_extension_registry=...)``).
         self.extension_registry = _transforms.default_registry()
+        #: ``.metadata`` decoded before, by URL and bytes (shared by loads of one checkpoint key by
+        #: key, as the CLI's ``verify`` does after damage): the same bytes are decoded once.
+        self.metadata_cache: dict[tuple[str, bytes], Metadata] | None = None
         #: The plan comes from a planner that is not asyncload's (torch's DefaultLoadPlanner):
         #: convert dtypes as torch does, without asyncload's lossless-widening rule.
         self._torch_casts = False
@@ -434,7 +437,14 @@ class LoadSession:
             self._fingerprints[name] = fp
         if raw is None:
             raw = await storage.read(name, 0, size, counted=False)
-        md = formats.decode_metadata(raw, url, max_size=options.max_metadata_size)
+        cache, md = self.metadata_cache, None
+        if cache is not None:
+            md = cache.get((url, bytes(raw)))
+        if md is None:
+            md = formats.decode_metadata(raw, url, max_size=options.max_metadata_size)
+            if cache is not None:
+                cache.clear()  # the last one only
+                cache[(url, bytes(raw))] = md
         self._recorder.add(files=1)
         return md
 
@@ -1132,9 +1142,15 @@ class LoadSession:
                     raise CheckpointFormatError(f"{where} is malformed: {info!r:.200}")
                 rec = _Record(check_relative_path(getattr(info, "relative_path", None), where), offset, length, fqn)
                 # a record saved through stream transforms (compressed) may be shorter than its
-                # tensor: its decoded size is bounded when it is read (asyncload._transforms)
-                transformed = bool(getattr(info, "transform_descriptors", None))
-                if chunk is not None and isinstance(smd, TensorStorageMetadata) and not transformed:
+                # tensor: its claim is bounded by what its bytes can decode to and by the budget
+                # (it is decoded whole); the decoded size is bounded again when it is read
+                transformed = getattr(info, "transform_descriptors", None)
+                if chunk is not None and isinstance(smd, TensorStorageMetadata) and transformed:
+                    claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
+                    budget = self.options.memory_budget
+                    where = f"{self.checkpoint}, {rec.where}"
+                    _transforms.check_claim(transformed, length, claimed, budget, what=where)
+                elif chunk is not None and isinstance(smd, TensorStorageMetadata):
                     claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
                     if claimed > length:
                         raise CheckpointFormatError(

@@ -9,9 +9,10 @@ set of I/O threads, one clock and one :class:`LoadStats` for the whole stream).
 
 Streaming: the selected tensors, in file and offset order, are split into batches of at
 most ``memory_budget / 2`` bytes (a tensor larger than that is a batch of its own). While
-batch ``k`` is being yielded, batch ``k + 1`` is read, as long as the tensors held but not
-yet yielded stay within ``memory_budget``; a tensor larger than the budget is read and
-yielded alone. A consumer that does not ask for the next tensor stops the reads there.
+batch ``k`` is being yielded, batch ``k + 1`` is read, as long as the tensors held (read and not yet yielded, and
+the one yielded last until the consumer asks for the next) stay within ``memory_budget``;
+a batch larger than the budget is read only once nothing is held, and yielded alone. A
+consumer that does not ask for the next tensor stops the reads there.
 """
 
 from __future__ import annotations
@@ -290,10 +291,13 @@ class CheckpointStream:
                 start_if_room()
                 for fqn in names:
                     tensor = loaded.pop(fqn)
-                    self.held_bytes -= tensor.numel() * tensor.element_size()
+                    n = tensor.numel() * tensor.element_size()
                     start_if_room()
                     yield fqn, tensor
                     del tensor
+                    # held until the consumer asks for the next one (it holds it meanwhile)
+                    self.held_bytes -= n
+                    start_if_room()
         finally:
             await self._astop()
 
@@ -339,6 +343,7 @@ async def _astream(stream: CheckpointStream) -> AsyncGenerator[tuple[str, torch.
         async with contextlib.aclosing(stream.abatches()) as tensors:  # closed now, not when collected
             async for item in tensors:
                 yield item
+                del item  # not held while the next one is read
         stream.finish()
     finally:
         await stream.aclose()
@@ -381,9 +386,11 @@ def iter_tensors(
     data read). ``dtype``: floating tensors are converted to it on load. Objects are not
     yielded (:func:`asyncload.read_state_dict` returns them).
 
-    Memory: tensors read but not yet yielded stay within ``options.memory_budget`` (a
-    tensor larger than it is read and yielded alone); the next tensors are read only as
-    the loop asks for them. Leaving the loop early (``break``, ``close()``, an exception)
+    Memory: tensors read but not yet yielded, with the one yielded last, stay within
+    ``options.memory_budget``; a tensor larger than it is read only after the loop asked for
+    the next tensor, with nothing else held, so the peak is that one tensor plus whatever the
+    loop still holds of the previous ones (``for name, t in ...`` keeps ``t`` bound while
+    the next is read: ``del t`` at the end of the body for a peak of one tensor). Leaving the loop early (``break``, ``close()``, an exception)
     stops the reads and closes files, sessions and threads.
     """
     agen = aiter_tensors(

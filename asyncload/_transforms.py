@@ -32,6 +32,7 @@ __all__ = [
     "DecodedTooLargeError",
     "TransformedRead",
     "aread_transformed",
+    "check_claim",
     "decode",
     "default_registry",
     "extensions_for",
@@ -42,6 +43,36 @@ __all__ = [
 ARCHIVE_SLACK = 64 << 10
 #: Decoded bytes asked of a transform stream per read.
 _STEP = 1 << 20
+#: The most a stored byte can decode to, per transform known to asyncload. zstd: a block
+#: decodes to at most 128 KiB and takes at least 4 bytes (an RLE block), 32768:1 (64 MiB
+#: of zeros at level 22 measure 32498:1); doubled for margin.
+MAX_RATIO = {"stream.zstd": 1 << 16}
+
+
+def check_claim(descriptors: Sequence[str], stored: int, claimed: int, memory_budget: int, *, what: str) -> None:
+    """Before a destination is allocated for a transformed record: the tensor bytes the
+    metadata ``claimed`` for it must be ones that its ``stored`` bytes can decode to (known
+    transforms: :data:`MAX_RATIO`), and the record, decoded whole, must fit ``memory_budget``
+    (as :func:`aread_transformed` needs later). A :class:`CheckpointFormatError` otherwise."""
+    ratio = 1
+    for d in descriptors:
+        known = MAX_RATIO.get(d.split("/", 1)[0])
+        if known is None:  # a transform asyncload does not know may expand without bound
+            ratio = 0
+            break
+        ratio *= known
+    if ratio and claimed > stored * ratio + ARCHIVE_SLACK:
+        raise CheckpointFormatError(
+            f"{what}: the metadata claims {claimed} tensor bytes for a record of {stored} bytes stored through "
+            f"{list(descriptors)}, which decode to at most {stored * ratio + ARCHIVE_SLACK}: "
+            "the metadata does not match the data files"
+        )
+    if stored + claimed + ARCHIVE_SLACK > memory_budget:
+        raise CheckpointFormatError(
+            f"{what} is stored with stream transforms and is decoded whole: its {stored} stored bytes and the "
+            f"{claimed} tensor bytes the metadata claims do not fit LoadOptions.memory_budget={memory_budget}; "
+            f"raise memory_budget to at least {stored + claimed + ARCHIVE_SLACK}"
+        )
 
 
 def default_registry() -> ExtensionRegistry:

@@ -444,6 +444,7 @@ def describe(metadata: Any, url: str) -> dict[str, Any]:
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
+    rows = [[_one_line(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
@@ -452,23 +453,52 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
     return "\n".join(out)
 
 
+#: Characters a terminal acts on rather than shows (C0 and C1 controls: ESC starts a
+#: sequence that can retitle the window or move the cursor, CR and LF forge lines), line and
+#: paragraph separators, bidirectional overrides, and lone surrogates (which stdout cannot encode).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def _one_line(text: str) -> str:
+    """``text`` (a key, a file name, a message: what a checkpoint says) for one line of a
+    terminal: every control character escaped (ESC as ``\\x1b``, LF as ``\\x0a``, ``\\u202e``)."""
+    return _CONTROL.sub(_escape_char, text)
+
+
+def _shown(text: str) -> str:
+    return "\n".join(_one_line(line) for line in text.split("\n"))
+
+
 def _print(text: str = "") -> None:
-    sys.stdout.write(text + "\n")
+    """One or more lines to stdout, control characters escaped (the line breaks the CLI
+    writes itself are kept; checkpoint text inside a line goes through :func:`_one_line`
+    first). JSON output is unchanged: ``json.dumps`` leaves no control character raw."""
+    sys.stdout.write(_shown(text) + "\n")
     sys.stdout.flush()
 
 
 def _note(text: str) -> None:
-    sys.stderr.write(text + "\n")
+    sys.stderr.write(_shown(text) + "\n")
     sys.stderr.flush()
 
 
 def _open_stream(
-    args: argparse.Namespace, storage_options: dict[str, Any], options: Any, **kwargs: Any
+    args: argparse.Namespace,
+    storage_options: dict[str, Any],
+    options: Any,
+    metadata_cache: dict[Any, Any] | None = None,
+    **kwargs: Any,
 ) -> tuple[Any, Any]:
     """A :class:`CheckpointStream` over ``args.url`` with its metadata read (claims not checked yet)."""
     from ._stream import CheckpointStream
 
     stream = CheckpointStream(args.url, options=options, storage_options=storage_options, **kwargs)
+    stream.session.metadata_cache = metadata_cache
     try:
         with _naming_storage_options(storage_options):
             md = _run(stream, stream.aopen(check=False))
@@ -518,7 +548,7 @@ def _cmd_inspect(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         _print(json.dumps(info, indent=2))
         return EXIT_OK
     dtypes = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in info["tensor_bytes_by_dtype"].items())
-    _print(f"checkpoint   {info['checkpoint']}")
+    _print(f"checkpoint   {_one_line(info['checkpoint'])}")
     if info["format"] == "dcp":
         _print(f"DCP version  {info['dcp_version'] or 'unversioned (torch < 2.4)'}")
     else:
@@ -749,7 +779,8 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     from ._stream import CheckpointStream, sync_iter
 
     options = _options(args, verify=True)
-    stream, md = _open_stream(args, storage_options, options)
+    decoded: dict[Any, Any] = {}  # .metadata decoded once a run, also when each key is loaded on its own
+    stream, md = _open_stream(args, storage_options, options, metadata_cache=decoded)
     info = describe(md, args.url)
     tensor_records = sum(
         1
@@ -771,12 +802,13 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         finally:
             _run(stream, stream.aclose())
     except _damage_classes() as first:
-        _note(f"asyncload: damage found ({first}); checking each key on its own")
+        _note(f"asyncload: damage found ({_one_line(str(first))}); checking each key on its own")
         damaged: list[tuple[str, str]] = []
         keys = list(md.state_dict_metadata)
         with _bar(args, "keys", len(keys), unit="key") as bar:
             for i, key in enumerate(keys):
                 one = CheckpointStream(args.url, keys=_exactly(key), options=options, storage_options=storage_options)
+                one.session.metadata_cache = decoded
                 try:
                     read_stream(one)
                 except _damage_classes() as exc:
@@ -795,9 +827,9 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
             )
         else:
             for key, err in damaged:
-                _print(f"DAMAGED  {key}: {err}")
+                _print(f"DAMAGED  {_one_line(key)}: {_one_line(err)}")
             if not damaged:  # the damage is outside every single key's records (or transient)
-                _print(f"DAMAGED  {redact_url(args.url)}: {first}")
+                _print(f"DAMAGED  {_one_line(redact_url(args.url))}: {_one_line(str(first))}")
             _print(f"{max(1, len(damaged))} of {len(keys)} keys damaged.")
         return EXIT_DAMAGED
     unchecked = max(0, tensor_records - stats.verified_records)

@@ -11,8 +11,12 @@ Part 3 (``--structural-minutes``) loads real checkpoints whose ``.metadata`` was
 structurally (tests/_forging.py: chunk lists, offsets, sizes, dtypes, properties, storage
 entries; one to three mutations each): every load must end in an ``AsyncLoadError`` or be
 bit-exact with every destination byte written; anything else is a finding.
+Part 4 (``--forged-minutes``) reads, with ``read_state_dict``, real checkpoints whose
+``planner_data`` paths were forged, and zstd-saved ones whose tensors claim other sizes
+(tests/_forging.py): each read must end in an ``AsyncLoadError`` or give every key at its
+path, bit-exact; a raw exception, a dead worker or a slow example is a finding.
 
-    python benchmarks/fuzz_long.py --minutes 5 --workers 2 --structural-minutes 3
+    python benchmarks/fuzz_long.py --minutes 5 --workers 2 --structural-minutes 3 --forged-minutes 2
 """
 
 from __future__ import annotations
@@ -172,6 +176,75 @@ def _structural_worker(wid: int, seed: int, seconds: float, slow: float, progres
     queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
 
 
+def _forged_worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, queue: Any) -> None:
+    """Issue 25's surfaces, alternately: forged ``planner_data`` paths and forged claimed sizes
+    of zstd-transformed records, each read by ``read_state_dict`` (tests/_forging.py)."""
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    import torch.distributed.checkpoint as dcp
+    from _ckpt import make_checkpoint
+    from _corrupt import read_metadata
+    from _forging import (
+        forge_state_dict,
+        random_claim,
+        random_path_mutation,
+        read_forged_claim,
+        read_forged_paths,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    tried: Counter[str] = Counter()
+    outcome: Counter[str] = Counter()
+    findings: list[dict[str, Any]] = []
+    slowest = (0.0, "")
+    with tempfile.TemporaryDirectory() as d:
+        sd = forge_state_dict()
+        plain = make_checkpoint(Path(d) / "ckpt", forge_state_dict())
+        plain_md = read_metadata(plain)
+        zstd = Path(d) / "zstd"
+        dcp.save(forge_state_dict(), storage_writer=FileSystemWriter(zstd, _extensions=[ZStandard()]), no_dist=True)
+        zstd_md = read_metadata(zstd)
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            rng = random.Random(f"{seed}/forged/{wid}/{i}")
+            name = "planner_data read" if i % 2 == 0 else "transformed claim read"
+            if i % 2 == 0:
+                mutations: list[Any] = [random_path_mutation(rng) for _ in range(rng.randint(1, 3))]
+            else:
+                mutations = [random_claim(rng) for _ in range(rng.randint(1, 2))]
+            progress[wid] = i
+            t0 = time.perf_counter()
+            try:
+                if i % 2 == 0:
+                    got = read_forged_paths(plain, plain_md, sd, mutations)
+                else:
+                    got = read_forged_claim(zstd, zstd_md, sd, mutations)
+                outcome[got] += 1
+            except BaseException as exc:
+                findings.append(
+                    {
+                        "target": name,
+                        "example": i,
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                        "trace": traceback.format_exc()[-1500:],
+                        "input": repr(mutations)[:256],
+                    }
+                )
+            dt = time.perf_counter() - t0
+            slowest = max(slowest, (dt, name))
+            if dt > slow:
+                findings.append({"target": name, "example": i, "error": f"slow: {dt:.2f} s", "input": repr(mutations)})
+            tried[name] += 1
+            i += 1
+    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
+
+
 def campaign(minutes: float, workers: int, seed: int, slow: float, *, target: Any = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -228,6 +301,12 @@ def main() -> None:
     ap.add_argument(
         "--structural-minutes", type=float, default=0.0, help="also run the structural .metadata campaign this long"
     )
+    ap.add_argument(
+        "--forged-minutes",
+        type=float,
+        default=0.0,
+        help="also run the forged planner_data / transformed-claim campaign (read_state_dict) this long",
+    )
     args = ap.parse_args()
 
     if not args.skip_corpus:
@@ -249,6 +328,12 @@ def main() -> None:
         failed |= _report(
             campaign(args.structural_minutes, args.workers, args.seed, args.slow, target=_structural_worker)
         )
+    if args.forged_minutes > 0:
+        print()
+        print(
+            f"Forged planner_data and transformed claims: {args.forged_minutes} min on {args.workers} workers, seed {args.seed}"
+        )
+        failed |= _report(campaign(args.forged_minutes, args.workers, args.seed, args.slow, target=_forged_worker))
     sys.exit(1 if failed else 0)
 
 

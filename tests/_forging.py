@@ -1,6 +1,8 @@
 """Structural mutations of real ``.metadata`` (chunk lists, offsets, sizes, dtypes,
 properties, storage entries) and the property every forged load must satisfy: it ends
-in an ``AsyncLoadError``, or every tensor is bit-exact and fully written.
+in an ``AsyncLoadError``, or every tensor is bit-exact and fully written. Also (issue 25)
+forged ``planner_data`` paths and forged claimed sizes of zstd-transformed records, read by
+``read_state_dict``.
 
 Shared by ``tests/test_forged.py`` (hypothesis draws the mutations) and
 ``benchmarks/fuzz_long.py --structural-minutes`` (``random.Random`` draws them).
@@ -27,11 +29,17 @@ __all__ = [
     "INTS",
     "KEYS",
     "KINDS",
+    "PATH_KINDS",
     "PIECES",
     "apply_mutation",
+    "apply_path_mutation",
     "forge_state_dict",
     "load_forged",
+    "random_claim",
     "random_mutation",
+    "random_path_mutation",
+    "read_forged_claim",
+    "read_forged_paths",
     "tensor_bytes",
 ]
 
@@ -129,4 +137,90 @@ def load_forged(work: Path, original: Any, sd: dict[str, Any], mutations: list[t
     )
     assert_bitwise_equal(dest["nested"]["w"], sd["nested"]["w"])
     assert stats.bytes_assembled == tensor_bytes(sd), (stats.bytes_assembled, tensor_bytes(sd), mutations)
+    return "loaded"
+
+
+# --- issue 25: forged planner_data and claimed sizes of transformed records ------------------
+
+#: Ways to forge one key's planner path (read_state_dict nests through them).
+PATH_KINDS = ["other's path", "under other", "int step", "huge int", "negative", "float", "bool", "int first", "empty"]
+
+
+def random_path_mutation(rng: random.Random) -> tuple[Any, ...]:
+    keys = [*KEYS, "nested.step"]
+    return (rng.choice(PATH_KINDS), rng.choice(keys), rng.choice(keys), rng.choice([0, 1, 4, 5, 6, 1 << 40]))
+
+
+def apply_path_mutation(md: Any, mutation: tuple[Any, ...]) -> None:
+    kind, key, other, n = mutation
+    pd = md.planner_data
+    theirs = tuple(pd.get(other, (other,)))
+    path: Any = {
+        "other's path": theirs,
+        "under other": (*theirs, "x"),
+        "int step": (*theirs, n % 7),
+        "huge int": (key, n + (1 << 40)),
+        "negative": (key, -1 - n),
+        "float": (key, 0.5),
+        "bool": (key, True),
+        "int first": (n,),
+        "empty": (),
+    }[kind]
+    pd[key] = path
+
+
+def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        tree = tree[step]
+    return tree
+
+
+def read_forged_paths(work: Path, original: Any, sd: dict[str, Any], mutations: list[tuple[Any, ...]]) -> str:
+    """``original`` with planner paths forged, loaded by ``read_state_dict``: the name of the
+    typed error, or ``"loaded"`` after checking that every key sits at its path, bit-exact
+    (an object written into a tensor, a tensor replaced, a raw IndexError: AssertionError or
+    the exception itself)."""
+    md = copy.deepcopy(original)
+    for m in mutations:
+        apply_path_mutation(md, m)
+    (work / ".metadata").write_bytes(pickle.dumps(md))
+    try:
+        got = asyncload.read_state_dict(work)
+    except AsyncLoadError as exc:
+        return type(exc).__name__
+    flat = {"big": sd["big"], "small": sd["small"], "nested.w": sd["nested"]["w"], "nested.step": 11}
+    flat |= {"empty": sd["empty"], "scalar": sd["scalar"]}
+    for key, want in flat.items():
+        path = md.planner_data.get(key)
+        value = _at(got, tuple(path) if isinstance(path, (tuple, list)) and path else (key,))
+        if isinstance(want, torch.Tensor):
+            assert_bitwise_equal(value, want, key)
+        else:
+            assert value == want, (key, value, mutations)
+    return "loaded"
+
+
+def random_claim(rng: random.Random) -> tuple[str, int]:
+    """A transformed record's claimed element count: small, near the truth, or huge."""
+    key = rng.choice(["big", "small", "nested.w", "scalar"])
+    return key, rng.choice([0, 1, rng.randint(2, 5000), 4096, 1 << rng.randint(20, 40)])
+
+
+def read_forged_claim(work: Path, original: Any, sd: dict[str, Any], claims: list[tuple[str, int]]) -> str:
+    """A zstd-saved ``original`` whose tensors claim other element counts (one dimension):
+    ``read_state_dict`` under a 64 MiB budget must end typed, never allocate the claim
+    (a claim of 2^40 elements would be a raw RuntimeError or a slow example), or load exactly."""
+    md = copy.deepcopy(original)
+    for key, numel in claims:
+        smd = md.state_dict_metadata[key]
+        smd.size = torch.Size([numel])
+        for ch in smd.chunks:
+            ch.offsets, ch.sizes = torch.Size([0]), torch.Size([numel])
+    (work / ".metadata").write_bytes(pickle.dumps(md))
+    try:
+        got = asyncload.read_state_dict(work, options=LoadOptions(memory_budget=64 << 20))
+    except AsyncLoadError as exc:
+        return type(exc).__name__
+    assert_bitwise_equal(got["big"], sd["big"])
+    assert_bitwise_equal(got["nested"]["w"], sd["nested"]["w"])
     return "loaded"
