@@ -82,11 +82,18 @@ def _shape_for(case: str) -> dict[str, Any]:
     return SAVED
 
 
-@pytest.mark.parametrize("entry", ["load", "dcp.load+ours", "dcp.load+default"])
-@pytest.mark.parametrize("case", sorted(REASONS))
+# torch's own planner with a meta destination is left out: it materialises meta tensors through
+# a process group in its own set-up, before any hook of asyncload's reader runs
+@pytest.mark.parametrize(
+    ("case", "entry"),
+    [
+        (case, entry)
+        for case in sorted(REASONS)
+        for entry in ("load", "dcp.load+ours", "dcp.load+default")
+        if (case, entry) != ("meta", "dcp.load+default")
+    ],
+)
 def test_an_unwritable_destination_is_refused_before_reading(tmp_path: Path, ckpt: Path, case: str, entry: str) -> None:
-    if entry == "dcp.load+default" and case == "meta":
-        pytest.skip("torch's own planner materialises meta tensors through a process group before any reader hook")
     saved = _shape_for(case)
     path = ckpt
     if case == "as_strided":
