@@ -596,7 +596,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         # one unit on the axis (MiB, log scale): a payload of KiB sits at 10^-3..10^-2
         ax_b.plot(xs, [r["payload_max"] / MiB for r in sel], "o-", label=f"{label}: payload per rank")
         ax_b.plot(xs, [r["gathered_bytes"] / MiB for r in sel], "s--", label=f"{label}: all-gathered")
-        ax_b.plot(xs, [r["plan_heap"] / MiB for r in sel], "^-", label=f"{label}: heap of this rank's plan")
+        # a plan with no units has no heap of its own: left out of the log axis, not drawn at 0
+        heap = [r["plan_heap"] / MiB or float("nan") for r in sel]
+        ax_b.plot(xs, heap, "^-", label=f"{label}: heap of this rank's plan")
         ax_b.plot(xs, [r["decode_heap"] / MiB for r in sel], "v--", label=f"{label}: heap of the gathered needs")
     for ax in (ax_t, ax_b):
         ax.set_xscale("log", base=2)
@@ -628,7 +630,17 @@ def main() -> None:
         help="also time the whole plan as one object per transfer and unit (plan_transfers, split_units, "
         "balance_units; about 10 s per 8,192-rank case)",
     )
+    ap.add_argument(
+        "--plot-from",
+        metavar="JSON",
+        help="only redraw --plot from rows stored earlier (docs/img/planning_scaling.json: the table of docs/distributed.md)",
+    )
     args = ap.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            stored = json.load(f)
+        plot(stored["rows"], args.plot or "planning_scaling.png")
+        return
     layers = 12 if args.quick else args.layers
     tensors = model(layers)
     options = LoadOptions()
