@@ -50,7 +50,6 @@ from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     StorageMeta,
@@ -73,7 +72,7 @@ from .._safe_pickle import (
     storage_persistent_load,
 )
 from .base import Fetcher, FormatMetadata, KnownTensor
-from .torchsave import ArchiveLayout, KnownObject, _alayout, tensor_location
+from .torchsave import ArchiveLayout, _alayout, saved_entry, tensor_location
 
 __all__ = [
     "METADATA_FILE",
@@ -750,23 +749,13 @@ def _synthesise(
             elif isinstance(value, TensorRef):
                 if meta is not None:
                     _check_plain(key, value, meta, fetcher)
-                loc = replace(
-                    tensor_location(layout, rel, value),
-                    where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
-                )
-                zeros = (0,) * len(loc.size)
-                sdm[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=loc.dtype, requires_grad=value.requires_grad),
-                    size=torch.Size(loc.size),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))],
-                )
-                storage[MetadataIndex(key, zeros, 0)] = KnownTensor(loc)
+                sdm[key], at, entry = saved_entry(key, value, layout, rel)
+                storage[at] = entry
             else:
                 refs: list[TensorRef] = []
                 _refs_in(value, refs, f"object {key!r} of {layout.where}")
-                sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
-                sdm[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = KnownObject(value, rel, sts, f"object {key!r} of {layout.where}")
+                sdm[key], at, entry = saved_entry(key, value, layout, rel, refs)
+                storage[at] = entry
     if meta is not None:
         for key in meta.shardings:
             if key not in sdm:

@@ -447,24 +447,8 @@ async def _atorchsave_files(
             if key in origin:
                 raise CheckpointFormatError(f"{source}: key {key!r} is in both {origin[key]} and {name}")
             origin[key] = name
-            if isinstance(value, TensorRef):
-                loc = dataclasses.replace(
-                    tensor_location(layout, name, value),
-                    where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
-                )
-                zeros = (0,) * len(loc.size)
-                sdm[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=loc.dtype, requires_grad=value.requires_grad),
-                    size=torch.Size(loc.size),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))],
-                )
-                storage[MetadataIndex(key, zeros, 0)] = KnownTensor(loc)
-            else:
-                refs: list[TensorRef] = []
-                _walk_refs(value, refs)
-                sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
-                sdm[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = KnownObject(value, name, sts, f"object {key!r} of {layout.where}")
+            sdm[key], index, entry = saved_entry(key, value, layout, name)
+            storage[index] = entry
     check_weight_map(weight_map, sdm, source)
     return FormatMetadata(
         state_dict_metadata=sdm,
@@ -520,6 +504,33 @@ def _traverse(obj: Mapping[Any, Any], visit: Callable[[tuple[Any, ...], Any], No
 
 def _flat_key(path: tuple[Any, ...]) -> str:
     return ".".join(map(str, path))
+
+
+def saved_entry(
+    key: str, value: Any, layout: ArchiveLayout, name: str, refs: list[TensorRef] | None = None
+) -> tuple[Any, MetadataIndex, Any]:
+    """The stand-in DCP metadata of one flattened value of the torch.save file ``name``:
+    ``(its storage metadata, its index, its storage entry)``. A tensor is one whole chunk read
+    in place; anything else is an object, with the storages its tensors need (``refs``: those
+    tensors, found by the caller's own walk; by default every :class:`TensorRef` in it)."""
+    if isinstance(value, TensorRef):
+        loc = dataclasses.replace(
+            tensor_location(layout, name, value),
+            where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
+        )
+        zeros = (0,) * len(loc.size)
+        md = TensorStorageMetadata(
+            properties=TensorProperties(dtype=loc.dtype, requires_grad=value.requires_grad),
+            size=torch.Size(loc.size),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))],
+        )
+        return md, MetadataIndex(key, zeros, 0), KnownTensor(loc)
+    if refs is None:
+        refs = []
+        _walk_refs(value, refs)
+    sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
+    entry = KnownObject(value, name, sts, f"object {key!r} of {layout.where}")
+    return BytesStorageMetadata(), MetadataIndex(key), entry
 
 
 def _flatten(obj: Mapping[Any, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
