@@ -15,25 +15,14 @@ if [ ! -x .venv-titan/bin/python ]; then
   "$PY" -m venv .venv-titan
 fi
 . .venv-titan/bin/activate
-stamp=$(cat pyproject.toml scripts/setup_titan.sh | sha256sum | cut -d' ' -f1)
+stamp=$(cat pyproject.toml scripts/setup_titan.sh scripts/_venv.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv-titan/.built-from 2>/dev/null)" = "$stamp" ] \
   && python -c "import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, obstore, pytest_asyncio" >/dev/null 2>&1; then
   exit 0
 fi
 
-# `pip install -q ARGS...`, keeping pip's exit status and its errors, without the notes
-# pip prints when a configured local index folder does not exist on this machine.
-pip_install() {
-  local out rc=0
-  out=$(python -m pip install -q "$@" 2>&1) || rc=$?
-  printf '%s\n' "$out" | grep -v -e "is ignored: it is neither a file nor a directory" -e '^$' >&2 || true
-  return "$rc"
-}
-
-python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-# numpy in the same call: torch warns "Failed to initialize NumPy" when imported without it
-pip_install "torch==2.13.0" numpy
-python -c "import torch" >/dev/null
+. scripts/_venv.sh
+install_torch
 # torch stays the build installed above whatever torchtitan's dependencies ask for
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
