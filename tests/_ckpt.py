@@ -185,14 +185,44 @@ def copy_dir_to_fsspec(local_dir: str | os.PathLike[str], fs: Any, root: str) ->
             fs.pipe_file(f"{root.rstrip('/')}/{rel}", p.read_bytes())
 
 
-def evict_pages(path: str | os.PathLike[str], start: int = 0, n: int = 0) -> None:
+def resident_pages(path: str | os.PathLike[str], start: int, n: int) -> int:
+    """How many of ``path``'s pages in ``[start, start + n)`` the page cache holds, by
+    ``mincore`` over a private mapping that is never touched: unlike a probing read (even one
+    with ``RWF_NOWAIT``), asking starts no readahead."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    first = start - start % page
+    length = start + n - first
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, length, offset=first, access=mmap.ACCESS_COPY) as m:
+            vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            return sum(v & 1 for v in vec)
+    finally:
+        os.close(fd)
+
+
+def evict_pages(path: str | os.PathLike[str], start: int = 0, n: int = 0) -> bool:
     """Drop ``path``'s pages of ``[start, start + n)`` (``n=0``: to the end) from the page
     cache (written back first; a no-op on tmpfs). The cache may hold a file in large folios,
-    and a folio the range covers only in part stays: start at a 1 MiB boundary."""
+    and a folio the range covers only in part stays: start at a 2 MiB boundary. The kernel
+    sometimes keeps pages one ``POSIX_FADV_DONTNEED`` asked it to drop, so it is asked again
+    until the page at ``start`` is gone (up to 100 times); whether it is gone is returned."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
+        size = os.fstat(fd).st_size
+        for _ in range(100):
+            os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
+            if start >= size or resident_pages(path, start, 1) == 0:
+                return True
+        return False
     finally:
         os.close(fd)
 
