@@ -3,9 +3,9 @@
 Public names live here; everything else is private (``asyncload._*``).
 """
 
-from ._api import LoadHandle, aload, load, start_load
-from ._dcp import PipelinedLoadPlanner, PipelinedReader
-from ._errors import (
+from asyncload._api import LoadHandle, aload, load, start_load
+from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
+from asyncload._errors import (
     AsyncLoadError,
     CheckpointChangedError,
     CheckpointFormatError,
@@ -18,11 +18,11 @@ from ._errors import (
     StorageReadError,
     UnsafeCheckpointError,
 )
-from ._options import LoadOptions
-from ._read import aread_state_dict, read_state_dict
-from ._sharded import BackgroundSends, ShardedLoadPlanner, wait_for_background_sends
-from ._stats import LoadStats
-from ._stream import aiter_tensors, iter_tensors
+from asyncload._options import LoadOptions
+from asyncload._read import aread_state_dict, read_state_dict
+from asyncload._stats import LoadStats
+from asyncload._stream import aiter_tensors, iter_tensors
+from asyncload.distributed.sharded import BackgroundSends, ShardedLoadPlanner, wait_for_background_sends
 
 __version__ = "0.1.0"
 

@@ -13,12 +13,12 @@ from typing import Any
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from ._dcp import PipelinedLoadPlanner, PipelinedReader
-from ._driver import load_steps, run_async, run_sync
-from ._errors import LoadCancelledError, LoadReentryError
-from ._loop import on_library_loop
-from ._options import LoadOptions
-from ._stats import LoadStats, _fmt_bytes
+from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
+from asyncload._errors import LoadCancelledError, LoadReentryError
+from asyncload._loop import on_library_loop
+from asyncload._options import LoadOptions
+from asyncload._stats import LoadStats, _fmt_bytes
+from asyncload.engine.driver import load_steps, run_async, run_sync
 
 __all__ = ["LoadHandle", "aload", "load", "start_load"]
 

@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from ._loop import loop_thread, run_sync
-from ._options import LoadOptions
-from ._stats import LoadStats
-from ._storage import is_local, local_root
-from ._stream import CheckpointStream, KeySelection, sync_iter
-from .formats import HF_INDEX, HF_SINGLE
-from .formats.safetensors import SAFETENSORS_DTYPES
+from asyncload._loop import loop_thread, run_sync
+from asyncload._options import LoadOptions
+from asyncload._stats import LoadStats
+from asyncload._stream import CheckpointStream, KeySelection, sync_iter
+from asyncload.formats import HF_INDEX, HF_SINGLE
+from asyncload.formats.safetensors import SAFETENSORS_DTYPES
+from asyncload.storage.base import is_local, local_root
 
 __all__ = ["SAFETENSORS_MAX_HEADER", "ConvertResult", "check_destination", "convert", "plan_shards"]
 

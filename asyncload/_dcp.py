@@ -1,6 +1,6 @@
 """The torch.distributed.checkpoint faces: :class:`PipelinedReader` (a ``StorageReader``)
 and :class:`PipelinedLoadPlanner` (a ``DefaultLoadPlanner``), thin over the async core
-(:class:`asyncload._session.LoadSession`).
+(:class:`asyncload.engine.session.LoadSession`).
 
 Planner hooks (``resolve_tensor``, ``commit_tensor``, ``load_bytes``) run on the
 caller's thread; only reads and copies run elsewhere.
@@ -23,16 +23,16 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from . import formats
-from ._destinations import check_destinations
-from ._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
-from ._intersect import _rekey_pre_2_4, local_load_plan
-from ._keys import MISSING_SHOWN, alias_groups, closest_keys, missing_keys_message, same_bits
-from ._options import LoadOptions
-from ._plan import check_cast
-from ._session import LoadSession, decode_object
-from ._stats import LoadStats
-from .formats import KNOWN_DCP_VERSIONS
+from asyncload import formats
+from asyncload._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
+from asyncload._options import LoadOptions
+from asyncload._stats import LoadStats
+from asyncload.engine.destinations import check_destinations
+from asyncload.engine.intersect import _rekey_pre_2_4, local_load_plan
+from asyncload.engine.keys import MISSING_SHOWN, alias_groups, closest_keys, missing_keys_message, same_bits
+from asyncload.engine.plan import check_cast
+from asyncload.engine.session import LoadSession, decode_object
+from asyncload.formats import KNOWN_DCP_VERSIONS
 
 __all__ = ["KNOWN_DCP_VERSIONS", "PipelinedLoadPlanner", "PipelinedReader", "decode_object"]
 

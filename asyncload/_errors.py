@@ -16,7 +16,7 @@ leaves also derive from the builtin a caller would naturally catch::
     └── LoadCancelledError         (also CancelledError) the load was cancelled through its handle
 
 Storage errors are translated into these classes in one place
-(:class:`asyncload._retry.RetryingStorage`), parser errors in the format modules, always with
+(:class:`asyncload.storage.retrying.RetryingStorage`), parser errors in the format modules, always with
 ``raise ... from exc`` so the original cause stays attached.
 """
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ._errors import LoadReentryError
+from asyncload._errors import LoadReentryError
 
 __all__ = ["loop_thread", "refuse_on_library_loop", "run_sync", "uvloop_available"]
 

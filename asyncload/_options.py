@@ -68,7 +68,7 @@ class _Derived(int):
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """How one storage call is tried: per-attempt ``timeout`` (progress-extended, see
-    :mod:`asyncload._retry`), ``retries`` more attempts, full-jitter exponential backoff."""
+    :mod:`asyncload.storage.retrying`), ``retries`` more attempts, full-jitter exponential backoff."""
 
     timeout: float | None
     retries: int
@@ -92,7 +92,7 @@ class HedgePolicy:
     #: Duplicate requests in flight at once, at most (hedging must not double the load).
     max_in_flight: int
     #: ``hedge_min_delay=None``: the floor of a storage read is derived from the load's
-    #: measured latency and per-stream rate (:func:`asyncload._retry.hedge_delay`).
+    #: measured latency and per-stream rate (:func:`asyncload.storage.retrying.hedge_delay`).
     derived: bool = False
 
 

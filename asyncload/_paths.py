@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ._errors import CheckpointFormatError
-from ._pickle_vm import short_repr
+from asyncload._errors import CheckpointFormatError
+from asyncload.decoding.vm import short_repr
 
 __all__ = ["check_relative_path"]
 

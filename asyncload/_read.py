@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._loop import loop_thread, run_sync
-from ._options import LoadOptions
-from ._stats import LoadStats
-from ._stream import CheckpointStream, KeySelection, ProgressCallback
+from asyncload._loop import loop_thread, run_sync
+from asyncload._options import LoadOptions
+from asyncload._stats import LoadStats
+from asyncload._stream import CheckpointStream, KeySelection, ProgressCallback
 
 __all__ = ["aread_state_dict", "nest", "read_state_dict"]
 
@@ -34,8 +34,8 @@ def nest(flat: dict[str, Any], metadata: Metadata) -> dict[Any, Any]:
     their flat names."""
     from torch.distributed.checkpoint._traverse import set_element
 
-    from .formats import FormatMetadata
-    from .formats.torchsave import nest_saved
+    from asyncload.formats import FormatMetadata
+    from asyncload.formats.torchsave import nest_saved
 
     if isinstance(metadata, FormatMetadata) and metadata.templates:
         return nest_saved(flat, metadata.templates)

@@ -4,7 +4,7 @@
 the CLI share. It reads the checkpoint's metadata once, selects keys, checks what the
 metadata claims against the files' real sizes (:meth:`LoadSession.acheck_claims`) before
 anything is allocated, then allocates destinations batch by batch and loads each batch
-through the one :class:`~asyncload._session.LoadSession` it keeps open (one storage, one
+through the one :class:`~asyncload.engine.session.LoadSession` it keeps open (one storage, one
 set of I/O threads, one clock and one :class:`LoadStats` for the whole stream).
 
 Streaming: the selected tensors, in file and offset order, are split into batches of at
@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ._dcp import PipelinedLoadPlanner
-from ._driver import _in_thread
-from ._errors import StateDictMismatchError, redact_url
-from ._loop import loop_thread, run_sync
-from ._options import LoadOptions
-from ._session import LoadSession
-from ._stats import LoadStats
+from asyncload._dcp import PipelinedLoadPlanner
+from asyncload._errors import StateDictMismatchError, redact_url
+from asyncload._loop import loop_thread, run_sync
+from asyncload._options import LoadOptions
+from asyncload._stats import LoadStats
+from asyncload.engine.driver import _in_thread
+from asyncload.engine.session import LoadSession
 
 __all__ = ["CheckpointStream", "KeySelection", "aiter_tensors", "iter_tensors", "select_keys", "sync_iter"]
 

@@ -41,8 +41,8 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ._errors import redact_url
-from ._storage import is_local, local_root
+from asyncload._errors import redact_url
+from asyncload.storage.base import is_local, local_root
 
 __all__ = ["EXIT_CODES", "main", "parse_size", "parse_storage_options"]
 
@@ -192,7 +192,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from asyncload import __version__
 
     common = _Parser(add_help=False)
     common.add_argument(
@@ -333,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fmt_bytes(n: float) -> str:
-    from ._stats import _fmt_bytes as fmt
+    from asyncload._stats import _fmt_bytes as fmt
 
     return fmt(n)
 
@@ -343,7 +343,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _options(args: argparse.Namespace, **extra: Any) -> Any:
-    from . import LoadOptions
+    from asyncload import LoadOptions
 
     changes: dict[str, Any] = {}
     for arg, field in (
@@ -381,7 +381,7 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
 
 def read_metadata(url: str, storage_options: dict[str, Any], options: Any = None) -> Any:
     """The checkpoint's DCP ``Metadata``, decoded with asyncload's allow-list."""
-    from . import PipelinedReader
+    from asyncload import PipelinedReader
 
     reader = PipelinedReader(url, options=options, storage_options=storage_options)
     try:
@@ -495,7 +495,7 @@ def _open_stream(
     **kwargs: Any,
 ) -> tuple[Any, Any]:
     """A :class:`CheckpointStream` over ``args.url`` with its metadata read (claims not checked yet)."""
-    from ._stream import CheckpointStream
+    from asyncload._stream import CheckpointStream
 
     stream = CheckpointStream(args.url, options=options, storage_options=storage_options, **kwargs)
     stream.session.metadata_cache = metadata_cache
@@ -512,7 +512,7 @@ def _open_stream(
 def _naming_storage_options(storage_options: dict[str, Any]) -> Iterator[None]:
     """A ``TypeError``/``ValueError`` of the client that the storage options were given to
     (a value of the wrong type: ``-o config_kwargs=[1]``) becomes a usage error naming them."""
-    from . import AsyncLoadError
+    from asyncload import AsyncLoadError
 
     try:
         yield
@@ -527,13 +527,13 @@ def _naming_storage_options(storage_options: dict[str, Any]) -> Iterator[None]:
 
 def _run(stream: Any, coro: Any) -> Any:
     """``coro`` of ``stream`` on the library's loop thread (Ctrl-C cancels it and waits for its cleanup)."""
-    from ._loop import loop_thread, run_sync
+    from asyncload._loop import loop_thread, run_sync
 
     return run_sync(coro, loop_thread(stream.options.use_uvloop))
 
 
 def _bar(args: argparse.Namespace, label: str, total: int, unit: str = "bytes") -> Any:
-    from ._progress import ByteProgress
+    from asyncload._progress import ByteProgress
 
     return ByteProgress(label, total=total, unit=unit, enabled=False if args.no_progress else None)
 
@@ -635,7 +635,7 @@ def load_timed(
 ) -> tuple[Any, float]:
     """``asyncload.load`` into ``dest`` (allocated before); its stats and the wall seconds,
     timed as :func:`load_with_torch` times torch."""
-    from . import load
+    from asyncload import load
 
     t0 = time.perf_counter()
     stats = load(dest, url, options=options, storage_options=storage_options, progress=progress)
@@ -765,7 +765,7 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 
 
 def _damage_classes() -> tuple[type[BaseException], ...]:
-    from . import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+    from asyncload import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 
     return (CheckpointFormatError, UnsafeCheckpointError, CheckpointNotFoundError)
 
@@ -775,8 +775,8 @@ def _exactly(key: str) -> Callable[[str], bool]:
 
 
 def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
-    from ._read import read_stream
-    from ._stream import CheckpointStream, sync_iter
+    from asyncload._read import read_stream
+    from asyncload._stream import CheckpointStream, sync_iter
 
     options = _options(args, verify=True)
     decoded: dict[Any, Any] = {}  # .metadata decoded once a run, also when each key is loaded on its own
@@ -860,7 +860,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
 def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     from pathlib import Path
 
-    from ._convert import check_destination, convert
+    from asyncload._convert import check_destination, convert
 
     options = _options(args)
     try:
@@ -911,7 +911,7 @@ def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
 
 
 def _exit_code(exc: BaseException) -> int:
-    from . import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+    from asyncload import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 
     if isinstance(exc, (CheckpointNotFoundError, FileNotFoundError)):
         return EXIT_NOT_FOUND
@@ -923,7 +923,7 @@ def _exit_code(exc: BaseException) -> int:
 
 
 def _one_sentence(exc: BaseException) -> str:
-    from . import AsyncLoadError
+    from asyncload import AsyncLoadError
 
     text = " ".join(str(exc).split()) or type(exc).__name__
     if isinstance(exc, (AsyncLoadError, UsageError)):

@@ -5,7 +5,7 @@ checkpoint (where the hop is most of a read) and a transformer-like one of ``--s
     python benchmarks/ab_inline_reads.py --rounds 300 --size-mib 0     # the one-tensor checkpoint only
     python benchmarks/ab_inline_reads.py --rounds 30 --size-mib 1024
 
-"hop" sets ``asyncload._local.INLINE_READ`` below every read size, which sends each read
+"hop" sets ``asyncload.storage.local.INLINE_READ`` below every read size, which sends each read
 and each batch of probes and small records (``RetryingStorage.read_batch``) to an I/O thread
 as before; "inline" is the default.
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _common as C
 
 import asyncload
-import asyncload._local as local
+import asyncload.storage.local as local
 
 
 def ab(path: str, rounds: int) -> None:

@@ -53,7 +53,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _common as C
 
 import asyncload
-from asyncload import _local, _mapped
+from asyncload.storage import local as _local
+from asyncload.storage import mapped as _mapped
 
 MiB = 1 << 20
 Read = tuple[str, int, list[memoryview]]

@@ -162,7 +162,7 @@ def _destination_reads(
     destinations' memory), captured from one load: what "raw into the destinations" replays.
     Unlike the destination-sized buffer, real destinations do not sit at their bytes' file
     offset modulo 4 KiB, which costs the kernel's copy a few percent (docs/performance.md)."""
-    from asyncload import _retry
+    from asyncload.storage import retrying as _retry
 
     got: list[tuple[str, int, list[memoryview]]] = []
     orig = _retry.RetryingStorage.readinto_shared

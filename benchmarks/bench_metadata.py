@@ -43,7 +43,7 @@ def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
 import torch
-from asyncload._safe_pickle import check_metadata
+from asyncload.decoding.allowlist import check_metadata
 from asyncload.formats.dcp import decode_metadata
 raw = open({path!r}, "rb").read()
 what = {what!r}

@@ -26,7 +26,7 @@ Per rank and case (loaded on 1,024 ... 8,192 ranks, FSDP or FSDP x TP):
   ``make_chunks``' rule, checked against it on rank 0), for every rank; the pickled payload
   one rank contributes (``all_gather_object`` pickles it), the seconds to unpickle all of
   them (what every rank does after the all-gather), and what the share session then plans
-  on a rank with adaptive sharing (the default): ``asyncload._sharded._rank_plan`` over the
+  on a rank with adaptive sharing (the default): ``asyncload.distributed.sharded._rank_plan`` over the
   packed needs as gathered (its part of the global plan: the ranks it shares files with, and
   the balanced work units it reads, sends or receives), seconds (best of 3, the slowest of
   ranks 0, world/2 and world-1) and heap peak, both phases summed. The whole plan's size
@@ -74,11 +74,11 @@ from torch.distributed.checkpoint.metadata import (
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from asyncload import LoadOptions
-from asyncload import _sharded as sharded
-from asyncload._chunks import Piece
-from asyncload._intersect import read_items_for_chunks, state_dict_read_items
-from asyncload._plan import make_chunks
-from asyncload._safe_pickle import check_metadata
+from asyncload.decoding.allowlist import check_metadata
+from asyncload.distributed import sharded as sharded
+from asyncload.engine.chunks import Piece
+from asyncload.engine.intersect import read_items_for_chunks, state_dict_read_items
+from asyncload.engine.plan import make_chunks
 from asyncload.formats.dcp import decode_metadata
 from asyncload.formats.torchsave import HEAD_PROBE, TAIL_PROBE
 
@@ -265,7 +265,7 @@ def signature(items: Sequence[Any]) -> list[tuple[Any, ...]]:
 
 
 def coalesce(pieces: list[tuple[int, int]], chunk_size: int, min_chunk_size: int) -> list[tuple[int, int]]:
-    """``asyncload._plan.make_chunks``' rule over one file's pieces ``(start, end)``."""
+    """``asyncload.engine.plan.make_chunks``' rule over one file's pieces ``(start, end)``."""
     out: list[tuple[int, int]] = []
     cur_start = cur_end = -1
     for s, e in sorted(pieces):

@@ -46,7 +46,7 @@ def corpus_table() -> list[tuple[str, str, str, str, float, float]]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from asyncload import AsyncLoadError
-    from asyncload._safe_pickle import check_metadata, record_globals, safe_loads, storage_persistent_load
+    from asyncload.decoding.allowlist import check_metadata, record_globals, safe_loads, storage_persistent_load
 
     rows = []
     with tempfile.TemporaryDirectory() as d:

@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _common as C
 
 import asyncload
-from asyncload import _local, _pipeline
+from asyncload.engine import pipeline as _pipeline
+from asyncload.storage import local as _local
 
 MiB = 1 << 20
 

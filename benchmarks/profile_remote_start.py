@@ -35,7 +35,8 @@ warnings.filterwarnings("ignore")
 cfg = json.loads(sys.argv[1])
 import torch
 import asyncload
-from asyncload import _obstore, _storage
+from asyncload.storage import obstore as _obstore
+from asyncload.storage import base as _storage
 
 events = []
 T0 = [0.0]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import asyncload
-import asyncload._crc as crc_module
+import asyncload.engine.crc as crc_module
 
 MiB = 1 << 20
 

@@ -26,7 +26,7 @@ import torch
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._budget import ByteBudget
+from asyncload.engine.budget import ByteBudget
 
 CKPT, MODES = sys.argv[1], sys.argv[2].split(",")
 DELAYS = [float(x) for x in sys.argv[3:]]

@@ -41,7 +41,7 @@ class Seeds:
 
 
 def make_seeds() -> Seeds:
-    from asyncload._safe_pickle import StorageRef  # noqa: F401 - asyncload importable
+    from asyncload.decoding.allowlist import StorageRef  # noqa: F401 - asyncload importable
 
     g = torch.Generator().manual_seed(0)
     sd = {
@@ -123,7 +123,7 @@ def mutate(rng: random.Random, data: bytes, *, pickle_aware: bool = False, round
 
 def _parse_record(data: bytes) -> Any:
     """A DCP record as asyncload reads it: layout, then the tensor's location or the object."""
-    from asyncload._safe_pickle import TensorRef
+    from asyncload.decoding.allowlist import TensorRef
     from asyncload.formats.torchsave import ByteWindow, materialize, parse_archive, tensor_location
 
     win = ByteWindow()
@@ -157,7 +157,7 @@ def _parse_record_probed(data: bytes) -> Any:
 def _decode_metadata(data: bytes) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from asyncload._safe_pickle import check_metadata, safe_loads
+    from asyncload.decoding.allowlist import check_metadata, safe_loads
 
     md = safe_loads(data, what="fuzz/.metadata", check_structure=False, expect=Metadata)
     check_metadata(md, "fuzz/.metadata")
@@ -165,7 +165,7 @@ def _decode_metadata(data: bytes) -> Any:
 
 
 def _decode_record_pickle(data: bytes) -> Any:
-    from asyncload._safe_pickle import record_globals, safe_loads, storage_persistent_load
+    from asyncload.decoding.allowlist import record_globals, safe_loads, storage_persistent_load
 
     return safe_loads(data, what="fuzz/data.pkl", allowed=record_globals(), persistent_load=storage_persistent_load)
 

@@ -27,7 +27,7 @@ from test_sharded_plan import random_ranges
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload._sharded import (
+from asyncload.distributed.sharded import (
     Transfer,
     _check_identities,
     _pack,

@@ -1,7 +1,7 @@
 """The storage error boundary, fast and table driven: ``classify`` of the raw errors the
 storage clients really raise (botocore, aiohttp, s3fs, gcsfs, the OS), ``translate`` into
 asyncload's errors with the URL, byte range and attempts, and the one policy
-(:class:`asyncload._retry.RetryingStorage` / ``call_with_retry``) that every storage call
+(:class:`asyncload.storage.retrying.RetryingStorage` / ``call_with_retry``) that every storage call
 goes through: retried when it can help, at once when it cannot, counted in ``LoadStats``.
 
 The exceptions are built with the client libraries' own classes and functions (s3fs's
@@ -40,10 +40,10 @@ from asyncload import (
     LoadOptions,
     StorageReadError,
 )
-from asyncload._local import LocalStorage
-from asyncload._retry import _HINTS, Failure, RetryingStorage, classify, translate
 from asyncload._stats import StatsRecorder
-from asyncload._storage import NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
+from asyncload.storage.base import NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
+from asyncload.storage.local import LocalStorage
+from asyncload.storage.retrying import _HINTS, Failure, RetryingStorage, classify, translate
 from asyncload.testing import reset, status, truncate
 
 pytestmark = pytest.mark.timeout(60)

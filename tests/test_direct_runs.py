@@ -29,9 +29,9 @@ from _ckpt import assert_bitwise_equal
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
-from asyncload._retry import RetryingStorage
 from asyncload._stats import StatsRecorder
-from asyncload._storage import Storage
+from asyncload.storage.base import Storage
+from asyncload.storage.retrying import RetryingStorage
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
 

@@ -1,4 +1,4 @@
-"""The dtype rule (``asyncload._plan.cast_loss`` / ``widening_is_lossless``, tabulated in
+"""The dtype rule (``asyncload.engine.plan.cast_loss`` / ``widening_is_lossless``, tabulated in
 docs/errors.md): with asyncload's planners, lossless widening loads by default and every lossy
 conversion is a typed refusal unless ``allow_dtype_cast=True``; with torch's own
 ``DefaultLoadPlanner`` behind ``PipelinedReader``, dtypes convert as torch's ``FileSystemReader``
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import asyncload
 from asyncload import LoadOptions, PipelinedReader, StateDictMismatchError
-from asyncload._plan import can_copy, cast_loss, widening_is_lossless
+from asyncload.engine.plan import can_copy, cast_loss, widening_is_lossless
 
 
 def _dt(name: str) -> torch.dtype | None:

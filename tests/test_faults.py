@@ -19,10 +19,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
-from asyncload._chunks import Chunk, Piece
-from asyncload._pipeline import Pipeline
 from asyncload._stats import StatsRecorder
-from asyncload._storage import open_storage
+from asyncload.engine.chunks import Chunk, Piece
+from asyncload.engine.pipeline import Pipeline
+from asyncload.storage.base import open_storage
 from asyncload.testing import reset, stall, status, truncate
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]

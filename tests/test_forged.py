@@ -34,7 +34,7 @@ from asyncload import (
     PipelinedLoadPlanner,
     StateDictMismatchError,
 )
-from asyncload._safe_pickle import check_metadata
+from asyncload.decoding.allowlist import check_metadata
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,7 +155,7 @@ def test_load_that_did_not_write_every_byte_does_not_report_success(
 ) -> None:
     """The session counts what it wrote against the destinations' sizes: a read that
     silently went missing (here: the pipeline drops its last chunk) is an error."""
-    from asyncload import _pipeline
+    from asyncload.engine import pipeline as _pipeline
 
     path, sd = fresh_ckpt
     real = _pipeline.Pipeline.run

@@ -118,7 +118,7 @@ _data = st.recursive(
 def test_decoder_agrees_with_pickle_on_every_protocol(obj: object) -> None:
     import pickle
 
-    from asyncload._safe_pickle import record_globals, safe_loads
+    from asyncload.decoding.allowlist import record_globals, safe_loads
 
     for proto in range(6):
         data = pickle.dumps(obj, protocol=proto)

@@ -15,7 +15,9 @@ from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_cl
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._retry import (
+from asyncload._stats import StatsRecorder
+from asyncload.storage.base import first_byte
+from asyncload.storage.retrying import (
     HEDGE_COLD_FACTOR,
     HEDGE_DERIVED_FLOOR,
     LoadClock,
@@ -23,8 +25,6 @@ from asyncload._retry import (
     clock_of,
     hedge_delay,
 )
-from asyncload._stats import StatsRecorder
-from asyncload._storage import first_byte
 from asyncload.testing import stall
 
 MiB = 1 << 20

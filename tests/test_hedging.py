@@ -14,8 +14,8 @@ from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_cl
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._retry import clock_of, hedge_delay
 from asyncload._stats import StatsRecorder
+from asyncload.storage.retrying import clock_of, hedge_delay
 from asyncload.testing import stall, status
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]

@@ -27,7 +27,7 @@ from _hostile import Hostile, corpus, record_pickle, replace_record_pickle
 
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, UnsafeCheckpointError
-from asyncload._safe_pickle import record_globals, safe_loads, storage_persistent_load
+from asyncload.decoding.allowlist import record_globals, safe_loads, storage_persistent_load
 from asyncload.formats.torchsave import ByteWindow, parse_archive
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,7 +155,7 @@ def test_resource_attacks_stay_bounded_in_memory(markers: Path, tmp_path: Path) 
 import gc, json, sys
 sys.path.insert(0, {str(TESTS)!r})
 from _hostile import corpus
-from asyncload._safe_pickle import safe_loads, record_globals, storage_persistent_load
+from asyncload.decoding.allowlist import safe_loads, record_globals, storage_persistent_load
 from asyncload import AsyncLoadError
 
 def status(field):

@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, StorageReadError
-from asyncload._retry import RetryingStorage
 from asyncload._stats import StatsRecorder
-from asyncload._storage import FsspecStorage, RangeIgnoredError
+from asyncload.storage.base import FsspecStorage, RangeIgnoredError
+from asyncload.storage.retrying import RetryingStorage
 from asyncload.testing import faults
 from asyncload.testing.servers import HTTPRangeServer
 

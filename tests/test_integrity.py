@@ -439,7 +439,7 @@ def test_crc_pieces_in_any_order_overlapping_and_from_threads() -> None:
     import threading
     import zlib
 
-    from asyncload._crc import CrcTracker, crc32, crc32_combine, gaps
+    from asyncload.engine.crc import CrcTracker, crc32, crc32_combine, gaps
 
     rng = random.Random(7)
     data = bytes(rng.randrange(256) for _ in range(200_003))

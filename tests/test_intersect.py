@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 import asyncload
 from asyncload import PipelinedLoadPlanner, ShardedLoadPlanner
-from asyncload._intersect import _torch_order, read_items_for_chunks
+from asyncload.engine.intersect import _torch_order, read_items_for_chunks
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

@@ -26,10 +26,10 @@ from _ckpt import assert_bitwise_equal, evict_pages, resident_pages
 
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
-from asyncload._local import INLINE_READ, LocalStorage
-from asyncload._retry import BATCH_INLINE, RetryingStorage
 from asyncload._stats import StatsRecorder
-from asyncload._storage import ShortReadError
+from asyncload.storage.base import ShortReadError
+from asyncload.storage.local import INLINE_READ, LocalStorage
+from asyncload.storage.retrying import BATCH_INLINE, RetryingStorage
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
 

@@ -31,8 +31,8 @@ from _ckpt import assert_bitwise_equal, evict_pages
 
 import asyncload
 from asyncload import AsyncLoadError, LoadOptions, _mapped
-from asyncload._local import LocalStorage
-from asyncload._storage import ShortReadError
+from asyncload.storage.base import ShortReadError
+from asyncload.storage.local import LocalStorage
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
 

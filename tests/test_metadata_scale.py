@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import metadata as dm
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from asyncload import CheckpointFormatError, UnsafeCheckpointError
-from asyncload._safe_pickle import check_metadata, safe_loads
+from asyncload.decoding.allowlist import check_metadata, safe_loads
 from asyncload.formats.dcp import decode_metadata
 
 pytestmark = pytest.mark.timeout(300)
@@ -175,7 +175,7 @@ def test_newobj_of_a_deeply_nested_tuple_is_refused_without_hashing_it() -> None
     # interpreter (C stack overflow in tuplehash). In a child: a crash must not end pytest.
     code = (
         "from asyncload import UnsafeCheckpointError\n"
-        "from asyncload._safe_pickle import safe_loads\n"
+        "from asyncload.decoding.allowlist import safe_loads\n"
         "p = b'\\x80\\x04)' + b'\\x85' * 1_000_000 + b')\\x81.'\n"
         "try:\n    safe_loads(p, what='deep.pkl')\n"
         "except UnsafeCheckpointError as e:\n    print('refused:', str(e)[:80])\n"
@@ -251,8 +251,8 @@ def test_unsafe_is_still_unsafe_at_scale(big: tuple[dm.Metadata, bytes]) -> None
 def test_flat_planner_data_is_accepted_exactly_when_the_walk_accepts_it(shared: bool, extra: int) -> None:
     """DCP's planner_data ({fqn: (path, ...)}) takes a fast path; its verdict, budget by budget,
     is the walk's (shared tuples counted each time they are referenced, as the walk counts)."""
-    from asyncload._pickle_vm import check_structure as walk
-    from asyncload._safe_pickle import _check_structure, _children, _flat_within
+    from asyncload.decoding.allowlist import _check_structure, _children, _flat_within
+    from asyncload.decoding.vm import check_structure as walk
 
     one = tuple(f"p{i}" for i in range(3))
     data = {f"layers.{i}.w": one if shared else tuple(f"p{i}.{j}" for j in range(3)) for i in range(20 + extra)}

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._chunks import Piece
-from asyncload._plan import break_even_gap, make_chunks
+from asyncload.engine.chunks import Piece
+from asyncload.engine.plan import break_even_gap, make_chunks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,14 +19,14 @@ import pytest
 import pytest_asyncio
 from _remote import BACKENDS, wait_closed
 
-import asyncload._obstore as asyncload_obstore
+import asyncload.storage.obstore as asyncload_obstore
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
-from asyncload._local import LocalStorage
-from asyncload._obstore import ObstoreStorage, StoreSpec, Unmappable, plan_store
-from asyncload._retry import RetryingStorage
 from asyncload._stats import StatsRecorder
-from asyncload._storage import FsspecStorage, ObjectChangedError, RangeIgnoredError, ShortReadError
-from asyncload._storage import open_storage as open_storage_
+from asyncload.storage.base import FsspecStorage, ObjectChangedError, RangeIgnoredError, ShortReadError
+from asyncload.storage.base import open_storage as open_storage_
+from asyncload.storage.local import LocalStorage
+from asyncload.storage.obstore import ObstoreStorage, StoreSpec, Unmappable, plan_store
+from asyncload.storage.retrying import RetryingStorage
 from asyncload.testing import HTTPRangeServer, delay, reset, stall, status
 
 pytestmark = pytest.mark.timeout(60)
@@ -556,7 +556,7 @@ pkg = types.ModuleType("asyncload")
 pkg.__path__ = [sys.argv[2]]
 sys.modules["asyncload"] = pkg
 import obstore
-from asyncload._obstore import plan_store
+from asyncload.storage.obstore import plan_store
 
 async def main():
     store = plan_store(sys.argv[1], {}).build()

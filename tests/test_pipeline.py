@@ -12,11 +12,11 @@ import pytest
 from _ckpt import open_fds_under
 
 from asyncload import AsyncLoadError, LoadOptions
-from asyncload._budget import BudgetStatistics, ByteBudget, Limiter
-from asyncload._chunks import Chunk, Piece
-from asyncload._local import LocalStorage
-from asyncload._pipeline import Pipeline
 from asyncload._stats import StatsRecorder
+from asyncload.engine.budget import BudgetStatistics, ByteBudget, Limiter
+from asyncload.engine.chunks import Chunk, Piece
+from asyncload.engine.pipeline import Pipeline
+from asyncload.storage.local import LocalStorage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -335,13 +335,13 @@ def _members(c: Chunk) -> list[Chunk]:
 
 
 def _direct_large(c: Chunk) -> bool:
-    from asyncload import _pipeline as P
+    from asyncload.engine import pipeline as P
 
     return c.nbytes > P._BATCH_CHUNK and P._direct(c)
 
 
 def test_local_chunks_are_grouped_in_order_within_their_limits():
-    from asyncload import _pipeline as P
+    from asyncload.engine import pipeline as P
 
     KiB = 1 << 10
     dest = memoryview(bytearray(64 << 20))
@@ -404,7 +404,7 @@ def test_local_chunks_are_grouped_in_order_within_their_limits():
 
 
 def test_a_runs_reads_cover_its_members_in_order_the_last_ones_cut_small():
-    from asyncload import _pipeline as P
+    from asyncload.engine import pipeline as P
 
     piece = P._TAIL_PIECE
     dest = memoryview(bytearray(200 << 20))

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncload import CheckpointFormatError, StateDictMismatchError
-from asyncload._chunks import Piece, TensorLocation
-from asyncload._plan import make_chunks, plan_tensor
+from asyncload.engine.chunks import Piece, TensorLocation
+from asyncload.engine.plan import make_chunks, plan_tensor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -125,7 +125,7 @@ def test_metadata_larger_than_the_first_get_takes_one_more(
 ):
     """A ``.metadata`` longer than OBJECT_PREFIX: the first GET's bytes, then one more GET of
     the rest (conditional on the version the first pinned); bit-exact."""
-    from asyncload import _obstore
+    from asyncload.storage import obstore as _obstore
 
     path, sd = one_file
     size = (path / ".metadata").stat().st_size

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
-from asyncload._budget import ByteBudget
+from asyncload.engine.budget import ByteBudget
 
 TESTS = Path(__file__).parent
 MiB = 1 << 20

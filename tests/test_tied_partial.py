@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import asyncload
 from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader, ShardedLoadPlanner, StateDictMismatchError
-from asyncload._keys import MISSING_SHOWN, alias_groups, closest_keys
+from asyncload.engine.keys import MISSING_SHOWN, alias_groups, closest_keys
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM

@@ -30,11 +30,20 @@ but all of those found sit under one prefix (``model.``, ``module.``, ``state_di
 the planner loads from under that prefix (:func:`rebase`).
 """
 
-from .base import HF_INDEX, HF_SINGLE, Fetcher, FormatEntry, FormatMetadata, KnownTensor, rebase, split_file_url
-from .dcp import KNOWN_DCP_VERSIONS, decode_metadata
-from .probe import aprobe_fallback, aprobe_first
-from .safetensors import BlobTensor, mark_dcp_safetensors
-from .torchsave import KnownObject, object_bytes
+from asyncload.formats.base import (
+    HF_INDEX,
+    HF_SINGLE,
+    Fetcher,
+    FormatEntry,
+    FormatMetadata,
+    KnownTensor,
+    rebase,
+    split_file_url,
+)
+from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata
+from asyncload.formats.probe import aprobe_fallback, aprobe_first
+from asyncload.formats.safetensors import BlobTensor, mark_dcp_safetensors
+from asyncload.formats.torchsave import KnownObject, object_bytes
 
 __all__ = [
     "HF_INDEX",

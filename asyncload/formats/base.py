@@ -2,7 +2,7 @@
 
 A format module answers one question for the reader: for each saved key, where are its
 bytes? For DCP checkpoints the answer is a record located when it is read
-(:mod:`asyncload._session`); every other format synthesises a DCP ``Metadata``
+(:mod:`asyncload.engine.session`); every other format synthesises a DCP ``Metadata``
 (:class:`FormatMetadata`) whose ``storage_data`` maps each ``MetadataIndex`` to a
 :class:`FormatEntry`: a tensor already located (:class:`KnownTensor`), a tensor of a
 safetensors blob inside a DCP file (:class:`~asyncload.formats.safetensors.BlobTensor`), or a
@@ -22,11 +22,11 @@ from typing import Any, ClassVar
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .._chunks import TensorLocation
-from .._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
-from .._options import LoadOptions
-from .._retry import RetryingStorage
-from .._storage import is_local, local_root
+from asyncload._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
+from asyncload._options import LoadOptions
+from asyncload.engine.chunks import TensorLocation
+from asyncload.storage.base import is_local, local_root
+from asyncload.storage.retrying import RetryingStorage
 
 __all__ = [
     "HF_INDEX",

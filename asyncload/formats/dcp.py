@@ -1,16 +1,16 @@
 """DCP checkpoints (what ``torch.distributed.checkpoint.save`` writes): the ``.metadata``
 file, decoded with the allow-list and checked field by field. Its records (a torch.save
 archive per item in the ``.distcp`` files) are located when read, by
-:mod:`asyncload._session` with :mod:`asyncload.formats.torchsave`'s parser.
+:mod:`asyncload.engine.session` with :mod:`asyncload.formats.torchsave`'s parser.
 """
 
 from __future__ import annotations
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .._errors import CheckpointFormatError
-from .._safe_pickle import check_metadata, safe_loads, short_repr
-from .safetensors import mark_dcp_safetensors
+from asyncload._errors import CheckpointFormatError
+from asyncload.decoding.allowlist import check_metadata, safe_loads, short_repr
+from asyncload.formats.safetensors import mark_dcp_safetensors
 
 __all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata"]
 

@@ -13,13 +13,11 @@ import json
 import os
 from collections.abc import Awaitable
 
-from .._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from .._options import LoadOptions
-from .._paths import check_relative_path
-from .._retry import RetryingStorage
-from .._storage import is_local, local_root
-from .base import HF_INDEX, HF_SINGLE, Fetcher, FormatMetadata, OpenRoot, split_file_url
-from .safetensors import (
+from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from asyncload._options import LoadOptions
+from asyncload._paths import check_relative_path
+from asyncload.formats.base import HF_INDEX, HF_SINGLE, Fetcher, FormatMetadata, OpenRoot, split_file_url
+from asyncload.formats.safetensors import (
     HEADER_PROBE,
     SafetensorsHeader,
     _asafetensors_files,
@@ -28,8 +26,15 @@ from .safetensors import (
     aread_header,
     looks_like_safetensors,
 )
-from .torch_checkpointing import METADATA_FILE, adirectory_metadata, is_torch_checkpointing, item_file_hint
-from .torchsave import HEAD_PROBE, _atorchsave_files
+from asyncload.formats.torch_checkpointing import (
+    METADATA_FILE,
+    adirectory_metadata,
+    is_torch_checkpointing,
+    item_file_hint,
+)
+from asyncload.formats.torchsave import HEAD_PROBE, _atorchsave_files
+from asyncload.storage.base import is_local, local_root
+from asyncload.storage.retrying import RetryingStorage
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
 

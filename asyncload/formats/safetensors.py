@@ -1,5 +1,5 @@
 """Hugging Face safetensors files: the header parsed with bounds checks, each tensor a
-:class:`~asyncload._chunks.TensorLocation`.
+:class:`~asyncload.engine.chunks.TensorLocation`.
 
 A safetensors blob is ``u64 little-endian N`` + ``N`` bytes of UTF-8 JSON + the data
 region. The JSON maps each key to ``{"dtype", "shape", "data_offsets": [begin, end]}``
@@ -36,10 +36,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .._chunks import TensorLocation
-from .._errors import CheckpointFormatError, CheckpointNotFoundError
-from .._paths import check_relative_path
-from .base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
+from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
+from asyncload._paths import check_relative_path
+from asyncload.engine.chunks import TensorLocation
+from asyncload.formats.base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",

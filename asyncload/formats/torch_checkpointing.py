@@ -57,10 +57,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from .._paths import check_relative_path
-from .._pickle_vm import PickleVM, short_repr
-from .._safe_pickle import (
+from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from asyncload._paths import check_relative_path
+from asyncload.decoding.allowlist import (
     MAX_DEPTH,
     TensorRef,
     _check_coverage,
@@ -71,8 +70,9 @@ from .._safe_pickle import (
     safe_loads,
     storage_persistent_load,
 )
-from .base import Fetcher, FormatMetadata, KnownTensor
-from .torchsave import ArchiveLayout, _alayout, saved_entry, tensor_location
+from asyncload.decoding.vm import PickleVM, short_repr
+from asyncload.formats.base import Fetcher, FormatMetadata, KnownTensor
+from asyncload.formats.torchsave import ArchiveLayout, _alayout, saved_entry, tensor_location
 
 __all__ = [
     "METADATA_FILE",

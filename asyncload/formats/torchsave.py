@@ -26,12 +26,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .._assembly import tensor_over
-from .._chunks import TensorLocation
-from .._errors import CheckpointFormatError
-from .._safe_pickle import TensorRef, record_globals, safe_loads, storage_persistent_load
-from .base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
-from .zip import EOCD_SEARCH, LOCAL_HEADER_SIZE, local_data_start, locate_central_directory, parse_central_directory
+from asyncload._errors import CheckpointFormatError
+from asyncload.decoding.allowlist import TensorRef, record_globals, safe_loads, storage_persistent_load
+from asyncload.engine.assembly import tensor_over
+from asyncload.engine.chunks import TensorLocation
+from asyncload.formats.base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
+from asyncload.formats.zip import (
+    EOCD_SEARCH,
+    LOCAL_HEADER_SIZE,
+    local_data_start,
+    locate_central_directory,
+    parse_central_directory,
+)
 
 __all__ = [
     "HEAD_PROBE",

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .._errors import CheckpointFormatError
+from asyncload._errors import CheckpointFormatError
 
 __all__ = ["EOCD_SEARCH", "LOCAL_HEADER_SIZE", "ZipEntry", "local_data_start", "parse_central_directory"]
 

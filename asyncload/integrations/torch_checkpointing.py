@@ -44,13 +44,13 @@ from typing import Any, TypeVar
 
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
-from .._errors import AsyncLoadError, CheckpointNotFoundError
-from .._loop import loop_thread, run_sync
-from .._options import LoadOptions
-from .._paths import check_relative_path
-from .._retry import RetryingStorage
-from .._stats import LoadStats, StatsRecorder
-from .._storage import is_local, local_root, open_storage
+from asyncload._errors import AsyncLoadError, CheckpointNotFoundError
+from asyncload._loop import loop_thread, run_sync
+from asyncload._options import LoadOptions
+from asyncload._paths import check_relative_path
+from asyncload._stats import LoadStats, StatsRecorder
+from asyncload.storage.base import is_local, local_root, open_storage
+from asyncload.storage.retrying import RetryingStorage
 
 __all__ = ["AsyncloadStorage", "AsyncloadStorageConfig"]
 

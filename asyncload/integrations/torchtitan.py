@@ -46,9 +46,9 @@ except ModuleNotFoundError as exc:
         name="torchtitan",
     ) from exc
 
-from .._api import load
-from .._options import LoadOptions
-from .._stats import LoadStats
+from asyncload._api import load
+from asyncload._options import LoadOptions
+from asyncload._stats import LoadStats
 
 __all__ = ["AsyncLoadCheckpointManager"]
 

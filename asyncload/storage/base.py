@@ -1,10 +1,10 @@
 """Where bytes come from: one small interface and the fsspec backend (the local backend is
-:mod:`asyncload._local`, obstore's :mod:`asyncload._obstore`).
+:mod:`asyncload.storage.local`, obstore's :mod:`asyncload.storage.obstore`).
 
 Both read half-open byte ranges ``[start, end)`` of files named relative to the
 checkpoint root. A read returns exactly ``end - start`` bytes or raises; a short
 answer is :class:`ShortReadError` (retryable for remote stores, a truncated file
-locally). Errors here are raw (OSError, aiohttp, botocore...): :mod:`asyncload._retry`
+locally). Errors here are raw (OSError, aiohttp, botocore...): :mod:`asyncload.storage.retrying`
 translates them once, with the path, range and attempt.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from ._errors import redact_url
+from asyncload._errors import redact_url
 
 __all__ = [
     "FsspecStorage",
@@ -44,7 +44,7 @@ __all__ = [
 log = logging.getLogger("asyncload.storage")
 
 
-#: The request the running task makes (set per request by :mod:`asyncload._retry`, which
+#: The request the running task makes (set per request by :mod:`asyncload.storage.retrying`, which
 #: copies it into the request's task): ``first_byte()`` tells it the answer has begun.
 REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncload_request", default=None)
 
@@ -52,7 +52,7 @@ REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncload_request
 def first_byte() -> None:
     """Called by a store once the answer to the current request has begun (its status and
     headers are in, the body not yet read): the hedge's first-byte clock
-    (:class:`asyncload._retry.LoadClock`). A store that cannot tell never calls it."""
+    (:class:`asyncload.storage.retrying.LoadClock`). A store that cannot tell never calls it."""
     req = REQUEST.get()
     if req is not None:
         req.answered()
@@ -333,7 +333,7 @@ class FsspecStorage(VersionPins):
 
     The filesystems' own retry loops are turned off (s3fs/botocore retry 5xx, throttling
     and resets for up to 39 s on their own; gcsfs retries 5xx six times): asyncload's
-    per-chunk policy (:mod:`asyncload._retry`) is then the only one, the same for every
+    per-chunk policy (:mod:`asyncload.storage.retrying`) is then the only one, the same for every
     store, with its timeouts, backoff, hedging and ``LoadStats.retries`` counting. Options
     the caller gives in ``storage_options`` (e.g. ``config_kwargs={"retries": ...}``) win.
     """
@@ -903,7 +903,7 @@ def open_storage(
     ``gcs://`` and ``http(s)://``: ``"obstore"``, ``"fsspec"``, or ``"auto"`` (obstore
     when it is installed and the URL and ``storage_options`` map onto it, else fsspec;
     why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
-    (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload._mapped`.
+    (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload.storage.mapped`.
     ``max_listing_size`` (``LoadOptions.max_metadata_size``): the most bytes of an HTTP
     directory listing.
 
@@ -911,13 +911,13 @@ def open_storage(
     installed or cannot honour an option (the message names it).
     """
     if is_local(checkpoint):
-        from ._local import LocalStorage
+        from asyncload.storage.local import LocalStorage
 
         return LocalStorage(str(Path(local_root(checkpoint))), executor, mapped_copies=mapped_copies)
     s = str(checkpoint)
     protocol = s.split("://", 1)[0]
     options = storage_options or {}
-    from . import _obstore  # it builds on this module's classes
+    from asyncload.storage import obstore as _obstore  # it builds on this module's classes
 
     if transport != "fsspec" and protocol.lower() in _obstore.OBSTORE_PROTOCOLS:
         reason = None if _obstore.obstore_available() else "obstore is not installed (pip install obstore)"
@@ -931,7 +931,7 @@ def open_storage(
                     s, spec, storage_options=options, executor=executor, max_listing_size=max_listing_size
                 )
         if transport == "obstore":
-            from ._errors import StorageReadError
+            from asyncload._errors import StorageReadError
 
             raise StorageReadError(
                 f"{s} cannot be read with LoadOptions.transport='obstore': {reason} (use transport='fsspec', or 'auto' to fall back by itself)",

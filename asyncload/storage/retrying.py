@@ -3,7 +3,7 @@ and jitter, hedging of stragglers, and the one place where storage errors become
 errors.
 
 The policy (the same for every store: the fsspec filesystems' own retry loops are
-turned off in :mod:`asyncload._storage`):
+turned off in :mod:`asyncload.storage.base`):
 
 * **Timeout with a shared, progress-extended deadline.** An attempt fails with a
   timeout once ``LoadOptions.timeout`` seconds have passed both since it started and
@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._errors import (
+from asyncload._errors import (
     AsyncLoadError,
     CheckpointChangedError,
     CheckpointFormatError,
@@ -66,9 +66,9 @@ from ._errors import (
     docs_ref,
     redact_text,
 )
-from ._options import HedgePolicy, LoadOptions, RetryPolicy
-from ._stats import StatsRecorder
-from ._storage import (
+from asyncload._options import HedgePolicy, LoadOptions, RetryPolicy
+from asyncload._stats import StatsRecorder
+from asyncload.storage.base import (
     REQUEST,
     CrossOriginRedirectError,
     ListingTooLargeError,
@@ -610,7 +610,7 @@ class LoadClock:
         #: Reads finished so far (``samples`` keeps only the last WINDOW).
         self.total_samples = 0
         #: Seconds from each request's start until its answer began (stores that tell:
-        #: :func:`asyncload._storage.first_byte`), and when each of those requests started.
+        #: :func:`asyncload.storage.base.first_byte`), and when each of those requests started.
         self.first_bytes: deque[float] = deque(maxlen=self.WINDOW)
         self.first_byte_starts: deque[float] = deque(maxlen=self.WINDOW)
         #: Bytes per second of one stream once its answer had begun (reads of RATE_MIN_BYTES or more).
@@ -667,7 +667,7 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 class _Request:
     """One request to the store (an attempt's original or its hedged duplicate): when it
-    started and when its answer began. Stores tell through :func:`asyncload._storage.first_byte`."""
+    started and when its answer began. Stores tell through :func:`asyncload.storage.base.first_byte`."""
 
     __slots__ = ("clock", "first_byte", "started")
 

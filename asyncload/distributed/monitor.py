@@ -8,8 +8,8 @@ rank that raises posts its error there at once and every other rank raises
 every rank raises an error naming it and its last status. Collectives themselves
 (gather/scatter of plans, all_gather of needs) are only entered once a monitored
 barrier has seen every rank arrive, so they cannot hang on a rank that has already
-failed. Used by the multi-rank driver (:mod:`asyncload._driver`) and by byte sharing
-(:mod:`asyncload._sharded`).
+failed. Used by the multi-rank driver (:mod:`asyncload.engine.driver`) and by byte sharing
+(:mod:`asyncload.distributed.sharded`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._errors import DistributedLoadError
+from asyncload._errors import DistributedLoadError
 
 __all__ = ["Monitor"]
 

@@ -4,11 +4,11 @@ for ``s3://``, ``gs://`` / ``gcs://`` and ``http(s)://``.
 Built from the same fsspec-style ``storage_options`` users pass to s3fs, gcsfs and
 fsspec's HTTP filesystem: :func:`plan_store` maps what it can map faithfully and raises
 :class:`Unmappable` (naming the option) for anything else, so that
-:func:`asyncload._storage.open_storage` falls back to fsspec instead of dropping an
+:func:`asyncload.storage.base.open_storage` falls back to fsspec instead of dropping an
 option. obstore's own retries are off and its own timeouts out of the way
-(asyncload's policy in :mod:`asyncload._retry` is the only one); reads are
+(asyncload's policy in :mod:`asyncload.storage.retrying` is the only one); reads are
 conditional on the version of the object first seen and every answer is compared,
-like :class:`asyncload._storage.FsspecStorage`. A read's body is streamed and refused
+like :class:`asyncload.storage.base.FsspecStorage`. A read's body is streamed and refused
 past the length asked for (never buffered whole). Requests to hosts other than the
 origin's (a redirect object_store would follow) are refused by :class:`RedirectGuard`.
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from ._errors import redact_url
-from ._storage import (
+from asyncload._errors import redact_url
+from asyncload.storage.base import (
     CrossOriginRedirectError,
     FsspecStorage,
     ObjectChangedError,
@@ -479,7 +479,7 @@ class RedirectGuard:
     origin's (``proxy_url`` with ``proxy_excludes``): a request to another host reaches only
     this process, which notes where it was going, answers 403 and closes. Nothing is
     forwarded. :meth:`refusal` then turns the store's error into
-    :class:`asyncload._storage.CrossOriginRedirectError`. A redirect to another port of the
+    :class:`asyncload.storage.base.CrossOriginRedirectError`. A redirect to another port of the
     same host is not caught this way (``proxy_excludes`` names hosts): see docs/remote.md.
     """
 

@@ -1,9 +1,9 @@
 """The nouns of a load: where a saved tensor's bytes are (:class:`TensorLocation`), a run
 of bytes and where it goes (:class:`Piece`), one read request (:class:`Chunk`).
 
-Formats answer with a ``TensorLocation``; planning (:mod:`asyncload._plan`) turns locations
+Formats answer with a ``TensorLocation``; planning (:mod:`asyncload.engine.plan`) turns locations
 and destinations into pieces and groups pieces into chunks; the reader pool
-(:mod:`asyncload._pipeline`) reads chunks; assembly (:mod:`asyncload._assembly`) hands each
+(:mod:`asyncload.engine.pipeline`) reads chunks; assembly (:mod:`asyncload.engine.assembly`) hands each
 piece its bytes. Byte ranges are half-open ``[start, end)`` of a file named relative to the
 checkpoint root.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointFormatError
+from asyncload._errors import CheckpointFormatError
 
 __all__ = ["Chunk", "Piece", "TensorLocation"]
 

@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._assembly import assemble, copy_bytes, memory_of
-from ._chunks import Chunk
-from ._options import LoadOptions
-from ._plan import _contiguous_box as _row_major
+from asyncload._options import LoadOptions
+from asyncload.engine.assembly import assemble, copy_bytes, memory_of
+from asyncload.engine.chunks import Chunk
+from asyncload.engine.plan import _contiguous_box as _row_major
 
 __all__ = [
     "CudaCopier",

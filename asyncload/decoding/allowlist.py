@@ -4,7 +4,7 @@ makes the process hang, crash or run out of memory.
 torch's own DCP reader decodes ``.metadata`` with ``pickle.load`` and non-tensor
 objects with ``torch.load(weights_only=False)``: a hostile checkpoint runs code.
 Here every pickle is decoded by asyncload's own pickle virtual machine
-(:class:`~asyncload._pickle_vm.PickleVM`: all opcodes of protocols 0-5, over the bytes
+(:class:`~asyncload.decoding.vm.PickleVM`: all opcodes of protocols 0-5, over the bytes
 in memory, with its resource guards: bounded memo, keys checked before they are hashed,
 a work budget proportional to the pickle's size). This module is its policy, the only
 place that decides what a checkpoint's pickle may build:
@@ -54,10 +54,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import CheckpointFormatError, UnsafeCheckpointError
-from ._paths import check_relative_path
-from ._pickle_vm import PickleVM, short_repr
-from ._pickle_vm import check_structure as _walk_structure
+from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload._paths import check_relative_path
+from asyncload.decoding.vm import PickleVM, short_repr
+from asyncload.decoding.vm import check_structure as _walk_structure
 
 __all__ = [
     "MAX_DEPTH",
@@ -726,7 +726,7 @@ def user_globals(entries: tuple[Any, ...]) -> UserGlobals:
 
 
 class _CheckpointPolicy:
-    """What a checkpoint's pickle may build (a :class:`~asyncload._pickle_vm.PicklePolicy`):
+    """What a checkpoint's pickle may build (a :class:`~asyncload.decoding.vm.PicklePolicy`):
     the names in ``allowed``, the calls of :data:`_CALLABLE_CHECKS`, the DCP dataclasses,
     the BUILD rules of :data:`_BUILD_RULES`, the persistent ids ``persistent_load`` knows,
     and the globals the user trusts (``user``: ``LoadOptions.safe_globals``, where given)."""
@@ -949,7 +949,7 @@ def _children(o: Any) -> list[Any] | None:
 
 
 def _check_structure(obj: Any, what: str, max_depth: int, budget: int) -> None:
-    """:func:`~asyncload._pickle_vm.check_structure` over checkpoint values (see :func:`_children`)."""
+    """:func:`~asyncload.decoding.vm.check_structure` over checkpoint values (see :func:`_children`)."""
     if _flat_within(obj, max_depth, budget):
         return
     _walk_structure(obj, what, max_depth, budget, _children)

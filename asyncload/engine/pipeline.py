@@ -25,14 +25,14 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-from ._assembly import StagingPool, assemble, track
-from ._budget import ByteBudget, Limiter
-from ._chunks import Chunk
-from ._errors import first_error
-from ._options import LoadOptions
-from ._retry import RetryingStorage, clock_of
-from ._stats import StatsRecorder
-from ._storage import Storage
+from asyncload._errors import first_error
+from asyncload._options import LoadOptions
+from asyncload._stats import StatsRecorder
+from asyncload.engine.assembly import StagingPool, assemble, track
+from asyncload.engine.budget import ByteBudget, Limiter
+from asyncload.engine.chunks import Chunk
+from asyncload.storage.base import Storage
+from asyncload.storage.retrying import RetryingStorage, clock_of
 
 __all__ = ["Pipeline"]
 

@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from ._errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
 
 __all__ = ["PicklePolicy", "PickleVM", "check_structure", "collector_paused", "short_repr"]
 

@@ -1,7 +1,7 @@
 """Local files: positional reads from a thread pool, straight into caller memory.
 
-Errors here are raw (OSError, :class:`~asyncload._storage.ShortReadError`,
-:class:`~asyncload._storage.NotRegularFileError`); :mod:`asyncload._retry` translates them
+Errors here are raw (OSError, :class:`~asyncload.storage.base.ShortReadError`,
+:class:`~asyncload.storage.base.NotRegularFileError`); :mod:`asyncload.storage.retrying` translates them
 once, with the path, range and attempt.
 """
 
@@ -16,8 +16,8 @@ import stat
 import threading
 from collections.abc import Sequence
 
-from ._mapped import MIN_MAPPED_READ, MappedCopies, mapped_copies_available
-from ._storage import NotRegularFileError, ShortReadError, Storage, _check_regular
+from asyncload.storage.base import NotRegularFileError, ShortReadError, Storage, _check_regular
+from asyncload.storage.mapped import MIN_MAPPED_READ, MappedCopies, mapped_copies_available
 
 log = logging.getLogger("asyncload.local")
 

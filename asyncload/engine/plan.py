@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ._assembly import memory_of, tensor_over
-from ._chunks import Chunk, Piece, TensorLocation
-from ._errors import CheckpointFormatError, StateDictMismatchError
+from asyncload._errors import CheckpointFormatError, StateDictMismatchError
+from asyncload.engine.assembly import memory_of, tensor_over
+from asyncload.engine.chunks import Chunk, Piece, TensorLocation
 
 __all__ = [
     "break_even_gap",

@@ -8,14 +8,14 @@ The sequence is ``dcp.load``'s (the same planner and reader calls, in the same o
 
 It is a generator of steps (:func:`load_steps`): a :class:`Call` is planner work, a
 collective or a hook (CPU, blocking); an :class:`Await` is the engine's I/O (a coroutine of
-the :class:`~asyncload._session.LoadSession`). The two runners decide where each runs:
+the :class:`~asyncload.engine.session.LoadSession`). The two runners decide where each runs:
 
 * :func:`run_sync` (``load``, ``start_load``): calls on the caller's thread, coroutines on
   the library's loop thread;
 * :func:`run_async` (``aload``): coroutines on the caller's own loop, calls on a worker
   thread so the loop stays free.
 
-With N ranks every wait on another rank goes through a :class:`~asyncload._monitor.Monitor`
+With N ranks every wait on another rank goes through a :class:`~asyncload.distributed.monitor.Monitor`
 (bounded by ``LoadOptions.collective_timeout``; a failure on one rank is raised on all),
 and the collectives are entered only after a monitored barrier saw every rank arrive.
 """
@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._dcp import PLAIN_TENSOR_TYPES, PipelinedReader
-from ._destinations import check_destinations
-from ._errors import CheckpointNotFoundError, DistributedLoadError, redact_url
-from ._monitor import Monitor
-from ._session import LoadSession
-from ._stats import LoadStats, _fmt_bytes
+from asyncload._dcp import PLAIN_TENSOR_TYPES, PipelinedReader
+from asyncload._errors import CheckpointNotFoundError, DistributedLoadError, redact_url
+from asyncload._stats import LoadStats, _fmt_bytes
+from asyncload.distributed.monitor import Monitor
+from asyncload.engine.destinations import check_destinations
+from asyncload.engine.session import LoadSession
 
 __all__ = ["Await", "Call", "load_steps", "run_async", "run_sync"]
 

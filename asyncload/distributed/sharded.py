@@ -1,6 +1,6 @@
 """Sharing bytes across ranks: :class:`ShardedLoadPlanner`, which reads each byte range
-once and shares it over the process group (the multi-rank driver is :mod:`asyncload._driver`,
-its bounded waits :mod:`asyncload._monitor`).
+once and shares it over the process group (the multi-rank driver is :mod:`asyncload.engine.driver`,
+its bounded waits :mod:`asyncload.distributed.monitor`).
 
 How a multi-rank load runs (``asyncload.load`` with ``torch.distributed`` initialised)::
 
@@ -46,15 +46,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._assembly import assemble, copy_bytes, track
-from ._chunks import Chunk
-from ._dcp import PipelinedLoadPlanner
-from ._errors import AsyncLoadError, DistributedLoadError, first_error
-from ._monitor import Monitor
-from ._options import LoadOptions
-from ._pipeline import Pipeline, _DirectRun, direct_run
-from ._session import LoadSession
-from ._stats import _fmt_bytes
+from asyncload._dcp import PipelinedLoadPlanner
+from asyncload._errors import AsyncLoadError, DistributedLoadError, first_error
+from asyncload._options import LoadOptions
+from asyncload._stats import _fmt_bytes
+from asyncload.distributed.monitor import Monitor
+from asyncload.engine.assembly import assemble, copy_bytes, track
+from asyncload.engine.chunks import Chunk
+from asyncload.engine.pipeline import Pipeline, _DirectRun, direct_run
+from asyncload.engine.session import LoadSession
 
 __all__ = [
     "BackgroundSends",

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
-from ._errors import AsyncLoadError, CheckpointFormatError, first_error
+from asyncload._errors import AsyncLoadError, CheckpointFormatError, first_error
 
 __all__ = [
     "ARCHIVE_SLACK",

@@ -1,12 +1,12 @@
 """LoadSession: the async core of one load.
 
 A session owns everything one load needs beyond the planner: the storage (behind the
-retrying error boundary, :class:`asyncload._retry.RetryingStorage`), the I/O threads,
+retrying error boundary, :class:`asyncload.storage.retrying.RetryingStorage`), the I/O threads,
 the statistics and the load's clock, file fingerprints, cancellation, the metadata read
 and format probing, the read phases (probes and small records, then tensor data) and the
 checks (file sizes before any destination is touched, checksums, files changed under
 the load). Every face calls it: ``load``/``aload``/``start_load`` through the driver
-(:mod:`asyncload._driver`), ``dcp.load`` through :class:`asyncload.PipelinedReader`, the CLI.
+(:mod:`asyncload.engine.driver`), ``dcp.load`` through :class:`asyncload.PipelinedReader`, the CLI.
 
 Threads: coroutines run on one event loop (the library's loop thread for the sync faces,
 the caller's loop for ``aload``); :meth:`LoadSession.prepare_reads` and
@@ -41,11 +41,8 @@ from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from . import _cuda, _transforms, formats
-from ._assembly import copy_bytes
-from ._chunks import Chunk, Piece, TensorLocation
-from ._crc import CrcTracker, gaps
-from ._errors import (
+from asyncload import formats
+from asyncload._errors import (
     CheckpointChangedError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -53,15 +50,18 @@ from ._errors import (
     docs_ref,
     redact_url,
 )
-from ._loop import loop_thread, refuse_on_library_loop, run_sync
-from ._options import ChunkPolicy, LoadOptions
-from ._paths import check_relative_path
-from ._pipeline import Pipeline
-from ._plan import break_even_gap, make_chunks, plan_tensor
-from ._retry import RetryingStorage
-from ._stats import LoadStats, StatsRecorder
-from ._storage import is_local, local_root, open_storage
-from .formats.torchsave import (
+from asyncload._loop import loop_thread, refuse_on_library_loop, run_sync
+from asyncload._options import ChunkPolicy, LoadOptions
+from asyncload._paths import check_relative_path
+from asyncload._stats import LoadStats, StatsRecorder
+from asyncload.engine import cuda as _cuda
+from asyncload.engine import transforms as _transforms
+from asyncload.engine.assembly import copy_bytes
+from asyncload.engine.chunks import Chunk, Piece, TensorLocation
+from asyncload.engine.crc import CrcTracker, gaps
+from asyncload.engine.pipeline import Pipeline
+from asyncload.engine.plan import break_even_gap, make_chunks, plan_tensor
+from asyncload.formats.torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
     ByteWindow,
@@ -70,6 +70,8 @@ from .formats.torchsave import (
     parse_archive,
     tensor_location,
 )
+from asyncload.storage.base import is_local, local_root, open_storage
+from asyncload.storage.retrying import RetryingStorage
 
 __all__ = ["LoadSession", "decode_object"]
 
@@ -165,7 +167,7 @@ class LoadSession:
         self.metadata_error: BaseException | None = None
         #: A local checkpoint directory that does not exist (no rank-local fallback to try).
         self.checkpoint_missing = False
-        #: Multi-rank loads: the process group and its monitor (:mod:`asyncload._driver`).
+        #: Multi-rank loads: the process group and its monitor (:mod:`asyncload.engine.driver`).
         self.group: Any = None
         self.monitor: Any = None
         self._recorder = StatsRecorder()
@@ -506,7 +508,7 @@ class LoadSession:
         ``torch.load(weights_only=False)``) gets the raw record only after the allow-list has
         decoded it. Objects of a torch.save file are part of its one pickle, decoded when its
         layout was read: ``load_bytes`` gets them saved again with ``torch.save``."""
-        from ._dcp import PipelinedLoadPlanner
+        from asyncload._dcp import PipelinedLoadPlanner
 
         ours = isinstance(planner, PipelinedLoadPlanner)
         raw_bytes = ours and type(planner).load_bytes is not PipelinedLoadPlanner.load_bytes
@@ -543,7 +545,7 @@ class LoadSession:
         md = self.metadata
         if md is None:  # pragma: no cover - prepare_reads sets it
             raise CheckpointFormatError(f"{self.checkpoint}: no metadata to plan reads from")
-        from ._dcp import PipelinedLoadPlanner
+        from asyncload._dcp import PipelinedLoadPlanner
 
         storage_data = md.storage_data
         records: dict[tuple[str, int, int], _Record] = {}
@@ -1080,7 +1082,7 @@ class LoadSession:
         return deliver
 
     async def _aread_transformed(self, pipeline: Pipeline, records: list[_Record], options: LoadOptions) -> None:
-        """Records saved with stream transforms: fetched whole, decoded, assembled (:mod:`asyncload._transforms`)."""
+        """Records saved with stream transforms: fetched whole, decoded, assembled (:mod:`asyncload.engine.transforms`)."""
         if not records:
             return
         storage = pipeline.storage
@@ -1267,7 +1269,7 @@ REMOTE_BANDWIDTH = 64 << 20
 
 class _ReadBudget:
     """What a load may read beyond what its destinations need (``max_over_read_ratio``),
-    and what reading a gap is worth (:func:`asyncload._plan.break_even_gap`): records read
+    and what reading a gap is worth (:func:`asyncload.engine.plan.break_even_gap`): records read
     whole or probed, gaps read through or skipped. Unbounded (``None``, or ``verify=True``,
     which reads every byte of a storage anyway): the rules of ``min_chunk_size`` alone."""
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._errors import StateDictMismatchError
+from asyncload._errors import StateDictMismatchError
 
 __all__ = ["check_destinations"]
 
