@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from asyncload._latency import percentile
+
 __all__ = ["LoadStats"]
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile: the smallest value with at least ``q`` of the values at or below it."""
-    if not sorted_values:
-        return 0.0
-    n = len(sorted_values)
-    rank = math.ceil(q * n - 1e-9)
-    return sorted_values[min(n - 1, max(0, rank - 1))]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -208,8 +200,8 @@ class StatsRecorder:
             s.tied_keys = dict(self.stats.tied_keys)
             s.retries_by_cause = dict(self._causes)
             lat = sorted(self._latencies)
-        s.latency_p50 = _percentile(lat, 0.50)
-        s.latency_p90 = _percentile(lat, 0.90)
-        s.latency_p99 = _percentile(lat, 0.99)
+        s.latency_p50 = percentile(lat, 0.50, min_samples=1) or 0.0
+        s.latency_p90 = percentile(lat, 0.90, min_samples=1) or 0.0
+        s.latency_p99 = percentile(lat, 0.99, min_samples=1) or 0.0
         s.latency_max = lat[-1] if lat else 0.0
         return s

@@ -15,16 +15,10 @@ from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_cl
 
 import asyncload
 from asyncload import LoadOptions
+from asyncload._latency import HEDGE_COLD_FACTOR, HEDGE_DERIVED_FLOOR, LoadClock, hedge_delay
 from asyncload._stats import StatsRecorder
 from asyncload.storage.base import first_byte
-from asyncload.storage.retrying import (
-    HEDGE_COLD_FACTOR,
-    HEDGE_DERIVED_FLOOR,
-    LoadClock,
-    call_with_retry,
-    clock_of,
-    hedge_delay,
-)
+from asyncload.storage.retrying import call_with_retry, clock_of
 from asyncload.testing import stall
 
 MiB = 1 << 20
