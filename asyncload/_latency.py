@@ -105,8 +105,6 @@ class LoadClock:
         return sum(1 for s in self.first_byte_starts if s > started)
 
 
-
-
 #: Explicit ``hedge_min_delay``: the delay before any comparable read has finished, in its units.
 HEDGE_COLD_FACTOR = 4.0
 #: Derived floor: no read is hedged sooner than this, seconds (a hiccup of the client's own
@@ -160,5 +158,3 @@ def hedge_delay(
     floor = explicit if explicit is not None else HEDGE_DERIVED_FLOOR
     first = max(floor, factor * ttfb)
     return first if body is None else min(body, first)
-
-
