@@ -31,8 +31,7 @@ from asyncload._stats import StatsRecorder
 from asyncload.engine.assembly import StagingPool, assemble, track
 from asyncload.engine.budget import ByteBudget, Limiter
 from asyncload.engine.chunks import Chunk
-from asyncload.storage.base import Storage
-from asyncload.storage.retrying import RetryingStorage, clock_of
+from asyncload.storage import RetryingStorage, Storage, clock_of
 
 __all__ = ["Pipeline"]
 

@@ -70,8 +70,7 @@ from asyncload.formats.torchsave import (
     parse_archive,
     tensor_location,
 )
-from asyncload.storage.base import is_local, local_root, open_storage
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage, is_local, local_root, open_storage
 
 __all__ = ["LoadSession", "decode_object"]
 

@@ -16,7 +16,7 @@ import asyncload
 from asyncload import LoadOptions
 from asyncload._latency import hedge_delay
 from asyncload._stats import StatsRecorder
-from asyncload.storage.retrying import clock_of
+from asyncload.storage import clock_of
 from asyncload.testing import stall, status
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]
