@@ -38,13 +38,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import reprlib
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload._paths import short_repr
 
 __all__ = ["PicklePolicy", "PickleVM", "check_structure", "collector_paused", "short_repr"]
 
@@ -68,34 +68,6 @@ _PAUSE_GC_FROM = 1 << 20
 _NO_FIELDS: frozenset[str] = frozenset()
 #: Stands for "no such type" where the policy declares none (never the type of a value).
 _NO_TYPE: Any = object()
-
-
-# --- messages -----------------------------------------------------------------------
-
-
-class _ShortRepr(reprlib.Repr):
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel = 3
-        self.maxstring = 80
-        self.maxother = 60
-        self.maxlong = 40
-
-    def repr_instance(self, x: Any, level: int) -> str:  # never call a hostile object's __repr__
-        return f"<{type(x).__name__}>"
-
-
-_short = _ShortRepr()
-
-
-def short_repr(obj: Any) -> str:
-    """A bounded ``repr`` of a value from a checkpoint, safe on hostile objects
-    (deep, huge, self-referencing or sharing-heavy): at most a few hundred characters."""
-    try:
-        text = _short.repr(obj)
-    except Exception:
-        text = f"<{type(obj).__name__}>"
-    return text[:300]
 
 
 # --- the policy ---------------------------------------------------------------------
