@@ -9,7 +9,8 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from asyncload._errors import CheckpointFormatError
-from asyncload.decoding.allowlist import check_metadata, safe_loads, short_repr
+from asyncload._paths import short_repr
+from asyncload.decoding.allowlist import check_metadata, safe_loads
 from asyncload.formats.safetensors import mark_dcp_safetensors
 
 __all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata"]

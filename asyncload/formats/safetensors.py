@@ -38,8 +38,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
 from asyncload._paths import check_relative_path
-from asyncload.engine.chunks import TensorLocation
-from asyncload.formats.base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
+from asyncload.formats.base import (
+    Fetcher,
+    FormatEntry,
+    FormatMetadata,
+    KnownTensor,
+    TensorLocation,
+    check_weight_map,
+)
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",
