@@ -22,9 +22,8 @@ from asyncload._options import LoadOptions
 from asyncload._read import aread_state_dict, read_state_dict
 from asyncload._stats import LoadStats
 from asyncload._stream import aiter_tensors, iter_tensors
+from asyncload._version import __version__
 from asyncload.distributed.sharded import BackgroundSends, ShardedLoadPlanner, wait_for_background_sends
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncLoadError",
