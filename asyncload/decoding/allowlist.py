@@ -26,14 +26,19 @@ arrays, dtypes and scalars of plain dtypes (checked field by field, never dtype 
 the globals the user trusts (``LoadOptions.safe_globals``: :class:`UserGlobals`, with
 torch's ``weights_only`` semantics); a ``.metadata`` gets neither.
 
-Besides: the allow-lists themselves (:func:`metadata_globals`, :func:`record_globals`,
-extended through :func:`record_extensions`, :func:`allow_call`, :func:`allow_build`),
-torch.save's tensor records as :class:`TensorRef`/:class:`StorageRef` (nothing is read),
-and :func:`check_metadata`, the field-by-field shape check of a decoded ``.metadata``.
+The folder, by job (every name is also importable from here): the allow-lists and the
+checked constructors (:mod:`~asyncload.decoding.tables`: :func:`metadata_globals`,
+:class:`TensorRef`/:class:`StorageRef`, :func:`allow_call`, :func:`allow_build`), numpy
+data (:mod:`~asyncload.decoding.numpy_data`), the walk of a decoded value
+(:mod:`~asyncload.decoding.structure`), the shape of a ``.metadata``
+(:mod:`~asyncload.decoding.dcp_checks`: :func:`check_metadata`), the work budget
+(:mod:`~asyncload.decoding.work`); here :func:`record_globals` (extended through
+:func:`record_extensions`), the user's globals and :func:`safe_loads`.
 
 Errors: a name, call or resource use outside the policy is
 :class:`UnsafeCheckpointError`; a damaged or truncated pickle is
-:class:`CheckpointFormatError`. Nothing else escapes :func:`safe_loads`.
+:class:`CheckpointFormatError`, and so is a decode past the caller's work budget
+(``safe_loads(work=WorkBudget(limit=...))``). Nothing else escapes :func:`safe_loads`.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from asyncload.decoding.tables import (
     storage_persistent_load,
 )
 from asyncload.decoding.vm import PickleVM, short_repr
+from asyncload.decoding.work import WorkBudget
 
 __all__ = [
     "MAX_DEPTH",
@@ -373,6 +379,7 @@ def safe_loads(
     check_structure: bool = True,
     expect: type | None = None,
     safe_globals: tuple[Any, ...] | None = None,
+    work: WorkBudget | None = None,
 ) -> Any:
     """Unpickle ``data`` allowing only the globals in ``allowed`` (default: DCP metadata types).
 
@@ -388,6 +395,8 @@ def safe_loads(
     decoded object's shape themselves (``.metadata``: :func:`check_metadata`).
     ``expect``: the type the pickle must hold; anything else is a CheckpointFormatError
     (after the depth walk, so that a hostile structure is still reported as unsafe).
+    ``work``: charged with the decode's units (:class:`~asyncload.decoding.work.WorkBudget`);
+    its limit, when it has one, ends the decode with a CheckpointFormatError.
     """
     if max_size is not None and len(data) > max_size:
         raise CheckpointFormatError(
@@ -398,10 +407,10 @@ def safe_loads(
         persistent_load,
         None if safe_globals is None else user_globals(safe_globals),
     )
-    vm = PickleVM(bytes(data), policy, what)
+    vm = PickleVM(bytes(data), policy, what, work)
     obj = vm.run()
     if check_structure or (expect is not None and not isinstance(obj, expect)):
-        _check_structure(obj, what, max_depth, vm.work_limit)
+        _check_structure(obj, what, max_depth, vm.work_limit, work)
     if expect is not None and not isinstance(obj, expect):
         raise CheckpointFormatError(f"{what} does not hold {expect.__name__} (found {type(obj).__name__})")
     return obj

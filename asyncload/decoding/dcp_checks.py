@@ -23,6 +23,7 @@ from asyncload._paths import check_relative_path
 from asyncload.decoding.structure import _check_structure
 from asyncload.decoding.tables import _is_int
 from asyncload.decoding.vm import short_repr
+from asyncload.decoding.work import WorkBudget
 
 # --- the shape of a DCP .metadata ---------------------------------------------------
 
@@ -35,15 +36,18 @@ def _check_size(v: Any, where: str, ndim: int | None = None) -> tuple[int, ...]:
     return v
 
 
-def _check_coverage(chunks: list[Any], size: tuple[int, ...], where: str) -> None:
+def _check_coverage(chunks: list[Any], size: tuple[int, ...], where: str, work: WorkBudget | None = None) -> None:
     """A saved tensor's chunks are disjoint and cover every element of its ``size``.
 
     A load plans its reads from the chunks: a gap would leave destination elements
     unwritten (old values reported as loaded), an overlap would write some twice from
     different bytes. Cost: a volume sum, then a sweep over the chunks sorted by their
     offsets, comparing each with the chunks that can still reach it in the swept
-    dimension (DCP's chunks are a grid: each meets a few neighbours).
+    dimension (DCP's chunks are a grid: each meets a few neighbours). Each chunk charges
+    ``work`` a unit plus one per chunk it is compared with.
     """
+    if work is None:
+        work = WorkBudget()
     total = math.prod(size)
     if total == 0:
         return  # an empty tensor: DCP writes one chunk of the same empty size
@@ -71,6 +75,7 @@ def _check_coverage(chunks: list[Any], size: tuple[int, ...], where: str) -> Non
     for box in boxes:
         offs, lens, i = box
         # chunks that end before this one starts in dimension d can meet no later chunk
+        work.charge(1 + len(active), where)
         active = [b for b in active if b[0][d] + b[1][d] > offs[d]]
         for o2, l2, j in active:
             if all(a < b + m and b < a + n for a, n, b, m in zip(offs, lens, o2, l2)):
@@ -218,13 +223,17 @@ def _storage_fine(sd: dict[Any, Any], index_type: type, info_type: type) -> bool
     return True
 
 
-def check_metadata(md: Any, what: str) -> None:
+def check_metadata(md: Any, what: str, work: WorkBudget | None = None) -> None:
     """Check that a decoded ``.metadata`` has the shape DCP writes, field by field.
 
     Raises CheckpointFormatError naming the first field that does not: keys that are
     not strings, chunks that do not fit their tensor, storage entries with a negative
     offset or a path outside the checkpoint, and so on. After this, every value the
     planner and reader use has the type they expect.
+
+    ``work`` is charged a unit per key, storage entry and path step, per dimension of each
+    chunk, per chunk pair compared and per node of the structure walks; a budget with a
+    limit ends the check with a CheckpointFormatError naming it.
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -242,7 +251,10 @@ def check_metadata(md: Any, what: str) -> None:
     sdm = getattr(md, "state_dict_metadata", None)
     if not isinstance(sdm, dict):
         raise CheckpointFormatError(f"{what}: state_dict_metadata is a {type(sdm).__name__}, not a dict")
+    if work is None:
+        work = WorkBudget()
     for fqn, smd in sdm.items():
+        work.charge(1, what)
         if type(fqn) is not str:
             raise CheckpointFormatError(f"{what}: key {short_repr(fqn)} is not a string")
         where = f"{what}: key {fqn!r:.200}"
@@ -254,6 +266,7 @@ def check_metadata(md: Any, what: str) -> None:
             chunks = getattr(smd, "chunks", None)
             if not isinstance(chunks, list):
                 raise CheckpointFormatError(f"{where}: chunks is a {type(chunks).__name__}, not a list")
+            work.charge(len(chunks) * max(1, len(size)), where)
             if _chunks_fine(chunks, size, ChunkStorageMetadata):
                 continue
             for i, ch in enumerate(chunks):
@@ -266,12 +279,13 @@ def check_metadata(md: Any, what: str) -> None:
                         f"{where}: chunk {i} at {list(offs)} of size {list(lens)} "
                         f"lies outside the tensor of size {list(size)}"
                     )
-            _check_coverage(chunks, size, where)
+            _check_coverage(chunks, size, where, work)
         elif not isinstance(smd, BytesStorageMetadata):
             raise CheckpointFormatError(f"{where} is described by a {type(smd).__name__}")
     sd = getattr(md, "storage_data", None)
     if not isinstance(sd, dict):
         raise CheckpointFormatError(f"{what}: storage_data is a {type(sd).__name__}, not a dict")
+    work.charge(len(sd), what)
     for idx, info in () if _storage_fine(sd, MetadataIndex, _StorageInfo) else sd.items():
         if not isinstance(idx, MetadataIndex) or type(getattr(idx, "fqn", None)) is not str:
             raise CheckpointFormatError(f"{what}: storage_data key {short_repr(idx)} is not a MetadataIndex")
@@ -296,12 +310,12 @@ def check_metadata(md: Any, what: str) -> None:
     if meta is not None and not isinstance(meta, StorageMeta):
         raise CheckpointFormatError(f"{what}: storage_meta is a {type(meta).__name__}")
     planner_data = getattr(md, "planner_data", None)
-    _check_structure(planner_data, f"{what} (planner_data)", 64, 1 << 24)
-    _check_structure(meta, f"{what} (storage_meta)", 16, 1 << 20)
-    check_planner_paths(sdm, planner_data, what)
+    _check_structure(planner_data, f"{what} (planner_data)", 64, 1 << 24, work)
+    _check_structure(meta, f"{what} (storage_meta)", 16, 1 << 20, work)
+    check_planner_paths(sdm, planner_data, what, work)
 
 
-def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str) -> None:
+def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str, work: WorkBudget | None = None) -> None:
     """Check that the paths ``planner_data`` gives the keys of ``sdm`` nest them into one tree
     without a clash, before anything is allocated or nested. A key's path is its entry (a
     non-empty tuple or list), else ``(fqn,)``, as :func:`asyncload._read.nest` takes it.
@@ -312,7 +326,7 @@ def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str) ->
     key's value (a tensor, an object). Raises :class:`CheckpointFormatError` naming the key,
     its path and the rule, so that a forged ``.metadata`` can neither write into a tensor's
     elements, nor grow a list without bound, nor end in a raw ``IndexError``/``TypeError``.
-    Time and memory: linear in the paths' total length.
+    Time and memory: linear in the paths' total length (charged to ``work``, a unit a step).
     """
     mapping = planner_data if isinstance(planner_data, dict) else {}
     n = len(sdm)
@@ -324,6 +338,8 @@ def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str) ->
             path = (fqn,)
         node: Any = root
         last = len(path) - 1
+        if work is not None:
+            work.charge(1 + last, what)
         for i, step in enumerate(path):
             kind = type(step)
             if kind is int:

@@ -16,6 +16,7 @@ import torch
 
 from asyncload.decoding.tables import _NEWOBJ_CLASSES, StorageRef, TensorRef
 from asyncload.decoding.vm import check_structure as _walk_structure
+from asyncload.decoding.work import WorkBudget
 
 _LEAF_TYPES = (
     str,
@@ -57,11 +58,15 @@ def _children(o: Any) -> list[Any] | None:
     return None
 
 
-def _check_structure(obj: Any, what: str, max_depth: int, budget: int) -> None:
-    """:func:`~asyncload.decoding.vm.check_structure` over checkpoint values (see :func:`_children`)."""
+def _check_structure(obj: Any, what: str, max_depth: int, budget: int, work: WorkBudget | None = None) -> None:
+    """:func:`~asyncload.decoding.vm.check_structure` over checkpoint values (see :func:`_children`);
+    the nodes walked are charged to ``work``."""
     if _flat_within(obj, max_depth, budget):
-        return
-    _walk_structure(obj, what, max_depth, budget, _children)
+        units = 1 + len(obj) + sum(map(len, obj.values()))
+    else:
+        units = _walk_structure(obj, what, max_depth, budget, _children)
+    if work is not None:
+        work.charge(units, what)
 
 
 def _flat_within(obj: Any, max_depth: int, budget: int) -> bool:

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
 from asyncload._paths import short_repr
+from asyncload.decoding.work import WorkBudget
 
 __all__ = ["PicklePolicy", "PickleVM", "check_structure", "collector_paused", "short_repr"]
 
@@ -185,7 +186,7 @@ _F8 = struct.Struct(">d").unpack_from
 class PickleVM:
     """Decodes one pickle (``data``) under ``policy``; ``what`` names it in messages."""
 
-    def __init__(self, data: bytes, policy: PicklePolicy, what: str) -> None:
+    def __init__(self, data: bytes, policy: PicklePolicy, what: str, work: WorkBudget | None = None) -> None:
         self._data = data
         self._policy = policy
         self.what = what
@@ -193,6 +194,18 @@ class PickleVM:
         self._work = 0
         #: Units of work the whole decode may take (see :meth:`charge`).
         self.work_limit = _WORK_FLOOR + _WORK_PER_BYTE * len(data)
+        #: The caller's budget: charged a unit per byte now (every opcode is at least one
+        #: byte) and the units of :meth:`charge` when the decode ends; when it has less room
+        #: than :attr:`work_limit`, its limit is the one that stops the decode.
+        self._budget = work
+        self._budget_binds = False
+        self._limit = self.work_limit
+        if work is not None:
+            work.charge(len(data), what)
+            room = work.room()
+            if room is not None and room < self.work_limit:
+                self._limit = room
+                self._budget_binds = True
         #: ids of objects created here that may be BUILT (see :meth:`mark_fresh`), kept alive
         self._fresh: dict[int, Any] = {}
         #: ids of container keys already checked -> (key, cost); keeps the keys alive
@@ -214,12 +227,21 @@ class PickleVM:
     def charge(self, units: int) -> None:
         """Spend ``units`` of the work budget; raises once it is exhausted."""
         self._work += units
-        if self._work > self.work_limit:
+        if self._work > self._limit:
+            if self._budget is not None and self._budget_binds:
+                budget, self._budget = self._budget, None
+                budget.spent += self._work
+                raise budget.exceeded(self.what)
             raise self.unsafe(
                 f"decoding it needs more than {self.work_limit} units of work for "
                 f"{self._size} bytes of pickle (shared references expanded, or large keys "
                 "hashed again and again)"
             )
+
+    @property
+    def work_done(self) -> int:
+        """Units of :meth:`charge` spent so far (the bytes read not included)."""
+        return self._work
 
     def mark_fresh(self, obj: Any) -> None:
         """Record that this pickle created ``obj`` (only such objects may be modified)."""
@@ -337,7 +359,7 @@ class PickleVM:
                 check(target, k)
             target[k] = items[i + 1]
         self._work += cheap
-        if self._work > self.work_limit:
+        if self._work > self._limit:
             self.charge(0)
 
     def _line(self, pos: int) -> tuple[bytes, int]:
@@ -407,6 +429,9 @@ class PickleVM:
             self._fresh.clear()
             self._key_ok.clear()
             self._hash_counts.clear()
+            if self._budget is not None:
+                self._budget.spent += self._work
+                self._budget = None
 
     def load(self) -> Any:
         """Decode the pickle (:meth:`run` without its translation of stray exceptions)."""
@@ -736,7 +761,7 @@ class PickleVM:
                     append(policy.newobj(self, cls, args, kwargs))
                 elif op == 0x8F:  # EMPTY_SET: 216 bytes of memory for one byte of pickle
                     self._work += 28
-                    if self._work > self.work_limit:
+                    if self._work > self._limit:
                         self.charge(0)
                     append(set())
                 elif op == 0x90:  # ADDITEMS
@@ -790,7 +815,7 @@ class PickleVM:
 
 def check_structure(
     obj: Any, what: str, max_depth: int, budget: int, children: Callable[[Any], list[Any] | None]
-) -> None:
+) -> int:
     """Raise UnsafeCheckpointError if ``obj`` is nested deeper than ``max_depth``, holds
     more than ``budget`` containers, or expands to more than ``budget`` nodes when shared
     references are followed (a "billion laughs" DAG: tiny in memory, but any recursive
@@ -798,8 +823,10 @@ def check_structure(
 
     ``children(o)`` lists what ``o`` holds, or ``None`` for a leaf. Iterative post-order
     walk; shared objects are visited once; a reference back to an object still being
-    walked (a cycle) counts as a leaf.
+    walked (a cycle) counts as a leaf. Returns the work done: containers walked plus the
+    references followed from them.
     """
+    edges = 0
     height: dict[int, int] = {}
     size: dict[int, int] = {}
     keep: list[Any] = []  # keeps walked objects alive while their ids are keys
@@ -818,6 +845,7 @@ def check_structure(
                 raise deep
             height[oid], size[oid] = 0, 1  # in progress
             keep.append(o)
+            edges += len(kids)
             if len(keep) > budget:
                 raise UnsafeCheckpointError(f"{what} holds more than {budget} containers; nothing from it was executed")
             stack.append((o, 0))
@@ -838,3 +866,4 @@ def check_structure(
                 f"{what} expands to more than {budget} objects through shared references; nothing from it was executed"
             )
         height[oid], size[oid] = h, n
+    return len(keep) + edges

@@ -21,6 +21,7 @@ import torch
 
 from asyncload._errors import CheckpointFormatError
 from asyncload.decoding.allowlist import TensorRef, record_globals, safe_loads, storage_persistent_load
+from asyncload.decoding.work import WorkBudget
 from asyncload.formats.base import (
     TensorLocation,
 )
@@ -129,17 +130,24 @@ def parse_archive(
     max_pickle: int = 1 << 30,
     safe_globals: tuple[Any, ...] = (),
     decode: Callable[[memoryview, str], Any] | None = None,
+    work: WorkBudget | None = None,
 ) -> ArchiveLayout:
     """Parse the archive at file bytes ``[start, start + size)``; raises NeedBytes for missing
     bytes inside the archive, CheckpointFormatError for anything that points outside it or
     does not hold together (never an exception from ``struct`` or ``zipfile``).
     ``safe_globals``: the globals the user trusts in its pickle (``LoadOptions.safe_globals``).
     ``decode(data.pkl, where)``: another allow-list decoder (torch-checkpointing's DTensors).
+    ``work``: charged a unit per directory entry and tensor reference, and the decode's own
+    units (a custom ``decode``: a unit per byte of its pickle).
     """
+    if work is None:
+        work = WorkBudget()
     if decode is None:
-        decode = functools.partial(_record_object, safe_globals=safe_globals)
+        decode = functools.partial(_record_object, safe_globals=safe_globals, work=work)
+    else:
+        decode = functools.partial(_counted, decode, work)
     try:
-        return _parse_archive(win, start, size, where, max_pickle, decode)
+        return _parse_archive(win, start, size, where, max_pickle, decode, work)
     except NeedBytes as need:
         if need.start < start or need.end > start + size or need.end < need.start:
             raise CheckpointFormatError(
@@ -149,8 +157,19 @@ def parse_archive(
         raise
 
 
+def _counted(decode: Callable[[memoryview, str], Any], work: WorkBudget, data: memoryview, where: str) -> Any:
+    work.charge(len(data), where)  # another decoder: a unit per byte of its pickle
+    return decode(data, where)
+
+
 def _parse_archive(
-    win: ByteWindow, start: int, size: int, where: str, max_pickle: int, decode: Callable[[memoryview, str], Any]
+    win: ByteWindow,
+    start: int,
+    size: int,
+    where: str,
+    max_pickle: int,
+    decode: Callable[[memoryview, str], Any],
+    work: WorkBudget,
 ) -> ArchiveLayout:
     if size < 22:
         raise CheckpointFormatError(f"{where}: {size} bytes is too small to be a torch.save archive")
@@ -159,6 +178,7 @@ def _parse_archive(
     cd_off, cd_size, n = locate_central_directory(tail, size, where)
     cd = win.get(start + cd_off, start + cd_off + cd_size)
     entries = parse_central_directory(cd, n, size, where).entries
+    work.charge(1 + len(entries), where)  # the entries parsed (a count claimed is not trusted)
     pkl_names = [k for k in entries if k.endswith("/data.pkl") or k == "data.pkl"]
     if len(pkl_names) != 1:
         raise CheckpointFormatError(f"{where}: not a torch.save archive (found {len(pkl_names)} data.pkl entries)")
@@ -180,6 +200,7 @@ def _parse_archive(
     obj = decode(win.get(start + ds, start + ds + pkl.size), where)
     refs: list[TensorRef] = []
     _walk_refs(obj, refs)
+    work.charge(len(refs), where)
     storages: dict[str, StorageLoc] = {}
     for ref in refs:
         key = ref.storage.key
@@ -211,13 +232,17 @@ _TENSOR_PICKLES_MAX = 4096
 _TENSOR_PICKLE_MAX_BYTES = 4096
 
 
-def _record_object(pickle_bytes: memoryview, where: str, safe_globals: tuple[Any, ...] = ()) -> Any:
+def _record_object(
+    pickle_bytes: memoryview, where: str, safe_globals: tuple[Any, ...] = (), work: WorkBudget | None = None
+) -> Any:
     """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode under the
-    same ``safe_globals``)."""
+    same ``safe_globals``: a unit of ``work`` per byte, the bytes compared)."""
     key = (bytes(pickle_bytes), safe_globals) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES else None
     if key is not None:
         hit = _TENSOR_PICKLES.get(key)
         if hit is not None:
+            if work is not None:
+                work.charge(len(pickle_bytes), where)
             return hit
     obj = safe_loads(
         pickle_bytes,
@@ -225,6 +250,7 @@ def _record_object(pickle_bytes: memoryview, where: str, safe_globals: tuple[Any
         allowed=record_globals(),
         persistent_load=storage_persistent_load,
         safe_globals=safe_globals,
+        work=work,
     )
     if key is not None and type(obj) is TensorRef:
         if len(_TENSOR_PICKLES) >= _TENSOR_PICKLES_MAX:
@@ -253,6 +279,7 @@ async def aparse_archive(
     *,
     max_pickle: int = 1 << 30,
     safe_globals: tuple[Any, ...] = (),
+    work: WorkBudget | None = None,
 ) -> ArchiveLayout:
     """:func:`parse_archive`, fetching missing bytes with ``fetch(start, end)``: at most 16
     rounds and ``max_pickle`` + 1 MiB in all (a damaged directory cannot make it read a
@@ -261,7 +288,7 @@ async def aparse_archive(
     limit = max_pickle + (1 << 20)
     for _ in range(16):
         try:
-            return parse_archive(win, start, size, where, max_pickle=max_pickle, safe_globals=safe_globals)
+            return parse_archive(win, start, size, where, max_pickle=max_pickle, safe_globals=safe_globals, work=work)
         except NeedBytes as need:
             lo = max(start, need.start)
             hi = min(start + size, max(need.end, need.start + HEAD_PROBE))
