@@ -23,6 +23,10 @@ damaged or unsafe, 4 the checkpoint (or one of its files) does not exist, 130 in
 files' sizes before any tensor is allocated, and ``verify`` allocates batch by batch
 (within ``--budget``); ``convert`` streams through it too. ``--compare-torch`` uses torch's
 own readers.
+
+Here: the parser and :func:`main`; beside it the command line's vocabulary (``_args``:
+exit statuses, sizes, storage options), what the commands share (``_output``), the torch
+comparison (``_torch``) and the commands themselves (``_commands``).
 """
 
 from __future__ import annotations
