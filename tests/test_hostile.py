@@ -387,3 +387,26 @@ def test_a_real_record_pickle_still_decodes(pristine: Path) -> None:
     md = read_metadata(pristine)
     assert set(md.state_dict_metadata) == {"w", "b", "step", "cfg.lr", "cfg.name"}
     _ = os.environ
+
+
+def test_a_work_budget_counts_a_decode_and_its_limit_refuses_it() -> None:
+    """``safe_loads(work=...)``: the units are counted (a unit a byte, plus the VM's own: keys
+    checked, objects built); a limit below them ends the decode with a CheckpointFormatError
+    naming it, while the VM's own limit (proportional to the pickle) stays an
+    UnsafeCheckpointError."""
+    import pickle
+
+    obj = {f"k{i}": (i, [i, str(i)]) for i in range(2000)}
+    data = pickle.dumps(obj, protocol=4)
+    counted = WorkBudget()
+    assert safe_loads(data, what="dict.pkl", allowed=record_globals(), work=counted) == obj
+    assert len(data) < counted.spent <= work_bound(len(data))
+    for limit in (len(data) // 2, len(data) + 10):  # refused before the first opcode, then midway
+        budget = WorkBudget(limit=limit)
+        with pytest.raises(CheckpointFormatError, match=rf"^dict.pkl needs more than the {limit} units of decoding"):
+            safe_loads(data, what="dict.pkl", allowed=record_globals(), work=budget)
+        assert budget.spent > limit
+    # a budget with room to spare changes nothing: same value, same units
+    roomy = WorkBudget(limit=counted.spent)
+    assert safe_loads(data, what="dict.pkl", allowed=record_globals(), work=roomy) == obj
+    assert roomy.spent == counted.spent
