@@ -60,10 +60,6 @@ from asyncload.decoding.structure import _flat_within as _flat_within  # and che
 from asyncload.decoding.tables import (
     _BUILD_RULES,
     _CALLABLE_CHECKS,
-    _DATACLASS_FIELDS,
-    _MEM_ENUM,
-    _NEWOBJ_CLASSES,
-    _TENSOR_PROPS,
     StorageRef,
     TensorRef,
     _rebuild_parameter,
@@ -72,6 +68,7 @@ from asyncload.decoding.tables import (
     _storage_types,
     allow_build,
     allow_call,
+    dcp_types,
     metadata_globals,
     storage_persistent_load,
 )
@@ -191,8 +188,6 @@ class _CheckpointPolicy:
     the BUILD rules of :data:`_BUILD_RULES`, the persistent ids ``persistent_load`` knows,
     and the globals the user trusts (``user``: ``LoadOptions.safe_globals``, where given)."""
 
-    record_fields: Mapping[type, frozenset[str]] = _DATACLASS_FIELDS
-    record_classes: frozenset[type] = _NEWOBJ_CLASSES
     shape_type: type | None = torch.Size
     atomic_key_types: tuple[type, ...] = (torch.dtype, torch.layout, torch.memory_format, torch.device, enum.Enum)
 
@@ -202,6 +197,10 @@ class _CheckpointPolicy:
         persistent_load: Callable[[Any], Any] | None,
         user: UserGlobals | None = None,
     ) -> None:
+        self._dcp = dcp = dcp_types()
+        #: See :class:`~asyncload.decoding.vm.PicklePolicy`: the DCP dataclasses and their fields.
+        self.record_fields: Mapping[type, frozenset[str]] = dcp.fields
+        self.record_classes: frozenset[type] = dcp.classes
         self._allowed = allowed
         self._persistent = persistent_load
         #: None: a strict decode (``.metadata``), where safe_globals do not apply.
@@ -287,7 +286,7 @@ class _CheckpointPolicy:
             made: Any = cls.__new__(cls, *args, **(kwargs or {}))  # the user trusts it (safe_globals)
             vm.mark_fresh(made)
             return made
-        if not isinstance(cls, type) or cls not in _NEWOBJ_CLASSES:
+        if not isinstance(cls, type) or cls not in self.record_classes:
             name = cls.__qualname__ if isinstance(cls, type) else type(cls).__name__
             raise vm.unsafe(f"asks to create a {short_repr(name)} object, which is not a checkpoint data class")
         if args or kwargs:
@@ -331,15 +330,16 @@ class _CheckpointPolicy:
             if isinstance(inst, rule_cls):
                 rule(vm, inst, state)
                 return
-        if cls is _TENSOR_PROPS:
+        dcp = self._dcp
+        if cls is dcp.tensor_props:
             ok = (
                 type(state) is tuple
                 and len(state) == 5
                 and isinstance(state[0], torch.dtype)
                 and isinstance(state[1], torch.layout)
                 and type(state[2]) is bool
-                and _MEM_ENUM is not None
-                and isinstance(state[3], _MEM_ENUM)
+                and dcp.mem_enum is not None
+                and isinstance(state[3], dcp.mem_enum)
                 and type(state[4]) is bool
             )
             if not ok:
@@ -357,7 +357,7 @@ class _CheckpointPolicy:
                 raise vm.bad(f"OrderedDict with malformed attributes {short_repr(list(state))}")
             inst.__dict__.update(state)
             return
-        fields = _DATACLASS_FIELDS[cls]
+        fields = dcp.fields[cls]
         for k in state:
             if type(k) is not str or k not in fields:
                 raise vm.bad(f"{cls.__name__} has no field {short_repr(k)}")

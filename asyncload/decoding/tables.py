@@ -412,19 +412,35 @@ for _obj, _check in (
 _allow_call(collections.OrderedDict, _args_mapping_ctor, fresh_result=True)  # state_dict()._metadata (BUILD)
 
 
-def _dcp_enum_and_classes() -> tuple[tuple[type, ...], type | None, type | None]:
-    classes = _dcp_classes()
-    enum_cls = classes.get(("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"))
-    props = classes.get(("torch.distributed.checkpoint.metadata", "TensorProperties"))
-    data_classes = tuple(c for c in classes.values() if isinstance(c, type) and dataclasses.is_dataclass(c))
-    return data_classes, enum_cls, props
+@dataclass(frozen=True)
+class DcpTypes:
+    """DCP's metadata types as the policy uses them (:func:`dcp_types`)."""
+
+    #: Classes NEWOBJ may create (empty, then filled by BUILD): the DCP dataclasses.
+    classes: frozenset[type]
+    #: Their fields, the only ones BUILD may set.
+    fields: dict[type, frozenset[str]]
+    #: ``_MEM_FORMAT_ENCODING`` (an enum a TensorProperties state holds), if torch has it.
+    mem_enum: type | None
+    #: ``TensorProperties`` (BUILD gets a checked 5-tuple), if torch has it.
+    tensor_props: type | None
 
 
-_DCP_DATACLASSES, _MEM_ENUM, _TENSOR_PROPS = _dcp_enum_and_classes()
-if _MEM_ENUM is not None:
-    _allow_call(_MEM_ENUM, _args_enum)
-#: Classes NEWOBJ may create (empty, then filled by BUILD): the DCP dataclasses.
-_NEWOBJ_CLASSES: frozenset[type] = frozenset(_DCP_DATACLASSES)
-_DATACLASS_FIELDS: dict[type, frozenset[str]] = {
-    c: frozenset(f.name for f in dataclasses.fields(c)) for c in _DCP_DATACLASSES
-}
+_dcp_types: DcpTypes | None = None
+
+
+def dcp_types() -> DcpTypes:
+    """DCP's metadata types, looked up on first use (importing ``torch.distributed.checkpoint``
+    then, not when this module is imported); registers the enum's checked constructor."""
+    global _dcp_types
+    if _dcp_types is None:
+        classes = _dcp_classes()
+        enum_cls = classes.get(("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"))
+        props = classes.get(("torch.distributed.checkpoint.metadata", "TensorProperties"))
+        data = tuple(c for c in classes.values() if isinstance(c, type) and dataclasses.is_dataclass(c))
+        if enum_cls is not None:
+            _allow_call(enum_cls, _args_enum)
+        _dcp_types = DcpTypes(
+            frozenset(data), {c: frozenset(f.name for f in dataclasses.fields(c)) for c in data}, enum_cls, props
+        )
+    return _dcp_types
