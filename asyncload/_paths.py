@@ -60,6 +60,7 @@ def check_relative_path(name: Any, what: str) -> str:
     )
     if bad:
         raise CheckpointFormatError(
-            f"{what}: file name {short_repr(name)} is not a plain path inside the checkpoint; refusing to read it"
+            f"{what}: file name {short_repr(name)} is not a plain path inside the checkpoint; "
+            f"refusing to read it"
         )
     return name

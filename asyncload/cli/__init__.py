@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "url",
         metavar="URL",
-        help="checkpoint directory: a local path, file:// URL or fsspec URL (s3://bucket/prefix, gs://..., http://...)",
+        help="checkpoint directory: a local path, file:// URL or fsspec URL (s3://bucket/prefix, "
+        "gs://..., http://...)",
     )
     common.add_argument(
         "--storage-option",
@@ -100,40 +101,62 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="log the library's INFO lines (-vv: DEBUG, one line per read request) to stderr",
     )
-    common.add_argument("--debug", action="store_true", help="show tracebacks on errors (implies -vv)")
+    common.add_argument(
+        "--debug", action="store_true", help="show tracebacks on errors (implies -vv)"
+    )
 
     knobs = _Parser(add_help=False, argument_default=argparse.SUPPRESS)
     g = knobs.add_argument_group("load options (defaults: asyncload.LoadOptions)")
-    g.add_argument("--concurrency", "-c", type=_concurrency_arg, metavar="N|auto", help="reads in flight")
-    g.add_argument("--chunk-size", type=_size_arg, metavar="SIZE", help="largest single read, e.g. 16MiB")
+    g.add_argument(
+        "--concurrency", "-c", type=_concurrency_arg, metavar="N|auto", help="reads in flight"
+    )
+    g.add_argument(
+        "--chunk-size", type=_size_arg, metavar="SIZE", help="largest single read, e.g. 16MiB"
+    )
     g.add_argument(
         "--min-chunk-size",
         type=_size_arg,
         metavar="SIZE",
         help="neighbouring reads smaller than this are coalesced, e.g. 1MiB",
     )
-    g.add_argument("--timeout", type=_timeout_arg, metavar="S", help="seconds for one attempt at one read, or none")
+    g.add_argument(
+        "--timeout",
+        type=_timeout_arg,
+        metavar="S",
+        help="seconds for one attempt at one read, or none",
+    )
     g.add_argument(
         "--budget",
         type=_size_arg,
         metavar="SIZE",
         help="memory budget: most bytes read but not yet assembled, e.g. 512MiB",
     )
-    g.add_argument("--retries", type=_count_arg, metavar="N", help="extra attempts after a failed read")
+    g.add_argument(
+        "--retries", type=_count_arg, metavar="N", help="extra attempts after a failed read"
+    )
     g.add_argument(
         "--max-over-read-ratio",
         type=_ratio_arg,
         metavar="R|none",
-        help="most bytes read per byte needed by narrow reads, e.g. 1.15, or none (read through gaps)",
+        help="most bytes read per byte needed by narrow reads, e.g. 1.15, or none (read through "
+        "gaps)",
     )
     g.add_argument(
         "--transport",
         choices=("auto", "obstore", "fsspec"),
-        help="client for s3://, gs://, http(s):// (auto: obstore where the options map, else fsspec)",
+        help="client for s3://, gs://, http(s):// (auto: obstore where the options map, else "
+        "fsspec)",
     )
-    g.add_argument("--no-progress", action="store_true", default=False, help="no progress bar even on a terminal")
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        default=False,
+        help="no progress bar even on a terminal",
+    )
 
-    epilog = "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_CODES.items())
+    epilog = "exit status:\n" + "\n".join(
+        f"  {code:<4} {text}" for code, text in EXIT_CODES.items()
+    )
     parser = _Parser(
         prog="asyncload",
         description="Inspect, load and verify PyTorch distributed checkpoints "
@@ -166,7 +189,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-torch",
         action="store_true",
-        help="also load with torch's own reader (FileSystemReader, or FsspecReader for URLs) into a "
+        help="also load with torch's own reader (FileSystemReader, or FsspecReader for URLs) into "
+        "a "
         "second set of fresh tensors, check both results are identical and print the ratio "
         "(needs twice the checkpoint's size in memory)",
     )
@@ -192,20 +216,24 @@ def _parser() -> argparse.ArgumentParser:
         "model.safetensors.index.json. Tensors are streamed (memory stays within --budget); "
         "objects (non-tensor entries) are skipped with a note.",
     )
-    p.add_argument("dst", metavar="DST", help="the directory to write (must not exist, or be empty)")
+    p.add_argument(
+        "dst", metavar="DST", help="the directory to write (must not exist, or be empty)"
+    )
     p.add_argument(
         "--max-shard-size",
         type=_size_arg,
         default=5 * 1000**3,
         metavar="SIZE",
-        help="largest shard, e.g. 5GB (the default, as Hugging Face's) or 2GiB; a larger tensor gets a shard alone",
+        help="largest shard, e.g. 5GB (the default, as Hugging Face's) or 2GiB; a larger tensor "
+        "gets a shard alone",
     )
     p.add_argument(
         "--keys",
         action="extend",
         nargs="+",
         metavar="KEY",
-        help="convert only these keys: names (a name selects what is saved under it) or glob patterns",
+        help="convert only these keys: names (a name selects what is saved under it) or glob "
+        "patterns",
     )
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -223,7 +251,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _exit_code(exc: BaseException) -> int:
-    from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+    from asyncload._errors import (
+        CheckpointFormatError,
+        CheckpointNotFoundError,
+        UnsafeCheckpointError,
+    )
 
     if isinstance(exc, (CheckpointNotFoundError, FileNotFoundError)):
         return EXIT_NOT_FOUND

@@ -98,8 +98,12 @@ def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
         try:
             value: Any = json.loads(raw)
         except ValueError as exc:
-            if raw.lstrip().startswith(("{", "[", '"')):  # meant as JSON: say so rather than pass a string on
-                raise ValueError(f"--storage-option {item!r}: the value of {key!r} is not valid JSON ({exc})") from None
+            if raw.lstrip().startswith(
+                ("{", "[", '"')
+            ):  # meant as JSON: say so rather than pass a string on
+                raise ValueError(
+                    f"--storage-option {item!r}: the value of {key!r} is not valid JSON ({exc})"
+                ) from None
             value = raw
         parts = key.split(".")
         node = out
@@ -139,7 +143,9 @@ def _ratio_arg(text: str) -> float | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a ratio (e.g. 1.15) or 'none'") from None
     if not v >= 1 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"{text!r}: the ratio of bytes read to bytes needed is at least 1")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the ratio of bytes read to bytes needed is at least 1"
+        )
     return v
 
 

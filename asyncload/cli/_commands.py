@@ -38,9 +38,12 @@ def _cmd_inspect(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
     if info["format"] == "dcp":
         _print(f"DCP version  {info['dcp_version'] or 'unversioned (torch < 2.4)'}")
     else:
-        _print(f"format       {info['format']} (no DCP metadata: asyncload reads the files directly)")
+        _print(
+            f"format       {info['format']} (no DCP metadata: asyncload reads the files directly)"
+        )
     _print(
-        f"tensors      {info['tensors']} keys, {_fmt_bytes(info['tensor_bytes'])}" + (f" ({dtypes})" if dtypes else "")
+        f"tensors      {info['tensors']} keys, {_fmt_bytes(info['tensor_bytes'])}"
+        + (f" ({dtypes})" if dtypes else "")
     )
     _print(f"objects      {info['objects']} keys")
     data_files = f"{len(info['files'])} data file{'' if len(info['files']) == 1 else 's'}"
@@ -53,7 +56,9 @@ def _cmd_inspect(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
     rows = [["KEY", "DTYPE", "SHAPE", "SHARDS", "BYTES"]]
     for k in info["keys"]:
         if k["kind"] == "tensor":
-            rows.append([k["key"], k["dtype"], str(k["shape"]), str(k["shards"]), _fmt_bytes(k["nbytes"])])
+            rows.append(
+                [k["key"], k["dtype"], str(k["shape"]), str(k["shards"]), _fmt_bytes(k["nbytes"])]
+            )
         else:
             rows.append([k["key"], "object", "", "1", _fmt_bytes(k["stored_bytes"])])
     _print(_table(rows, right={3, 4}))
@@ -72,7 +77,8 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         info = describe(md, args.url)
         if args.compare_torch and info["format"] != "dcp":
             raise UsageError(
-                f"--compare-torch compares with torch's DCP readers, and {redact_url(args.url)} is a {info['format']} "
+                f"--compare-torch compares with torch's DCP readers, and {redact_url(args.url)} is "
+                f"a {info['format']} "
                 "checkpoint, not a DCP one"
             )
         _note(
@@ -82,7 +88,9 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         _run(stream, stream.acheck())  # before anything is allocated
         stream.touch = True  # zeros: both loads write into memory that is already touched
         dest = stream.allocate(stream.tensors + stream.objects)
-        torch_dest = stream.allocate(stream.tensors + stream.objects) if args.compare_torch else None
+        torch_dest = (
+            stream.allocate(stream.tensors + stream.objects) if args.compare_torch else None
+        )
     finally:
         _run(stream, stream.aclose())
     if torch_dest is not None:
@@ -111,9 +119,14 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     ratio = theirs / ours if ours > 0 else float("inf")
     gib = info["tensor_bytes"] / (1 << 30)
     how = (
-        "both timed from the call to the end of the load (the .metadata read included), into destinations "
+        "both timed from the call to the end of the load (the .metadata read included), into "
+        "destinations "
         "allocated before either clock"
-        + (", on a page cache warmed by reading the files once before" if is_local(args.url) else "")
+        + (
+            ", on a page cache warmed by reading the files once before"
+            if is_local(args.url)
+            else ""
+        )
     )
     if args.json:
         _print(
@@ -136,8 +149,18 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
             _table(
                 [
                     ["reader", "seconds", "GiB/s", "speed-up"],
-                    [f"torch {name}", f"{theirs:.3f}", f"{gib / theirs:.2f}" if theirs else "-", "1.00x"],
-                    ["asyncload", f"{ours:.3f}", f"{gib / ours:.2f}" if ours else "-", f"{ratio:.2f}x"],
+                    [
+                        f"torch {name}",
+                        f"{theirs:.3f}",
+                        f"{gib / theirs:.2f}" if theirs else "-",
+                        "1.00x",
+                    ],
+                    [
+                        "asyncload",
+                        f"{ours:.3f}",
+                        f"{gib / ours:.2f}" if ours else "-",
+                        f"{ratio:.2f}x",
+                    ],
                 ],
                 right={1, 2, 3},
             )
@@ -153,7 +176,11 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 
 
 def _damage_classes() -> tuple[type[BaseException], ...]:
-    from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+    from asyncload._errors import (
+        CheckpointFormatError,
+        CheckpointNotFoundError,
+        UnsafeCheckpointError,
+    )
 
     return (CheckpointFormatError, UnsafeCheckpointError, CheckpointNotFoundError)
 
@@ -167,7 +194,9 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
     from asyncload._stream import CheckpointStream, sync_iter
 
     options = _options(args, verify=True)
-    decoded: dict[Any, Any] = {}  # .metadata decoded once a run, also when each key is loaded on its own
+    decoded: dict[
+        Any, Any
+    ] = {}  # .metadata decoded once a run, also when each key is loaded on its own
     stream, md = _open_stream(args, storage_options, options, metadata_cache=decoded)
     info = describe(md, args.url)
     tensor_records = sum(
@@ -176,7 +205,8 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         if getattr(idx, "fqn", None) in {k["key"] for k in info["keys"] if k["kind"] == "tensor"}
     )
     _note(
-        f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {len(info['files'])} files of {redact_url(args.url)}"
+        f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {len(info['files'])} files of "
+        f"{redact_url(args.url)}"
     )
     try:
         try:  # claims checked before anything is allocated, then batch by batch within the budget
@@ -195,7 +225,9 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         keys = list(md.state_dict_metadata)
         with _bar(args, "keys", len(keys), unit="key") as bar:
             for i, key in enumerate(keys):
-                one = CheckpointStream(args.url, keys=_exactly(key), options=options, storage_options=storage_options)
+                one = CheckpointStream(
+                    args.url, keys=_exactly(key), options=options, storage_options=storage_options
+                )
                 one.session.metadata_cache = decoded
                 try:
                     read_stream(one)
@@ -238,9 +270,11 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         )
     else:
         _print(
-            f"OK: {stats.verified_records} of {tensor_records} tensor records match their stored CRC-32"
+            f"OK: {stats.verified_records} of {tensor_records} tensor records match their stored "
+            f"CRC-32"
             + (f" ({unchecked} carry no checksum and were only parsed)" if unchecked else "")
-            + f"; {info['objects']} objects decoded; {_fmt_bytes(stats.bytes_read)} read in {stats.seconds:.2f} s."
+            + f"; {info['objects']} objects decoded; {_fmt_bytes(stats.bytes_read)} read in "
+            f"{stats.seconds:.2f} s."
         )
     return EXIT_OK
 
@@ -268,7 +302,8 @@ def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         )
     if result.skipped_objects:
         _note(
-            f"asyncload: note: skipped {len(result.skipped_objects)} objects (safetensors holds tensors only): "
+            f"asyncload: note: skipped {len(result.skipped_objects)} objects (safetensors holds "
+            f"tensors only): "
             f"{result.skipped_objects[:10]}{' ...' if len(result.skipped_objects) > 10 else ''}"
         )
     if args.json:
@@ -288,7 +323,8 @@ def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         )
     else:
         _print(
-            f"wrote {result.tensors} tensors ({_fmt_bytes(result.total_size)}) into {len(result.files)} files in "
+            f"wrote {result.tensors} tensors ({_fmt_bytes(result.total_size)}) into "
+            f"{len(result.files)} files in "
             f"{args.dst}: {', '.join(result.files[:4])}{' ...' if len(result.files) > 4 else ''}"
         )
         _print(str(result.stats))

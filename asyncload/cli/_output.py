@@ -50,7 +50,11 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
     changes.update(extra)
     base = LoadOptions()
     # a chunk size below the default min_chunk_size lowers it too, as the planner does
-    if "chunk_size" in changes and "min_chunk_size" not in changes and base.min_chunk_size > changes["chunk_size"]:
+    if (
+        "chunk_size" in changes
+        and "min_chunk_size" not in changes
+        and base.min_chunk_size > changes["chunk_size"]
+    ):
         changes["min_chunk_size"] = changes["chunk_size"]
     try:
         return dataclasses.replace(base, **changes)
@@ -64,7 +68,9 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
             ("timeout", "--timeout"),
             ("retries", "--retries"),
         ):
-            text = text.replace(f"LoadOptions.{field}=", f"{flag} ").replace(f"{field}=", f"{flag} ")
+            text = text.replace(f"LoadOptions.{field}=", f"{flag} ").replace(
+                f"{field}=", f"{flag} "
+            )
         raise UsageError(text) from None
 
 
@@ -111,7 +117,9 @@ def describe(metadata: Any, url: str) -> dict[str, Any]:
                     "shards": len(smd.chunks),
                     "nbytes": nbytes,
                     "stored_bytes": stored_by_key.get(fqn, 0),
-                    "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in smd.chunks],
+                    "chunks": [
+                        {"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in smd.chunks
+                    ],
                 }
             )
         else:
@@ -128,7 +136,10 @@ def describe(metadata: Any, url: str) -> dict[str, Any]:
         # the files a load reads, as LoadStats.files counts them: the data files and a DCP .metadata
         "file_count": len(files) + (1 if getattr(metadata, "format", "dcp") == "dcp" else 0),
         "keys": keys,
-        "files": [{"name": name, "records": f["records"], "bytes": f["bytes"]} for name, f in sorted(files.items())],
+        "files": [
+            {"name": name, "records": f["records"], "bytes": f["bytes"]}
+            for name, f in sorted(files.items())
+        ],
     }
 
 
@@ -137,7 +148,9 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ]
         out.append("  ".join(cells).rstrip())
     return "\n".join(out)
 
@@ -145,7 +158,9 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
 #: Characters a terminal acts on rather than shows (C0 and C1 controls: ESC starts a
 #: sequence that can retitle the window or move the cursor, CR and LF forge lines), line and
 #: paragraph separators, bidirectional overrides, and lone surrogates (which stdout cannot encode).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 
 
 def _escape_char(match: re.Match[str]) -> str:
@@ -183,7 +198,8 @@ def _open_stream(
     metadata_cache: dict[Any, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
-    """A :class:`CheckpointStream` over ``args.url`` with its metadata read (claims not checked yet)."""
+    """A :class:`CheckpointStream` over ``args.url`` with its metadata read (claims not checked
+    yet)."""
     from asyncload._stream import CheckpointStream
 
     stream = CheckpointStream(args.url, options=options, storage_options=storage_options, **kwargs)
@@ -210,12 +226,14 @@ def _naming_storage_options(storage_options: dict[str, Any]) -> Iterator[None]:
             raise
         given = ", ".join(storage_options)  # the names only: a value may be a secret
         raise UsageError(
-            f"the storage client refused a --storage-option value (given: {given}): {type(exc).__name__}: {exc}"
+            f"the storage client refused a --storage-option value (given: {given}): "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
 
 
 def _run(stream: Any, coro: Any) -> Any:
-    """``coro`` of ``stream`` on the library's loop thread (Ctrl-C cancels it and waits for its cleanup)."""
+    """``coro`` of ``stream`` on the library's loop thread (Ctrl-C cancels it and waits for its
+    cleanup)."""
     from asyncload._loop import loop_thread, run_sync
 
     return run_sync(coro, loop_thread(stream.options.use_uvloop))

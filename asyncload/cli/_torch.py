@@ -40,7 +40,10 @@ def torch_reader(url: str, storage_options: dict[str, Any]) -> Any:
 
 
 def load_with_torch(
-    url: str, dest: dict[str, Any], storage_options: dict[str, Any], on_bytes: Callable[[int], None] | None = None
+    url: str,
+    dest: dict[str, Any],
+    storage_options: dict[str, Any],
+    on_bytes: Callable[[int], None] | None = None,
 ) -> float:
     """``dcp.load`` with torch's own reader into ``dest``; returns the wall seconds (from the
     call to its end: ``.metadata`` read, planning and the data, as :func:`load_timed` times
@@ -64,7 +67,11 @@ _TORCH_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitial
 
 
 def load_timed(
-    url: str, dest: dict[str, Any], options: Any, storage_options: dict[str, Any], progress: Any = None
+    url: str,
+    dest: dict[str, Any],
+    options: Any,
+    storage_options: dict[str, Any],
+    progress: Any = None,
 ) -> tuple[Any, float]:
     """``asyncload.load`` into ``dest`` (allocated before); its stats and the wall seconds,
     timed as :func:`load_with_torch` times torch."""
@@ -102,7 +109,9 @@ def same_bits(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
             if (
                 va.dtype != vb.dtype
                 or va.shape != vb.shape
-                or not torch.equal(va.reshape(-1).view(torch.uint8), vb.reshape(-1).view(torch.uint8))
+                or not torch.equal(
+                    va.reshape(-1).view(torch.uint8), vb.reshape(-1).view(torch.uint8)
+                )
             ):
                 bad.append(k)
         elif va != vb:

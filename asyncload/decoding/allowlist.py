@@ -189,7 +189,13 @@ class _CheckpointPolicy:
     and the globals the user trusts (``user``: ``LoadOptions.safe_globals``, where given)."""
 
     shape_type: type | None = torch.Size
-    atomic_key_types: tuple[type, ...] = (torch.dtype, torch.layout, torch.memory_format, torch.device, enum.Enum)
+    atomic_key_types: tuple[type, ...] = (
+        torch.dtype,
+        torch.layout,
+        torch.memory_format,
+        torch.device,
+        enum.Enum,
+    )
 
     def __init__(
         self,
@@ -225,7 +231,8 @@ class _CheckpointPolicy:
                 pass
             except Exception as exc:  # a string the user gave that does not import
                 raise vm.unsafe(
-                    f"asks for {mod}.{nm}, which LoadOptions.safe_globals names but which cannot be "
+                    f"asks for {mod}.{nm}, which LoadOptions.safe_globals names but which cannot "
+                    f"be "
                     f"imported here ({type(exc).__name__}: {str(exc)[:200]})"
                 ) from None
             else:
@@ -234,11 +241,13 @@ class _CheckpointPolicy:
             self.unsafe_advice = (
                 f"If you trust the checkpoint's {mod}.{nm}, pass it in "
                 f'LoadOptions(safe_globals=["{mod}.{nm}"]) '
-                "(the class or function itself, or that string); otherwise load the checkpoint only "
+                "(the class or function itself, or that string); otherwise load the checkpoint "
+                "only "
                 "with torch's own reader, and only if you trust it."
             )
         raise vm.unsafe(
-            f"asks to import {mod}.{nm}, which is not on asyncload's allow-list of checkpoint data types"
+            f"asks to import {mod}.{nm}, which is not on asyncload's allow-list of checkpoint data "
+            f"types"
         ) from None
 
     def _user_obj(self, obj: Any) -> bool:
@@ -255,7 +264,9 @@ class _CheckpointPolicy:
                 vm.mark_fresh(out)
                 return out
             name = func.__qualname__ if isinstance(func, type) else type(func).__name__
-            raise vm.unsafe(f"asks to call {short_repr(name)}, which may not be called while decoding")
+            raise vm.unsafe(
+                f"asks to call {short_repr(name)}, which may not be called while decoding"
+            )
         if type(args) is not tuple:
             raise vm.bad(f"call arguments are a {type(args).__name__}, not a tuple")
         what = getattr(func, "__qualname__", None) or type(func).__name__
@@ -263,16 +274,22 @@ class _CheckpointPolicy:
         try:
             out = func(*args)
             if entry[2]:
-                vm.mark_fresh(out)  # a new object BUILD may fill (OrderedDict._metadata, numpy data)
+                vm.mark_fresh(
+                    out
+                )  # a new object BUILD may fill (OrderedDict._metadata, numpy data)
             return out
         except (CheckpointFormatError, UnsafeCheckpointError) as exc:
             raise type(exc)(f"{vm.what}: {exc}") from None
         except Exception as exc:
-            raise CheckpointFormatError(f"{vm.what}: {what} rejected its arguments ({type(exc).__name__})") from None
+            raise CheckpointFormatError(
+                f"{vm.what}: {what} rejected its arguments ({type(exc).__name__})"
+            ) from None
 
     def persistent_load(self, vm: PickleVM, pid: Any) -> Any:
         if self._persistent is None:
-            raise vm.unsafe(f"holds a persistent reference {short_repr(pid)}, which is not allowed here")
+            raise vm.unsafe(
+                f"holds a persistent reference {short_repr(pid)}, which is not allowed here"
+            )
         try:
             return self._persistent(pid)
         except (CheckpointFormatError, UnsafeCheckpointError) as exc:
@@ -283,12 +300,16 @@ class _CheckpointPolicy:
             if type(args) is not tuple or (kwargs is not None and type(kwargs) is not dict):
                 raise vm.bad(f"{cls.__name__} created with malformed arguments")
             vm.charge(4 + len(args))
-            made: Any = cls.__new__(cls, *args, **(kwargs or {}))  # the user trusts it (safe_globals)
+            made: Any = cls.__new__(
+                cls, *args, **(kwargs or {})
+            )  # the user trusts it (safe_globals)
             vm.mark_fresh(made)
             return made
         if not isinstance(cls, type) or cls not in self.record_classes:
             name = cls.__qualname__ if isinstance(cls, type) else type(cls).__name__
-            raise vm.unsafe(f"asks to create a {short_repr(name)} object, which is not a checkpoint data class")
+            raise vm.unsafe(
+                f"asks to create a {short_repr(name)} object, which is not a checkpoint data class"
+            )
         if args or kwargs:
             raise vm.bad(f"{cls.__name__} created with arguments")
         obj: Any = object.__new__(cls)  # the DCP dataclasses define no __new__ of their own
@@ -352,7 +373,9 @@ class _CheckpointPolicy:
             return
         if type(state) is not dict:
             raise vm.bad(f"{cls.__name__} state is a {type(state).__name__}, not a dict")
-        if cls is collections.OrderedDict:  # attributes of the dict, e.g. nn.Module.state_dict()._metadata
+        if (
+            cls is collections.OrderedDict
+        ):  # attributes of the dict, e.g. nn.Module.state_dict()._metadata
             if len(state) > 64 or not all(type(k) is str and not k.startswith("__") for k in state):
                 raise vm.bad(f"OrderedDict with malformed attributes {short_repr(list(state))}")
             inst.__dict__.update(state)
@@ -400,7 +423,8 @@ def safe_loads(
     """
     if max_size is not None and len(data) > max_size:
         raise CheckpointFormatError(
-            f"{what} is {len(data)} bytes, more than the {max_size} allowed (LoadOptions.max_metadata_size)"
+            f"{what} is {len(data)} bytes, more than the {max_size} allowed "
+            f"(LoadOptions.max_metadata_size)"
         )
     policy = _CheckpointPolicy(
         metadata_globals() if allowed is None else allowed,
@@ -412,5 +436,7 @@ def safe_loads(
     if check_structure or (expect is not None and not isinstance(obj, expect)):
         _check_structure(obj, what, max_depth, vm.work_limit, work)
     if expect is not None and not isinstance(obj, expect):
-        raise CheckpointFormatError(f"{what} does not hold {expect.__name__} (found {type(obj).__name__})")
+        raise CheckpointFormatError(
+            f"{what} does not hold {expect.__name__} (found {type(obj).__name__})"
+        )
     return obj

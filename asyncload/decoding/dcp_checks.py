@@ -36,7 +36,9 @@ def _check_size(v: Any, where: str, ndim: int | None = None) -> tuple[int, ...]:
     return v
 
 
-def _check_coverage(chunks: list[Any], size: tuple[int, ...], where: str, work: WorkBudget | None = None) -> None:
+def _check_coverage(
+    chunks: list[Any], size: tuple[int, ...], where: str, work: WorkBudget | None = None
+) -> None:
     """A saved tensor's chunks are disjoint and cover every element of its ``size``.
 
     A load plans its reads from the chunks: a gap would leave destination elements
@@ -62,11 +64,14 @@ def _check_coverage(chunks: list[Any], size: tuple[int, ...], where: str, work: 
         boxes.append((tuple(ch.offsets), lens, i))
     if not boxes:
         raise CheckpointFormatError(
-            f"{where}: the tensor of size {list(size)} lists no chunk that holds its elements: nothing of it was saved"
+            f"{where}: the tensor of size {list(size)} lists no chunk that holds its elements: "
+            f"nothing of it was saved"
         )
     if len(size) == 0:  # a scalar: any non-empty chunk is the whole tensor
         if len(boxes) > 1:
-            raise CheckpointFormatError(f"{where}: the scalar tensor is saved in {len(boxes)} overlapping chunks")
+            raise CheckpointFormatError(
+                f"{where}: the scalar tensor is saved in {len(boxes)} overlapping chunks"
+            )
         return
     # sweep along the dimension the chunks are split most in (row- or column-sharded alike)
     d = max(range(len(size)), key=lambda k: len({b[0][k] for b in boxes}))
@@ -80,13 +85,15 @@ def _check_coverage(chunks: list[Any], size: tuple[int, ...], where: str, work: 
         for o2, l2, j in active:
             if all(a < b + m and b < a + n for a, n, b, m in zip(offs, lens, o2, l2)):
                 raise CheckpointFormatError(
-                    f"{where}: chunks {j} (at {list(o2)}, size {list(l2)}) and {i} (at {list(offs)}, "
+                    f"{where}: chunks {j} (at {list(o2)}, size {list(l2)}) and {i} (at "
+                    f"{list(offs)}, "
                     f"size {list(lens)}) overlap"
                 )
         active.append(box)
     if volume != total:
         raise CheckpointFormatError(
-            f"{where}: the chunks hold {volume} of the tensor's {total} elements (size {list(size)}): "
+            f"{where}: the chunks hold {volume} of the tensor's {total} elements (size "
+            f"{list(size)}): "
             "part of the tensor was not saved"
         )
 
@@ -105,11 +112,15 @@ def _int64s(shapes: list[Any], ndim: int) -> np.ndarray[Any, Any] | None:
     of ``len(shapes)`` rows, or None when any is something else."""
     if shapes and (set(map(type, shapes)) != {torch.Size} or set(map(len, shapes)) != {ndim}):
         return None
-    flat = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64, count=len(shapes) * ndim)
+    flat = np.fromiter(
+        itertools.chain.from_iterable(shapes), dtype=np.int64, count=len(shapes) * ndim
+    )
     return flat.reshape(len(shapes), ndim)
 
 
-def _grid_covers(offs: np.ndarray[Any, Any], lens: np.ndarray[Any, Any], size: tuple[int, ...]) -> bool:
+def _grid_covers(
+    offs: np.ndarray[Any, Any], lens: np.ndarray[Any, Any], size: tuple[int, ...]
+) -> bool:
     """Whether the boxes (``offs``, ``lens``: rows inside ``size``) with elements are the
     cells of a grid, each once: per dimension their extents partition the tensor's, and
     there are as many boxes as cells. Then they are disjoint and cover every element."""
@@ -129,7 +140,11 @@ def _grid_covers(offs: np.ndarray[Any, Any], lens: np.ndarray[Any, Any], size: t
         length[at] = lens[:, k]
         if (length[at] != lens[:, k]).any():  # one start, two lengths
             return False
-        if starts[0] != 0 or (starts[1:] != starts[:-1] + length[:-1]).any() or starts[-1] + length[-1] != extent:
+        if (
+            starts[0] != 0
+            or (starts[1:] != starts[:-1] + length[:-1]).any()
+            or starts[-1] + length[-1] != extent
+        ):
             return False
         cells *= len(starts)
         if cells > boxes:
@@ -211,7 +226,11 @@ def _storage_fine(sd: dict[Any, Any], index_type: type, info_type: type) -> bool
     ints = [h for h in hints if h is not None]
     if ints and (min(ints) < 0 or max(ints) > _I64_MAX):
         return False
-    if set(map(type, starts)) != {int} or set(map(type, lengths)) != {int} or set(map(type, paths)) != {str}:
+    if (
+        set(map(type, starts)) != {int}
+        or set(map(type, lengths)) != {int}
+        or set(map(type, paths)) != {str}
+    ):
         return False
     if min(starts) < 0 or min(lengths) < 0 or max(starts) > _I64_MAX or max(lengths) > _I64_MAX:
         return False
@@ -247,10 +266,14 @@ def check_metadata(md: Any, what: str, work: WorkBudget | None = None) -> None:
     )
 
     if not isinstance(md, Metadata):
-        raise CheckpointFormatError(f"{what} does not hold DCP Metadata (found {type(md).__name__})")
+        raise CheckpointFormatError(
+            f"{what} does not hold DCP Metadata (found {type(md).__name__})"
+        )
     sdm = getattr(md, "state_dict_metadata", None)
     if not isinstance(sdm, dict):
-        raise CheckpointFormatError(f"{what}: state_dict_metadata is a {type(sdm).__name__}, not a dict")
+        raise CheckpointFormatError(
+            f"{what}: state_dict_metadata is a {type(sdm).__name__}, not a dict"
+        )
     if work is None:
         work = WorkBudget()
     for fqn, smd in sdm.items():
@@ -260,20 +283,28 @@ def check_metadata(md: Any, what: str, work: WorkBudget | None = None) -> None:
         where = f"{what}: key {fqn!r:.200}"
         if isinstance(smd, TensorStorageMetadata):
             props = getattr(smd, "properties", None)
-            if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), torch.dtype):
+            if not isinstance(props, TensorProperties) or not isinstance(
+                getattr(props, "dtype", None), torch.dtype
+            ):
                 raise CheckpointFormatError(f"{where} has malformed tensor properties")
             size = _check_size(getattr(smd, "size", None), f"{where} size")
             chunks = getattr(smd, "chunks", None)
             if not isinstance(chunks, list):
-                raise CheckpointFormatError(f"{where}: chunks is a {type(chunks).__name__}, not a list")
+                raise CheckpointFormatError(
+                    f"{where}: chunks is a {type(chunks).__name__}, not a list"
+                )
             work.charge(len(chunks) * max(1, len(size)), where)
             if _chunks_fine(chunks, size, ChunkStorageMetadata):
                 continue
             for i, ch in enumerate(chunks):
                 if not isinstance(ch, ChunkStorageMetadata):
                     raise CheckpointFormatError(f"{where}: chunk {i} is a {type(ch).__name__}")
-                offs = _check_size(getattr(ch, "offsets", None), f"{where} chunk {i} offsets", len(size))
-                lens = _check_size(getattr(ch, "sizes", None), f"{where} chunk {i} sizes", len(size))
+                offs = _check_size(
+                    getattr(ch, "offsets", None), f"{where} chunk {i} offsets", len(size)
+                )
+                lens = _check_size(
+                    getattr(ch, "sizes", None), f"{where} chunk {i} sizes", len(size)
+                )
                 if any(o + n > s for o, n, s in zip(offs, lens, size)):
                     raise CheckpointFormatError(
                         f"{where}: chunk {i} at {list(offs)} of size {list(lens)} "
@@ -288,24 +319,34 @@ def check_metadata(md: Any, what: str, work: WorkBudget | None = None) -> None:
     work.charge(len(sd), what)
     for idx, info in () if _storage_fine(sd, MetadataIndex, _StorageInfo) else sd.items():
         if not isinstance(idx, MetadataIndex) or type(getattr(idx, "fqn", None)) is not str:
-            raise CheckpointFormatError(f"{what}: storage_data key {short_repr(idx)} is not a MetadataIndex")
+            raise CheckpointFormatError(
+                f"{what}: storage_data key {short_repr(idx)} is not a MetadataIndex"
+            )
         off = getattr(idx, "offset", None)
         if off is not None:
             _check_size(off, f"{what}: storage_data key {idx.fqn!r:.200} offset")
         hint = getattr(idx, "index", None)
         if hint is not None and not (_is_int(hint) and hint >= 0):
-            raise CheckpointFormatError(f"{what}: storage_data key {idx.fqn!r:.200} has index {short_repr(hint)}")
+            raise CheckpointFormatError(
+                f"{what}: storage_data key {idx.fqn!r:.200} has index {short_repr(hint)}"
+            )
         where = f"{what}: storage entry of {idx.fqn!r:.200}"
         check_relative_path(getattr(info, "relative_path", None), where)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (_is_int(offset) and offset >= 0 and _is_int(length) and length >= 0):  # type: ignore[operator]
-            raise CheckpointFormatError(f"{where} has offset {short_repr(offset)} and length {short_repr(length)}")
+            raise CheckpointFormatError(
+                f"{where} has offset {short_repr(offset)} and length {short_repr(length)}"
+            )
         td = getattr(info, "transform_descriptors", None)
-        if td is not None and (not isinstance(td, (list, tuple)) or not all(type(t) is str for t in td)):
+        if td is not None and (
+            not isinstance(td, (list, tuple)) or not all(type(t) is str for t in td)
+        ):
             raise CheckpointFormatError(f"{where} has malformed transform descriptors")
     version = getattr(md, "version", None)
     if version is not None and (type(version) is not str or len(version) > 64):
-        raise CheckpointFormatError(f"{what}: version {short_repr(version)} is not a version string")
+        raise CheckpointFormatError(
+            f"{what}: version {short_repr(version)} is not a version string"
+        )
     meta = getattr(md, "storage_meta", None)
     if meta is not None and not isinstance(meta, StorageMeta):
         raise CheckpointFormatError(f"{what}: storage_meta is a {type(meta).__name__}")
@@ -315,7 +356,9 @@ def check_metadata(md: Any, what: str, work: WorkBudget | None = None) -> None:
     check_planner_paths(sdm, planner_data, what, work)
 
 
-def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str, work: WorkBudget | None = None) -> None:
+def check_planner_paths(
+    sdm: Mapping[str, Any], planner_data: Any, what: str, work: WorkBudget | None = None
+) -> None:
     """Check that the paths ``planner_data`` gives the keys of ``sdm`` nest them into one tree
     without a clash, before anything is allocated or nested. A key's path is its entry (a
     non-empty tuple or list), else ``(fqn,)``, as :func:`asyncload._read.nest` takes it.
@@ -344,9 +387,19 @@ def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str, wo
             kind = type(step)
             if kind is int:
                 if not 0 <= step < n:
-                    _bad_path(what, fqn, path, f"indexes a list at {step}, outside the {n} keys of the checkpoint")
+                    _bad_path(
+                        what,
+                        fqn,
+                        path,
+                        f"indexes a list at {step}, outside the {n} keys of the checkpoint",
+                    )
             elif kind is not str:
-                _bad_path(what, fqn, path, f"has a step of type {kind.__name__}, neither a string nor an int")
+                _bad_path(
+                    what,
+                    fqn,
+                    path,
+                    f"has a step of type {kind.__name__}, neither a string nor an int",
+                )
             child = node.get(step)
             if child is None:
                 if node:
@@ -355,11 +408,18 @@ def check_planner_paths(sdm: Mapping[str, Any], planner_data: Any, what: str, wo
                         where = f"{'a list' if type(first) is int else 'a dict'} that holds {short_repr(first)}"
                         _bad_path(what, fqn, path, f"steps into {where} with {short_repr(step)}")
                 elif node is root and kind is not str:
-                    _bad_path(what, fqn, path, "does not start with a string (the top level is a dict)")
+                    _bad_path(
+                        what, fqn, path, "does not start with a string (the top level is a dict)"
+                    )
                 child = node[step] = fqn if i == last else {}
             elif type(child) is str:
                 rule = "is the path of key" if i == last else "runs through the value of key"
-                _bad_path(what, fqn, path, f"{rule} {child!r:.200} too" if i == last else f"{rule} {child!r:.200}")
+                _bad_path(
+                    what,
+                    fqn,
+                    path,
+                    f"{rule} {child!r:.200} too" if i == last else f"{rule} {child!r:.200}",
+                )
             elif i == last:
                 _bad_path(what, fqn, path, "is a container of other keys' values")
             node = child

@@ -31,8 +31,12 @@ from asyncload.decoding.vm import PickleVM, short_repr
 # not decoded. numpy 1.x wrote ``numpy.core.multiarray``, numpy 2 writes ``numpy._core.multiarray``.
 
 #: The type codes numpy pickles a plain dtype with (``np.dtype(x).__reduce__()[1][0]``).
-_NP_TYPECODE = re.compile(r"(?:b1|[iu][1248]|f(?:2|4|8|12|16)|c(?:8|16|24|32)|[SUV][1-9][0-9]{0,8}|[Mm]8)\Z")
-_NP_UNITS = frozenset(("Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", "as", "generic"))
+_NP_TYPECODE = re.compile(
+    r"(?:b1|[iu][1248]|f(?:2|4|8|12|16)|c(?:8|16|24|32)|[SUV][1-9][0-9]{0,8}|[Mm]8)\Z"
+)
+_NP_UNITS = frozenset(
+    ("Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", "as", "generic")
+)
 #: The most dimensions numpy allows.
 _NP_MAX_DIMS = 64
 
@@ -47,7 +51,8 @@ def _np_multiarray() -> Any:
 
 def _np_refuse_objects(vm: PickleVM, what: str) -> UnsafeCheckpointError:
     return vm.unsafe(
-        f"holds a numpy {what} of Python objects (dtype 'O'), whose decoding would run code from the "
+        f"holds a numpy {what} of Python objects (dtype 'O'), whose decoding would run code from "
+        f"the "
         "checkpoint; only numpy data of plain dtypes is decoded"
     )
 
@@ -103,7 +108,9 @@ def _build_np_dtype(vm: PickleVM, inst: Any, state: Any) -> None:
     if byteorder in "<>":
         expected = expected.newbyteorder(byteorder)
     if expected.__reduce__()[2] != state:  # only the state numpy itself writes for this dtype
-        raise vm.bad(f"numpy dtype {inst.str!r} with a state numpy does not write: {short_repr(state)}")
+        raise vm.bad(
+            f"numpy dtype {inst.str!r} with a state numpy does not write: {short_repr(state)}"
+        )
     vm.charge(4)
     inst.__setstate__(state)
     vm.seal(inst)
@@ -127,7 +134,9 @@ def _build_np_array(vm: PickleVM, inst: Any, state: Any) -> None:
         or not all(_is_int(n) and n >= 0 for n in shape)
         or type(fortran) is not bool
     ):
-        raise vm.bad(f"numpy array with malformed shape {short_repr(shape)} or order {short_repr(fortran)}")
+        raise vm.bad(
+            f"numpy array with malformed shape {short_repr(shape)} or order {short_repr(fortran)}"
+        )
     if type(raw) is list:
         raise _np_refuse_objects(vm, "array")
     _np_plain_dtype(vm, dtype, "numpy array")
@@ -136,7 +145,8 @@ def _build_np_array(vm: PickleVM, inst: Any, state: Any) -> None:
     need = math.prod(shape) * dtype.itemsize  # Python ints: no overflow, nothing allocated
     if need != len(raw):
         raise vm.bad(
-            f"numpy array of shape {list(shape)[:8]} and dtype {dtype.str!r} needs {need} bytes, its data holds {len(raw)}"
+            f"numpy array of shape {list(shape)[:8]} and dtype {dtype.str!r} needs {need} bytes, "
+            f"its data holds {len(raw)}"
         )
     vm.charge(1 + len(raw) // 64)
     inst.__setstate__(state)
@@ -157,7 +167,10 @@ def _args_np_scalar(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
 def numpy_globals() -> dict[tuple[str, str], Any]:
     """The names numpy data is pickled with (see the section's comment)."""
     multiarray = _np_multiarray()
-    out: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    out: dict[tuple[str, str], Any] = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+    }
     for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
         out[(module, "_reconstruct")] = multiarray._reconstruct
         out[(module, "scalar")] = multiarray.scalar

@@ -58,8 +58,11 @@ def _children(o: Any) -> list[Any] | None:
     return None
 
 
-def _check_structure(obj: Any, what: str, max_depth: int, budget: int, work: WorkBudget | None = None) -> None:
-    """:func:`~asyncload.decoding.vm.check_structure` over checkpoint values (see :func:`_children`);
+def _check_structure(
+    obj: Any, what: str, max_depth: int, budget: int, work: WorkBudget | None = None
+) -> None:
+    """:func:`~asyncload.decoding.vm.check_structure` over checkpoint values (see
+    :func:`_children`);
     the nodes walked are charged to ``work``."""
     if _flat_within(obj, max_depth, budget):
         units = 1 + len(obj) + sum(map(len, obj.values()))

@@ -30,7 +30,9 @@ def _torch_dtypes() -> dict[tuple[str, str], Any]:
     # the module's own attributes (not dir() and getattr: half the time, and no module
     # __getattr__ runs); a process's first load builds this table
     kinds = (torch.dtype, torch.layout, torch.memory_format)
-    return {("torch", name): value for name, value in vars(torch).items() if isinstance(value, kinds)}
+    return {
+        ("torch", name): value for name, value in vars(torch).items() if isinstance(value, kinds)
+    }
 
 
 def _get_layout(name: str) -> torch.layout:
@@ -144,7 +146,9 @@ def _storage_types() -> dict[tuple[str, str], Any]:
         ("torch.storage", "UntypedStorage"): _StorageType(None),
         ("torch", "UntypedStorage"): _StorageType(None),
     }
-    with warnings.catch_warnings():  # reading .dtype of the legacy classes warns that TypedStorage is deprecated
+    with (
+        warnings.catch_warnings()
+    ):  # reading .dtype of the legacy classes warns that TypedStorage is deprecated
         warnings.simplefilter("ignore")
         for name, cls in list(vars(torch).items()):
             if name.endswith("Storage") and name not in ("UntypedStorage", "TypedStorage"):
@@ -162,7 +166,11 @@ def _is_int(v: Any) -> bool:
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or len(value) > 1024 or not all(_is_int(v) for v in value):
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) > 1024
+        or not all(_is_int(v) for v in value)
+    ):
         raise CheckpointFormatError(f"tensor record has a malformed {what}: {short_repr(value)}")
     return tuple(value)
 
@@ -178,16 +186,23 @@ def _rebuild_tensor(
     metadata: Any = None,
 ) -> TensorRef:
     if not isinstance(storage, StorageRef):
-        raise CheckpointFormatError(f"tensor record refers to {type(storage).__name__}, not a storage")
+        raise CheckpointFormatError(
+            f"tensor record refers to {type(storage).__name__}, not a storage"
+        )
     if not _is_int(storage_offset) or storage_offset < 0:
-        raise CheckpointFormatError(f"tensor record has a malformed storage offset: {short_repr(storage_offset)}")
+        raise CheckpointFormatError(
+            f"tensor record has a malformed storage offset: {short_repr(storage_offset)}"
+        )
     size_t, stride_t = _ints(size, "size"), _ints(stride, "stride")
     if len(size_t) != len(stride_t) or any(s < 0 for s in size_t) or any(s < 0 for s in stride_t):
         raise CheckpointFormatError(
-            f"tensor record has inconsistent size {short_repr(size_t)} and stride {short_repr(stride_t)}"
+            f"tensor record has inconsistent size {short_repr(size_t)} and stride "
+            f"{short_repr(stride_t)}"
         )
     if type(requires_grad) is not bool:
-        raise CheckpointFormatError(f"tensor record has a malformed requires_grad: {short_repr(requires_grad)}")
+        raise CheckpointFormatError(
+            f"tensor record has a malformed requires_grad: {short_repr(requires_grad)}"
+        )
     if backward_hooks is not None and not isinstance(backward_hooks, dict):
         raise CheckpointFormatError("tensor record has malformed backward hooks")
     dt = dtype if isinstance(dtype, torch.dtype) else storage.dtype
@@ -198,9 +213,14 @@ def _rebuild_tensor(
 def _check_grad(dtype: Any, requires_grad: bool, what: str) -> None:
     """Only floating point and complex tensors can require gradients (torch raises a
     RuntimeError building any other): a record that says otherwise was not written by torch."""
-    if requires_grad and isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
+    if (
+        requires_grad
+        and isinstance(dtype, torch.dtype)
+        and not (dtype.is_floating_point or dtype.is_complex)
+    ):
         raise CheckpointFormatError(
-            f"{what} record of dtype {dtype} has requires_grad=True: only floating point and complex tensors "
+            f"{what} record of dtype {dtype} has requires_grad=True: only floating point and "
+            f"complex tensors "
             "can require gradients"
         )
 
@@ -217,7 +237,9 @@ def _rebuild_tensor_v3(
 ) -> TensorRef:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointFormatError(f"tensor record has a malformed dtype: {short_repr(dtype)}")
-    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype)
+    return _rebuild_tensor(
+        storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype
+    )
 
 
 def _rebuild_parameter(
@@ -226,9 +248,13 @@ def _rebuild_parameter(
     if not isinstance(data, TensorRef):
         raise CheckpointFormatError("parameter record does not wrap a tensor")
     if type(requires_grad) is not bool:
-        raise CheckpointFormatError(f"parameter record has a malformed requires_grad: {short_repr(requires_grad)}")
+        raise CheckpointFormatError(
+            f"parameter record has a malformed requires_grad: {short_repr(requires_grad)}"
+        )
     _check_grad(data.dtype, requires_grad, "parameter")
-    return TensorRef(data.storage, data.storage_offset, data.size, data.stride, data.dtype, requires_grad, True)
+    return TensorRef(
+        data.storage, data.storage_offset, data.size, data.stride, data.dtype, requires_grad, True
+    )
 
 
 def storage_persistent_load(pid: Any) -> StorageRef:
@@ -245,7 +271,9 @@ def storage_persistent_load(pid: Any) -> StorageRef:
         or not _is_int(pid[4])
         or pid[4] < 0
     ):
-        raise CheckpointFormatError(f"torch.save record has a malformed storage reference: {short_repr(pid)}")
+        raise CheckpointFormatError(
+            f"torch.save record has a malformed storage reference: {short_repr(pid)}"
+        )
     stype: _StorageType = pid[1]
     if stype.dtype is None:  # UntypedStorage: numel counts bytes; the tensor names the dtype
         return StorageRef(pid[2], torch.uint8, pid[4], pid[3])
@@ -300,14 +328,23 @@ def _args_slice(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
 
 
 def _args_path(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
-    if len(args) > 4096 or not all(type(a) is str for a in args) or sum(len(a) for a in args) > 65536:
+    if (
+        len(args) > 4096
+        or not all(type(a) is str for a in args)
+        or sum(len(a) for a in args) > 65536
+    ):
         raise _bad_args(what, args)
     return 1 + sum(len(a) for a in args) // 8
 
 
 def _args_size(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
     if len(args) > 1 or (
-        args and (type(args[0]) not in (list, tuple) or len(args[0]) > 1024 or not all(_is_int(v) for v in args[0]))
+        args
+        and (
+            type(args[0]) not in (list, tuple)
+            or len(args[0]) > 1024
+            or not all(_is_int(v) for v in args[0])
+        )
     ):
         raise _bad_args(what, args)
     return 1 + (len(args[0]) if args else 0)
@@ -352,7 +389,11 @@ def _args_bytes(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
 
 
 def _args_enum(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
-    if len(args) != 1 or type(args[0]) not in (int, str) or (type(args[0]) is str and len(args[0]) > 64):
+    if (
+        len(args) != 1
+        or type(args[0]) not in (int, str)
+        or (type(args[0]) is str and len(args[0]) > 64)
+    ):
         raise _bad_args(what, args)
     return 1
 
@@ -409,7 +450,9 @@ for _obj, _check in (
     (_rebuild_parameter, _args_rebuild),
 ):
     _allow_call(_obj, _check)
-_allow_call(collections.OrderedDict, _args_mapping_ctor, fresh_result=True)  # state_dict()._metadata (BUILD)
+_allow_call(
+    collections.OrderedDict, _args_mapping_ctor, fresh_result=True
+)  # state_dict()._metadata (BUILD)
 
 
 @dataclass(frozen=True)
@@ -437,10 +480,15 @@ def dcp_types() -> DcpTypes:
         classes = _dcp_classes()
         enum_cls = classes.get(("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"))
         props = classes.get(("torch.distributed.checkpoint.metadata", "TensorProperties"))
-        data = tuple(c for c in classes.values() if isinstance(c, type) and dataclasses.is_dataclass(c))
+        data = tuple(
+            c for c in classes.values() if isinstance(c, type) and dataclasses.is_dataclass(c)
+        )
         if enum_cls is not None:
             _allow_call(enum_cls, _args_enum)
         _dcp_types = DcpTypes(
-            frozenset(data), {c: frozenset(f.name for f in dataclasses.fields(c)) for c in data}, enum_cls, props
+            frozenset(data),
+            {c: frozenset(f.name for f in dataclasses.fields(c)) for c in data},
+            enum_cls,
+            props,
         )
     return _dcp_types

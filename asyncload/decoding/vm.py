@@ -186,7 +186,9 @@ _F8 = struct.Struct(">d").unpack_from
 class PickleVM:
     """Decodes one pickle (``data``) under ``policy``; ``what`` names it in messages."""
 
-    def __init__(self, data: bytes, policy: PicklePolicy, what: str, work: WorkBudget | None = None) -> None:
+    def __init__(
+        self, data: bytes, policy: PicklePolicy, what: str, work: WorkBudget | None = None
+    ) -> None:
         self._data = data
         self._policy = policy
         self.what = what
@@ -218,7 +220,9 @@ class PickleVM:
 
     def unsafe(self, msg: str) -> UnsafeCheckpointError:
         """The error for something the pickle may not do (``msg`` says what it asked)."""
-        return UnsafeCheckpointError(f"{self.what}: {msg}; nothing from it was executed. {self._policy.unsafe_advice}")
+        return UnsafeCheckpointError(
+            f"{self.what}: {msg}; nothing from it was executed. {self._policy.unsafe_advice}"
+        )
 
     def bad(self, msg: str) -> CheckpointFormatError:
         """The error for a damaged pickle (``msg`` says what is wrong)."""
@@ -252,7 +256,8 @@ class PickleVM:
         self._fresh.pop(id(obj), None)
 
     def is_fresh(self, obj: Any) -> bool:
-        """Whether this pickle created ``obj`` (:meth:`mark_fresh`, or a record class's ``NEWOBJ``)."""
+        """Whether this pickle created ``obj`` (:meth:`mark_fresh`, or a record class's
+        ``NEWOBJ``)."""
         return self._fresh.get(id(obj)) is obj
 
     def check_keys(self, keys: list[Any], what: str) -> None:
@@ -265,7 +270,8 @@ class PickleVM:
             local[h] = local.get(h, 0) + 1
             if local[h] > _MAX_SAME_HASH:
                 raise self.unsafe(
-                    f"more than {_MAX_SAME_HASH} items given to {what} share a hash value (hash flooding)"
+                    f"more than {_MAX_SAME_HASH} items given to {what} share a hash value (hash "
+                    f"flooding)"
                 )
 
     # -- guards --
@@ -297,7 +303,9 @@ class PickleVM:
             while stack:  # iterative: nested tuples, bounded depth
                 obj, depth = stack.pop()
                 if depth > _MAX_KEY_DEPTH:
-                    raise self.unsafe(f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep")
+                    raise self.unsafe(
+                        f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep"
+                    )
                 for item in obj:
                     it = type(item)
                     if it is tuple:
@@ -309,7 +317,9 @@ class PickleVM:
                             stack.append((item, depth + 1))
                     elif it is shape_type:
                         if depth >= _MAX_KEY_DEPTH:
-                            raise self.unsafe(f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep")
+                            raise self.unsafe(
+                                f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep"
+                            )
                         cost += 1 + len(item)
                     else:
                         cost += self._key_cost(item)
@@ -340,7 +350,10 @@ class PickleVM:
         h = hash(key)
         n = counts.get(h, 0) + 1
         if n > _MAX_SAME_HASH:
-            raise self.unsafe(f"more than {_MAX_SAME_HASH} keys of one dict or set share a hash value (hash flooding)")
+            raise self.unsafe(
+                f"more than {_MAX_SAME_HASH} keys of one dict or set share a hash value (hash "
+                f"flooding)"
+            )
         counts[h] = n
 
     def _set_items(self, target: Any, items: list[Any]) -> None:
@@ -386,7 +399,12 @@ class PickleVM:
     def _newobj(self, cls: Any, args: Any) -> Any:
         # a type before anything hashes it: a nested tuple or a record holding one would
         # crash ``in`` with a C stack overflow
-        if isinstance(cls, type) and cls in self._policy.record_classes and args == () and type(args) is tuple:
+        if (
+            isinstance(cls, type)
+            and cls in self._policy.record_classes
+            and args == ()
+            and type(args) is tuple
+        ):
             obj = cls.__new__(cls)  # type: ignore[call-overload]
             self._fresh[id(obj)] = obj
             return obj
@@ -484,9 +502,15 @@ class PickleVM:
                     if data[pos] == 0x94 and not sparse:
                         remember(value)
                         pos += 1
-                    if data[pos] == 0x52 and stack[-2] is shape_type:  # REDUCE: a shape in .metadata
+                    if (
+                        data[pos] == 0x52 and stack[-2] is shape_type
+                    ):  # REDUCE: a shape in .metadata
                         a = value[0]
-                        if type(a) in (tuple, list) and len(a) <= 1024 and all(type(v) is int for v in a):
+                        if (
+                            type(a) in (tuple, list)
+                            and len(a) <= 1024
+                            and all(type(v) is int for v in a)
+                        ):
                             stack.pop()
                             value = shape_type(a)
                             stack[-1] = value
@@ -576,7 +600,9 @@ class PickleVM:
                         and len(args[0]) <= 1024
                         and all(type(v) is int for v in args[0])
                     ):
-                        stack[-1] = shape_type(args[0])  # the one frequent call: shapes in .metadata
+                        stack[-1] = shape_type(
+                            args[0]
+                        )  # the one frequent call: shapes in .metadata
                     else:
                         stack[-1] = policy.call(self, func, args)
                 elif op == 0x71:  # BINPUT
@@ -791,14 +817,20 @@ class PickleVM:
                     raise self.bad(f"unknown opcode {op:#04x} at offset {pos - 1}")
         except (IndexError, struct.error) as exc:
             if isinstance(exc, struct.error) or pos >= end:
-                raise self.bad(f"truncated: an opcode or its argument runs past the end ({end} bytes)") from None
+                raise self.bad(
+                    f"truncated: an opcode or its argument runs past the end ({end} bytes)"
+                ) from None
             raise
 
     def _span(self, pos: int, width: int) -> tuple[int, int]:
         """Where the bytes of an opcode's argument lie, after its length of ``abs(width)``
         bytes (negative: signed) at ``pos``: ``(start, end)``, checked against the pickle's end."""
         data = self._data
-        n = data[pos] if width == 1 else (_U4 if width == 4 else _U8 if width == 8 else _I4)(data, pos)[0]
+        n = (
+            data[pos]
+            if width == 1
+            else (_U4 if width == 4 else _U8 if width == 8 else _I4)(data, pos)[0]
+        )
         start = pos + abs(width)
         if n < 0:  # LONG4, BINSTRING: moving back would run the same opcode forever
             raise self.bad(f"a negative length {n} at offset {pos}")
@@ -830,7 +862,9 @@ def check_structure(
     height: dict[int, int] = {}
     size: dict[int, int] = {}
     keep: list[Any] = []  # keeps walked objects alive while their ids are keys
-    deep = UnsafeCheckpointError(f"{what} is nested more than {max_depth} levels deep; nothing from it was executed")
+    deep = UnsafeCheckpointError(
+        f"{what} is nested more than {max_depth} levels deep; nothing from it was executed"
+    )
     stack: list[tuple[Any, int]] = [(obj, 1)]  # (object, depth on the way down; 0: on the way up)
     while stack:
         o, depth = stack.pop()
@@ -847,7 +881,9 @@ def check_structure(
             keep.append(o)
             edges += len(kids)
             if len(keep) > budget:
-                raise UnsafeCheckpointError(f"{what} holds more than {budget} containers; nothing from it was executed")
+                raise UnsafeCheckpointError(
+                    f"{what} holds more than {budget} containers; nothing from it was executed"
+                )
             stack.append((o, 0))
             stack.extend((k, depth + 1) for k in kids)
             continue
@@ -863,7 +899,8 @@ def check_structure(
             raise deep
         if n > budget:
             raise UnsafeCheckpointError(
-                f"{what} expands to more than {budget} objects through shared references; nothing from it was executed"
+                f"{what} expands to more than {budget} objects through shared references; nothing "
+                f"from it was executed"
             )
         height[oid], size[oid] = h, n
     return len(keep) + edges

@@ -46,7 +46,8 @@ class WorkBudget:
     def exceeded(self, what: str) -> CheckpointFormatError:
         """The error for ``what`` needing more work than :attr:`limit`."""
         return CheckpointFormatError(
-            f"{what} needs more than the {self.limit} units of decoding work allowed (its work budget); "
+            f"{what} needs more than the {self.limit} units of decoding work allowed (its work "
+            f"budget); "
             "nothing more of it was decoded"
         )
 

@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from asyncload._errors import CheckpointFormatError
-from asyncload.decoding.allowlist import TensorRef, record_globals, safe_loads, storage_persistent_load
+from asyncload.decoding.allowlist import (
+    TensorRef,
+    record_globals,
+    safe_loads,
+    storage_persistent_load,
+)
 from asyncload.decoding.work import WorkBudget
 from asyncload.formats.base import (
     TensorLocation,
@@ -151,13 +156,16 @@ def parse_archive(
     except NeedBytes as need:
         if need.start < start or need.end > start + size or need.end < need.start:
             raise CheckpointFormatError(
-                f"{where}: the archive points at bytes [{need.start - start}, {need.end - start}) of a "
+                f"{where}: the archive points at bytes [{need.start - start}, {need.end - start}) "
+                f"of a "
                 f"{size}-byte record: the record is damaged or its length in the metadata is wrong"
             ) from None
         raise
 
 
-def _counted(decode: Callable[[memoryview, str], Any], work: WorkBudget, data: memoryview, where: str) -> Any:
+def _counted(
+    decode: Callable[[memoryview, str], Any], work: WorkBudget, data: memoryview, where: str
+) -> Any:
     work.charge(len(data), where)  # another decoder: a unit per byte of its pickle
     return decode(data, where)
 
@@ -172,7 +180,9 @@ def _parse_archive(
     work: WorkBudget,
 ) -> ArchiveLayout:
     if size < 22:
-        raise CheckpointFormatError(f"{where}: {size} bytes is too small to be a torch.save archive")
+        raise CheckpointFormatError(
+            f"{where}: {size} bytes is too small to be a torch.save archive"
+        )
     tail_len = min(size, TAIL_PROBE)
     tail = win.get(start + size - tail_len, start + size)
     cd_off, cd_size, n = locate_central_directory(tail, size, where)
@@ -181,11 +191,15 @@ def _parse_archive(
     work.charge(1 + len(entries), where)  # the entries parsed (a count claimed is not trusted)
     pkl_names = [k for k in entries if k.endswith("/data.pkl") or k == "data.pkl"]
     if len(pkl_names) != 1:
-        raise CheckpointFormatError(f"{where}: not a torch.save archive (found {len(pkl_names)} data.pkl entries)")
+        raise CheckpointFormatError(
+            f"{where}: not a torch.save archive (found {len(pkl_names)} data.pkl entries)"
+        )
     pkl = entries[pkl_names[0]]
     prefix = pkl.name[: -len("data.pkl")]
     if pkl.size > max_pickle:
-        raise CheckpointFormatError(f"{where}: data.pkl of {pkl.size} bytes exceeds the {max_pickle} allowed")
+        raise CheckpointFormatError(
+            f"{where}: data.pkl of {pkl.size} bytes exceeds the {max_pickle} allowed"
+        )
     bo = entries.get(prefix + "byteorder")
     if bo is not None:
         if bo.size > 16:
@@ -193,7 +207,9 @@ def _parse_archive(
         ds = _data_start(win, start, bo.header_offset, bo.name, where)
         order = bytes(win.get(start + ds, start + ds + bo.size))
         if order not in (b"little",):
-            raise CheckpointFormatError(f"{where}: byte order {order!r} is not supported (only little-endian)")
+            raise CheckpointFormatError(
+                f"{where}: byte order {order!r} is not supported (only little-endian)"
+            )
     ds = _data_start(win, start, pkl.header_offset, pkl.name, where)
     if pkl.method != 0:
         raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
@@ -208,16 +224,21 @@ def _parse_archive(
             continue
         entry = entries.get(f"{prefix}data/{key}")
         if entry is None:
-            raise CheckpointFormatError(f"{where}: storage {key!r} named by data.pkl has no data/{key} entry")
+            raise CheckpointFormatError(
+                f"{where}: storage {key!r} named by data.pkl has no data/{key} entry"
+            )
         if entry.method != 0:
             raise CheckpointFormatError(f"{where}: storage data/{key} is compressed")
         if entry.size != ref.storage.nbytes:
             raise CheckpointFormatError(
-                f"{where}: storage data/{key} holds {entry.size} bytes, data.pkl says {ref.storage.nbytes}"
+                f"{where}: storage data/{key} holds {entry.size} bytes, data.pkl says "
+                f"{ref.storage.nbytes}"
             )
         dstart = _data_start(win, start, entry.header_offset, entry.name, where)
         if dstart + entry.size > size:
-            raise CheckpointFormatError(f"{where}: storage data/{key} runs past the end of the archive")
+            raise CheckpointFormatError(
+                f"{where}: storage data/{key} runs past the end of the archive"
+            )
         storages[key] = StorageLoc(key, start + dstart, entry.size, entry.crc32)
     return ArchiveLayout(obj, storages, where)
 
@@ -233,11 +254,18 @@ _TENSOR_PICKLE_MAX_BYTES = 4096
 
 
 def _record_object(
-    pickle_bytes: memoryview, where: str, safe_globals: tuple[Any, ...] = (), work: WorkBudget | None = None
+    pickle_bytes: memoryview,
+    where: str,
+    safe_globals: tuple[Any, ...] = (),
+    work: WorkBudget | None = None,
 ) -> Any:
     """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode under the
     same ``safe_globals``: a unit of ``work`` per byte, the bytes compared)."""
-    key = (bytes(pickle_bytes), safe_globals) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES else None
+    key = (
+        (bytes(pickle_bytes), safe_globals)
+        if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES
+        else None
+    )
     if key is not None:
         hit = _TENSOR_PICKLES.get(key)
         if hit is not None:
@@ -265,7 +293,8 @@ def _data_start(win: ByteWindow, start: int, header_offset: int, name: str, wher
     ds = local_data_start(head, header_offset, name, where)
     if ds is None:  # the local header's name is longer than the directory's
         raise CheckpointFormatError(
-            f"{where}: the local header of {name[:200]!r} at {header_offset} does not match the central directory"
+            f"{where}: the local header of {name[:200]!r} at {header_offset} does not match the "
+            f"central directory"
         )
     return ds
 
@@ -288,7 +317,9 @@ async def aparse_archive(
     limit = max_pickle + (1 << 20)
     for _ in range(16):
         try:
-            return parse_archive(win, start, size, where, max_pickle=max_pickle, safe_globals=safe_globals, work=work)
+            return parse_archive(
+                win, start, size, where, max_pickle=max_pickle, safe_globals=safe_globals, work=work
+            )
         except NeedBytes as need:
             lo = max(start, need.start)
             hi = min(start + size, max(need.end, need.start + HEAD_PROBE))
@@ -302,11 +333,15 @@ async def aparse_archive(
     raise CheckpointFormatError(f"{where}: layout did not resolve after 16 reads")
 
 
-def tensor_location(layout: ArchiveLayout, name: str, ref: TensorRef | None = None) -> TensorLocation:
+def tensor_location(
+    layout: ArchiveLayout, name: str, ref: TensorRef | None = None
+) -> TensorLocation:
     """The location of the archive's tensor (``ref``, or the archive's whole object)."""
     ref = layout.obj if ref is None else ref
     if not isinstance(ref, TensorRef):
-        raise CheckpointFormatError(f"{layout.where}: expected a tensor record, found {type(ref).__name__}")
+        raise CheckpointFormatError(
+            f"{layout.where}: expected a tensor record, found {type(ref).__name__}"
+        )
     st = layout.storages[ref.storage.key]
     loc = TensorLocation(
         name=name,
@@ -348,7 +383,9 @@ def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
         if raw is None:
             raw = torch.empty(st.nbytes, dtype=torch.uint8)
             if st.nbytes:
-                raw.copy_(tensor_over(win.get(st.data_start, st.data_start + st.nbytes), torch.uint8))
+                raw.copy_(
+                    tensor_over(win.get(st.data_start, st.data_start + st.nbytes), torch.uint8)
+                )
             storages[st.key] = raw
         try:
             t = raw.view(ref.dtype).as_strided(ref.size, ref.stride, ref.storage_offset)
@@ -359,9 +396,15 @@ def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
         try:
             if ref.is_parameter:
                 return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
-            return t.requires_grad_(ref.requires_grad) if ref.requires_grad and t.is_floating_point() else t
+            return (
+                t.requires_grad_(ref.requires_grad)
+                if ref.requires_grad and t.is_floating_point()
+                else t
+            )
         except RuntimeError as exc:  # the rebuild functions check requires_grad; belt and braces
-            raise CheckpointFormatError(f"{layout.where}: tensor cannot be built ({exc})"[:400]) from None
+            raise CheckpointFormatError(
+                f"{layout.where}: tensor cannot be built ({exc})"[:400]
+            ) from None
 
     done: dict[int, Any] = {}  # id(original) -> replacement
     keep: list[Any] = []  # keeps originals alive while their ids are keys

@@ -63,7 +63,8 @@ class TensorLocation:
     storage_offset: int = 0
     #: CRC-32 of the storage's bytes, where the format stores one.
     crc32: int | None = None
-    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of __0_0.distcp"``.
+    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of
+    #: __0_0.distcp"``.
     where: str = ""
 
     @property
@@ -72,15 +73,21 @@ class TensorLocation:
 
     def check(self) -> None:
         """Raise CheckpointFormatError unless every element lies inside the storage."""
-        if any(s < 0 for s in self.size) or any(s < 0 for s in self.stride) or self.storage_offset < 0:
+        if (
+            any(s < 0 for s in self.size)
+            or any(s < 0 for s in self.stride)
+            or self.storage_offset < 0
+        ):
             raise CheckpointFormatError(f"{self.where}: negative size, stride or offset")
         if math.prod(self.size) == 0:
             return
         last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
         if (last + 1) * self.itemsize > self.storage_nbytes:
             raise CheckpointFormatError(
-                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at offset "
-                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has {self.storage_nbytes}"
+                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at "
+                f"offset "
+                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has "
+                f"{self.storage_nbytes}"
             )
 
 
@@ -292,7 +299,9 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
     )
 
 
-def check_weight_map(weight_map: dict[str, str] | None, found: Collection[str], source: str) -> None:
+def check_weight_map(
+    weight_map: dict[str, str] | None, found: Collection[str], source: str
+) -> None:
     """Every key an index places in a shard was found in that shard's header or archive."""
     if weight_map is None:
         return

@@ -36,7 +36,11 @@ def tensor_over(data: memoryview | bytes | bytearray, dtype: torch.dtype) -> tor
     offset of a read buffer) are copied into aligned memory first: torch's kernels load
     elements with aligned vector instructions, and a misaligned ``complex128`` source crashed
     the process in ``copy_``."""
-    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    mv = (
+        memoryview(data).cast("B")
+        if not isinstance(data, memoryview) or data.format != "B"
+        else data
+    )
     if len(mv) == 0:
         return torch.empty(0, dtype=dtype)
     raw = np.frombuffer(mv, dtype=np.uint8)

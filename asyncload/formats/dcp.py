@@ -26,7 +26,9 @@ def decode_metadata(
     """``.metadata``'s bytes as DCP ``Metadata``: allow-listed decoding, a known version, every
     field of the type and range DCP writes; entries of files saved as safetensors marked.
     ``work``: charged with the decode's and the checks' units (its limit, if any, ends them)."""
-    md = safe_loads(raw, what=url, max_size=max_size, check_structure=False, expect=Metadata, work=work)
+    md = safe_loads(
+        raw, what=url, max_size=max_size, check_structure=False, expect=Metadata, work=work
+    )
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
     version = getattr(md, "version", None)

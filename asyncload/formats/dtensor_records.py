@@ -72,18 +72,23 @@ class DTensorRef:
             )
         except Exception as exc:  # torch's own checks of the geometry
             raise CheckpointFormatError(
-                f"{where}: its placements {self.describe()} cannot be applied ({type(exc).__name__}: {exc})"[:500]
+                f"{where}: its placements {self.describe()} cannot be applied ({type(exc).__name__}: {exc})"[
+                    :500
+                ]
             ) from None
         shape, offsets = tuple(int(x) for x in shape), tuple(int(x) for x in offsets)
         if shape != self.local.size:
             raise CheckpointFormatError(
-                f"{where}: the saved local shard has shape {list(self.local.size)}, but its placements "
-                f"{self.describe()} give this rank (coordinate {list(self.coordinate)}) a shard of shape {list(shape)}"
+                f"{where}: the saved local shard has shape {list(self.local.size)}, but its "
+                f"placements "
+                f"{self.describe()} give this rank (coordinate {list(self.coordinate)}) a shard of "
+                f"shape {list(shape)}"
             )
         for o, n, g in zip(offsets, shape, self.size):
             if o < 0 or o + n > g:
                 raise CheckpointFormatError(
-                    f"{where}: its shard at {list(offsets)} of shape {list(shape)} lies outside the tensor "
+                    f"{where}: its shard at {list(offsets)} of shape {list(shape)} lies outside "
+                    f"the tensor "
                     f"of size {list(self.size)}"
                 )
         return shape, offsets
@@ -91,10 +96,18 @@ class DTensorRef:
     def primary(self) -> bool:
         """Whether this rank's copy is the one read: coordinate 0 on every replicated mesh dim."""
         assert self.coordinate is not None
-        return all(c == 0 for c, (kind, _, _) in zip(self.coordinate, self.placements) if kind == "replicate")
+        return all(
+            c == 0
+            for c, (kind, _, _) in zip(self.coordinate, self.placements)
+            if kind == "replicate"
+        )
 
     def describe(self) -> str:
-        names = {"shard": "Shard({1})", "strided": "_StridedShard({1}, split_factor={2})", "replicate": "Replicate()"}
+        names = {
+            "shard": "Shard({1})",
+            "strided": "_StridedShard({1}, split_factor={2})",
+            "replicate": "Replicate()",
+        }
         ps = ", ".join(names[k].format(k, d, s) for k, d, s in self.placements)
         return f"[{ps}] on a mesh of shape {list(self.mesh_shape)}"
 
@@ -162,10 +175,16 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> DTens
     if type(args) is not tuple or len(args) != 8 or args[0] is not _DTENSOR:
         raise CheckpointFormatError(f"DTensor record has malformed arguments {short_repr(args)}")
     _, dtype, size, _stride, _offset, layout, _device, requires_grad = args
-    if not isinstance(dtype, torch.dtype) or layout is not torch.strided or type(requires_grad) is not bool:
+    if (
+        not isinstance(dtype, torch.dtype)
+        or layout is not torch.strided
+        or type(requires_grad) is not bool
+    ):
         raise CheckpointFormatError(f"DTensor record has malformed arguments {short_repr(args)}")
     size = _int_tuple(size, "global size")
-    if type(state) is tuple and len(state) == 2 and state[0] is None:  # (__dict__, slots) of __reduce_ex__
+    if (
+        type(state) is tuple and len(state) == 2 and state[0] is None
+    ):  # (__dict__, slots) of __reduce_ex__
         state = state[1]
     if not isinstance(state, dict) or not set(state) <= {"_local_tensor", "_spec"}:
         extra = sorted(str(k) for k in state) if isinstance(state, dict) else type(state).__name__
@@ -174,34 +193,50 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> DTens
     if not isinstance(local, TensorRef):
         raise CheckpointFormatError("DTensor record holds no local tensor")
     if local.dtype != dtype:
-        raise CheckpointFormatError(f"DTensor record of dtype {dtype} holds a local tensor of dtype {local.dtype}")
+        raise CheckpointFormatError(
+            f"DTensor record of dtype {dtype} holds a local tensor of dtype {local.dtype}"
+        )
     if not isinstance(spec, _SpecRecord):
         raise CheckpointFormatError("DTensor record holds no DTensorSpec")
     placements = _placements(spec.fields.get("placements"))
     mesh_shape, coordinate = _mesh(spec.fields.get("mesh"))
     meta = spec.fields.get("tensor_meta")
-    if isinstance(meta, _TensorMetaRecord) and meta.args and _int_tuple(meta.args[0], "tensor_meta shape") != size:
+    if (
+        isinstance(meta, _TensorMetaRecord)
+        and meta.args
+        and _int_tuple(meta.args[0], "tensor_meta shape") != size
+    ):
         raise CheckpointFormatError(
-            f"DTensor record's tensor_meta shape {short_repr(meta.args[0])} is not its size {list(size)}"
+            f"DTensor record's tensor_meta shape {short_repr(meta.args[0])} is not its size "
+            f"{list(size)}"
         )
     if len(placements) != len(mesh_shape):
         raise CheckpointFormatError(
-            f"DTensor record has {len(placements)} placements for a mesh of {len(mesh_shape)} dimensions"
+            f"DTensor record has {len(placements)} placements for a mesh of {len(mesh_shape)} "
+            f"dimensions"
         )
     for kind, dim, _ in placements:
         if kind != "replicate" and not 0 <= dim < len(size):
-            raise CheckpointFormatError(f"DTensor record shards dimension {dim} of a {len(size)}-dimensional tensor")
+            raise CheckpointFormatError(
+                f"DTensor record shards dimension {dim} of a {len(size)}-dimensional tensor"
+            )
     if coordinate is not None and (
-        len(coordinate) != len(mesh_shape) or not all(0 <= c < n for c, n in zip(coordinate, mesh_shape))
+        len(coordinate) != len(mesh_shape)
+        or not all(0 <= c < n for c, n in zip(coordinate, mesh_shape))
     ):
         raise CheckpointFormatError(
-            f"DTensor record's coordinate {list(coordinate)} lies outside its mesh of shape {list(mesh_shape)}"
+            f"DTensor record's coordinate {list(coordinate)} lies outside its mesh of shape "
+            f"{list(mesh_shape)}"
         )
     return DTensorRef(local, size, dtype, placements, mesh_shape, coordinate, requires_grad)
 
 
 def _int_tuple(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, (tuple, list)) or len(v) > 1024 or not all(_is_int(x) and x >= 0 for x in v):
+    if (
+        not isinstance(v, (tuple, list))
+        or len(v) > 1024
+        or not all(_is_int(x) and x >= 0 for x in v)
+    ):
         raise CheckpointFormatError(f"DTensor record has a malformed {what}: {short_repr(v)}")
     return tuple(v)
 
@@ -213,7 +248,8 @@ def _placements(v: Any) -> tuple[tuple[str, int, int], ...]:
     for p in v:
         if isinstance(p, _PartialRecord):
             raise CheckpointFormatError(
-                "DTensor record has a Partial placement: it holds a pending reduction (partial sums), "
+                "DTensor record has a Partial placement: it holds a pending reduction (partial "
+                "sums), "
                 "not a slice of the tensor, and asyncload does not reduce across ranks"
             )
         if not isinstance(p, _Record):
@@ -226,10 +262,14 @@ def _placements(v: Any) -> tuple[tuple[str, int, int], ...]:
         elif isinstance(p, _StridedShardRecord) and _is_int(dim):
             split: Any = p.fields.get("split_factor", p.args[1] if len(p.args) > 1 else None)
             if not _is_int(split) or not 0 < split <= _MAX_MESH:
-                raise CheckpointFormatError(f"DTensor record has a malformed _StridedShard {short_repr(p.fields)}")
+                raise CheckpointFormatError(
+                    f"DTensor record has a malformed _StridedShard {short_repr(p.fields)}"
+                )
             out.append(("strided", dim, split))
         else:
-            raise CheckpointFormatError(f"DTensor record has a malformed placement {p.kind} {short_repr(dim)}")
+            raise CheckpointFormatError(
+                f"DTensor record has a malformed placement {p.kind} {short_repr(dim)}"
+            )
     return tuple(out)
 
 
@@ -252,7 +292,9 @@ def _mesh(v: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     if isinstance(layout, _LayoutRecord):
         axes = layout.fields.get("axes", layout.args[0] if layout.args else None)
         if type(axes) is not tuple or not 0 < len(axes) <= _MAX_MESH_DIMS:
-            raise CheckpointFormatError(f"DeviceMesh record has malformed layout axes {short_repr(axes)}")
+            raise CheckpointFormatError(
+                f"DeviceMesh record has malformed layout axes {short_repr(axes)}"
+            )
         shape_l = []
         for ax in axes:
             if not isinstance(ax, _LayoutRecord):
@@ -263,13 +305,16 @@ def _mesh(v: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         shape = mesh.size
     else:
         raise CheckpointFormatError(
-            "DeviceMesh record has neither a _layout nor a mesh tensor: its shape cannot be determined "
+            "DeviceMesh record has neither a _layout nor a mesh tensor: its shape cannot be "
+            "determined "
             "(written by a torch version asyncload does not know)"
         )
     if not 0 < len(shape) <= _MAX_MESH_DIMS or not all(0 < n <= _MAX_MESH for n in shape):
         raise CheckpointFormatError(f"DeviceMesh record has a malformed shape {short_repr(shape)}")
     if math.prod(shape) > _MAX_MESH:
-        raise CheckpointFormatError(f"DeviceMesh record of shape {list(shape)} has more than {_MAX_MESH} ranks")
+        raise CheckpointFormatError(
+            f"DeviceMesh record of shape {list(shape)} has more than {_MAX_MESH} ranks"
+        )
     coord = f.get("_coordinate_on_dim")
     if coord is not None:
         coord = _int_tuple(coord, "mesh coordinate")
@@ -311,14 +356,18 @@ class _DTensorPolicy(_CheckpointPolicy):
     def call(self, vm: PickleVM, func: Any, args: Any) -> Any:
         if func is _rebuild_from_type:
             if type(args) is not tuple or len(args) != 4:
-                raise vm.bad(f"_rebuild_from_type_v2 called with malformed arguments {short_repr(args)}")
+                raise vm.bad(
+                    f"_rebuild_from_type_v2 called with malformed arguments {short_repr(args)}"
+                )
             vm.charge(16)
             try:
                 return _rebuild_from_type(*args)
             except (CheckpointFormatError, UnsafeCheckpointError) as exc:
                 raise type(exc)(f"{vm.what}: {exc}") from None
         if (isinstance(func, type) and func in _RECORD_CLASSES) or isinstance(func, _Marker):
-            raise vm.unsafe(f"asks to call {getattr(func, 'kind', '') or getattr(func, 'name', '')}")
+            raise vm.unsafe(
+                f"asks to call {getattr(func, 'kind', '') or getattr(func, 'name', '')}"
+            )
         return super().call(vm, func, args)
 
     def newobj(self, vm: PickleVM, cls: Any, args: Any, kwargs: Any) -> Any:
@@ -366,7 +415,9 @@ def _no_loose_records(obj: Any, where: str) -> Any:
         o = stack.pop()
         if isinstance(o, (_Record, _Marker)):
             shown = o.kind if isinstance(o, _Record) else o.name
-            raise CheckpointFormatError(f"{where}: holds a {shown} outside a DTensor, which asyncload does not read")
+            raise CheckpointFormatError(
+                f"{where}: holds a {shown} outside a DTensor, which asyncload does not read"
+            )
         if id(o) in seen:
             continue
         seen.add(id(o))

@@ -114,7 +114,8 @@ def item_file_hint(name: str) -> str | None:
     if not _ITEM_FILE.match(base):
         return None
     return (
-        f"{base} is named like one item file of a torch-checkpointing checkpoint (<item>_<rank>.pt): "
+        f"{base} is named like one item file of a torch-checkpointing checkpoint "
+        f"(<item>_<rank>.pt): "
         "load the checkpoint's directory instead, which asyncload reads whole"
     )
 
@@ -165,13 +166,20 @@ def _bad(url: str, msg: str) -> CheckpointFormatError:
 
 
 def decode_metadata_pkl(raw: bytes | memoryview, url: str, *, max_size: int) -> _TcMetadata:
-    """``metadata.pkl`` decoded with no global allowed (it is plain data) and checked field by field."""
+    """``metadata.pkl`` decoded with no global allowed (it is plain data) and checked field by
+    field."""
     d: Any = safe_loads(raw, what=url, allowed={}, max_size=max_size)
     if type(d) is not dict or not {"metadata", "world_size"} <= set(d):
-        raise _bad(url, "is not torch-checkpointing metadata (a dict with 'metadata' and 'world_size')")
+        raise _bad(
+            url, "is not torch-checkpointing metadata (a dict with 'metadata' and 'world_size')"
+        )
     version = d.get("version")
     if version not in _VERSIONS:
-        raise _bad(url, f"has metadata version {short_repr(version)}; asyncload reads versions {list(_VERSIONS)}")
+        raise _bad(
+            url,
+            f"has metadata version {short_repr(version)}; asyncload reads versions "
+            f"{list(_VERSIONS)}",
+        )
     world = d["world_size"]
     if not _is_int(world) or not 0 < world <= _MAX_MESH:
         raise _bad(url, f"has a malformed world_size {short_repr(world)}")
@@ -232,7 +240,11 @@ def _json_key(item: str, jpath: Any, url: str) -> str:
 def _sharding(g: Any, key: str, world: int, url: str) -> _Sharding:
     sm: Any = g.get("sharding_metadata") if type(g) is dict else None
     ranks: Any = g.get("ranks") if type(g) is dict else None
-    if type(sm) is not dict or type(ranks) not in (tuple, list) or not all(_is_int(r) for r in ranks):
+    if (
+        type(sm) is not dict
+        or type(ranks) not in (tuple, list)
+        or not all(_is_int(r) for r in ranks)
+    ):
         raise _bad(url, f"key {key!r} has a malformed sharding group")
     if any(not 0 <= r < world for r in ranks):
         raise _bad(url, f"key {key!r} names ranks {short_repr(ranks)} outside the world of {world}")
@@ -241,7 +253,8 @@ def _sharding(g: Any, key: str, world: int, url: str) -> _Sharding:
         raise _bad(
             url,
             f"key {key!r} has sharding metadata of type {short_repr(kind)}; asyncload reads only "
-            "DTensorShardingMetadata (default_tensor_v1 of custom CheckpointableTensors is not read)",
+            "DTensorShardingMetadata (default_tensor_v1 of custom CheckpointableTensors is not "
+            "read)",
         )
     data: Any = sm.get("data")
     mesh: Any = data.get("mesh_spec") if type(data) is dict else None
@@ -256,14 +269,24 @@ def _sharding(g: Any, key: str, world: int, url: str) -> _Sharding:
         )
     except CheckpointFormatError as exc:
         raise _bad(url, f"key {key!r}: {exc}") from None
-    if math.prod(mesh_shape) != len(mesh_ranks) or len(mesh_shape) != len(placements) or not mesh_shape:
-        raise _bad(url, f"key {key!r} has a mesh of shape {list(mesh_shape)} with {len(mesh_ranks)} ranks")
+    if (
+        math.prod(mesh_shape) != len(mesh_ranks)
+        or len(mesh_shape) != len(placements)
+        or not mesh_shape
+    ):
+        raise _bad(
+            url, f"key {key!r} has a mesh of shape {list(mesh_shape)} with {len(mesh_ranks)} ranks"
+        )
     return _Sharding(tuple(ranks), size, placements, mesh_shape, mesh_ranks)
 
 
 def _spec_placement(p: Any, key: str, url: str) -> _Record:
     kind = p.get("type") if type(p) is dict else None
-    cls = {"Shard": _ShardRecord, "StridedShard": _StridedShardRecord, "Replicate": _ReplicateRecord}.get(kind)  # type: ignore[arg-type]
+    cls = {
+        "Shard": _ShardRecord,
+        "StridedShard": _StridedShardRecord,
+        "Replicate": _ReplicateRecord,
+    }.get(kind)  # type: ignore[arg-type]
     if cls is None:
         raise _bad(url, f"key {key!r} has a placement of unknown type {short_repr(kind)}")
     rec = cls(())
@@ -289,7 +312,8 @@ def _item_files(names: Sequence[str], url: Callable[[str], str]) -> dict[str, li
         if missing:
             name = f"{item}_{missing[0]}.pt"
             raise CheckpointNotFoundError(
-                f"{url(name)} does not exist although rank {world - 1} wrote {item}_{world - 1}.pt: the "
+                f"{url(name)} does not exist although rank {world - 1} wrote "
+                f"{item}_{world - 1}.pt: the "
                 "torch-checkpointing save did not finish or its files were removed",
                 path=url(name),
                 status=404,
@@ -298,7 +322,9 @@ def _item_files(names: Sequence[str], url: Callable[[str], str]) -> dict[str, li
     return out
 
 
-async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: str) -> FormatMetadata:
+async def adirectory_metadata(
+    fetcher: Fetcher, names: Sequence[str], source: str
+) -> FormatMetadata:
     """The synthesised metadata of the torch-checkpointing directory ``fetcher`` is opened at
     (``names``: its listing)."""
     opts = fetcher.options
@@ -307,12 +333,17 @@ async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: st
         size = await fetcher.size(METADATA_FILE)
         url = fetcher.url(METADATA_FILE)
         if size is None:
-            raise CheckpointFormatError(f"{url} is empty: the torch-checkpointing save did not finish")
+            raise CheckpointFormatError(
+                f"{url} is empty: the torch-checkpointing save did not finish"
+            )
         if size > opts.max_metadata_size:
             raise CheckpointFormatError(
-                f"{url} is {size} bytes, more than LoadOptions.max_metadata_size={opts.max_metadata_size}"
+                f"{url} is {size} bytes, more than "
+                f"LoadOptions.max_metadata_size={opts.max_metadata_size}"
             )
-        meta = decode_metadata_pkl(await fetcher.read(METADATA_FILE, 0, size), url, max_size=opts.max_metadata_size)
+        meta = decode_metadata_pkl(
+            await fetcher.read(METADATA_FILE, 0, size), url, max_size=opts.max_metadata_size
+        )
     files = _item_files(names, fetcher.url)
     if meta is not None:  # metadata.pkl is authoritative for the items it describes
         for (item, rank), rel in meta.files.items():
@@ -330,7 +361,8 @@ async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: st
         if size is None:
             named = f"named by {fetcher.url(METADATA_FILE)}" if meta is not None else "expected"
             raise CheckpointNotFoundError(
-                f"{fetcher.url(rel)} ({named}) does not exist or is empty: the torch-checkpointing save did "
+                f"{fetcher.url(rel)} ({named}) does not exist or is empty: the torch-checkpointing "
+                f"save did "
                 "not finish or its files were removed",
                 path=fetcher.url(rel),
                 status=404,
@@ -338,7 +370,9 @@ async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: st
     layouts = dict(
         zip(
             wanted,
-            await asyncio.gather(*(_afile_layout(fetcher, rel, size_of[rel] or 0) for rel in wanted)),
+            await asyncio.gather(
+                *(_afile_layout(fetcher, rel, size_of[rel] or 0) for rel in wanted)
+            ),
         )
     )
     return _synthesise(files, layouts, meta, fetcher, source)
@@ -361,7 +395,9 @@ def _flatten(item: str, value: Any, where: str) -> dict[str, tuple[tuple[Any, ..
         flat[key] = (tuple(path), v)
 
     try:
-        traverse_state_dict({item: value}, visit, keep_traversing=lambda v: isinstance(v, (TensorRef, DTensorRef)))
+        traverse_state_dict(
+            {item: value}, visit, keep_traversing=lambda v: isinstance(v, (TensorRef, DTensorRef))
+        )
     except RecursionError as exc:
         raise CheckpointFormatError(f"{where}: nested too deeply") from exc
     return flat
@@ -393,13 +429,20 @@ def _synthesise(
             paths[key] = path
             kinds = {type(per_rank[r][key][1]) is DTensorRef for r in rs}
             if len(kinds) > 1:
-                other = next(r for r in rs if (type(per_rank[r][key][1]) is DTensorRef) != (type(value) is DTensorRef))
+                other = next(
+                    r
+                    for r in rs
+                    if (type(per_rank[r][key][1]) is DTensorRef) != (type(value) is DTensorRef)
+                )
                 raise CheckpointFormatError(
-                    f"{layouts[ranks[other]].where} and {layout.where}: key {key!r} is a DTensor in one and not "
+                    f"{layouts[ranks[other]].where} and {layout.where}: key {key!r} is a DTensor "
+                    f"in one and not "
                     "in the other: the ranks saved different state"
                 )
             if isinstance(value, DTensorRef):
-                sdm[key], chunks = _dtensor_entry(key, [(r, ranks[r], per_rank[r][key][1]) for r in rs], layouts, meta)
+                sdm[key], chunks = _dtensor_entry(
+                    key, [(r, ranks[r], per_rank[r][key][1]) for r in rs], layouts, meta
+                )
                 for index, (offsets, loc) in enumerate(chunks):
                     storage[MetadataIndex(key, offsets, index)] = KnownTensor(loc)
             elif isinstance(value, TensorRef):
@@ -416,7 +459,8 @@ def _synthesise(
         for key in meta.shardings:
             if key not in sdm:
                 raise CheckpointFormatError(
-                    f"{fetcher.url(METADATA_FILE)} describes key {key!r}, which no file of the checkpoint holds"
+                    f"{fetcher.url(METADATA_FILE)} describes key {key!r}, which no file of the "
+                    f"checkpoint holds"
                 )
     return FormatMetadata(
         state_dict_metadata=sdm,
@@ -433,7 +477,8 @@ def _refs_in(obj: Any, out: list[TensorRef], where: str, depth: int = 0) -> None
         raise CheckpointFormatError(f"{where}: nested more than 200 levels deep")
     if isinstance(obj, DTensorRef):
         raise CheckpointFormatError(
-            f"{where}: holds a DTensor inside a tuple, set or other object; asyncload reads DTensors only "
+            f"{where}: holds a DTensor inside a tuple, set or other object; asyncload reads "
+            f"DTensors only "
             "as values of dicts and lists (each needs a key of its own)"
         )
     if isinstance(obj, TensorRef):
@@ -460,13 +505,16 @@ def _dtensor_entry(
     metas: list[ChunkStorageMetadata] = []
     groups = meta.shardings.get(key) if meta is not None else None
     if meta is not None and groups is None:
-        raise CheckpointFormatError(f"{where0}: holds DTensor {key!r}, which metadata.pkl does not describe")
+        raise CheckpointFormatError(
+            f"{where0}: holds DTensor {key!r}, which metadata.pkl does not describe"
+        )
     for rank, rel, d in held:
         layout = layouts[rel]
         where = f"DTensor {key!r} of {layout.where}"
         if (d.size, d.dtype) != (base.size, base.dtype):
             raise CheckpointFormatError(
-                f"{where}: has size {list(d.size)} and dtype {d.dtype}, {where0} has {list(base.size)} and {base.dtype}"
+                f"{where}: has size {list(d.size)} and dtype {d.dtype}, {where0} has "
+                f"{list(base.size)} and {base.dtype}"
             )
         if groups is not None:
             _check_against_metadata(d, rank, groups, where)
@@ -475,7 +523,8 @@ def _dtensor_entry(
         shape, offsets = d.shard(where)
         loc = replace(
             tensor_location(layout, rel, d.local),
-            where=f"shard {list(offsets)} of DTensor {key!r} (storage data/{d.local.storage.key}) of {layout.where}",
+            where=f"shard {list(offsets)} of DTensor {key!r} (storage data/{d.local.storage.key}) "
+            f"of {layout.where}",
         )
         chunks.append((offsets, loc))
         metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
@@ -493,13 +542,17 @@ def _dtensor_entry(
 def _check_against_metadata(d: DTensorRef, rank: int, groups: list[_Sharding], where: str) -> None:
     g = next((g for g in groups if rank in g.rank_set), None)
     if g is None:
-        raise CheckpointFormatError(f"{where}: metadata.pkl lists no sharding of it for rank {rank}")
+        raise CheckpointFormatError(
+            f"{where}: metadata.pkl lists no sharding of it for rank {rank}"
+        )
     theirs = (g.size, g.placements, g.mesh_shape, g.coordinate(rank))
     ours = (d.size, d.placements, d.mesh_shape, d.coordinate)
     if theirs != ours:
         raise CheckpointFormatError(
-            f"{where}: metadata.pkl says size {list(g.size)}, placements {g.placements}, mesh {list(g.mesh_shape)} "
-            f"and coordinate {g.coordinate(rank)} for rank {rank}; the file holds size {list(d.size)}, placements "
+            f"{where}: metadata.pkl says size {list(g.size)}, placements {g.placements}, mesh "
+            f"{list(g.mesh_shape)} "
+            f"and coordinate {g.coordinate(rank)} for rank {rank}; the file holds size "
+            f"{list(d.size)}, placements "
             f"{d.placements}, mesh {list(d.mesh_shape)} and coordinate {d.coordinate}"
         )
 
@@ -509,6 +562,7 @@ def _check_plain(key: str, value: TensorRef, meta: _TcMetadata, fetcher: Fetcher
     for g in meta.shardings.get(key, ()):
         if g.size != value.size or any(k != "replicate" for k, _, _ in g.placements):
             raise CheckpointFormatError(
-                f"{fetcher.url(METADATA_FILE)}: says key {key!r} has size {list(g.size)} and placements "
+                f"{fetcher.url(METADATA_FILE)}: says key {key!r} has size {list(g.size)} and "
+                f"placements "
                 f"{g.placements}; the files hold a plain tensor of size {list(value.size)}"
             )

@@ -104,17 +104,23 @@ class KnownObject(FormatEntry):
 
 
 async def _atorchsave_files(
-    fetcher: Fetcher, files: Sequence[tuple[str, int]], weight_map: dict[str, str] | None, source: str
+    fetcher: Fetcher,
+    files: Sequence[tuple[str, int]],
+    weight_map: dict[str, str] | None,
+    source: str,
 ) -> FormatMetadata:
     layouts = await asyncio.gather(*(_alayout(fetcher, name, size) for name, size in files))
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     origin: dict[str, str] = {}
-    paths: dict[str, tuple[Any, ...]] = {}  # flattened key -> its path in the saved dict, as DCP's planner_data
+    paths: dict[
+        str, tuple[Any, ...]
+    ] = {}  # flattened key -> its path in the saved dict, as DCP's planner_data
     for (name, _), layout in zip(files, layouts):
         if not isinstance(layout.obj, dict):
             raise CheckpointFormatError(
-                f"{layout.where} holds a {type(layout.obj).__name__}, not a dict; asyncload loads state dicts "
+                f"{layout.where} holds a {type(layout.obj).__name__}, not a dict; asyncload loads "
+                f"state dicts "
                 "(a dict of tensors, possibly nested) from torch.save files"
             )
         for key, (path, value) in _flatten(layout.obj).items():
@@ -122,7 +128,9 @@ async def _atorchsave_files(
                 continue
             paths[key] = path
             if key in origin:
-                raise CheckpointFormatError(f"{source}: key {key!r} is in both {origin[key]} and {name}")
+                raise CheckpointFormatError(
+                    f"{source}: key {key!r} is in both {origin[key]} and {name}"
+                )
             origin[key] = name
             sdm[key], index, entry = saved_entry(key, value, layout, name)
             storage[index] = entry
@@ -218,7 +226,9 @@ def _flatten(obj: Mapping[Any, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
     def visit(path: tuple[Any, ...], value: Any) -> None:
         key = _flat_key(path)
         if key in flat:
-            raise CheckpointFormatError(f"two entries of the torch.save dict flatten to the same key {key!r}")
+            raise CheckpointFormatError(
+                f"two entries of the torch.save dict flatten to the same key {key!r}"
+            )
         flat[key] = (path, value)
 
     _traverse(obj, visit)
@@ -247,7 +257,12 @@ def nest_saved(flat: Mapping[str, Any], templates: Sequence[ArchiveLayout]) -> d
         leaves = {k: v for k, (_, v) in saved.items() if isinstance(v, TensorRef)}
         everything = all(k in flat for k in saved)
         tensors = _shared_tensors(
-            [(k, ref, flat[k]) for k, ref in leaves.items() if isinstance(flat.get(k), torch.Tensor)], layout
+            [
+                (k, ref, flat[k])
+                for k, ref in leaves.items()
+                if isinstance(flat.get(k), torch.Tensor)
+            ],
+            layout,
         )
         built, _ = _rebuild(layout.obj, (), flat, tensors, everything)
         if out is None:
@@ -261,7 +276,11 @@ _DROP: Any = object()
 
 
 def _rebuild(
-    node: Any, path: tuple[Any, ...], flat: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], everything: bool
+    node: Any,
+    path: tuple[Any, ...],
+    flat: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    everything: bool,
 ) -> tuple[Any, bool]:
     """``(value, kept)`` of ``node`` at ``path``, mirroring :func:`_traverse`."""
     if isinstance(node, Mapping):
@@ -282,7 +301,9 @@ def _rebuild(
             values.pop()
         if not values:
             return None, False
-        return [None if v is _DROP else v for v in values], True  # a dropped entry: None, as DCP pads
+        return [
+            None if v is _DROP else v for v in values
+        ], True  # a dropped entry: None, as DCP pads
     key = _flat_key(path)
     if key in tensors:
         return tensors[key], True
@@ -292,7 +313,8 @@ def _rebuild(
 
 
 def _mapping_like(node: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> Any:
-    """A mapping of ``node``'s type (and attributes: a state dict's ``_metadata``) holding ``items``."""
+    """A mapping of ``node``'s type (and attributes: a state dict's ``_metadata``) holding
+    ``items``."""
     if type(node) is dict:
         return dict(items)
     if isinstance(node, dict):  # OrderedDict, or a dict subclass the user trusts
@@ -335,13 +357,16 @@ def _shared_tensors(
     for skey, items in groups.items():
         views = {_view_key(ref) for _, ref, _ in items}
         exact = all(
-            t.dtype == ref.dtype and t.device.type != "meta" and tuple(t.shape) == ref.size for _, ref, t in items
+            t.dtype == ref.dtype and t.device.type != "meta" and tuple(t.shape) == ref.size
+            for _, ref, t in items
         )
         restrided = any(tuple(t.stride()) != ref.stride for _, ref, t in items)
         built: dict[tuple[Any, ...], torch.Tensor] = {}
         st = layout.storages.get(skey)
         held = sum(t.numel() * t.element_size() for t in {id(t): t for _, _, t in items}.values())
-        cheap = st is not None and st.nbytes <= 2 * held + (1 << 20)  # not a large storage for a small slice
+        cheap = st is not None and st.nbytes <= 2 * held + (
+            1 << 20
+        )  # not a large storage for a small slice
         if exact and cheap and st is not None and (len(views) > 1 or restrided):
             built = _one_storage(items, st.nbytes)
         for key, ref, t in items:
@@ -358,7 +383,9 @@ def _shared_tensors(
     return out
 
 
-def _one_storage(items: list[tuple[str, TensorRef, torch.Tensor]], nbytes: int) -> dict[tuple[Any, ...], torch.Tensor]:
+def _one_storage(
+    items: list[tuple[str, TensorRef, torch.Tensor]], nbytes: int
+) -> dict[tuple[Any, ...], torch.Tensor]:
     """Views of one new storage of ``nbytes`` holding the loaded tensors (``{}`` where a view
     cannot be filled: the loaded tensors are returned as they are)."""
     device = items[0][2].device
@@ -393,7 +420,11 @@ def _as_saved(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
 
 
 async def _alayout(
-    fetcher: Fetcher, name: str, size: int, *, decode: Callable[[memoryview, str], Any] | None = None
+    fetcher: Fetcher,
+    name: str,
+    size: int,
+    *,
+    decode: Callable[[memoryview, str], Any] | None = None,
 ) -> ArchiveLayout:
     """Parse a torch.save zip file without reading its tensor data: the directory at its
     tail, the pickle and each entry's local header (fetched concurrently, neighbours joined)."""
@@ -407,14 +438,17 @@ async def _alayout(
     win.add(tail_start, tail)
     cd_off, cd_size, n = locate_central_directory(tail, size, url)
     if cd_size > opts.max_metadata_size:
-        raise CheckpointFormatError(f"{url}: zip directory of {cd_size} bytes exceeds LoadOptions.max_metadata_size")
+        raise CheckpointFormatError(
+            f"{url}: zip directory of {cd_size} bytes exceeds LoadOptions.max_metadata_size"
+        )
     if cd_off < tail_start:
         win.add(cd_off, await fetcher.read_view(name, cd_off, min(cd_off + cd_size, size)))
     entries = parse_central_directory(win.get(cd_off, cd_off + cd_size), n, size, url).entries
     pkl = [e for k, e in entries.items() if k.endswith("/data.pkl") or k == "data.pkl"]
     if len(pkl) == 1 and pkl[0].size > opts.max_metadata_size:
         raise CheckpointFormatError(
-            f"{url}: data.pkl of {pkl[0].size} bytes exceeds LoadOptions.max_metadata_size={opts.max_metadata_size}"
+            f"{url}: data.pkl of {pkl[0].size} bytes exceeds "
+            f"LoadOptions.max_metadata_size={opts.max_metadata_size}"
         )
     # data.pkl and byteorder whole; of each storage only its local header's fixed part and name
     # (the data start follows from the extra field's length, which that part holds)
@@ -428,21 +462,33 @@ async def _alayout(
         if whole:
             hi += _LOCAL_EXTRA_GUESS + e.size
         ranges.append((e.header_offset, min(size, hi)))
-    await _afill(fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP))
+    await _afill(
+        fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP)
+    )
     for _ in range(16):
         try:
             return parse_archive(
-                win, 0, size, url, max_pickle=opts.max_metadata_size, safe_globals=opts.safe_globals, decode=decode
+                win,
+                0,
+                size,
+                url,
+                max_pickle=opts.max_metadata_size,
+                safe_globals=opts.safe_globals,
+                decode=decode,
             )
         except NeedBytes as need:
             lo, hi = max(0, need.start), min(size, max(need.end, need.start + HEAD_PROBE))
             if hi <= lo:
-                raise CheckpointFormatError(f"{url}: needs bytes [{need.start}, {need.end}) outside the file") from None
+                raise CheckpointFormatError(
+                    f"{url}: needs bytes [{need.start}, {need.end}) outside the file"
+                ) from None
             win.add(lo, await fetcher.read(name, lo, hi))
     raise CheckpointFormatError(f"{url}: the archive's layout did not resolve after 16 extra reads")
 
 
-async def _afill(fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tuple[int, int]], *, max_gap: int) -> None:
+async def _afill(
+    fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tuple[int, int]], *, max_gap: int
+) -> None:
     """Fetch ``ranges`` into ``win``: sorted, neighbours within ``max_gap`` joined (up to
     ``chunk_size`` per request), all requests concurrently."""
     opts = fetcher.options
@@ -461,11 +507,15 @@ async def _afill(fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tupl
         win.add(lo, data)
 
 
-async def amaterialize(entry: KnownObject, fetch: Callable[[str, int, int], Awaitable[bytes]]) -> Any:
+async def amaterialize(
+    entry: KnownObject, fetch: Callable[[str, int, int], Awaitable[bytes]]
+) -> Any:
     """The object of a :class:`KnownObject`, with the tensors inside it read and built."""
     win = ByteWindow()
     stores = list(entry.storages.values())
-    datas = await asyncio.gather(*(fetch(entry.relative_path, s.data_start, s.data_start + s.nbytes) for s in stores))
+    datas = await asyncio.gather(
+        *(fetch(entry.relative_path, s.data_start, s.data_start + s.nbytes) for s in stores)
+    )
     for s, d in zip(stores, datas):
         win.add(s.data_start, d)
     return materialize(ArchiveLayout(entry.obj, dict(entry.storages), entry.where), win)

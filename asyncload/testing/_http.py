@@ -58,7 +58,9 @@ class _Request:
 
     def tokens(self, name: str) -> set[str]:
         name = name.lower()
-        return {t.strip().lower() for k, v in self.headers if k.lower() == name for t in v.split(",")}
+        return {
+            t.strip().lower() for k, v in self.headers if k.lower() == name for t in v.split(",")
+        }
 
     @property
     def keep_alive(self) -> bool:
@@ -72,7 +74,8 @@ class _Request:
 # pacing
 # ---------------------------------------------------------------------------
 class _TokenBucket:
-    """A shared byte budget refilled at ``rate`` bytes/s (debt-based: fair enough, exact on average)."""
+    """A shared byte budget refilled at ``rate`` bytes/s (debt-based: fair enough, exact on
+    average)."""
 
     def __init__(self) -> None:
         self._tokens = 0.0
@@ -185,8 +188,14 @@ def _without_connection_close(head: bytes) -> bytes:
     return b"\r\n".join(kept) + b"\r\n\r\n"
 
 
-def _build_response(code: int, phrase: str, headers: list[tuple[str, str]], body: bytes, *, close: bool) -> bytes:
-    lines = [f"HTTP/1.1 {code} {phrase}", "Server: asyncload-fault-proxy", f"Content-Length: {len(body)}"]
+def _build_response(
+    code: int, phrase: str, headers: list[tuple[str, str]], body: bytes, *, close: bool
+) -> bytes:
+    lines = [
+        f"HTTP/1.1 {code} {phrase}",
+        "Server: asyncload-fault-proxy",
+        f"Content-Length: {len(body)}",
+    ]
     lines += [f"{k}: {v}" for k, v in headers]
     if close:
         lines.append("Connection: close")
@@ -194,7 +203,9 @@ def _build_response(code: int, phrase: str, headers: list[tuple[str, str]], body
 
 
 def _simple_response(code: int, body: bytes, *, close: bool) -> bytes:
-    return _build_response(code, http.HTTPStatus(code).phrase, [("Content-Type", "text/plain")], body, close=close)
+    return _build_response(
+        code, http.HTTPStatus(code).phrase, [("Content-Type", "text/plain")], body, close=close
+    )
 
 
 def _abort_with_rst(writer: asyncio.StreamWriter) -> None:

@@ -232,11 +232,16 @@ class LoopbackServer:
                     self._spawn(port)
                     self._wait_ready(port)
                 except ServerStartError as exc:
-                    in_use = "address already in use" in str(exc).lower() or "eaddrinuse" in str(exc).lower()
+                    in_use = (
+                        "address already in use" in str(exc).lower()
+                        or "eaddrinuse" in str(exc).lower()
+                    )
                     self._terminate()
                     last_error = exc
                     if in_use and not self._requested_port:
-                        logger.info("%s: port %d was taken, retrying on another", type(self).__name__, port)
+                        logger.info(
+                            "%s: port %d was taken, retrying on another", type(self).__name__, port
+                        )
                         continue
                     self._cleanup_files()
                     raise
@@ -247,7 +252,9 @@ class LoopbackServer:
                 self._port = port
                 with _LIVE_LOCK:
                     _LIVE.add(self)
-                logger.info("%s started: pid %d, %s", type(self).__name__, self.pid, self.endpoint_url)
+                logger.info(
+                    "%s started: pid %d, %s", type(self).__name__, self.pid, self.endpoint_url
+                )
                 return self
             self._cleanup_files()
             assert last_error is not None
@@ -267,7 +274,12 @@ class LoopbackServer:
             with _LIVE_LOCK:
                 _LIVE.discard(self)
             if proc is not None:
-                logger.info("%s stopped: pid %d exited with %s", type(self).__name__, proc.pid, proc.returncode)
+                logger.info(
+                    "%s stopped: pid %d exited with %s",
+                    type(self).__name__,
+                    proc.pid,
+                    proc.returncode,
+                )
 
     def __enter__(self) -> Self:
         return self.start()
@@ -309,7 +321,9 @@ class LoopbackServer:
     def workdir(self) -> Path:
         """Private temporary directory of this server (created on first use)."""
         if self._workdir is None:
-            self._workdir = tempfile.TemporaryDirectory(prefix=f"asyncload-{type(self).__name__.lower()}-")
+            self._workdir = tempfile.TemporaryDirectory(
+                prefix=f"asyncload-{type(self).__name__.lower()}-"
+            )
         return Path(self._workdir.name)
 
     def log_tail(self, nbytes: int = 4000) -> str:
@@ -324,7 +338,11 @@ class LoopbackServer:
 
     def __repr__(self) -> str:
         proc = self._proc
-        state = f"pid={proc.pid} {self.endpoint_url}" if proc is not None and self.running and self._port else "stopped"
+        state = (
+            f"pid={proc.pid} {self.endpoint_url}"
+            if proc is not None and self.running and self._port
+            else "stopped"
+        )
         return f"<{type(self).__name__} {state}>"
 
     # -- fsspec -------------------------------------------------------------
@@ -370,7 +388,14 @@ class LoopbackServer:
             key = f"{prefix}/{rel}" if prefix else rel
             self._upload_file(bucket, key, path)
             count += 1
-        logger.debug("%s: uploaded %d files from %s to %s/%s", type(self).__name__, count, root, bucket, prefix)
+        logger.debug(
+            "%s: uploaded %d files from %s to %s/%s",
+            type(self).__name__,
+            count,
+            root,
+            bucket,
+            prefix,
+        )
         return self.url(bucket, prefix)
 
     def _create_bucket(self, bucket: str) -> None:
@@ -433,7 +458,9 @@ class LoopbackServer:
                 try:
                     proc.wait(timeout)
                 except subprocess.TimeoutExpired:
-                    logger.warning("%s pid %d ignored SIGTERM; killing it", type(self).__name__, proc.pid)
+                    logger.warning(
+                        "%s pid %d ignored SIGTERM; killing it", type(self).__name__, proc.pid
+                    )
                     try:
                         os.kill(proc.pid, signal.SIGKILL)
                     except ProcessLookupError:

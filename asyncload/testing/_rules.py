@@ -91,7 +91,8 @@ class Truncate(Action):
 
 @dataclass(frozen=True)
 class Stall(Action):
-    """Hang: send nothing for ``seconds`` (None: until the client leaves or the proxy stops), then close.
+    """Hang: send nothing for ``seconds`` (None: until the client leaves or the proxy stops), then
+    close.
 
     ``after_bytes`` None: hang before forwarding (no headers). Otherwise
     forward, send the headers and ``after_bytes`` body bytes, then hang.
@@ -138,12 +139,14 @@ class Overlong(Action):
 
 
 def shift_range(offset: int) -> ShiftRange:
-    """Action: forward with the ``Range`` header moved by ``offset`` bytes (another range is answered)."""
+    """Action: forward with the ``Range`` header moved by ``offset`` bytes (another range is
+    answered)."""
     return ShiftRange(int(offset))
 
 
 def overlong(extra: int) -> Overlong:
-    """Action: forward, then send ``extra`` bytes more than the body (``Content-Length`` raised to match)."""
+    """Action: forward, then send ``extra`` bytes more than the body (``Content-Length`` raised to
+    match)."""
     if extra <= 0:
         raise ValueError("extra must be > 0")
     return Overlong(int(extra))
@@ -171,7 +174,8 @@ def status(
 
 
 def reset(after_bytes: int | None = None) -> Reset:
-    """Action: abort the connection with an RST (before forwarding, or after ``after_bytes`` of body)."""
+    """Action: abort the connection with an RST (before forwarding, or after ``after_bytes`` of
+    body)."""
     if after_bytes is not None and after_bytes < 0:
         raise ValueError("after_bytes must be >= 0")
     return Reset(after_bytes)
@@ -346,17 +350,22 @@ def _error_response(req: _Request, action: Status, flavor: Flavor, request_no: i
         body = action.body.encode() if isinstance(action.body, str) else action.body
         ctype = "application/xml" if body.lstrip().startswith(b"<") else "text/plain"
     elif flavor == "s3":
-        s3_code = action.error_code or _S3_CODES.get(code, "InternalError" if code >= 500 else "InvalidRequest")
+        s3_code = action.error_code or _S3_CODES.get(
+            code, "InternalError" if code >= 500 else "InvalidRequest"
+        )
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
-            f"<Error><Code>{xml_escape(s3_code)}</Code><Message>{xml_escape(phrase)} (fault proxy)</Message>"
+            f"<Error><Code>{xml_escape(s3_code)}</Code><Message>{xml_escape(phrase)} (fault "
+            f"proxy)</Message>"
             f"<Resource>{xml_escape(req.path)}</Resource><RequestId>faultproxy{request_no}</RequestId>"
             "</Error>"
         ).encode()
         ctype = "application/xml"
         headers.append(("x-amz-request-id", f"faultproxy{request_no}"))
     elif flavor == "gcs":
-        reason = action.error_code or _GCS_REASONS.get(code, "backendError" if code >= 500 else "invalid")
+        reason = action.error_code or _GCS_REASONS.get(
+            code, "backendError" if code >= 500 else "invalid"
+        )
         message = f"{phrase} (fault proxy)"
         doc = {
             "error": {

@@ -67,7 +67,9 @@ def parse_byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, min(end + 1, size)
 
 
-def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, request_log: str | None = None) -> None:
+def _run_http_range_server(
+    root: str, port: int, *, ignore_range: bool = False, request_log: str | None = None
+) -> None:
     """Serve ``root`` on 127.0.0.1:port until SIGTERM/SIGINT (child process)."""
     import asyncio
     import email.utils
@@ -101,7 +103,9 @@ def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, 
 
     async def _handle(request: web.Request, sent: list[int]) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
-            return web.Response(status=405, text="method not allowed\n", headers={"Allow": "GET, HEAD"})
+            return web.Response(
+                status=405, text="method not allowed\n", headers={"Allow": "GET, HEAD"}
+            )
         target = (root_path / request.path.lstrip("/")).resolve()
         if not target.is_relative_to(root_path) or not target.exists():
             return web.Response(status=404, text="not found\n")
@@ -109,9 +113,12 @@ def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, 
             base = request.path if request.path.endswith("/") else request.path + "/"
             names = sorted(p.name + ("/" if p.is_dir() else "") for p in target.iterdir())
             links = "".join(
-                f'<a href="{html.escape(base + urllib.parse.quote(n))}">{html.escape(n)}</a>\n' for n in names
+                f'<a href="{html.escape(base + urllib.parse.quote(n))}">{html.escape(n)}</a>\n'
+                for n in names
             )
-            return web.Response(text=f"<html><body>\n{links}</body></html>\n", content_type="text/html")
+            return web.Response(
+                text=f"<html><body>\n{links}</body></html>\n", content_type="text/html"
+            )
         st = target.stat()
         size = st.st_size
         headers = {
@@ -121,10 +128,16 @@ def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, 
             "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
         }
         if_match = request.headers.get("If-Match")
-        if if_match is not None and if_match.strip() != "*" and headers["ETag"] not in _etags(if_match):
+        if (
+            if_match is not None
+            and if_match.strip() != "*"
+            and headers["ETag"] not in _etags(if_match)
+        ):
             return web.Response(status=412, text="precondition failed\n", headers=headers)
         try:
-            byte_range = None if ignore_range else parse_byte_range(request.headers.get("Range"), size)
+            byte_range = (
+                None if ignore_range else parse_byte_range(request.headers.get("Range"), size)
+            )
         except RangeNotSatisfiable as exc:
             headers["Content-Range"] = f"bytes */{size}"
             headers["Content-Type"] = "text/plain"
@@ -146,7 +159,9 @@ def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, 
             try:
                 pos = start
                 while pos < stop:
-                    data = await loop.run_in_executor(None, os.pread, fd, min(chunk, stop - pos), pos)
+                    data = await loop.run_in_executor(
+                        None, os.pread, fd, min(chunk, stop - pos), pos
+                    )
                     if not data:
                         break
                     await resp.write(data)
@@ -164,7 +179,11 @@ def _run_http_range_server(root: str, port: int, *, ignore_range: bool = False, 
 
 def _run_moto_server(port: int) -> None:
     """moto's S3 (and other) server on 127.0.0.1:port until SIGTERM (child process)."""
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
     from werkzeug.serving import run_simple
 
     class Handler(MotoRequestHandler):
@@ -188,13 +207,19 @@ def _run_moto_server(port: int) -> None:
 def _main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="asyncload loopback test servers (child processes)")
+    parser = argparse.ArgumentParser(
+        description="asyncload loopback test servers (child processes)"
+    )
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--http-range-server", action="store_true", help="serve --root with Range support")
+    which.add_argument(
+        "--http-range-server", action="store_true", help="serve --root with Range support"
+    )
     which.add_argument("--moto-server", action="store_true", help="moto's server")
     parser.add_argument("--root", help="directory served by --http-range-server")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--ignore-range", action="store_true", help="answer every GET with the whole file")
+    parser.add_argument(
+        "--ignore-range", action="store_true", help="answer every GET with the whole file"
+    )
     parser.add_argument("--request-log", help="append one JSON line per request served")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -203,7 +228,9 @@ def _main(argv: list[str] | None = None) -> None:
     else:
         if not args.root:
             parser.error("--http-range-server needs --root")
-        _run_http_range_server(args.root, args.port, ignore_range=args.ignore_range, request_log=args.request_log)
+        _run_http_range_server(
+            args.root, args.port, ignore_range=args.ignore_range, request_log=args.request_log
+        )
 
 
 if __name__ == "__main__":

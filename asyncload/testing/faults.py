@@ -226,14 +226,18 @@ class FaultProxy:
         ready = threading.Event()
         error: list[BaseException] = []
         self._stopping = False
-        thread = threading.Thread(target=self._run, args=(ready, error), name=self.thread_name, daemon=True)
+        thread = threading.Thread(
+            target=self._run, args=(ready, error), name=self.thread_name, daemon=True
+        )
         thread.start()
         ready.wait()
         if error:
             thread.join()
             raise FaultProxyError(f"fault proxy could not listen: {error[0]}") from error[0]
         self._thread = thread
-        logger.info("fault proxy %s -> %s started (%s)", self.endpoint_url, self.upstream_url, self.flavor)
+        logger.info(
+            "fault proxy %s -> %s started (%s)", self.endpoint_url, self.upstream_url, self.flavor
+        )
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -250,7 +254,9 @@ class FaultProxy:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
         if thread.is_alive():
-            logger.error("fault proxy thread %s did not stop within %.1f s", self.thread_name, timeout)
+            logger.error(
+                "fault proxy thread %s did not stop within %.1f s", self.thread_name, timeout
+            )
         self._thread = None
         self._port = None
         with self._cond:
@@ -316,7 +322,9 @@ class FaultProxy:
             raise TypeError(f"action must be an Action (delay(), status(), ...), not {action!r}")
         methods: frozenset[str] | None = None
         if method is not None:
-            methods = frozenset([method.upper()] if isinstance(method, str) else (m.upper() for m in method))
+            methods = frozenset(
+                [method.upper()] if isinstance(method, str) else (m.upper() for m in method)
+            )
         rule = Rule(action, methods, path, range_only, data_only, times, probability, skip)
         with self._lock:
             self._rules.append(rule)
@@ -385,7 +393,9 @@ class FaultProxy:
         try:
             try:
                 server = loop.run_until_complete(
-                    asyncio.start_server(self._on_client, "127.0.0.1", self._requested_port or 0, limit=_HEAD_LIMIT)
+                    asyncio.start_server(
+                        self._on_client, "127.0.0.1", self._requested_port or 0, limit=_HEAD_LIMIT
+                    )
                 )
             except BaseException as exc:
                 error.append(exc)
@@ -442,7 +452,12 @@ class FaultProxy:
                     break
         except asyncio.CancelledError:
             pass
-        except (ConnectionError, asyncio.IncompleteReadError, _ProtocolError, asyncio.LimitOverrunError) as exc:
+        except (
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            _ProtocolError,
+            asyncio.LimitOverrunError,
+        ) as exc:
             logger.debug("fault proxy connection ended: %r", exc)
         except Exception:  # a proxy bug must not kill the loop
             logger.exception("fault proxy: unexpected error on a connection")
@@ -475,10 +490,14 @@ class FaultProxy:
                 break
             action = chosen.action if chosen else None
             description = action.describe() if action else "forward"
-            self._log.append(LogEntry(req.method, req.path, req.query, req.header("range"), description, chosen))
+            self._log.append(
+                LogEntry(req.method, req.path, req.query, req.header("range"), description, chosen)
+            )
             self._cond.notify_all()
         if chosen is not None:
-            logger.debug("fault proxy %s: %s %s -> %s", self.thread_name, req.method, req.target, action)
+            logger.debug(
+                "fault proxy %s: %s %s -> %s", self.thread_name, req.method, req.target, action
+            )
         return chosen, action
 
     async def _serve(self, conn: _Conn, req: _Request) -> bool:
@@ -502,13 +521,20 @@ class FaultProxy:
             return req.keep_alive
 
         if isinstance(action, ShiftRange):
-            req.headers = [(k, _shift_range(v, action.offset) if k.lower() == "range" else v) for k, v in req.headers]
+            req.headers = [
+                (k, _shift_range(v, action.offset) if k.lower() == "range" else v)
+                for k, v in req.headers
+            ]
         # forward
         try:
             head, code, resp_headers = await self._exchange(conn, req)
         except (OSError, asyncio.IncompleteReadError, _ProtocolError) as exc:
             logger.warning(
-                "fault proxy: upstream %s failed for %s %s: %r", self.upstream_url, req.method, req.target, exc
+                "fault proxy: upstream %s failed for %s %s: %r",
+                self.upstream_url,
+                req.method,
+                req.target,
+                exc,
             )
             conn.close_upstream()
             conn.writer.write(_simple_response(502, b"fault proxy: upstream failed\n", close=True))
@@ -516,8 +542,18 @@ class FaultProxy:
             return False
         assert conn.up_reader is not None
         up_reader = conn.up_reader
-        te = {t.strip().lower() for k, v in resp_headers if k.lower() == "transfer-encoding" for t in v.split(",")}
-        resp_conn = {t.strip().lower() for k, v in resp_headers if k.lower() == "connection" for t in v.split(",")}
+        te = {
+            t.strip().lower()
+            for k, v in resp_headers
+            if k.lower() == "transfer-encoding"
+            for t in v.split(",")
+        }
+        resp_conn = {
+            t.strip().lower()
+            for k, v in resp_headers
+            if k.lower() == "connection"
+            for t in v.split(",")
+        }
         body: AsyncIterator[bytes] | None
         until_close = False
         if req.method == "HEAD" or code in (204, 304) or 100 <= code < 200:
@@ -531,7 +567,9 @@ class FaultProxy:
                 body = _read_until_eof(up_reader)
             else:
                 body = _read_exact(up_reader, length)
-        upstream_keeps = not until_close and "close" not in resp_conn and head.startswith(b"HTTP/1.1")
+        upstream_keeps = (
+            not until_close and "close" not in resp_conn and head.startswith(b"HTTP/1.1")
+        )
         client_keeps = req.keep_alive and not until_close
         if client_keeps and "close" in resp_conn:
             # The upstream closes after each response (werkzeug, so moto, always
@@ -577,7 +615,9 @@ class FaultProxy:
             conn.close_upstream()
         return client_keeps
 
-    async def _exchange(self, conn: _Conn, req: _Request) -> tuple[bytes, int, list[tuple[str, str]]]:
+    async def _exchange(
+        self, conn: _Conn, req: _Request
+    ) -> tuple[bytes, int, list[tuple[str, str]]]:
         """Send ``req`` upstream and read the final response head (1xx skipped)."""
         for attempt in (0, 1):
             reused = conn.up_writer is not None
@@ -586,10 +626,14 @@ class FaultProxy:
                     "127.0.0.1", self._up_port, limit=_HEAD_LIMIT
                 )
                 with contextlib.suppress(OSError):
-                    conn.up_writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    conn.up_writer.get_extra_info("socket").setsockopt(
+                        socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+                    )
             assert conn.up_reader is not None and conn.up_writer is not None
             try:
-                lines = [f"{req.method} {req.target} {req.version}"] + [f"{k}: {v}" for k, v in req.headers]
+                lines = [f"{req.method} {req.target} {req.version}"] + [
+                    f"{k}: {v}" for k, v in req.headers
+                ]
                 conn.up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
                 if req.body:
                     await _send(conn.up_writer, req.body, None, self.bandwidth, self._bucket)
@@ -598,7 +642,11 @@ class FaultProxy:
                     head = await conn.up_reader.readuntil(b"\r\n\r\n")
                     status_line, *header_lines = head[:-4].decode("latin-1").split("\r\n")
                     parts = status_line.split(" ", 2)
-                    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+                    if (
+                        len(parts) < 2
+                        or not parts[0].startswith("HTTP/1.")
+                        or not parts[1].isdigit()
+                    ):
                         raise _ProtocolError(f"bad status line {status_line!r}")
                     code = int(parts[1])
                     if 100 <= code < 200 and code != 101:
@@ -614,7 +662,9 @@ class FaultProxy:
                 raise
         raise AssertionError("unreachable")
 
-    async def _relay(self, conn: _Conn, body: AsyncIterator[bytes], limit: int | None, rate: float | None) -> bool:
+    async def _relay(
+        self, conn: _Conn, body: AsyncIterator[bytes], limit: int | None, rate: float | None
+    ) -> bool:
         """Copy the response body to the client; False if cut short (limit) or upstream failed."""
         sent = 0
         start = time.monotonic()
@@ -622,7 +672,15 @@ class FaultProxy:
             async with contextlib.aclosing(body):  # type: ignore[type-var]
                 async for piece in body:
                     if limit is not None and sent + len(piece) >= limit:
-                        await _send(conn.writer, piece[: limit - sent], rate, self.bandwidth, self._bucket, start, sent)
+                        await _send(
+                            conn.writer,
+                            piece[: limit - sent],
+                            rate,
+                            self.bandwidth,
+                            self._bucket,
+                            start,
+                            sent,
+                        )
                         return False
                     await _send(conn.writer, piece, rate, self.bandwidth, self._bucket, start, sent)
                     sent += len(piece)

