@@ -1,4 +1,5 @@
-"""HTTP/1.1 as the fault proxy speaks it: a request read whole (:func:`_read_request`),
+"""HTTP/1.1 as the fault proxy speaks it: a request read whole (:func:`_read_request`), one
+exchange with the upstream (:func:`_exchange`) and its body relayed (:func:`_relay`),
 ``Content-Length``, chunked and read-until-close bodies, responses built, bytes paced to a
 rate and a shared bandwidth (:func:`_send`, :class:`_TokenBucket`), a TCP reset.
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
+import logging
 import re
 import socket
 import struct
@@ -18,6 +20,8 @@ import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
+
+logger = logging.getLogger("asyncload.testing")
 
 _PIECE = 64 * 1024  # bytes read from upstream at a time
 _SLICE = 16 * 1024  # bytes written at a time when pacing (bandwidth)
@@ -282,3 +286,83 @@ async def _send(
             await bucket.take(len(piece), bandwidth)
         writer.write(piece)
         await writer.drain()
+
+
+async def _exchange(
+    conn: _Conn, req: _Request, up_port: int, bandwidth: float | None, bucket: _TokenBucket
+) -> tuple[bytes, int, list[tuple[str, str]]]:
+    """Send ``req`` upstream and read the final response head (1xx skipped)."""
+    for attempt in (0, 1):
+        reused = conn.up_writer is not None
+        if conn.up_writer is None:
+            conn.up_reader, conn.up_writer = await asyncio.open_connection(
+                "127.0.0.1", up_port, limit=_HEAD_LIMIT
+            )
+            with contextlib.suppress(OSError):
+                conn.up_writer.get_extra_info("socket").setsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+                )
+        assert conn.up_reader is not None and conn.up_writer is not None
+        try:
+            lines = [f"{req.method} {req.target} {req.version}"] + [
+                f"{k}: {v}" for k, v in req.headers
+            ]
+            conn.up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            if req.body:
+                await _send(conn.up_writer, req.body, None, bandwidth, bucket)
+            await conn.up_writer.drain()
+            while True:
+                head = await conn.up_reader.readuntil(b"\r\n\r\n")
+                status_line, *header_lines = head[:-4].decode("latin-1").split("\r\n")
+                parts = status_line.split(" ", 2)
+                if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+                    raise _ProtocolError(f"bad status line {status_line!r}")
+                code = int(parts[1])
+                if 100 <= code < 200 and code != 101:
+                    continue
+                return head, code, _parse_headers(header_lines)
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            # A kept-alive upstream connection may have been closed by the
+            # server meanwhile: retry once on a fresh one.
+            conn.close_upstream()
+            partial = getattr(exc, "partial", b"")
+            if attempt == 0 and reused and not partial:
+                continue
+            raise
+    raise AssertionError("unreachable")
+
+
+async def _relay(
+    conn: _Conn,
+    body: AsyncIterator[bytes],
+    limit: int | None,
+    rate: float | None,
+    bandwidth: float | None,
+    bucket: _TokenBucket,
+) -> bool:
+    """Copy the response body to the client; False if cut short (limit) or upstream failed."""
+    sent = 0
+    start = time.monotonic()
+    try:
+        async with contextlib.aclosing(body):  # type: ignore[type-var]
+            async for piece in body:
+                if limit is not None and sent + len(piece) >= limit:
+                    await _send(
+                        conn.writer,
+                        piece[: limit - sent],
+                        rate,
+                        bandwidth,
+                        bucket,
+                        start,
+                        sent,
+                    )
+                    return False
+                await _send(conn.writer, piece, rate, bandwidth, bucket, start, sent)
+                sent += len(piece)
+    except (asyncio.IncompleteReadError, _ProtocolError, ConnectionError) as exc:
+        # The upstream broke mid-body (the client must see a broken body
+        # too) or the client left: either way this connection is done.
+        logger.debug("fault proxy: body relay ended after %d bytes: %r", sent, exc)
+        conn.writer.transport.abort()
+        return False
+    return limit is None

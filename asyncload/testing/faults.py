@@ -73,14 +73,14 @@ from asyncload.testing._http import (
     _abort_with_rst,
     _Conn,
     _content_length,
-    _parse_headers,
+    _exchange,
     _ProtocolError,
     _read_chunked,
     _read_exact,
     _read_request,
     _read_until_eof,
+    _relay,
     _Request,
-    _send,
     _shift_range,
     _simple_response,
     _TokenBucket,
@@ -527,7 +527,9 @@ class FaultProxy:
             ]
         # forward
         try:
-            head, code, resp_headers = await self._exchange(conn, req)
+            head, code, resp_headers = await _exchange(
+                conn, req, self._up_port, self.bandwidth, self._bucket
+            )
         except (OSError, asyncio.IncompleteReadError, _ProtocolError) as exc:
             logger.warning(
                 "fault proxy: upstream %s failed for %s %s: %r",
@@ -599,7 +601,11 @@ class FaultProxy:
             limit = action.after_bytes
         rate = action.bytes_per_second if isinstance(action, Trickle) else None
 
-        completed = await self._relay(conn, body, limit, rate) if body is not None else True
+        completed = (
+            await _relay(conn, body, limit, rate, self.bandwidth, self._bucket)
+            if body is not None
+            else True
+        )
         if completed and isinstance(action, Overlong):
             await self._filler(conn, action.extra)
             conn.close_upstream()
@@ -614,83 +620,6 @@ class FaultProxy:
         if not upstream_keeps:
             conn.close_upstream()
         return client_keeps
-
-    async def _exchange(
-        self, conn: _Conn, req: _Request
-    ) -> tuple[bytes, int, list[tuple[str, str]]]:
-        """Send ``req`` upstream and read the final response head (1xx skipped)."""
-        for attempt in (0, 1):
-            reused = conn.up_writer is not None
-            if conn.up_writer is None:
-                conn.up_reader, conn.up_writer = await asyncio.open_connection(
-                    "127.0.0.1", self._up_port, limit=_HEAD_LIMIT
-                )
-                with contextlib.suppress(OSError):
-                    conn.up_writer.get_extra_info("socket").setsockopt(
-                        socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
-                    )
-            assert conn.up_reader is not None and conn.up_writer is not None
-            try:
-                lines = [f"{req.method} {req.target} {req.version}"] + [
-                    f"{k}: {v}" for k, v in req.headers
-                ]
-                conn.up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-                if req.body:
-                    await _send(conn.up_writer, req.body, None, self.bandwidth, self._bucket)
-                await conn.up_writer.drain()
-                while True:
-                    head = await conn.up_reader.readuntil(b"\r\n\r\n")
-                    status_line, *header_lines = head[:-4].decode("latin-1").split("\r\n")
-                    parts = status_line.split(" ", 2)
-                    if (
-                        len(parts) < 2
-                        or not parts[0].startswith("HTTP/1.")
-                        or not parts[1].isdigit()
-                    ):
-                        raise _ProtocolError(f"bad status line {status_line!r}")
-                    code = int(parts[1])
-                    if 100 <= code < 200 and code != 101:
-                        continue
-                    return head, code, _parse_headers(header_lines)
-            except (ConnectionError, asyncio.IncompleteReadError) as exc:
-                # A kept-alive upstream connection may have been closed by the
-                # server meanwhile: retry once on a fresh one.
-                conn.close_upstream()
-                partial = getattr(exc, "partial", b"")
-                if attempt == 0 and reused and not partial:
-                    continue
-                raise
-        raise AssertionError("unreachable")
-
-    async def _relay(
-        self, conn: _Conn, body: AsyncIterator[bytes], limit: int | None, rate: float | None
-    ) -> bool:
-        """Copy the response body to the client; False if cut short (limit) or upstream failed."""
-        sent = 0
-        start = time.monotonic()
-        try:
-            async with contextlib.aclosing(body):  # type: ignore[type-var]
-                async for piece in body:
-                    if limit is not None and sent + len(piece) >= limit:
-                        await _send(
-                            conn.writer,
-                            piece[: limit - sent],
-                            rate,
-                            self.bandwidth,
-                            self._bucket,
-                            start,
-                            sent,
-                        )
-                        return False
-                    await _send(conn.writer, piece, rate, self.bandwidth, self._bucket, start, sent)
-                    sent += len(piece)
-        except (asyncio.IncompleteReadError, _ProtocolError, ConnectionError) as exc:
-            # The upstream broke mid-body (the client must see a broken body
-            # too) or the client left: either way this connection is done.
-            logger.debug("fault proxy: body relay ended after %d bytes: %r", sent, exc)
-            conn.writer.transport.abort()
-            return False
-        return limit is None
 
     async def _filler(self, conn: _Conn, extra: int) -> bool:
         """Send ``extra`` filler bytes (an over-long body); False when the client left first."""
