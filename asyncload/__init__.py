@@ -23,8 +23,7 @@ from asyncload._read import aread_state_dict, read_state_dict
 from asyncload._sharded_planner import BackgroundSends, ShardedLoadPlanner, wait_for_background_sends
 from asyncload._stats import LoadStats
 from asyncload._stream import aiter_tensors, iter_tensors
-
-__version__ = "0.1.0"
+from asyncload._version import __version__
 
 __all__ = [
     "AsyncLoadError",

@@ -6,7 +6,8 @@ most ``max_shard_size`` bytes (a tensor larger than that gets a shard of its own
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {...}}``).
 
 The shards are planned from the checkpoint's metadata (names, shapes, dtypes), so each
-shard's header is written first and each tensor's bytes as :class:`~asyncload._stream.CheckpointStream`
+shard's header is written first and each tensor's bytes as
+:class:`~asyncload._stream.CheckpointStream`
 hands them over: memory stays within the stream's ``memory_budget``, never a shard's size.
 Everything is written into a temporary directory beside the destination, which takes the
 destination's name only once complete. Objects (non-tensor entries) have no place in
@@ -39,7 +40,8 @@ __all__ = ["SAFETENSORS_MAX_HEADER", "ConvertResult", "check_destination", "conv
 
 #: torch dtype -> safetensors' name for it
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-#: The largest header safetensors reads (its ``MAX_HEADER_SIZE``: the JSON, without the 8-byte length).
+#: The largest header safetensors reads (its ``MAX_HEADER_SIZE``: the JSON, without the 8-byte
+#: length).
 SAFETENSORS_MAX_HEADER = 100_000_000
 #: The header entry safetensors keeps for the file's own metadata (not a tensor).
 _RESERVED = "__metadata__"
@@ -64,7 +66,8 @@ class _Shard:
 
 @dataclass
 class ConvertResult:
-    """What :func:`convert` wrote: the files, tensors, bytes, skipped objects and the read's stats."""
+    """What :func:`convert` wrote: the files, tensors, bytes, skipped objects and the read's
+    stats."""
 
     files: list[str]
     tensors: int
@@ -73,7 +76,9 @@ class ConvertResult:
     stats: LoadStats
 
 
-def plan_shards(tensors: list[tuple[str, torch.dtype, list[int]]], max_shard_size: int) -> list[_Shard]:
+def plan_shards(
+    tensors: list[tuple[str, torch.dtype, list[int]]], max_shard_size: int
+) -> list[_Shard]:
     """Tensors in order into shards of at most ``max_shard_size`` data bytes (a larger
     tensor alone), named as Hugging Face names them."""
     shards: list[_Shard] = []
@@ -98,7 +103,8 @@ def plan_shards(tensors: list[tuple[str, torch.dtype, list[int]]], max_shard_siz
         size = len(s.header()) - 8
         if size > SAFETENSORS_MAX_HEADER:
             raise ValueError(
-                f"{s.name}'s header would be {size} bytes ({len(s.tensors)} tensors, the first {s.tensors[0][0]!r:.200}), "
+                f"{s.name}'s header would be {size} bytes ({len(s.tensors)} tensors, the first "
+                f"{s.tensors[0][0]!r:.200}), "
                 f"over the {SAFETENSORS_MAX_HEADER} bytes safetensors reads: lower max_shard_size "
                 "(--max-shard-size) to spread the keys over more shards, or convert fewer keys"
             )
@@ -116,7 +122,8 @@ def _check_name(key: str) -> None:
         key.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(
-            f"key {key!r:.200} holds {key[exc.start]!r} at {exc.start}, a lone surrogate, which is not UTF-8: "
+            f"key {key!r:.200} holds {key[exc.start]!r} at {exc.start}, a lone surrogate, which is "
+            f"not UTF-8: "
             "safetensors' header is UTF-8 JSON; leave the key out (keys=...) or rename it"
         ) from None
 
@@ -127,7 +134,8 @@ def check_destination(src: str | os.PathLike[str], dst: Path, force: bool) -> No
     symbolic link (dangling, or to an empty directory) exists: it is replaced only with ``force``."""
     if dst.is_symlink() and not force:
         raise FileExistsError(
-            f"{dst} exists (a symbolic link to {os.readlink(dst)}): pass --force (force=True) to replace it"
+            f"{dst} exists (a symbolic link to {os.readlink(dst)}): pass --force (force=True) to "
+            f"replace it"
         )
     if dst.exists() and not force and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} exists: pass --force (force=True) to replace it")
@@ -136,7 +144,9 @@ def check_destination(src: str | os.PathLike[str], dst: Path, force: bool) -> No
     source = Path(local_root(src)).resolve()
     target = dst.resolve()
     if target == source or target in source.parents:
-        raise ValueError(f"{dst} holds the checkpoint being converted ({src}): choose another destination")
+        raise ValueError(
+            f"{dst} holds the checkpoint being converted ({src}): choose another destination"
+        )
 
 
 def convert(
@@ -167,7 +177,9 @@ def convert(
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = _partial_dir(dst)
         try:
-            _write_shards(tmp, shards, sync_iter(stream.abatches(), stream.options), total, progress)
+            _write_shards(
+                tmp, shards, sync_iter(stream.abatches(), stream.options), total, progress
+            )
             if len(shards) > 1:
                 index = {
                     "metadata": {"total_size": total},
@@ -193,7 +205,9 @@ def _write_shards(
     progress: Callable[[int, int], None] | None,
 ) -> None:
     """Headers first, then each tensor's bytes at its place as the stream hands it over."""
-    where = {key: (i, start, end) for i, s in enumerate(shards) for key, _, _, start, end in s.tensors}
+    where = {
+        key: (i, start, end) for i, s in enumerate(shards) for key, _, _, start, end in s.tensors
+    }
     left = [len(s.tensors) for s in shards]
     files: dict[int, Any] = {}
     bases: dict[int, int] = {}
@@ -208,7 +222,9 @@ def _write_shards(
                 f.write(head)
                 bases[i] = len(head)
             data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            if data.nbytes != end - start:  # pragma: no cover - the stream allocates from the same metadata
+            if (
+                data.nbytes != end - start
+            ):  # pragma: no cover - the stream allocates from the same metadata
                 raise ValueError(f"key {key!r}: {data.nbytes} bytes, the header says {end - start}")
             f.seek(bases[i] + start)
             f.write(memoryview(data))

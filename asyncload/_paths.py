@@ -1,17 +1,43 @@
 """File names a checkpoint gives (DCP ``relative_path``, a safetensors index's
-``weight_map``): the one rule for what a checkpoint may name, for every store."""
+``weight_map``): the one rule for what a checkpoint may name, for every store; and
+:func:`short_repr`, the one way a message shows a value that came from a checkpoint."""
 
 from __future__ import annotations
 
 import re
+import reprlib
 from typing import Any
 
 from asyncload._errors import CheckpointFormatError
-from asyncload.decoding.vm import short_repr
 
-__all__ = ["check_relative_path"]
+__all__ = ["check_relative_path", "short_repr"]
 
 _ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+class _ShortRepr(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = 80
+        self.maxother = 60
+        self.maxlong = 40
+
+    def repr_instance(self, x: Any, level: int) -> str:  # never call a hostile object's __repr__
+        return f"<{type(x).__name__}>"
+
+
+_short = _ShortRepr()
+
+
+def short_repr(obj: Any) -> str:
+    """A bounded ``repr`` of a value from a checkpoint, safe on hostile objects
+    (deep, huge, self-referencing or sharing-heavy): at most a few hundred characters."""
+    try:
+        text = _short.repr(obj)
+    except Exception:
+        text = f"<{type(obj).__name__}>"
+    return text[:300]
 
 
 def check_relative_path(name: Any, what: str) -> str:
@@ -34,6 +60,7 @@ def check_relative_path(name: Any, what: str) -> str:
     )
     if bad:
         raise CheckpointFormatError(
-            f"{what}: file name {short_repr(name)} is not a plain path inside the checkpoint; refusing to read it"
+            f"{what}: file name {short_repr(name)} is not a plain path inside the checkpoint; "
+            f"refusing to read it"
         )
     return name

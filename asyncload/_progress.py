@@ -109,7 +109,11 @@ class ByteProgress:
 
 
 def follow_handle(
-    handle: Any, bar: ByteProgress, *, interval: float = 0.1, on_tick: Callable[[], None] | None = None
+    handle: Any,
+    bar: ByteProgress,
+    *,
+    interval: float = 0.1,
+    on_tick: Callable[[], None] | None = None,
 ) -> Any:
     """Wait for a :class:`~asyncload.LoadHandle`, feeding ``bar`` from its ``progress`` and
     ``statistics()`` every ``interval`` seconds; return ``handle.result()``.

@@ -21,7 +21,17 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["INTERESTING", "OUR_ERRORS", "TARGETS", "Seeds", "make_seeds", "mutate"]
+__all__ = ["INTERESTING", "OUR_ERRORS", "TARGETS", "Seeds", "make_seeds", "mutate", "work_bound"]
+
+
+def work_bound(nbytes: int) -> int:
+    """The most units of decoding work (:class:`asyncload.decoding.work.WorkBudget`) that
+    ``nbytes`` of input may cost a target: the pickle VM's own limit (2**20 units plus 8 a
+    byte) and a unit a byte read, twice over for what the checks of the decoded value add
+    (walking it, comparing its chunks). Linear in the input: a check that turned quadratic
+    would pass it on inputs of a few kilobytes."""
+    return 2 * ((1 << 20) + 9 * nbytes)
+
 
 #: Values that break parsers: boundaries of 1/2/4/8-byte fields.
 INTERESTING = {
@@ -121,20 +131,20 @@ def mutate(rng: random.Random, data: bytes, *, pickle_aware: bool = False, round
 # --- targets ------------------------------------------------------------------------
 
 
-def _parse_record(data: bytes) -> Any:
+def _parse_record(data: bytes, work: Any = None) -> Any:
     """A DCP record as asyncload reads it: layout, then the tensor's location or the object."""
     from asyncload.decoding.allowlist import TensorRef
     from asyncload.formats.torchsave import ByteWindow, materialize, parse_archive, tensor_location
 
     win = ByteWindow()
     win.add(0, data)
-    layout = parse_archive(win, 0, len(data), "fuzz", max_pickle=1 << 20)
+    layout = parse_archive(win, 0, len(data), "fuzz", max_pickle=1 << 20, work=work)
     if isinstance(layout.obj, TensorRef):
         return tensor_location(layout, "x")
     return materialize(layout, win)
 
 
-def _parse_record_probed(data: bytes) -> Any:
+def _parse_record_probed(data: bytes, work: Any = None) -> Any:
     """The same through aparse_archive, fetching missing bytes like a remote load does."""
     import asyncio
 
@@ -149,29 +159,31 @@ def _parse_record_probed(data: bytes) -> Any:
             assert 0 <= lo <= hi <= len(data), (lo, hi)
             return data[lo:hi]
 
-        return await aparse_archive(win, 0, len(data), "fuzz", fetch, max_pickle=1 << 20)
+        return await aparse_archive(win, 0, len(data), "fuzz", fetch, max_pickle=1 << 20, work=work)
 
     return asyncio.run(go())
 
 
-def _decode_metadata(data: bytes) -> Any:
+def _decode_metadata(data: bytes, work: Any = None) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from asyncload.decoding.allowlist import check_metadata, safe_loads
 
-    md = safe_loads(data, what="fuzz/.metadata", check_structure=False, expect=Metadata)
-    check_metadata(md, "fuzz/.metadata")
+    md = safe_loads(data, what="fuzz/.metadata", check_structure=False, expect=Metadata, work=work)
+    check_metadata(md, "fuzz/.metadata", work)
     return md
 
 
-def _decode_record_pickle(data: bytes) -> Any:
+def _decode_record_pickle(data: bytes, work: Any = None) -> Any:
     from asyncload.decoding.allowlist import record_globals, safe_loads, storage_persistent_load
 
-    return safe_loads(data, what="fuzz/data.pkl", allowed=record_globals(), persistent_load=storage_persistent_load)
+    return safe_loads(
+        data, what="fuzz/data.pkl", allowed=record_globals(), persistent_load=storage_persistent_load, work=work
+    )
 
 
 #: name -> (function, seed attribute, pickle-aware mutation)
-TARGETS: dict[str, tuple[Callable[[bytes], Any], str, bool]] = {
+TARGETS: dict[str, tuple[Callable[..., Any], str, bool]] = {
     "record parser (parse_archive + tensor_location/materialize)": (_parse_record, "records", False),
     "record parser, probed (aparse_archive)": (_parse_record_probed, "records", False),
     "metadata decoder (safe_loads + check_metadata)": (_decode_metadata, "metadata", True),

@@ -38,13 +38,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import reprlib
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload._paths import short_repr
+from asyncload.decoding.work import WorkBudget
 
 __all__ = ["PicklePolicy", "PickleVM", "check_structure", "collector_paused", "short_repr"]
 
@@ -68,34 +69,6 @@ _PAUSE_GC_FROM = 1 << 20
 _NO_FIELDS: frozenset[str] = frozenset()
 #: Stands for "no such type" where the policy declares none (never the type of a value).
 _NO_TYPE: Any = object()
-
-
-# --- messages -----------------------------------------------------------------------
-
-
-class _ShortRepr(reprlib.Repr):
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel = 3
-        self.maxstring = 80
-        self.maxother = 60
-        self.maxlong = 40
-
-    def repr_instance(self, x: Any, level: int) -> str:  # never call a hostile object's __repr__
-        return f"<{type(x).__name__}>"
-
-
-_short = _ShortRepr()
-
-
-def short_repr(obj: Any) -> str:
-    """A bounded ``repr`` of a value from a checkpoint, safe on hostile objects
-    (deep, huge, self-referencing or sharing-heavy): at most a few hundred characters."""
-    try:
-        text = _short.repr(obj)
-    except Exception:
-        text = f"<{type(obj).__name__}>"
-    return text[:300]
 
 
 # --- the policy ---------------------------------------------------------------------
@@ -213,7 +186,9 @@ _F8 = struct.Struct(">d").unpack_from
 class PickleVM:
     """Decodes one pickle (``data``) under ``policy``; ``what`` names it in messages."""
 
-    def __init__(self, data: bytes, policy: PicklePolicy, what: str) -> None:
+    def __init__(
+        self, data: bytes, policy: PicklePolicy, what: str, work: WorkBudget | None = None
+    ) -> None:
         self._data = data
         self._policy = policy
         self.what = what
@@ -221,6 +196,18 @@ class PickleVM:
         self._work = 0
         #: Units of work the whole decode may take (see :meth:`charge`).
         self.work_limit = _WORK_FLOOR + _WORK_PER_BYTE * len(data)
+        #: The caller's budget: charged a unit per byte now (every opcode is at least one
+        #: byte) and the units of :meth:`charge` when the decode ends; when it has less room
+        #: than :attr:`work_limit`, its limit is the one that stops the decode.
+        self._budget = work
+        self._budget_binds = False
+        self._limit = self.work_limit
+        if work is not None:
+            work.charge(len(data), what)
+            room = work.room()
+            if room is not None and room < self.work_limit:
+                self._limit = room
+                self._budget_binds = True
         #: ids of objects created here that may be BUILT (see :meth:`mark_fresh`), kept alive
         self._fresh: dict[int, Any] = {}
         #: ids of container keys already checked -> (key, cost); keeps the keys alive
@@ -233,7 +220,9 @@ class PickleVM:
 
     def unsafe(self, msg: str) -> UnsafeCheckpointError:
         """The error for something the pickle may not do (``msg`` says what it asked)."""
-        return UnsafeCheckpointError(f"{self.what}: {msg}; nothing from it was executed. {self._policy.unsafe_advice}")
+        return UnsafeCheckpointError(
+            f"{self.what}: {msg}; nothing from it was executed. {self._policy.unsafe_advice}"
+        )
 
     def bad(self, msg: str) -> CheckpointFormatError:
         """The error for a damaged pickle (``msg`` says what is wrong)."""
@@ -242,12 +231,21 @@ class PickleVM:
     def charge(self, units: int) -> None:
         """Spend ``units`` of the work budget; raises once it is exhausted."""
         self._work += units
-        if self._work > self.work_limit:
+        if self._work > self._limit:
+            if self._budget is not None and self._budget_binds:
+                budget, self._budget = self._budget, None
+                budget.spent += self._work
+                raise budget.exceeded(self.what)
             raise self.unsafe(
                 f"decoding it needs more than {self.work_limit} units of work for "
                 f"{self._size} bytes of pickle (shared references expanded, or large keys "
                 "hashed again and again)"
             )
+
+    @property
+    def work_done(self) -> int:
+        """Units of :meth:`charge` spent so far (the bytes read not included)."""
+        return self._work
 
     def mark_fresh(self, obj: Any) -> None:
         """Record that this pickle created ``obj`` (only such objects may be modified)."""
@@ -258,7 +256,8 @@ class PickleVM:
         self._fresh.pop(id(obj), None)
 
     def is_fresh(self, obj: Any) -> bool:
-        """Whether this pickle created ``obj`` (:meth:`mark_fresh`, or a record class's ``NEWOBJ``)."""
+        """Whether this pickle created ``obj`` (:meth:`mark_fresh`, or a record class's
+        ``NEWOBJ``)."""
         return self._fresh.get(id(obj)) is obj
 
     def check_keys(self, keys: list[Any], what: str) -> None:
@@ -271,7 +270,8 @@ class PickleVM:
             local[h] = local.get(h, 0) + 1
             if local[h] > _MAX_SAME_HASH:
                 raise self.unsafe(
-                    f"more than {_MAX_SAME_HASH} items given to {what} share a hash value (hash flooding)"
+                    f"more than {_MAX_SAME_HASH} items given to {what} share a hash value (hash "
+                    f"flooding)"
                 )
 
     # -- guards --
@@ -303,7 +303,9 @@ class PickleVM:
             while stack:  # iterative: nested tuples, bounded depth
                 obj, depth = stack.pop()
                 if depth > _MAX_KEY_DEPTH:
-                    raise self.unsafe(f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep")
+                    raise self.unsafe(
+                        f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep"
+                    )
                 for item in obj:
                     it = type(item)
                     if it is tuple:
@@ -315,7 +317,9 @@ class PickleVM:
                             stack.append((item, depth + 1))
                     elif it is shape_type:
                         if depth >= _MAX_KEY_DEPTH:
-                            raise self.unsafe(f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep")
+                            raise self.unsafe(
+                                f"a dict/set key is nested more than {_MAX_KEY_DEPTH} levels deep"
+                            )
                         cost += 1 + len(item)
                     else:
                         cost += self._key_cost(item)
@@ -346,7 +350,10 @@ class PickleVM:
         h = hash(key)
         n = counts.get(h, 0) + 1
         if n > _MAX_SAME_HASH:
-            raise self.unsafe(f"more than {_MAX_SAME_HASH} keys of one dict or set share a hash value (hash flooding)")
+            raise self.unsafe(
+                f"more than {_MAX_SAME_HASH} keys of one dict or set share a hash value (hash "
+                f"flooding)"
+            )
         counts[h] = n
 
     def _set_items(self, target: Any, items: list[Any]) -> None:
@@ -365,7 +372,7 @@ class PickleVM:
                 check(target, k)
             target[k] = items[i + 1]
         self._work += cheap
-        if self._work > self.work_limit:
+        if self._work > self._limit:
             self.charge(0)
 
     def _line(self, pos: int) -> tuple[bytes, int]:
@@ -392,7 +399,12 @@ class PickleVM:
     def _newobj(self, cls: Any, args: Any) -> Any:
         # a type before anything hashes it: a nested tuple or a record holding one would
         # crash ``in`` with a C stack overflow
-        if isinstance(cls, type) and cls in self._policy.record_classes and args == () and type(args) is tuple:
+        if (
+            isinstance(cls, type)
+            and cls in self._policy.record_classes
+            and args == ()
+            and type(args) is tuple
+        ):
             obj = cls.__new__(cls)  # type: ignore[call-overload]
             self._fresh[id(obj)] = obj
             return obj
@@ -435,6 +447,9 @@ class PickleVM:
             self._fresh.clear()
             self._key_ok.clear()
             self._hash_counts.clear()
+            if self._budget is not None:
+                self._budget.spent += self._work
+                self._budget = None
 
     def load(self) -> Any:
         """Decode the pickle (:meth:`run` without its translation of stray exceptions)."""
@@ -487,9 +502,15 @@ class PickleVM:
                     if data[pos] == 0x94 and not sparse:
                         remember(value)
                         pos += 1
-                    if data[pos] == 0x52 and stack[-2] is shape_type:  # REDUCE: a shape in .metadata
+                    if (
+                        data[pos] == 0x52 and stack[-2] is shape_type
+                    ):  # REDUCE: a shape in .metadata
                         a = value[0]
-                        if type(a) in (tuple, list) and len(a) <= 1024 and all(type(v) is int for v in a):
+                        if (
+                            type(a) in (tuple, list)
+                            and len(a) <= 1024
+                            and all(type(v) is int for v in a)
+                        ):
                             stack.pop()
                             value = shape_type(a)
                             stack[-1] = value
@@ -579,7 +600,9 @@ class PickleVM:
                         and len(args[0]) <= 1024
                         and all(type(v) is int for v in args[0])
                     ):
-                        stack[-1] = shape_type(args[0])  # the one frequent call: shapes in .metadata
+                        stack[-1] = shape_type(
+                            args[0]
+                        )  # the one frequent call: shapes in .metadata
                     else:
                         stack[-1] = policy.call(self, func, args)
                 elif op == 0x71:  # BINPUT
@@ -764,7 +787,7 @@ class PickleVM:
                     append(policy.newobj(self, cls, args, kwargs))
                 elif op == 0x8F:  # EMPTY_SET: 216 bytes of memory for one byte of pickle
                     self._work += 28
-                    if self._work > self.work_limit:
+                    if self._work > self._limit:
                         self.charge(0)
                     append(set())
                 elif op == 0x90:  # ADDITEMS
@@ -794,14 +817,20 @@ class PickleVM:
                     raise self.bad(f"unknown opcode {op:#04x} at offset {pos - 1}")
         except (IndexError, struct.error) as exc:
             if isinstance(exc, struct.error) or pos >= end:
-                raise self.bad(f"truncated: an opcode or its argument runs past the end ({end} bytes)") from None
+                raise self.bad(
+                    f"truncated: an opcode or its argument runs past the end ({end} bytes)"
+                ) from None
             raise
 
     def _span(self, pos: int, width: int) -> tuple[int, int]:
         """Where the bytes of an opcode's argument lie, after its length of ``abs(width)``
         bytes (negative: signed) at ``pos``: ``(start, end)``, checked against the pickle's end."""
         data = self._data
-        n = data[pos] if width == 1 else (_U4 if width == 4 else _U8 if width == 8 else _I4)(data, pos)[0]
+        n = (
+            data[pos]
+            if width == 1
+            else (_U4 if width == 4 else _U8 if width == 8 else _I4)(data, pos)[0]
+        )
         start = pos + abs(width)
         if n < 0:  # LONG4, BINSTRING: moving back would run the same opcode forever
             raise self.bad(f"a negative length {n} at offset {pos}")
@@ -818,7 +847,7 @@ class PickleVM:
 
 def check_structure(
     obj: Any, what: str, max_depth: int, budget: int, children: Callable[[Any], list[Any] | None]
-) -> None:
+) -> int:
     """Raise UnsafeCheckpointError if ``obj`` is nested deeper than ``max_depth``, holds
     more than ``budget`` containers, or expands to more than ``budget`` nodes when shared
     references are followed (a "billion laughs" DAG: tiny in memory, but any recursive
@@ -826,12 +855,16 @@ def check_structure(
 
     ``children(o)`` lists what ``o`` holds, or ``None`` for a leaf. Iterative post-order
     walk; shared objects are visited once; a reference back to an object still being
-    walked (a cycle) counts as a leaf.
+    walked (a cycle) counts as a leaf. Returns the work done: containers walked plus the
+    references followed from them.
     """
+    edges = 0
     height: dict[int, int] = {}
     size: dict[int, int] = {}
     keep: list[Any] = []  # keeps walked objects alive while their ids are keys
-    deep = UnsafeCheckpointError(f"{what} is nested more than {max_depth} levels deep; nothing from it was executed")
+    deep = UnsafeCheckpointError(
+        f"{what} is nested more than {max_depth} levels deep; nothing from it was executed"
+    )
     stack: list[tuple[Any, int]] = [(obj, 1)]  # (object, depth on the way down; 0: on the way up)
     while stack:
         o, depth = stack.pop()
@@ -846,8 +879,11 @@ def check_structure(
                 raise deep
             height[oid], size[oid] = 0, 1  # in progress
             keep.append(o)
+            edges += len(kids)
             if len(keep) > budget:
-                raise UnsafeCheckpointError(f"{what} holds more than {budget} containers; nothing from it was executed")
+                raise UnsafeCheckpointError(
+                    f"{what} holds more than {budget} containers; nothing from it was executed"
+                )
             stack.append((o, 0))
             stack.extend((k, depth + 1) for k in kids)
             continue
@@ -863,6 +899,8 @@ def check_structure(
             raise deep
         if n > budget:
             raise UnsafeCheckpointError(
-                f"{what} expands to more than {budget} objects through shared references; nothing from it was executed"
+                f"{what} expands to more than {budget} objects through shared references; nothing "
+                f"from it was executed"
             )
         height[oid], size[oid] = h, n
+    return len(keep) + edges

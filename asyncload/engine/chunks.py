@@ -10,54 +10,13 @@ checkpoint root.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from asyncload._errors import CheckpointFormatError
+from asyncload.formats.base import TensorLocation
 
 __all__ = ["Chunk", "Piece", "TensorLocation"]
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    """Where a saved tensor's elements are: the format-independent answer of every format module."""
-
-    #: File name relative to the checkpoint root.
-    name: str
-    #: Absolute byte offset, in that file, of storage element 0.
-    data_start: int
-    #: Bytes of the storage.
-    storage_nbytes: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    #: In elements.
-    storage_offset: int = 0
-    #: CRC-32 of the storage's bytes, where the format stores one.
-    crc32: int | None = None
-    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of __0_0.distcp"``.
-    where: str = ""
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    def check(self) -> None:
-        """Raise CheckpointFormatError unless every element lies inside the storage."""
-        if any(s < 0 for s in self.size) or any(s < 0 for s in self.stride) or self.storage_offset < 0:
-            raise CheckpointFormatError(f"{self.where}: negative size, stride or offset")
-        if math.prod(self.size) == 0:
-            return
-        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
-        if (last + 1) * self.itemsize > self.storage_nbytes:
-            raise CheckpointFormatError(
-                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at offset "
-                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has {self.storage_nbytes}"
-            )
 
 
 @dataclass

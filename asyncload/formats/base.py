@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from asyncload._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from asyncload._options import LoadOptions
-from asyncload.engine.chunks import TensorLocation
 from asyncload.storage import RetryingStorage, is_local, local_root
 
 __all__ = [
@@ -35,12 +36,58 @@ __all__ = [
     "FormatMetadata",
     "KnownTensor",
     "OpenRoot",
+    "TensorLocation",
     "check_weight_map",
     "rebase",
     "split_file_url",
 ]
 
 log = logging.getLogger("asyncload.formats")
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a saved tensor's elements are: the format-independent answer of every format module."""
+
+    #: File name relative to the checkpoint root.
+    name: str
+    #: Absolute byte offset, in that file, of storage element 0.
+    data_start: int
+    #: Bytes of the storage.
+    storage_nbytes: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    #: In elements.
+    storage_offset: int = 0
+    #: CRC-32 of the storage's bytes, where the format stores one.
+    crc32: int | None = None
+    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of
+    #: __0_0.distcp"``.
+    where: str = ""
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def check(self) -> None:
+        """Raise CheckpointFormatError unless every element lies inside the storage."""
+        if (
+            any(s < 0 for s in self.size)
+            or any(s < 0 for s in self.stride)
+            or self.storage_offset < 0
+        ):
+            raise CheckpointFormatError(f"{self.where}: negative size, stride or offset")
+        if math.prod(self.size) == 0:
+            return
+        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+        if (last + 1) * self.itemsize > self.storage_nbytes:
+            raise CheckpointFormatError(
+                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at "
+                f"offset "
+                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has "
+                f"{self.storage_nbytes}"
+            )
 
 
 class FormatEntry:
@@ -251,7 +298,9 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
     )
 
 
-def check_weight_map(weight_map: dict[str, str] | None, found: Collection[str], source: str) -> None:
+def check_weight_map(
+    weight_map: dict[str, str] | None, found: Collection[str], source: str
+) -> None:
     """Every key an index places in a shard was found in that shard's header or archive."""
     if weight_map is None:
         return

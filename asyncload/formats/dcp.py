@@ -9,7 +9,9 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from asyncload._errors import CheckpointFormatError
-from asyncload.decoding.allowlist import check_metadata, safe_loads, short_repr
+from asyncload._paths import short_repr
+from asyncload.decoding.allowlist import check_metadata, safe_loads
+from asyncload.decoding.work import WorkBudget
 from asyncload.formats.safetensors import mark_dcp_safetensors
 
 __all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata"]
@@ -18,10 +20,15 @@ __all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata"]
 KNOWN_DCP_VERSIONS = (None, "1.0.0")
 
 
-def decode_metadata(raw: bytes | bytearray | memoryview, url: str, *, max_size: int) -> Metadata:
+def decode_metadata(
+    raw: bytes | bytearray | memoryview, url: str, *, max_size: int, work: WorkBudget | None = None
+) -> Metadata:
     """``.metadata``'s bytes as DCP ``Metadata``: allow-listed decoding, a known version, every
-    field of the type and range DCP writes; entries of files saved as safetensors marked."""
-    md = safe_loads(raw, what=url, max_size=max_size, check_structure=False, expect=Metadata)
+    field of the type and range DCP writes; entries of files saved as safetensors marked.
+    ``work``: charged with the decode's and the checks' units (its limit, if any, ends them)."""
+    md = safe_loads(
+        raw, what=url, max_size=max_size, check_structure=False, expect=Metadata, work=work
+    )
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
     version = getattr(md, "version", None)
@@ -30,7 +37,7 @@ def decode_metadata(raw: bytes | bytearray | memoryview, url: str, *, max_size: 
             f"{url} was written by an unknown DCP version {short_repr(version)}; "
             f"asyncload reads versions {[v for v in KNOWN_DCP_VERSIONS if v]}"
         )
-    check_metadata(md, url)  # every field has the type and range DCP writes
+    check_metadata(md, url, work)  # every field has the type and range DCP writes
     if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(
         getattr(md, "storage_data", None), dict
     ):

@@ -16,7 +16,14 @@ from collections.abc import Awaitable
 from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from asyncload._options import LoadOptions
 from asyncload._paths import check_relative_path
-from asyncload.formats.base import HF_INDEX, HF_SINGLE, Fetcher, FormatMetadata, OpenRoot, split_file_url
+from asyncload.formats.base import (
+    HF_INDEX,
+    HF_SINGLE,
+    Fetcher,
+    FormatMetadata,
+    OpenRoot,
+    split_file_url,
+)
 from asyncload.formats.safetensors import (
     HEADER_PROBE,
     SafetensorsHeader,
@@ -39,7 +46,17 @@ __all__ = ["aprobe_fallback", "aprobe_first"]
 
 
 #: Names whose URL is taken for a file first (before looking for ``.metadata`` under it).
-_FILE_SUFFIXES = (".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl", ".pickle")
+_FILE_SUFFIXES = (
+    ".safetensors",
+    ".json",
+    ".pt",
+    ".pth",
+    ".bin",
+    ".ckpt",
+    ".tar",
+    ".pkl",
+    ".pickle",
+)
 
 
 #: Legacy torch.save files start with the pickled magic number 0x1950a86a20f9469cfc6c.
@@ -68,7 +85,10 @@ async def aprobe_first(
 
 
 async def aprobe_fallback(
-    checkpoint: str | os.PathLike[str], storage: RetryingStorage, open_root: OpenRoot, options: LoadOptions
+    checkpoint: str | os.PathLike[str],
+    storage: RetryingStorage,
+    open_root: OpenRoot,
+    options: LoadOptions,
 ) -> FormatMetadata | None:
     """``.metadata`` is missing: a Hugging Face directory, or the URL itself is a file.
 
@@ -81,7 +101,9 @@ async def aprobe_fallback(
     size = await fetcher.size(HF_SINGLE)
     if size is not None:
         return await _afile(fetcher, HF_SINGLE, size, str(checkpoint))
-    if not is_local(checkpoint) and (await fetcher.size(METADATA_FILE) is not None or str(checkpoint).endswith("/")):
+    if not is_local(checkpoint) and (
+        await fetcher.size(METADATA_FILE) is not None or str(checkpoint).endswith("/")
+    ):
         # a torch-checkpointing directory, before the URL is tried as a file: over HTTP the
         # directory's URL answers with its index page, which is no checkpoint file
         names = await fetcher.listdir()
@@ -90,7 +112,9 @@ async def aprobe_fallback(
     if not is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
         if name:
-            md = await _aremote_file(Fetcher(await open_root(parent), options), name, str(checkpoint))
+            md = await _aremote_file(
+                Fetcher(await open_root(parent), options), name, str(checkpoint)
+            )
             if md is not None:
                 return md
             storage = await open_root(str(checkpoint))
@@ -127,7 +151,9 @@ async def _aremote_file(fetcher: Fetcher, name: str, source: str) -> FormatMetad
     return await _afile(fetcher, name, size, source, head=head)
 
 
-async def _afile(fetcher: Fetcher, name: str, size: int, source: str, *, head: bytes | None = None) -> FormatMetadata:
+async def _afile(
+    fetcher: Fetcher, name: str, size: int, source: str, *, head: bytes | None = None
+) -> FormatMetadata:
     """One file: an index (``*.json``), safetensors, or a zip-format torch.save archive;
     ``head``: its first bytes, already read (at least what it probes first, or all of it)."""
     url = fetcher.url(name)
@@ -160,7 +186,8 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str, *, head: b
         return _safetensors_metadata([await read_header()], None, source)
     if head.startswith(_LEGACY_MAGIC) or head[:1] == b"\x80":
         raise CheckpointFormatError(
-            f"{url} is a legacy (pre-1.6, non-zip) torch.save file or a raw pickle; asyncload reads only the zip "
+            f"{url} is a legacy (pre-1.6, non-zip) torch.save file or a raw pickle; asyncload "
+            f"reads only the zip "
             "format. Re-save it with torch.save(obj, path) (the default since torch 1.6, "
             "_use_new_zipfile_serialization=True), or load it with torch.load"
         )
@@ -173,12 +200,14 @@ async def _afile(fetcher: Fetcher, name: str, size: int, source: str, *, head: b
 
 
 async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> FormatMetadata:
-    """A Hugging Face index (``{"weight_map": {key: file}}``) of safetensors or torch.save shards."""
+    """A Hugging Face index (``{"weight_map": {key: file}}``) of safetensors or torch.save
+    shards."""
     url = fetcher.url(name)
     limit = min(fetcher.options.max_metadata_size, 256 << 20)
     if size > limit:
         raise CheckpointFormatError(
-            f"{url} is {size} bytes, more than the {limit} allowed for an index (LoadOptions.max_metadata_size)"
+            f"{url} is {size} bytes, more than the {limit} allowed for an index "
+            f"(LoadOptions.max_metadata_size)"
         )
     raw = await fetcher.read(name, 0, size)
     try:
@@ -189,7 +218,9 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
         raise CheckpointFormatError(f"{url} is not valid UTF-8 JSON: {exc}"[:500]) from exc
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(k, str) for k in wmap):
-        raise CheckpointFormatError(f"{url} has no weight_map object (key -> file): not a sharded checkpoint index")
+        raise CheckpointFormatError(
+            f"{url} has no weight_map object (key -> file): not a sharded checkpoint index"
+        )
     prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
     weight_map = {k: prefix + check_relative_path(v, url) for k, v in wmap.items()}
     files = sorted(set(weight_map.values()))
@@ -199,13 +230,18 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
     missing = [f for f, s in zip(files, sizes) if s is None]
     if missing:
         raise CheckpointNotFoundError(
-            f"{fetcher.url(missing[0])} is named by {url} but does not exist: the checkpoint is incomplete",
+            f"{fetcher.url(missing[0])} is named by {url} but does not exist: the checkpoint is "
+            f"incomplete",
             path=fetcher.url(missing[0]),
             status=404,
         )
-    heads = await asyncio.gather(*(fetcher.read(f, 0, min(s or 0, 4)) for f, s in zip(files, sizes)))
+    heads = await asyncio.gather(
+        *(fetcher.read(f, 0, min(s or 0, 4)) for f, s in zip(files, sizes))
+    )
     if all(h.startswith(b"PK\x03\x04") for h in heads):
-        return await _atorchsave_files(fetcher, list(zip(files, [s or 0 for s in sizes])), weight_map, source)
+        return await _atorchsave_files(
+            fetcher, list(zip(files, [s or 0 for s in sizes])), weight_map, source
+        )
     raise CheckpointFormatError(
         f"{url} names shards that are neither all safetensors nor all zip-format torch.save files"
     )

@@ -38,8 +38,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
 from asyncload._paths import check_relative_path
-from asyncload.engine.chunks import TensorLocation
-from asyncload.formats.base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
+from asyncload.formats.base import (
+    Fetcher,
+    FormatEntry,
+    FormatMetadata,
+    KnownTensor,
+    TensorLocation,
+    check_weight_map,
+)
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",
@@ -130,7 +136,9 @@ class SafetensorsHeader:
                 f"{self.where}: {DCP_SHARDING_INFO_KEY} is not valid JSON: {exc}"[:500]
             ) from exc
         if not isinstance(info, dict):
-            raise CheckpointFormatError(f"{self.where}: {DCP_SHARDING_INFO_KEY} is not a JSON object")
+            raise CheckpointFormatError(
+                f"{self.where}: {DCP_SHARDING_INFO_KEY} is not a JSON object"
+            )
         out: dict[str, tuple[int, ...]] = {}
         for key, entry in info.items():
             loc = self.tensors.get(key)
@@ -173,7 +181,11 @@ def looks_like_safetensors(head: bytes | memoryview, blob_size: int) -> bool:
 
 
 def header_length(
-    first8: bytes | memoryview, *, blob_size: int, where: str, max_header_size: int = MAX_HEADER_SIZE
+    first8: bytes | memoryview,
+    *,
+    blob_size: int,
+    where: str,
+    max_header_size: int = MAX_HEADER_SIZE,
 ) -> int:
     """``N`` from a blob's first 8 bytes, checked against the blob's size and the limit.
 
@@ -181,7 +193,10 @@ def header_length(
     ``max_header_size`` or runs past the blob.
     """
     if blob_size < 8 or len(first8) < 8:
-        raise _bad(where, f"{blob_size} bytes is too small to be a safetensors file (no 8-byte header length)")
+        raise _bad(
+            where,
+            f"{blob_size} bytes is too small to be a safetensors file (no 8-byte header length)",
+        )
     (n,) = struct.unpack_from("<Q", bytes(first8[:8]))
     limit = min(max_header_size, MAX_HEADER_SIZE)
     if n < 2:
@@ -208,7 +223,8 @@ def _int(v: Any) -> bool:
 def parse_header(
     raw: bytes | memoryview, *, name: str, base: int, blob_size: int, where: str = ""
 ) -> SafetensorsHeader:
-    """Parse ``N`` header bytes (``raw``) of a blob of ``blob_size`` bytes starting at ``base`` of file ``name``.
+    """Parse ``N`` header bytes (``raw``) of a blob of ``blob_size`` bytes starting at ``base`` of
+    file ``name``.
 
     Raised: CheckpointFormatError for anything malformed (see the module docstring).
     """
@@ -250,14 +266,20 @@ def parse_header(
                 f"tensor {key!r:.200} has dtype {dtype_name!r:.50}, which asyncload cannot hold "
                 f"(known: {', '.join(sorted(SAFETENSORS_DTYPES))})",
             )
-        if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_int(s) and s >= 0 for s in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_DIMS
+            or not all(_int(s) and s >= 0 for s in shape)
+        ):
             raise _bad(where, f"tensor {key!r:.200} has a malformed shape {shape!r:.100}")
         if not isinstance(offs, list) or len(offs) != 2 or not all(_int(o) for o in offs):
             raise _bad(where, f"tensor {key!r:.200} has malformed data_offsets {offs!r:.100}")
         begin, end = offs
         if not 0 <= begin <= end <= data_size:
             raise _bad(
-                where, f"tensor {key!r:.200} has data_offsets [{begin}, {end}) outside the {data_size}-byte data region"
+                where,
+                f"tensor {key!r:.200} has data_offsets [{begin}, {end}) outside the "
+                f"{data_size}-byte data region",
             )
         dtype = SAFETENSORS_DTYPES[dtype_name]
         itemsize = dtype.itemsize
@@ -292,7 +314,9 @@ def parse_header(
         if end == begin:
             continue
         if begin < prev_end:
-            raise _bad(where, f"tensors {prev_key!r:.200} and {key!r:.200} overlap in the data region")
+            raise _bad(
+                where, f"tensors {prev_key!r:.200} and {key!r:.200} overlap in the data region"
+            )
         prev_end, prev_key = end, key
     return SafetensorsHeader(
         name=name,
@@ -332,7 +356,9 @@ async def aread_header(
     if len(first) < 8 + n:
         rest = await fetch(base + len(first), base + 8 + n)
         first = first + bytes(rest)
-    return parse_header(memoryview(first)[8 : 8 + n], name=name, base=base, blob_size=blob_size, where=where)
+    return parse_header(
+        memoryview(first)[8 : 8 + n], name=name, base=base, blob_size=blob_size, where=where
+    )
 
 
 # --- safetensors checkpoints: synthesised DCP metadata, blobs inside DCP files --------------
@@ -365,7 +391,11 @@ class BlobTensor(FormatEntry):
             return size
 
         found = await aresolve_blob_tensors(
-            entries, fetcher.read, size_of, url=fetcher.url, max_header_size=fetcher.options.max_metadata_size
+            entries,
+            fetcher.read,
+            size_of,
+            url=fetcher.url,
+            max_header_size=fetcher.options.max_metadata_size,
         )
         return [found[e] for e in entries]
 
@@ -377,7 +407,8 @@ async def _asafetensors_files(
     for f, s in zip(files, sizes):
         if s is None:
             raise CheckpointNotFoundError(
-                f"{fetcher.url(f)} is named by the checkpoint's index but does not exist: the checkpoint is incomplete",
+                f"{fetcher.url(f)} is named by the checkpoint's index but does not exist: the "
+                f"checkpoint is incomplete",
                 path=fetcher.url(f),
                 status=404,
             )
@@ -400,7 +431,8 @@ async def _asafetensors_files(
 def _safetensors_metadata(
     headers: Sequence[SafetensorsHeader], weight_map: dict[str, str] | None, source: str
 ) -> FormatMetadata:
-    """One chunk per (file, key); chunk offsets from ``DCP_SHARDING_INFO`` where torch wrote them."""
+    """One chunk per (file, key); chunk offsets from ``DCP_SHARDING_INFO`` where torch wrote
+    them."""
     sdm: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, Any] = {}
     seen: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -432,7 +464,9 @@ def _safetensors_metadata(
             else:
                 md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offs, loc.size)])
             storage[MetadataIndex(key, offs, len(md.chunks))] = KnownTensor(loc)
-            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(loc.size)))
+            md.chunks.append(
+                ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(loc.size))
+            )
     check_weight_map(weight_map, sdm, source)
     return FormatMetadata(
         state_dict_metadata=dict(sdm),
@@ -444,7 +478,8 @@ def _safetensors_metadata(
 
 
 def mark_dcp_safetensors(md: Metadata) -> int:
-    """Replace the ``storage_data`` entries of tensors saved with ``SerializationFormat.SAFETENSORS``
+    """Replace the ``storage_data`` entries of tensors saved with
+    ``SerializationFormat.SAFETENSORS``
     by :class:`BlobTensor`; return how many.
 
     torch's ``FileSystemWriter`` records every tensor of such a file at the same offset (where
@@ -457,7 +492,9 @@ def mark_dcp_safetensors(md: Metadata) -> int:
     marked = 0
     for index, info in list(sd.items()):
         smd = md.state_dict_metadata.get(index.fqn) if isinstance(index, MetadataIndex) else None
-        if not isinstance(smd, TensorStorageMetadata) or getattr(info, "transform_descriptors", None):
+        if not isinstance(smd, TensorStorageMetadata) or getattr(
+            info, "transform_descriptors", None
+        ):
             continue
         path, offset, length = (
             getattr(info, "relative_path", None),
@@ -476,7 +513,9 @@ def mark_dcp_safetensors(md: Metadata) -> int:
             check_relative_path(path, "")
         except CheckpointFormatError:
             continue  # left as it is: the reader refuses it with the metadata's other entries
-        sd[index] = BlobTensor(path, offset, length, index.fqn, tuple(chunk.offsets), dtype, tuple(chunk.sizes))
+        sd[index] = BlobTensor(
+            path, offset, length, index.fqn, tuple(chunk.offsets), dtype, tuple(chunk.sizes)
+        )
         marked += 1
     return marked
 
@@ -535,7 +574,8 @@ async def aresolve_blob_tensors(
             ):
                 raise CheckpointFormatError(
                     f"{loc.where}: holds {loc.dtype} of shape {list(loc.size)} at offsets "
-                    f"{list(offsets.get(e.key, ()))}, the metadata says {e.dtype} of shape {list(e.sizes)} at "
+                    f"{list(offsets.get(e.key, ()))}, the metadata says {e.dtype} of shape "
+                    f"{list(e.sizes)} at "
                     f"{list(e.saved_offsets)}"
                 )
             out[e] = loc

@@ -46,7 +46,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -57,21 +57,25 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from asyncload._paths import check_relative_path
+from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
+from asyncload._paths import check_relative_path, short_repr
 from asyncload.decoding.allowlist import (
-    MAX_DEPTH,
-    TensorRef,
-    _check_coverage,
-    _check_structure,
-    _CheckpointPolicy,
-    _is_int,
-    record_globals,
     safe_loads,
-    storage_persistent_load,
 )
-from asyncload.decoding.vm import PickleVM, short_repr
+from asyncload.decoding.dcp_checks import _check_coverage
+from asyncload.decoding.tables import TensorRef, _is_int
 from asyncload.formats.base import Fetcher, FormatMetadata, KnownTensor
+from asyncload.formats.dtensor_records import (
+    _MAX_MESH,
+    DTensorRef,
+    _int_tuple,
+    _placements,
+    _Record,
+    _ReplicateRecord,
+    _ShardRecord,
+    _StridedShardRecord,
+    decode_record,
+)
 from asyncload.formats.torchsave import ArchiveLayout, _alayout, saved_entry, tensor_location
 
 __all__ = [
@@ -92,10 +96,6 @@ _ITEM_FILE = re.compile(r"^(?P<item>[A-Za-z0-9_.\-]+?)_(?P<rank>0|[1-9][0-9]{0,6
 #: The metadata versions read (``DistributedMetadata.to_dict`` of torch-checkpointing 0.1).
 _VERSIONS = ("2.0",)
 
-#: Largest device mesh accepted (ranks), and most dimensions of one.
-_MAX_MESH = 1 << 24
-_MAX_MESH_DIMS = 16
-
 
 def is_torch_checkpointing(names: Sequence[str]) -> bool:
     """Whether a directory listing is a torch-checkpointing checkpoint: a ``metadata.pkl``
@@ -114,353 +114,10 @@ def item_file_hint(name: str) -> str | None:
     if not _ITEM_FILE.match(base):
         return None
     return (
-        f"{base} is named like one item file of a torch-checkpointing checkpoint (<item>_<rank>.pt): "
+        f"{base} is named like one item file of a torch-checkpointing checkpoint "
+        f"(<item>_<rank>.pt): "
         "load the checkpoint's directory instead, which asyncload reads whole"
     )
-
-
-# --- the records a DTensor pickle decodes to ------------------------------------------
-
-
-@dataclass(frozen=True)
-class DTensorRef:
-    """A pickled ``DTensor`` as data: its local shard (a :class:`TensorRef`), its global
-    size and dtype, its placements (``("shard", dim, 0)``, ``("strided", dim, split_factor)``
-    or ``("replicate", -1, 0)``), the shape of its mesh and the saving rank's coordinate in
-    it (``None`` when that rank is not in the mesh)."""
-
-    local: TensorRef
-    size: tuple[int, ...]
-    dtype: torch.dtype
-    placements: tuple[tuple[str, int, int], ...]
-    mesh_shape: tuple[int, ...]
-    coordinate: tuple[int, ...] | None
-    requires_grad: bool = False
-
-    def shard(self, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(local shape, global offsets)`` this rank's shard has by its placements, checked
-        against the local tensor that was saved."""
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-        from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
-
-        assert self.coordinate is not None
-        objs: list[Any] = []
-        for kind, dim, split in self.placements:
-            if kind == "replicate":
-                objs.append(Replicate())
-            elif kind == "shard":
-                objs.append(Shard(dim))
-            else:
-                objs.append(_StridedShard(dim, split_factor=split))
-        try:
-            shape, offsets = _compute_local_shape_and_global_offset(
-                self.size, self.mesh_shape, list(self.coordinate), objs
-            )
-        except Exception as exc:  # torch's own checks of the geometry
-            raise CheckpointFormatError(
-                f"{where}: its placements {self.describe()} cannot be applied ({type(exc).__name__}: {exc})"[:500]
-            ) from None
-        shape, offsets = tuple(int(x) for x in shape), tuple(int(x) for x in offsets)
-        if shape != self.local.size:
-            raise CheckpointFormatError(
-                f"{where}: the saved local shard has shape {list(self.local.size)}, but its placements "
-                f"{self.describe()} give this rank (coordinate {list(self.coordinate)}) a shard of shape {list(shape)}"
-            )
-        for o, n, g in zip(offsets, shape, self.size):
-            if o < 0 or o + n > g:
-                raise CheckpointFormatError(
-                    f"{where}: its shard at {list(offsets)} of shape {list(shape)} lies outside the tensor "
-                    f"of size {list(self.size)}"
-                )
-        return shape, offsets
-
-    def primary(self) -> bool:
-        """Whether this rank's copy is the one read: coordinate 0 on every replicated mesh dim."""
-        assert self.coordinate is not None
-        return all(c == 0 for c, (kind, _, _) in zip(self.coordinate, self.placements) if kind == "replicate")
-
-    def describe(self) -> str:
-        names = {"shard": "Shard({1})", "strided": "_StridedShard({1}, split_factor={2})", "replicate": "Replicate()"}
-        ps = ", ".join(names[k].format(k, d, s) for k, d, s in self.placements)
-        return f"[{ps}] on a mesh of shape {list(self.mesh_shape)}"
-
-
-class _Record:
-    """An object of a class a DTensor pickle names, kept as data: the ``NEWOBJ`` arguments
-    and the ``BUILD`` state. Never anything's real class; checked where it is used."""
-
-    kind: ClassVar[str] = ""
-
-    def __init__(self, args: tuple[Any, ...]) -> None:
-        self.args = args
-        self.fields: dict[str, Any] = {}
-
-
-class _SpecRecord(_Record):
-    kind = "DTensorSpec"
-
-
-class _MeshRecord(_Record):
-    kind = "DeviceMesh"
-
-
-class _LayoutRecord(_Record):
-    kind = "_MeshLayout"
-
-
-class _TensorMetaRecord(_Record):
-    kind = "TensorMeta"
-
-
-class _ShardOrderRecord(_Record):
-    kind = "ShardOrderEntry"
-
-
-class _ShardRecord(_Record):
-    kind = "Shard"
-
-
-class _StridedShardRecord(_Record):
-    kind = "_StridedShard"
-
-
-class _ReplicateRecord(_Record):
-    kind = "Replicate"
-
-
-class _PartialRecord(_Record):
-    kind = "Partial"
-
-
-class _Marker:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-_WRAPPER = _Marker("torch._utils._rebuild_wrapper_subclass")
-_DTENSOR = _Marker("torch.distributed.tensor.DTensor")
-
-
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> DTensorRef:
-    """``torch._tensor._rebuild_from_type_v2`` of a pickled DTensor, as a :class:`DTensorRef`."""
-    if func is not _WRAPPER or new_type is not _DTENSOR:
-        raise UnsafeCheckpointError("_rebuild_from_type_v2 is allowed only to rebuild a DTensor")
-    if type(args) is not tuple or len(args) != 8 or args[0] is not _DTENSOR:
-        raise CheckpointFormatError(f"DTensor record has malformed arguments {short_repr(args)}")
-    _, dtype, size, _stride, _offset, layout, _device, requires_grad = args
-    if not isinstance(dtype, torch.dtype) or layout is not torch.strided or type(requires_grad) is not bool:
-        raise CheckpointFormatError(f"DTensor record has malformed arguments {short_repr(args)}")
-    size = _int_tuple(size, "global size")
-    if type(state) is tuple and len(state) == 2 and state[0] is None:  # (__dict__, slots) of __reduce_ex__
-        state = state[1]
-    if not isinstance(state, dict) or not set(state) <= {"_local_tensor", "_spec"}:
-        extra = sorted(str(k) for k in state) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointFormatError(f"DTensor record has unexpected state {short_repr(extra)}")
-    local, spec = state.get("_local_tensor"), state.get("_spec")
-    if not isinstance(local, TensorRef):
-        raise CheckpointFormatError("DTensor record holds no local tensor")
-    if local.dtype != dtype:
-        raise CheckpointFormatError(f"DTensor record of dtype {dtype} holds a local tensor of dtype {local.dtype}")
-    if not isinstance(spec, _SpecRecord):
-        raise CheckpointFormatError("DTensor record holds no DTensorSpec")
-    placements = _placements(spec.fields.get("placements"))
-    mesh_shape, coordinate = _mesh(spec.fields.get("mesh"))
-    meta = spec.fields.get("tensor_meta")
-    if isinstance(meta, _TensorMetaRecord) and meta.args and _int_tuple(meta.args[0], "tensor_meta shape") != size:
-        raise CheckpointFormatError(
-            f"DTensor record's tensor_meta shape {short_repr(meta.args[0])} is not its size {list(size)}"
-        )
-    if len(placements) != len(mesh_shape):
-        raise CheckpointFormatError(
-            f"DTensor record has {len(placements)} placements for a mesh of {len(mesh_shape)} dimensions"
-        )
-    for kind, dim, _ in placements:
-        if kind != "replicate" and not 0 <= dim < len(size):
-            raise CheckpointFormatError(f"DTensor record shards dimension {dim} of a {len(size)}-dimensional tensor")
-    if coordinate is not None and (
-        len(coordinate) != len(mesh_shape) or not all(0 <= c < n for c, n in zip(coordinate, mesh_shape))
-    ):
-        raise CheckpointFormatError(
-            f"DTensor record's coordinate {list(coordinate)} lies outside its mesh of shape {list(mesh_shape)}"
-        )
-    return DTensorRef(local, size, dtype, placements, mesh_shape, coordinate, requires_grad)
-
-
-def _int_tuple(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, (tuple, list)) or len(v) > 1024 or not all(_is_int(x) and x >= 0 for x in v):
-        raise CheckpointFormatError(f"DTensor record has a malformed {what}: {short_repr(v)}")
-    return tuple(v)
-
-
-def _placements(v: Any) -> tuple[tuple[str, int, int], ...]:
-    if type(v) not in (tuple, list) or not 0 < len(v) <= _MAX_MESH_DIMS:
-        raise CheckpointFormatError(f"DTensor record has malformed placements {short_repr(v)}")
-    out: list[tuple[str, int, int]] = []
-    for p in v:
-        if isinstance(p, _PartialRecord):
-            raise CheckpointFormatError(
-                "DTensor record has a Partial placement: it holds a pending reduction (partial sums), "
-                "not a slice of the tensor, and asyncload does not reduce across ranks"
-            )
-        if not isinstance(p, _Record):
-            raise CheckpointFormatError(f"DTensor record has a malformed placement {short_repr(p)}")
-        dim: Any = p.fields.get("dim", p.args[0] if p.args else None)
-        if isinstance(p, _ReplicateRecord):
-            out.append(("replicate", -1, 0))
-        elif isinstance(p, _ShardRecord) and _is_int(dim):
-            out.append(("shard", dim, 0))
-        elif isinstance(p, _StridedShardRecord) and _is_int(dim):
-            split: Any = p.fields.get("split_factor", p.args[1] if len(p.args) > 1 else None)
-            if not _is_int(split) or not 0 < split <= _MAX_MESH:
-                raise CheckpointFormatError(f"DTensor record has a malformed _StridedShard {short_repr(p.fields)}")
-            out.append(("strided", dim, split))
-        else:
-            raise CheckpointFormatError(f"DTensor record has a malformed placement {p.kind} {short_repr(dim)}")
-    return tuple(out)
-
-
-def _flat_ints(v: Any, depth: int = 0) -> list[int]:
-    if _is_int(v):
-        return [v]
-    if type(v) is tuple and depth < 8 and len(v) <= _MAX_MESH_DIMS:
-        return [x for e in v for x in _flat_ints(e, depth + 1)]
-    raise CheckpointFormatError(f"DeviceMesh record has a malformed layout {short_repr(v)}")
-
-
-def _mesh(v: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """The mesh's shape and the saving rank's coordinate, from a pickled ``DeviceMesh``:
-    torch 2.10+ (``_layout``: one CuTe layout per mesh dim, whose size is the product of its
-    shape) or older (``mesh``: the rank tensor, whose size is the mesh shape)."""
-    if not isinstance(v, _MeshRecord):
-        raise CheckpointFormatError("DTensor record holds no DeviceMesh")
-    f = v.fields
-    layout, mesh = f.get("_layout"), f.get("mesh")
-    if isinstance(layout, _LayoutRecord):
-        axes = layout.fields.get("axes", layout.args[0] if layout.args else None)
-        if type(axes) is not tuple or not 0 < len(axes) <= _MAX_MESH_DIMS:
-            raise CheckpointFormatError(f"DeviceMesh record has malformed layout axes {short_repr(axes)}")
-        shape_l = []
-        for ax in axes:
-            if not isinstance(ax, _LayoutRecord):
-                raise CheckpointFormatError("DeviceMesh record has a malformed layout axis")
-            shape_l.append(math.prod(_flat_ints(ax.fields.get("shape", ()))))
-        shape = tuple(shape_l)
-    elif isinstance(mesh, TensorRef):
-        shape = mesh.size
-    else:
-        raise CheckpointFormatError(
-            "DeviceMesh record has neither a _layout nor a mesh tensor: its shape cannot be determined "
-            "(written by a torch version asyncload does not know)"
-        )
-    if not 0 < len(shape) <= _MAX_MESH_DIMS or not all(0 < n <= _MAX_MESH for n in shape):
-        raise CheckpointFormatError(f"DeviceMesh record has a malformed shape {short_repr(shape)}")
-    if math.prod(shape) > _MAX_MESH:
-        raise CheckpointFormatError(f"DeviceMesh record of shape {list(shape)} has more than {_MAX_MESH} ranks")
-    coord = f.get("_coordinate_on_dim")
-    if coord is not None:
-        coord = _int_tuple(coord, "mesh coordinate")
-    return shape, coord
-
-
-_RECORDS: dict[tuple[str, str], Any] = {
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-    ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER,
-    ("torch.distributed.tensor", "DTensor"): _DTENSOR,
-    ("torch.distributed.tensor._api", "DTensor"): _DTENSOR,
-    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"): _SpecRecord,
-    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"): _TensorMetaRecord,
-    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"): _ShardOrderRecord,
-    ("torch.distributed.device_mesh", "DeviceMesh"): _MeshRecord,
-    ("torch.distributed._mesh_layout", "_MeshLayout"): _LayoutRecord,
-    ("torch.distributed._mesh_layout", "_FlatLayout"): _LayoutRecord,
-    ("torch.distributed.tensor.placement_types", "Shard"): _ShardRecord,
-    ("torch.distributed.tensor.placement_types", "_StridedShard"): _StridedShardRecord,
-    ("torch.distributed.tensor.placement_types", "Replicate"): _ReplicateRecord,
-    ("torch.distributed.tensor.placement_types", "Partial"): _PartialRecord,
-}
-_RECORD_CLASSES = frozenset(v for v in _RECORDS.values() if isinstance(v, type))
-
-
-class _DTensorPolicy(_CheckpointPolicy):
-    """The torch.save record policy, plus the names of a pickled DTensor as records."""
-
-    def __init__(self) -> None:
-        super().__init__(record_globals(), storage_persistent_load)
-
-    def find_class(self, vm: PickleVM, module: Any, name: Any) -> Any:
-        if type(module) is str and type(name) is str:
-            rec = _RECORDS.get((module, name))
-            if rec is not None:
-                return rec
-        return super().find_class(vm, module, name)
-
-    def call(self, vm: PickleVM, func: Any, args: Any) -> Any:
-        if func is _rebuild_from_type:
-            if type(args) is not tuple or len(args) != 4:
-                raise vm.bad(f"_rebuild_from_type_v2 called with malformed arguments {short_repr(args)}")
-            vm.charge(16)
-            try:
-                return _rebuild_from_type(*args)
-            except (CheckpointFormatError, UnsafeCheckpointError) as exc:
-                raise type(exc)(f"{vm.what}: {exc}") from None
-        if (isinstance(func, type) and func in _RECORD_CLASSES) or isinstance(func, _Marker):
-            raise vm.unsafe(f"asks to call {getattr(func, 'kind', '') or getattr(func, 'name', '')}")
-        return super().call(vm, func, args)
-
-    def newobj(self, vm: PickleVM, cls: Any, args: Any, kwargs: Any) -> Any:
-        if isinstance(cls, type) and cls in _RECORD_CLASSES:
-            if type(args) is not tuple or len(args) > 8 or kwargs:
-                raise vm.bad(f"{cls.__name__} created with malformed arguments {short_repr(args)}")
-            vm.charge(4 + len(args))
-            obj = cls(args)
-            vm.mark_fresh(obj)
-            return obj
-        return super().newobj(vm, cls, args, kwargs)
-
-    def build(self, vm: PickleVM, inst: Any, state: Any) -> None:
-        if isinstance(inst, _Record):
-            if not vm.is_fresh(inst):
-                raise vm.unsafe(f"asks to modify a {inst.kind} record it did not create")
-            if type(state) is tuple and len(state) == 2:  # (__dict__, slots)
-                merged: dict[Any, Any] = {}
-                for part in state:
-                    if part is not None:
-                        if type(part) is not dict:
-                            raise vm.bad(f"{inst.kind} state is malformed")
-                        merged.update(part)
-                state = merged
-            if type(state) is not dict or len(state) > 64 or not all(type(k) is str for k in state):
-                raise vm.bad(f"{inst.kind} state is malformed: {short_repr(state)}")
-            vm.charge(len(state))
-            inst.fields.update(state)
-            return
-        super().build(vm, inst, state)
-
-
-def decode_record(pickle_bytes: bytes | memoryview, where: str) -> Any:
-    """An archive's ``data.pkl`` with the DTensor records allowed (see the module docstring)."""
-    vm = PickleVM(bytes(pickle_bytes), _DTensorPolicy(), f"{where} (data.pkl)")
-    obj = vm.run()
-    _check_structure(obj, f"{where} (data.pkl)", MAX_DEPTH, vm.work_limit)
-    return _no_loose_records(obj, where)
-
-
-def _no_loose_records(obj: Any, where: str) -> Any:
-    """A spec, mesh or placement outside a DTensor is not something a state dict holds."""
-    stack, seen = [obj], set()
-    while stack:
-        o = stack.pop()
-        if isinstance(o, (_Record, _Marker)):
-            shown = o.kind if isinstance(o, _Record) else o.name
-            raise CheckpointFormatError(f"{where}: holds a {shown} outside a DTensor, which asyncload does not read")
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            stack.extend(o)
-    return obj
 
 
 # --- metadata.pkl ------------------------------------------------------------------------
@@ -509,13 +166,20 @@ def _bad(url: str, msg: str) -> CheckpointFormatError:
 
 
 def decode_metadata_pkl(raw: bytes | memoryview, url: str, *, max_size: int) -> _TcMetadata:
-    """``metadata.pkl`` decoded with no global allowed (it is plain data) and checked field by field."""
+    """``metadata.pkl`` decoded with no global allowed (it is plain data) and checked field by
+    field."""
     d: Any = safe_loads(raw, what=url, allowed={}, max_size=max_size)
     if type(d) is not dict or not {"metadata", "world_size"} <= set(d):
-        raise _bad(url, "is not torch-checkpointing metadata (a dict with 'metadata' and 'world_size')")
+        raise _bad(
+            url, "is not torch-checkpointing metadata (a dict with 'metadata' and 'world_size')"
+        )
     version = d.get("version")
     if version not in _VERSIONS:
-        raise _bad(url, f"has metadata version {short_repr(version)}; asyncload reads versions {list(_VERSIONS)}")
+        raise _bad(
+            url,
+            f"has metadata version {short_repr(version)}; asyncload reads versions "
+            f"{list(_VERSIONS)}",
+        )
     world = d["world_size"]
     if not _is_int(world) or not 0 < world <= _MAX_MESH:
         raise _bad(url, f"has a malformed world_size {short_repr(world)}")
@@ -576,7 +240,11 @@ def _json_key(item: str, jpath: Any, url: str) -> str:
 def _sharding(g: Any, key: str, world: int, url: str) -> _Sharding:
     sm: Any = g.get("sharding_metadata") if type(g) is dict else None
     ranks: Any = g.get("ranks") if type(g) is dict else None
-    if type(sm) is not dict or type(ranks) not in (tuple, list) or not all(_is_int(r) for r in ranks):
+    if (
+        type(sm) is not dict
+        or type(ranks) not in (tuple, list)
+        or not all(_is_int(r) for r in ranks)
+    ):
         raise _bad(url, f"key {key!r} has a malformed sharding group")
     if any(not 0 <= r < world for r in ranks):
         raise _bad(url, f"key {key!r} names ranks {short_repr(ranks)} outside the world of {world}")
@@ -585,7 +253,8 @@ def _sharding(g: Any, key: str, world: int, url: str) -> _Sharding:
         raise _bad(
             url,
             f"key {key!r} has sharding metadata of type {short_repr(kind)}; asyncload reads only "
-            "DTensorShardingMetadata (default_tensor_v1 of custom CheckpointableTensors is not read)",
+            "DTensorShardingMetadata (default_tensor_v1 of custom CheckpointableTensors is not "
+            "read)",
         )
     data: Any = sm.get("data")
     mesh: Any = data.get("mesh_spec") if type(data) is dict else None
@@ -600,14 +269,24 @@ def _sharding(g: Any, key: str, world: int, url: str) -> _Sharding:
         )
     except CheckpointFormatError as exc:
         raise _bad(url, f"key {key!r}: {exc}") from None
-    if math.prod(mesh_shape) != len(mesh_ranks) or len(mesh_shape) != len(placements) or not mesh_shape:
-        raise _bad(url, f"key {key!r} has a mesh of shape {list(mesh_shape)} with {len(mesh_ranks)} ranks")
+    if (
+        math.prod(mesh_shape) != len(mesh_ranks)
+        or len(mesh_shape) != len(placements)
+        or not mesh_shape
+    ):
+        raise _bad(
+            url, f"key {key!r} has a mesh of shape {list(mesh_shape)} with {len(mesh_ranks)} ranks"
+        )
     return _Sharding(tuple(ranks), size, placements, mesh_shape, mesh_ranks)
 
 
 def _spec_placement(p: Any, key: str, url: str) -> _Record:
     kind = p.get("type") if type(p) is dict else None
-    cls = {"Shard": _ShardRecord, "StridedShard": _StridedShardRecord, "Replicate": _ReplicateRecord}.get(kind)  # type: ignore[arg-type]
+    cls = {
+        "Shard": _ShardRecord,
+        "StridedShard": _StridedShardRecord,
+        "Replicate": _ReplicateRecord,
+    }.get(kind)  # type: ignore[arg-type]
     if cls is None:
         raise _bad(url, f"key {key!r} has a placement of unknown type {short_repr(kind)}")
     rec = cls(())
@@ -633,7 +312,8 @@ def _item_files(names: Sequence[str], url: Callable[[str], str]) -> dict[str, li
         if missing:
             name = f"{item}_{missing[0]}.pt"
             raise CheckpointNotFoundError(
-                f"{url(name)} does not exist although rank {world - 1} wrote {item}_{world - 1}.pt: the "
+                f"{url(name)} does not exist although rank {world - 1} wrote "
+                f"{item}_{world - 1}.pt: the "
                 "torch-checkpointing save did not finish or its files were removed",
                 path=url(name),
                 status=404,
@@ -642,7 +322,9 @@ def _item_files(names: Sequence[str], url: Callable[[str], str]) -> dict[str, li
     return out
 
 
-async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: str) -> FormatMetadata:
+async def adirectory_metadata(
+    fetcher: Fetcher, names: Sequence[str], source: str
+) -> FormatMetadata:
     """The synthesised metadata of the torch-checkpointing directory ``fetcher`` is opened at
     (``names``: its listing)."""
     opts = fetcher.options
@@ -651,12 +333,17 @@ async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: st
         size = await fetcher.size(METADATA_FILE)
         url = fetcher.url(METADATA_FILE)
         if size is None:
-            raise CheckpointFormatError(f"{url} is empty: the torch-checkpointing save did not finish")
+            raise CheckpointFormatError(
+                f"{url} is empty: the torch-checkpointing save did not finish"
+            )
         if size > opts.max_metadata_size:
             raise CheckpointFormatError(
-                f"{url} is {size} bytes, more than LoadOptions.max_metadata_size={opts.max_metadata_size}"
+                f"{url} is {size} bytes, more than "
+                f"LoadOptions.max_metadata_size={opts.max_metadata_size}"
             )
-        meta = decode_metadata_pkl(await fetcher.read(METADATA_FILE, 0, size), url, max_size=opts.max_metadata_size)
+        meta = decode_metadata_pkl(
+            await fetcher.read(METADATA_FILE, 0, size), url, max_size=opts.max_metadata_size
+        )
     files = _item_files(names, fetcher.url)
     if meta is not None:  # metadata.pkl is authoritative for the items it describes
         for (item, rank), rel in meta.files.items():
@@ -674,7 +361,8 @@ async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: st
         if size is None:
             named = f"named by {fetcher.url(METADATA_FILE)}" if meta is not None else "expected"
             raise CheckpointNotFoundError(
-                f"{fetcher.url(rel)} ({named}) does not exist or is empty: the torch-checkpointing save did "
+                f"{fetcher.url(rel)} ({named}) does not exist or is empty: the torch-checkpointing "
+                f"save did "
                 "not finish or its files were removed",
                 path=fetcher.url(rel),
                 status=404,
@@ -682,7 +370,9 @@ async def adirectory_metadata(fetcher: Fetcher, names: Sequence[str], source: st
     layouts = dict(
         zip(
             wanted,
-            await asyncio.gather(*(_afile_layout(fetcher, rel, size_of[rel] or 0) for rel in wanted)),
+            await asyncio.gather(
+                *(_afile_layout(fetcher, rel, size_of[rel] or 0) for rel in wanted)
+            ),
         )
     )
     return _synthesise(files, layouts, meta, fetcher, source)
@@ -705,7 +395,9 @@ def _flatten(item: str, value: Any, where: str) -> dict[str, tuple[tuple[Any, ..
         flat[key] = (tuple(path), v)
 
     try:
-        traverse_state_dict({item: value}, visit, keep_traversing=lambda v: isinstance(v, (TensorRef, DTensorRef)))
+        traverse_state_dict(
+            {item: value}, visit, keep_traversing=lambda v: isinstance(v, (TensorRef, DTensorRef))
+        )
     except RecursionError as exc:
         raise CheckpointFormatError(f"{where}: nested too deeply") from exc
     return flat
@@ -737,13 +429,20 @@ def _synthesise(
             paths[key] = path
             kinds = {type(per_rank[r][key][1]) is DTensorRef for r in rs}
             if len(kinds) > 1:
-                other = next(r for r in rs if (type(per_rank[r][key][1]) is DTensorRef) != (type(value) is DTensorRef))
+                other = next(
+                    r
+                    for r in rs
+                    if (type(per_rank[r][key][1]) is DTensorRef) != (type(value) is DTensorRef)
+                )
                 raise CheckpointFormatError(
-                    f"{layouts[ranks[other]].where} and {layout.where}: key {key!r} is a DTensor in one and not "
+                    f"{layouts[ranks[other]].where} and {layout.where}: key {key!r} is a DTensor "
+                    f"in one and not "
                     "in the other: the ranks saved different state"
                 )
             if isinstance(value, DTensorRef):
-                sdm[key], chunks = _dtensor_entry(key, [(r, ranks[r], per_rank[r][key][1]) for r in rs], layouts, meta)
+                sdm[key], chunks = _dtensor_entry(
+                    key, [(r, ranks[r], per_rank[r][key][1]) for r in rs], layouts, meta
+                )
                 for index, (offsets, loc) in enumerate(chunks):
                     storage[MetadataIndex(key, offsets, index)] = KnownTensor(loc)
             elif isinstance(value, TensorRef):
@@ -760,7 +459,8 @@ def _synthesise(
         for key in meta.shardings:
             if key not in sdm:
                 raise CheckpointFormatError(
-                    f"{fetcher.url(METADATA_FILE)} describes key {key!r}, which no file of the checkpoint holds"
+                    f"{fetcher.url(METADATA_FILE)} describes key {key!r}, which no file of the "
+                    f"checkpoint holds"
                 )
     return FormatMetadata(
         state_dict_metadata=sdm,
@@ -777,7 +477,8 @@ def _refs_in(obj: Any, out: list[TensorRef], where: str, depth: int = 0) -> None
         raise CheckpointFormatError(f"{where}: nested more than 200 levels deep")
     if isinstance(obj, DTensorRef):
         raise CheckpointFormatError(
-            f"{where}: holds a DTensor inside a tuple, set or other object; asyncload reads DTensors only "
+            f"{where}: holds a DTensor inside a tuple, set or other object; asyncload reads "
+            f"DTensors only "
             "as values of dicts and lists (each needs a key of its own)"
         )
     if isinstance(obj, TensorRef):
@@ -804,13 +505,16 @@ def _dtensor_entry(
     metas: list[ChunkStorageMetadata] = []
     groups = meta.shardings.get(key) if meta is not None else None
     if meta is not None and groups is None:
-        raise CheckpointFormatError(f"{where0}: holds DTensor {key!r}, which metadata.pkl does not describe")
+        raise CheckpointFormatError(
+            f"{where0}: holds DTensor {key!r}, which metadata.pkl does not describe"
+        )
     for rank, rel, d in held:
         layout = layouts[rel]
         where = f"DTensor {key!r} of {layout.where}"
         if (d.size, d.dtype) != (base.size, base.dtype):
             raise CheckpointFormatError(
-                f"{where}: has size {list(d.size)} and dtype {d.dtype}, {where0} has {list(base.size)} and {base.dtype}"
+                f"{where}: has size {list(d.size)} and dtype {d.dtype}, {where0} has "
+                f"{list(base.size)} and {base.dtype}"
             )
         if groups is not None:
             _check_against_metadata(d, rank, groups, where)
@@ -819,7 +523,8 @@ def _dtensor_entry(
         shape, offsets = d.shard(where)
         loc = replace(
             tensor_location(layout, rel, d.local),
-            where=f"shard {list(offsets)} of DTensor {key!r} (storage data/{d.local.storage.key}) of {layout.where}",
+            where=f"shard {list(offsets)} of DTensor {key!r} (storage data/{d.local.storage.key}) "
+            f"of {layout.where}",
         )
         chunks.append((offsets, loc))
         metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
@@ -837,13 +542,17 @@ def _dtensor_entry(
 def _check_against_metadata(d: DTensorRef, rank: int, groups: list[_Sharding], where: str) -> None:
     g = next((g for g in groups if rank in g.rank_set), None)
     if g is None:
-        raise CheckpointFormatError(f"{where}: metadata.pkl lists no sharding of it for rank {rank}")
+        raise CheckpointFormatError(
+            f"{where}: metadata.pkl lists no sharding of it for rank {rank}"
+        )
     theirs = (g.size, g.placements, g.mesh_shape, g.coordinate(rank))
     ours = (d.size, d.placements, d.mesh_shape, d.coordinate)
     if theirs != ours:
         raise CheckpointFormatError(
-            f"{where}: metadata.pkl says size {list(g.size)}, placements {g.placements}, mesh {list(g.mesh_shape)} "
-            f"and coordinate {g.coordinate(rank)} for rank {rank}; the file holds size {list(d.size)}, placements "
+            f"{where}: metadata.pkl says size {list(g.size)}, placements {g.placements}, mesh "
+            f"{list(g.mesh_shape)} "
+            f"and coordinate {g.coordinate(rank)} for rank {rank}; the file holds size "
+            f"{list(d.size)}, placements "
             f"{d.placements}, mesh {list(d.mesh_shape)} and coordinate {d.coordinate}"
         )
 
@@ -853,6 +562,7 @@ def _check_plain(key: str, value: TensorRef, meta: _TcMetadata, fetcher: Fetcher
     for g in meta.shardings.get(key, ()):
         if g.size != value.size or any(k != "replicate" for k, _, _ in g.placements):
             raise CheckpointFormatError(
-                f"{fetcher.url(METADATA_FILE)}: says key {key!r} has size {list(g.size)} and placements "
+                f"{fetcher.url(METADATA_FILE)}: says key {key!r} has size {list(g.size)} and "
+                f"placements "
                 f"{g.placements}; the files hold a plain tensor of size {list(value.size)}"
             )

@@ -1,7 +1,11 @@
-"""torch.save archives (a zip of ``data.pkl`` + one entry per storage), parsed without
-``torch.load``: the directory with bounds checks, the pickle with the allow-list, each
-storage located by its local header. Used for every record of a DCP ``.distcp`` file
-(each is one torch.save archive) and for plain ``torch.save`` files.
+"""Plain ``torch.save`` files as a checkpoint format: a synthesised DCP ``Metadata`` of
+their tensors (:class:`~asyncload.formats.base.KnownTensor`) and objects
+(:class:`KnownObject`), the flattened keys and the saved nesting given back
+(:func:`nest_saved`: int and tuple keys, ``OrderedDict``, tied storages). Each file is one
+torch.save archive, parsed by :mod:`asyncload.formats.archive` (whose names are also
+importable from here).
+
+Raised: :class:`CheckpointFormatError` for a damaged file or one that does not hold a dict.
 """
 
 from __future__ import annotations
@@ -9,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import enum
-import functools
 import io
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,14 +29,29 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from asyncload._errors import CheckpointFormatError
-from asyncload.decoding.allowlist import TensorRef, record_globals, safe_loads, storage_persistent_load
-from asyncload.engine.assembly import tensor_over
-from asyncload.engine.chunks import TensorLocation
-from asyncload.formats.base import Fetcher, FormatEntry, FormatMetadata, KnownTensor, check_weight_map
+from asyncload.decoding.allowlist import TensorRef
+from asyncload.formats.archive import (
+    HEAD_PROBE,
+    TAIL_PROBE,
+    ArchiveLayout,
+    ByteWindow,
+    NeedBytes,
+    StorageLoc,
+    _walk_refs,
+    aparse_archive,
+    materialize,
+    parse_archive,
+    tensor_location,
+)
+from asyncload.formats.base import (
+    Fetcher,
+    FormatEntry,
+    FormatMetadata,
+    KnownTensor,
+    check_weight_map,
+)
 from asyncload.formats.zip import (
-    EOCD_SEARCH,
     LOCAL_HEADER_SIZE,
-    local_data_start,
     locate_central_directory,
     parse_central_directory,
 )
@@ -52,352 +69,6 @@ __all__ = [
     "parse_archive",
     "tensor_location",
 ]
-
-#: Bytes read at a large record's start and end to find its layout (one request each,
-#: and the tail of one record is read together with the head of the next).
-HEAD_PROBE = 4096
-TAIL_PROBE = EOCD_SEARCH
-
-
-class NeedBytes(Exception):
-    """The parser needs file bytes ``[start, end)`` it does not have yet."""
-
-    def __init__(self, start: int, end: int) -> None:
-        super().__init__(start, end)
-        self.start, self.end = start, end
-
-
-class ByteWindow:
-    """Known byte ranges of one file; ``get`` returns a range or raises NeedBytes."""
-
-    def __init__(self) -> None:
-        self._parts: list[tuple[int, bytes | memoryview]] = []
-
-    def add(self, start: int, data: bytes | memoryview) -> None:
-        self._parts.append((start, data))
-
-    def get(self, start: int, end: int) -> memoryview:
-        for s, d in self._parts:
-            if s <= start and end <= s + len(d):
-                return memoryview(d)[start - s : end - s]
-        raise NeedBytes(start, end)
-
-
-@dataclass(frozen=True)
-class StorageLoc:
-    key: str
-    data_start: int
-    nbytes: int
-    crc32: int
-
-
-@dataclass
-class ArchiveLayout:
-    #: The decoded ``data.pkl``: tensors appear as :class:`TensorRef`.
-    obj: Any
-    storages: dict[str, StorageLoc]
-    where: str
-
-
-def _has_fields(o: Any) -> bool:
-    """An object whose attributes may hold tensors: a dataclass, or an object of a class the
-    user trusts (``LoadOptions.safe_globals``: an ``argparse.Namespace`` holding a tensor)."""
-    return hasattr(o, "__dict__") and not isinstance(o, (type, enum.Enum, TensorRef, torch.Tensor))
-
-
-def _walk_refs(obj: Any, out: list[TensorRef]) -> None:
-    """Every TensorRef in ``obj`` (iterative; shared and self-referencing objects once)."""
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, TensorRef):
-            out.append(o)
-            continue
-        if id(o) in seen:
-            continue
-        if isinstance(o, dict):
-            seen.add(id(o))
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            seen.add(id(o))
-            stack.extend(o)
-        elif _has_fields(o):
-            seen.add(id(o))
-            stack.extend(vars(o).values())
-
-
-def parse_archive(
-    win: ByteWindow,
-    start: int,
-    size: int,
-    where: str,
-    *,
-    max_pickle: int = 1 << 30,
-    safe_globals: tuple[Any, ...] = (),
-    decode: Callable[[memoryview, str], Any] | None = None,
-) -> ArchiveLayout:
-    """Parse the archive at file bytes ``[start, start + size)``; raises NeedBytes for missing
-    bytes inside the archive, CheckpointFormatError for anything that points outside it or
-    does not hold together (never an exception from ``struct`` or ``zipfile``).
-    ``safe_globals``: the globals the user trusts in its pickle (``LoadOptions.safe_globals``).
-    ``decode(data.pkl, where)``: another allow-list decoder (torch-checkpointing's DTensors).
-    """
-    if decode is None:
-        decode = functools.partial(_record_object, safe_globals=safe_globals)
-    try:
-        return _parse_archive(win, start, size, where, max_pickle, decode)
-    except NeedBytes as need:
-        if need.start < start or need.end > start + size or need.end < need.start:
-            raise CheckpointFormatError(
-                f"{where}: the archive points at bytes [{need.start - start}, {need.end - start}) of a "
-                f"{size}-byte record: the record is damaged or its length in the metadata is wrong"
-            ) from None
-        raise
-
-
-def _parse_archive(
-    win: ByteWindow, start: int, size: int, where: str, max_pickle: int, decode: Callable[[memoryview, str], Any]
-) -> ArchiveLayout:
-    if size < 22:
-        raise CheckpointFormatError(f"{where}: {size} bytes is too small to be a torch.save archive")
-    tail_len = min(size, TAIL_PROBE)
-    tail = win.get(start + size - tail_len, start + size)
-    cd_off, cd_size, n = locate_central_directory(tail, size, where)
-    cd = win.get(start + cd_off, start + cd_off + cd_size)
-    entries = parse_central_directory(cd, n, size, where).entries
-    pkl_names = [k for k in entries if k.endswith("/data.pkl") or k == "data.pkl"]
-    if len(pkl_names) != 1:
-        raise CheckpointFormatError(f"{where}: not a torch.save archive (found {len(pkl_names)} data.pkl entries)")
-    pkl = entries[pkl_names[0]]
-    prefix = pkl.name[: -len("data.pkl")]
-    if pkl.size > max_pickle:
-        raise CheckpointFormatError(f"{where}: data.pkl of {pkl.size} bytes exceeds the {max_pickle} allowed")
-    bo = entries.get(prefix + "byteorder")
-    if bo is not None:
-        if bo.size > 16:
-            raise CheckpointFormatError(f"{where}: byteorder entry of {bo.size} bytes")
-        ds = _data_start(win, start, bo.header_offset, bo.name, where)
-        order = bytes(win.get(start + ds, start + ds + bo.size))
-        if order not in (b"little",):
-            raise CheckpointFormatError(f"{where}: byte order {order!r} is not supported (only little-endian)")
-    ds = _data_start(win, start, pkl.header_offset, pkl.name, where)
-    if pkl.method != 0:
-        raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
-    obj = decode(win.get(start + ds, start + ds + pkl.size), where)
-    refs: list[TensorRef] = []
-    _walk_refs(obj, refs)
-    storages: dict[str, StorageLoc] = {}
-    for ref in refs:
-        key = ref.storage.key
-        if key in storages:
-            continue
-        entry = entries.get(f"{prefix}data/{key}")
-        if entry is None:
-            raise CheckpointFormatError(f"{where}: storage {key!r} named by data.pkl has no data/{key} entry")
-        if entry.method != 0:
-            raise CheckpointFormatError(f"{where}: storage data/{key} is compressed")
-        if entry.size != ref.storage.nbytes:
-            raise CheckpointFormatError(
-                f"{where}: storage data/{key} holds {entry.size} bytes, data.pkl says {ref.storage.nbytes}"
-            )
-        dstart = _data_start(win, start, entry.header_offset, entry.name, where)
-        if dstart + entry.size > size:
-            raise CheckpointFormatError(f"{where}: storage data/{key} runs past the end of the archive")
-        storages[key] = StorageLoc(key, start + dstart, entry.size, entry.crc32)
-    return ArchiveLayout(obj, storages, where)
-
-
-#: Decoded ``data.pkl`` of single-tensor records, by their bytes. The records of one DCP
-#: file differ mostly in their data: a model's layers repeat a few shapes, so most of
-#: its records' pickles are byte for byte one of a few (a 67-record checkpoint has 6).
-#: Only a :class:`TensorRef` (frozen, all of it immutable) is kept, and only the decode
-#: is skipped: every record's directory, entries and sizes are still checked.
-_TENSOR_PICKLES: dict[tuple[bytes, tuple[Any, ...]], TensorRef] = {}
-_TENSOR_PICKLES_MAX = 4096
-_TENSOR_PICKLE_MAX_BYTES = 4096
-
-
-def _record_object(pickle_bytes: memoryview, where: str, safe_globals: tuple[Any, ...] = ()) -> Any:
-    """A record's ``data.pkl``, decoded with the allow-list (or its earlier decode under the
-    same ``safe_globals``)."""
-    key = (bytes(pickle_bytes), safe_globals) if len(pickle_bytes) <= _TENSOR_PICKLE_MAX_BYTES else None
-    if key is not None:
-        hit = _TENSOR_PICKLES.get(key)
-        if hit is not None:
-            return hit
-    obj = safe_loads(
-        pickle_bytes,
-        what=f"{where} (data.pkl)",
-        allowed=record_globals(),
-        persistent_load=storage_persistent_load,
-        safe_globals=safe_globals,
-    )
-    if key is not None and type(obj) is TensorRef:
-        if len(_TENSOR_PICKLES) >= _TENSOR_PICKLES_MAX:
-            _TENSOR_PICKLES.clear()
-        _TENSOR_PICKLES[key] = obj
-    return obj
-
-
-def _data_start(win: ByteWindow, start: int, header_offset: int, name: str, where: str) -> int:
-    nl = len(name.encode("utf-8"))
-    head = win.get(start + header_offset, start + header_offset + LOCAL_HEADER_SIZE + nl)
-    ds = local_data_start(head, header_offset, name, where)
-    if ds is None:  # the local header's name is longer than the directory's
-        raise CheckpointFormatError(
-            f"{where}: the local header of {name[:200]!r} at {header_offset} does not match the central directory"
-        )
-    return ds
-
-
-async def aparse_archive(
-    win: ByteWindow,
-    start: int,
-    size: int,
-    where: str,
-    fetch: Callable[[int, int], Awaitable[bytes | memoryview]],
-    *,
-    max_pickle: int = 1 << 30,
-    safe_globals: tuple[Any, ...] = (),
-) -> ArchiveLayout:
-    """:func:`parse_archive`, fetching missing bytes with ``fetch(start, end)``: at most 16
-    rounds and ``max_pickle`` + 1 MiB in all (a damaged directory cannot make it read a
-    whole multi-gigabyte record into memory)."""
-    fetched = 0
-    limit = max_pickle + (1 << 20)
-    for _ in range(16):
-        try:
-            return parse_archive(win, start, size, where, max_pickle=max_pickle, safe_globals=safe_globals)
-        except NeedBytes as need:
-            lo = max(start, need.start)
-            hi = min(start + size, max(need.end, need.start + HEAD_PROBE))
-            fetched += hi - lo
-            if fetched > limit:
-                raise CheckpointFormatError(
-                    f"{where}: finding the record's tensor needs more than {limit} bytes "
-                    "of headers: the record is damaged"
-                ) from None
-            win.add(lo, await fetch(lo, hi))
-    raise CheckpointFormatError(f"{where}: layout did not resolve after 16 reads")
-
-
-def tensor_location(layout: ArchiveLayout, name: str, ref: TensorRef | None = None) -> TensorLocation:
-    """The location of the archive's tensor (``ref``, or the archive's whole object)."""
-    ref = layout.obj if ref is None else ref
-    if not isinstance(ref, TensorRef):
-        raise CheckpointFormatError(f"{layout.where}: expected a tensor record, found {type(ref).__name__}")
-    st = layout.storages[ref.storage.key]
-    loc = TensorLocation(
-        name=name,
-        data_start=st.data_start,
-        storage_nbytes=st.nbytes,
-        dtype=ref.dtype,
-        size=ref.size,
-        stride=ref.stride,
-        storage_offset=ref.storage_offset,
-        crc32=st.crc32,
-        where=layout.where,
-    )
-    loc.check()
-    return loc
-
-
-def materialize(layout: ArchiveLayout, win: ByteWindow) -> Any:
-    """The archive's object with every tensor built from the bytes in ``win``.
-
-    Like ``torch.load``: each storage is copied once, tensors are views of it (so two
-    tensors that shared a storage still do, and a stride-0 tensor costs its storage, not
-    its apparent size). Lists, dicts and dataclasses are updated in place, tuples and
-    sets rebuilt; shared and self-referencing objects are handled once (iteratively, no
-    recursion)."""
-    refs: list[TensorRef] = []
-    _walk_refs(layout.obj, refs)
-    if not refs:
-        return layout.obj
-    storages: dict[str, torch.Tensor] = {}
-
-    def build(ref: TensorRef) -> torch.Tensor:
-        st = layout.storages[ref.storage.key]
-        loc = tensor_location(layout, "", ref)  # checks that every element lies in the storage
-        if st.nbytes % loc.itemsize:
-            raise CheckpointFormatError(
-                f"{layout.where}: storage of {st.nbytes} bytes is not whole {ref.dtype} elements"
-            )
-        raw = storages.get(st.key)
-        if raw is None:
-            raw = torch.empty(st.nbytes, dtype=torch.uint8)
-            if st.nbytes:
-                raw.copy_(tensor_over(win.get(st.data_start, st.data_start + st.nbytes), torch.uint8))
-            storages[st.key] = raw
-        try:
-            t = raw.view(ref.dtype).as_strided(ref.size, ref.stride, ref.storage_offset)
-        except RuntimeError as exc:
-            raise CheckpointFormatError(
-                f"{layout.where}: tensor of size {list(ref.size)} cannot be built ({exc})"[:400]
-            ) from None
-        try:
-            if ref.is_parameter:
-                return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
-            return t.requires_grad_(ref.requires_grad) if ref.requires_grad and t.is_floating_point() else t
-        except RuntimeError as exc:  # the rebuild functions check requires_grad; belt and braces
-            raise CheckpointFormatError(f"{layout.where}: tensor cannot be built ({exc})"[:400]) from None
-
-    done: dict[int, Any] = {}  # id(original) -> replacement
-    keep: list[Any] = []  # keeps originals alive while their ids are keys
-    stack: list[tuple[Any, bool]] = [(layout.obj, False)]
-    while stack:
-        o, children_done = stack.pop()
-        oid = id(o)
-        if not children_done:
-            if oid in done:
-                continue
-            if isinstance(o, TensorRef):
-                done[oid] = build(o)
-                keep.append(o)
-                continue
-            if isinstance(o, dict):
-                kids: Any = o.values()
-            elif isinstance(o, (list, tuple, set, frozenset)):
-                kids = o
-            elif _has_fields(o):
-                kids = vars(o).values()
-            else:
-                continue
-            done[oid] = o  # placeholder: a cycle back to ``o`` sees ``o`` itself
-            keep.append(o)
-            stack.append((o, True))
-            stack.extend((k, False) for k in kids if id(k) not in done)
-            continue
-        new = _rebuilt(o, done)
-        done[oid] = new
-    return done.get(id(layout.obj), layout.obj)
-
-
-def _rebuilt(o: Any, done: dict[int, Any]) -> Any:
-    def sub(v: Any) -> Any:
-        return done.get(id(v), v)
-
-    if isinstance(o, list):
-        for i, v in enumerate(o):
-            o[i] = sub(v)
-        return o
-    if isinstance(o, dict):
-        for k, v in o.items():
-            o[k] = sub(v)
-        return o
-    if _has_fields(o):  # only what changed: the object may be one the user's class shares
-        d = vars(o)
-        for k, v in list(d.items()):
-            new = sub(v)
-            if new is not v:
-                d[k] = new
-        return o
-    if type(o) is tuple:
-        return tuple(sub(v) for v in o)
-    if isinstance(o, (set, frozenset)):
-        return type(o)(sub(v) for v in o)
-    return o  # a tuple subclass (torch.Size...) holds no tensors
 
 
 # --- torch.save checkpoints: synthesised DCP metadata, decoded objects ----------------------
@@ -433,17 +104,23 @@ class KnownObject(FormatEntry):
 
 
 async def _atorchsave_files(
-    fetcher: Fetcher, files: Sequence[tuple[str, int]], weight_map: dict[str, str] | None, source: str
+    fetcher: Fetcher,
+    files: Sequence[tuple[str, int]],
+    weight_map: dict[str, str] | None,
+    source: str,
 ) -> FormatMetadata:
     layouts = await asyncio.gather(*(_alayout(fetcher, name, size) for name, size in files))
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     origin: dict[str, str] = {}
-    paths: dict[str, tuple[Any, ...]] = {}  # flattened key -> its path in the saved dict, as DCP's planner_data
+    paths: dict[
+        str, tuple[Any, ...]
+    ] = {}  # flattened key -> its path in the saved dict, as DCP's planner_data
     for (name, _), layout in zip(files, layouts):
         if not isinstance(layout.obj, dict):
             raise CheckpointFormatError(
-                f"{layout.where} holds a {type(layout.obj).__name__}, not a dict; asyncload loads state dicts "
+                f"{layout.where} holds a {type(layout.obj).__name__}, not a dict; asyncload loads "
+                f"state dicts "
                 "(a dict of tensors, possibly nested) from torch.save files"
             )
         for key, (path, value) in _flatten(layout.obj).items():
@@ -451,7 +128,9 @@ async def _atorchsave_files(
                 continue
             paths[key] = path
             if key in origin:
-                raise CheckpointFormatError(f"{source}: key {key!r} is in both {origin[key]} and {name}")
+                raise CheckpointFormatError(
+                    f"{source}: key {key!r} is in both {origin[key]} and {name}"
+                )
             origin[key] = name
             sdm[key], index, entry = saved_entry(key, value, layout, name)
             storage[index] = entry
@@ -547,7 +226,9 @@ def _flatten(obj: Mapping[Any, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
     def visit(path: tuple[Any, ...], value: Any) -> None:
         key = _flat_key(path)
         if key in flat:
-            raise CheckpointFormatError(f"two entries of the torch.save dict flatten to the same key {key!r}")
+            raise CheckpointFormatError(
+                f"two entries of the torch.save dict flatten to the same key {key!r}"
+            )
         flat[key] = (path, value)
 
     _traverse(obj, visit)
@@ -576,7 +257,12 @@ def nest_saved(flat: Mapping[str, Any], templates: Sequence[ArchiveLayout]) -> d
         leaves = {k: v for k, (_, v) in saved.items() if isinstance(v, TensorRef)}
         everything = all(k in flat for k in saved)
         tensors = _shared_tensors(
-            [(k, ref, flat[k]) for k, ref in leaves.items() if isinstance(flat.get(k), torch.Tensor)], layout
+            [
+                (k, ref, flat[k])
+                for k, ref in leaves.items()
+                if isinstance(flat.get(k), torch.Tensor)
+            ],
+            layout,
         )
         built, _ = _rebuild(layout.obj, (), flat, tensors, everything)
         if out is None:
@@ -590,7 +276,11 @@ _DROP: Any = object()
 
 
 def _rebuild(
-    node: Any, path: tuple[Any, ...], flat: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], everything: bool
+    node: Any,
+    path: tuple[Any, ...],
+    flat: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    everything: bool,
 ) -> tuple[Any, bool]:
     """``(value, kept)`` of ``node`` at ``path``, mirroring :func:`_traverse`."""
     if isinstance(node, Mapping):
@@ -611,7 +301,9 @@ def _rebuild(
             values.pop()
         if not values:
             return None, False
-        return [None if v is _DROP else v for v in values], True  # a dropped entry: None, as DCP pads
+        return [
+            None if v is _DROP else v for v in values
+        ], True  # a dropped entry: None, as DCP pads
     key = _flat_key(path)
     if key in tensors:
         return tensors[key], True
@@ -621,7 +313,8 @@ def _rebuild(
 
 
 def _mapping_like(node: Mapping[Any, Any], items: list[tuple[Any, Any]]) -> Any:
-    """A mapping of ``node``'s type (and attributes: a state dict's ``_metadata``) holding ``items``."""
+    """A mapping of ``node``'s type (and attributes: a state dict's ``_metadata``) holding
+    ``items``."""
     if type(node) is dict:
         return dict(items)
     if isinstance(node, dict):  # OrderedDict, or a dict subclass the user trusts
@@ -664,13 +357,16 @@ def _shared_tensors(
     for skey, items in groups.items():
         views = {_view_key(ref) for _, ref, _ in items}
         exact = all(
-            t.dtype == ref.dtype and t.device.type != "meta" and tuple(t.shape) == ref.size for _, ref, t in items
+            t.dtype == ref.dtype and t.device.type != "meta" and tuple(t.shape) == ref.size
+            for _, ref, t in items
         )
         restrided = any(tuple(t.stride()) != ref.stride for _, ref, t in items)
         built: dict[tuple[Any, ...], torch.Tensor] = {}
         st = layout.storages.get(skey)
         held = sum(t.numel() * t.element_size() for t in {id(t): t for _, _, t in items}.values())
-        cheap = st is not None and st.nbytes <= 2 * held + (1 << 20)  # not a large storage for a small slice
+        cheap = st is not None and st.nbytes <= 2 * held + (
+            1 << 20
+        )  # not a large storage for a small slice
         if exact and cheap and st is not None and (len(views) > 1 or restrided):
             built = _one_storage(items, st.nbytes)
         for key, ref, t in items:
@@ -687,7 +383,9 @@ def _shared_tensors(
     return out
 
 
-def _one_storage(items: list[tuple[str, TensorRef, torch.Tensor]], nbytes: int) -> dict[tuple[Any, ...], torch.Tensor]:
+def _one_storage(
+    items: list[tuple[str, TensorRef, torch.Tensor]], nbytes: int
+) -> dict[tuple[Any, ...], torch.Tensor]:
     """Views of one new storage of ``nbytes`` holding the loaded tensors (``{}`` where a view
     cannot be filled: the loaded tensors are returned as they are)."""
     device = items[0][2].device
@@ -722,7 +420,11 @@ def _as_saved(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
 
 
 async def _alayout(
-    fetcher: Fetcher, name: str, size: int, *, decode: Callable[[memoryview, str], Any] | None = None
+    fetcher: Fetcher,
+    name: str,
+    size: int,
+    *,
+    decode: Callable[[memoryview, str], Any] | None = None,
 ) -> ArchiveLayout:
     """Parse a torch.save zip file without reading its tensor data: the directory at its
     tail, the pickle and each entry's local header (fetched concurrently, neighbours joined)."""
@@ -736,14 +438,17 @@ async def _alayout(
     win.add(tail_start, tail)
     cd_off, cd_size, n = locate_central_directory(tail, size, url)
     if cd_size > opts.max_metadata_size:
-        raise CheckpointFormatError(f"{url}: zip directory of {cd_size} bytes exceeds LoadOptions.max_metadata_size")
+        raise CheckpointFormatError(
+            f"{url}: zip directory of {cd_size} bytes exceeds LoadOptions.max_metadata_size"
+        )
     if cd_off < tail_start:
         win.add(cd_off, await fetcher.read_view(name, cd_off, min(cd_off + cd_size, size)))
     entries = parse_central_directory(win.get(cd_off, cd_off + cd_size), n, size, url).entries
     pkl = [e for k, e in entries.items() if k.endswith("/data.pkl") or k == "data.pkl"]
     if len(pkl) == 1 and pkl[0].size > opts.max_metadata_size:
         raise CheckpointFormatError(
-            f"{url}: data.pkl of {pkl[0].size} bytes exceeds LoadOptions.max_metadata_size={opts.max_metadata_size}"
+            f"{url}: data.pkl of {pkl[0].size} bytes exceeds "
+            f"LoadOptions.max_metadata_size={opts.max_metadata_size}"
         )
     # data.pkl and byteorder whole; of each storage only its local header's fixed part and name
     # (the data start follows from the extra field's length, which that part holds)
@@ -757,21 +462,33 @@ async def _alayout(
         if whole:
             hi += _LOCAL_EXTRA_GUESS + e.size
         ranges.append((e.header_offset, min(size, hi)))
-    await _afill(fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP))
+    await _afill(
+        fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP)
+    )
     for _ in range(16):
         try:
             return parse_archive(
-                win, 0, size, url, max_pickle=opts.max_metadata_size, safe_globals=opts.safe_globals, decode=decode
+                win,
+                0,
+                size,
+                url,
+                max_pickle=opts.max_metadata_size,
+                safe_globals=opts.safe_globals,
+                decode=decode,
             )
         except NeedBytes as need:
             lo, hi = max(0, need.start), min(size, max(need.end, need.start + HEAD_PROBE))
             if hi <= lo:
-                raise CheckpointFormatError(f"{url}: needs bytes [{need.start}, {need.end}) outside the file") from None
+                raise CheckpointFormatError(
+                    f"{url}: needs bytes [{need.start}, {need.end}) outside the file"
+                ) from None
             win.add(lo, await fetcher.read(name, lo, hi))
     raise CheckpointFormatError(f"{url}: the archive's layout did not resolve after 16 extra reads")
 
 
-async def _afill(fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tuple[int, int]], *, max_gap: int) -> None:
+async def _afill(
+    fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tuple[int, int]], *, max_gap: int
+) -> None:
     """Fetch ``ranges`` into ``win``: sorted, neighbours within ``max_gap`` joined (up to
     ``chunk_size`` per request), all requests concurrently."""
     opts = fetcher.options
@@ -790,11 +507,15 @@ async def _afill(fetcher: Fetcher, name: str, win: ByteWindow, ranges: list[tupl
         win.add(lo, data)
 
 
-async def amaterialize(entry: KnownObject, fetch: Callable[[str, int, int], Awaitable[bytes]]) -> Any:
+async def amaterialize(
+    entry: KnownObject, fetch: Callable[[str, int, int], Awaitable[bytes]]
+) -> Any:
     """The object of a :class:`KnownObject`, with the tensors inside it read and built."""
     win = ByteWindow()
     stores = list(entry.storages.values())
-    datas = await asyncio.gather(*(fetch(entry.relative_path, s.data_start, s.data_start + s.nbytes) for s in stores))
+    datas = await asyncio.gather(
+        *(fetch(entry.relative_path, s.data_start, s.data_start + s.nbytes) for s in stores)
+    )
     for s, d in zip(stores, datas):
         win.add(s.data_start, d)
     return materialize(ArchiveLayout(entry.obj, dict(entry.storages), entry.where), win)

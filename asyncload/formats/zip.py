@@ -15,11 +15,21 @@ from typing import NamedTuple
 
 from asyncload._errors import CheckpointFormatError
 
-__all__ = ["EOCD_SEARCH", "LOCAL_HEADER_SIZE", "ZipEntry", "local_data_start", "parse_central_directory"]
+__all__ = [
+    "EOCD_SEARCH",
+    "LOCAL_HEADER_SIZE",
+    "ZipEntry",
+    "local_data_start",
+    "parse_central_directory",
+]
 
-_EOCD = struct.Struct("<IHHHHIIH")  # sig, disk, cd disk, entries disk, entries, cd size, cd offset, comment len
+_EOCD = struct.Struct(
+    "<IHHHHIIH"
+)  # sig, disk, cd disk, entries disk, entries, cd size, cd offset, comment len
 _EOCD64_LOC = struct.Struct("<IIQI")  # sig, disk, eocd64 offset, disks
-_EOCD64 = struct.Struct("<IQHHIIQQQQ")  # sig, size, made, need, disk, cd disk, n disk, n, cd size, cd offset
+_EOCD64 = struct.Struct(
+    "<IQHHIIQQQQ"
+)  # sig, size, made, need, disk, cd disk, n disk, n, cd size, cd offset
 _CDH = struct.Struct("<IHHHHHHIIIHHHHHII")
 _LFH = struct.Struct("<IHHHHHIIIHH")
 LOCAL_HEADER_SIZE = _LFH.size  # 30
@@ -58,7 +68,9 @@ def _need(ok: bool, where: str, what: str) -> None:
         raise CheckpointFormatError(f"{where}: {what}")
 
 
-def locate_central_directory(tail: bytes | memoryview, archive_size: int, where: str) -> tuple[int, int, int]:
+def locate_central_directory(
+    tail: bytes | memoryview, archive_size: int, where: str
+) -> tuple[int, int, int]:
     """From the last bytes of an archive, return ``(cd_offset, cd_size, entries)``.
 
     ``tail`` holds the final ``len(tail)`` bytes of an archive of ``archive_size`` bytes.
@@ -74,7 +86,10 @@ def locate_central_directory(tail: bytes | memoryview, archive_size: int, where:
                 break
         pos = tail.rfind(_SIG_EOCD, 0, pos)
     _need(
-        pos >= 0, where, "no zip end-of-central-directory record: the record is truncated or not a torch.save archive"
+        pos >= 0,
+        where,
+        "no zip end-of-central-directory record: the record is truncated or not a torch.save "
+        "archive",
     )
     _, _, _, _, n, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, pos)
     if n == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
@@ -94,18 +109,25 @@ def locate_central_directory(tail: bytes | memoryview, archive_size: int, where:
     _need(
         cd_offset >= 0 and cd_offset + cd_size <= base + pos,
         where,
-        f"central directory [{cd_offset}, {cd_offset + cd_size}) does not fit an archive of {archive_size} bytes",
+        f"central directory [{cd_offset}, {cd_offset + cd_size}) does not fit an archive of "
+        f"{archive_size} bytes",
     )
     return cd_offset, cd_size, n
 
 
-def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size: int, where: str) -> CentralDirectory:
+def parse_central_directory(
+    cd: bytes | memoryview, n_entries: int, archive_size: int, where: str
+) -> CentralDirectory:
     """Parse ``n_entries`` central directory headers from ``cd`` (exactly the directory's bytes)."""
     cd = memoryview(cd)  # no copy: the directory may be large (up to LoadOptions.max_metadata_size)
     entries: dict[str, ZipEntry] = {}
     pos = 0
     total = len(cd)
-    _need(n_entries <= total // _CDH.size, where, f"central directory claims {n_entries} entries in {total} bytes")
+    _need(
+        n_entries <= total // _CDH.size,
+        where,
+        f"central directory claims {n_entries} entries in {total} bytes",
+    )
     unpack, head = _CDH.unpack_from, _CDH.size
     # the checks below build their messages only when one fails: this loop runs per record
     for _ in range(n_entries):
@@ -114,7 +136,16 @@ def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size
         f = unpack(cd, pos)
         if f[0] != _SIG_CDH:
             raise CheckpointFormatError(f"{where}: bad central directory signature at +{pos}")
-        method, crc, csize, usize, nl, el, cl, lho = f[4], f[7], f[8], f[9], f[10], f[11], f[12], f[16]
+        method, crc, csize, usize, nl, el, cl, lho = (
+            f[4],
+            f[7],
+            f[8],
+            f[9],
+            f[10],
+            f[11],
+            f[12],
+            f[16],
+        )
         end = pos + head + nl + el + cl
         if end > total:
             raise CheckpointFormatError(f"{where}: central directory entry runs past the directory")
@@ -129,16 +160,21 @@ def parse_central_directory(cd: bytes | memoryview, n_entries: int, archive_size
             )
         if method == 0 and csize != usize:
             raise CheckpointFormatError(
-                f"{where}: stored entry {name[:200]!r} claims {csize} bytes stored but {usize} bytes of data"
+                f"{where}: stored entry {name[:200]!r} claims {csize} bytes stored but {usize} "
+                f"bytes of data"
             )
         if name in entries:
-            raise CheckpointFormatError(f"{where}: entry {name[:200]!r} appears twice in the central directory")
+            raise CheckpointFormatError(
+                f"{where}: entry {name[:200]!r} appears twice in the central directory"
+            )
         entries[name] = ZipEntry(name, lho, csize, usize, crc, method)
         pos = end
     return CentralDirectory(entries, 0, len(cd))
 
 
-def _zip64_extra(extra: bytes, usize: int, csize: int, lho: int, where: str) -> tuple[int, int, int]:
+def _zip64_extra(
+    extra: bytes, usize: int, csize: int, lho: int, where: str
+) -> tuple[int, int, int]:
     pos = 0
     while pos + 4 <= len(extra):
         tag, size = struct.unpack_from("<HH", extra, pos)
@@ -157,7 +193,9 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, lho: int, where: str) -> 
     raise CheckpointFormatError(f"{where}: zip64 sizes announced but no zip64 extra field")
 
 
-def local_data_start(head: bytes | memoryview, header_offset: int, expected_name: str, where: str) -> int | None:
+def local_data_start(
+    head: bytes | memoryview, header_offset: int, expected_name: str, where: str
+) -> int | None:
     """Where an entry's bytes start, from its local header.
 
     ``head`` holds the archive's bytes from ``header_offset`` on (at least the local header).
@@ -167,10 +205,13 @@ def local_data_start(head: bytes | memoryview, header_offset: int, expected_name
         return None
     f = _LFH.unpack_from(head, 0)
     if f[0] != _SIG_LFH:
-        raise CheckpointFormatError(f"{where}: no local header for {expected_name!r} at archive offset {header_offset}")
+        raise CheckpointFormatError(
+            f"{where}: no local header for {expected_name!r} at archive offset {header_offset}"
+        )
     if f[3] != 0:
         raise CheckpointFormatError(
-            f"{where}: entry {expected_name[:200]!r} is compressed (method {f[3]}); torch.save stores entries "
+            f"{where}: entry {expected_name[:200]!r} is compressed (method {f[3]}); torch.save "
+            f"stores entries "
             "uncompressed"
         )
     nl, el = f[9], f[10]
@@ -179,6 +220,7 @@ def local_data_start(head: bytes | memoryview, header_offset: int, expected_name
     name = bytes(head[LOCAL_HEADER_SIZE : LOCAL_HEADER_SIZE + nl]).decode("utf-8", "replace")
     if name != expected_name:
         raise CheckpointFormatError(
-            f"{where}: local header at {header_offset} names {name[:200]!r}, the directory says {expected_name[:200]!r}"
+            f"{where}: local header at {header_offset} names {name[:200]!r}, the directory says "
+            f"{expected_name[:200]!r}"
         )
     return header_offset + LOCAL_HEADER_SIZE + nl + el

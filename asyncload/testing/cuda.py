@@ -43,7 +43,9 @@ class FakeCopier(DeviceCopier):
 
     name = "fake"
 
-    def __init__(self, claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0) -> None:
+    def __init__(
+        self, claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0
+    ) -> None:
         self._claim = claim
         self.delay = delay
         self._pinned: set[int] = set()
@@ -66,7 +68,9 @@ class FakeCopier(DeviceCopier):
         self._pending = 0
 
     def start(self) -> FakeCopier:
-        self._thread = threading.Thread(target=self._work, name="asyncload-fake-stream", daemon=True)
+        self._thread = threading.Thread(
+            target=self._work, name="asyncload-fake-stream", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -166,7 +170,9 @@ class FakeCopier(DeviceCopier):
 
 
 @contextlib.contextmanager
-def fake_device(claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0) -> Iterator[FakeCopier]:
+def fake_device(
+    claim: Callable[[torch.Tensor], bool] | None = None, delay: float = 0.0
+) -> Iterator[FakeCopier]:
     """Within the block, CPU destinations for which ``claim(t)`` is true (all, by default)
     are filled through the device path with a :class:`FakeCopier`, which it yields.
     Blocks nest: the innermost fake device is the one in use."""

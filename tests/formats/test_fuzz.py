@@ -1,20 +1,22 @@
 """Fuzzing the record parser and the metadata decoder with hypothesis, on mutated real
 bytes (records and .metadata written by torch's own dcp.save). Bounded: a fixed number
 of derandomized examples per target (about 10-20 s in all); ``benchmarks/fuzz_long.py``
-runs the open-ended campaign. Only asyncload's own errors may escape a target.
+runs the open-ended campaign. Only asyncload's own errors may escape a target, and each
+example's decoding work, counted in units (``WorkBudget``, not seconds: a busy machine
+cannot fail it), stays within a linear bound of its size (``_fuzzing.work_bound``).
 """
 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
-from _fuzzing import TARGETS, Seeds, make_seeds, mutate
+from _fuzzing import TARGETS, Seeds, make_seeds, mutate, work_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncload import CheckpointFormatError, UnsafeCheckpointError
+from asyncload.decoding.work import WorkBudget
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,7 +42,7 @@ _EXAMPLES = {
 def test_only_our_errors_escape(target: str) -> None:
     fn, seed_attr, pickle_aware = TARGETS[target]
     seeds: list[bytes] = getattr(_seeds(), seed_attr)
-    slowest = [0.0]
+    costliest = [0, 0]  # units of work, input bytes
     outcomes = {"ok": 0, "error": 0}
 
     @settings(
@@ -53,18 +55,19 @@ def test_only_our_errors_escape(target: str) -> None:
     @given(seed_index=st.integers(0, len(seeds) - 1), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 8))
     def run(seed_index: int, rng_seed: int, rounds: int) -> None:
         data = mutate(random.Random(rng_seed), seeds[seed_index], pickle_aware=pickle_aware, rounds=rounds)
-        t0 = time.perf_counter()
+        work = WorkBudget()  # counts only: a decode over its budget would look like an error
         try:
-            fn(data)
+            fn(data, work)
             outcomes["ok"] += 1
         except (CheckpointFormatError, UnsafeCheckpointError):
             outcomes["error"] += 1
-        slowest[0] = max(slowest[0], time.perf_counter() - t0)
+        assert work.spent <= work_bound(len(data)), f"{target}: {work.spent} units for {len(data)} bytes"
+        costliest[:] = max(costliest, [work.spent, len(data)])
 
     run()
     assert sum(outcomes.values()) >= _EXAMPLES[target]
     assert outcomes["error"] > _EXAMPLES[target] // 4  # the mutations do break things
-    assert slowest[0] < 5.0, f"{target}: one example took {slowest[0]:.2f} s"
+    assert 0 < costliest[0] <= work_bound(costliest[1])  # the work is counted, within bounds
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

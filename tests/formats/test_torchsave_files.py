@@ -372,7 +372,7 @@ def _parse(raw: bytes) -> Any:
 
 
 def test_records_with_the_same_pickle_share_its_decode_and_keep_their_own_checks() -> None:
-    from asyncload.formats import torchsave
+    from asyncload.formats import archive as torchsave
 
     torchsave._TENSOR_PICKLES.clear()
     a, b = _archive(torch.arange(12.0).reshape(3, 4)), _archive(torch.ones(3, 4))  # same data.pkl bytes
@@ -396,7 +396,7 @@ def test_records_with_the_same_pickle_share_its_decode_and_keep_their_own_checks
 
 
 def test_a_hostile_record_pickle_is_refused_every_time() -> None:
-    from asyncload.formats import torchsave
+    from asyncload.formats import archive as torchsave
 
     class Evil:
         def __reduce__(self) -> Any:
