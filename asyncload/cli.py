@@ -497,8 +497,9 @@ def _open_stream(
     """A :class:`CheckpointStream` over ``args.url`` with its metadata read (claims not checked yet)."""
     from asyncload._stream import CheckpointStream
 
-    stream = CheckpointStream(args.url, options=options, storage_options=storage_options, **kwargs)
-    stream.session.metadata_cache = metadata_cache
+    stream = CheckpointStream(
+        args.url, options=options, storage_options=storage_options, metadata_cache=metadata_cache, **kwargs
+    )
     try:
         with _naming_storage_options(storage_options):
             md = _run(stream, stream.aopen(check=False))
@@ -807,8 +808,13 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         keys = list(md.state_dict_metadata)
         with _bar(args, "keys", len(keys), unit="key") as bar:
             for i, key in enumerate(keys):
-                one = CheckpointStream(args.url, keys=_exactly(key), options=options, storage_options=storage_options)
-                one.session.metadata_cache = decoded
+                one = CheckpointStream(
+                    args.url,
+                    keys=_exactly(key),
+                    options=options,
+                    storage_options=storage_options,
+                    metadata_cache=decoded,
+                )
                 try:
                     read_stream(one)
                 except _damage_classes() as exc:
