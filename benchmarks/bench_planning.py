@@ -26,7 +26,7 @@ Per rank and case (loaded on 1,024 ... 8,192 ranks, FSDP or FSDP x TP):
   ``make_chunks``' rule, checked against it on rank 0), for every rank; the pickled payload
   one rank contributes (``all_gather_object`` pickles it), the seconds to unpickle all of
   them (what every rank does after the all-gather), and what the share session then plans
-  on a rank with adaptive sharing (the default): ``asyncload.distributed.sharded._rank_plan`` over the
+  on a rank with adaptive sharing (the default): ``asyncload.distributed.plan._rank_plan`` over the
   packed needs as gathered (its part of the global plan: the ranks it shares files with, and
   the balanced work units it reads, sends or receives), seconds (best of 3, the slowest of
   ranks 0, world/2 and world-1) and heap peak, both phases summed. The whole plan's size
@@ -75,7 +75,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from asyncload import LoadOptions
 from asyncload.decoding.allowlist import check_metadata
-from asyncload.distributed import sharded as sharded
+from asyncload.distributed import identity as identity_mod
+from asyncload.distributed import plan as sharded
+from asyncload.distributed.policy import UNIT_SIZE
 from asyncload.engine.chunks import Piece
 from asyncload.engine.intersect import read_items_for_chunks, state_dict_read_items
 from asyncload.engine.plan import make_chunks
@@ -283,7 +285,7 @@ def coalesce(pieces: list[tuple[int, int]], chunk_size: int, min_chunk_size: int
 
 
 def advertise(per_file: dict[int, list[tuple[int, int]]]) -> list[tuple[str, int, int]]:
-    """The session's needs from its chunks (``_sharded._advertise``: sorted, overlaps dropped)."""
+    """The session's needs from its chunks (``asyncload.distributed.plan._advertise``: sorted, overlaps dropped)."""
     needs = []
     for f in sorted(per_file, key=lambda f: f"__{f}_0.distcp"):
         covered = -1
@@ -369,9 +371,7 @@ def check_coalescing(pieces: dict[int, list[list[tuple[int, int]]]], options: Lo
 
 def identities(md: Metadata) -> Any:
     """What the share session digests of the metadata (once per rank and load)."""
-    if hasattr(sharded, "file_identities"):
-        return sharded.file_identities(md)
-    return sharded.checkpoint_identity(md) if hasattr(sharded, "checkpoint_identity") else ""
+    return identity_mod.file_identities(md)
 
 
 def encode(needs: list[tuple[str, int, int]], identity: Any) -> bytes:
@@ -394,7 +394,7 @@ def decode(blob: bytes) -> Any:
 
 
 def unit_size(options: LoadOptions) -> int:
-    return min(sharded._UNIT_SIZE, options.effective_chunk_size)
+    return min(UNIT_SIZE, options.effective_chunk_size)
 
 
 def rank_plan(gathered: list[Any], rank: int, options: LoadOptions) -> Any:

@@ -9,7 +9,7 @@ every rank raises an error naming it and its last status. Collectives themselves
 (gather/scatter of plans, all_gather of needs) are only entered once a monitored
 barrier has seen every rank arrive, so they cannot hang on a rank that has already
 failed. Used by the multi-rank driver (:mod:`asyncload.engine.driver`) and by byte sharing
-(:mod:`asyncload.distributed.sharded`).
+(:mod:`asyncload.distributed.session`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def _group_store(group: Any) -> Any:
         return dist.distributed_c10d._get_process_group_store(pg)
     except Exception as exc:
         raise DistributedLoadError(
-            f"asyncload needs the process group's store to coordinate a multi-rank load and this group has none "
+            "asyncload needs the process group's store to coordinate a multi-rank load and this "
+            "group has none "
             f"({type(exc).__name__}: {exc})"
         ) from exc
 
@@ -97,8 +98,9 @@ class _GuardedStore:
             return getattr(self._store, name)(*args)
         except RuntimeError as exc:
             raise DistributedLoadError(
-                f"rank {self._rank} lost the process group's store ({type(exc).__name__}: {str(exc)[:300]}); "
-                "the rank that hosts it (the rendezvous master, usually rank 0) has probably exited or "
+                f"rank {self._rank} lost the process group's store "
+                f"({type(exc).__name__}: {str(exc)[:300]}); the rank that hosts it (the rendezvous "
+                "master, usually rank 0) has probably exited or "
                 "crashed",
                 doing="hosting the store",
             ) from exc
@@ -138,7 +140,9 @@ class Monitor:
         self.world = dist.get_world_size(group)
         self.timeout = timeout
         self.group_name, self.seq = _next_seq(group)
-        self.store = _GuardedStore(dist.PrefixStore(f"asyncload/{self.seq}/", _group_store(group)), self.rank)
+        self.store = _GuardedStore(
+            dist.PrefixStore(f"asyncload/{self.seq}/", _group_store(group)), self.rank
+        )
         self._lock = threading.Lock()
         self._counter = 0
         self._text = ""
@@ -231,7 +235,9 @@ class Monitor:
         if self.store.check(["abort"]):
             raise _remote_error(self.store.get("abort"))
 
-    def _give_up(self, rank: int, barrier: str | None, idle: float, status: str, doing: str) -> None:
+    def _give_up(
+        self, rank: int, barrier: str | None, idle: float, status: str, doing: str
+    ) -> None:
         """Declare ``rank`` stalled (unless it arrives at ``barrier`` right now) and raise."""
         if barrier is not None:
             got = self.store.compare_set(f"at/{barrier}/{rank}", "", "aborted")
@@ -241,11 +247,14 @@ class Monitor:
         what = status or "it had not started the load"
         message = (
             f"rank {rank} made no progress for {idle:.1f} s (LoadOptions.collective_timeout="
-            f"{self.timeout}); its last status: {what}; rank {self.rank} gave up on it while {doing}"
+            f"{self.timeout}); its last status: {what}; rank {self.rank} gave up on it while "
+            f"{doing}"
         )
         self.store.compare_set("abort", "", f"{rank}|{what}|{message}")
         self.check()
-        raise DistributedLoadError(message, rank=rank, doing=what)  # pragma: no cover - check() raised
+        raise DistributedLoadError(
+            message, rank=rank, doing=what
+        )  # pragma: no cover - check() raised
 
     def _status_of(self, rank: int) -> bytes:
         key = f"st/{rank}"
@@ -254,7 +263,8 @@ class Monitor:
         return self.store.get(key)
 
     def idle_peer(self, peers: Sequence[int]) -> tuple[int, float, str] | None:
-        """A peer whose status has not changed for ``timeout`` seconds, with its idle time and status."""
+        """A peer whose status has not changed for ``timeout`` seconds, with its idle time and
+        status."""
         if self.timeout is None:
             return None
         now = time.monotonic()
@@ -283,7 +293,9 @@ class Monitor:
         if got != b"arrived":
             self.check()
             raise DistributedLoadError(
-                f"rank {self.rank} arrived at {name!r} after the other ranks gave up on it", rank=self.rank, doing=name
+                f"rank {self.rank} arrived at {name!r} after the other ranks gave up on it",
+                rank=self.rank,
+                doing=name,
             )
         return [f"at/{name}/{r}" for r in range(self.world)]
 
@@ -296,7 +308,9 @@ class Monitor:
             if all(v == b"arrived" for v in values):
                 return True
             self.check()
-            raise DistributedLoadError(f"the ranks gave up at {name!r}")  # pragma: no cover - abort is set first
+            raise DistributedLoadError(
+                f"the ranks gave up at {name!r}"
+            )  # pragma: no cover - abort is set first
         now = time.monotonic()
         if now - state.get("stall", 0.0) >= _BEAT_INTERVAL:
             state["stall"] = now

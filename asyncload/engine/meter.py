@@ -66,6 +66,10 @@ class Meter:
         self.capacity = capacity
         self.used = 0
         self.peak = 0
+        #: Grants not yet released (each grant one, each ``release`` ends one; meaningful where
+        #: every grant is released whole): for an ``admit`` condition that bounds holders as
+        #: well as units (adaptive sharing's claims of work units).
+        self.holders = 0
         self._oversize = oversize
         self._admit = admit
         self._seq = itertools.count()
@@ -97,6 +101,7 @@ class Meter:
 
     def _take(self, n: int) -> None:
         self.used += n
+        self.holders += 1
         if self.used > self.peak:
             self.peak = self.used
 
@@ -134,6 +139,7 @@ class Meter:
     def release(self, n: int = 1) -> None:
         """Give ``n`` units back and grant waiters that now fit."""
         self.used -= n
+        self.holders -= 1
         if self.used < 0:  # pragma: no cover - a bookkeeping bug, never user input
             raise AssertionError(f"the {self.name} meter released more than it granted")
         self._wake()

@@ -30,7 +30,7 @@ import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
 from asyncload.engine.meter import Meter
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # the child scripts live beside conftest.py
 MiB = 1 << 20
 
 

@@ -26,7 +26,7 @@ from test_distributed import same_bits, stats_dict, tensor_bytes
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload.distributed.sharded import Transfer, _pack, _rank_plan, balance_units, plan_transfers, split_units
+from asyncload.distributed.plan import Transfer, _pack, _rank_plan, balance_units, plan_transfers, split_units
 
 KiB = 1 << 10
 

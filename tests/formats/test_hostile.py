@@ -32,7 +32,7 @@ from asyncload.formats.torchsave import ByteWindow, parse_archive
 
 pytestmark = pytest.mark.timeout(120)
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # the child scripts live beside conftest.py
 ERRORS = {"unsafe": UnsafeCheckpointError, "format": CheckpointFormatError}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from asyncload.testing import TEST_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if p.name != "demo.py")
 
 

@@ -21,7 +21,7 @@ from asyncload import cli
 from asyncload.cli import main, parse_size, parse_storage_options
 from asyncload.testing import TEST_ENV, stall
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

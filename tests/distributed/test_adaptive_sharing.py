@@ -27,18 +27,10 @@ from test_sharded_plan import random_ranges
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload.distributed.sharded import (
-    Transfer,
-    _check_identities,
-    _pack,
-    _Slots,
-    _unit_keys,
-    _unpack,
-    checkpoint_identity,
-    file_identities,
-    plan_transfers,
-    split_units,
-)
+from asyncload.distributed.claims import ClaimSlots, _unit_keys
+from asyncload.distributed.identity import _check_identities, checkpoint_identity, file_identities
+from asyncload.distributed.plan import Transfer, _pack, _unpack, plan_transfers, split_units
+from asyncload.distributed.policy import sharing_policy
 from asyncload.formats import decode_metadata
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.distributed]
@@ -309,7 +301,7 @@ def test_unit_keys_own_queue_first_then_others_from_the_back() -> None:
 
 def test_slots_serve_the_lowest_key_first() -> None:
     async def main() -> list[int]:
-        slots = _Slots(1)
+        slots = ClaimSlots(1)
         got: list[int] = []
         await slots.acquire(0)
 
@@ -325,7 +317,7 @@ def test_slots_serve_the_lowest_key_first() -> None:
         await asyncio.sleep(0)
         slots.release()
         await asyncio.gather(*tasks)
-        assert slots.free == 1
+        assert slots.statistics().used == 0
         return got
 
     assert asyncio.run(main()) == [1, 3, 5, 9]
@@ -362,3 +354,47 @@ def test_planner_arguments_are_checked() -> None:
         ShardedLoadPlanner(adaptive="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="wait_for_peers=1"):
         ShardedLoadPlanner(wait_for_peers=1)  # type: ignore[arg-type]
+
+
+def _policy(**kw: Any) -> Any:
+    args: dict[str, Any] = {
+        "transport": "thread",
+        "ordered": None,
+        "adaptive": None,
+        "unit_size": None,
+        "wait_for_peers": False,
+        "collective_timeout": 5.0,
+    }
+    args.update(kw)
+    options = args.pop("options", LoadOptions(hedge_min_delay=None))
+    return sharing_policy(options, **args)
+
+
+def test_sharing_policy_resolves_the_knobs_once() -> None:
+    p = _policy()
+    assert (p.adaptive, p.ordered, p.returns_early) == (True, False, True)
+    assert p.unit_for(64 * KiB) == 64 * KiB and p.unit_for(1 << 20) == 256 * KiB
+    assert _policy(unit_size=1000).unit_for(1 << 20) == 1000
+    # the floor of a transfer's hedge is explicit (hedge_min_delay or its default), never derived
+    assert not p.hedge.derived and p.hedge.min_delay == 0.5
+    nccl = _policy(transport="poll")
+    assert (nccl.adaptive, nccl.ordered, nccl.returns_early) == (False, True, False)
+    assert not _policy(wait_for_peers=True).returns_early
+    custom = _policy(custom_plan=plan_transfers)
+    assert not custom.adaptive and _policy(custom_plan=plan_transfers, adaptive=True).adaptive
+    with pytest.raises(asyncload.AsyncLoadError, match=r"adaptive=True\) cannot run with ordered"):
+        _policy(transport="poll", adaptive=True)
+
+
+def test_a_late_transfer_is_hedged_by_the_storage_reads_rule() -> None:
+    """Cross-rank transfers are hedged by ``asyncload._latency.hedge_delay`` over this rank's
+    own unit reads: four times the floor before four reads, then factor x their p90."""
+    from asyncload._latency import LoadClock, hedge_delay
+
+    hedge = _policy().hedge
+    clock = LoadClock()
+    assert hedge_delay(hedge, clock, 16 * KiB) == 4 * hedge.min_delay
+    for _ in range(4):
+        clock.finished(1.0, 16 * KiB)
+    assert hedge_delay(hedge, clock, 16 * KiB) == hedge.factor * 1.0
+    assert hedge_delay(_policy(options=LoadOptions(hedge=False)).hedge, clock, 16 * KiB) is None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "asyncload"
+PKG = Path(__file__).resolve().parents[2] / "asyncload"
 
 #: Lower number = lower layer; a module may import its own layer or any lower one.
 LAYERS = {
@@ -179,7 +179,7 @@ def test_import_changes_no_global_warnings_filter(name: str) -> None:
     assert out.stdout.strip() == "[]"
 
 
-if __name__ == "__main__":  # python tests/test_layout.py: list every violation
+if __name__ == "__main__":  # python tests/faces/test_layout.py: list every violation
     for test in (
         test_no_import_cycle_counting_imports_inside_functions,
         test_library_modules_do_not_import_the_public_namespace,

@@ -28,7 +28,8 @@ from test_distributed import big_model, same_bits, stats_dict, tensor_bytes
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload.distributed.sharded import BackgroundSends, _parse_claim, _wait_at_exit
+from asyncload.distributed.claims import _parse_claim
+from asyncload.distributed.sends import COPIES, BackgroundSends, _wait_at_exit
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 
@@ -272,16 +273,15 @@ def test_a_peer_falls_behind_only_against_the_others() -> None:
     """Once the copies fill the budget, a peer is left out of new units if its pending copies
     pass half of it and more than twice those of every other peer; peers late alike, or a
     single peer, never."""
-    from asyncload.distributed import sharded as _sharded
-
     sends = BackgroundSends(_FakeMonitor(), 1000)  # type: ignore[arg-type]
     sends._to = {1: 600, 2: 100, 3: 0}
     assert sends.behind([1, 2, 3], 10) == []  # the copies do not fill the budget yet
-    _sharded._copy_held[0] += 1000  # they do now
+    COPIES.set_capacity(1 << 40)
+    assert COPIES.try_acquire(1000)  # they do now
     try:
         _check_behind(sends)
     finally:
-        _sharded._copy_held[0] -= 1000
+        COPIES.release(1000)
 
 
 def _check_behind(sends: BackgroundSends) -> None:

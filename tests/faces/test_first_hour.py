@@ -310,7 +310,7 @@ def test_load_on_a_running_loop_logs_one_hint(small_ckpt, caplog, monkeypatch) -
 def test_the_user_level_pipeline_figure_is_what_its_generator_draws() -> None:
     import importlib.util
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("draw_pipeline", repo / "benchmarks" / "draw_pipeline.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -325,7 +325,7 @@ def test_the_user_level_pipeline_figure_is_what_its_generator_draws() -> None:
 def test_the_examples_table_lists_every_example_and_each_says_what_it_needs() -> None:
     import re
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     index = (repo / "docs" / "index.md").read_text()
     listed = set(re.findall(r"\(\.\./examples/([a-z0-9_]+\.py)\)", index))
     scripts = {p.name for p in (repo / "examples").glob("*.py")}
@@ -338,7 +338,7 @@ def test_the_examples_table_lists_every_example_and_each_says_what_it_needs() ->
 
 
 def test_the_readme_layout_names_every_module() -> None:
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     layout = (repo / "README.md").read_text().split("## Layout", 1)[1]
     modules = {p.stem for p in (repo / "asyncload").glob("*.py")} - {"__init__", "__main__"}
     assert sorted(m for m in modules if m not in layout) == []

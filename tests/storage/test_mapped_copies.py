@@ -30,7 +30,8 @@ import torch.distributed.checkpoint as dcp
 from _ckpt import assert_bitwise_equal, evict_pages
 
 import asyncload
-from asyncload import AsyncLoadError, LoadOptions, _mapped
+from asyncload import AsyncLoadError, LoadOptions
+from asyncload.storage import mapped as _mapped
 from asyncload.storage.base import ShortReadError
 from asyncload.storage.local import LocalStorage
 

@@ -1,0 +1,254 @@
+"""One rank's part of a sharded read: :func:`open_share` starts it (``ShardedLoadPlanner``'s
+reading hook calls it) and :class:`_ShareSession` runs each read phase in place of
+``Pipeline.run``.
+
+How a multi-rank load runs (``asyncload.load`` with ``torch.distributed`` initialised; the
+driver is :mod:`asyncload.engine.driver`)::
+
+    every rank                      coordinator (group rank 0)
+    read .metadata, local plan  --> gather plans --> create_global_plan
+    <-- scatter plans -------------------------------'
+    read_data(final plan)
+       PipelinedLoadPlanner: each rank reads the byte ranges its own shards need
+       ShardedLoadPlanner:   per phase (record headers, then tensor data):
+           all_gather(needed byte ranges)  -> the same plan on every rank
+           (asyncload.distributed.plan): a range two or more ranks need is read by one of
+           them (bytes balanced) and sent to the others point to point, chunk by chunk, as
+           reads land (asyncload.distributed.shared), or claimed unit by unit as ranks get
+           to it (asyncload.distributed.adaptive, the default)
+    barrier "done"
+
+Every wait on another rank goes through a :class:`Monitor`
+(:mod:`asyncload.distributed.monitor`): a few keys in the process group's store hold each
+rank's status ("reading data: 12 of 40 chunks"), its failure if it had one, and barrier
+arrivals. A rank that raises posts its error there at once and every other rank raises
+:class:`DistributedLoadError` naming it; a rank that makes no progress for
+``collective_timeout`` seconds is declared stalled by the first rank waiting on it, and
+every rank raises an error naming it and its last status. Collectives themselves (gather
+and scatter of plans, all_gather of needs) are only entered once a monitored barrier has
+seen every rank arrive, so they cannot hang on a rank that has already failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncload._errors import first_error
+from asyncload._options import LoadOptions
+from asyncload._stats import _fmt_bytes
+from asyncload.distributed.adaptive import _AdaptivePipeline
+from asyncload.distributed.claims import Claims, _unit_keys
+from asyncload.distributed.identity import _check_identities, _check_same_ending, file_identities
+from asyncload.distributed.monitor import Monitor
+from asyncload.distributed.plan import (
+    _advertise,
+    _check_transfers,
+    _pack,
+    _parts_for,
+    _rank_plan,
+    _unpack,
+    split_units,
+)
+from asyncload.distributed.policy import PlanFn, SharingPolicy, sharing_policy
+from asyncload.distributed.sends import BackgroundSends
+from asyncload.distributed.shared import _SharedPipeline
+from asyncload.distributed.transport import _nullcontext, _Transport, _transport_kind
+from asyncload.engine.chunks import Chunk
+from asyncload.engine.pipeline import Pipeline
+from asyncload.engine.session import LoadSession
+
+__all__ = ["open_share"]
+
+log = logging.getLogger("asyncload.sharded")
+
+#: Point-to-point tags: ``(load sequence % _TAG_LOADS) * _TAG_SPAN + transfer index``.
+_TAG_SPAN = 2_000_000
+_TAG_LOADS = 1000
+
+
+def open_share(
+    load_session: LoadSession,
+    options: LoadOptions,
+    *,
+    process_group: Any,
+    collective_timeout: float | None,
+    ordered: bool | None,
+    adaptive: bool | None,
+    unit_size: int | None,
+    wait_for_peers: bool,
+    custom_plan: PlanFn | None,
+) -> _ShareSession | None:
+    """A share session that takes over this rank's reads of ``load_session``, or None when
+    there is nobody to share with (no process group, or a group of one). The group is
+    ``process_group``, else the one the driver gave the load session; so is its monitor.
+
+    Raised: ``AsyncLoadError`` for knobs that cannot run together (:func:`sharing_policy`)."""
+    group = process_group if process_group is not None else load_session.group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size(group) <= 1:
+        return None
+    monitor = load_session.monitor
+    if monitor is None or monitor.group is not group:
+        monitor = Monitor(group, collective_timeout)
+    policy = sharing_policy(
+        options,
+        transport=_transport_kind(group)[0],
+        ordered=ordered,
+        adaptive=adaptive,
+        unit_size=unit_size,
+        wait_for_peers=wait_for_peers,
+        collective_timeout=collective_timeout,
+        custom_plan=custom_plan,
+    )
+    return _ShareSession(group, monitor, policy, load_session)
+
+
+class _ShareSession:
+    """This rank's side of a ``ShardedLoadPlanner`` load, created by the reader's
+    ``read_data`` (through ``planner.share_session``); :meth:`run` replaces
+    ``Pipeline.run`` for each read phase."""
+
+    def __init__(
+        self,
+        group: Any,
+        monitor: Monitor,
+        policy: SharingPolicy,
+        load_session: LoadSession | None = None,
+    ) -> None:
+        self.group = group
+        self.monitor = monitor
+        self.policy = policy
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.transport = _Transport(group, ordered=policy.ordered)
+        self.phase = 0
+        self.doing = "reading data"
+        #: Per read phase, the bytes this rank was planned to read from storage.
+        self.planned_bytes: list[int] = []
+        self.load_session = load_session
+        #: Returning before the peers (adaptive sharing without wait_for_peers): this load's
+        #: sends, which may outlive it; the monitor's finish then waits for nobody.
+        self.sends: BackgroundSends | None = None
+        if policy.returns_early:
+            self.sends = BackgroundSends(monitor, policy.send_budget)
+            monitor.returns_early = True
+            monitor.after_return = self.sends.after_return
+        self._identity: dict[str, str] | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        """read_data failed on this rank: tell the others."""
+        self.monitor.fail(exc, self.doing)
+        if self.sends is not None:
+            self.sends.abandon()
+
+    def _set_doing(self, text: str) -> None:
+        self.doing = text
+        self.monitor.status(text)
+
+    def identity(self, files: Iterable[str]) -> dict[str, str]:
+        """The digests of ``files`` (those this rank needs bytes of) in this rank's metadata."""
+        if self._identity is None:
+            md = self.load_session.metadata if self.load_session is not None else None
+            self._identity = file_identities(md)
+        return {f: self._identity.get(f, "") for f in sorted(set(files))}
+
+    async def run(self, pipeline: Pipeline, chunks: Sequence[Chunk]) -> None:
+        phase = self.phase
+        self.phase += 1
+        what = "record headers and small records" if phase == 0 else "tensor data"
+        mine = sorted(chunks, key=lambda c: (c.name, c.start))
+        adv = _advertise(mine)
+        needs = [(c.name, a[0], a[1]) for c, a in zip(mine, adv) if a is not None]
+        payload = (self.identity(n for n, _, _ in needs), _pack(needs), self.sends is not None)
+        t0 = time.monotonic()
+        self._set_doing(f"exchanging which {what} it needs")
+        await self.monitor.abarrier(
+            f"needs-{phase}", f"waiting for the other ranks to plan reading {what}"
+        )
+        loop = asyncio.get_running_loop()
+        device = self.transport.device
+        group = self.group
+        world = self.world
+
+        def gather() -> list[Any]:
+            out: list[Any] = [None] * world
+            with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+                dist.all_gather_object(out, payload, group=group)
+            return out
+
+        gathered = await loop.run_in_executor(None, gather)
+        _check_identities([g[0] for g in gathered], self.rank)
+        _check_same_ending([g[2] for g in gathered])
+        tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
+        policy = self.policy
+        unit = policy.unit_for(pipeline.options.effective_chunk_size)
+        if policy.custom_plan is not None:
+            # the override's whole plan, as tuples; its owners are where each rank starts
+            all_needs: list[Any] = [_unpack(g[1]) for g in gathered]
+            transfers, load = policy.custom_plan(all_needs)
+            _check_transfers(transfers, all_needs)
+            items = split_units(transfers, unit) if policy.adaptive else transfers
+            scope, n, planned = "", len(items), load[self.rank]
+        else:  # the default plan: only this rank's part of it, from the packed ranges as they came
+            part = _rank_plan(
+                [g[1] for g in gathered], self.rank, unit if policy.adaptive else None
+            )
+            items, n, planned = part.items, part.count, part.planned
+            scope = f"c{part.component}/"  # items are numbered within the component
+        self.planned_bytes.append(planned)
+        shared: _SharedPipeline
+        if policy.adaptive:
+            keys = _unit_keys(items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank)
+            by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
+            # own planned units first, then chunks only this rank reads, then the others' units
+            rank_of = {
+                id(c): min(keys[q.transfer.index] for q in p if q.transfer is not None)
+                for c, p in zip(mine, parts)
+                if p
+            }
+            order = sorted(range(len(mine)), key=lambda i: rank_of.get(id(mine[i]), (1, i, 0)))
+            mine = [mine[i] for i in order]
+            claims = Claims(self, policy, keys, f"u/{phase}/{scope}")
+            shared = _AdaptivePipeline(pipeline, self, by_id, tag_base, len(mine), claims, policy)
+        else:
+            self.transport.set_order(items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank)
+            by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
+            shared = _SharedPipeline(pipeline, self, by_id, tag_base, len(mine))
+        t1 = time.monotonic()
+        self._set_doing(f"reading and sharing {what}")
+        await _run_watched(shared.run(mine), self.monitor)
+        log.debug(
+            "rank %d, %s: planned in %.3f s (barrier, all_gather, plan), %d %s, this rank "
+            "planned to read %s; "
+            "read and shared in %.3f s",
+            self.rank,
+            what,
+            t1 - t0,
+            n,
+            "units" if policy.adaptive else "transfers",
+            _fmt_bytes(planned),
+            time.monotonic() - t1,
+        )
+
+
+async def _run_watched(coro: Awaitable[None], monitor: Monitor) -> None:
+    """Run ``coro`` while watching for another rank's failure."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(monitor.watch())
+            try:
+                await coro
+            finally:
+                watcher.cancel()
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
