@@ -33,7 +33,7 @@ from asyncload._stats import LoadStats
 from asyncload._stream import CheckpointStream, KeySelection, sync_iter
 from asyncload.formats import HF_INDEX, HF_SINGLE
 from asyncload.formats.safetensors import SAFETENSORS_DTYPES
-from asyncload.storage.base import is_local, local_root
+from asyncload.storage import is_local, local_root
 
 __all__ = ["SAFETENSORS_MAX_HEADER", "ConvertResult", "check_destination", "convert", "plan_shards"]
 

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from asyncload._errors import redact_url
-from asyncload.storage.base import is_local, local_root
+from asyncload.storage import is_local, local_root
 
 __all__ = ["EXIT_CODES", "main", "parse_size", "parse_storage_options"]
 

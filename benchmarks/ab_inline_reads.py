@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _common as C
 
 import asyncload
-import asyncload.storage.local as local
+from asyncload.storage import local
 
 
 def ab(path: str, rounds: int) -> None:

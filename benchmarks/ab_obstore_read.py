@@ -18,7 +18,7 @@ import tempfile
 CHILD = r"""
 import asyncio, concurrent.futures, json, resource, sys, time
 import asyncload
-from asyncload.storage.base import open_storage
+from asyncload.storage import open_storage
 url = sys.argv[1]
 CH, N = 8 << 20, 32
 async def main():

@@ -162,22 +162,22 @@ def _destination_reads(
     destinations' memory), captured from one load: what "raw into the destinations" replays.
     Unlike the destination-sized buffer, real destinations do not sit at their bytes' file
     offset modulo 4 KiB, which costs the kernel's copy a few percent (docs/performance.md)."""
-    from asyncload.storage import retrying as _retry
+    from asyncload.storage import RetryingStorage
 
     got: list[tuple[str, int, list[memoryview]]] = []
-    orig = _retry.RetryingStorage.readinto_shared
+    orig = RetryingStorage.readinto_shared
 
     async def capture(
-        self: _retry.RetryingStorage, reads: list[tuple[str, int, list[memoryview]]], **kw: object
+        self: RetryingStorage, reads: list[tuple[str, int, list[memoryview]]], **kw: object
     ) -> None:
         got.extend((name, start, list(views)) for name, start, views in reads)
         await orig(self, reads, **kw)  # type: ignore[arg-type]
 
-    _retry.RetryingStorage.readinto_shared = capture  # type: ignore[method-assign,assignment]
+    RetryingStorage.readinto_shared = capture  # type: ignore[method-assign,assignment]
     try:
         asyncload.load(dest, path, options=opts)
     finally:
-        _retry.RetryingStorage.readinto_shared = orig  # type: ignore[method-assign]
+        RetryingStorage.readinto_shared = orig  # type: ignore[method-assign]
     return got
 
 

@@ -74,7 +74,7 @@ async def fsspec_client():
 
 async def obstore_client():
     import obstore
-    from asyncload.storage.obstore import plan_store
+    from asyncload.storage import plan_store
     url, _, name = cfg["url"].rpartition("/")
     store = plan_store(url, cfg["so"]).build()
     async def get(lo, hi):

@@ -35,8 +35,7 @@ warnings.filterwarnings("ignore")
 cfg = json.loads(sys.argv[1])
 import torch
 import asyncload
-from asyncload.storage import obstore as _obstore
-from asyncload.storage import base as _storage
+from asyncload.storage import FsspecStorage, ObstoreStorage
 
 events = []
 T0 = [0.0]
@@ -51,15 +50,15 @@ def wrap(cls, name, kind):
             events.append((kind, a[0] if a else "", a[1:3], t - T0[0], time.perf_counter() - T0[0]))
     setattr(cls, name, timed)
 
-for cls in (_obstore.ObstoreStorage, _storage.FsspecStorage):
+for cls in (ObstoreStorage, FsspecStorage):
     wrap(cls, "read", "GET")
     wrap(cls, "size", "HEAD")
     wrap(cls, "sizes", "LIST")
-wrap(_obstore.ObstoreStorage, "_list", "LIST-request")
-if hasattr(_obstore.ObstoreStorage, "read_object"):
-    wrap(_obstore.ObstoreStorage, "read_object", "GET-whole")
-if hasattr(_obstore.ObstoreStorage, "read_prefix"):  # a file's first bytes and its size, one GET
-    wrap(_obstore.ObstoreStorage, "read_prefix", "GET-prefix")
+wrap(ObstoreStorage, "_list", "LIST-request")
+if hasattr(ObstoreStorage, "read_object"):
+    wrap(ObstoreStorage, "read_object", "GET-whole")
+if hasattr(ObstoreStorage, "read_prefix"):  # a file's first bytes and its size, one GET
+    wrap(ObstoreStorage, "read_prefix", "GET-prefix")
 
 first_byte = []
 import obstore

@@ -33,7 +33,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import pytest
 from _ckpt import make_checkpoint, small_state_dict
 
-from asyncload.storage.local import LocalStorage
+from asyncload.storage import LocalStorage
 
 try:  # the loopback servers' fixtures: s3_server, gcs_server, http_server
     from asyncload.testing.pytest_fixtures import *  # noqa: F403

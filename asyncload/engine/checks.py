@@ -30,7 +30,7 @@ from asyncload.engine import transforms as _transforms
 from asyncload.engine.chunks import Piece
 from asyncload.engine.crc import CrcTracker
 from asyncload.engine.records import Record, expected_storage
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage
 
 __all__ = [
     "check_against_metadata",

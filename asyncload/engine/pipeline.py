@@ -31,8 +31,7 @@ from asyncload._stats import StatsRecorder
 from asyncload.engine.assembly import StagingPool, assemble, track
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.meter import Meter
-from asyncload.storage.base import Storage
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage, Storage
 
 __all__ = ["Pipeline"]
 

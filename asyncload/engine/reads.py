@@ -62,7 +62,7 @@ from asyncload.formats.torchsave import (
     parse_archive,
     tensor_location,
 )
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage
 
 __all__ = ["RecordReads"]
 

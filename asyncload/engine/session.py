@@ -69,8 +69,7 @@ from asyncload.engine.records import (
     refuse_a_dcp_file,
     torch_casts,
 )
-from asyncload.storage.base import Storage, is_local, local_root, open_storage
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage, Storage, is_local, local_root, open_storage
 
 __all__ = ["LoadSession", "decode_object"]
 

@@ -25,8 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from asyncload._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from asyncload._options import LoadOptions
 from asyncload.engine.chunks import TensorLocation
-from asyncload.storage.base import is_local, local_root
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage, is_local, local_root
 
 __all__ = [
     "HF_INDEX",

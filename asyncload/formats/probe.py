@@ -33,8 +33,7 @@ from asyncload.formats.torch_checkpointing import (
     item_file_hint,
 )
 from asyncload.formats.torchsave import HEAD_PROBE, _atorchsave_files
-from asyncload.storage.base import is_local, local_root
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage, is_local, local_root
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
 

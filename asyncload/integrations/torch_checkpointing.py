@@ -49,8 +49,7 @@ from asyncload._loop import loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._paths import check_relative_path
 from asyncload._stats import LoadStats, StatsRecorder
-from asyncload.storage.base import is_local, local_root, open_storage
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage, is_local, local_root, open_storage
 
 __all__ = ["AsyncloadStorage", "AsyncloadStorageConfig"]
 

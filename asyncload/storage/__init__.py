@@ -1,0 +1,100 @@
+"""The storage wing: where a load's bytes come from, and its one error boundary.
+
+Layers, each importing only those below it:
+
+- the interface (:mod:`~asyncload.storage.base`): :class:`Storage`, the version pins of a
+  remote object (:class:`VersionPins`) and the raw errors a store raises;
+- the stores beside each other, each importing only the interface: local files
+  (:mod:`~asyncload.storage.local`, with :mod:`~asyncload.storage.mapped`), any fsspec
+  filesystem (:mod:`~asyncload.storage.fsspec`) and obstore (:mod:`~asyncload.storage.obstore`,
+  planned by :mod:`~asyncload.storage.obstore_plan`, kept on its origin by
+  :mod:`~asyncload.storage.redirect_guard`);
+- the error boundary (:mod:`~asyncload.storage.retrying`: timeout, retries, hedging), whose
+  errors are classified and translated in one place (:mod:`~asyncload.storage.classify`);
+- the factory (:mod:`~asyncload.storage.factory`): :func:`open_storage` picks the store for a
+  checkpoint.
+
+The names below are the wing's interface: other wings and the tests import them from here.
+The optional backends' names (fsspec's and obstore's) are imported on first use, so
+``import asyncload.storage`` imports neither fsspec, aiohttp nor obstore.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from asyncload.storage.base import (
+    CrossOriginRedirectError,
+    ListingTooLargeError,
+    NotRegularFileError,
+    ObjectChangedError,
+    RangeIgnoredError,
+    RangeMismatchError,
+    ShortReadError,
+    Storage,
+    VersionPins,
+    first_byte,
+)
+from asyncload.storage.classify import HINTS, Failure, classify, translate
+from asyncload.storage.factory import is_local, local_root, open_storage
+from asyncload.storage.local import INLINE_READ, LocalStorage
+from asyncload.storage.retrying import BATCH_INLINE, RetryingStorage, call_with_retry
+
+if TYPE_CHECKING:
+    from asyncload.storage.fsspec import FsspecStorage, close_async_fs
+    from asyncload.storage.obstore import ObstoreStorage
+    from asyncload.storage.obstore_plan import StoreSpec, Unmappable, plan_store
+
+__all__ = [
+    "BATCH_INLINE",
+    "HINTS",
+    "INLINE_READ",
+    "CrossOriginRedirectError",
+    "Failure",
+    "FsspecStorage",
+    "ListingTooLargeError",
+    "LocalStorage",
+    "NotRegularFileError",
+    "ObjectChangedError",
+    "ObstoreStorage",
+    "RangeIgnoredError",
+    "RangeMismatchError",
+    "RetryingStorage",
+    "ShortReadError",
+    "Storage",
+    "StoreSpec",
+    "Unmappable",
+    "VersionPins",
+    "call_with_retry",
+    "classify",
+    "close_async_fs",
+    "first_byte",
+    "is_local",
+    "local_root",
+    "open_storage",
+    "plan_store",
+    "translate",
+]
+
+#: The optional backends' names and their modules, imported on first use (:func:`__getattr__`).
+_LAZY = {
+    "FsspecStorage": "asyncload.storage.fsspec",
+    "close_async_fs": "asyncload.storage.fsspec",
+    "ObstoreStorage": "asyncload.storage.obstore",
+    "StoreSpec": "asyncload.storage.obstore_plan",
+    "Unmappable": "asyncload.storage.obstore_plan",
+    "plan_store": "asyncload.storage.obstore_plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """An optional backend's name, its module imported now (PEP 562).
+
+    Raised: :class:`AttributeError` for a name the wing does not export."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

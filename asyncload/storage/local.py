@@ -1,8 +1,8 @@
 """Local files: positional reads from a thread pool, straight into caller memory.
 
 Errors here are raw (OSError, :class:`~asyncload.storage.base.ShortReadError`,
-:class:`~asyncload.storage.base.NotRegularFileError`); :mod:`asyncload.storage.retrying` translates them
-once, with the path, range and attempt.
+:class:`~asyncload.storage.base.NotRegularFileError`); :mod:`asyncload.storage.retrying`
+translates them once, with the path, range and attempt.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import stat
 import threading
 from collections.abc import Sequence
 
-from asyncload.storage.base import NotRegularFileError, ShortReadError, Storage, _check_regular
+from asyncload.storage.base import NotRegularFileError, ShortReadError, Storage
 from asyncload.storage.mapped import MIN_MAPPED_READ, MappedCopies, mapped_copies_available
 
 log = logging.getLogger("asyncload.local")
@@ -41,7 +41,9 @@ class LocalStorage(Storage):
     supports_readinto = True
     calls_inline = True
 
-    def __init__(self, root: str, executor: concurrent.futures.Executor, *, mapped_copies: bool = True) -> None:
+    def __init__(
+        self, root: str, executor: concurrent.futures.Executor, *, mapped_copies: bool = True
+    ) -> None:
         super().__init__(root)
         self._executor = executor
         self._fds: dict[str, int] = {}
@@ -59,7 +61,8 @@ class LocalStorage(Storage):
 
     @property
     def mapped_bytes(self) -> int:
-        """Bytes copied out of the page cache through leased mappings (:mod:`._mapped`)."""
+        """Bytes copied out of the page cache through leased mappings
+        (:mod:`asyncload.storage.mapped`)."""
         return 0 if self._mapped is None else self._mapped.bytes_copied
 
     def _path(self, name: str) -> str:
@@ -74,7 +77,9 @@ class LocalStorage(Storage):
                 path = self._path(name)
                 _check_regular(path, os.stat(path).st_mode)
                 # O_NONBLOCK: a FIFO swapped in after the stat must not block this thread in open
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+                fd = os.open(
+                    path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+                )
                 try:
                     _check_regular(path, os.fstat(fd).st_mode)
                     os.set_blocking(fd, True)
@@ -96,10 +101,16 @@ class LocalStorage(Storage):
             raise ShortReadError(self._path(name), start, start + want, got, local=True)
 
     def _read_aliasing(
-        self, fd: int, name: str, start: int, buffers: Sequence[memoryview], want: int, mapped: MappedCopies
+        self,
+        fd: int,
+        name: str,
+        start: int,
+        buffers: Sequence[memoryview],
+        want: int,
+        mapped: MappedCopies,
     ) -> None:
         """Buffer by buffer: those the kernel's copy would alias copied through a leased
-        mapping (:mod:`._mapped`), as far as it goes, the rest with ``preadv``."""
+        mapping (:mod:`asyncload.storage.mapped`), as far as it goes, the rest with ``preadv``."""
         path = self._path(name)
         done = 0
         for b in buffers:
@@ -135,9 +146,13 @@ class LocalStorage(Storage):
         try:
             await loop.run_in_executor(self._executor, self._preadv, name, pos, left)
         except ShortReadError as exc:  # named by the whole read, not by its uncached rest
-            raise ShortReadError(self._path(name), start, start + want, pos - start + exc.got, local=True) from None
+            raise ShortReadError(
+                self._path(name), start, start + want, pos - start + exc.got, local=True
+            ) from None
 
-    def _read_cached(self, name: str, start: int, buffers: Sequence[memoryview]) -> tuple[int, list[memoryview]] | None:
+    def _read_cached(
+        self, name: str, start: int, buffers: Sequence[memoryview]
+    ) -> tuple[int, list[memoryview]] | None:
         """A small read on the calling (loop) thread, as far as the page cache holds it:
         ``preadv2(RWF_NOWAIT)`` never waits for the disk (it stops at the first page that is
         not cached). ``None`` when all of it landed; else where the rest starts and its
@@ -151,7 +166,11 @@ class LocalStorage(Storage):
             except BlockingIOError:  # the next page is not cached
                 break
             except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # not on this file system
+                if exc.errno in (
+                    errno.EOPNOTSUPP,
+                    errno.EINVAL,
+                    errno.ENOSYS,
+                ):  # not on this file system
                     self._nowait = False
                     break
                 raise
@@ -198,6 +217,15 @@ class LocalStorage(Storage):
                 os.close(fd)
             except OSError:  # pragma: no cover
                 pass
+
+
+def _check_regular(path: str, mode: int) -> None:
+    """Raised: :class:`IsADirectoryError` for a directory, :class:`NotRegularFileError` for a
+    FIFO, socket or device at ``path`` (``mode``: its ``st_mode``)."""
+    if not stat.S_ISREG(mode):
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, "Is a directory", path)
+        raise NotRegularFileError(path, mode)
 
 
 def _pread_all(fd: int, bufs: list[memoryview], pos: int) -> int:

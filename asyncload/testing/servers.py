@@ -159,7 +159,7 @@ async def aclose_filesystem(fs: Any) -> None:
     Await it on the loop that used ``fs``, before that loop ends; otherwise
     aiohttp warns about an unclosed session. No-op when no session was made.
     """
-    from asyncload.storage.base import close_async_fs  # the library's own way, so there is one
+    from asyncload.storage import close_async_fs  # the library's own way, so there is one
 
     await close_async_fs(fs, type(fs).__name__)
 

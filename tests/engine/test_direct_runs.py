@@ -30,8 +30,7 @@ from _ckpt import assert_bitwise_equal
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
 from asyncload._stats import StatsRecorder
-from asyncload.storage.base import Storage
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import RetryingStorage, Storage
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
 

@@ -17,7 +17,7 @@ from asyncload._stats import StatsRecorder
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.meter import Meter, MeterStatistics
 from asyncload.engine.pipeline import Pipeline
-from asyncload.storage.local import LocalStorage
+from asyncload.storage import LocalStorage
 
 pytestmark = pytest.mark.timeout(30)
 

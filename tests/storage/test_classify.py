@@ -41,9 +41,18 @@ from asyncload import (
     StorageReadError,
 )
 from asyncload._stats import StatsRecorder
-from asyncload.storage.base import NotRegularFileError, RangeIgnoredError, ShortReadError, Storage
-from asyncload.storage.local import LocalStorage
-from asyncload.storage.retrying import _HINTS, Failure, RetryingStorage, classify, translate
+from asyncload.storage import (
+    HINTS,
+    Failure,
+    LocalStorage,
+    NotRegularFileError,
+    RangeIgnoredError,
+    RetryingStorage,
+    ShortReadError,
+    Storage,
+    classify,
+    translate,
+)
 from asyncload.testing import reset, status, truncate
 
 pytestmark = pytest.mark.timeout(60)
@@ -404,8 +413,8 @@ async def test_classify_and_translate_obstore(s3_server, fault_proxy, bucket_nam
     err = translate(exc, url=URL_, byte_range=RANGE, attempts=1)
     assert type(err) is cls
     assert f"{URL_} bytes [1024, 4096)" in str(err)
-    if cls is SR and failure.cause in _HINTS:
-        assert _HINTS[failure.cause] in str(err)
+    if cls is SR and failure.cause in HINTS:
+        assert HINTS[failure.cause] in str(err)
 
 
 @pytest.mark.parametrize("make,failure,cls", [r[1:] for r in TRANSLATED], ids=[r[0] for r in TRANSLATED])

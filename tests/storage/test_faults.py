@@ -22,7 +22,7 @@ from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
 from asyncload._stats import StatsRecorder
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.pipeline import Pipeline
-from asyncload.storage.base import open_storage
+from asyncload.storage import open_storage
 from asyncload.testing import reset, stall, status, truncate
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]

@@ -17,8 +17,7 @@ import asyncload
 from asyncload import LoadOptions
 from asyncload._latency import HEDGE_COLD_FACTOR, HEDGE_DERIVED_FLOOR, LoadClock, hedge_delay
 from asyncload._stats import StatsRecorder
-from asyncload.storage.base import first_byte
-from asyncload.storage.retrying import call_with_retry
+from asyncload.storage import call_with_retry, first_byte
 from asyncload.testing import stall
 
 MiB = 1 << 20

@@ -20,8 +20,7 @@ import torch.distributed.checkpoint as dcp
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, StorageReadError
 from asyncload._stats import StatsRecorder
-from asyncload.storage.base import FsspecStorage, RangeIgnoredError
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import FsspecStorage, RangeIgnoredError, RetryingStorage
 from asyncload.testing import faults
 from asyncload.testing.servers import HTTPRangeServer
 

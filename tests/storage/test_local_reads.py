@@ -27,9 +27,7 @@ from _ckpt import assert_bitwise_equal, evict_pages, resident_pages
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
 from asyncload._stats import StatsRecorder
-from asyncload.storage.base import ShortReadError
-from asyncload.storage.local import INLINE_READ, LocalStorage
-from asyncload.storage.retrying import BATCH_INLINE, RetryingStorage
+from asyncload.storage import BATCH_INLINE, INLINE_READ, LocalStorage, RetryingStorage, ShortReadError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
 

@@ -31,9 +31,8 @@ from _ckpt import assert_bitwise_equal, evict_pages
 
 import asyncload
 from asyncload import AsyncLoadError, LoadOptions
+from asyncload.storage import LocalStorage, ShortReadError
 from asyncload.storage import mapped as _mapped
-from asyncload.storage.base import ShortReadError
-from asyncload.storage.local import LocalStorage
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
 

@@ -19,14 +19,22 @@ import pytest
 import pytest_asyncio
 from _remote import BACKENDS, wait_closed
 
-import asyncload.storage.obstore as asyncload_obstore
+import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
 from asyncload._stats import StatsRecorder
-from asyncload.storage.base import FsspecStorage, ObjectChangedError, RangeIgnoredError, ShortReadError
-from asyncload.storage.base import open_storage as open_storage_
-from asyncload.storage.local import LocalStorage
-from asyncload.storage.obstore import ObstoreStorage, StoreSpec, Unmappable, plan_store
-from asyncload.storage.retrying import RetryingStorage
+from asyncload.storage import (
+    FsspecStorage,
+    LocalStorage,
+    ObjectChangedError,
+    ObstoreStorage,
+    RangeIgnoredError,
+    RetryingStorage,
+    ShortReadError,
+    StoreSpec,
+    Unmappable,
+    plan_store,
+)
+from asyncload.storage import open_storage as open_storage_
 from asyncload.testing import HTTPRangeServer, delay, reset, stall, status
 
 pytestmark = pytest.mark.timeout(60)
@@ -556,7 +564,7 @@ pkg = types.ModuleType("asyncload")
 pkg.__path__ = [sys.argv[2]]
 sys.modules["asyncload"] = pkg
 import obstore
-from asyncload.storage.obstore import plan_store
+from asyncload.storage import plan_store
 
 async def main():
     store = plan_store(sys.argv[1], {}).build()
@@ -578,7 +586,7 @@ def test_a_process_that_exits_right_after_concurrent_reads_exits_cleanly(http_se
 
     http_server.put_object("exits", "c/f.bin", bytes(128 << 10))
     url = http_server.url("exits", "c")
-    package = str(Path(asyncload_obstore.__file__).parent)
+    package = str(Path(asyncload.__file__).parent)
     codes = [
         subprocess.run([sys.executable, "-c", _EXIT_CHILD, url, package], capture_output=True, text=True, timeout=60)
         for _ in range(12)

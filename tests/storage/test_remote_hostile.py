@@ -379,7 +379,7 @@ def test_the_cli_never_prints_a_password_of_the_url(request, ckpt, bucket_name, 
 
 
 def test_the_content_range_rule():
-    from asyncload.storage.base import RangeMismatchError, VersionPins
+    from asyncload.storage import RangeMismatchError, VersionPins
 
     v = VersionPins("http://h/c")
     v._check_range("f", 0, 10, 206, "bytes 0-9/100")
@@ -403,7 +403,7 @@ def test_the_content_range_rule():
 def test_which_obstore_stores_refuse_other_hosts(monkeypatch):
     """The guard's hosts: the origin's (and a virtual-hosted bucket's); none where credentials
     come from another host (instance metadata, token endpoints), which the guard would cut off."""
-    from asyncload.storage.obstore import plan_store
+    from asyncload.storage import plan_store
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)

@@ -1,0 +1,140 @@
+"""The factory above the stores: :func:`open_storage` picks the store for a checkpoint (a local
+path, a ``file://`` URL or any fsspec URL), :func:`is_local` and :func:`local_root` tell a local
+checkpoint and its directory.
+
+Local files are always there (:mod:`asyncload.storage.local`); the optional backends are
+imported only when a checkpoint needs them, as torchsnapshot's ``storage_plugin.py`` does:
+obstore (:mod:`asyncload.storage.obstore`) for ``s3://``, ``gs://``, ``gcs://`` and
+``http(s)://``, fsspec (:mod:`asyncload.storage.fsspec`) for those when obstore cannot serve
+them and for every other protocol.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse, urlsplit
+
+from asyncload._errors import StorageReadError, redact_url
+from asyncload.storage.base import Storage
+from asyncload.storage.local import LocalStorage
+
+__all__ = ["is_local", "local_root", "open_storage"]
+
+log = logging.getLogger("asyncload.storage")
+
+
+def is_local(checkpoint: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint`` is on the local file system: a ``PathLike``, a path, or a
+    ``file://`` URL."""
+    if isinstance(checkpoint, os.PathLike):
+        return True
+    s = str(checkpoint)
+    return "://" not in s or s.startswith("file://")
+
+
+def local_root(checkpoint: str | os.PathLike[str]) -> str:
+    """The directory of a local ``checkpoint`` (:func:`is_local`): its path, or the path of its
+    ``file://`` URL."""
+    if isinstance(checkpoint, os.PathLike):
+        return os.fspath(checkpoint)
+    s = str(checkpoint)
+    if s.startswith("file://"):
+        return unquote(urlparse(s).path)
+    return s
+
+
+def open_storage(
+    checkpoint: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    executor: concurrent.futures.Executor,
+    *,
+    transport: str = "auto",
+    mapped_copies: bool = True,
+    max_listing_size: int | None = None,
+) -> Storage:
+    """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL.
+
+    ``transport`` (``LoadOptions.transport``) picks the client for ``s3://``, ``gs://``,
+    ``gcs://`` and ``http(s)://``: ``"obstore"``, ``"fsspec"``, or ``"auto"`` (obstore
+    when it is installed and the URL and ``storage_options`` map onto it, else fsspec;
+    why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
+    (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload.storage.mapped`.
+    ``max_listing_size`` (``LoadOptions.max_metadata_size``): the most bytes of an HTTP
+    directory listing.
+
+    Raised: :class:`StorageReadError` for ``transport="obstore"`` when obstore is not
+    installed or cannot honour an option (the message names it).
+    """
+    if is_local(checkpoint):
+        return LocalStorage(
+            str(Path(local_root(checkpoint))), executor, mapped_copies=mapped_copies
+        )
+    s = str(checkpoint)
+    protocol = s.split("://", 1)[0]
+    options = storage_options or {}
+    made = None
+    if transport != "fsspec":
+        made = _obstore_storage(s, protocol, options, executor, max_listing_size)
+    if isinstance(made, Storage):
+        return made
+    if made is not None:  # why obstore cannot read it
+        reason = made
+        if transport == "obstore":
+            raise StorageReadError(
+                f"{s} cannot be read with LoadOptions.transport='obstore': {reason} "
+                "(use transport='fsspec', or 'auto' to fall back by itself)",
+                path=s,
+            )
+        log.debug("reading %s through fsspec, not obstore: %s", redact_url(s), reason)
+    return _fsspec_storage(s, protocol, options, executor, max_listing_size)
+
+
+def _obstore_storage(
+    url: str,
+    protocol: str,
+    options: Mapping[str, Any],
+    executor: concurrent.futures.Executor,
+    max_listing_size: int | None,
+) -> Storage | str | None:
+    """The obstore store for ``url``; why obstore cannot serve it (not installed, an option it
+    cannot honour); or ``None`` for a protocol obstore is not used for. Its HTTP directory
+    listings go through fsspec."""
+    from asyncload.storage.obstore_plan import (
+        OBSTORE_PROTOCOLS,
+        Unmappable,
+        obstore_available,
+        plan_store,
+    )
+
+    if protocol.lower() not in OBSTORE_PROTOCOLS:
+        return None
+    if not obstore_available():
+        return "obstore is not installed (pip install obstore)"
+    try:
+        spec = plan_store(url, options)
+    except Unmappable as exc:
+        return str(exc)
+    from asyncload.storage.obstore import ObstoreStorage
+
+    def lister() -> Storage:
+        return _fsspec_storage(url, urlsplit(url).scheme, options, executor, max_listing_size)
+
+    return ObstoreStorage(url, spec, lister=lister)
+
+
+def _fsspec_storage(
+    url: str,
+    protocol: str,
+    options: Mapping[str, Any],
+    executor: concurrent.futures.Executor,
+    max_listing_size: int | None,
+) -> Storage:
+    """The fsspec filesystem of ``protocol`` for ``url`` (fsspec imported here, on first use)."""
+    from asyncload.storage.fsspec import FsspecStorage
+
+    return FsspecStorage(url, protocol, options, executor, max_listing_size=max_listing_size)
