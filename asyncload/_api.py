@@ -46,14 +46,19 @@ def _prepare(
     configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them). With
     more than one rank in ``process_group`` the session is made with the monitor that bounds
     every wait on another rank. ``extension_registry`` decodes stream transforms (``None``:
-    torch's default registry). ``allow_partial_load=True`` goes to the planner (see :func:`load`)."""
+    torch's default registry). ``allow_partial_load=True`` goes to the planner (see
+    :func:`load`)."""
     if not isinstance(allow_partial_load, bool):
-        raise TypeError(f"allow_partial_load must be a bool, not {type(allow_partial_load).__name__}")
+        raise TypeError(
+            f"allow_partial_load must be a bool, not {type(allow_partial_load).__name__}"
+        )
     if allow_partial_load and planner is not None:
         if not hasattr(planner, "allow_partial_load"):
             raise TypeError(
-                f"allow_partial_load=True was passed with a planner of type {type(planner).__name__}, which "
-                "has no allow_partial_load attribute (torch's DefaultLoadPlanner and asyncload's planners have "
+                "allow_partial_load=True was passed with a planner of type "
+                f"{type(planner).__name__}, which "
+                "has no allow_partial_load attribute (torch's DefaultLoadPlanner and asyncload's "
+                "planners have "
                 "one): make the planner skip missing keys itself, or pass no planner"
             )
         planner.allow_partial_load = True
@@ -74,12 +79,15 @@ def _prepare(
     if monitor is not None:
         monitor.cancelled = session.cancelled  # a cancelled load stops waiting on the others
     if planner is None:
-        planner = PipelinedLoadPlanner(options=config.options, allow_partial_load=allow_partial_load)
+        planner = PipelinedLoadPlanner(
+            options=config.options, allow_partial_load=allow_partial_load
+        )
     return session, planner
 
 
 def _reporting_to(monitor: Monitor, user: ProgressCallback | None) -> ProgressCallback:
-    """Progress that tells the other ranks how far this one is (the monitor's status), then ``user``."""
+    """Progress that tells the other ranks how far this one is (the monitor's status),
+    then ``user``."""
 
     def on_progress(done: int, total: int) -> None:
         monitor.progress(f"reading data: {_fmt_bytes(done)} of {_fmt_bytes(total)}")
@@ -123,7 +131,14 @@ def load(
     """
     _hint_aload_if_loop_running()
     session, planner = _prepare(
-        checkpoint, options, storage_options, planner, progress, extension_registry, allow_partial_load, process_group
+        checkpoint,
+        options,
+        storage_options,
+        planner,
+        progress,
+        extension_registry,
+        allow_partial_load,
+        process_group,
     )
     return run_sync(load_steps(state_dict, session, planner), session)
 
@@ -143,7 +158,8 @@ def _hint_aload_if_loop_running() -> None:
         return
     _hinted.set()
     log.info(
-        "asyncload.load was called on a thread that runs an event loop: that loop is blocked until the load "
+        "asyncload.load was called on a thread that runs an event loop: that loop is blocked "
+        "until the load "
         "returns; use 'await asyncload.aload(...)' in async code to keep it running"
     )
 
@@ -165,7 +181,14 @@ async def aload(
     loop stays free. Cancelling it cancels the reads and returns once nothing of the load
     is left running (files and sessions closed)."""
     session, planner = _prepare(
-        checkpoint, options, storage_options, planner, progress, extension_registry, allow_partial_load, process_group
+        checkpoint,
+        options,
+        storage_options,
+        planner,
+        progress,
+        extension_registry,
+        allow_partial_load,
+        process_group,
     )
     return await run_async(load_steps(state_dict, session, planner), session)
 
@@ -183,7 +206,10 @@ class LoadHandle:
     """
 
     def __init__(
-        self, session: LoadSession, future: concurrent.futures.Future[LoadStats], thread: threading.Thread
+        self,
+        session: LoadSession,
+        future: concurrent.futures.Future[LoadStats],
+        thread: threading.Thread,
     ) -> None:
         self._session = session
         self._future = future
@@ -197,16 +223,22 @@ class LoadHandle:
         if not self._future.done() and on_library_loop():
             # the load needs this very thread's loop to make progress: waiting would hang
             raise LoadReentryError(
-                "LoadHandle.result() was called from asyncload's own event-loop thread (for example from a "
-                "progress callback) while the load is still running: it would wait forever; wait from another "
+                "LoadHandle.result() was called from asyncload's own event-loop thread (for "
+                "example from a "
+                "progress callback) while the load is still running: it would wait forever; wait "
+                "from another "
                 "thread, or use asyncload.aload from async code"
             )
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the load of {self._session.checkpoint} is still running after {timeout} s") from None
+            raise TimeoutError(
+                f"the load of {self._session.checkpoint} is still running after {timeout} s"
+            ) from None
         except (asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
-            raise LoadCancelledError(f"the load of {self._session.checkpoint} was cancelled") from exc
+            raise LoadCancelledError(
+                f"the load of {self._session.checkpoint} was cancelled"
+            ) from exc
 
     def done(self) -> bool:
         return self._future.done()

@@ -144,7 +144,9 @@ class CheckpointStream:
         self.touch = False
         #: Tensor bytes allocated and not yet handed over (the ``streaming`` share of the
         #: memory plan): a batch larger than the budget only alone.
-        self.held = Meter(config.memory.streaming, name="streamed tensors", oversize="alone", unit="bytes")
+        self.held = Meter(
+            config.memory.streaming, name="streamed tensors", oversize="alone", unit="bytes"
+        )
         self._stats: LoadStats | None = None
         #: Files read by the batches, and those counted when the metadata was read.
         self._files: set[str] = set()
@@ -300,8 +302,10 @@ class CheckpointStream:
 
         def start_if_room() -> None:
             nonlocal following
-            # nothing held, or the batch fits with what is held (a larger one: alone)
-            if self._pending is None and following < len(todo) and held.try_acquire(sizes[following]):
+            if self._pending is None and following < len(todo):
+                # nothing held, or the batch fits with what is held (a larger one: alone)
+                if not held.try_acquire(sizes[following]):
+                    return
                 self._pending = asyncio.ensure_future(self.aload(todo[following]))
                 following += 1
 

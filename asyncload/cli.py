@@ -498,7 +498,11 @@ def _open_stream(
     from asyncload._stream import CheckpointStream
 
     stream = CheckpointStream(
-        args.url, options=options, storage_options=storage_options, metadata_cache=metadata_cache, **kwargs
+        args.url,
+        options=options,
+        storage_options=storage_options,
+        metadata_cache=metadata_cache,
+        **kwargs,
     )
     try:
         with _naming_storage_options(storage_options):

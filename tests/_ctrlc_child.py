@@ -76,7 +76,8 @@ def leftovers() -> dict[str, object]:
     gc.collect()
     with warnings.catch_warnings():  # isinstance on every object touches deprecated torch attributes
         warnings.simplefilter("ignore")
-        budgets = [b.used for b in gc.get_objects() if isinstance(b, Meter) and b.name == "read budget"]
+        meters = [b for b in gc.get_objects() if isinstance(b, Meter)]
+        budgets = [b.used for b in meters if b.name == "read budget"]
     from asyncload import _loop
 
     tasks = 0

@@ -117,7 +117,9 @@ class Meter:
 
         Raised: ``ValueError`` when ``n`` exceeds the capacity and ``oversize="raise"``."""
         if n > self.capacity and self._oversize == "raise":
-            raise ValueError(f"{n} {self.unit} cannot fit the {self.name}'s capacity of {self.capacity}")
+            raise ValueError(
+                f"{n} {self.unit} cannot fit the {self.name}'s capacity of {self.capacity}"
+            )
         if self.try_acquire(n):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

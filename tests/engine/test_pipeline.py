@@ -37,7 +37,7 @@ async def _settle(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
-# --- the byte budget: a Meter ---------------------------------------------------------------------------
+# --- the byte budget: a Meter ------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -139,7 +139,7 @@ async def test_budget_never_exceeds_capacity_under_churn():
     assert b.used == 0 and b.peak == high and 0 < high <= 1000
 
 
-# --- reads in flight: a Meter -----------------------------------------------------------------------------
+# --- reads in flight: a Meter ------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -51,7 +51,8 @@ def _budgets_in_use() -> list[int]:
     gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [b.used for b in gc.get_objects() if isinstance(b, Meter) and b.name == "read budget" and b.used]
+        meters = [b for b in gc.get_objects() if isinstance(b, Meter)]
+        return [b.used for b in meters if b.name == "read budget" and b.used]
 
 
 @pytest.fixture(scope="module")
