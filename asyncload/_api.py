@@ -10,15 +10,19 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
+from asyncload._dcp import PipelinedLoadPlanner
 from asyncload._errors import LoadCancelledError, LoadReentryError
 from asyncload._loop import on_library_loop
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats, _fmt_bytes
+from asyncload.distributed.monitor import Monitor
+from asyncload.engine.config import resolve_config
 from asyncload.engine.driver import load_steps, run_async, run_sync
+from asyncload.engine.session import LoadSession
 
 __all__ = ["LoadHandle", "aload", "load", "start_load"]
 
@@ -35,36 +39,62 @@ def _prepare(
     progress: ProgressCallback | None,
     extension_registry: ExtensionRegistry | None = None,
     allow_partial_load: bool = False,
-) -> tuple[PipelinedReader, LoadPlanner]:
-    """The load's reader and planner, with its options resolved once: ``options``, else an
-    explicitly configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them.
-    ``extension_registry`` decodes stream transforms (``None``: torch's default registry).
-    ``allow_partial_load=True`` goes to the planner (see :func:`load`)."""
+    process_group: Any = None,
+) -> tuple[LoadSession, LoadPlanner]:
+    """The load's session and planner, with its configuration resolved once
+    (:func:`asyncload.engine.config.resolve_config`: ``options``, else an explicitly
+    configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them). With
+    more than one rank in ``process_group`` the session is made with the monitor that bounds
+    every wait on another rank. ``extension_registry`` decodes stream transforms (``None``:
+    torch's default registry). ``allow_partial_load=True`` goes to the planner (see
+    :func:`load`)."""
     if not isinstance(allow_partial_load, bool):
-        raise TypeError(f"allow_partial_load must be a bool, not {type(allow_partial_load).__name__}")
+        raise TypeError(
+            f"allow_partial_load must be a bool, not {type(allow_partial_load).__name__}"
+        )
     if allow_partial_load and planner is not None:
         if not hasattr(planner, "allow_partial_load"):
             raise TypeError(
-                f"allow_partial_load=True was passed with a planner of type {type(planner).__name__}, which "
-                "has no allow_partial_load attribute (torch's DefaultLoadPlanner and asyncload's planners have "
+                "allow_partial_load=True was passed with a planner of type "
+                f"{type(planner).__name__}, which "
+                "has no allow_partial_load attribute (torch's DefaultLoadPlanner and asyncload's "
+                "planners have "
                 "one): make the planner skip missing keys itself, or pass no planner"
             )
         planner.allow_partial_load = True
-    if options is None:
-        if isinstance(planner, PipelinedLoadPlanner) and planner.has_options:
-            options = planner.options
-        else:
-            options = LoadOptions()
-    elif not isinstance(options, LoadOptions):
-        raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
-    reader = PipelinedReader(
-        checkpoint, extension_registry, options=options, storage_options=dict(storage_options or {})
+    config = resolve_config(options, planner)
+    monitor: Monitor | None = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        monitor = Monitor(process_group, config.collective_timeout)
+        progress = _reporting_to(monitor, progress)
+    session = LoadSession(
+        checkpoint,
+        config=config,
+        storage_options=dict(storage_options or {}),
+        group=process_group,
+        monitor=monitor,
+        progress=progress,
+        extension_registry=extension_registry,
     )
-    reader._options_fixed = True  # these options govern every read, whatever the planner carries
-    reader.progress = progress
+    if monitor is not None:
+        monitor.cancelled = session.cancelled  # a cancelled load stops waiting on the others
     if planner is None:
-        planner = PipelinedLoadPlanner(options=options, allow_partial_load=allow_partial_load)
-    return reader, planner
+        planner = PipelinedLoadPlanner(
+            options=config.options, allow_partial_load=allow_partial_load
+        )
+    return session, planner
+
+
+def _reporting_to(monitor: Monitor, user: ProgressCallback | None) -> ProgressCallback:
+    """Progress that tells the other ranks how far this one is (the monitor's status),
+    then ``user``."""
+
+    def on_progress(done: int, total: int) -> None:
+        monitor.progress(f"reading data: {_fmt_bytes(done)} of {_fmt_bytes(total)}")
+        if user is not None:
+            user(done, total)
+
+    return on_progress
 
 
 def load(
@@ -100,10 +130,17 @@ def load(
     ``allow_partial_load=True`` loads partially whatever is passed here.
     """
     _hint_aload_if_loop_running()
-    reader, planner = _prepare(
-        checkpoint, options, storage_options, planner, progress, extension_registry, allow_partial_load
+    session, planner = _prepare(
+        checkpoint,
+        options,
+        storage_options,
+        planner,
+        progress,
+        extension_registry,
+        allow_partial_load,
+        process_group,
     )
-    return run_sync(load_steps(state_dict, reader, planner, process_group), reader)
+    return run_sync(load_steps(state_dict, session, planner), session)
 
 
 _hinted = threading.Event()
@@ -121,7 +158,8 @@ def _hint_aload_if_loop_running() -> None:
         return
     _hinted.set()
     log.info(
-        "asyncload.load was called on a thread that runs an event loop: that loop is blocked until the load "
+        "asyncload.load was called on a thread that runs an event loop: that loop is blocked "
+        "until the load "
         "returns; use 'await asyncload.aload(...)' in async code to keep it running"
     )
 
@@ -142,10 +180,17 @@ async def aload(
     run on it; planning, collectives and the planner's hooks run on a worker thread so the
     loop stays free. Cancelling it cancels the reads and returns once nothing of the load
     is left running (files and sessions closed)."""
-    reader, planner = _prepare(
-        checkpoint, options, storage_options, planner, progress, extension_registry, allow_partial_load
+    session, planner = _prepare(
+        checkpoint,
+        options,
+        storage_options,
+        planner,
+        progress,
+        extension_registry,
+        allow_partial_load,
+        process_group,
     )
-    return await run_async(load_steps(state_dict, reader, planner, process_group), reader)
+    return await run_async(load_steps(state_dict, session, planner), session)
 
 
 class LoadHandle:
@@ -161,9 +206,12 @@ class LoadHandle:
     """
 
     def __init__(
-        self, reader: PipelinedReader, future: concurrent.futures.Future[LoadStats], thread: threading.Thread
+        self,
+        session: LoadSession,
+        future: concurrent.futures.Future[LoadStats],
+        thread: threading.Thread,
     ) -> None:
-        self._reader = reader
+        self._session = session
         self._future = future
         self._thread = thread
         self._cancelled = False
@@ -175,16 +223,22 @@ class LoadHandle:
         if not self._future.done() and on_library_loop():
             # the load needs this very thread's loop to make progress: waiting would hang
             raise LoadReentryError(
-                "LoadHandle.result() was called from asyncload's own event-loop thread (for example from a "
-                "progress callback) while the load is still running: it would wait forever; wait from another "
+                "LoadHandle.result() was called from asyncload's own event-loop thread (for "
+                "example from a "
+                "progress callback) while the load is still running: it would wait forever; wait "
+                "from another "
                 "thread, or use asyncload.aload from async code"
             )
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the load of {self._reader.checkpoint} is still running after {timeout} s") from None
+            raise TimeoutError(
+                f"the load of {self._session.checkpoint} is still running after {timeout} s"
+            ) from None
         except (asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
-            raise LoadCancelledError(f"the load of {self._reader.checkpoint} was cancelled") from exc
+            raise LoadCancelledError(
+                f"the load of {self._session.checkpoint} was cancelled"
+            ) from exc
 
     def done(self) -> bool:
         return self._future.done()
@@ -192,7 +246,7 @@ class LoadHandle:
     def statistics(self) -> LoadStats:
         """A snapshot of the load's :class:`LoadStats` so far (retries, bytes, latencies...);
         ``seconds`` counts from the start of the load. The final stats once it is done."""
-        return self._reader.live_stats()
+        return self._session.live_stats()
 
     def cancel(self) -> bool:
         """Ask the load to stop; returns False if it had already finished. After True,
@@ -202,7 +256,7 @@ class LoadHandle:
             if self._future.done():
                 return False
             self._cancelled = True
-        self._reader.cancel()
+        self._session.cancel()
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -228,7 +282,7 @@ class LoadHandle:
         else:
             state = f"failed: {type(self._future.exception()).__name__}"
         of = f" of {_fmt_bytes(total)}" if total is not None else " (total not known yet)"
-        return f"<LoadHandle {self._reader.checkpoint} {state}, {_fmt_bytes(done)}{of}>"
+        return f"<LoadHandle {self._session.checkpoint} {state}, {_fmt_bytes(done)}{of}>"
 
 
 def start_load(
@@ -255,8 +309,15 @@ def start_load(
         if progress is not None:
             progress(done, total)
 
-    reader, planner = _prepare(
-        checkpoint, options, storage_options, planner, on_progress, extension_registry, allow_partial_load
+    session, planner = _prepare(
+        checkpoint,
+        options,
+        storage_options,
+        planner,
+        on_progress,
+        extension_registry,
+        allow_partial_load,
+        process_group,
     )
     future: concurrent.futures.Future[LoadStats] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
@@ -264,7 +325,7 @@ def start_load(
     def work() -> None:
         outcome: LoadStats | BaseException
         try:
-            outcome = run_sync(load_steps(state_dict, reader, planner, process_group), reader)
+            outcome = run_sync(load_steps(state_dict, session, planner), session)
         except BaseException as exc:  # delivered through the handle
             outcome = exc
         with handle._ending:
@@ -279,7 +340,7 @@ def start_load(
                 future.set_result(outcome)
 
     thread = threading.Thread(target=work, name="asyncload-start-load", daemon=True)
-    handle = LoadHandle(reader, future, thread)
+    handle = LoadHandle(session, future, thread)
     box.append(handle)
     thread.start()
     return handle

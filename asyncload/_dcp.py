@@ -23,18 +23,26 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from asyncload import formats
+import asyncload.formats as formats
 from asyncload._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats
-from asyncload.engine.destinations import check_destinations
+from asyncload.engine.config import resolve_config
+from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
+from asyncload.engine.driver import read_steps, run_sync
 from asyncload.engine.intersect import _rekey_pre_2_4, local_load_plan
 from asyncload.engine.keys import MISSING_SHOWN, alias_groups, closest_keys, missing_keys_message, same_bits
 from asyncload.engine.plan import check_cast
 from asyncload.engine.session import LoadSession, decode_object
 from asyncload.formats import KNOWN_DCP_VERSIONS
 
-__all__ = ["KNOWN_DCP_VERSIONS", "PipelinedLoadPlanner", "PipelinedReader", "decode_object"]
+__all__ = [
+    "KNOWN_DCP_VERSIONS",
+    "PLAIN_TENSOR_TYPES",
+    "PipelinedLoadPlanner",
+    "PipelinedReader",
+    "decode_object",
+]
 
 _UNSET: Any = object()
 
@@ -222,6 +230,13 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                 f"the destination does not match the checkpoint: {type(exc).__name__}: {exc}"[:2000]
             ) from exc
 
+    @property
+    def raw_objects(self) -> bool:
+        """Whether this planner's class decodes DCP object records itself (it overrides
+        :meth:`load_bytes`): the reader then hands it each raw record instead of the object
+        the allow-list decoded (``asyncload.engine.records.AllowListPlanner``)."""
+        return type(self).load_bytes is not PipelinedLoadPlanner.load_bytes
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Decode an object with the allow-list and ``options.safe_globals`` (torch's planner
         uses ``torch.load(weights_only=False)``). A subclass that overrides this gets each DCP
@@ -294,10 +309,6 @@ def _same_saved_bytes(md: Metadata, a: str, b: str) -> bool:
     return True
 
 
-#: The types of plain tensors (not a subclass that could be ``Stateful``, a DTensor, ...).
-PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:
     """A destination value that is not a tensor where the checkpoint holds one (an int, a
     list, a numpy array): StateDictMismatchError, with the caller's dict untouched."""
@@ -339,17 +350,23 @@ class PipelinedReader(StorageReader):
     ) -> None:
         super().__init__()
         self.options = options or LoadOptions()
-        self.session = LoadSession(checkpoint, options=self.options, storage_options=storage_options)
-        if _extension_registry is not None:
-            self.session.extension_registry = _extension_registry
+        self._progress: Any = None
+        self.session = LoadSession(
+            checkpoint,
+            config=resolve_config(self.options),
+            storage_options=storage_options,
+            progress=self._report_progress,
+            extension_registry=_extension_registry,
+        )
         self.metadata: Metadata | None = None
         self.storage_data: dict[Any, Any] = {}
         self.rank: int | None = None
         self.is_coordinator = False
-        #: asyncload's own driver closes the storage when the load ends and sets this False.
-        self._close_after_metadata = True
-        #: Set by ``asyncload.load``/``aload``/``start_load``, which resolve the options once.
-        self._options_fixed = False
+
+    def _report_progress(self, done: int, total: int) -> None:
+        callback = self._progress
+        if callback is not None:
+            callback(done, total)
 
     # --- what the session holds ----------------------------------------------------------
 
@@ -369,11 +386,11 @@ class PipelinedReader(StorageReader):
     @property
     def progress(self) -> Any:
         """``progress(bytes_done, bytes_total)``, called from library threads as chunks land."""
-        return self.session.progress
+        return self._progress
 
     @progress.setter
     def progress(self, callback: Any) -> None:
-        self.session.progress = callback
+        self._progress = callback
 
     @property
     def metadata_error(self) -> BaseException | None:
@@ -413,18 +430,14 @@ class PipelinedReader(StorageReader):
         session = self.session
         if not session.started or "rank" not in kwargs:
             # dcp.load's first call of every load (it calls reset() only when given a checkpoint_id):
-            # a reader used for several loads reports each on its own
+            # a reader used for several loads reports each on its own, under the reader's options
             session.begin()
-        session.use_options(self.options)
         try:
             md = session.run(session.aread_metadata(rank=kwargs.get("rank")))
-        except Exception:
-            session.close_quietly()  # no read_data follows a failed metadata read
-            raise
-        session.metadata_error = None
-        if self._close_after_metadata:
-            # under a plain dcp.load nothing would close the storage if planning fails next
-            # (StorageReader has no close hook); read_data opens it again
+        finally:
+            # no read_data follows a failed metadata read; and under a plain dcp.load nothing
+            # would close the storage if planning fails next (StorageReader has no close
+            # hook): read_data opens it again
             session.close_quietly()
         return md
 
@@ -442,34 +455,15 @@ class PipelinedReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def effective_options(self, planner: LoadPlanner) -> LoadOptions:
-        """The options that govern the reads (see :class:`PipelinedLoadPlanner`)."""
-        if not self._options_fixed and isinstance(planner, PipelinedLoadPlanner) and planner.has_options:
-            return planner.options
-        return self.options
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         session = self.session
         if self.metadata is None:
             raise CheckpointFormatError(f"{self.checkpoint}: read_data before set_up_storage_reader")
-        session.use_options(self.effective_options(planner))
-        # a planner that shares bytes across ranks (asyncload.ShardedLoadPlanner) takes over
-        # the reads: share.run replaces Pipeline.run, share.fail tells the other ranks
-        hook = getattr(planner, "share_session", None)
-        share = hook(session, session.options) if callable(hook) else None
-        try:
-            if not isinstance(planner, PipelinedLoadPlanner):  # checked when ours was set up
-                check_destinations(getattr(planner, "state_dict", None))
-            records = session.prepare_reads(plan, planner, self.metadata)
-            session.run(session.aread(records, share.run if share is not None else None))
-        except BaseException as exc:
-            if share is not None:
-                share.fail(exc)
-            raise
-        finally:
-            session.end_reads()
-        session.commit(records, planner)
-        session.finish()
+        # dcp.load hands the planner over only now: its own options govern the rest of the load
+        session.planner_arrived(planner)
+        if not isinstance(planner, PipelinedLoadPlanner):  # checked when ours was set up
+            check_destinations(getattr(planner, "state_dict", None))
+        run_sync(read_steps(session, self.metadata, plan, planner), session)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -144,7 +144,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     def share_session(self, session: LoadSession, options: LoadOptions) -> _ShareSession | None:
         """The reading hook: a share session that takes over this rank's reads of the load
         ``session``, or None when there is nobody to share with (no process group, or a
-        group of one). asyncload's driver puts its process group and monitor on ``session``."""
+        group of one). ``session`` was made with its process group and monitor."""
         share = open_share(
             session,
             options,

@@ -35,7 +35,9 @@ from asyncload._errors import StateDictMismatchError, redact_url
 from asyncload._loop import loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats
+from asyncload.engine.config import resolve_config
 from asyncload.engine.driver import _in_thread
+from asyncload.engine.meter import Meter
 from asyncload.engine.session import LoadSession
 
 __all__ = ["CheckpointStream", "KeySelection", "aiter_tensors", "iter_tensors", "select_keys", "sync_iter"]
@@ -105,6 +107,7 @@ class CheckpointStream:
         options: LoadOptions | None = None,
         storage_options: Mapping[str, Any] | None = None,
         progress: ProgressCallback | None = None,
+        metadata_cache: dict[Any, Metadata] | None = None,
     ) -> None:
         if options is not None and not isinstance(options, LoadOptions):
             raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
@@ -119,25 +122,52 @@ class CheckpointStream:
         self.options = dataclasses.replace(
             base, strict_unexpected_keys=False, allow_dtype_cast=base.allow_dtype_cast or dtype is not None
         )
-        self.session = LoadSession(checkpoint, options=self.options, storage_options=storage_options)
+        config = resolve_config(self.options)
+        self.session = LoadSession(
+            checkpoint,
+            config=config,
+            storage_options=storage_options,
+            progress=self._batch_progress,
+            metadata_cache=metadata_cache,
+        )
         #: ``progress(bytes_done, bytes_total)`` over every batch (from library threads).
         self.progress = progress
+        #: Bytes of the batches loaded before the one in flight, and of every selected tensor.
         self._progress_done = 0
+        self._progress_base = 0
+        self._progress_total = 0
         self.metadata: Metadata | None = None
         #: Selected flattened names: tensors in file and offset order, then objects.
         self.tensors: list[str] = []
         self.objects: list[str] = []
         #: Allocate zeros (touched memory, as the CLI's timed loads do) instead of empty tensors.
         self.touch = False
-        #: Tensor bytes allocated and not yet handed over, now and at most.
-        self.held_bytes = 0
-        self.peak_held_bytes = 0
+        #: Tensor bytes allocated and not yet handed over (the ``streaming`` share of the
+        #: memory plan): a batch larger than the budget only alone.
+        self.held = Meter(
+            config.memory.streaming, name="streamed tensors", oversize="alone", unit="bytes"
+        )
         self._stats: LoadStats | None = None
         #: Files read by the batches, and those counted when the metadata was read.
         self._files: set[str] = set()
         self._files_at_open = 0
         #: The batch being read (ahead of the consumer), if any.
         self._pending: asyncio.Task[dict[str, Any]] | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Tensor bytes allocated and not yet handed over."""
+        return self.held.used
+
+    @property
+    def peak_held_bytes(self) -> int:
+        return self.held.peak
+
+    def _batch_progress(self, done: int, _batch_total: int) -> None:
+        """The session counts one batch: report over the whole stream."""
+        user = self.progress
+        if user is not None:
+            user(self._progress_base + done, self._progress_total)
 
     # --- planning ------------------------------------------------------------------------
 
@@ -242,11 +272,9 @@ class CheckpointStream:
 
         records = await _in_thread(prepare)
         self._files.update(r.name for r in records)
-        user = self.progress
-        if user is not None:  # the session counts one batch: report over the whole stream
-            base = self._progress_done
-            total = sum(self.nbytes(k) for k in self.tensors)
-            session.progress = lambda done, _batch: user(base + done, total)
+        if self.progress is not None:  # the session counts one batch: report over the whole stream
+            self._progress_base = self._progress_done
+            self._progress_total = sum(self.nbytes(k) for k in self.tensors)
         try:
             await session.aread(records)
         finally:
@@ -267,7 +295,7 @@ class CheckpointStream:
     async def abatches(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """The selected tensors, each as soon as its batch has landed, double-buffered
         within ``memory_budget`` (see the module docstring)."""
-        budget = self.options.memory_budget
+        held = self.held
         todo = self.batches()
         sizes = [sum(self.nbytes(f) for f in b) for b in todo]
         following = 0  # the index of the next batch to start
@@ -275,12 +303,11 @@ class CheckpointStream:
         def start_if_room() -> None:
             nonlocal following
             if self._pending is None and following < len(todo):
-                n = sizes[following]
-                if self.held_bytes == 0 or self.held_bytes + n <= budget:
-                    self.held_bytes += n
-                    self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-                    self._pending = asyncio.ensure_future(self.aload(todo[following]))
-                    following += 1
+                # nothing held, or the batch fits with what is held (a larger one: alone)
+                if not held.try_acquire(sizes[following]):
+                    return
+                self._pending = asyncio.ensure_future(self.aload(todo[following]))
+                following += 1
 
         try:
             start_if_room()
@@ -296,7 +323,7 @@ class CheckpointStream:
                     yield fqn, tensor
                     del tensor
                     # held until the consumer asks for the next one (it holds it meanwhile)
-                    self.held_bytes -= n
+                    held.release(n)
                     start_if_room()
         finally:
             await self._astop()

@@ -26,7 +26,7 @@ import torch
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload.engine.budget import ByteBudget
+from asyncload.engine.meter import Meter
 
 CKPT, MODES = sys.argv[1], sys.argv[2].split(",")
 DELAYS = [float(x) for x in sys.argv[3:]]
@@ -76,7 +76,8 @@ def leftovers() -> dict[str, object]:
     gc.collect()
     with warnings.catch_warnings():  # isinstance on every object touches deprecated torch attributes
         warnings.simplefilter("ignore")
-        budgets = [b.used for b in gc.get_objects() if isinstance(b, ByteBudget)]
+        meters = [b for b in gc.get_objects() if isinstance(b, Meter)]
+        budgets = [b.used for b in meters if b.name == "read budget"]
     from asyncload import _loop
 
     tasks = 0

@@ -226,9 +226,12 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         with _bar(args, "keys", len(keys), unit="key") as bar:
             for i, key in enumerate(keys):
                 one = CheckpointStream(
-                    args.url, keys=_exactly(key), options=options, storage_options=storage_options
+                    args.url,
+                    keys=_exactly(key),
+                    options=options,
+                    storage_options=storage_options,
+                    metadata_cache=decoded,
                 )
-                one.session.metadata_cache = decoded
                 try:
                     read_stream(one)
                 except _damage_classes() as exc:

@@ -202,8 +202,13 @@ def _open_stream(
     yet)."""
     from asyncload._stream import CheckpointStream
 
-    stream = CheckpointStream(args.url, options=options, storage_options=storage_options, **kwargs)
-    stream.session.metadata_cache = metadata_cache
+    stream = CheckpointStream(
+        args.url,
+        options=options,
+        storage_options=storage_options,
+        metadata_cache=metadata_cache,
+        **kwargs,
+    )
     try:
         with _naming_storage_options(storage_options):
             md = _run(stream, stream.aopen(check=False))

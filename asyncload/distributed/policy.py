@@ -47,7 +47,8 @@ class SharingPolicy:
     hedge: HedgePolicy
     #: Unit reads in flight at once on this rank (claims hold one each).
     claim_slots: int
-    #: Bytes of send copies allowed at once (one ``memory_budget``).
+    #: Bytes of send copies allowed at once (the memory plan's ``sends`` share: one
+    #: ``memory_budget``).
     send_budget: int
 
     def unit_for(self, chunk_size: int) -> int:
@@ -66,6 +67,7 @@ def sharing_policy(
     wait_for_peers: bool,
     collective_timeout: float | None,
     custom_plan: PlanFn | None = None,
+    send_budget: int | None = None,
 ) -> SharingPolicy:
     """The one place a sharded load's knobs are resolved (see ``ShardedLoadPlanner``).
 
@@ -89,5 +91,5 @@ def sharing_policy(
         custom_plan=custom_plan,
         hedge=dataclasses.replace(options.hedge_policy, derived=False),
         claim_slots=max(2, min(16, options.initial_concurrency // 2)),
-        send_budget=options.memory_budget,
+        send_budget=options.memory_budget if send_budget is None else send_budget,
     )

@@ -87,7 +87,7 @@ def open_share(
 ) -> _ShareSession | None:
     """A share session that takes over this rank's reads of ``load_session``, or None when
     there is nobody to share with (no process group, or a group of one). The group is
-    ``process_group``, else the one the driver gave the load session; so is its monitor.
+    ``process_group``, else the one the load session was made with; so is its monitor.
 
     Raised: ``AsyncLoadError`` for knobs that cannot run together (:func:`sharing_policy`)."""
     group = process_group if process_group is not None else load_session.group
@@ -107,6 +107,7 @@ def open_share(
         wait_for_peers=wait_for_peers,
         collective_timeout=collective_timeout,
         custom_plan=custom_plan,
+        send_budget=load_session.config.memory.sends,
     )
     return _ShareSession(group, monitor, policy, load_session)
 

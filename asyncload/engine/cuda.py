@@ -6,7 +6,8 @@ from the network's bytes for remote stores - and each destination's piece is cop
 with ``non_blocking=True`` on a side stream. The slot goes back to the ring only when
 an event recorded after those copies has completed, so reads of later chunks, host
 staging and host-to-device copies overlap, and at most ``slots x slot_size`` bytes
-(<= ``LoadOptions.memory_budget``) are pinned. The load returns only after every copy
+(<= ``LoadOptions.memory_budget``: the ``pinned`` share of the memory plan,
+:mod:`asyncload.engine.config`) are pinned. The load returns only after every copy
 has finished (the side streams are synchronised).
 
 Nothing pageable or mmap-backed is handed to the device: a piece whose bytes arrive in
@@ -41,9 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncload._options import LoadOptions
 from asyncload.engine.assembly import assemble, copy_bytes, memory_of
 from asyncload.engine.chunks import Chunk
+from asyncload.engine.config import MemoryPlan
+from asyncload.engine.meter import Meter, MeterStatistics
 from asyncload.engine.plan import _contiguous_box as _row_major
 
 __all__ = [
@@ -51,26 +53,11 @@ __all__ = [
     "DeviceCopier",
     "DeviceStager",
     "PinnedRing",
-    "ring_geometry",
     "stager_for",
     "use_copier",
 ]
 
 log = logging.getLogger("asyncload.cuda")
-
-#: The most slots a ring gets, and the fewest.
-MAX_SLOTS = 8
-MIN_SLOTS = 2
-#: The smallest slot (a budget of 64 KiB gives two 32 KiB slots).
-MIN_SLOT_SIZE = 32 * 1024
-
-
-def ring_geometry(options: LoadOptions) -> tuple[int, int]:
-    """``(slots, slot_size)`` of the pinned ring for ``options``: slots of one chunk,
-    2 to 8 of them, all within ``memory_budget``."""
-    slot = min(options.effective_chunk_size, max(MIN_SLOT_SIZE, options.memory_budget // MIN_SLOTS))
-    slots = max(MIN_SLOTS, min(MAX_SLOTS, options.memory_budget // slot))
-    return slots, slot
 
 
 def _address(data: memoryview | bytes | bytearray) -> int:
@@ -211,7 +198,9 @@ class _Slot:
 
 class PinnedRing:
     """``slots`` pinned host buffers of ``slot_size`` bytes; a chunk holds one while its
-    bytes are read and copied to the device."""
+    bytes are read and copied to the device. The bytes held are counted by a
+    :class:`~asyncload.engine.meter.Meter` (``slot_size`` per slot held, FIFO waiters):
+    :meth:`statistics`."""
 
     def __init__(self, copier: DeviceCopier, slots: int, slot_size: int) -> None:
         self.copier = copier
@@ -220,29 +209,28 @@ class PinnedRing:
         for i in range(slots):
             t = copier.host_empty(slot_size)
             self._slots.append(_Slot(i, t, memory_of(t), int(t.data_ptr())))
-        self._free: asyncio.Queue[_Slot] | None = None
+        self._free = list(reversed(self._slots))
+        self.meter = Meter(slots * slot_size, name="pinned staging", unit="bytes")
         #: Times a chunk waited for a free slot.
         self.waits = 0
-
-    def _queue(self) -> asyncio.Queue[_Slot]:
-        if self._free is None:
-            self._free = asyncio.Queue()
-            for s in self._slots:
-                self._free.put_nowait(s)
-        return self._free
 
     @property
     def slots(self) -> int:
         return len(self._slots)
 
+    def statistics(self) -> MeterStatistics:
+        return self.meter.statistics()
+
     async def acquire(self) -> _Slot:
-        q = self._queue()
-        if q.empty():
+        meter = self.meter
+        if not meter.try_acquire(self.slot_size):
             self.waits += 1
-        return await q.get()
+            await meter.acquire(self.slot_size)
+        return self._free.pop()
 
     def release(self, slot: _Slot) -> None:
-        self._queue().put_nowait(slot)
+        self._free.append(slot)
+        self.meter.release(self.slot_size)
 
     def find(self, address: int, nbytes: int) -> tuple[_Slot, int] | None:
         """The slot holding ``[address, address + nbytes)`` and the offset in it, if any."""
@@ -265,9 +253,9 @@ class PinnedRing:
 class DeviceStager:
     """The device path of one load: the ring, deliverers for the planner, the pipeline hook."""
 
-    def __init__(self, copier: DeviceCopier, options: LoadOptions) -> None:
+    def __init__(self, copier: DeviceCopier, slots: int, slot_size: int) -> None:
         self.copier = copier
-        self.slots, self.slot_size = ring_geometry(options)
+        self.slots, self.slot_size = slots, slot_size
         self._ring: PinnedRing | None = None
         self._lock = threading.Lock()
         #: Copies to the device, bytes they moved, bytes bounced through extra pinned memory.
@@ -285,14 +273,6 @@ class DeviceStager:
         memory takes a while and must not stall the event loop)."""
         self.copier.begin({t.device for t in dests if self.copier.claims(t)})
         self.ring  # noqa: B018 - allocated now
-
-    def plan_options(self, options: LoadOptions) -> LoadOptions:
-        """``options`` with chunks no larger than one ring slot."""
-        if options.effective_chunk_size <= self.slot_size:
-            return options
-        min_chunk = options.min_chunk_size
-        assert min_chunk is not None  # derived from chunk_size when not given
-        return options.replace(chunk_size=self.slot_size, min_chunk_size=min(min_chunk, self.slot_size))
 
     @property
     def ring(self) -> PinnedRing:
@@ -412,18 +392,24 @@ class DeviceStager:
         )
 
 
-def stager_for(dests: Iterable[torch.Tensor], options: LoadOptions) -> DeviceStager | None:
-    """A :class:`DeviceStager` when some destination is on a CUDA device (or claimed by
-    the copier of :func:`use_copier`), else ``None``. Call on the caller's thread."""
+def stager_for(
+    dests: Iterable[torch.Tensor], memory: MemoryPlan, copier: DeviceCopier | None = None
+) -> DeviceStager | None:
+    """A :class:`DeviceStager` (its ring as the memory plan sizes it) when some destination
+    is claimed by ``copier`` (the session's own, when it was made with one), else by the
+    copier of :func:`use_copier`, else is on a CUDA device; ``None`` otherwise. Call on the
+    caller's thread."""
     dests = list(dests)
-    copier: DeviceCopier | None = None
-    extra = _extra_copier
-    if extra is not None and any(extra.claims(t) for t in dests):
-        copier = extra
-    elif any(t.device.type == "cuda" for t in dests):
-        copier = CudaCopier()
-    if copier is None:
+    chosen: DeviceCopier | None = None
+    for candidate in (copier, _extra_copier):
+        if candidate is not None and any(candidate.claims(t) for t in dests):
+            chosen = candidate
+            break
+    else:
+        if any(t.device.type == "cuda" for t in dests):
+            chosen = CudaCopier()
+    if chosen is None:
         return None
-    stager = DeviceStager(copier, options)
+    stager = DeviceStager(chosen, memory.pinned_slots, memory.slot_size)
     stager.begin(dests)
     return stager

@@ -27,7 +27,7 @@ import torch
 
 from asyncload._errors import StateDictMismatchError
 
-__all__ = ["check_destinations"]
+__all__ = ["PLAIN_TENSOR_TYPES", "check_destinations"]
 
 log = logging.getLogger("asyncload.destinations")
 
@@ -56,7 +56,9 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: The types of plain tensors (not a subclass that could be ``Stateful``, a DTensor, ...).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = PLAIN_TENSOR_TYPES
 #: ``start-end perms offset dev inode path`` (proc(5))
 _MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) ?(.*)$", re.M)
 

@@ -8,16 +8,19 @@ The sequence is ``dcp.load``'s (the same planner and reader calls, in the same o
 
 It is a generator of steps (:func:`load_steps`): a :class:`Call` is planner work, a
 collective or a hook (CPU, blocking); an :class:`Await` is the engine's I/O (a coroutine of
-the :class:`~asyncload.engine.session.LoadSession`). The two runners decide where each runs:
+the :class:`~asyncload.engine.session.LoadSession`). The driver drives a session, not a
+reader: the read sequence (:func:`read_steps`) is written here once, and
+:meth:`asyncload.PipelinedReader.read_data` runs it too. The two runners decide where each runs:
 
 * :func:`run_sync` (``load``, ``start_load``): calls on the caller's thread, coroutines on
   the library's loop thread;
 * :func:`run_async` (``aload``): coroutines on the caller's own loop, calls on a worker
   thread so the loop stays free.
 
-With N ranks every wait on another rank goes through a :class:`~asyncload.distributed.monitor.Monitor`
-(bounded by ``LoadOptions.collective_timeout``; a failure on one rank is raised on all),
-and the collectives are entered only after a monitored barrier saw every rank arrive.
+With N ranks every wait on another rank goes through the session's monitor (a
+:class:`~asyncload.distributed.monitor.Monitor`, given to the session when the face made it;
+bounded by the config's ``collective_timeout``; a failure on one rank is raised on all), and
+the collectives are entered only after a monitored barrier saw every rank arrive.
 """
 
 from __future__ import annotations
@@ -35,14 +38,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from asyncload._dcp import PLAIN_TENSOR_TYPES, PipelinedReader
-from asyncload._errors import CheckpointNotFoundError, DistributedLoadError, redact_url
-from asyncload._stats import LoadStats, _fmt_bytes
-from asyncload.distributed.monitor import Monitor
-from asyncload.engine.destinations import check_destinations
+from asyncload._errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    DistributedLoadError,
+    redact_url,
+)
+from asyncload._stats import LoadStats
+from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
 from asyncload.engine.session import LoadSession
 
-__all__ = ["Await", "Call", "load_steps", "run_async", "run_sync"]
+__all__ = ["Await", "Call", "load_steps", "read_steps", "run_async", "run_sync"]
 
 log = logging.getLogger("asyncload.driver")
 T = TypeVar("T")
@@ -70,9 +76,8 @@ Step = Call | Await
 Steps = Generator[Step, Any, T]
 
 
-def run_sync(steps: Steps[T], reader: PipelinedReader) -> T:
+def run_sync(steps: Steps[T], session: LoadSession) -> T:
     """Drive ``steps`` from the calling thread: calls here, coroutines on the session's loop."""
-    session = reader.session
     value: Any = None
     error: BaseException | None = None
     while True:
@@ -90,9 +95,8 @@ def run_sync(steps: Steps[T], reader: PipelinedReader) -> T:
             error = exc
 
 
-async def run_async(steps: Steps[T], reader: PipelinedReader) -> T:
+async def run_async(steps: Steps[T], session: LoadSession) -> T:
     """Drive ``steps`` on the running loop: coroutines here, calls on a worker thread."""
-    session = reader.session
     value: Any = None
     error: BaseException | None = None
     while True:
@@ -131,30 +135,37 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
 
 
 def load_steps(
-    state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner, process_group: Any = None
+    state_dict: dict[str, Any], session: LoadSession, planner: LoadPlanner
 ) -> Steps[LoadStats]:
-    """The steps of one load into ``state_dict`` (in place), on every rank of the group."""
+    """The steps of one load into ``state_dict`` (in place), on every rank of the session's
+    group (a session made with a monitor: more than one rank)."""
+    group = session.group
     use_dist = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(process_group) if use_dist else 1
-    reader._close_after_metadata = False  # the steps close the storage when the load ends
-    session = reader.session
+    world = dist.get_world_size(group) if use_dist else 1
     keys = sorted(state_dict.keys())
-    stateful = {k: state_dict[k].state_dict() if _is_stateful(state_dict[k]) else state_dict[k] for k in keys}
+    stateful = {
+        k: state_dict[k].state_dict() if _is_stateful(state_dict[k]) else state_dict[k]
+        for k in keys
+    }
     check_destinations(stateful)  # before any I/O: memory that cannot be written, meta, sparse
-    log.debug("loading %s into %d keys on %d rank(s)", redact_url(str(reader.checkpoint)), len(state_dict), world)
+    log.debug(
+        "loading %s into %d keys on %d rank(s)",
+        redact_url(str(session.checkpoint)),
+        len(state_dict),
+        world,
+    )
     try:
         if world > 1:
-            yield from _collective_steps(stateful, reader, planner, process_group)
+            yield from _collective_steps(stateful, session, planner)
         else:
             session.begin()
-            session.use_options(reader.options)
             metadata, _ = yield Await(aread_metadata_like_dcp(session, 0))
             yield Call(planner.set_up_planner, stateful, metadata, True)
-            reader.set_up_storage_reader(metadata, True, rank=0, use_collectives=False)
-            local = yield Call(_local_plan, reader, planner)
-            central = yield Call(_global_plan, reader, planner, [local])
+            _check_storage_table(session, metadata)
+            local = yield Call(planner.create_local_plan)
+            central = yield Call(planner.create_global_plan, [local])
             final = yield Call(planner.finish_plan, central[0])
-            yield from read_steps(reader, final, planner)
+            yield from read_steps(session, metadata, final, planner)
     finally:
         if session.open:  # the reads' end closed everything already when they ran
             yield Await(session.aclose(), cleanup=True)
@@ -163,11 +174,17 @@ def load_steps(
             state_dict[k].load_state_dict(stateful[k])
         else:
             state_dict[k] = stateful[k]
-    stats = reader.stats
+    stats = session.stats
     if stats is None:  # pragma: no cover - read_steps finishes the stats
         raise DistributedLoadError("the load ended without statistics")
-    log.info("loaded %s: %s", redact_url(str(reader.checkpoint)), stats)
+    log.info("loaded %s: %s", redact_url(str(session.checkpoint)), stats)
     return stats
+
+
+def _check_storage_table(session: LoadSession, metadata: Metadata) -> None:
+    """What ``PipelinedReader.set_up_storage_reader`` checks: the metadata locates its data."""
+    if metadata.storage_data is None:
+        raise CheckpointFormatError(f"{session.checkpoint}: metadata has no storage table")
 
 
 def _is_stateful(value: Any) -> bool:
@@ -194,8 +211,7 @@ async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Meta
                 "dcp.save(..., use_collectives=False) writes for each rank.",
                 path=missing.path,
                 status=missing.status,
-            ) from missing.__cause__  # the client's first error; this message says what both errors said
-        session.metadata_error = None
+            ) from missing.__cause__  # the client's first error; this message says both
         log.debug(
             "%s has no .metadata: rank %d reads its rank-local __%d.metadata",
             redact_url(str(session.checkpoint)),
@@ -205,25 +221,20 @@ async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Meta
         return md, False
 
 
-def _local_plan(reader: PipelinedReader, planner: LoadPlanner) -> LoadPlan:
-    return reader.prepare_local_plan(planner.create_local_plan())
+def read_steps(
+    session: LoadSession, metadata: Metadata, plan: LoadPlan, planner: LoadPlanner
+) -> Steps[None]:
+    """The read sequence, written once (``load``'s driver and ``PipelinedReader.read_data``
+    both run it): destinations resolved and committed by calls (planner hooks), the reads
+    awaited, the reads' end (device copies finished, storage closed) on every path.
 
-
-def _global_plan(reader: PipelinedReader, planner: LoadPlanner, plans: list[LoadPlan]) -> list[LoadPlan]:
-    return reader.prepare_global_plan(planner.create_global_plan(plans))
-
-
-def read_steps(reader: PipelinedReader, plan: LoadPlan, planner: LoadPlanner) -> Steps[None]:
-    """``read_data``'s work as steps: destinations resolved and committed by calls (planner
-    hooks), the reads awaited."""
-    session = reader.session
-    if reader.metadata is None:  # pragma: no cover - set up by the steps before
-        raise DistributedLoadError("read_data before set_up_storage_reader")
-    session.use_options(reader.effective_options(planner))
+    A planner that shares bytes across ranks (``ShardedLoadPlanner``) takes over the reads
+    through its ``share_session(session, options)`` hook: ``share.run`` replaces
+    ``Pipeline.run``, ``share.fail`` tells the other ranks."""
     hook = getattr(planner, "share_session", None)
     share = hook(session, session.options) if callable(hook) else None
     try:
-        records = yield Call(session.prepare_reads, plan, planner, reader.metadata)
+        records = yield Call(session.prepare_reads, plan, planner, metadata)
         yield Await(session.aread(records, share.run if share is not None else None))
     except BaseException as exc:
         if share is not None:
@@ -236,38 +247,28 @@ def read_steps(reader: PipelinedReader, plan: LoadPlan, planner: LoadPlanner) ->
 
 
 def _collective_steps(
-    state_dict: dict[str, Any], reader: PipelinedReader, planner: LoadPlanner, process_group: Any
+    state_dict: dict[str, Any], session: LoadSession, planner: LoadPlanner
 ) -> Steps[None]:
-    """The N-rank sequence, with every wait on another rank bounded by the monitor."""
+    """The N-rank sequence, with every wait on another rank bounded by the session's monitor."""
     from torch.distributed.checkpoint.utils import _DistWrapper
 
-    session = reader.session
+    monitor = session.monitor
+    if monitor is None:
+        raise DistributedLoadError(
+            "a load on more than one rank needs a session made with a monitor (asyncload.load "
+            "makes one)"
+        )
     session.begin()
-    options = reader.effective_options(planner)
-    timeout_for = getattr(planner, "collective_timeout_for", None)
-    timeout = timeout_for(options) if callable(timeout_for) else options.collective_timeout
-    monitor = Monitor(process_group, timeout)
-    session.group, session.monitor = process_group, monitor
-    monitor.cancelled = session.cancelled
-    user_progress = session.progress
-
-    def on_progress(done: int, total: int) -> None:
-        monitor.progress(f"reading data: {_fmt_bytes(done)} of {_fmt_bytes(total)}")
-        if user_progress is not None:
-            user_progress(done, total)
-
-    session.progress = on_progress
-    dist_w = _DistWrapper(process_group, True, 0)
+    dist_w = _DistWrapper(session.group, True, 0)
     doing = "reading the checkpoint metadata"
     try:
         monitor.status(doing)
-        session.use_options(reader.options)
-        metadata, global_md = yield Await(aread_metadata_like_dcp(session, dist_w.rank))
+        metadata, _ = yield Await(aread_metadata_like_dcp(session, dist_w.rank))
         yield Call(planner.set_up_planner, state_dict, metadata, dist_w.is_coordinator)
-        reader.set_up_storage_reader(metadata, dist_w.is_coordinator, rank=dist_w.rank, use_collectives=global_md)
+        _check_storage_table(session, metadata)
         doing = "making its local plan"
         monitor.status(doing)
-        local_plan = yield Call(_local_plan, reader, planner)
+        local_plan = yield Call(planner.create_local_plan)
         doing = "waiting for the other ranks' local plans"
         yield Call(monitor.barrier, "local-plan", doing)
         # every rank is here and well: the collectives below cannot wait on a failed rank
@@ -278,14 +279,14 @@ def _collective_steps(
             monitor.status(doing)
             if plans is None:  # pragma: no cover - the coordinator always gathers
                 raise DistributedLoadError("the coordinator gathered no local plans")
-            scattered = yield Call(_global_plan, reader, planner, plans)
+            scattered = yield Call(planner.create_global_plan, plans)
         doing = "waiting for the global plan"
         yield Call(monitor.barrier, "global-plan", doing)
         central = yield Call(dist_w.scatter_object, scattered)
         doing = "reading data"
         monitor.status(doing)
         final = yield Call(planner.finish_plan, central)
-        yield from read_steps(reader, final, planner)
+        yield from read_steps(session, metadata, final, planner)
         doing = "waiting for the other ranks to finish reading"
         # the "done" barrier and one collective (so that no rank leaves while another still
         # reads the barrier's keys), or, when ShardedLoadPlanner returns early, neither
@@ -293,5 +294,3 @@ def _collective_steps(
     except BaseException as exc:
         monitor.fail(exc, monitor.doing if doing == "reading data" else doing)
         raise
-    finally:
-        session.progress = user_progress

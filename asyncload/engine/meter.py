@@ -56,10 +56,13 @@ class Meter:
         name: str = "meter",
         oversize: Literal["raise", "alone"] = "raise",
         admit: Callable[[int, int], bool] | None = None,
+        unit: str = "units",
     ) -> None:
         if capacity < 1:
             raise ValueError(f"a meter's capacity must be at least 1, not {capacity}")
         self.name = name
+        #: What one unit is, in messages ("bytes", "reads").
+        self.unit = unit
         self.capacity = capacity
         self.used = 0
         self.peak = 0
@@ -90,10 +93,8 @@ class Meter:
 
     # -- granting ---------------------------------------------------------------------------
     def _fits(self, n: int) -> bool:
-        if not self.used:
-            if n > self.capacity and self._oversize != "alone":
-                return False
-            return True  # one holder always may (an oversized one only alone)
+        if not self.used:  # one holder always may (an oversized one only alone)
+            return n <= self.capacity or self._oversize == "alone"
         if self.used + n > self.capacity:
             return False
         return self._admit is None or self._admit(self.used, n)
@@ -116,7 +117,9 @@ class Meter:
 
         Raised: ``ValueError`` when ``n`` exceeds the capacity and ``oversize="raise"``."""
         if n > self.capacity and self._oversize == "raise":
-            raise ValueError(f"{n} units cannot fit the {self.name} meter's capacity of {self.capacity}")
+            raise ValueError(
+                f"{n} {self.unit} cannot fit the {self.name}'s capacity of {self.capacity}"
+            )
         if self.try_acquire(n):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

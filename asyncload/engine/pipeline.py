@@ -29,9 +29,9 @@ from asyncload._errors import first_error
 from asyncload._options import LoadOptions
 from asyncload._stats import StatsRecorder
 from asyncload.engine.assembly import StagingPool, assemble, track
-from asyncload.engine.budget import ByteBudget, Limiter
 from asyncload.engine.chunks import Chunk
-from asyncload.storage import RetryingStorage, Storage, clock_of
+from asyncload.engine.meter import Meter
+from asyncload.storage import RetryingStorage, Storage
 
 __all__ = ["Pipeline"]
 
@@ -47,26 +47,32 @@ class Pipeline:
         options: LoadOptions,
         stats: StatsRecorder,
         executor: concurrent.futures.Executor,
-        budget: ByteBudget | None = None,
+        budget: Meter | None = None,
+        *,
+        staging: Any = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> None:
         if not isinstance(storage, RetryingStorage):  # a bare store: give it the load's policy
             storage = RetryingStorage.for_options(storage, options, stats, executor)
-        self.storage = storage
+        # the same store and policy, telling this pipeline when the store asks to slow down
+        self.storage = storage.with_throttle(self._note_throttle)
         self.options = options
         self.stats = stats
         self.executor = executor
-        self.budget = budget or ByteBudget(options.memory_budget)
-        self.limiter = Limiter(options.initial_concurrency)
-        storage.on_throttle = self._note_throttle
+        #: Bytes read but not yet assembled (``memory_budget``: the read share of the memory
+        #: plan, :mod:`asyncload.engine.config`), and reads in flight (``concurrency``).
+        self.budget = budget or Meter(options.memory_budget, name="read budget", unit="bytes")
+        self.limiter = Meter(options.initial_concurrency, name="reads in flight", unit="reads")
         self._pool = StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
         self._throttled = 0
         #: ``concurrency="auto"``: (time, new limit, why) for every change.
         self.limit_history: list[tuple[float, int, str]] = []
         self._tuner: _AutoTuner | None = None
-        self.on_progress: Callable[[int], None] | None = None
+        #: ``on_progress(bytes)``: destination bytes assembled (from the loop and I/O threads).
+        self.on_progress = on_progress
         #: Hook for chunks feeding device destinations (``_cuda.DeviceStager``): reads them
         #: through its pinned ring and waits for their device copies.
-        self.staging: Any = None
+        self.staging = staging
         #: Set while the session reads header probes and small records (many reads, each
         #: assembled from a buffer): local ones of up to ``_BATCH_STAGED_CHUNK`` are grouped.
         self.headers = False
@@ -116,7 +122,7 @@ class Pipeline:
                         self.budget.release(chunk.nbytes)
                         raise
                     self.stats.add(budget_wait_seconds=time.monotonic() - t0)
-                    self.stats.maximum("peak_concurrency", self.limiter.active)
+                    self.stats.maximum("peak_concurrency", self.limiter.used)
                     self._dispatch(tg, chunk)
                 if tuner is not None:
                     tuner.cancel()
@@ -152,10 +158,10 @@ class Pipeline:
             self._tuner.tick()
 
     def _set_limit(self, limit: int, why: str) -> None:
-        old = self.limiter.limit
+        old = self.limiter.capacity
         if limit == old:
             return
-        self.limiter.set_limit(limit)
+        self.limiter.set_capacity(limit)
         self.limit_history.append((time.monotonic(), limit, why))
         log.debug("concurrency %d -> %d: %s", old, limit, why)
 
@@ -231,7 +237,7 @@ class Pipeline:
         I/O threads as the concurrency limit allows, each pulling the next read from one
         queue; each member is counted (bytes, progress) on its thread as its last read lands."""
         members = run.members
-        jobs = max(1, min(_workers(self.executor), self.limiter.limit))
+        jobs = max(1, min(_workers(self.executor), self.limiter.capacity))
         reads, owner = _run_reads(members, jobs)
         left = [0] * len(members)
         for i in owner:
@@ -242,7 +248,7 @@ class Pipeline:
         t0 = time.monotonic()
         debug = log.isEnabledFor(logging.DEBUG)
         add, progress = self.stats.add, self.on_progress
-        self.stats.maximum("peak_concurrency", self.limiter.active - 1 + min(jobs, len(reads)))
+        self.stats.maximum("peak_concurrency", self.limiter.used - 1 + min(jobs, len(reads)))
 
         def landed(i: int, seconds: float) -> None:
             m = owner[i]
@@ -297,7 +303,7 @@ class _AutoTuner:
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.p = pipeline
-        self.clock = clock_of(pipeline.stats)
+        self.clock = pipeline.storage.clock
         self.slow_start = True
         self.prev_rate: float | None = None
         self.base_cost: float | None = None
@@ -313,9 +319,9 @@ class _AutoTuner:
     def tick(self) -> None:
         p = self.p
         now = time.monotonic()
-        limit = p.limiter.limit
+        limit = p.limiter.capacity
         self.ticks += 1
-        if p.limiter.active >= limit or p.limiter.waiting:
+        if p.limiter.used >= limit or p.limiter.waiting:
             self.saturated += 1
         if p._throttled:
             p._throttled = 0

@@ -207,7 +207,7 @@ async def _aread_pass(pipeline: Any, reads: Sequence[TransformedRead]) -> list[T
 
     async def one(r: TransformedRead) -> None:
         t0 = time.monotonic()
-        pipeline.stats.maximum("peak_concurrency", pipeline.limiter.active)
+        pipeline.stats.maximum("peak_concurrency", pipeline.limiter.used)
         stored = await pipeline.storage.read(r.name, r.start, r.end)
         pipeline.stats.add(chunks=1, storage_wait_seconds=time.monotonic() - t0)
 

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
 from asyncload._errors import AsyncLoadError, CheckpointNotFoundError
+from asyncload._latency import LoadClock
 from asyncload._loop import loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._paths import check_relative_path
@@ -104,6 +105,7 @@ class AsyncloadStorage(Storage):
         self._config = config
         self._root = str(local_root(config.root)) if is_local(config.root) else str(config.root).rstrip("/")
         self._recorder = StatsRecorder()
+        self._clock = LoadClock()  # one for every store: the timeout's progress, hedging's history
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._stores: dict[str, RetryingStorage] = {}
         self._lock = threading.Lock()
@@ -153,7 +155,8 @@ class AsyncloadStorage(Storage):
                     transport=opts.transport,
                     mapped_copies=False,
                 )
-                store = RetryingStorage.for_options(raw, opts, self._recorder, self._executor)
+                rec, pool = self._recorder, self._executor
+                store = RetryingStorage.for_options(raw, opts, rec, pool, clock=self._clock)
                 self._stores[directory] = store
             return store
 

@@ -39,7 +39,7 @@ from asyncload.storage.base import (
 from asyncload.storage.classify import HINTS, Failure, classify, translate
 from asyncload.storage.factory import is_local, local_root, open_storage
 from asyncload.storage.local import INLINE_READ, LocalStorage
-from asyncload.storage.retrying import BATCH_INLINE, RetryingStorage, call_with_retry, clock_of
+from asyncload.storage.retrying import BATCH_INLINE, RetryingStorage, call_with_retry
 
 if TYPE_CHECKING:
     from asyncload.storage.fsspec import FsspecStorage, close_async_fs
@@ -68,7 +68,6 @@ __all__ = [
     "VersionPins",
     "call_with_retry",
     "classify",
-    "clock_of",
     "close_async_fs",
     "first_byte",
     "is_local",

@@ -49,7 +49,6 @@ import logging
 import random
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -65,7 +64,6 @@ __all__ = [
     "BATCH_INLINE",
     "RetryingStorage",
     "call_with_retry",
-    "clock_of",
 ]
 
 log = logging.getLogger("asyncload.retry")
@@ -91,17 +89,6 @@ class _Request:
         if self.first_byte is None:
             self.first_byte = self.clock.now()
             self.clock.answered(self.first_byte - self.started, self.started)
-
-
-_clocks: weakref.WeakKeyDictionary[StatsRecorder, LoadClock] = weakref.WeakKeyDictionary()
-
-
-def clock_of(stats: StatsRecorder) -> LoadClock:
-    """The :class:`LoadClock` of the load ``stats`` records."""
-    clock = _clocks.get(stats)
-    if clock is None:
-        clock = _clocks[stats] = LoadClock()
-    return clock
 
 
 async def _cancel_and_wait(tasks: set[asyncio.Task[Any]]) -> None:
@@ -199,6 +186,7 @@ async def call_with_retry(
     *,
     retry: RetryPolicy,
     stats: StatsRecorder,
+    clock: LoadClock,
     url: str,
     byte_range: tuple[int, int] | None,
     hedge: HedgePolicy | None = None,
@@ -207,8 +195,8 @@ async def call_with_retry(
     culprit: Callable[[], tuple[str, tuple[int, int]] | None] | None = None,
 ) -> T:
     """Run ``op`` (one storage call about ``byte_range`` of ``url``; ``None``: the whole
-    file) with the load's timeout, retry and hedge policy (module docstring); translate
-    the final error. Only :class:`RetryingStorage` calls it.
+    file) with the load's timeout, retry and hedge policy (module docstring), measured on
+    the load's ``clock``; translate the final error. Only :class:`RetryingStorage` calls it.
 
     Raised: :class:`ChunkTimeoutError` when every attempt timed out (it names the URL,
     byte range and attempts), :class:`CheckpointNotFoundError` / :class:`StorageReadError`
@@ -219,7 +207,6 @@ async def call_with_retry(
     timed out).
     """
     attempts = retry.attempts
-    clock = clock_of(stats)
     nbytes = max(0, byte_range[1] - byte_range[0]) if byte_range else 0
     for attempt in range(1, attempts + 1):
         t0 = time.monotonic()
@@ -284,6 +271,10 @@ class RetryingStorage:
 
     Reads (:meth:`read`, :meth:`readinto`, :meth:`read_batch`) count ``LoadStats.bytes_read``
     (all but the ``.metadata`` read); hedging applies to remote stores only.
+
+    The policy is fixed when the boundary is made: a load that changes its policy (a
+    planner's knobs under a plain ``dcp.load``) makes a new boundary around the same store;
+    nothing changes this one's. Every call measures on the load's ``clock``.
     """
 
     def __init__(
@@ -294,20 +285,51 @@ class RetryingStorage:
         hedge: HedgePolicy,
         stats: StatsRecorder,
         executor: concurrent.futures.Executor,
+        clock: LoadClock | None = None,
+        on_throttle: Callable[[], None] | None = None,
     ) -> None:
         self.raw = storage
         self.retry = retry
+        self._hedge_policy = hedge
         self.hedge = hedge if storage.hedgeable and hedge.enabled else None
         self.stats = stats
         self.executor = executor
+        #: The load's clock: the timeout's progress, latencies that drive hedging.
+        self.clock = clock if clock is not None else LoadClock()
         #: Called when the store asks to slow down (``concurrency="auto"`` backs off).
-        self.on_throttle: Callable[[], None] | None = None
+        self.on_throttle = on_throttle
 
     @classmethod
     def for_options(
-        cls, storage: Storage, options: LoadOptions, stats: StatsRecorder, executor: concurrent.futures.Executor
+        cls,
+        storage: Storage,
+        options: LoadOptions,
+        stats: StatsRecorder,
+        executor: concurrent.futures.Executor,
+        clock: LoadClock | None = None,
     ) -> RetryingStorage:
-        return cls(storage, retry=options.retry_policy, hedge=options.hedge_policy, stats=stats, executor=executor)
+        """A boundary with ``options``' retry and hedge policies (a fresh clock unless given)."""
+        return cls(
+            storage,
+            retry=options.retry_policy,
+            hedge=options.hedge_policy,
+            stats=stats,
+            executor=executor,
+            clock=clock,
+        )
+
+    def with_throttle(self, on_throttle: Callable[[], None]) -> RetryingStorage:
+        """The same store, policy, statistics and clock, telling ``on_throttle`` when the
+        store asks to slow down (each pipeline its own)."""
+        return RetryingStorage(
+            self.raw,
+            retry=self.retry,
+            hedge=self._hedge_policy,
+            stats=self.stats,
+            executor=self.executor,
+            clock=self.clock,
+            on_throttle=on_throttle,
+        )
 
     @property
     def root(self) -> str:
@@ -338,6 +360,7 @@ class RetryingStorage:
             op,
             retry=self.retry,
             stats=self.stats,
+            clock=self.clock,
             url=self.raw.url(name),
             byte_range=byte_range,
             hedge=self.hedge if hedge else None,
@@ -453,7 +476,7 @@ class RetryingStorage:
             return
         raw = self.raw
         loop = asyncio.get_running_loop()
-        clock = clock_of(self.stats)
+        clock = self.clock
         todo: deque[int] = deque(range(len(reads)))
         sizes = [sum(len(b) for b in buffers) for _, _, buffers in reads]
         lock = threading.Lock()
@@ -536,7 +559,7 @@ class RetryingStorage:
             except Exception:
                 pass  # again below, with retries and translation
             else:
-                clock_of(self.stats).last_progress = time.monotonic()
+                self.clock.last_progress = time.monotonic()
                 return value
         return await self._call(op, name, None)
 

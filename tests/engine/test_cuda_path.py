@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload.engine.cuda import ring_geometry
+from asyncload.engine.config import ring_geometry
 from asyncload.testing import fake_device
 
 SMALL = LoadOptions(chunk_size=16 << 10, min_chunk_size=2 << 10, memory_budget=64 << 10, concurrency=8)

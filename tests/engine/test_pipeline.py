@@ -1,4 +1,5 @@
-"""The reader pool's building blocks: ByteBudget and Limiter invariants, and Pipeline.run
+"""The reader pool's building blocks: the Meter invariants (the byte budget and the limit of
+reads in flight are both meters), and Pipeline.run
 against a real file (budget bound, state after success, failure and cancellation)."""
 
 from __future__ import annotations
@@ -13,12 +14,22 @@ from _ckpt import open_fds_under
 
 from asyncload import AsyncLoadError, LoadOptions
 from asyncload._stats import StatsRecorder
-from asyncload.engine.budget import BudgetStatistics, ByteBudget, Limiter
 from asyncload.engine.chunks import Chunk, Piece
+from asyncload.engine.meter import Meter, MeterStatistics
 from asyncload.engine.pipeline import Pipeline
 from asyncload.storage import LocalStorage
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def _budget(capacity: int) -> Meter:
+    """The pipeline's byte budget (Pipeline.budget)."""
+    return Meter(capacity, name="read budget", unit="bytes")
+
+
+def _limiter(limit: int) -> Meter:
+    """The pipeline's limit of reads in flight (Pipeline.limiter)."""
+    return Meter(limit, name="reads in flight", unit="reads")
 
 
 async def _settle(n: int = 5) -> None:
@@ -26,25 +37,27 @@ async def _settle(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
-# --- ByteBudget ----------------------------------------------------------------------------
+# --- the byte budget: a Meter ------------------------------------------------------------
 
 
 @pytest.mark.asyncio
 async def test_budget_take_release_peak_and_statistics():
-    b = ByteBudget(100)
+    b = _budget(100)
     await b.acquire(60)
     await b.acquire(40)
     assert (b.used, b.peak) == (100, 100)
     b.release(70)
     await b.acquire(10)
-    assert b.statistics() == BudgetStatistics(capacity=100, used=40, peak=100, waiting=0)
+    st = b.statistics()
+    assert isinstance(st, MeterStatistics)
+    assert (st.capacity, st.used, st.peak, st.waiting) == (100, 40, 100, 0)
     b.release(40)
     assert b.used == 0 and b.peak == 100
 
 
 @pytest.mark.asyncio
 async def test_budget_rejects_a_request_larger_than_capacity():
-    b = ByteBudget(100)
+    b = _budget(100)
     with pytest.raises(ValueError, match="101 bytes.*100"):
         await b.acquire(101)
     assert b.used == 0
@@ -54,7 +67,7 @@ async def test_budget_rejects_a_request_larger_than_capacity():
 
 @pytest.mark.asyncio
 async def test_budget_waiters_are_served_fifo_and_small_ones_do_not_overtake():
-    b = ByteBudget(100)
+    b = _budget(100)
     await b.acquire(90)
     order: list[str] = []
 
@@ -79,7 +92,7 @@ async def test_budget_waiters_are_served_fifo_and_small_ones_do_not_overtake():
 
 @pytest.mark.asyncio
 async def test_budget_cancelled_waiter_leaves_queue_and_unblocks_the_next():
-    b = ByteBudget(100)
+    b = _budget(100)
     await b.acquire(60)
     head = asyncio.create_task(b.acquire(50))  # does not fit
     await _settle()
@@ -96,7 +109,7 @@ async def test_budget_cancelled_waiter_leaves_queue_and_unblocks_the_next():
 
 @pytest.mark.asyncio
 async def test_budget_waiter_cancelled_right_after_its_grant_gives_the_bytes_back():
-    b = ByteBudget(100)
+    b = _budget(100)
     await b.acquire(80)
     waiter = asyncio.create_task(b.acquire(50))
     await _settle()
@@ -110,7 +123,7 @@ async def test_budget_waiter_cancelled_right_after_its_grant_gives_the_bytes_bac
 
 @pytest.mark.asyncio
 async def test_budget_never_exceeds_capacity_under_churn():
-    b = ByteBudget(1000)
+    b = _budget(1000)
     sizes = [(i * 37) % 400 + 1 for i in range(300)]
     high = 0
 
@@ -126,25 +139,25 @@ async def test_budget_never_exceeds_capacity_under_churn():
     assert b.used == 0 and b.peak == high and 0 < high <= 1000
 
 
-# --- Limiter -------------------------------------------------------------------------------
+# --- reads in flight: a Meter ------------------------------------------------------------
 
 
 @pytest.mark.asyncio
 async def test_limiter_bounds_active_and_tracks_peak():
-    lim = Limiter(2)
+    lim = _limiter(2)
     await lim.acquire()
     await lim.acquire()
     third = asyncio.create_task(lim.acquire())
     await _settle()
-    assert not third.done() and lim.active == 2
+    assert not third.done() and lim.used == 2
     lim.release()
     await _settle()
-    assert third.done() and lim.active == 2 and lim.peak == 2
+    assert third.done() and lim.used == 2 and lim.peak == 2
 
 
 @pytest.mark.asyncio
 async def test_limiter_is_fifo():
-    lim = Limiter(1)
+    lim = _limiter(1)
     await lim.acquire()
     order: list[int] = []
 
@@ -163,26 +176,26 @@ async def test_limiter_is_fifo():
 
 @pytest.mark.asyncio
 async def test_limiter_set_limit_wakes_waiters_and_clamps_to_one():
-    lim = Limiter(1)
+    lim = _limiter(1)
     await lim.acquire()
     waiters = [asyncio.create_task(lim.acquire()) for _ in range(3)]
     await _settle()
-    assert lim.active == 1
-    lim.set_limit(3)
+    assert lim.used == 1
+    lim.set_capacity(3)
     await _settle()
-    assert lim.active == 3 and sum(w.done() for w in waiters) == 2
-    lim.set_limit(0)
-    assert lim.limit == 1
+    assert lim.used == 3 and sum(w.done() for w in waiters) == 2
+    lim.set_capacity(0)
+    assert lim.capacity == 1
     for _ in range(3):
         lim.release()
     await _settle()
     # the last waiter got in once active dropped below the new limit of 1
-    assert all(w.done() for w in waiters) and lim.active == 1 and lim.peak == 3
+    assert all(w.done() for w in waiters) and lim.used == 1 and lim.peak == 3
 
 
 @pytest.mark.asyncio
 async def test_limiter_cancelled_waiter_is_removed():
-    lim = Limiter(1)
+    lim = _limiter(1)
     await lim.acquire()
     a = asyncio.create_task(lim.acquire())
     bb = asyncio.create_task(lim.acquire())
@@ -191,21 +204,21 @@ async def test_limiter_cancelled_waiter_is_removed():
     await _settle()
     lim.release()
     await _settle()
-    assert a.cancelled() and bb.done() and lim.active == 1
+    assert a.cancelled() and bb.done() and lim.used == 1
 
 
 @pytest.mark.asyncio
 async def test_limiter_waiter_cancelled_right_after_its_grant_releases():
-    lim = Limiter(1)
+    lim = _limiter(1)
     await lim.acquire()
     w = asyncio.create_task(lim.acquire())
     await _settle()
     lim.release()  # grants w synchronously
-    assert lim.active == 1
+    assert lim.used == 1
     w.cancel()
     with pytest.raises(asyncio.CancelledError):
         await w
-    assert lim.active == 0
+    assert lim.used == 0
 
 
 # --- Pipeline against a real file ----------------------------------------------------------
@@ -253,7 +266,7 @@ async def test_pipeline_reads_everything_within_budget(data_file, concurrency):
     assert s.bytes_read == len(data) and s.bytes_assembled == len(data)
     assert 0 < s.peak_buffered_bytes <= opts.memory_budget
     assert s.peak_concurrency <= concurrency
-    assert pipe.budget.used == 0 and pipe.limiter.active == 0
+    assert pipe.budget.used == 0 and pipe.limiter.used == 0
     assert open_fds_under(root) == []
 
 
@@ -269,7 +282,7 @@ async def test_pipeline_error_leaves_budget_and_limiter_whole(data_file):
         with pytest.raises(AsyncLoadError) as ei:
             await pipe.run(chunks)
         assert "f.bin" in str(ei.value)
-        assert pipe.budget.used == 0 and pipe.limiter.active == 0
+        assert pipe.budget.used == 0 and pipe.limiter.used == 0
         await storage.aclose()
     assert open_fds_under(root) == []
 
@@ -316,7 +329,7 @@ async def test_pipeline_cancelled_mid_run_leaves_budget_and_limiter_whole(data_f
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert pipe.budget.used == 0 and pipe.limiter.active == 0
+        assert pipe.budget.used == 0 and pipe.limiter.used == 0
         assert pipe.budget.statistics().waiting == 0
         assert rec.snapshot().chunks < len(chunks)
         assert 0 < rec.snapshot().peak_buffered_bytes <= opts.memory_budget
@@ -495,7 +508,7 @@ async def test_a_run_that_reads_past_the_end_of_its_file_names_the_file_and_the_
         dest = bytearray(len(data))
         with pytest.raises(CheckpointFormatError) as ei:
             await pipe.run(_chunks_into(dest, "f.bin", len(data), 128 << 10))
-        assert pipe.budget.used == 0 and pipe.limiter.active == 0
+        assert pipe.budget.used == 0 and pipe.limiter.used == 0
         await storage.aclose()
     msg = str(ei.value)
     # the read that failed: the last chunk of 128 KiB, [3.875 MiB, 4 MiB)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
-from asyncload.engine.budget import ByteBudget
+from asyncload.engine.meter import Meter
 
 TESTS = Path(__file__).parents[1]  # the child scripts live beside conftest.py
 MiB = 1 << 20
@@ -51,7 +51,8 @@ def _budgets_in_use() -> list[int]:
     gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [b.used for b in gc.get_objects() if isinstance(b, ByteBudget) and b.used]
+        meters = [b for b in gc.get_objects() if isinstance(b, Meter)]
+        return [b.used for b in meters if b.name == "read budget" and b.used]
 
 
 @pytest.fixture(scope="module")

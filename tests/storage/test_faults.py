@@ -177,7 +177,7 @@ async def test_pipeline_state_after_dead_chunk_and_after_cancel(request, backend
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            assert pipe.budget.used == 0 and pipe.limiter.active == 0
+            assert pipe.budget.used == 0 and pipe.limiter.used == 0
             assert pipe.budget.statistics().waiting == 0
             # a chunk is written whole and exact, or not at all
             done = [lo for lo in range(0, size, step) if dest[lo : lo + step] == data[lo : lo + step]]

@@ -17,7 +17,7 @@ import asyncload
 from asyncload import LoadOptions
 from asyncload._latency import HEDGE_COLD_FACTOR, HEDGE_DERIVED_FLOOR, LoadClock, hedge_delay
 from asyncload._stats import StatsRecorder
-from asyncload.storage import call_with_retry, clock_of, first_byte
+from asyncload.storage import call_with_retry, first_byte
 from asyncload.testing import stall
 
 MiB = 1 << 20
@@ -195,6 +195,7 @@ def test_a_request_without_an_answer_is_hedged_once_its_peers_answered():
     """In process, no network: one request of 12 never answers (until cancelled), the
     others answer at once; the stalled one is hedged and its duplicate wins."""
     stats = StatsRecorder()
+    clock = LoadClock()
     policy = LoadOptions().hedge_policy
     retry = LoadOptions(timeout=30, retries=0).retry_policy
     calls: list[int] = []
@@ -211,7 +212,13 @@ def test_a_request_without_an_answer_is_hedged_once_its_peers_answered():
         async def read(i: int) -> bytes:
             await asyncio.sleep(0.001 * i)  # requests start one after the other
             return await call_with_retry(
-                lambda: op(i), retry=retry, stats=stats, url=f"mem://{i}", byte_range=(0, 1), hedge=policy
+                lambda: op(i),
+                retry=retry,
+                stats=stats,
+                clock=clock,
+                url=f"mem://{i}",
+                byte_range=(0, 1),
+                hedge=policy,
             )
 
         return await asyncio.gather(*(read(i) for i in range(12)))
@@ -219,7 +226,6 @@ def test_a_request_without_an_answer_is_hedged_once_its_peers_answered():
     got = asyncio.run(asyncio.wait_for(main(), 20))
     assert got == [bytes([i]) for i in range(12)]
     assert stats.snapshot().hedges == 1 and calls.count(0) == 2
-    clock = clock_of(stats)
     assert clock.hedges_in_flight == 0
     assert len(clock.first_bytes) == 12  # the duplicate's answer, not the stalled request's
 

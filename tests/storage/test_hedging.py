@@ -14,9 +14,7 @@ from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_cl
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._latency import hedge_delay
-from asyncload._stats import StatsRecorder
-from asyncload.storage import clock_of
+from asyncload._latency import LoadClock, hedge_delay
 from asyncload.testing import stall, status
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]
@@ -62,8 +60,7 @@ def test_without_hedging_a_stall_holds_up_the_load(request, ckpt, bucket_name, f
 
 def test_hedge_delay_cold_floor_and_comparable_history():
     opts = LoadOptions(hedge_min_delay=0.25, hedge_factor=3.0)
-    rec = StatsRecorder()
-    clock = clock_of(rec)
+    clock = LoadClock()
     policy = opts.hedge_policy
 
     def delay(nbytes: int) -> float | None:
@@ -84,7 +81,7 @@ def test_hedge_delay_cold_floor_and_comparable_history():
     # a 16 MiB read is compared with the 8 MiB ones scaled up to its size
     assert delay(16 << 20) == pytest.approx(3 * 0.8)
     assert hedge_delay(opts.replace(hedge=False).hedge_policy, clock, 8 << 20) is None
-    assert clock_of(rec) is clock and clock.total_samples == 20
+    assert clock.total_samples == 20
 
 
 # --- concurrency="auto" --------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""The load's configuration, resolved once (asyncload.engine.config): which options govern,
+the memory plan, and the session that carries both (its collaborators through the
+constructor, the one step where a plain dcp.load's planner takes over)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, zeros_like_tree
+
+import asyncload
+from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader
+from asyncload.engine.config import MemoryPlan, resolve_config, ring_geometry
+from asyncload.engine.cuda import PinnedRing
+from asyncload.engine.session import LoadSession
+
+pytestmark = pytest.mark.timeout(60)
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def test_options_given_govern_else_the_planners_own_else_the_defaults() -> None:
+    mine = LoadOptions(chunk_size=64 * KiB)
+    knobs = PipelinedLoadPlanner(chunk_size=4096)
+    assert resolve_config(mine, knobs).options is mine
+    assert resolve_config(None, knobs).options is knobs.options
+    assert resolve_config(None, PipelinedLoadPlanner()).options == LoadOptions()
+    assert resolve_config().options == LoadOptions()
+    with pytest.raises(TypeError, match="options must be a LoadOptions, not dict"):
+        resolve_config({"chunk_size": 1})  # type: ignore[arg-type]
+
+
+def test_config_holds_the_narrow_policies() -> None:
+    o = LoadOptions(timeout=7.0, retries=2, hedge=False, chunk_size=8 * MiB, io_threads=3)
+    c = resolve_config(o)
+    assert c.retry == o.retry_policy and c.hedge == o.hedge_policy and c.chunking == o.chunk_policy
+    assert (c.retry.timeout, c.retry.retries, c.hedge.enabled, c.io_threads) == (7.0, 2, False, 3)
+    assert c.collective_timeout == o.collective_timeout
+    with pytest.raises(AttributeError):
+        c.options = LoadOptions()  # type: ignore[misc]  # frozen
+
+
+def test_a_planners_collective_timeout_is_resolved_into_the_config() -> None:
+    class Planner(PipelinedLoadPlanner):
+        def collective_timeout_for(self, options: LoadOptions) -> float | None:
+            return 12.5
+
+    assert resolve_config(LoadOptions(), Planner()).collective_timeout == 12.5
+
+
+@pytest.mark.parametrize(
+    ("budget", "chunk"), [(64 * KiB, 16 * MiB), (512 * MiB, 16 * MiB), (8 * MiB, 1 * MiB)]
+)
+def test_memory_plan_states_every_share_of_the_budget(budget: int, chunk: int) -> None:
+    o = LoadOptions(memory_budget=budget, chunk_size=chunk)
+    plan = resolve_config(o).memory
+    slots, slot = ring_geometry(o)
+    assert plan == MemoryPlan(budget, budget, slots * slot, slots, slot, budget, budget)
+    assert (
+        plan.pinned <= budget
+        and plan.peak == plan.reads + plan.pinned + plan.streaming + plan.sends
+    )
+    # a load into device tensors reads chunks of at most one slot
+    staged = resolve_config(o).staged
+    assert staged.effective_chunk_size <= slot
+    assert staged.min_chunk_size is not None and staged.min_chunk_size <= slot
+
+
+def test_the_session_is_made_with_its_collaborators_and_says_so(tmp_path) -> None:
+    seen: list[tuple[int, int]] = []
+    ticks = iter(range(1000))
+    config = resolve_config(LoadOptions(chunk_size=64 * KiB))
+    session = LoadSession(
+        tmp_path / "ckpt",
+        config=config,
+        progress=lambda done, total: seen.append((done, total)),
+        clock=lambda: float(next(ticks)),
+    )
+    assert session.config is config and session.options is config.options
+    assert session.group is None and session.monitor is None and session.progress is not None
+    with pytest.raises(AttributeError):
+        session.monitor = object()  # type: ignore[misc]  # given when made, never replaced
+    text = repr(session)
+    assert "not started" in text and "open=nothing" in text and "chunks=65536" in text
+    session.begin()
+    assert "started" in repr(session)
+    assert session.live_stats().seconds == 1.0  # the session's clock
+
+
+def test_a_plain_dcp_load_switches_config_once_when_the_planner_arrives(tmp_path) -> None:
+    a = LoadOptions(chunk_size=32 * KiB)
+    b = LoadOptions(chunk_size=4096)
+    reader = PipelinedReader(tmp_path, options=a)
+    session = reader.session
+    assert session.options is a
+    session.planner_arrived(PipelinedLoadPlanner())  # no options of its own: nothing changes
+    assert session.options is a
+    session.planner_arrived(PipelinedLoadPlanner(options=b))
+    assert session.options is b and session.config.chunking.chunk_size == 4096
+    session.begin()  # the reader's next load starts under the reader's options again
+    assert session.options is a
+
+
+def test_pinned_ring_counts_its_bytes_on_a_meter() -> None:
+    from asyncload.engine.cuda import DeviceCopier
+
+    class HostCopier(DeviceCopier):
+        def claims(self, t: torch.Tensor) -> bool:
+            return False
+
+        def host_empty(self, nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+    async def main() -> None:
+        ring = PinnedRing(HostCopier(), 2, 1024)
+        a = await ring.acquire()
+        b = await ring.acquire()
+        assert a is not b and ring.statistics().used == 2048
+        third = asyncio.ensure_future(ring.acquire())
+        await asyncio.sleep(0)
+        assert not third.done() and ring.statistics().waiting == 1 and ring.waits == 1
+        ring.release(a)
+        assert await third is a
+        ring.release(b)
+        ring.release(a)
+        st = ring.statistics()
+        assert (st.name, st.capacity, st.used, st.peak, st.waiting) == (
+            "pinned staging",
+            2048,
+            0,
+            2048,
+            0,
+        )
+
+    asyncio.run(main())
+
+
+def test_the_smallest_budget_loads_and_streams_whole(tmp_path) -> None:
+    sd = {f"t{i}": random_tensor((64, 64), torch.float32, i) for i in range(8)}
+    path = make_checkpoint(tmp_path / "ckpt", sd)
+    opts = LoadOptions(memory_budget=64 * KiB, chunk_size=16 * KiB)
+    got = dict(asyncload.iter_tensors(path, options=opts))
+    assert_bitwise_equal(got, sd)
+    dst = zeros_like_tree(sd)
+    stats = asyncload.load(dst, path, options=opts)
+    assert stats.peak_buffered_bytes <= 64 * KiB
