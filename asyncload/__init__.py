@@ -1,10 +1,10 @@
 """asyncload: load PyTorch distributed checkpoints fast, from local disk or object storage.
 
-Public names live here; everything else is private (``asyncload._*``).
+Public names live here; everything else is private: the ``asyncload._*`` modules and the\nwings (``engine/``, ``storage/``, ``distributed/``, ``formats/``, ``decoding/``), whose layout\ndocs/pipeline.md draws.
 """
 
-from asyncload._api import LoadHandle, aload, load, start_load
-from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
+import typing
+
 from asyncload._errors import (
     AsyncLoadError,
     CheckpointChangedError,
@@ -19,11 +19,54 @@ from asyncload._errors import (
     UnsafeCheckpointError,
 )
 from asyncload._options import LoadOptions
-from asyncload._read import aread_state_dict, read_state_dict
-from asyncload._sharded_planner import BackgroundSends, ShardedLoadPlanner, wait_for_background_sends
 from asyncload._stats import LoadStats
-from asyncload._stream import aiter_tensors, iter_tensors
 from asyncload._version import __version__
+
+if typing.TYPE_CHECKING:
+    from asyncload._api import LoadHandle, aload, load, start_load
+    from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
+    from asyncload._read import aread_state_dict, read_state_dict
+    from asyncload._sharded_planner import (
+        BackgroundSends,
+        ShardedLoadPlanner,
+        wait_for_background_sends,
+    )
+    from asyncload._stream import aiter_tensors, iter_tensors
+
+#: The faces, imported on first use (PEP 562): ``import asyncload`` stays cheap (no
+#: ``torch.distributed.checkpoint``, no engine), and the first ``asyncload.load`` (or
+#: ``from asyncload import load``) imports what a load needs.
+_LAZY = {
+    "LoadHandle": "asyncload._api",
+    "aload": "asyncload._api",
+    "load": "asyncload._api",
+    "start_load": "asyncload._api",
+    "PipelinedLoadPlanner": "asyncload._dcp",
+    "PipelinedReader": "asyncload._dcp",
+    "aread_state_dict": "asyncload._read",
+    "read_state_dict": "asyncload._read",
+    "BackgroundSends": "asyncload._sharded_planner",
+    "ShardedLoadPlanner": "asyncload._sharded_planner",
+    "wait_for_background_sends": "asyncload._sharded_planner",
+    "aiter_tensors": "asyncload._stream",
+    "iter_tensors": "asyncload._stream",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncload' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "AsyncLoadError",

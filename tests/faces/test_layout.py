@@ -4,7 +4,7 @@
 - arrows point down: a wing imports only the wings below it (faces -> distributed ->
   engine -> formats -> decoding, storage -> the shared bottom modules);
 - no module over 800 lines (the pickle VM's tuned loop may stay whole) and no class over 500;
-- ``import asyncload`` changes no global warnings filter.
+- ``import asyncload`` changes no global warnings filter and imports only the bottom modules.
 """
 
 from __future__ import annotations
@@ -177,6 +177,32 @@ def test_import_changes_no_global_warnings_filter(name: str) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def test_import_is_cheap() -> None:
+    """``import asyncload`` after ``import torch`` imports only the small bottom modules (not
+    torch.distributed.checkpoint, the engine or a storage client): counted, not timed. The
+    faces are imported on first use, and ``asyncload.load`` then works."""
+    code = (
+        "import sys, torch; before = set(sys.modules); import asyncload; "
+        "print(sorted(set(sys.modules) - before)); "
+        "asyncload.load; print('torch.distributed.checkpoint' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    first, second = out.stdout.splitlines()
+    assert first == str(
+        [
+            "asyncload",
+            "asyncload._errors",
+            "asyncload._latency",
+            "asyncload._options",
+            "asyncload._stats",
+            "asyncload._version",
+        ]
+    )
+    assert second == "True"
 
 
 if __name__ == "__main__":  # python tests/faces/test_layout.py: list every violation
