@@ -30,6 +30,7 @@ but all of those found sit under one prefix (``model.``, ``module.``, ``state_di
 the planner loads from under that prefix (:func:`rebase`).
 """
 
+from asyncload.formats.archive import ByteWindow, parse_archive
 from asyncload.formats.base import (
     HF_INDEX,
     HF_SINGLE,
@@ -50,6 +51,7 @@ __all__ = [
     "HF_SINGLE",
     "KNOWN_DCP_VERSIONS",
     "BlobTensor",
+    "ByteWindow",
     "Fetcher",
     "FormatEntry",
     "FormatMetadata",
@@ -60,6 +62,7 @@ __all__ = [
     "decode_metadata",
     "mark_dcp_safetensors",
     "object_bytes",
+    "parse_archive",
     "rebase",
     "split_file_url",
 ]

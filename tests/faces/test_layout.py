@@ -179,6 +179,37 @@ def test_import_changes_no_global_warnings_filter(name: str) -> None:
     assert out.stdout.strip() == "[]"
 
 
+TESTS = PKG.parent / "tests"
+WINGS = {"engine", "storage", "distributed", "decoding", "formats"}
+
+
+def test_tests_mirror_the_wings_and_use_their_interfaces() -> None:
+    """Tests live in a folder per wing (tests/engine, storage, distributed, decoding,
+    formats) or in tests/faces, and import the public API, ``asyncload.testing``, the bottom
+    modules, any wing's stated interface (its package: ``asyncload.storage``) and the modules
+    of their own wing, never another wing's private module."""
+    loose = sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert loose == [], "every test file belongs to a wing's folder or to tests/faces"
+    crossing = []
+    for path in sorted(TESTS.glob("*/test_*.py")):
+        wing = path.parent.name
+        if wing == "titan":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                crosses = len(parts) > 2 and parts[1] in WINGS and parts[1] != wing
+                if parts[0] == "asyncload" and crosses:
+                    crossing.append(f"tests/{wing}/{path.name}:{node.lineno} {name}")
+    assert crossing == [], crossing
+
+
 def test_import_is_cheap() -> None:
     """``import asyncload`` after ``import torch`` imports only the small bottom modules (not
     torch.distributed.checkpoint, the engine or a storage client): counted, not timed. The

@@ -29,8 +29,7 @@ import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, UnsafeCheckpointError
 from asyncload.decoding.allowlist import record_globals, safe_loads, storage_persistent_load
 from asyncload.decoding.work import WorkBudget
-from asyncload.formats.dcp import decode_metadata
-from asyncload.formats.torchsave import ByteWindow, parse_archive
+from asyncload.formats import ByteWindow, decode_metadata, parse_archive
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from asyncload import CheckpointFormatError, UnsafeCheckpointError
 from asyncload.decoding.allowlist import check_metadata, safe_loads
-from asyncload.formats.dcp import decode_metadata
+from asyncload.formats import decode_metadata
 
 pytestmark = pytest.mark.timeout(300)
 
