@@ -31,7 +31,13 @@ from asyncload.engine.config import resolve_config
 from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
 from asyncload.engine.driver import read_steps, run_sync
 from asyncload.engine.intersect import _rekey_pre_2_4, local_load_plan
-from asyncload.engine.keys import MISSING_SHOWN, alias_groups, closest_keys, missing_keys_message, same_bits
+from asyncload.engine.keys import (
+    MISSING_SHOWN,
+    alias_groups,
+    closest_keys,
+    missing_keys_message,
+    same_bits,
+)
 from asyncload.engine.plan import check_cast
 from asyncload.engine.session import LoadSession, decode_object
 from asyncload.formats import KNOWN_DCP_VERSIONS
@@ -94,7 +100,9 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         #: saved values are read into, items left to compare against what the other key loaded).
         self._tie_checks: dict[str, list[Any]] = {}
 
-    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         check_destinations(state_dict)  # before torch's set-up, which fails on a meta tensor
         if metadata is not None:
             # before torch's set-up, which replaces values it does not know (a numpy array)
@@ -120,7 +128,9 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         if missing and not self.allow_partial_load:
             missing.sort()
             closest = closest_keys(missing[:MISSING_SHOWN], self.state_dict, saved)
-            raise StateDictMismatchError(missing_keys_message(missing, len(self.state_dict), closest))
+            raise StateDictMismatchError(
+                missing_keys_message(missing, len(self.state_dict), closest)
+            )
         cast_ok = self.options.allow_dtype_cast
         for fqn, obj in self.state_dict.items():
             smd = saved.get(fqn)
@@ -155,7 +165,10 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         for item in plan.items:
             if item.type != LoadItemType.BYTE_IO and item.dest_index.fqn in checked:
                 counts[item.dest_index.fqn] = counts.get(item.dest_index.fqn, 0) + 1
-        self._tie_checks = {k: [checked[k], torch.empty_like(self.state_dict[k].detach()), counts[k]] for k in counts}
+        self._tie_checks = {
+            k: [checked[k], torch.empty_like(self.state_dict[k].detach()), counts[k]]
+            for k in counts
+        }
         return plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
@@ -198,7 +211,9 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
         skipped = set(skip or ())
         for fqn, obj in self.state_dict.items():
-            if not isinstance(obj, torch.Tensor) or not isinstance(saved.get(fqn), TensorStorageMetadata):
+            if not isinstance(obj, torch.Tensor) or not isinstance(
+                saved.get(fqn), TensorStorageMetadata
+            ):
                 continue
             if fqn in skipped:
                 continue
@@ -287,13 +302,20 @@ def _same_saved_bytes(md: Metadata, a: str, b: str) -> bool:
     ma, mb = md.state_dict_metadata.get(a), md.state_dict_metadata.get(b)
     if not isinstance(ma, TensorStorageMetadata) or not isinstance(mb, TensorStorageMetadata):
         return False
-    if ma.size != mb.size or ma.properties.dtype != mb.properties.dtype or len(ma.chunks) != len(mb.chunks):
+    if (
+        ma.size != mb.size
+        or ma.properties.dtype != mb.properties.dtype
+        or len(ma.chunks) != len(mb.chunks)
+    ):
         return False
     data = md.storage_data or {}
     for i, (ca, cb) in enumerate(zip(ma.chunks, mb.chunks)):
         if ca.offsets != cb.offsets or ca.sizes != cb.sizes:
             return False
-        ea, eb = data.get(MetadataIndex(a, ca.offsets, i)), data.get(MetadataIndex(b, cb.offsets, i))
+        ea, eb = (
+            data.get(MetadataIndex(a, ca.offsets, i)),
+            data.get(MetadataIndex(b, cb.offsets, i)),
+        )
         if not isinstance(ea, formats.KnownTensor) or not isinstance(eb, formats.KnownTensor):
             return False
         la, lb = ea.location, eb.location
@@ -312,7 +334,9 @@ def _same_saved_bytes(md: Metadata, a: str, b: str) -> bool:
 def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:
     """A destination value that is not a tensor where the checkpoint holds one (an int, a
     list, a numpy array): StateDictMismatchError, with the caller's dict untouched."""
-    if isinstance(state_dict, dict) and all(type(v) in PLAIN_TENSOR_TYPES for v in state_dict.values()):
+    if isinstance(state_dict, dict) and all(
+        type(v) in PLAIN_TENSOR_TYPES for v in state_dict.values()
+    ):
         return  # a flat dict of plain tensors (most state dicts): nothing to refuse, nothing to flatten
     saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state_dict)
@@ -320,7 +344,11 @@ def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:
         smd = saved.get(fqn)
         if isinstance(smd, TensorStorageMetadata) and not isinstance(obj, torch.Tensor):
             kind = type(obj)
-            shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            shown = (
+                kind.__qualname__
+                if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__qualname__}"
+            )
             raise StateDictMismatchError(
                 f"key {fqn!r}: the checkpoint holds a tensor of shape {list(smd.size)}, the destination "
                 f"holds a {shown}: a tensor is loaded in place, so the destination must be a "
@@ -441,7 +469,9 @@ class PipelinedReader(StorageReader):
             session.close_quietly()
         return md
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.metadata = metadata
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
@@ -458,7 +488,9 @@ class PipelinedReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         session = self.session
         if self.metadata is None:
-            raise CheckpointFormatError(f"{self.checkpoint}: read_data before set_up_storage_reader")
+            raise CheckpointFormatError(
+                f"{self.checkpoint}: read_data before set_up_storage_reader"
+            )
         # dcp.load hands the planner over only now: its own options govern the rest of the load
         session.planner_arrived(planner)
         if not isinstance(planner, PipelinedLoadPlanner):  # checked when ours was set up

@@ -127,7 +127,14 @@ class ChunkTimeoutError(AsyncLoadError, TimeoutError):
     Attributes name where: ``path``, ``byte_range`` (half-open), ``attempts``.
     """
 
-    def __init__(self, message: str, *, path: str = "", byte_range: tuple[int, int] = (0, 0), attempts: int = 0):
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str = "",
+        byte_range: tuple[int, int] = (0, 0),
+        attempts: int = 0,
+    ):
         super().__init__(message)
         self.path = redact_url(path)
         self.byte_range = byte_range
@@ -256,6 +263,8 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
     real = [e for e in errors if not isinstance(e, asyncio.CancelledError)]
     if not real:
         return asyncio.CancelledError()
-    own = [e for e in real if isinstance(e, AsyncLoadError) and not isinstance(e, DistributedLoadError)]
+    own = [
+        e for e in real if isinstance(e, AsyncLoadError) and not isinstance(e, DistributedLoadError)
+    ]
     remote = [e for e in real if isinstance(e, DistributedLoadError)]
     return (own or remote or real)[0]

@@ -26,7 +26,9 @@ __all__ = [
 MIN_SAMPLES = 4
 
 
-def percentile(sorted_values: Sequence[float], q: float, *, min_samples: int = MIN_SAMPLES) -> float | None:
+def percentile(
+    sorted_values: Sequence[float], q: float, *, min_samples: int = MIN_SAMPLES
+) -> float | None:
     """Nearest-rank percentile of ``sorted_values``: the smallest value with at least ``q`` of
     the values at or below it; None with fewer than ``min_samples`` values. The one definition
     used by hedging and by :class:`asyncload.LoadStats`."""
@@ -149,7 +151,9 @@ def hedge_delay(
         body = None
     else:
         expected = clock.expected_time(nbytes)
-        body = max(HEDGE_DERIVED_FLOOR, 0.0 if expected is None else factor * expected, factor * p90)
+        body = max(
+            HEDGE_DERIVED_FLOOR, 0.0 if expected is None else factor * expected, factor * p90
+        )
     if waiting_since is None:
         return body
     ttfb = clock.first_byte_time()

@@ -132,7 +132,11 @@ def on_library_loop() -> bool:
 
 
 def run_sync(
-    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, *, grace: float = 30.0, on_task: Any = None
+    coro: Coroutine[Any, Any, T],
+    loop: asyncio.AbstractEventLoop,
+    *,
+    grace: float = 30.0,
+    on_task: Any = None,
 ) -> T:
     """Run ``coro`` on ``loop`` (another thread's) and wait for it.
 

@@ -41,11 +41,19 @@ def _check_safe_globals(value: Any) -> tuple[Any, ...]:
     for i, entry in enumerate(entries):
         if isinstance(entry, str):
             if not _QUALNAME.match(entry):
-                raise bad(f"entry {i} ({entry!r:.200}) is not a 'module.qualname' string such as 'argparse.Namespace'")
+                raise bad(
+                    f"entry {i} ({entry!r:.200}) is not a 'module.qualname' string such as 'argparse.Namespace'"
+                )
             continue
         module, qualname = getattr(entry, "__module__", None), getattr(entry, "__qualname__", None)
-        if not (isinstance(entry, type) or callable(entry)) or type(module) is not str or type(qualname) is not str:
-            raise bad(f"entry {i} ({entry!r:.200}) is not a class, a function or a 'module.qualname' string")
+        if (
+            not (isinstance(entry, type) or callable(entry))
+            or type(module) is not str
+            or type(qualname) is not str
+        ):
+            raise bad(
+                f"entry {i} ({entry!r:.200}) is not a class, a function or a 'module.qualname' string"
+            )
         if "<" in qualname:
             raise bad(
                 f"entry {i} ({module}.{qualname}) is a local or lambda object, which a pickle cannot name; "
@@ -206,7 +214,11 @@ class LoadOptions:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 bad(name, v, "expected a positive int (bytes)")
         if self.min_chunk_size is not None and self.min_chunk_size > self.chunk_size:
-            bad("min_chunk_size", self.min_chunk_size, f"must not exceed chunk_size={self.chunk_size}")
+            bad(
+                "min_chunk_size",
+                self.min_chunk_size,
+                f"must not exceed chunk_size={self.chunk_size}",
+            )
         if self.memory_budget < MIN_MEMORY_BUDGET:
             bad("memory_budget", self.memory_budget, f"must be at least {MIN_MEMORY_BUDGET} bytes")
         if self.timeout is not None and (
@@ -228,7 +240,12 @@ class LoadOptions:
             if v is None and name == "hedge_min_delay":
                 continue  # derived from the load's measurements
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
-                bad(name, v, "expected a number of seconds >= 0" + (" or None" if name == "hedge_min_delay" else ""))
+                bad(
+                    name,
+                    v,
+                    "expected a number of seconds >= 0"
+                    + (" or None" if name == "hedge_min_delay" else ""),
+                )
         if (
             isinstance(self.hedge_factor, bool)
             or not isinstance(self.hedge_factor, (int, float))
@@ -241,11 +258,15 @@ class LoadOptions:
         if not isinstance(self.local_mapped_copies, bool):
             bad("local_mapped_copies", self.local_mapped_copies, "expected True or False")
         if self.io_threads is not None and (
-            isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1
+            isinstance(self.io_threads, bool)
+            or not isinstance(self.io_threads, int)
+            or self.io_threads < 1
         ):
             bad("io_threads", self.io_threads, "expected an int >= 1 or None")
         r = self.max_over_read_ratio
-        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1 or math.isinf(r)):
+        if r is not None and (
+            isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1 or math.isinf(r)
+        ):
             bad("max_over_read_ratio", r, "expected a finite number >= 1 or None (no bound)")
         if self.transport not in ("auto", "obstore", "fsspec"):
             bad("transport", self.transport, 'expected "auto", "obstore" or "fsspec"')
@@ -257,7 +278,10 @@ class LoadOptions:
     @functools.cached_property
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(
-            timeout=self.timeout, retries=self.retries, backoff=self.backoff, max_backoff=self.max_backoff
+            timeout=self.timeout,
+            retries=self.retries,
+            backoff=self.backoff,
+            max_backoff=self.max_backoff,
         )
 
     @functools.cached_property
@@ -265,7 +289,9 @@ class LoadOptions:
         return HedgePolicy(
             enabled=self.hedge,
             factor=self.hedge_factor,
-            min_delay=DEFAULT_HEDGE_MIN_DELAY if self.hedge_min_delay is None else self.hedge_min_delay,
+            min_delay=DEFAULT_HEDGE_MIN_DELAY
+            if self.hedge_min_delay is None
+            else self.hedge_min_delay,
             max_in_flight=max(2, self.max_in_flight // 4),
             derived=self.hedge_min_delay is None,
         )

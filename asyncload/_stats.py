@@ -139,23 +139,33 @@ class LoadStats:
         else:
             parts.append("No retries, timeouts or hedged requests.")
         if self.verified_records:
-            parts.append(f"{_plural(self.verified_records, 'record')} verified against stored CRC-32.")
+            parts.append(
+                f"{_plural(self.verified_records, 'record')} verified against stored CRC-32."
+            )
         if self.bytes_received or self.bytes_sent:
             parts.append(
                 f"{_fmt_bytes(self.bytes_received)} received from and {_fmt_bytes(self.bytes_sent)} "
                 "sent to other ranks."
             )
         if self.unexpected_keys:
-            shown = ", ".join(self.unexpected_keys[:3]) + (", ..." if len(self.unexpected_keys) > 3 else "")
-            parts.append(f"{_plural(len(self.unexpected_keys), 'checkpoint key')} not in the destination ({shown}).")
+            shown = ", ".join(self.unexpected_keys[:3]) + (
+                ", ..." if len(self.unexpected_keys) > 3 else ""
+            )
+            parts.append(
+                f"{_plural(len(self.unexpected_keys), 'checkpoint key')} not in the destination ({shown})."
+            )
         if self.missing_keys:
-            shown = ", ".join(self.missing_keys[:3]) + (", ..." if len(self.missing_keys) > 3 else "")
+            shown = ", ".join(self.missing_keys[:3]) + (
+                ", ..." if len(self.missing_keys) > 3 else ""
+            )
             parts.append(
                 f"{_plural(len(self.missing_keys), 'destination key')} not in the checkpoint, left as they were ({shown})."
             )
         if self.tied_keys:
             ties = list(self.tied_keys.items())
-            shown = ", ".join(f"{k} -> {v}" for k, v in ties[:3]) + (", ..." if len(ties) > 3 else "")
+            shown = ", ".join(f"{k} -> {v}" for k, v in ties[:3]) + (
+                ", ..." if len(ties) > 3 else ""
+            )
             parts.append(
                 f"{_plural(len(ties), 'tied key')} (the same memory as another key's) filled through that key ({shown})."
             )

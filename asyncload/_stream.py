@@ -40,7 +40,14 @@ from asyncload.engine.driver import _in_thread
 from asyncload.engine.meter import Meter
 from asyncload.engine.session import LoadSession
 
-__all__ = ["CheckpointStream", "KeySelection", "aiter_tensors", "iter_tensors", "select_keys", "sync_iter"]
+__all__ = [
+    "CheckpointStream",
+    "KeySelection",
+    "aiter_tensors",
+    "iter_tensors",
+    "select_keys",
+    "sync_iter",
+]
 
 log = logging.getLogger("asyncload.stream")
 
@@ -66,8 +73,14 @@ def select_keys(metadata: Metadata, keys: KeySelection, checkpoint: Any) -> list
     chosen: set[str] = set()
     for want in wanted:
         if not isinstance(want, str):
-            raise TypeError(f"keys must be names, glob patterns or a callable, not a {type(want).__name__}")
-        hits = [n for n in names if n == want or n.startswith(want + ".") or fnmatch.fnmatchcase(n, want)]
+            raise TypeError(
+                f"keys must be names, glob patterns or a callable, not a {type(want).__name__}"
+            )
+        hits = [
+            n
+            for n in names
+            if n == want or n.startswith(want + ".") or fnmatch.fnmatchcase(n, want)
+        ]
         if not hits:
             raise StateDictMismatchError(
                 f"keys={want!r} selects nothing in {checkpoint} (it has {len(names)} keys, "
@@ -83,7 +96,9 @@ def _device(device: str | torch.device) -> torch.device:
     except (RuntimeError, TypeError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda", "meta"):
-        raise ValueError(f"device={device!r}: asyncload loads into 'cpu', 'cuda', 'cuda:N' or 'meta'")
+        raise ValueError(
+            f"device={device!r}: asyncload loads into 'cpu', 'cuda', 'cuda:N' or 'meta'"
+        )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: torch sees no CUDA device here")
@@ -111,8 +126,12 @@ class CheckpointStream:
     ) -> None:
         if options is not None and not isinstance(options, LoadOptions):
             raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise ValueError(f"dtype={dtype!r}: floating tensors are converted to it, so it must be a floating dtype")
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"dtype={dtype!r}: floating tensors are converted to it, so it must be a floating dtype"
+            )
         self.checkpoint = checkpoint
         self.keys = keys
         self.device = _device(device)
@@ -120,7 +139,9 @@ class CheckpointStream:
         base = options or LoadOptions()
         # the rest of the checkpoint is simply not selected; a dtype given converts on load
         self.options = dataclasses.replace(
-            base, strict_unexpected_keys=False, allow_dtype_cast=base.allow_dtype_cast or dtype is not None
+            base,
+            strict_unexpected_keys=False,
+            allow_dtype_cast=base.allow_dtype_cast or dtype is not None,
         )
         config = resolve_config(self.options)
         self.session = LoadSession(
@@ -179,7 +200,9 @@ class CheckpointStream:
         self.metadata = md
         chosen = select_keys(md, self.keys, self.checkpoint)
         sdm = md.state_dict_metadata
-        self.tensors = sorted((k for k in chosen if isinstance(sdm[k], TensorStorageMetadata)), key=self._where)
+        self.tensors = sorted(
+            (k for k in chosen if isinstance(sdm[k], TensorStorageMetadata)), key=self._where
+        )
         self.objects = [k for k in chosen if not isinstance(sdm[k], TensorStorageMetadata)]
         self._files_at_open = session.live_stats().files
         if check:
@@ -279,7 +302,9 @@ class CheckpointStream:
             await session.aread(records)
         finally:
             await session.afinish_device_copies()
-        self._progress_done += sum(t.numel() * t.element_size() for t in dest.values() if t is not None)
+        self._progress_done += sum(
+            t.numel() * t.element_size() for t in dest.values() if t is not None
+        )
         await _in_thread(self._commit, records, planner)
         return dest
 
@@ -336,7 +361,11 @@ class CheckpointStream:
             try:
                 await task
             except BaseException:  # cancelled, or failed: the stream is ending anyway
-                log.debug("the batch in flight of %s ended", redact_url(str(self.checkpoint)), exc_info=True)
+                log.debug(
+                    "the batch in flight of %s ended",
+                    redact_url(str(self.checkpoint)),
+                    exc_info=True,
+                )
 
     # --- results and cleanup -------------------------------------------------------------
 
@@ -367,7 +396,9 @@ class CheckpointStream:
 async def _astream(stream: CheckpointStream) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
     try:
         await stream.aopen()
-        async with contextlib.aclosing(stream.abatches()) as tensors:  # closed now, not when collected
+        async with contextlib.aclosing(
+            stream.abatches()
+        ) as tensors:  # closed now, not when collected
             async for item in tensors:
                 yield item
                 del item  # not held while the next one is read
@@ -389,7 +420,12 @@ def aiter_tensors(
     task that iterates, or ``aclose()`` (``contextlib.aclosing``), stops the reads and
     returns once files, sessions and threads are closed."""
     stream = CheckpointStream(
-        checkpoint, keys=keys, device=device, dtype=dtype, options=options, storage_options=storage_options
+        checkpoint,
+        keys=keys,
+        device=device,
+        dtype=dtype,
+        options=options,
+        storage_options=storage_options,
     )
     return _astream(stream)
 
@@ -421,7 +457,12 @@ def iter_tensors(
     stops the reads and closes files, sessions and threads.
     """
     agen = aiter_tensors(
-        checkpoint, keys=keys, device=device, dtype=dtype, options=options, storage_options=storage_options
+        checkpoint,
+        keys=keys,
+        device=device,
+        dtype=dtype,
+        options=options,
+        storage_options=storage_options,
     )
     return sync_iter(agen, options or LoadOptions())
 

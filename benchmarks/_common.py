@@ -28,7 +28,14 @@ def transformer_state_dict(
             sd[p + f"attn.{name}.weight"] = torch.randn(hidden, hidden, generator=g).to(dtype)
         sd[p + "mlp.up.weight"] = torch.randn(4 * hidden, hidden, generator=g).to(dtype)
         sd[p + "mlp.down.weight"] = torch.randn(hidden, 4 * hidden, generator=g).to(dtype)
-        for name in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.o.bias", "mlp.down.bias"):
+        for name in (
+            "ln1.weight",
+            "ln1.bias",
+            "ln2.weight",
+            "ln2.bias",
+            "attn.o.bias",
+            "mlp.down.bias",
+        ):
             sd[p + name] = torch.randn(hidden, generator=g).to(dtype)
         sd[p + "mlp.up.bias"] = torch.randn(4 * hidden, generator=g).to(dtype)
     sd["norm.weight"] = torch.randn(hidden, generator=g).to(dtype)
@@ -87,7 +94,9 @@ def measure(fn: Callable[[], Any]) -> tuple[float, int]:
     return dt, max(0, peak - base)
 
 
-def raw_into_destination(files: list[str], dest: memoryview, threads: int = 2, block: int = 8 << 20) -> None:
+def raw_into_destination(
+    files: list[str], dest: memoryview, threads: int = 2, block: int = 8 << 20
+) -> None:
     """Positional reads (``os.preadv``, ``block`` bytes each, on ``threads`` threads) of every
     byte of ``files`` into one destination-sized, already-touched buffer: a loader's physical
     limit, since it must write every byte into DRAM-resident tensors."""

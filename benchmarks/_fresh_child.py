@@ -84,7 +84,9 @@ if mode == "timeline":
     class _Rec(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if _recording[0]:
-                _events.append((time.perf_counter(), f"log {record.name}: {record.getMessage()[:110]}"))
+                _events.append(
+                    (time.perf_counter(), f"log {record.name}: {record.getMessage()[:110]}")
+                )
 
     _lg = logging.getLogger("asyncload")
     _lg.setLevel(logging.DEBUG)
@@ -94,7 +96,9 @@ import _common as C
 import torch
 
 al_file = None
-if cfg.get("import_uvloop"):  # a program that imports uvloop itself: asyncload's local loads run on it
+if cfg.get(
+    "import_uvloop"
+):  # a program that imports uvloop itself: asyncload's local loads run on it
     import uvloop  # noqa: F401
 if mode in ("asyncload", "timeline"):
     import asyncload
@@ -114,7 +118,9 @@ def checksums(sd: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: float(sd[k].double().sum()) for k in cfg.get("check", {})}
 
 
-def raw_reads(files: list[str], dest: memoryview, how: str, threads: int = 2, block: int = 8 << 20) -> None:
+def raw_reads(
+    files: list[str], dest: memoryview, how: str, threads: int = 2, block: int = 8 << 20
+) -> None:
     """Positional reads of every byte of ``files`` into ``dest`` on ``threads`` threads,
     ``block`` bytes each (as ``_common.raw_into_destination``): ``plain``, with ``fadvise``
     hints, or ``direct`` (``O_DIRECT``; ``dest`` page-aligned, each file's first block at a
@@ -185,7 +191,11 @@ else:
         opts = asyncload.LoadOptions(**o) if o else None
 
         def fn() -> Any:
-            return asyncload.load(dest, path, options=opts) if opts is not None else asyncload.load(dest, path)
+            return (
+                asyncload.load(dest, path, options=opts)
+                if opts is not None
+                else asyncload.load(dest, path)
+            )
 
 
 if cfg.get("drop_caches"):  # cold section: the imports above read libraries; drop again

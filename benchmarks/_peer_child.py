@@ -69,7 +69,9 @@ async def _raw_s3fs(files: list[list[Any]]) -> None:
             data = await fs._cat_file(f"{cfg['bucket']}/{key}", start=lo, end=hi)
             assert len(data) == hi - lo
 
-    await asyncio.gather(*(one(k, lo, min(n, lo + 8 * MiB)) for k, n in files for lo in range(0, n, 8 * MiB)))
+    await asyncio.gather(
+        *(one(k, lo, min(n, lo + 8 * MiB)) for k, n in files for lo in range(0, n, 8 * MiB))
+    )
     await fs._s3.close()
 
 
@@ -93,7 +95,9 @@ async def _raw_obstore(files: list[list[Any]]) -> None:
             data = await obstore.get_range_async(store, key, start=lo, end=hi)
             assert len(memoryview(data)) == hi - lo
 
-    await asyncio.gather(*(one(k, lo, min(n, lo + 8 * MiB)) for k, n in files for lo in range(0, n, 8 * MiB)))
+    await asyncio.gather(
+        *(one(k, lo, min(n, lo + 8 * MiB)) for k, n in files for lo in range(0, n, 8 * MiB))
+    )
 
 
 def _curl(files: list[list[Any]]) -> None:
@@ -108,7 +112,16 @@ def _curl(files: list[list[Any]]) -> None:
             hi = min(n, lo + 8 * MiB)
             want += hi - lo
             args += [] if first else ["--next"]
-            args += ["-sS", "--fail", "-r", f"{lo}-{hi - 1}", "-o", "/dev/null", "-w", "%{size_download}\n"]
+            args += [
+                "-sS",
+                "--fail",
+                "-r",
+                f"{lo}-{hi - 1}",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{size_download}\n",
+            ]
             args.append(f"{cfg['endpoint']}/{cfg['bucket']}/{k}")
             first = False
     out = subprocess.run(args, check=True, capture_output=True, text=True)
@@ -139,7 +152,9 @@ def run(mode: str, dest: dict[str, torch.Tensor]) -> None:
         from s3torchconnector import S3ClientConfig
         from s3torchconnector.dcp import S3StorageReader
 
-        reader = S3StorageReader("us-east-1", url, s3client_config=S3ClientConfig(force_path_style=True))
+        reader = S3StorageReader(
+            "us-east-1", url, s3client_config=S3ClientConfig(force_path_style=True)
+        )
         dcp.load(dest, storage_reader=reader, no_dist=True)
     elif mode == "runai":
         from runai_model_streamer import SafetensorsStreamer
@@ -174,8 +189,12 @@ def main() -> None:
     ok = None
     if dest and cfg.get("check"):
         g = torch.Generator().manual_seed(cfg["check"])
-        ok = all(torch.equal(t, torch.randn(t.shape, generator=g).to(t.dtype)) for t in dest.values())
-    print("RESULT " + json.dumps({"seconds": seconds, "cpu": cpu, "peak": peak, "ok": ok}), flush=True)
+        ok = all(
+            torch.equal(t, torch.randn(t.shape, generator=g).to(t.dtype)) for t in dest.values()
+        )
+    print(
+        "RESULT " + json.dumps({"seconds": seconds, "cpu": cpu, "peak": peak, "ok": ok}), flush=True
+    )
 
 
 main()

@@ -58,12 +58,21 @@ def ab(path: str, rounds: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=100)
-    ap.add_argument("--size-mib", type=int, default=0, help="also a checkpoint of this size (0: only the tiny one)")
+    ap.add_argument(
+        "--size-mib",
+        type=int,
+        default=0,
+        help="also a checkpoint of this size (0: only the tiny one)",
+    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
-    print(f"load average (start): {' '.join(f'{x:.2f}' for x in os.getloadavg())}  [{time.strftime('%H:%M:%S')}]")
+    print(
+        f"load average (start): {' '.join(f'{x:.2f}' for x in os.getloadavg())}  [{time.strftime('%H:%M:%S')}]"
+    )
     with tempfile.TemporaryDirectory(prefix="asyncload-ab-inline-") as tmp:
         tiny = os.path.join(tmp, "tiny")
         dcp.save({"w": torch.arange(16, dtype=torch.float32)}, checkpoint_id=tiny)
@@ -72,7 +81,9 @@ def main() -> None:
             big = os.path.join(tmp, "big")
             dcp.save(C.transformer_state_dict(args.size_mib << 20), checkpoint_id=big)
             ab(big, max(1, args.rounds // 10))
-    print(f"load average (end): {' '.join(f'{x:.2f}' for x in os.getloadavg())}  [{time.strftime('%H:%M:%S')}]")
+    print(
+        f"load average (end): {' '.join(f'{x:.2f}' for x in os.getloadavg())}  [{time.strftime('%H:%M:%S')}]"
+    )
 
 
 if __name__ == "__main__":

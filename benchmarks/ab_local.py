@@ -35,24 +35,38 @@ def run_child(cfg: dict[str, object], tree: str | None) -> dict[str, float]:
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, CHILD, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or not lines:
-        raise SystemExit(f"child failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise SystemExit(
+            f"child failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
     res: dict[str, object] = json.loads(lines[-1][len("RESULT ") :])
     got = res.get("asyncload_file")
-    if tree is not None and not os.path.realpath(str(got)).startswith(os.path.realpath(tree) + os.sep):
+    if tree is not None and not os.path.realpath(str(got)).startswith(
+        os.path.realpath(tree) + os.sep
+    ):
         raise SystemExit(f"child imported {got}, not the tree {tree}")
     return {k: float(v) for k, v in res.items() if k in ("seconds", "seconds2")}  # type: ignore[arg-type]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--a", required=True, help="tree A (holds the asyncload package)")
     ap.add_argument("--b", required=True, help="tree B")
     ap.add_argument("--size-mib", type=int, default=1024, help="0: a one-tensor checkpoint")
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument(
+        "--dir", default=None, help="where to write the checkpoint (default: a temp dir)"
+    )
     args = ap.parse_args()
     for tree in (args.a, args.b):
         if not os.path.isfile(os.path.join(tree, "asyncload", "__init__.py")):

@@ -57,7 +57,12 @@ def main() -> None:
             for tree in (args.a, args.b) if rnd % 2 == 0 else (args.b, args.a):
                 env = {**os.environ, "PYTHONPATH": tree}
                 out = subprocess.run(
-                    [sys.executable, "-c", CHILD, url], env=env, cwd=cwd, capture_output=True, text=True, check=True
+                    [sys.executable, "-c", CHILD, url],
+                    env=env,
+                    cwd=cwd,
+                    capture_output=True,
+                    text=True,
+                    check=True,
                 )
                 print(rnd, json.dumps(json.loads(out.stdout)), flush=True)
 

@@ -41,7 +41,9 @@ st = asyncload.load(sd, cfg["url"], options=opts, storage_options=cfg["so"])
 t = time.perf_counter() - t0; r1 = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"t": t, "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), "file": asyncload.__file__}))
 """
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+)
 ap.add_argument("--a", required=True, help="tree A (directory holding asyncload/)")
 ap.add_argument("--b", required=True, help="tree B")
 ap.add_argument("--rounds", type=int, default=6)
@@ -74,7 +76,11 @@ with tempfile.TemporaryDirectory() as tmp, server:
         save_file(sd, str(path / "model.safetensors"))
         url = server.upload_dir(path, "bench", "st") + "/model.safetensors"
     else:
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True)
+        dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False),
+            no_dist=True,
+        )
         url = server.upload_dir(path, "bench", "ckpt")
     del sd
     proxy = BR.Proxy(server.endpoint_url, 0.010, None)
@@ -86,7 +92,11 @@ with tempfile.TemporaryDirectory() as tmp, server:
                 env = dict(os.environ, PYTHONPATH=tree)
                 cfg = {"url": url, "so": so, "size": size, "bench": str(HERE)}
                 out = subprocess.run(
-                    [sys.executable, "-c", CHILD, json.dumps(cfg)], env=env, capture_output=True, text=True, cwd="/"
+                    [sys.executable, "-c", CHILD, json.dumps(cfg)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    cwd="/",
                 )
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 assert r["file"].startswith(tree), r

@@ -37,10 +37,14 @@ LAYOUTS = ["dcp-one-file", "safetensors"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="16,auto,32", help="LoadOptions.concurrency values, comma-separated")
+    ap.add_argument(
+        "--variants", default="16,auto,32", help="LoadOptions.concurrency values, comma-separated"
+    )
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args()
     variants: list[int | str] = [v if v == "auto" else int(v) for v in args.variants.split(",")]
@@ -51,9 +55,15 @@ def main() -> None:
     tensors = make_tensors(args.size_mib * MiB, 1024)
     spec = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
     before = loadavg()
-    print(f"{args.size_mib} MiB, {args.rounds} rounds, variants {variants}; load average {before}", flush=True)
+    print(
+        f"{args.size_mib} MiB, {args.rounds} rounds, variants {variants}; load average {before}",
+        flush=True,
+    )
     results: dict[tuple[str, str, str], list[float]] = {}
-    with tempfile.TemporaryDirectory(prefix="asyncload-bench-conc-") as tmp, S3rverServer(executable=exe) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="asyncload-bench-conc-") as tmp,
+        S3rverServer(executable=exe) as server,
+    ):
         paths = write_layouts(tensors, Path(tmp), LAYOUTS)
         del tensors
         urls = {la: server.upload_dir(p, "conc", la) for la, p in paths.items()}
@@ -88,12 +98,19 @@ def main() -> None:
                             )
                         finally:
                             proxy.close()
-                        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                        line = next(
+                            (ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None
+                        )
                         got = json.loads(line[7:]) if line else {}
                         if "seconds" not in got or got.get("ok") is False:
-                            sys.exit(f"{setting} {layout} concurrency={v}: {got or out.stderr[-500:]}")
+                            sys.exit(
+                                f"{setting} {layout} concurrency={v}: {got or out.stderr[-500:]}"
+                            )
                         results.setdefault((setting, layout, str(v)), []).append(got["seconds"])
-                        print(f"{setting:14s} {layout:13s} concurrency={v!s:5s} {got['seconds']:.3f} s", flush=True)
+                        print(
+                            f"{setting:14s} {layout:13s} concurrency={v!s:5s} {got['seconds']:.3f} s",
+                            flush=True,
+                        )
     print(f"\nmedian seconds (load average before {before}, after {loadavg()})")
     print(f"{'setting':14s} {'layout':13s} " + " ".join(f"{v!s:>8s}" for v in variants))
     for setting, _, _ in SETTINGS:

@@ -94,7 +94,9 @@ def _leased(mapped: _mapped.MappedCopies) -> Callable[[int, str, int, list[memor
     return leased
 
 
-def _replay(reads: list[Read], fds: dict[str, int], copy: Callable[[int, str, int, list[memoryview]], None]) -> None:
+def _replay(
+    reads: list[Read], fds: dict[str, int], copy: Callable[[int, str, int, list[memoryview]], None]
+) -> None:
     q = collections.deque(reads)
 
     def work() -> None:
@@ -157,12 +159,17 @@ def shifts(size_mib: int, rounds: int) -> None:
 
         def reads(shift: int) -> list[Read]:
             k = (shift - base) % 4096
-            return [(f, o, [mv[k + o : k + o + min(16 * MiB, size - o)]]) for o in range(0, size, 16 * MiB)]
+            return [
+                (f, o, [mv[k + o : k + o + min(16 * MiB, size - o)]])
+                for o in range(0, size, 16 * MiB)
+            ]
 
         preadv, leased = _preadv, _leased(mapped)
 
         jobs = {s: reads(s) for s in SHIFTS}
-        variants = [(s, name, fn) for s in SHIFTS for name, fn in (("preadv", preadv), ("mapped", leased))]
+        variants = [
+            (s, name, fn) for s in SHIFTS for name, fn in (("preadv", preadv), ("mapped", leased))
+        ]
         for s, _, fn in variants:
             _replay(jobs[s], {f: fd}, fn)
         res: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
@@ -184,7 +191,9 @@ def shifts(size_mib: int, rounds: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _aliasing_destinations(dest: dict[str, torch.Tensor], reads: list[Read]) -> dict[str, torch.Tensor]:
+def _aliasing_destinations(
+    dest: dict[str, torch.Tensor], reads: list[Read]
+) -> dict[str, torch.Tensor]:
     """Destinations like ``dest``, each a view into one buffer at an address 4-7 bytes past
     its tensor bytes' file offset modulo 4096 (from the captured reads; aligned for its
     dtype): every large read is one the kernel's copy aliases."""
@@ -212,10 +221,14 @@ def _aliasing_destinations(dest: dict[str, torch.Tensor], reads: list[Read]) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--shifts", action="store_true", help="preadv against the mapped copy, shift by shift")
+    ap.add_argument(
+        "--shifts", action="store_true", help="preadv against the mapped copy, shift by shift"
+    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore", module="torch.distributed")
     why = _mapped.mapped_copies_available()
@@ -244,7 +257,9 @@ def main() -> None:
 
         def into_buffer(shift: int) -> list[Read]:
             k = (shift - base) % 4096  # buffer address at file offset o: o + shift modulo 4096
-            return [(f, off, [mv[k + off : k + off + sum(len(b) for b in bs)]]) for f, off, bs in reads]
+            return [
+                (f, off, [mv[k + off : k + off + sum(len(b) for b in bs)]]) for f, off, bs in reads
+            ]
 
         aligned, shifted = into_buffer(0), into_buffer(1)
         alias = _aliasing_destinations(dest, reads)

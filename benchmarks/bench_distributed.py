@@ -197,7 +197,9 @@ def rank_main(
         )
         url = urls[rank]
         layout, _, how = case.partition(":")
-        slow_rate = slow_assembly[1] if slow_assembly is not None and slow_assembly[0] == rank else None
+        slow_rate = (
+            slow_assembly[1] if slow_assembly is not None and slow_assembly[0] == rank else None
+        )
         sd: dict[str, Any] = {}
         if layout == "replicated":
             sd = {k: torch.zeros(s, dtype=dt) for k, (s, dt) in shapes(size_mib).items()}
@@ -236,7 +238,9 @@ def rank_main(
             if slow_rate is not None:
                 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-                torch_planner = type("SlowCommit", (_SlowCommitPlanner, DefaultLoadPlanner), {"rate": slow_rate})()
+                torch_planner = type(
+                    "SlowCommit", (_SlowCommitPlanner, DefaultLoadPlanner), {"rate": slow_rate}
+                )()
             dcp.load(sd, storage_reader=reader, planner=torch_planner)
             read = _socket_bytes[0] if remote else _rchar() - rchar0
             counts = {"received": 0, "sent": 0, "taken_over": 0, "hedged": 0, "at_return": 0}
@@ -251,7 +255,9 @@ def rank_main(
                     last[0] = done
 
             planner = _planner(how)
-            stats = asyncload.load(sd, url, planner=planner, storage_options=storage_options, progress=progress)
+            stats = asyncload.load(
+                sd, url, planner=planner, storage_options=storage_options, progress=progress
+            )
             seconds_ = time.perf_counter() - t0
             read = stats.bytes_read
             bg = getattr(planner, "background_sends", None)
@@ -268,7 +274,13 @@ def rank_main(
         out.put(
             (
                 rank,
-                {"read": read, **counts, "seconds": seconds, "peak": max(0, peak), "digest": _digest(sd)},
+                {
+                    "read": read,
+                    **counts,
+                    "seconds": seconds,
+                    "peak": max(0, peak),
+                    "digest": _digest(sd),
+                },
             )
         )
     except BaseException as exc:
@@ -329,7 +341,9 @@ def run_case(
             if p.is_alive():
                 p.kill()
     if len(results) < world:
-        raise SystemExit(f"{case}: only {len(results)} of {world} ranks answered within {timeout} s")
+        raise SystemExit(
+            f"{case}: only {len(results)} of {world} ranks answered within {timeout} s"
+        )
     errors = [f"rank {r}: {res['error']}" for r, res in results.items() if "error" in res]
     if errors:
         raise SystemExit(f"{case} failed:\n" + "\n".join(errors))
@@ -382,7 +396,9 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
             ("rank 2 slow assembly", None, (2, args.slow_assembly_mib * MiB)),
         ]
         chosen = args.settings.split(",")
-        settings = [st for st, key in zip(settings, ("equal", "slowlink", "slowasm")) if key in chosen]
+        settings = [
+            st for st, key in zip(settings, ("equal", "slowlink", "slowasm")) if key in chosen
+        ]
         equal: dict[str, float] = {}
         digests: list[str] | None = None
         summary: list[str] = []
@@ -390,10 +406,24 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
             for i, p in enumerate(proxies):
                 p.bandwidth = bw / 4 if i == slow_link else bw
             for how in args.contenders.split(","):
-                res = run_case(f"replicated:{how}", urls, args.world, args.size_mib, args.timeout, {}, slow_assembly)
+                res = run_case(
+                    f"replicated:{how}",
+                    urls,
+                    args.world,
+                    args.size_mib,
+                    args.timeout,
+                    {},
+                    slow_assembly,
+                )
                 wall = max(r["seconds"] for r in res)
                 # the slow rank (the slow link's or the slow assembly's) and the others apart
-                slow_rank = slow_link if slow_link is not None else slow_assembly[0] if slow_assembly else None
+                slow_rank = (
+                    slow_link
+                    if slow_link is not None
+                    else slow_assembly[0]
+                    if slow_assembly
+                    else None
+                )
                 fast = max(r["seconds"] for i, r in enumerate(res) if i != slow_rank)
                 slow = res[slow_rank]["seconds"] if slow_rank is not None else fast
                 equal.setdefault(how, wall)
@@ -409,7 +439,9 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
                 )
                 got = [r["digest"] for r in res]
                 if digests is not None and got != digests:
-                    raise SystemExit(f"{setting} / {how}: loaded tensors differ from the first case")
+                    raise SystemExit(
+                        f"{setting} / {how}: loaded tensors differ from the first case"
+                    )
                 digests = got
                 if slow_link is not None and how in ("static", "sharded"):
                     summary.append(
@@ -431,18 +463,50 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", choices=("speeds", "layouts"), default="speeds")
-    ap.add_argument("--store", choices=("http", "local", "s3"), default="http", help="layouts: where the checkpoint is")
-    ap.add_argument("--size-mib", type=int, default=None, help="checkpoint size (default: 24 speeds, 64 layouts)")
-    ap.add_argument("--rank-bandwidth-mib", type=float, default=8.0, help="speeds: each rank's link, MiB/s")
-    ap.add_argument("--slow-assembly-mib", type=float, default=16.0, help="speeds: the slow rank's assembly, MiB/s")
-    ap.add_argument("--contenders", default="torch,pipelined,static,sharded", help="speeds: which loaders")
-    ap.add_argument(
-        "--settings", default="equal,slowlink,slowasm", help="speeds: which settings (equal, slowlink, slowasm)"
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--wait-for-peers", action="store_true", help="sharing: ShardedLoadPlanner(wait_for_peers=True)")
-    ap.add_argument("--unit-kib", type=int, default=None, help="adaptive sharing's unit_size, KiB (default: its own)")
+    ap.add_argument("--scenario", choices=("speeds", "layouts"), default="speeds")
+    ap.add_argument(
+        "--store",
+        choices=("http", "local", "s3"),
+        default="http",
+        help="layouts: where the checkpoint is",
+    )
+    ap.add_argument(
+        "--size-mib",
+        type=int,
+        default=None,
+        help="checkpoint size (default: 24 speeds, 64 layouts)",
+    )
+    ap.add_argument(
+        "--rank-bandwidth-mib", type=float, default=8.0, help="speeds: each rank's link, MiB/s"
+    )
+    ap.add_argument(
+        "--slow-assembly-mib",
+        type=float,
+        default=16.0,
+        help="speeds: the slow rank's assembly, MiB/s",
+    )
+    ap.add_argument(
+        "--contenders", default="torch,pipelined,static,sharded", help="speeds: which loaders"
+    )
+    ap.add_argument(
+        "--settings",
+        default="equal,slowlink,slowasm",
+        help="speeds: which settings (equal, slowlink, slowasm)",
+    )
+    ap.add_argument(
+        "--wait-for-peers",
+        action="store_true",
+        help="sharing: ShardedLoadPlanner(wait_for_peers=True)",
+    )
+    ap.add_argument(
+        "--unit-kib",
+        type=int,
+        default=None,
+        help="adaptive sharing's unit_size, KiB (default: its own)",
+    )
     ap.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     ap.add_argument(
         "--bandwidth-mib",
@@ -450,7 +514,9 @@ def main() -> None:
         default=50.0,
         help="http/s3: the store's bandwidth cap for all ranks together, MiB/s (default 50)",
     )
-    ap.add_argument("--latency-ms", type=float, default=0.0, help="http/s3: one-way latency added per request")
+    ap.add_argument(
+        "--latency-ms", type=float, default=0.0, help="http/s3: one-way latency added per request"
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per case")
     ap.add_argument(
         "--cases",
@@ -460,7 +526,9 @@ def main() -> None:
     if args.size_mib is None:
         args.size_mib = 24 if args.scenario == "speeds" else 64
     if args.unit_kib is not None:
-        os.environ["BENCH_UNIT_KIB"] = str(args.unit_kib)  # read by the ranks (forkserver children inherit it)
+        os.environ["BENCH_UNIT_KIB"] = str(
+            args.unit_kib
+        )  # read by the ranks (forkserver children inherit it)
     if args.wait_for_peers:
         os.environ["BENCH_WAIT_FOR_PEERS"] = "1"
 
@@ -499,7 +567,9 @@ def main() -> None:
             server: Any = HTTPRangeServer(root=work) if args.store == "http" else S3Server()
             server.start()
             servers.append(server)
-            proxy = FaultProxy(server, bandwidth=args.bandwidth_mib * MiB, latency=args.latency_ms / 1000).start()
+            proxy = FaultProxy(
+                server, bandwidth=args.bandwidth_mib * MiB, latency=args.latency_ms / 1000
+            ).start()
             servers.append(proxy)
             if args.store == "http":
                 url = server.url("ckpt", endpoint_url=proxy.endpoint_url)

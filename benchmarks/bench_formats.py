@@ -89,7 +89,9 @@ def run_rounds(
     return out
 
 
-def table(title: str, results: dict[str, list[tuple[float, int]]], total: int, ref: str) -> list[str]:
+def table(
+    title: str, results: dict[str, list[tuple[float, int]]], total: int, ref: str
+) -> list[str]:
     """Best and median of the rounds, GiB/s of the best, both ratios to ``ref``, the largest peak RSS."""
     best = {k: min(t for t, _ in v) for k, v in results.items()}
     med = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
@@ -119,7 +121,9 @@ def start_proxy(upstream: str, latency: float) -> tuple[subprocess.Popen[str], s
         "print(p.endpoint_url, flush=True)\n"
         "sys.stdin.read()\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()
     if not url.startswith("http://"):
@@ -129,20 +133,31 @@ def start_proxy(upstream: str, latency: float) -> tuple[subprocess.Popen[str], s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mib", type=int, default=1024, help="model size (bf16), MiB (default 1024)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--size-mib", type=int, default=1024, help="model size (bf16), MiB (default 1024)"
+    )
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the local methods")
     ap.add_argument("--remote-rounds", type=int, default=3)
-    ap.add_argument("--latency-ms", type=float, default=5.0, help="one-way latency the proxy adds (ms)")
+    ap.add_argument(
+        "--latency-ms", type=float, default=5.0, help="one-way latency the proxy adds (ms)"
+    )
     ap.add_argument("--remote", dest="remote", action="store_true", default=None)
     ap.add_argument("--no-remote", dest="remote", action="store_false")
     ap.add_argument("--s3rver", default=os.environ.get("ASYNCLOAD_S3RVER", S3RVER_DEFAULT))
-    ap.add_argument("--workdir", default=None, help="where to write the files (default: a temporary directory)")
+    ap.add_argument(
+        "--workdir", default=None, help="where to write the files (default: a temporary directory)"
+    )
     args = ap.parse_args()
 
     total_target = args.size_mib << 20
     hidden = 2048 if args.size_mib >= 512 else 1024
-    print(f"making a ~{args.size_mib} MiB bf16 transformer state dict (hidden {hidden}) ...", flush=True)
+    print(
+        f"making a ~{args.size_mib} MiB bf16 transformer state dict (hidden {hidden}) ...",
+        flush=True,
+    )
     sd = transformer_state_dict(total_target, hidden=hidden, dtype=torch.bfloat16)
     total = nbytes(sd)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncload-bench-formats-"))
@@ -168,7 +183,10 @@ def main() -> None:
 
     local = [
         ("safetensors.load_file + copy_", lambda: copy_into(dest, load_file(str(st_path)))),
-        ("torch.load(mmap=True) + copy_", lambda: copy_into(dest, torch.load(pt_path, mmap=True, weights_only=True))),
+        (
+            "torch.load(mmap=True) + copy_",
+            lambda: copy_into(dest, torch.load(pt_path, mmap=True, weights_only=True)),
+        ),
         ("asyncload.load(model.safetensors)", lambda: asyncload.load(dest, st_path)),
         ("asyncload.load(model.pt)", lambda: asyncload.load(dest, pt_path)),
     ]
@@ -190,24 +208,37 @@ def main() -> None:
                 opts = server.storage_options(endpoint)
                 import s3fs
 
-                fs = s3fs.S3FileSystem(**opts)  # one client for every download, like a job would keep
+                fs = s3fs.S3FileSystem(
+                    **opts
+                )  # one client for every download, like a job would keep
 
                 def cat(url: str) -> bytes:
                     return fs.cat_file(url)
 
                 methods = [
-                    ("s3fs cat_file + safetensors.load + copy_", lambda: copy_into(dest, st_load_bytes(cat(st_url)))),
+                    (
+                        "s3fs cat_file + safetensors.load + copy_",
+                        lambda: copy_into(dest, st_load_bytes(cat(st_url))),
+                    ),
                     (
                         "s3fs cat_file + torch.load + copy_",
-                        lambda: copy_into(dest, torch.load(io.BytesIO(cat(pt_url)), weights_only=True)),
+                        lambda: copy_into(
+                            dest, torch.load(io.BytesIO(cat(pt_url)), weights_only=True)
+                        ),
                     ),
                     (
                         "asyncload.load(s3://.../model.safetensors)",
                         lambda: asyncload.load(dest, st_url, storage_options=opts),
                     ),
-                    ("asyncload.load(s3://.../model.pt)", lambda: asyncload.load(dest, pt_url, storage_options=opts)),
+                    (
+                        "asyncload.load(s3://.../model.pt)",
+                        lambda: asyncload.load(dest, pt_url, storage_options=opts),
+                    ),
                 ]
-                print(f"remote: s3rver behind a proxy adding {args.latency_ms} ms each way:", flush=True)
+                print(
+                    f"remote: s3rver behind a proxy adding {args.latency_ms} ms each way:",
+                    flush=True,
+                )
                 res = run_rounds(methods, args.remote_rounds, dest, sd)
                 lines += table(
                     f"s3rver on loopback, +{args.latency_ms:g} ms each way per request (FaultProxy)",

@@ -72,7 +72,9 @@ async def via_preadv(path: str, dest: memoryview, ex: concurrent.futures.Executo
 
         async def one(off: int) -> None:
             async with sem:
-                await loop.run_in_executor(ex, os.preadv, fd, [dest[off : min(size, off + CHUNK)]], off)
+                await loop.run_in_executor(
+                    ex, os.preadv, fd, [dest[off : min(size, off + CHUNK)]], off
+                )
 
         await asyncio.gather(*(one(o) for o in range(0, size, CHUNK)))
     finally:
@@ -80,7 +82,9 @@ async def via_preadv(path: str, dest: memoryview, ex: concurrent.futures.Executo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -133,7 +137,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 asyncload.load(dst, ck, options=o)
                 lt[k].append(time.perf_counter() - t0)
-        print(f"2) asyncload.load of a {total / (1 << 30):.2f} GiB DCP checkpoint, median of {args.rounds + 1}")
+        print(
+            f"2) asyncload.load of a {total / (1 << 30):.2f} GiB DCP checkpoint, median of {args.rounds + 1}"
+        )
         for k, ts in lt.items():
             t = C.median(ts)
             print(f"   {k:30s} {t:7.3f} s {total / t / (1 << 30):6.2f} GiB/s")

@@ -97,19 +97,30 @@ BAR_MS = 20.0  # the issue's bar: fixed cost of the first load in a fresh proces
 
 def loadavg(when: str) -> None:
     la = os.getloadavg()
-    print(f"load average ({when}): {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}  [{time.strftime('%H:%M:%S')}]", flush=True)
+    print(
+        f"load average ({when}): {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}  [{time.strftime('%H:%M:%S')}]",
+        flush=True,
+    )
 
 
 def child_env() -> dict[str, str]:
     """This process's asyncload first on the child's path (then whatever PYTHONPATH held)."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(asyncload.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     return env
 
 
 def run_child(cfg: dict[str, object], env: dict[str, str]) -> dict[str, object]:
-    r = subprocess.run([sys.executable, CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [sys.executable, CHILD, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or not lines:
         raise SystemExit(
@@ -125,7 +136,9 @@ def run_child(cfg: dict[str, object], env: dict[str, str]) -> dict[str, object]:
 def print_timeline(title: str, res: dict[str, object], per_kind: int = 4) -> float | None:
     """Print a timeline child's events (at most ``per_kind`` of each kind); return the time
     of the first positional read (ms from the call), if any."""
-    print(f"\n{title}: {float(res['seconds']) * 1e3:.2f} ms in all (ms from the call; DEBUG logging on)")
+    print(
+        f"\n{title}: {float(res['seconds']) * 1e3:.2f} ms in all (ms from the call; DEBUG logging on)"
+    )
     shown: dict[str, int] = {}
     first_read = None
     for ms, what in res["events"]:  # type: ignore[attr-defined]
@@ -148,7 +161,10 @@ def print_timeline(title: str, res: dict[str, object], per_kind: int = 4) -> flo
     mods = res["modules_imported"]
     assert isinstance(mods, list)
     top = sorted({m.split(".")[0] for m in mods})
-    print(f"  modules imported during the call: {len(mods)}" + (f" (packages: {', '.join(top[:12])})" if mods else ""))
+    print(
+        f"  modules imported during the call: {len(mods)}"
+        + (f" (packages: {', '.join(top[:12])})" if mods else "")
+    )
     print(f"  threads left running after the call: {res['threads_left']}")
     if first_read is not None:
         print(f"  first positional read at {first_read:.2f} ms")
@@ -231,20 +247,27 @@ def warm_section(
     }
     if args.verify:
         vopts = opts.replace(verify=True)
-        competitors["asyncload.load verify=True"] = lambda: asyncload.load(dest, path, options=vopts)
+        competitors["asyncload.load verify=True"] = lambda: asyncload.load(
+            dest, path, options=vopts
+        )
     if args.uvloop:
         import uvloop  # noqa: F401  # the default contender's local loads then run on it
 
         aopts = opts.replace(use_uvloop=False)
         competitors = {
-            "asyncload.load (uvloop imported)" if k == "asyncload.load" else k: v for k, v in competitors.items()
+            "asyncload.load (uvloop imported)" if k == "asyncload.load" else k: v
+            for k, v in competitors.items()
         }
-        competitors["asyncload.load use_uvloop=False"] = lambda: asyncload.load(dest, path, options=aopts)
+        competitors["asyncload.load use_uvloop=False"] = lambda: asyncload.load(
+            dest, path, options=aopts
+        )
     times: dict[str, list[float]] = {k: [] for k in competitors}
     peaks: dict[str, list[int]] = {k: [] for k in competitors}
     names = list(competitors)
     for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # the order rotated each round
+        for name in (
+            names[r % len(names) :] + names[: r % len(names)]
+        ):  # the order rotated each round
             dt, peak = C.measure(competitors[name])
             times[name].append(dt)
             peaks[name].append(peak)
@@ -345,7 +368,9 @@ def fresh_section(
         if res[name] and "seconds2" in res[name][0]:
             t2 = C.median([float(x["seconds2"]) for x in res[name]])
             second = f"{t2:10.3f} {(t - t2) * 1e3:9.1f} ms"
-        print(f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:13.2f} {peak:17.1f} MiB {second}")
+        print(
+            f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {bound / t:13.2f} {peak:17.1f} MiB {second}"
+        )
     al = C.median([float(x["seconds"]) for x in res["asyncload.load"]])
     print(
         f"asyncload first load above the fresh bound: {(al - bound) * 1e3:.1f} ms; "
@@ -374,10 +399,20 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
     for _ in range(n):
         for name in rows:
             mode = "asyncload" if name.startswith("asyncload") else "torch"
-            cfg = {"mode": mode, "path": tiny, "shapes": tiny_shapes, "second": True, **options.get(name, {})}
+            cfg = {
+                "mode": mode,
+                "path": tiny,
+                "shapes": tiny_shapes,
+                "second": True,
+                **options.get(name, {}),
+            }
             rows[name].append(run_child(cfg, env))
-    print(f"\n== fixed cost: a one-tensor checkpoint (16 float32), first load in a fresh process (median of {n}) ==")
-    print(f"{'loader':36s} {'first load ms':>13s} {'2nd load ms':>11s} {'first - 2nd':>12s}   first loads (ms)")
+    print(
+        f"\n== fixed cost: a one-tensor checkpoint (16 float32), first load in a fresh process (median of {n}) =="
+    )
+    print(
+        f"{'loader':36s} {'first load ms':>13s} {'2nd load ms':>11s} {'first - 2nd':>12s}   first loads (ms)"
+    )
     for name, rs in rows.items():
         a = C.median([float(x["seconds"]) * 1e3 for x in rs])
         b = C.median([float(x["seconds2"]) * 1e3 for x in rs])
@@ -385,10 +420,15 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
         print(f"{name:36s} {a:13.2f} {b:11.2f} {a - b:9.2f} ms   {each}")
     fixed = C.median([float(x["seconds"]) * 1e3 for x in rows["asyncload.load (default options)"]])
     tl = run_child({"mode": "timeline", "path": tiny, "shapes": tiny_shapes, "watch": [tiny]}, env)
-    print_timeline("timeline of a first asyncload.load of the one-tensor checkpoint, fresh process", tl)
-    tl_big = run_child({"mode": "timeline", "path": path, "shapes": shapes_file, "watch": [path]}, env)
+    print_timeline(
+        "timeline of a first asyncload.load of the one-tensor checkpoint, fresh process", tl
+    )
+    tl_big = run_child(
+        {"mode": "timeline", "path": path, "shapes": shapes_file, "watch": [path]}, env
+    )
     first_read = print_timeline(
-        f"timeline of a first asyncload.load of the {args.size_mib} MiB checkpoint, fresh process", tl_big
+        f"timeline of a first asyncload.load of the {args.size_mib} MiB checkpoint, fresh process",
+        tl_big,
     )
     print(
         f"\nfixed cost of a first load: {fixed:.1f} ms (first asyncload.load of a one-tensor checkpoint in a "
@@ -402,7 +442,9 @@ def fixed_cost_section(args: argparse.Namespace, tmp: str, path: str, shapes_fil
         )
 
 
-def cold_section(args: argparse.Namespace, base: dict[str, object], total: int, o: dict[str, object]) -> None:
+def cold_section(
+    args: argparse.Namespace, base: dict[str, object], total: int, o: dict[str, object]
+) -> None:
     """``base``: the children's common config (checkpoint, files, shapes, checksums)."""
     checks: dict[str, float] = base["check"]  # type: ignore[assignment]
     base = {**base, "drop_caches": True}  # the child drops the page cache just before its clock
@@ -417,7 +459,9 @@ def cold_section(args: argparse.Namespace, base: dict[str, object], total: int, 
     if not C.drop_caches():
         raise SystemExit("--cold needs root: cannot write /proc/sys/vm/drop_caches")
     res = run_rounds(args, contenders, base, checks, os.sync, "cold")
-    print(f"\n== cold page cache: first load in a fresh process ({args.rounds} interleaved rounds, medians) ==")
+    print(
+        f"\n== cold page cache: first load in a fresh process ({args.rounds} interleaved rounds, medians) =="
+    )
     print(
         "page cache dropped (sync; echo 3 > /proc/sys/vm/drop_caches) in each child after its imports and its"
         "\ndestination, just before the clock; raw reads: 2 threads, 8 MiB blocks, touched destination-sized buffer"
@@ -437,14 +481,20 @@ def cold_section(args: argparse.Namespace, base: dict[str, object], total: int, 
             f"{name:36s} {t:8.3f} {total / t / (1 << 30):7.2f} {plain / t:11.2f} {best_raw / t:10.2f} "
             f"{peak:17.1f} MiB   {each}"
         )
-    print(f"(asyncload memory_budget {args.budget_mib} MiB; target: peak RSS above the destination <= budget + 64 MiB)")
+    print(
+        f"(asyncload memory_budget {args.budget_mib} MiB; target: peak RSS above the destination <= budget + 64 MiB)"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument(
+        "--dir", default=None, help="where to write the checkpoint (default: a temp dir)"
+    )
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--budget-mib", type=int, default=512)
@@ -460,7 +510,9 @@ def main() -> None:
         help="also time each contender's first load in a fresh process, and asyncload's fixed cost",
     )
     ap.add_argument("--fresh-only", action="store_true", help="only the fresh-process sections")
-    ap.add_argument("--cold", action="store_true", help="also time cold page cache loads (root: drops caches)")
+    ap.add_argument(
+        "--cold", action="store_true", help="also time cold page cache loads (root: drops caches)"
+    )
     ap.add_argument("--cold-only", action="store_true", help="only the cold page cache section")
     args = ap.parse_args()
 
@@ -486,7 +538,9 @@ def main() -> None:
         files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".distcp")]
         file_bytes = sum(os.path.getsize(f) for f in files)
         opts = asyncload.LoadOptions(
-            concurrency=args.concurrency, chunk_size=args.chunk_mib << 20, memory_budget=args.budget_mib << 20
+            concurrency=args.concurrency,
+            chunk_size=args.chunk_mib << 20,
+            memory_budget=args.budget_mib << 20,
         )
         o = {
             "concurrency": args.concurrency,
@@ -498,7 +552,12 @@ def main() -> None:
             loadavg("after the warmed-process section")
         if args.cold or args.cold_only:
             os.sync()
-            cold_section(args, {"path": path, "files": files, "shapes": shapes_file, "check": checks}, total, o)
+            cold_section(
+                args,
+                {"path": path, "files": files, "shapes": shapes_file, "check": checks},
+                total,
+                o,
+            )
             loadavg("after the cold page cache section")
         if (args.fresh or args.fresh_only) and not args.cold_only:
             fresh_section(args, tmp, path, files, total, shapes_file, checks, o)

@@ -84,8 +84,12 @@ def alloc_baseline() -> float:
 def main() -> None:
     from bench_planning import Mesh, build_checkpoint, loadavg, model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[10, 100, 1024], help="saving ranks per size")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--ranks", type=int, nargs="+", default=[10, 100, 1024], help="saving ranks per size"
+    )
     ap.add_argument("--repeats", type=int, default=1, help="children per figure (the best is kept)")
     args = ap.parse_args()
     print(f"load average before: {loadavg()}", flush=True)

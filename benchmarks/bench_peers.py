@@ -46,12 +46,24 @@ SEED = 1234
 #: contender -> (layouts it reads, the module it needs)
 CONTENDERS: dict[str, tuple[set[str], str | None]] = {
     "raw_s3fs": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "s3fs"),
-    "raw_obstore": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "obstore"),
+    "raw_obstore": (
+        {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
+        "obstore",
+    ),
     "curl": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, None),
-    "asyncload": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
-    "asyncload_fsspec": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
+    "asyncload": (
+        {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
+        "asyncload",
+    ),
+    "asyncload_fsspec": (
+        {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
+        "asyncload",
+    ),
     #: asyncload imported from ``--baseline`` (another tree: a before/after in the same run)
-    "asyncload_baseline": ({"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"}, "asyncload"),
+    "asyncload_baseline": (
+        {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
+        "asyncload",
+    ),
     "s3torchconnector": ({"dcp-one-file", "dcp-per-item"}, "s3torchconnector"),
     "torch_fsspec": ({"dcp-one-file", "dcp-per-item"}, "s3fs"),
     "runai": ({"safetensors"}, "runai_model_streamer"),
@@ -106,11 +118,19 @@ def write_layouts(tensors: dict[str, Any], root: Path, layouts: list[str]) -> di
     paths: dict[str, Path] = {}
     if "dcp-one-file" in layouts:
         p = root / "dcp-one-file"
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(p), single_file_per_rank=True), no_dist=True)
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(str(p), single_file_per_rank=True),
+            no_dist=True,
+        )
         paths["dcp-one-file"] = p
     if "dcp-per-item" in layouts:
         p = root / "dcp-per-item"
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(p), single_file_per_rank=False), no_dist=True)
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(str(p), single_file_per_rank=False),
+            no_dist=True,
+        )
         paths["dcp-per-item"] = p
     if "safetensors" in layouts:
         p = root / "safetensors"
@@ -145,11 +165,15 @@ def write_layouts(tensors: dict[str, Any], root: Path, layouts: list[str]) -> di
 
 def data_files(path: Path, layout: str) -> list[tuple[str, int]]:
     """The files whose bytes a load must read (what the raw bound fetches)."""
-    pattern = {"tensorizer": "*.tensors"}.get(layout, "*.distcp" if layout.startswith("dcp") else "*.safetensors")
+    pattern = {"tensorizer": "*.tensors"}.get(
+        layout, "*.distcp" if layout.startswith("dcp") else "*.safetensors"
+    )
     return sorted((p.name, p.stat().st_size) for p in path.glob(pattern))
 
 
-def run_child(cfg: dict[str, Any], timeout: float, pythonpath: str | None = None) -> dict[str, Any] | None:
+def run_child(
+    cfg: dict[str, Any], timeout: float, pythonpath: str | None = None
+) -> dict[str, Any] | None:
     env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
     try:
         out = subprocess.run(
@@ -169,17 +193,28 @@ def run_child(cfg: dict[str, Any], timeout: float, pythonpath: str | None = None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--latency", type=float, default=0.010, help="one-way delay added by the proxy, seconds")
+    ap.add_argument(
+        "--latency", type=float, default=0.010, help="one-way delay added by the proxy, seconds"
+    )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--layouts", default="dcp-one-file,dcp-per-item,safetensors,safetensors-index,tensorizer")
+    ap.add_argument(
+        "--layouts", default="dcp-one-file,dcp-per-item,safetensors,safetensors-index,tensorizer"
+    )
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--timeout", type=float, default=300.0, help="per contender run, seconds")
     ap.add_argument("--json", help="also write the medians to this JSON file")
-    ap.add_argument("--plot", help="also draw the medians (GiB/s per layout and contender) into this PNG (matplotlib)")
-    ap.add_argument("--plot-from", help="only draw --plot from the medians of an earlier run's --json file")
+    ap.add_argument(
+        "--plot",
+        help="also draw the medians (GiB/s per layout and contender) into this PNG (matplotlib)",
+    )
+    ap.add_argument(
+        "--plot-from", help="only draw --plot from the medians of an earlier run's --json file"
+    )
     ap.add_argument(
         "--baseline",
         help="a source tree (e.g. `git archive` of an earlier commit) whose asyncload the asyncload_baseline "
@@ -188,7 +223,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot_from:
         saved = json.loads(Path(args.plot_from).read_text())
-        plot(saved["medians"], saved["meta"]["bytes"], saved["meta"], args.plot or "remote_peers.png")
+        plot(
+            saved["medians"], saved["meta"]["bytes"], saved["meta"], args.plot or "remote_peers.png"
+        )
         return
     configure_env()
     from _common import ensure_bytecode
@@ -201,7 +238,9 @@ def main() -> None:
     exe = find_s3rver()
     if exe is None:
         sys.exit("s3rver is not installed (npm install --prefix .s3rver s3rver@3.7.1)")
-    missing = [c for c in wanted if CONTENDERS[c][1] and importlib.util.find_spec(CONTENDERS[c][1]) is None]
+    missing = [
+        c for c in wanted if CONTENDERS[c][1] and importlib.util.find_spec(CONTENDERS[c][1]) is None
+    ]
     if "curl" in wanted and shutil.which("curl") is None:
         missing.append("curl")
     for c in missing:
@@ -220,7 +259,10 @@ def main() -> None:
         f"delay proxy, {args.rounds} rounds interleaved, each run a fresh process; {os.cpu_count()} CPUs, "
         f"load average {' '.join(load_before)}"
     )
-    with tempfile.TemporaryDirectory(prefix="asyncload-bench-peers-") as tmp, S3rverServer(executable=exe) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="asyncload-bench-peers-") as tmp,
+        S3rverServer(executable=exe) as server,
+    ):
         paths = write_layouts(tensors, Path(tmp), layouts)
         del tensors
         urls = {layout: server.upload_dir(p, "peers", layout) for layout, p in paths.items()}
@@ -256,7 +298,9 @@ def main() -> None:
                         if c == "asyncload_fsspec":
                             cfg["options"] = {"transport": "fsspec"}
                         pythonpath = args.baseline if c == "asyncload_baseline" else None
-                        results.setdefault((layout, c), []).append(run_child(cfg, args.timeout, pythonpath) or {})
+                        results.setdefault((layout, c), []).append(
+                            run_child(cfg, args.timeout, pythonpath) or {}
+                        )
                     finally:
                         proxy.close()
     with open("/proc/loadavg") as f:
@@ -266,7 +310,9 @@ def main() -> None:
         raw = [r["seconds"] for c, rs in rows if c == "raw_s3fs" for r in rs if "seconds" in r]
         raw_med = statistics.median(raw) if raw else None
         print(f"\n== {layout} ==")
-        print(f"{'contender':20s} {'seconds':>8s} {'GiB/s':>7s} {'x raw':>6s} {'CPU s/GiB':>9s} {'peak MiB':>9s}  note")
+        print(
+            f"{'contender':20s} {'seconds':>8s} {'GiB/s':>7s} {'x raw':>6s} {'CPU s/GiB':>9s} {'peak MiB':>9s}  note"
+        )
         for c, rs in rows:
             good = [r for r in rs if "seconds" in r]
             if not good:
@@ -278,13 +324,16 @@ def main() -> None:
             ratio = f"{raw_med / t:6.2f}" if raw_med else "     -"
             bad = [r for r in good if r.get("ok") is False]
             note = "WRONG BYTES" if bad else ""
-            print(f"{c:20s} {t:8.2f} {nbytes / GiB / t:7.2f} {ratio} {cpu / (nbytes / GiB):9.2f} {peak:9.0f}  {note}")
+            print(
+                f"{c:20s} {t:8.2f} {nbytes / GiB / t:7.2f} {ratio} {cpu / (nbytes / GiB):9.2f} {peak:9.0f}  {note}"
+            )
     print(f"\nload average before {' '.join(load_before)}, after {' '.join(load_after)}")
     table = {
         layout: {
             c: {
                 "seconds": statistics.median(r["seconds"] for r in rs if "seconds" in r),
-                "cpu_s_per_gib": statistics.median(r["cpu"] for r in rs if "seconds" in r) / (nbytes / GiB),
+                "cpu_s_per_gib": statistics.median(r["cpu"] for r in rs if "seconds" in r)
+                / (nbytes / GiB),
                 "peak_mib": max(r["peak"] for r in rs if "seconds" in r) / MiB,
             }
             for c in wanted
@@ -292,14 +341,21 @@ def main() -> None:
         }
         for layout in paths
     }
-    meta = {"bytes": nbytes, "latency_s": args.latency, "rounds": args.rounds, "load": [load_before, load_after]}
+    meta = {
+        "bytes": nbytes,
+        "latency_s": args.latency,
+        "rounds": args.rounds,
+        "load": [load_before, load_after],
+    }
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "medians": table}, indent=1))
     if args.plot:
         plot(table, nbytes, meta, args.plot)
 
 
-def plot(table: dict[str, dict[str, dict[str, float]]], nbytes: int, meta: dict[str, Any], out: str) -> None:
+def plot(
+    table: dict[str, dict[str, dict[str, float]]], nbytes: int, meta: dict[str, Any], out: str
+) -> None:
     """Grouped bars: GiB/s of each contender on each layout."""
     import matplotlib
 
@@ -314,13 +370,18 @@ def plot(table: dict[str, dict[str, dict[str, float]]], nbytes: int, meta: dict[
         xs = [j + i * width for j, la in enumerate(layouts) if c in table[la]]
         ys = [nbytes / GiB / table[la][c]["seconds"] for la in layouts if c in table[la]]
         ax.bar(xs, ys, width, label=LEGEND.get(c, c))
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layouts))], [LAYOUT_NAMES.get(la, la) for la in layouts])
+    ax.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(layouts))],
+        [LAYOUT_NAMES.get(la, la) for la in layouts],
+    )
     ax.set_ylabel("GiB/s (median, fresh process per run)")
     ax.set_title(
         f"{nbytes / MiB:.0f} MiB from S3 (s3rver) behind {meta['latency_s'] * 1e3:.0f} ms one-way delay, "
         f"{meta['rounds']} rounds; load average {' '.join(meta['load'][0])}"
     )
-    ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)  # off the bars
+    ax.legend(
+        ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False
+    )  # off the bars
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

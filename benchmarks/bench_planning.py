@@ -181,7 +181,9 @@ def build_checkpoint(tensors: list[tuple[str, tuple[int, ...], str]], mesh: Mesh
     offsets: dict[str, list[int]] = {}
     lengths: dict[str, list[int]] = {}
     pos = [0] * mesh.world
-    per_kind: dict[tuple[tuple[int, ...], str], tuple[list[ChunkStorageMetadata], list[int], list[int]]] = {}
+    per_kind: dict[
+        tuple[tuple[int, ...], str], tuple[list[ChunkStorageMetadata], list[int], list[int]]
+    ] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for name, shape, kind in tensors:
         key = (shape, kind)
@@ -198,12 +200,17 @@ def build_checkpoint(tensors: list[tuple[str, tuple[int, ...], str]], mesh: Mesh
         sdm[name] = TensorStorageMetadata(
             properties=props,
             size=torch.Size(shape),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in chunks],
+            chunks=[
+                ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                for c in chunks
+            ],
         )
         offs = []
         for j, (f, n) in enumerate(zip(ranks, lens)):
             offs.append(pos[f])
-            storage[MetadataIndex(name, chunks[j].offsets, j)] = _StorageInfo(f"__{f}_0.distcp", pos[f], n)
+            storage[MetadataIndex(name, chunks[j].offsets, j)] = _StorageInfo(
+                f"__{f}_0.distcp", pos[f], n
+            )
             pos[f] += n
         files[name], offsets[name], lengths[name] = ranks, offs, lens
     md = Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
@@ -226,7 +233,9 @@ class Held(torch.Tensor):
         return self._held
 
 
-def destination(tensors: list[tuple[str, tuple[int, ...], str]], mesh: Mesh, rank: int) -> dict[str, Any]:
+def destination(
+    tensors: list[tuple[str, tuple[int, ...], str]], mesh: Mesh, rank: int
+) -> dict[str, Any]:
     return {name: Held(shape, box(shape, kind, mesh, rank)) for name, shape, kind in tensors}
 
 
@@ -257,7 +266,15 @@ def heap_peak(fn: Callable[[], Any]) -> int:
 
 def signature(items: Sequence[Any]) -> list[tuple[Any, ...]]:
     return [
-        (i.type, i.dest_index, i.dest_index.index, i.dest_offsets, i.storage_index, i.storage_index.index, *rest)
+        (
+            i.type,
+            i.dest_index,
+            i.dest_index.index,
+            i.dest_offsets,
+            i.storage_index,
+            i.storage_index.index,
+            *rest,
+        )
         for i in items
         for rest in [(i.storage_offsets, i.lengths)]
     ]
@@ -266,7 +283,9 @@ def signature(items: Sequence[Any]) -> list[tuple[Any, ...]]:
 # --- what a rank all-gathers ---------------------------------------------------------------------------
 
 
-def coalesce(pieces: list[tuple[int, int]], chunk_size: int, min_chunk_size: int) -> list[tuple[int, int]]:
+def coalesce(
+    pieces: list[tuple[int, int]], chunk_size: int, min_chunk_size: int
+) -> list[tuple[int, int]]:
     """``asyncload.engine.plan.make_chunks``' rule over one file's pieces ``(start, end)``."""
     out: list[tuple[int, int]] = []
     cur_start = cur_end = -1
@@ -274,7 +293,9 @@ def coalesce(pieces: list[tuple[int, int]], chunk_size: int, min_chunk_size: int
         if cur_start >= 0:
             gap = s - cur_end
             small = e - s < min_chunk_size and cur_end - cur_start < min_chunk_size
-            if (gap <= 0 or (gap <= min_chunk_size and small)) and max(cur_end, e) - cur_start <= chunk_size:
+            if (gap <= 0 or (gap <= min_chunk_size and small)) and max(
+                cur_end, e
+            ) - cur_start <= chunk_size:
                 cur_end = max(cur_end, e)
                 continue
             out.append((cur_start, cur_end))
@@ -351,7 +372,9 @@ def rank_needs(
                     p1.append((start + lo, start + min(span, lo + cs)))
     needs = []
     for phase in (0, 1):
-        per_file = {f: coalesce(sorted(set(p[phase])), cs, mcs) for f, p in pieces.items() if p[phase]}
+        per_file = {
+            f: coalesce(sorted(set(p[phase])), cs, mcs) for f, p in pieces.items() if p[phase]
+        }
         needs.append(advertise(per_file))
     return needs, pieces
 
@@ -364,7 +387,9 @@ def check_coalescing(pieces: dict[int, list[list[tuple[int, int]]]], options: Lo
             ps = sorted(set(p))
             want = [
                 (c.start, c.end)
-                for c in make_chunks([Piece("x", s, e) for s, e in ps], chunk_size=cs, min_chunk_size=mcs)
+                for c in make_chunks(
+                    [Piece("x", s, e) for s, e in ps], chunk_size=cs, min_chunk_size=mcs
+                )
             ]
             assert coalesce(ps, cs, mcs) == want, f
 
@@ -418,7 +443,11 @@ def full_counts(gathered: list[Any], options: LoadOptions) -> tuple[int, int, in
     needs = [g[1] for g in gathered]
     shared = sharded._sweep(needs, range(len(needs)))
     starts = sharded._split(shared.start, shared.end, unit_size(options))[0]
-    return len(shared.start), len(starts), int(shared.alone.sum() + (shared.end - shared.start).sum())
+    return (
+        len(shared.start),
+        len(starts),
+        int(shared.alone.sum() + (shared.end - shared.start).sum()),
+    )
 
 
 # --- one case -----------------------------------------------------------------------------------------
@@ -463,14 +492,23 @@ def run_case(
         for phase in (0, 1):
             all_needs[phase].append(needs[phase])
     wanted = (
-        sum(math.prod(box(shape, kind, mesh, r)[1]) for _, shape, kind in tensors for r in range(mesh.world)) * ITEM
+        sum(
+            math.prod(box(shape, kind, mesh, r)[1])
+            for _, shape, kind in tensors
+            for r in range(mesh.world)
+        )
+        * ITEM
     )
     row["simulate_s"] = time.perf_counter() - t0
     row["wanted_bytes"] = wanted
     row["needed_bytes"] = sum(e - s for phase in all_needs for ns in phase for _, s, e in ns)
     identity = identities(md)
-    sums = dict.fromkeys(("payload_max", "gathered_bytes", "decode_s", "decode_heap", "plan_s", "plan_heap"), 0.0)
-    sums.update(dict.fromkeys(("units_rank", "component", "full_s", "full_heap", "transfers", "units"), 0.0))
+    sums = dict.fromkeys(
+        ("payload_max", "gathered_bytes", "decode_s", "decode_heap", "plan_s", "plan_heap"), 0.0
+    )
+    sums.update(
+        dict.fromkeys(("units_rank", "component", "full_s", "full_heap", "transfers", "units"), 0.0)
+    )
     sums["read_bytes"] = 0.0
     samples = sorted({0, mesh.world // 2, mesh.world - 1})
     for phase in (0, 1):
@@ -479,7 +517,9 @@ def run_case(
         sums["gathered_bytes"] += sum(map(len, blobs))
         d, gathered = best_of(lambda blobs=blobs: [decode(b) for b in blobs], 1)
         sums["decode_s"] += d
-        sums["decode_heap"] = max(sums["decode_heap"], heap_peak(lambda blobs=blobs: [decode(b) for b in blobs]))
+        sums["decode_heap"] = max(
+            sums["decode_heap"], heap_peak(lambda blobs=blobs: [decode(b) for b in blobs])
+        )
         # the runtime: each rank plans its part; the slowest of the sampled ranks
         times, parts = [], []
         for rank in samples:
@@ -487,7 +527,9 @@ def run_case(
             times.append(t)
             parts.append(part)
         sums["plan_s"] += max(times)
-        peak = max(heap_peak(lambda g=gathered, r=rank: rank_plan(g, r, options)) for rank in samples)
+        peak = max(
+            heap_peak(lambda g=gathered, r=rank: rank_plan(g, r, options)) for rank in samples
+        )
         sums["plan_heap"] = max(sums["plan_heap"], peak)
         sums["units_rank"] += max(len(p.items) for p in parts)
         sums["component"] = max(sums["component"], max(len(p.ranks) for p in parts))
@@ -495,7 +537,9 @@ def run_case(
         if reference:
             f, (n_t, n_u, read) = best_of(lambda g=gathered: full_plan(g, options), 1)
             sums["full_s"] += f
-            sums["full_heap"] = max(sums["full_heap"], heap_peak(lambda g=gathered: full_plan(g, options)))
+            sums["full_heap"] = max(
+                sums["full_heap"], heap_peak(lambda g=gathered: full_plan(g, options))
+            )
         else:
             n_t, n_u, read = full_counts(gathered, options)
         sums["transfers"] += n_t
@@ -580,7 +624,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             continue
         xs = [r["ranks"] for r in sel]
         ax_t.plot(
-            xs, [r["local_torch_s"] for r in sel], "o--", label=f"{label}: torch DefaultLoadPlanner local planning"
+            xs,
+            [r["local_torch_s"] for r in sel],
+            "o--",
+            label=f"{label}: torch DefaultLoadPlanner local planning",
         )
         ax_t.plot(
             xs,
@@ -589,17 +636,28 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             label=f"{label}: asyncload (PipelinedLoadPlanner) local planning",
         )
         both = [r["decode_s"] + r["plan_s"] for r in sel]
-        ax_t.plot(xs, both, "s-", label=f"{label}: ShardedLoadPlanner: decode needs + this rank's plan")
+        ax_t.plot(
+            xs, both, "s-", label=f"{label}: ShardedLoadPlanner: decode needs + this rank's plan"
+        )
         if any(r["full_s"] for r in sel):
             full = [r["decode_s"] + r["full_s"] for r in sel]
             ax_t.plot(xs, full, "x:", label=f"{label}: decode + the whole plan (before)")
         # one unit on the axis (MiB, log scale): a payload of KiB sits at 10^-3..10^-2
-        ax_b.plot(xs, [r["payload_max"] / MiB for r in sel], "o-", label=f"{label}: payload per rank")
-        ax_b.plot(xs, [r["gathered_bytes"] / MiB for r in sel], "s--", label=f"{label}: all-gathered")
+        ax_b.plot(
+            xs, [r["payload_max"] / MiB for r in sel], "o-", label=f"{label}: payload per rank"
+        )
+        ax_b.plot(
+            xs, [r["gathered_bytes"] / MiB for r in sel], "s--", label=f"{label}: all-gathered"
+        )
         # a plan with no units has no heap of its own: left out of the log axis, not drawn at 0
         heap = [r["plan_heap"] / MiB or float("nan") for r in sel]
         ax_b.plot(xs, heap, "^-", label=f"{label}: heap of this rank's plan")
-        ax_b.plot(xs, [r["decode_heap"] / MiB for r in sel], "v--", label=f"{label}: heap of the gathered needs")
+        ax_b.plot(
+            xs,
+            [r["decode_heap"] / MiB for r in sel],
+            "v--",
+            label=f"{label}: heap of the gathered needs",
+        )
     for ax in (ax_t, ax_b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("ranks loading (checkpoint saved on 1,024)")
@@ -609,21 +667,32 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax_t.axhline(2.0, color="grey", lw=0.8, ls=":")
     ax_b.set_yscale("log")
     ax_b.set_ylabel("MiB per rank")
-    fig.suptitle("Planning a load of a 1,002-tensor model saved on 1,024 ranks (one rank, pure functions)", fontsize=10)
+    fig.suptitle(
+        "Planning a load of a 1,002-tensor model saved on 1,024 ranks (one rank, pure functions)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=111)
-    ap.add_argument("--quick", action="store_true", help="12 layers; FSDP only, 1,024 and 8,192 ranks")
     ap.add_argument(
-        "--decode", action="store_true", help="also time reading .metadata: pickle.loads and asyncload's decode"
+        "--quick", action="store_true", help="12 layers; FSDP only, 1,024 and 8,192 ranks"
+    )
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help="also time reading .metadata: pickle.loads and asyncload's decode",
     )
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--plot", help="write the PNG plot here (needs matplotlib)")
-    ap.add_argument("--ranks", help="only these numbers of ranks loading, comma-separated (e.g. 8192)")
+    ap.add_argument(
+        "--ranks", help="only these numbers of ranks loading, comma-separated (e.g. 8192)"
+    )
     ap.add_argument(
         "--reference",
         action="store_true",
@@ -645,7 +714,10 @@ def main() -> None:
     tensors = model(layers)
     options = LoadOptions()
     cases: list[tuple[Mesh, list[Mesh]]] = [
-        (Mesh(SAVED_RANKS), [Mesh(n) for n in ((1024, 8192) if args.quick else (1024, 2048, 4096, 8192))]),
+        (
+            Mesh(SAVED_RANKS),
+            [Mesh(n) for n in ((1024, 8192) if args.quick else (1024, 2048, 4096, 8192))],
+        ),
     ]
     if not args.quick:
         cases.append((Mesh(128, 8), [Mesh(128, 8), Mesh(256, 8), Mesh(512, 8), Mesh(1024, 8)]))
@@ -673,7 +745,9 @@ def main() -> None:
         if args.decode and saved_mesh.tp == 1:
             raw = pickle.dumps(ck.md)
             loads_s, _ = best_of(lambda raw=raw: pickle.loads(raw), 1)
-            ours_s, _ = best_of(lambda raw=raw: decode_metadata(raw, "simulated/.metadata", max_size=len(raw)), 1)
+            ours_s, _ = best_of(
+                lambda raw=raw: decode_metadata(raw, "simulated/.metadata", max_size=len(raw)), 1
+            )
             print(
                 f"  .metadata: {len(raw) / MiB:.1f} MiB pickled; pickle.loads (torch's reader) {loads_s:.1f} s, "
                 f"asyncload's decode_metadata (allow-list machine + check_metadata) {ours_s:.1f} s",

@@ -66,9 +66,20 @@ class Proxy:
     """A FaultProxy in a child process (so its relaying does not compete for our GIL)."""
 
     def __init__(
-        self, upstream: str, latency: float, bandwidth: float | None, stalls: int = 0, stall_s: float = 5.0
+        self,
+        upstream: str,
+        latency: float,
+        bandwidth: float | None,
+        stalls: int = 0,
+        stall_s: float = 5.0,
     ) -> None:
-        cfg = {"upstream": upstream, "latency": latency, "bandwidth": bandwidth, "stalls": stalls, "stall_s": stall_s}
+        cfg = {
+            "upstream": upstream,
+            "latency": latency,
+            "bandwidth": bandwidth,
+            "stalls": stalls,
+            "stall_s": stall_s,
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _PROXY_CHILD, json.dumps(cfg)],
             stdin=subprocess.PIPE,
@@ -96,11 +107,15 @@ def find_s3rver() -> str | None:
 _SESSION: list[Any] = []
 
 
-async def raw_bound(url: str, so: dict[str, Any], files: list[tuple[str, int]], block: int, conc: int) -> None:
+async def raw_bound(
+    url: str, so: dict[str, Any], files: list[tuple[str, int]], block: int, conc: int
+) -> None:
     import aiobotocore.session
     import s3fs
 
-    if not _SESSION:  # reused across runs, as asyncload reuses its own: no service-model parsing per run
+    if (
+        not _SESSION
+    ):  # reused across runs, as asyncload reuses its own: no service-model parsing per run
         _SESSION.append(aiobotocore.session.AioSession())
     fs = s3fs.S3FileSystem(asynchronous=True, session=_SESSION[0], **so)
     await fs.set_session()
@@ -113,7 +128,13 @@ async def raw_bound(url: str, so: dict[str, Any], files: list[tuple[str, int]], 
             assert len(data) == hi - lo
 
     try:
-        await asyncio.gather(*(one(n, lo, min(size, lo + block)) for n, size in files for lo in range(0, size, block)))
+        await asyncio.gather(
+            *(
+                one(n, lo, min(size, lo + block))
+                for n, size in files
+                for lo in range(0, size, block)
+            )
+        )
     finally:
         creator = getattr(fs, "_s3creator", None)
         if creator is not None:
@@ -184,7 +205,9 @@ def run_setting(
             name = "asyncload concurrency=auto, 2 stalls of 5 s"
             rows.append((name, with_proxy(2, al_load(opts.replace(concurrency="auto"), name))))
             if not args.skip_torch_stall:
-                rows.append(("torch dcp.load + FsspecReader, 2 stalls of 5 s", with_proxy(2, torch_load)))
+                rows.append(
+                    ("torch dcp.load + FsspecReader, 2 stalls of 5 s", with_proxy(2, torch_load))
+                )
     # report: median per row name
     by: dict[str, list[float]] = {}
     for name, t in rows:
@@ -216,11 +239,19 @@ def run_setting(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=1024, help="model width (matrices of 4-16 MiB at 1024)")
-    ap.add_argument("--latency", type=float, default=0.010, help="one-way delay added by the proxy, seconds")
-    ap.add_argument("--bandwidth-mib", type=float, default=100.0, help="cap of the second setting (0: skip it)")
+    ap.add_argument(
+        "--hidden", type=int, default=1024, help="model width (matrices of 4-16 MiB at 1024)"
+    )
+    ap.add_argument(
+        "--latency", type=float, default=0.010, help="one-way delay added by the proxy, seconds"
+    )
+    ap.add_argument(
+        "--bandwidth-mib", type=float, default=100.0, help="cap of the second setting (0: skip it)"
+    )
     ap.add_argument("--server", choices=("auto", "s3rver", "moto"), default="auto")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--chunk-mib", type=int, default=8)
@@ -235,7 +266,11 @@ def main() -> None:
     sd = transformer_state_dict(args.size_mib * MiB, hidden=args.hidden)
     with tempfile.TemporaryDirectory(prefix="asyncload-bench-remote-") as tmp, server:
         path = Path(tmp) / "ckpt"
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True)
+        dcp.save(
+            sd,
+            storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False),
+            no_dist=True,
+        )
         files = sorted((p.name, p.stat().st_size) for p in path.glob("*.distcp"))
         url = server.upload_dir(path, "bench", "ckpt")
         print(
@@ -243,7 +278,9 @@ def main() -> None:
             f"of tensors, {len(files)} .distcp files up to {max(s for _, s in files) / MiB:.1f} MiB; "
             f"torch {torch.__version__}, asyncload {asyncload.__version__}, {os.cpu_count()} CPUs"
         )
-        run_setting(f"{args.latency * 1e3:.0f} ms one-way delay", server, url, sd, files, args, None, True)
+        run_setting(
+            f"{args.latency * 1e3:.0f} ms one-way delay", server, url, sd, files, args, None, True
+        )
         if args.bandwidth_mib > 0:
             run_setting(
                 f"{args.latency * 1e3:.0f} ms one-way delay, {args.bandwidth_mib:.0f} MiB/s cap",

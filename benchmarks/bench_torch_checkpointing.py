@@ -51,13 +51,20 @@ def main() -> None:
     try:
         ckpt = tmp / "ck"
         g = torch.Generator().manual_seed(0)
-        sd = {f"layers.{i}.w": torch.randn(2048, 2048, generator=g).bfloat16() for i in range(args.layers)}
+        sd = {
+            f"layers.{i}.w": torch.randn(2048, 2048, generator=g).bfloat16()
+            for i in range(args.layers)
+        }
         m = manager()
         m.save(str(ckpt), {"model": sd, "step": 5})
         m.close()
         for f in ckpt.iterdir():
             f.read_bytes()  # warm
-        times: dict[str, list[float]] = {"torch-checkpointing load": [], "asyncload.load": [], "read_state_dict": []}
+        times: dict[str, list[float]] = {
+            "torch-checkpointing load": [],
+            "asyncload.load": [],
+            "read_state_dict": [],
+        }
         for _ in range(args.rounds):
             dest = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}, "step": 0}
             m = manager()
@@ -78,7 +85,9 @@ def main() -> None:
         print(f"{gib * 1024:.0f} MiB in {len(sd)} tensors, {args.rounds} rounds")
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"{name:26s} median {med * 1e3:8.1f} ms  best {min(ts) * 1e3:8.1f} ms  ({gib / med:.2f} GiB/s)")
+            print(
+                f"{name:26s} median {med * 1e3:8.1f} ms  best {min(ts) * 1e3:8.1f} ms  ({gib / med:.2f} GiB/s)"
+            )
     finally:
         shutil.rmtree(tmp)
 

@@ -116,7 +116,9 @@ print(json.dumps({"t": t, "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0
 
 
 def _child(code: str, cfg: dict[str, Any]) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True, cwd=HERE)
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True, cwd=HERE
+    )
     if out.returncode != 0:
         raise RuntimeError(
             f"child failed ({cfg.get('client') or cfg.get('transport')}, rc {out.returncode}):\n{out.stderr[-3000:]}{out.stdout[-2000:]}"
@@ -124,7 +126,9 @@ def _child(code: str, cfg: dict[str, Any]) -> dict[str, float]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _rounds(contenders: dict[str, tuple[str, dict[str, Any]]], rounds: int, nbytes: int) -> dict[str, list[Any]]:
+def _rounds(
+    contenders: dict[str, tuple[str, dict[str, Any]]], rounds: int, nbytes: int
+) -> dict[str, list[Any]]:
     """Each contender once per round in a fresh child, the order flipped every other round."""
     res: dict[str, list[Any]] = {k: [] for k in contenders}
     names = list(contenders)
@@ -147,15 +151,24 @@ def _table(title: str, res: dict[str, list[Any]], nbytes: int, ref: dict[str, st
     print(f"\n{title} (medians of {len(next(iter(res.values())))}; load average {loadavg()})")
     print("| contender | seconds | GiB/s | CPU s/GiB | vs its fsspec peer |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in res.items()}
+    med = {
+        k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v))
+        for k, v in res.items()
+    }
     for name, (t, c) in med.items():
         peer = ref.get(name)
-        vs = f"{med[peer][0] / t:.2f}x faster, {med[peer][1] / c:.2f}x less CPU" if peer in med else ""
+        vs = (
+            f"{med[peer][0] / t:.2f}x faster, {med[peer][1] / c:.2f}x less CPU"
+            if peer in med
+            else ""
+        )
         print(f"| {name} | {t:.3f} | {gib / t:.2f} | {c / gib:.2f} | {vs} |")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--block-mib", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -168,7 +181,9 @@ def main() -> None:
     size = args.size_mib << 20
     exe = BR.find_s3rver()
     s3: Any = S3rverServer(executable=exe) if exe is not None else S3Server()
-    print(f"S3 server: {type(s3).__name__}; {args.size_mib} MiB; load average {loadavg()}", flush=True)
+    print(
+        f"S3 server: {type(s3).__name__}; {args.size_mib} MiB; load average {loadavg()}", flush=True
+    )
     with tempfile.TemporaryDirectory() as tmp, s3:
         if args.part in ("raw", "both"):
             _raw(args, size, s3, Path(tmp))
@@ -183,7 +198,13 @@ def _raw(args: argparse.Namespace, size: int, s3: Any, tmp: Path) -> None:
     s3.put_object("bench", "raw/big.bin", blob)
     s3so = s3.storage_options(config_kwargs={"max_pool_connections": 128})
     for client in ("s3fs", "obstore"):
-        cfg = {**common, "kind": "s3", "client": client, "so": s3so, "url": "s3://bench/raw/big.bin"}
+        cfg = {
+            **common,
+            "kind": "s3",
+            "client": client,
+            "so": s3so,
+            "url": "s3://bench/raw/big.bin",
+        }
         contenders[f"S3 {client}"] = (_RAW_CHILD, {**cfg, "path": "bench/raw/big.bin"})
     gcs = GCSServer()
     http = HTTPRangeServer(tmp / "http")
@@ -201,12 +222,22 @@ def _raw(args: argparse.Namespace, size: int, s3: Any, tmp: Path) -> None:
             contenders[f"GCS {client}"] = (_RAW_CHILD, {**cfg, "path": "bench/raw/big.bin"})
         for client in ("fsspec-http", "obstore"):
             url = http.url("bench", "raw/big.bin")
-            cfg = {**common, "kind": "http", "client": client, "so": http.storage_options(), "url": url}
+            cfg = {
+                **common,
+                "kind": "http",
+                "client": client,
+                "so": http.storage_options(),
+                "url": url,
+            }
             contenders[f"HTTP {client}"] = (_RAW_CHILD, cfg)
         del blob
         print(f"raw ranged GETs: {args.block_mib} MiB x {args.concurrency} in flight", flush=True)
         res = _rounds(contenders, args.rounds, size)
-    peers = {"S3 obstore": "S3 s3fs", "GCS obstore": "GCS gcsfs", "HTTP obstore": "HTTP fsspec-http"}
+    peers = {
+        "S3 obstore": "S3 s3fs",
+        "GCS obstore": "GCS gcsfs",
+        "HTTP obstore": "HTTP fsspec-http",
+    }
     _table(
         f"Raw ranged GETs of one {args.size_mib} MiB object, {args.block_mib} MiB x {args.concurrency} in flight",
         res,
@@ -222,15 +253,23 @@ def _load(args: argparse.Namespace, size: int, s3: Any, tmp: Path) -> None:
     sd = transformer_state_dict(size, hidden=1024, seed=1)
     total = nbytes(sd)
     path = tmp / "ckpt"
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True)
+    dcp.save(
+        sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True
+    )
     del sd
     url = s3.upload_dir(path, "bench", "ckpt")
     so = s3.storage_options()
     contenders = {
-        f"load transport={t}": (_LOAD_CHILD, {"url": url, "so": so, "size": size, "bench": str(HERE), "transport": t})
+        f"load transport={t}": (
+            _LOAD_CHILD,
+            {"url": url, "so": so, "size": size, "bench": str(HERE), "transport": t},
+        )
         for t in ("fsspec", "obstore")
     }
-    print(f"\nasyncload.load of a {total / (1 << 20):.0f} MiB DCP checkpoint (one file per item) on S3", flush=True)
+    print(
+        f"\nasyncload.load of a {total / (1 << 20):.0f} MiB DCP checkpoint (one file per item) on S3",
+        flush=True,
+    )
     res = _rounds(contenders, args.rounds, total)
     _table("asyncload.load, S3", res, total, {"load transport=obstore": "load transport=fsspec"})
 

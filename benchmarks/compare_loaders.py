@@ -16,7 +16,11 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__" and "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform.startswith("linux"):
+if (
+    __name__ == "__main__"
+    and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    and sys.platform.startswith("linux")
+):
     # glibc raises its mmap threshold after large frees, and then keeps freed buffers in the
     # heap: one loader's garbage would hide the next one's peak RSS. A fixed threshold makes
     # every large buffer go back to the system when freed, so the peaks compare fairly.
@@ -53,7 +57,9 @@ def copy_into(dest: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -75,13 +81,19 @@ def main() -> None:
         )
 
         loaders: dict[str, Callable[[], None]] = {
-            "torch dcp.load (FileSystemReader)": lambda: dcp.load(dest, checkpoint_id=str(tmp / "dcp")),
+            "torch dcp.load (FileSystemReader)": lambda: dcp.load(
+                dest, checkpoint_id=str(tmp / "dcp")
+            ),
             "asyncload.load (DCP)": lambda: asyncload.load(dest, tmp / "dcp"),
-            "safetensors load_file + copy": lambda: copy_into(dest, load_file(str(tmp / "model.safetensors"))),
+            "safetensors load_file + copy": lambda: copy_into(
+                dest, load_file(str(tmp / "model.safetensors"))
+            ),
             "torch.load(mmap=True) + copy": lambda: copy_into(
                 dest, torch.load(tmp / "model.pt", mmap=True, weights_only=True)
             ),
-            "torch.load + copy": lambda: copy_into(dest, torch.load(tmp / "model.pt", weights_only=True)),
+            "torch.load + copy": lambda: copy_into(
+                dest, torch.load(tmp / "model.pt", weights_only=True)
+            ),
         }
         times: dict[str, list[float]] = {k: [] for k in loaders}
         rss: dict[str, int] = dict.fromkeys(loaders, 0)
@@ -97,13 +109,19 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t0)
                 rss[name] = max(rss[name], meter.above)
             print(
-                f"round {r + 1}: " + ", ".join(f"{k.split(' ')[0]} {v[-1]:.3f}s" for k, v in times.items()), flush=True
+                f"round {r + 1}: "
+                + ", ".join(f"{k.split(' ')[0]} {v[-1]:.3f}s" for k, v in times.items()),
+                flush=True,
             )
         base = statistics.median(times["torch dcp.load (FileSystemReader)"])
-        print(f"\n{'loader':<36}{'seconds':>9}{'GiB/s':>8}{'vs dcp.load':>13}{'peak RSS above dest':>21}")
+        print(
+            f"\n{'loader':<36}{'seconds':>9}{'GiB/s':>8}{'vs dcp.load':>13}{'peak RSS above dest':>21}"
+        )
         for name in loaders:
             s = statistics.median(times[name])
-            print(f"{name:<36}{s:>9.3f}{nbytes / GiB / s:>8.2f}{base / s:>12.2f}x{rss[name] / MiB:>17.0f} MiB")
+            print(
+                f"{name:<36}{s:>9.3f}{nbytes / GiB / s:>8.2f}{base / s:>12.2f}x{rss[name] / MiB:>17.0f} MiB"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -21,18 +21,49 @@ OUT = REPO / "docs" / "img" / "pipeline_user.svg"
 STAGES: list[tuple[str, list[str]]] = [
     (
         "your checkpoint",
-        ["a local directory, file://,", "s3://, gs://, http(s)://", "DCP, safetensors,", "torch.save files"],
+        [
+            "a local directory, file://,",
+            "s3://, gs://, http(s)://",
+            "DCP, safetensors,",
+            "torch.save files",
+        ],
     ),
     (
         "metadata",
-        ["what is where: .metadata", "or the files' headers", "decoded by an allow-list:", "no checkpoint code runs"],
+        [
+            "what is where: .metadata",
+            "or the files' headers",
+            "decoded by an allow-list:",
+            "no checkpoint code runs",
+        ],
     ),
-    ("plan", ["the byte ranges your", "tensors need, split at", "chunk_size, merged", "below min_chunk_size"]),
-    ("readers", ["concurrency reads in", "flight, each with its", "timeout and retries;", "stragglers hedged"]),
+    (
+        "plan",
+        [
+            "the byte ranges your",
+            "tensors need, split at",
+            "chunk_size, merged",
+            "below min_chunk_size",
+        ],
+    ),
+    (
+        "readers",
+        [
+            "concurrency reads in",
+            "flight, each with its",
+            "timeout and retries;",
+            "stragglers hedged",
+        ],
+    ),
     ("buffer", ["bytes read, not yet", "copied: at most", "memory_budget", ""]),
     (
         "your tensors",
-        ["each chunk copied into", "state_dict in place", "(CPU or GPU) while later", "chunks are still read"],
+        [
+            "each chunk copied into",
+            "state_dict in place",
+            "(CPU or GPU) while later",
+            "chunks are still read",
+        ],
     ),
 ]
 #: what comes back, under the stage it comes from (index into STAGES)
@@ -61,7 +92,9 @@ def svg() -> str:
     for i, (title, lines) in enumerate(STAGES):
         x = LEFT + i * (BOX_W + GAP)
         fill = "#e8f0fb" if i not in (0, len(STAGES) - 1) else "#f3f3f3"
-        out.append(f"<rect x='{x}' y='{TOP}' width='{BOX_W}' height='{BOX_H}' rx='8' fill='{fill}' stroke='#4a6fa5'/>")
+        out.append(
+            f"<rect x='{x}' y='{TOP}' width='{BOX_W}' height='{BOX_H}' rx='8' fill='{fill}' stroke='#4a6fa5'/>"
+        )
         out.append(
             f"<text x='{x + BOX_W / 2}' y='{TOP + 22}' text-anchor='middle' {FONT} font-size='13' "
             f"font-weight='bold'>{escape(title)}</text>"
@@ -86,13 +119,17 @@ def svg() -> str:
         )
         anchor = "end" if stage == len(STAGES) - 1 else "middle"
         tx = cx + (BOX_W / 2 if anchor == "end" else 0)
-        out.append(f"<text x='{tx}' y='{y + 2}' text-anchor='{anchor}' {FONT} font-size='12'>{escape(text)}</text>")
+        out.append(
+            f"<text x='{tx}' y='{y + 2}' text-anchor='{anchor}' {FONT} font-size='12'>{escape(text)}</text>"
+        )
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.out.write_text(svg())

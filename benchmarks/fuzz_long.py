@@ -46,7 +46,12 @@ def corpus_table() -> list[tuple[str, str, str, str, float, float]]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from asyncload import AsyncLoadError
-    from asyncload.decoding.allowlist import check_metadata, record_globals, safe_loads, storage_persistent_load
+    from asyncload.decoding.allowlist import (
+        check_metadata,
+        record_globals,
+        safe_loads,
+        storage_persistent_load,
+    )
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -64,14 +69,21 @@ def corpus_table() -> list[tuple[str, str, str, str, float, float]]:
                         md = safe_loads(h.data, what="x", check_structure=False, expect=Metadata)
                         check_metadata(md, "x")
                     else:
-                        safe_loads(h.data, what="x", allowed=record_globals(), persistent_load=storage_persistent_load)
+                        safe_loads(
+                            h.data,
+                            what="x",
+                            allowed=record_globals(),
+                            persistent_load=storage_persistent_load,
+                        )
                     got = "(decoded)"
                 except AsyncLoadError as exc:
                     got = type(exc).__name__
                 dt = time.perf_counter() - t0
                 grew = (_status("VmHWM:") - before) / 2**20 if before else float("nan")
                 rows.append((h.kind, h.name, policy, got, dt, grew))
-            assert not any(p.name.startswith("executed") for p in Path(d).iterdir()), "a payload ran"
+            assert not any(p.name.startswith("executed") for p in Path(d).iterdir()), (
+                "a payload ran"
+            )
     return rows
 
 
@@ -121,13 +133,30 @@ def _worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, que
             if dt > slowest[0]:
                 slowest = (dt, name)
             if dt > slow:
-                findings.append({"target": name, "example": i, "error": f"slow: {dt:.2f} s", "input": data[:256].hex()})
+                findings.append(
+                    {
+                        "target": name,
+                        "example": i,
+                        "error": f"slow: {dt:.2f} s",
+                        "input": data[:256].hex(),
+                    }
+                )
             tried[name] += 1
             i += 1
-    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
+    queue.put(
+        {
+            "wid": wid,
+            "tried": dict(tried),
+            "outcome": dict(outcome),
+            "findings": findings,
+            "slowest": slowest,
+        }
+    )
 
 
-def _structural_worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, queue: Any) -> None:
+def _structural_worker(
+    wid: int, seed: int, seconds: float, slow: float, progress: Any, queue: Any
+) -> None:
     import warnings
 
     import torch
@@ -169,14 +198,29 @@ def _structural_worker(wid: int, seed: int, seconds: float, slow: float, progres
             slowest = max(slowest, (dt, "structural"))
             if dt > slow:
                 findings.append(
-                    {"target": "structural", "example": i, "error": f"slow: {dt:.2f} s", "input": repr(mutations)}
+                    {
+                        "target": "structural",
+                        "example": i,
+                        "error": f"slow: {dt:.2f} s",
+                        "input": repr(mutations),
+                    }
                 )
             tried["structural metadata load"] += 1
             i += 1
-    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
+    queue.put(
+        {
+            "wid": wid,
+            "tried": dict(tried),
+            "outcome": dict(outcome),
+            "findings": findings,
+            "slowest": slowest,
+        }
+    )
 
 
-def _forged_worker(wid: int, seed: int, seconds: float, slow: float, progress: Any, queue: Any) -> None:
+def _forged_worker(
+    wid: int, seed: int, seconds: float, slow: float, progress: Any, queue: Any
+) -> None:
     """Issue 25's surfaces, alternately: forged ``planner_data`` paths and forged claimed sizes
     of zstd-transformed records, each read by ``read_state_dict`` (tests/_forging.py)."""
     import warnings
@@ -207,7 +251,11 @@ def _forged_worker(wid: int, seed: int, seconds: float, slow: float, progress: A
         plain = make_checkpoint(Path(d) / "ckpt", forge_state_dict())
         plain_md = read_metadata(plain)
         zstd = Path(d) / "zstd"
-        dcp.save(forge_state_dict(), storage_writer=FileSystemWriter(zstd, _extensions=[ZStandard()]), no_dist=True)
+        dcp.save(
+            forge_state_dict(),
+            storage_writer=FileSystemWriter(zstd, _extensions=[ZStandard()]),
+            no_dist=True,
+        )
         zstd_md = read_metadata(zstd)
         end = time.monotonic() + seconds
         i = 0
@@ -239,18 +287,38 @@ def _forged_worker(wid: int, seed: int, seconds: float, slow: float, progress: A
             dt = time.perf_counter() - t0
             slowest = max(slowest, (dt, name))
             if dt > slow:
-                findings.append({"target": name, "example": i, "error": f"slow: {dt:.2f} s", "input": repr(mutations)})
+                findings.append(
+                    {
+                        "target": name,
+                        "example": i,
+                        "error": f"slow: {dt:.2f} s",
+                        "input": repr(mutations),
+                    }
+                )
             tried[name] += 1
             i += 1
-    queue.put({"wid": wid, "tried": dict(tried), "outcome": dict(outcome), "findings": findings, "slowest": slowest})
+    queue.put(
+        {
+            "wid": wid,
+            "tried": dict(tried),
+            "outcome": dict(outcome),
+            "findings": findings,
+            "slowest": slowest,
+        }
+    )
 
 
-def campaign(minutes: float, workers: int, seed: int, slow: float, *, target: Any = None) -> dict[str, Any]:
+def campaign(
+    minutes: float, workers: int, seed: int, slow: float, *, target: Any = None
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     progress = ctx.Array("q", workers)
     target = target or _worker
-    procs = [ctx.Process(target=target, args=(w, seed, minutes * 60, slow, progress, queue)) for w in range(workers)]
+    procs = [
+        ctx.Process(target=target, args=(w, seed, minutes * 60, slow, progress, queue))
+        for w in range(workers)
+    ]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -292,14 +360,21 @@ def campaign(minutes: float, workers: int, seed: int, slow: float, *, target: An
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=int(time.time()))
-    ap.add_argument("--slow", type=float, default=5.0, help="an example slower than this (s) is a finding")
+    ap.add_argument(
+        "--slow", type=float, default=5.0, help="an example slower than this (s) is a finding"
+    )
     ap.add_argument("--skip-corpus", action="store_true")
     ap.add_argument(
-        "--structural-minutes", type=float, default=0.0, help="also run the structural .metadata campaign this long"
+        "--structural-minutes",
+        type=float,
+        default=0.0,
+        help="also run the structural .metadata campaign this long",
     )
     ap.add_argument(
         "--forged-minutes",
@@ -311,7 +386,9 @@ def main() -> None:
 
     if not args.skip_corpus:
         print("Hostile corpus (tests/_hostile.py), decoded directly with each policy")
-        print(f"{'kind':34s} {'pickle':48s} {'policy':8s} {'error':24s} {'ms':>9s} {'peak RSS +MiB':>13s}")
+        print(
+            f"{'kind':34s} {'pickle':48s} {'policy':8s} {'error':24s} {'ms':>9s} {'peak RSS +MiB':>13s}"
+        )
         for kind, name, policy, got, dt, grew in corpus_table():
             print(f"{kind:34s} {name:48s} {policy:8s} {got:24s} {dt * 1e3:9.1f} {grew:13.1f}")
         print()
@@ -326,14 +403,22 @@ def main() -> None:
             f"Structural metadata campaign: {args.structural_minutes} min on {args.workers} workers, seed {args.seed}"
         )
         failed |= _report(
-            campaign(args.structural_minutes, args.workers, args.seed, args.slow, target=_structural_worker)
+            campaign(
+                args.structural_minutes,
+                args.workers,
+                args.seed,
+                args.slow,
+                target=_structural_worker,
+            )
         )
     if args.forged_minutes > 0:
         print()
         print(
             f"Forged planner_data and transformed claims: {args.forged_minutes} min on {args.workers} workers, seed {args.seed}"
         )
-        failed |= _report(campaign(args.forged_minutes, args.workers, args.seed, args.slow, target=_forged_worker))
+        failed |= _report(
+            campaign(args.forged_minutes, args.workers, args.seed, args.slow, target=_forged_worker)
+        )
     sys.exit(1 if failed else 0)
 
 

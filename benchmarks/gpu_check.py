@@ -83,7 +83,11 @@ def make_state(total_bytes: int, hidden: int) -> dict[str, Any]:
     g = torch.Generator(device=where).manual_seed(0)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, device=where, dtype=torch.float32).to(torch.bfloat16).cpu()
+        return (
+            torch.randn(*shape, generator=g, device=where, dtype=torch.float32)
+            .to(torch.bfloat16)
+            .cpu()
+        )
 
     per_layer = 12 * hidden * hidden * 2
     layers = max(1, total_bytes // per_layer)
@@ -101,7 +105,12 @@ def make_state(total_bytes: int, hidden: int) -> dict[str, Any]:
     return sd
 
 
-_ST = {"torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float16": "F16", "torch.int64": "I64"}
+_ST = {
+    "torch.bfloat16": "BF16",
+    "torch.float32": "F32",
+    "torch.float16": "F16",
+    "torch.int64": "I64",
+}
 
 
 def write_safetensors(sd: dict[str, Any], path: Path) -> None:
@@ -117,7 +126,11 @@ def write_safetensors(sd: dict[str, Any], path: Path) -> None:
     off = 0
     for k, t in sd.items():
         n = t.numel() * t.element_size()
-        header[k] = {"dtype": _ST[str(t.dtype)], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        header[k] = {
+            "dtype": _ST[str(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + n],
+        }
         off += n
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * ((8 - len(h) % 8) % 8)
@@ -170,7 +183,9 @@ def same_bits(a: Any, b: Any, what: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=2)
@@ -240,7 +255,11 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
         say(f"making a ~{args.size_gib:g} GiB bf16 state dict")
         sd = make_state(int(args.size_gib * (1 << 30)), args.hidden)
         total = sum(t.numel() * t.element_size() for t in sd.values())
-        paths = {"dcp": work / "dcp", "safetensors": work / "model.safetensors", "torch.save": work / "model.pt"}
+        paths = {
+            "dcp": work / "dcp",
+            "safetensors": work / "model.safetensors",
+            "torch.save": work / "model.pt",
+        }
         dcp.save(sd, checkpoint_id=paths["dcp"], no_dist=True)
         write_safetensors(sd, paths["safetensors"])
         torch.save(sd, paths["torch.save"])
@@ -273,7 +292,9 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
                     same_bits(gpu[k], sd[k], f"{fmt} {k} (64 MiB budget)")
                 assert stats.peak_buffered_bytes <= small.memory_budget, stats.peak_buffered_bytes
 
-            checks.run(f"{fmt}: 64 MiB budget, 8 MiB chunks (ring reused), bit for bit", small_budget)
+            checks.run(
+                f"{fmt}: 64 MiB budget, 8 MiB chunks (ring reused), bit for bit", small_budget
+            )
 
         keys = list(sd)
         big = next(k for k in keys if k.endswith("mlp.up.weight"))
@@ -282,9 +303,15 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
 
         def odd_destinations() -> None:
             for fmt, path in paths.items():
-                dest: dict[str, Any] = {k: torch.zeros(v.shape, dtype=v.dtype, device=dev) for k, v in sd.items()}
-                dest[big] = torch.zeros(sd[big].shape[::-1], dtype=torch.bfloat16, device=dev).t()  # strided view
-                dest[other] = torch.zeros(sd[other].shape, dtype=torch.float32, device=dev)  # cast on load
+                dest: dict[str, Any] = {
+                    k: torch.zeros(v.shape, dtype=v.dtype, device=dev) for k, v in sd.items()
+                }
+                dest[big] = torch.zeros(
+                    sd[big].shape[::-1], dtype=torch.bfloat16, device=dev
+                ).t()  # strided view
+                dest[other] = torch.zeros(
+                    sd[other].shape, dtype=torch.float32, device=dev
+                )  # cast on load
                 dest[norm] = torch.zeros(sd[norm].shape, dtype=torch.bfloat16)  # stays on CPU
                 asyncload.load(dest, path, options=LoadOptions(allow_dtype_cast=True))
                 assert not on_gpu or dest[norm].device.type == "cpu"
@@ -304,7 +331,9 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
             for k in sd:
                 same_bits(gpu[k], sd[k], f"{k} after queued fill_")
 
-        checks.run("destinations with CUDA work still queued on the caller's stream", queued_work_first)
+        checks.run(
+            "destinations with CUDA work still queued on the caller's stream", queued_work_first
+        )
 
         # --- throughput ------------------------------------------------------------------
         from torch.distributed.checkpoint import FileSystemReader
@@ -320,16 +349,25 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
         methods: list[tuple[str, Callable[[], Any]]] = []
         for fmt, path in paths.items():
             methods.append(
-                (f"asyncload -> cuda ({fmt})", lambda p=path: (asyncload.load(gpu, p), torch.cuda.synchronize()))
+                (
+                    f"asyncload -> cuda ({fmt})",
+                    lambda p=path: (asyncload.load(gpu, p), torch.cuda.synchronize()),
+                )
             )
             methods.append(
-                (f"asyncload -> cpu + copy_ ({fmt})", lambda p=path: (asyncload.load(cpu, p), sync_copy(cpu)))
+                (
+                    f"asyncload -> cpu + copy_ ({fmt})",
+                    lambda p=path: (asyncload.load(cpu, p), sync_copy(cpu)),
+                )
             )
         methods.append(
             (
                 "torch.load + .cuda() (model.pt)",
                 lambda: sync_copy(
-                    {k: v.to(dev) for k, v in torch.load(paths["torch.save"], weights_only=True).items()}
+                    {
+                        k: v.to(dev)
+                        for k, v in torch.load(paths["torch.save"], weights_only=True).items()
+                    }
                 ),
             )
         )
@@ -337,7 +375,12 @@ def run(args: argparse.Namespace, env: dict[str, Any], dev: Any) -> int:
             (
                 "torch.load(mmap=True) + .cuda() (model.pt)",
                 lambda: sync_copy(
-                    {k: v.to(dev) for k, v in torch.load(paths["torch.save"], mmap=True, weights_only=True).items()}
+                    {
+                        k: v.to(dev)
+                        for k, v in torch.load(
+                            paths["torch.save"], mmap=True, weights_only=True
+                        ).items()
+                    }
                 ),
             )
         )

@@ -55,7 +55,11 @@ def save(sd: dict[str, Any], path: Path, files: int) -> None:
 
 
 def timed_load(
-    dest: dict[str, Any], url: str, options: LoadOptions, storage_options: dict[str, Any] | None, repeats: int
+    dest: dict[str, Any],
+    url: str,
+    options: LoadOptions,
+    storage_options: dict[str, Any] | None,
+    repeats: int,
 ) -> float:
     """Median wall seconds of ``repeats`` loads."""
     times = []
@@ -68,7 +72,10 @@ def timed_load(
 
 def options(chunk: int, conc: int, **kw: Any) -> LoadOptions:
     return LoadOptions(
-        chunk_size=chunk, min_chunk_size=min(kw.pop("min_chunk_size", MiB), chunk), concurrency=conc, **kw
+        chunk_size=chunk,
+        min_chunk_size=min(kw.pop("min_chunk_size", MiB), chunk),
+        concurrency=conc,
+        **kw,
     )
 
 
@@ -87,7 +94,9 @@ def sweep(
     for chunk in chunks:
         for conc in concs:
             s = timed_load(dest, url, options(chunk, conc, **kw), storage_options, repeats)
-            out.append({"chunk_size": chunk, "concurrency": conc, "seconds": s, "gib_s": nbytes / GiB / s})
+            out.append(
+                {"chunk_size": chunk, "concurrency": conc, "seconds": s, "gib_s": nbytes / GiB / s}
+            )
             print(
                 f"  {label:<6} chunk {size_label(chunk):>8}  concurrency {conc:>3}: {s:7.3f} s  "
                 f"{nbytes / GiB / s:6.2f} GiB/s",
@@ -136,7 +145,10 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ax = axes[0]
         for conc in concs:
             ax.plot(
-                [c / MiB for c in chunks], [value[(c, conc)] for c in chunks], marker="o", label=f"concurrency {conc}"
+                [c / MiB for c in chunks],
+                [value[(c, conc)] for c in chunks],
+                marker="o",
+                label=f"concurrency {conc}",
             )
         log2_axis(ax, [c / MiB for c in chunks], [size_label(c) for c in chunks])
         ax.set_xlabel("chunk_size")
@@ -146,7 +158,12 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax = axes[1]
         for chunk in chunks:
-            ax.plot(concs, [value[(chunk, c)] for c in concs], marker="o", label=f"chunk_size {size_label(chunk)}")
+            ax.plot(
+                concs,
+                [value[(chunk, c)] for c in concs],
+                marker="o",
+                label=f"chunk_size {size_label(chunk)}",
+            )
         log2_axis(ax, concs, [str(c) for c in concs])
         ax.set_xlabel("concurrency (reads in flight)")
         ax.set_ylabel(ylabel)
@@ -159,8 +176,17 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     grid_panels(axes, local["grid"], "gib_s", "GiB/s")
     ax = axes[2]
     budgets = local["budget"]
-    ax.plot([b["memory_budget"] / MiB for b in budgets], [b["gib_s"] for b in budgets], marker="o", color="C3")
-    log2_axis(ax, [b["memory_budget"] / MiB for b in budgets], [size_label(b["memory_budget"]) for b in budgets])
+    ax.plot(
+        [b["memory_budget"] / MiB for b in budgets],
+        [b["gib_s"] for b in budgets],
+        marker="o",
+        color="C3",
+    )
+    log2_axis(
+        ax,
+        [b["memory_budget"] / MiB for b in budgets],
+        [size_label(b["memory_budget"]) for b in budgets],
+    )
     ax.set_xlabel("memory_budget")
     ax.set_ylabel("GiB/s")
     ax.set_title(
@@ -179,10 +205,14 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
     remote = results["remote"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    grid_panels(axes, remote["grid"], "gib_s", "GiB/s")  # the unit of the local figure and of LoadStats
+    grid_panels(
+        axes, remote["grid"], "gib_s", "GiB/s"
+    )  # the unit of the local figure and of LoadStats
     ax = axes[2]
     mins = remote["min_chunk"]
-    ax.bar([size_label(m["min_chunk_size"]) for m in mins], [m["seconds"] for m in mins], color="C2")
+    ax.bar(
+        [size_label(m["min_chunk_size"]) for m in mins], [m["seconds"] for m in mins], color="C2"
+    )
     for i, m in enumerate(mins):
         ax.text(i, m["seconds"], f"{m['requests']} req", ha="center", va="bottom", fontsize=8)
     ax.set_xlabel("min_chunk_size")
@@ -205,13 +235,17 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--local-mib", type=int, default=512)
     parser.add_argument("--remote-mib", type=int, default=192)
     parser.add_argument("--latency-ms", type=float, default=10.0, help="added each way per request")
     parser.add_argument("--repeats", type=int, default=5, help="loads per local point (median)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "img")
-    parser.add_argument("--plot-only", action="store_true", help="redraw from the existing tuning.json")
+    parser.add_argument(
+        "--plot-only", action="store_true", help="redraw from the existing tuning.json"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "tuning.json"
@@ -223,7 +257,10 @@ def main() -> None:
     from asyncload.testing import FaultProxy
 
     t_start = time.perf_counter()
-    results: dict[str, Any] = {"machine": f"{os.cpu_count()} CPU cores", "command": " ".join(sys.argv)}
+    results: dict[str, Any] = {
+        "machine": f"{os.cpu_count()} CPU cores",
+        "command": " ".join(sys.argv),
+    }
     tmp = Path(tempfile.mkdtemp(prefix="asyncload-tuning-"))
     store = proxy = None
     try:
@@ -248,10 +285,13 @@ def main() -> None:
         )
         budgets = []
         for budget in (16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB, 512 * MiB):
-            s = timed_load(dest, url, options(16 * MiB, 16, memory_budget=budget), None, args.repeats)
+            s = timed_load(
+                dest, url, options(16 * MiB, 16, memory_budget=budget), None, args.repeats
+            )
             budgets.append({"memory_budget": budget, "seconds": s, "gib_s": nbytes / GiB / s})
             print(
-                f"  local  memory_budget {size_label(budget):>8}: {s:7.3f} s  {nbytes / GiB / s:6.2f} GiB/s", flush=True
+                f"  local  memory_budget {size_label(budget):>8}: {s:7.3f} s  {nbytes / GiB / s:6.2f} GiB/s",
+                flush=True,
             )
         results["local"] = {
             "mib": round(nbytes / MiB),
@@ -281,7 +321,15 @@ def main() -> None:
             flush=True,
         )
         rgrid = sweep(
-            "remote", dest, rurl, nbytes, [MiB, 4 * MiB, 16 * MiB], [1, 4, 16, 64], storage_options, 1, hedge=False
+            "remote",
+            dest,
+            rurl,
+            nbytes,
+            [MiB, 4 * MiB, 16 * MiB],
+            [1, 4, 16, 64],
+            storage_options,
+            1,
+            hedge=False,
         )
         small = small_tensors(1500, 64 * KiB)
         save(small, tmp / "small", files=1)
@@ -294,7 +342,10 @@ def main() -> None:
             st = asyncload.load(sdest, surl, options=opts, storage_options=storage_options)
             s = time.perf_counter() - t0
             mins.append({"min_chunk_size": m, "seconds": s, "requests": st.chunks})
-            print(f"  small  min_chunk_size {size_label(m):>8}: {s:7.3f} s, {st.chunks} requests", flush=True)
+            print(
+                f"  small  min_chunk_size {size_label(m):>8}: {s:7.3f} s, {st.chunks} requests",
+                flush=True,
+            )
         results["remote"] = {
             "mib": round(nbytes / MiB),
             "files": files,

@@ -70,10 +70,14 @@ def _phases(reads: _Reads, t0: float, t1: float, data_from: int) -> tuple[float,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument(
+        "--dir", default=None, help="where to write the checkpoint (default: a temp dir)"
+    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore", module="torch.distributed")
     print(f"asyncload: {asyncload.__file__}; load average (start): {C.loadavg()}")
@@ -125,12 +129,16 @@ def main() -> None:
             f"\n{C.gib(size)} GiB in {len(files)} file(s), {len(dest)} keys, warm page cache, "
             f"median of {args.rounds} interleaved rounds, {os.cpu_count()} CPUs"
         )
-        print(f"{'':28s} {'seconds':>8s} {'x bound':>8s} {'start ms':>9s} {'data ms':>8s} {'end ms':>7s}")
+        print(
+            f"{'':28s} {'seconds':>8s} {'x bound':>8s} {'start ms':>9s} {'data ms':>8s} {'end ms':>7s}"
+        )
         print(f"{'bound (into one buffer)':28s} {bound:8.4f} {1.0:8.2f}")
         for name in variants:
             t = statistics.median(times[name])
             s, d, e = (statistics.median(p[i] for p in phases[name]) * 1e3 for i in range(3))
-            print(f"{'asyncload, ' + name:28s} {t:8.4f} {bound / t:8.2f} {s:9.1f} {d:8.1f} {e:7.1f}")
+            print(
+                f"{'asyncload, ' + name:28s} {t:8.4f} {bound / t:8.2f} {s:9.1f} {d:8.1f} {e:7.1f}"
+            )
         if session_log:
             print(f"\nlast load's phases (asyncload.session DEBUG): {session_log[-1]}")
         print(f"load average (end): {C.loadavg()}")

@@ -80,7 +80,9 @@ print("RESULT " + json.dumps({"total": total, "events": events, "first_bytes": f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--latency", type=float, default=0.010)
@@ -102,7 +104,10 @@ def main() -> None:
     exe = find_s3rver()
     if exe is None:
         sys.exit("s3rver is not installed (npm install --prefix .s3rver s3rver@3.7.1)")
-    with tempfile.TemporaryDirectory(prefix="asyncload-profile-") as tmp, S3rverServer(executable=exe) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="asyncload-profile-") as tmp,
+        S3rverServer(executable=exe) as server,
+    ):
         written = [x for x in layouts if x != "safetensors-file"]
         if "safetensors-file" in layouts and "safetensors" not in written:
             written.append("safetensors")
@@ -116,9 +121,14 @@ def main() -> None:
                 for r in range(args.rounds):
                     cfg = {"url": urls[layout], "endpoint": proxy.url, "tensors": spec}
                     out = subprocess.run(
-                        [sys.executable, "-c", _CHILD, json.dumps(cfg)], capture_output=True, text=True, check=False
+                        [sys.executable, "-c", _CHILD, json.dumps(cfg)],
+                        capture_output=True,
+                        text=True,
+                        check=False,
                     )
-                    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+                    line = next(
+                        (x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None
+                    )
                     if line is None:
                         print(layout, "failed:", out.stderr[-2000:])
                         continue
@@ -140,7 +150,9 @@ def report(layout: str, r: int, res: dict[str, Any]) -> None:
     kinds: dict[str, list[Any]] = {}
     for e in before:
         small = e[0] == "GET" and len(e[2]) == 2 and e[2][1] - e[2][0] < MiB
-        kinds.setdefault(("probe/metadata GET" if small else e[0]) if e[0] == "GET" else e[0], []).append(e)
+        kinds.setdefault(
+            ("probe/metadata GET" if small else e[0]) if e[0] == "GET" else e[0], []
+        ).append(e)
     for kind, es in kinds.items():
         print(
             f"  {kind:20s} {len(es):4d} requests, first {es[0][3] * 1e3:7.1f} ms, "
@@ -148,7 +160,9 @@ def report(layout: str, r: int, res: dict[str, Any]) -> None:
         )
     for e in events[:8]:
         rng = f"[{e[2][0]}, {e[2][1]})" if len(e[2]) == 2 else ""
-        print(f"    {e[0]:5s} {str(e[1])[:40]:40s} {rng:24s} {e[3] * 1e3:7.1f} -> {e[4] * 1e3:7.1f} ms")
+        print(
+            f"    {e[0]:5s} {str(e[1])[:40]:40s} {rng:24s} {e[3] * 1e3:7.1f} -> {e[4] * 1e3:7.1f} ms"
+        )
     if first_data is not None:
         fb = [t for t in res["first_bytes"] if t >= first_data[3]]
         print(

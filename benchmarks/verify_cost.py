@@ -44,8 +44,12 @@ def make_state(layers: int = 8, hidden: int = 1024, vocab: int = 32000) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, default=None, help="checkpoint directory (written if missing)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--dir", type=Path, default=None, help="checkpoint directory (written if missing)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
@@ -75,7 +79,9 @@ def main() -> None:
         for label, impl in impls.items():
             crc_module.crc32 = impl or default
             t0 = time.perf_counter()
-            stats = asyncload.load(dest, path, options=asyncload.LoadOptions(verify=impl is not None))
+            stats = asyncload.load(
+                dest, path, options=asyncload.LoadOptions(verify=impl is not None)
+            )
             times[label].append(time.perf_counter() - t0)
             if impl is not None:
                 verified = stats.verified_records
@@ -85,7 +91,9 @@ def main() -> None:
     zlib.crc32(buf)
     crc_speed = len(buf) / (time.perf_counter() - t0)
 
-    print(f"checkpoint: {nbytes / MiB:.0f} MiB in {len(dest)} tensors, {path}; {verified} records verified")
+    print(
+        f"checkpoint: {nbytes / MiB:.0f} MiB in {len(dest)} tensors, {path}; {verified} records verified"
+    )
     off = statistics.median(times["off"])
     for label, ts in times.items():
         med = statistics.median(ts)

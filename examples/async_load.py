@@ -53,15 +53,21 @@ async def main(weights: str, ema: str) -> None:
     stop = asyncio.Event()
     beat = asyncio.create_task(heartbeat(lags, stop))
 
-    stats_w, stats_e = await asyncio.gather(asyncload.aload(dest_w, weights), asyncload.aload(dest_e, ema))
+    stats_w, stats_e = await asyncio.gather(
+        asyncload.aload(dest_w, weights), asyncload.aload(dest_e, ema)
+    )
     stop.set()
     await beat
     print(f"weights: {stats_w}")
     print(f"ema:     {stats_e}")
-    print(f"event loop stayed responsive: worst heartbeat delay {max(lags, default=0.0) * 1e3:.1f} ms")
+    print(
+        f"event loop stayed responsive: worst heartbeat delay {max(lags, default=0.0) * 1e3:.1f} ms"
+    )
 
     # a load is a task like any other: cancel it, and nothing of it is left running
-    task = asyncio.create_task(asyncload.aload({k: torch.zeros_like(v) for k, v in dest_w.items()}, weights))
+    task = asyncio.create_task(
+        asyncload.aload({k: torch.zeros_like(v) for k, v in dest_w.items()}, weights)
+    )
     await asyncio.sleep(0)
     task.cancel()
     try:

@@ -35,7 +35,12 @@ WIDTH, LAYERS = (64, 2) if SMALL else (1024, 12)
 def build_model() -> nn.Module:
     return nn.Sequential(
         *(
-            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+            nn.Sequential(
+                nn.Linear(WIDTH, 4 * WIDTH),
+                nn.GELU(),
+                nn.Linear(4 * WIDTH, WIDTH),
+                nn.LayerNorm(WIDTH),
+            )
             for _ in range(LAYERS)
         )
     )
@@ -43,13 +48,17 @@ def build_model() -> nn.Module:
 
 def build_rest_of_the_job(model: nn.Module) -> torch.optim.Optimizer:
     """Stands for the slow parts of start-up: optimizer, tokenizer, data loader, compilation."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # refers to the parameters, touches no data
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4
+    )  # refers to the parameters, touches no data
     time.sleep(0.2)  # e.g. a data loader spinning up its workers
     return opt
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", nargs="?")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="asyncload-bg-") as tmp:

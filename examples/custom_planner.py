@@ -40,13 +40,19 @@ class RenamingPlanner(asyncload.ShardedLoadPlanner):
     """
 
     def __init__(
-        self, *, prefix: str = "module.", keep: Callable[[str], bool] = lambda key: True, **kwargs: Any
+        self,
+        *,
+        prefix: str = "module.",
+        keep: Callable[[str], bool] = lambda key: True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.prefix = prefix
         self.keep = keep
 
-    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self.state_dict = {self.prefix + k: v for k, v in self.state_dict.items() if self.keep(k)}
         self.mappings = {self.prefix + k: v for k, v in self.mappings.items() if self.keep(k)}

@@ -29,7 +29,11 @@ import os
 import sys
 import warnings
 
-if __name__ == "__main__" and "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform.startswith("linux"):
+if (
+    __name__ == "__main__"
+    and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    and sys.platform.startswith("linux")
+):
     # glibc raises its mmap threshold after large frees, and then keeps freed buffers in the
     # heap: one loader's garbage would hide the next one's peak RSS. A fixed threshold makes
     # every large buffer go back to the system when freed, so the peaks compare fairly.
@@ -66,13 +70,21 @@ MiB = 1 << 20
 def model_shape(size_bytes: int) -> dict[str, int]:
     """Hidden size, MLP width, vocabulary and layer count for a checkpoint of about ``size_bytes``."""
     size_mib = size_bytes / MiB
-    hidden = 2048 if size_mib >= 512 else 1024 if size_mib >= 128 else 512 if size_mib >= 32 else 256
+    hidden = (
+        2048 if size_mib >= 512 else 1024 if size_mib >= 128 else 512 if size_mib >= 32 else 256
+    )
     ffn = (hidden * 11 // 4) // 64 * 64  # 5632 for 2048, as in a Llama-style MLP
     vocab = 4 * hidden
     per_layer = 8 * hidden * hidden + 6 * hidden * ffn  # q, k, v, o and gate, up, down in bf16
     fixed = 2 * vocab * hidden + 4 * vocab * hidden  # bf16 embedding, fp32 output head
     layers = max(1, round((size_bytes - fixed) / per_layer))
-    return {"hidden": hidden, "ffn": ffn, "vocab": vocab, "layers": layers, "head_dim": 128 if hidden >= 1024 else 64}
+    return {
+        "hidden": hidden,
+        "ffn": ffn,
+        "vocab": vocab,
+        "layers": layers,
+        "head_dim": 128 if hidden >= 1024 else 64,
+    }
 
 
 def make_state_dict(shape: dict[str, int], seed: int = 0) -> dict[str, Any]:
@@ -112,7 +124,11 @@ def tensor_bytes(sd: Any) -> int:
 def differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     """Keys where ``a`` and ``b`` differ, tensors compared bit for bit."""
     if isinstance(a, dict):
-        return [d for k in a for d in differences(a[k], b.get(k) if isinstance(b, dict) else None, f"{prefix}{k}.")]
+        return [
+            d
+            for k in a
+            for d in differences(a[k], b.get(k) if isinstance(b, dict) else None, f"{prefix}{k}.")
+        ]
     if isinstance(a, torch.Tensor):
         same = (
             isinstance(b, torch.Tensor)
@@ -204,8 +220,16 @@ def _reset_hwm() -> bool:
 
 
 class Row:
-    def __init__(self, where: str, reader: str, seconds: float, nbytes: int, rss_above: int) -> None:
-        self.where, self.reader, self.seconds, self.nbytes, self.rss_above = where, reader, seconds, nbytes, rss_above
+    def __init__(
+        self, where: str, reader: str, seconds: float, nbytes: int, rss_above: int
+    ) -> None:
+        self.where, self.reader, self.seconds, self.nbytes, self.rss_above = (
+            where,
+            reader,
+            seconds,
+            nbytes,
+            rss_above,
+        )
 
     @property
     def gib_s(self) -> float:
@@ -233,7 +257,11 @@ def run_torch(where: str, reader: Any, dest: dict[str, Any], total: int, name: s
 
 
 def run_asyncload(
-    where: str, url: str, dest: dict[str, Any], total: int, storage_options: dict[str, Any] | None = None
+    where: str,
+    url: str,
+    dest: dict[str, Any],
+    total: int,
+    storage_options: dict[str, Any] | None = None,
 ) -> Row:
     with ByteProgress(f"{where:<6} asyncload", total=total) as bar, PeakRSS() as rss:
         t0 = time.perf_counter()
@@ -255,7 +283,9 @@ def fmt_size(n: float) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'where':<7}{'reader':<30}{'seconds':>9}{'GiB/s':>8}{'vs torch':>10}{'peak RSS above destination':>29}"]
+    lines = [
+        f"{'where':<7}{'reader':<30}{'seconds':>9}{'GiB/s':>8}{'vs torch':>10}{'peak RSS above destination':>29}"
+    ]
     base: dict[str, float] = {}
     for r in rows:
         if r.reader.startswith("torch"):
@@ -282,7 +312,9 @@ def choose_server(kind: str, install: bool) -> str:
         return "moto"
     found = S3rverServer.find_executable()  # S3RVER_PREFIX is one of the places it looks in
     if found is None and install and shutil.which("npm") and shutil.which("node"):
-        say(f"   installing s3rver 3.7.1 with npm into {S3RVER_PREFIX} (once; --no-install to skip) ...")
+        say(
+            f"   installing s3rver 3.7.1 with npm into {S3RVER_PREFIX} (once; --no-install to skip) ..."
+        )
         try:
             subprocess.run(
                 [
@@ -307,7 +339,9 @@ def choose_server(kind: str, install: bool) -> str:
         os.environ.setdefault("ASYNCLOAD_S3RVER", found)
         return "s3rver"
     if kind == "s3rver":
-        raise SystemExit("s3rver is not installed and could not be installed (needs Node.js and npm)")
+        raise SystemExit(
+            "s3rver is not installed and could not be installed (needs Node.js and npm)"
+        )
     return "moto"
 
 
@@ -333,8 +367,12 @@ def upload(server: Any, files: list[Path], root: Path, bucket: str, prefix: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mib", type=int, default=1024, help="checkpoint size, MiB (default 1024)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--size-mib", type=int, default=1024, help="checkpoint size, MiB (default 1024)"
+    )
     parser.add_argument(
         "--server",
         choices=("auto", "s3rver", "moto"),
@@ -381,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
 
         say("\n2. Local disk (warm page cache), into fresh zero-filled tensors")
         reference = zeros_like_checkpoint(ckpt)
-        rows.append(run_torch("local", dcp.FileSystemReader(str(ckpt)), reference, total, "torch FileSystemReader"))
+        rows.append(
+            run_torch(
+                "local", dcp.FileSystemReader(str(ckpt)), reference, total, "torch FileSystemReader"
+            )
+        )
         dest = zeros_like_checkpoint(ckpt)
         rows.append(run_asyncload("local", str(ckpt), dest, total))
         check(reference, dest, "local asyncload")
@@ -397,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             zero(dest)
-            rows.append(run_torch("s3", FsspecReader(url, **opts), dest, total, "torch FsspecReader (s3fs)"))
+            rows.append(
+                run_torch("s3", FsspecReader(url, **opts), dest, total, "torch FsspecReader (s3fs)")
+            )
             check(reference, dest, "s3 torch")
             zero(dest)
             rows.append(run_asyncload("s3", url, dest, total, opts))
@@ -431,7 +475,9 @@ def zeros_like_checkpoint(ckpt: Path) -> dict[str, Any]:
     finally:
         reader.close()
     return {
-        k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        k: torch.zeros(tuple(m.size), dtype=m.properties.dtype)
+        if isinstance(m, TensorStorageMetadata)
+        else None
         for k, m in md.state_dict_metadata.items()
     }
 

@@ -66,14 +66,22 @@ def with_loopback_server() -> None:
         url = s3.upload_dir(tmp, "checkpoints", "run7/step-4000")
         # what you would pass for your own S3-compatible store (or leave out for AWS S3 with
         # credentials from the environment or ~/.aws): the loopback server's made-up keys
-        storage_options = {"endpoint_url": s3.endpoint_url, "key": s3.access_key, "secret": s3.secret_key}
+        storage_options = {
+            "endpoint_url": s3.endpoint_url,
+            "key": s3.access_key,
+            "secret": s3.secret_key,
+        }
         print(f"loopback S3 server at {s3.endpoint_url}; loading {url}")
-        state = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()}
+        state = {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()
+        }
         load_into(state, url, storage_options)
         fresh = load_new(url, storage_options)
     for got in (state, fresh):
         bad = [
-            k for k, v in saved.items() if not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)
+            k
+            for k, v in saved.items()
+            if not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)
         ]
         if bad or set(got) != set(saved):
             raise SystemExit(f"loaded values differ for {bad or sorted(set(got) ^ set(saved))}")
@@ -81,12 +89,20 @@ def with_loopback_server() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("url", nargs="?", help="s3://bucket/prefix of a DCP checkpoint")
-    parser.add_argument("--endpoint-url", help="an S3-compatible store's endpoint (MinIO, Ceph, R2...)")
+    parser.add_argument(
+        "--endpoint-url", help="an S3-compatible store's endpoint (MinIO, Ceph, R2...)"
+    )
     args = parser.parse_args()
     args.url = args.url or os.environ.get("ASYNCLOAD_S3_URL")
-    args.endpoint_url = args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    args.endpoint_url = (
+        args.endpoint_url
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
     if args.url is None:
         with_loopback_server()
         return

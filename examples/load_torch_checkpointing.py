@@ -38,7 +38,9 @@ logging.getLogger("torch_checkpointing").setLevel(logging.ERROR)
 
 def make_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+    return nn.Sequential(
+        nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.LayerNorm(WIDTH)
+    )
 
 
 def save(path: Path, model: nn.Module, step: int) -> None:
@@ -58,7 +60,9 @@ def save(path: Path, model: nn.Module, step: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt-dir", help="where to save (default: a temporary directory, removed afterwards)")
+    parser.add_argument(
+        "--ckpt-dir", help="where to save (default: a temporary directory, removed afterwards)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.ckpt_dir or tmp) / "step_100"

@@ -52,9 +52,13 @@ def seed_all() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)  # bit-exact steps on a busy machine
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--url", default=None, help="read the checkpoint from here (upload it there yourself)")
+    parser.add_argument(
+        "--url", default=None, help="read the checkpoint from here (upload it there yourself)"
+    )
     args = parser.parse_args()
 
     ref, ref_opt = make()
@@ -74,7 +78,11 @@ def main() -> None:
                 "model": model.state_dict(),
                 "optimizer": opt.state_dict(),
                 "step": half,
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                "rng": {
+                    "python": random.getstate(),
+                    "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state(),
+                },
                 "args": args,
             },
             path,
@@ -92,7 +100,9 @@ def main() -> None:
         # the model's weights in place (from under "model."), the rest as torch.load gives it
         model, opt = make()
         print(asyncload.load(model.state_dict(), url, options=trusted))
-        ckpt = asyncload.read_state_dict(url, keys=["optimizer", "step", "rng", "args"], options=trusted)
+        ckpt = asyncload.read_state_dict(
+            url, keys=["optimizer", "step", "rng", "args"], options=trusted
+        )
 
     opt.load_state_dict(ckpt["optimizer"])  # state keyed 0, 1, ...: every parameter restored
     random.setstate(ckpt["rng"]["python"])
@@ -102,7 +112,9 @@ def main() -> None:
     for _ in range(ckpt["step"], args.steps):
         train_step(model, opt)
 
-    if not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values())):
+    if not all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values())
+    ):
         raise SystemExit("the resumed run differs from the uninterrupted one")
     print("the resumed run ends with exactly the weights of the uninterrupted run")
 

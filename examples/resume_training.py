@@ -34,7 +34,9 @@ WIDTH = 32 if os.environ.get("ASYNCLOAD_EXAMPLE_SMALL") == "1" else 512
 
 def make_model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+    model = nn.Sequential(
+        nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.LayerNorm(WIDTH)
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -50,7 +52,10 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float
 
 def save(ckpt_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=str(ckpt_dir / f"step-{step:06d}"))
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd, "step": step},
+        checkpoint_id=str(ckpt_dir / f"step-{step:06d}"),
+    )
 
 
 def resume(ckpt_dir: Path) -> tuple[nn.Module, torch.optim.Optimizer, int]:
@@ -73,7 +78,9 @@ def main() -> None:
     # call to the next: on a busy 2-core machine about one run in eight "differed" already in
     # the state saved at step 10, before any checkpoint was read. One thread makes it exact.
     torch.set_num_threads(1)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     parser.add_argument("--ckpt-dir", type=Path, default=None)
@@ -104,7 +111,10 @@ def main() -> None:
             loss = train_step(model, opt, step)
         print(f"step {args.steps - 1}: loss {loss:.4f}")
 
-        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(model.state_dict().values(), ref.state_dict().values())
+        )
         if not same:
             raise SystemExit("the resumed run differs from the uninterrupted one")
         print("the resumed run ends with exactly the weights of the uninterrupted run")

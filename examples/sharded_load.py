@@ -40,7 +40,9 @@ RANKS = 2 if SMALL else 4
 def model() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     n = 4 if SMALL else 16
-    return {f"layers.{i}.weight": torch.randn(512, 512, generator=g) for i in range(n)}  # 1 MiB each
+    return {
+        f"layers.{i}.weight": torch.randn(512, 512, generator=g) for i in range(n)
+    }  # 1 MiB each
 
 
 def load_on_rank(url: str) -> asyncload.LoadStats:
@@ -48,7 +50,9 @@ def load_on_rank(url: str) -> asyncload.LoadStats:
     state = {k: torch.zeros_like(v) for k, v in model().items()}
     stats = asyncload.load(state, url, planner=asyncload.ShardedLoadPlanner())
     want = model()
-    assert all(torch.equal(state[k], want[k]) for k in want), "loaded tensors differ from the saved ones"
+    assert all(torch.equal(state[k], want[k]) for k in want), (
+        "loaded tensors differ from the saved ones"
+    )
     return stats
 
 
@@ -77,13 +81,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         first = os.path.join(tmp, "ckpt")
         dcp.save(model(), checkpoint_id=first, no_dist=True)
-        urls = [first] + [shutil.copytree(first, os.path.join(tmp, f"copy-{r}")) for r in range(1, RANKS)]
+        urls = [first] + [
+            shutil.copytree(first, os.path.join(tmp, f"copy-{r}")) for r in range(1, RANKS)
+        ]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        mp.start_processes(rank_main, args=(port, urls, results), nprocs=RANKS, start_method="spawn")
+        mp.start_processes(
+            rank_main, args=(port, urls, results), nprocs=RANKS, start_method="spawn"
+        )
         stats = dict(results.get(timeout=60) for _ in range(RANKS))
     mib = 1 << 20
     total = sum(s["bytes_read"] for s in stats.values())

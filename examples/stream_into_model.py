@@ -34,7 +34,9 @@ WIDTH, DEPTH = (64, 4) if SMALL else (2048, 12)
 
 
 def make_model() -> nn.Module:
-    return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(DEPTH)))
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(DEPTH))
+    )
 
 
 def main(tmp: str) -> None:
@@ -47,18 +49,32 @@ def main(tmp: str) -> None:
         model = make_model()  # shapes only
     model = model.to_empty(device="cpu")
     targets = model.state_dict(keep_vars=True)
-    options = asyncload.LoadOptions(memory_budget=4 * WIDTH * WIDTH * 4)  # about four weight matrices
+    options = asyncload.LoadOptions(
+        memory_budget=4 * WIDTH * WIDTH * 4
+    )  # about four weight matrices
     n = nbytes = 0
     with torch.no_grad():
         for name, tensor in asyncload.iter_tensors(ckpt, options=options):
             targets[name].copy_(tensor)
             n, nbytes = n + 1, nbytes + tensor.nbytes
-    same = all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), model.state_dict().values()))
-    print(f"Loaded {n} tensors ({nbytes / 2**20:.1f} MiB) into the model one by one; identical: {same}")
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(trained.state_dict().values(), model.state_dict().values())
+    )
+    print(
+        f"Loaded {n} tensors ({nbytes / 2**20:.1f} MiB) into the model one by one; identical: {same}"
+    )
 
-    hf = os.path.join(tmp, "hf")  # `asyncload convert CKPT HF --max-shard-size ...` (prints what it wrote)
+    hf = os.path.join(
+        tmp, "hf"
+    )  # `asyncload convert CKPT HF --max-shard-size ...` (prints what it wrote)
     shard, budget = str(nbytes // 3 + 1), str(options.memory_budget)
-    assert asyncload_command(["convert", ckpt, hf, "--max-shard-size", shard, "--budget", budget, "--no-progress"]) == 0
+    assert (
+        asyncload_command(
+            ["convert", ckpt, hf, "--max-shard-size", shard, "--budget", budget, "--no-progress"]
+        )
+        == 0
+    )
     norms = asyncload.read_state_dict(hf, keys=["*.1.weight", "*.1.bias"])  # the LayerNorms only
     print(f"read back {len(norms)} LayerNorm tensors from the safetensors shards")
     assert same and all(torch.equal(v, trained.state_dict()[k]) for k, v in norms.items())

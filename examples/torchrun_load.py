@@ -29,7 +29,9 @@ import asyncload
 
 def model() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(256, 256, generator=g) for i in range(8)}  # 256 KiB each
+    return {
+        f"layers.{i}.weight": torch.randn(256, 256, generator=g) for i in range(8)
+    }  # 256 KiB each
 
 
 def rank_main(checkpoint: str) -> None:
@@ -38,10 +40,15 @@ def rank_main(checkpoint: str) -> None:
         state = {k: torch.zeros_like(v) for k, v in model().items()}  # your model's state_dict()
         stats = asyncload.load(state, checkpoint, planner=asyncload.ShardedLoadPlanner())
         want = model()
-        assert all(torch.equal(state[k], want[k]) for k in want), "loaded tensors differ from the saved ones"
+        assert all(torch.equal(state[k], want[k]) for k in want), (
+            "loaded tensors differ from the saved ones"
+        )
         if dist.get_rank() == 0:
             print(stats)
-        print(f"rank {dist.get_rank()}: read {stats.bytes_read} bytes, received {stats.bytes_received}", flush=True)
+        print(
+            f"rank {dist.get_rank()}: read {stats.bytes_read} bytes, received {stats.bytes_received}",
+            flush=True,
+        )
         # a rank returns once its own tensors are complete; what it still owes slower ranks
         # goes out in the background: let it land before the group goes away
         asyncload.wait_for_background_sends()
@@ -58,8 +65,18 @@ def main() -> None:
         with warnings.catch_warnings():  # torch's note that this save runs in one process
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.save(model(), checkpoint_id=ckpt, no_dist=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        cmd += ["--log-dir", os.path.join(tmp, "logs")]  # torchrun's own logs, removed with the rest
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ]
+        cmd += [
+            "--log-dir",
+            os.path.join(tmp, "logs"),
+        ]  # torchrun's own logs, removed with the rest
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         subprocess.run([*cmd, __file__, ckpt], check=True, env=env)
 

@@ -34,7 +34,9 @@ __all__ = [
 ]
 
 
-def make_checkpoint(path: str | os.PathLike[str], state_dict: dict[str, Any], **dcp_save_kwargs: Any) -> Path:
+def make_checkpoint(
+    path: str | os.PathLike[str], state_dict: dict[str, Any], **dcp_save_kwargs: Any
+) -> Path:
     """Write ``state_dict`` with torch's own ``dcp.save`` (single process) to ``path``; return the path.
 
     Extra keyword arguments go to ``dcp.save`` (e.g. ``storage_writer=FileSystemWriter(path,
@@ -46,8 +48,12 @@ def make_checkpoint(path: str | os.PathLike[str], state_dict: dict[str, Any], **
     if "storage_writer" not in kwargs:
         kwargs["checkpoint_id"] = path
     kwargs.setdefault("no_dist", True)
-    with warnings.catch_warnings():  # also outside pytest (child scripts): torch's single-process note
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with (
+        warnings.catch_warnings()
+    ):  # also outside pytest (child scripts): torch's single-process note
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
         dcp.save(state_dict, **kwargs)
     assert (path / ".metadata").is_file(), f"dcp.save wrote no .metadata in {path}"
     return path
@@ -63,7 +69,9 @@ def zeros_like_tree(obj: Any, *, object_placeholder: Any = _KEEP) -> Any:
     if isinstance(obj, torch.Tensor):
         return torch.zeros(obj.shape, dtype=obj.dtype)
     if isinstance(obj, dict):
-        return {k: zeros_like_tree(v, object_placeholder=object_placeholder) for k, v in obj.items()}
+        return {
+            k: zeros_like_tree(v, object_placeholder=object_placeholder) for k, v in obj.items()
+        }
     if isinstance(obj, list):
         return [zeros_like_tree(v, object_placeholder=object_placeholder) for v in obj]
     if isinstance(obj, tuple):
@@ -84,9 +92,13 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
     """Every tensor equal in dtype, shape and every bit (NaN payloads and -0.0 included);
     every other leaf equal with ``==``; containers of the same type and keys."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: {type(a)} vs {type(b)}"
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (
+            f"{where}: {type(a)} vs {type(b)}"
+        )
         assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
-        assert tuple(a.shape) == tuple(b.shape), f"{where}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert tuple(a.shape) == tuple(b.shape), (
+            f"{where}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        )
         ba, bb = tensor_bytes(a), tensor_bytes(b)
         if ba != bb:
             n = next(i for i, (x, y) in enumerate(zip(ba, bb)) if x != y)
@@ -94,7 +106,9 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
         return
     if isinstance(a, dict):
         assert isinstance(b, dict), f"{where}: dict vs {type(b)}"
-        assert list(a.keys()) == list(b.keys()) or set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        assert list(a.keys()) == list(b.keys()) or set(a) == set(b), (
+            f"{where}: keys {sorted(a)} != {sorted(b)}"
+        )
         for k in a:
             assert_bitwise_equal(a[k], b[k], f"{where}.{k}" if where else str(k))
         return
@@ -249,7 +263,9 @@ def live_threads(prefix: str = "asyncload-") -> set[Any]:
     return {t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()}
 
 
-def asyncload_threads(prefix: str = "asyncload-io", *, ignore: set[Any] | frozenset[Any] = frozenset()) -> list[str]:
+def asyncload_threads(
+    prefix: str = "asyncload-io", *, ignore: set[Any] | frozenset[Any] = frozenset()
+) -> list[str]:
     """Names of live threads starting with ``prefix``, except those in ``ignore`` (a
     :func:`live_threads` snapshot taken before the code under test ran)."""
     return sorted(t.name for t in live_threads(prefix) if t not in ignore)

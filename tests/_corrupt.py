@@ -80,7 +80,15 @@ def records(ckpt: str | os.PathLike[str]) -> dict[str, RecordInfo]:
             nl = int.from_bytes(lh[26:28], "little")
             el = int.from_bytes(lh[28:30], "little")
             start = info.offset + zi.header_offset + 30 + nl + el
-            rec = RecordInfo(idx.fqn, info.relative_path, info.offset, info.length, start, start + zi.file_size, zi.CRC)
+            rec = RecordInfo(
+                idx.fqn,
+                info.relative_path,
+                info.offset,
+                info.length,
+                start,
+                start + zi.file_size,
+                zi.CRC,
+            )
         else:
             rec = RecordInfo(idx.fqn, info.relative_path, info.offset, info.length)
         out.setdefault(idx.fqn, rec)
@@ -115,7 +123,9 @@ def sentinel_like(obj: Any, *, keep_objects: bool = True) -> Any:
 def is_sentinel(obj: Any) -> bool:
     """Whether every tensor in ``obj`` still holds only ``SENTINEL`` bytes (untouched)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() == 0 or bool((obj.contiguous().reshape(-1).view(torch.uint8) == SENTINEL).all())
+        return obj.numel() == 0 or bool(
+            (obj.contiguous().reshape(-1).view(torch.uint8) == SENTINEL).all()
+        )
     if isinstance(obj, dict):
         return all(is_sentinel(v) for v in obj.values())
     return True

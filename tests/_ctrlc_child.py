@@ -74,7 +74,9 @@ def leftovers() -> dict[str, object]:
                 break
             time.sleep(0.02)
     gc.collect()
-    with warnings.catch_warnings():  # isinstance on every object touches deprecated torch attributes
+    with (
+        warnings.catch_warnings()
+    ):  # isinstance on every object touches deprecated torch attributes
         warnings.simplefilter("ignore")
         meters = [b for b in gc.get_objects() if isinstance(b, Meter)]
         budgets = [b.used for b in meters if b.name == "read budget"]

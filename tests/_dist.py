@@ -151,7 +151,9 @@ def run_ranks(
     try:
         others_done_at: float | None = None
         while len(out) < world_size:
-            if others_done_at is None and all(r in out for r in range(world_size) if r not in may_hang):
+            if others_done_at is None and all(
+                r in out for r in range(world_size) if r not in may_hang
+            ):
                 others_done_at = time.monotonic()
             if others_done_at is not None and time.monotonic() - others_done_at >= grace:
                 break
@@ -162,7 +164,10 @@ def run_ranks(
                 rank, status, value, info = results.get(timeout=min(left, 0.2))
             except queue.Empty:
                 # a rank that died without reporting (killed, segfault) will never report
-                if all(not p.is_alive() for i, p in enumerate(procs) if i not in out) and results.empty():
+                if (
+                    all(not p.is_alive() for i, p in enumerate(procs) if i not in out)
+                    and results.empty()
+                ):
                     time.sleep(0.2)
                     if results.empty():
                         break
@@ -196,6 +201,8 @@ def all_ok(results: list[RankResult]) -> list[Any]:
     """The ranks' return values; fails the test with every rank's traceback otherwise."""
     bad = [r for r in results if not r.ok]
     if bad:
-        lines = [f"rank {r.rank}: {r.status} {r.error_type}: {r.message}\n{r.traceback}" for r in bad]
+        lines = [
+            f"rank {r.rank}: {r.status} {r.error_type}: {r.message}\n{r.traceback}" for r in bad
+        ]
         raise AssertionError("not every rank succeeded:\n" + "\n".join(lines))
     return [r.value for r in results]

@@ -46,7 +46,17 @@ __all__ = [
 KiB = 1 << 10
 #: Small chunks: "big" goes through probes and chunked reads, the rest are whole-record reads.
 PIECES = LoadOptions(chunk_size=4 * KiB, min_chunk_size=1 * KiB, concurrency=4, retries=0)
-KINDS = ["drop chunk", "dup chunk", "add chunk", "offset", "size", "tensor size", "dtype", "grad", "entry"]
+KINDS = [
+    "drop chunk",
+    "dup chunk",
+    "add chunk",
+    "offset",
+    "size",
+    "tensor size",
+    "dtype",
+    "grad",
+    "entry",
+]
 KEYS = ["big", "small", "nested.w", "empty", "scalar"]
 INTS = [300, 1 << 31, 1 << 62, -(1 << 40)]  # besides -2..70
 DTYPES = [torch.float32, torch.float16, torch.int16, torch.int64, torch.bool, torch.bits8]
@@ -74,7 +84,14 @@ def tensor_bytes(sd: Any) -> int:
 def random_mutation(rng: random.Random) -> tuple[Any, ...]:
     """One mutation, drawn like test_forged's hypothesis strategy."""
     value = rng.randint(-2, 70) if rng.random() < 0.8 else rng.choice(INTS)
-    return (rng.choice(KINDS), rng.choice(KEYS), rng.randint(0, 3), value, rng.choice(DTYPES), rng.randint(-64, 64))
+    return (
+        rng.choice(KINDS),
+        rng.choice(KEYS),
+        rng.randint(0, 3),
+        value,
+        rng.choice(DTYPES),
+        rng.randint(-64, 64),
+    )
 
 
 def apply_mutation(md: Any, mutation: tuple[Any, ...]) -> None:
@@ -88,7 +105,9 @@ def apply_mutation(md: Any, mutation: tuple[Any, ...]) -> None:
         chunks.append(copy.deepcopy(chunks[0]))
     elif kind == "add chunk":
         chunks.append(
-            ChunkStorageMetadata(offsets=torch.Size([abs(value) % 64] * ndim), sizes=torch.Size([1 + dim] * ndim))
+            ChunkStorageMetadata(
+                offsets=torch.Size([abs(value) % 64] * ndim), sizes=torch.Size([1 + dim] * ndim)
+            )
         )
     elif kind in ("offset", "size") and chunks and ndim:
         field = "offsets" if kind == "offset" else "sizes"
@@ -118,7 +137,9 @@ def apply_mutation(md: Any, mutation: tuple[Any, ...]) -> None:
             del md.storage_data[idx]
 
 
-def load_forged(work: Path, original: Any, sd: dict[str, Any], mutations: list[tuple[Any, ...]]) -> str:
+def load_forged(
+    work: Path, original: Any, sd: dict[str, Any], mutations: list[tuple[Any, ...]]
+) -> str:
     """Write ``original`` with ``mutations`` applied as ``work/.metadata`` and load it into a
     sentinel destination: the name of the typed error, or ``"loaded"`` after checking that
     every tensor is bit-exact and every destination byte was written (AssertionError if not;
@@ -133,22 +154,42 @@ def load_forged(work: Path, original: Any, sd: dict[str, Any], mutations: list[t
     except AsyncLoadError as exc:
         return type(exc).__name__
     assert_bitwise_equal(
-        {k: v for k, v in dest.items() if k != "nested"}, {k: v for k, v in sd.items() if k != "nested"}
+        {k: v for k, v in dest.items() if k != "nested"},
+        {k: v for k, v in sd.items() if k != "nested"},
     )
     assert_bitwise_equal(dest["nested"]["w"], sd["nested"]["w"])
-    assert stats.bytes_assembled == tensor_bytes(sd), (stats.bytes_assembled, tensor_bytes(sd), mutations)
+    assert stats.bytes_assembled == tensor_bytes(sd), (
+        stats.bytes_assembled,
+        tensor_bytes(sd),
+        mutations,
+    )
     return "loaded"
 
 
 # --- issue 25: forged planner_data and claimed sizes of transformed records ------------------
 
 #: Ways to forge one key's planner path (read_state_dict nests through them).
-PATH_KINDS = ["other's path", "under other", "int step", "huge int", "negative", "float", "bool", "int first", "empty"]
+PATH_KINDS = [
+    "other's path",
+    "under other",
+    "int step",
+    "huge int",
+    "negative",
+    "float",
+    "bool",
+    "int first",
+    "empty",
+]
 
 
 def random_path_mutation(rng: random.Random) -> tuple[Any, ...]:
     keys = [*KEYS, "nested.step"]
-    return (rng.choice(PATH_KINDS), rng.choice(keys), rng.choice(keys), rng.choice([0, 1, 4, 5, 6, 1 << 40]))
+    return (
+        rng.choice(PATH_KINDS),
+        rng.choice(keys),
+        rng.choice(keys),
+        rng.choice([0, 1, 4, 5, 6, 1 << 40]),
+    )
 
 
 def apply_path_mutation(md: Any, mutation: tuple[Any, ...]) -> None:
@@ -175,7 +216,9 @@ def _at(tree: Any, path: tuple[Any, ...]) -> Any:
     return tree
 
 
-def read_forged_paths(work: Path, original: Any, sd: dict[str, Any], mutations: list[tuple[Any, ...]]) -> str:
+def read_forged_paths(
+    work: Path, original: Any, sd: dict[str, Any], mutations: list[tuple[Any, ...]]
+) -> str:
     """``original`` with planner paths forged, loaded by ``read_state_dict``: the name of the
     typed error, or ``"loaded"`` after checking that every key sits at its path, bit-exact
     (an object written into a tensor, a tensor replaced, a raw IndexError: AssertionError or
@@ -188,7 +231,12 @@ def read_forged_paths(work: Path, original: Any, sd: dict[str, Any], mutations: 
         got = asyncload.read_state_dict(work)
     except AsyncLoadError as exc:
         return type(exc).__name__
-    flat = {"big": sd["big"], "small": sd["small"], "nested.w": sd["nested"]["w"], "nested.step": 11}
+    flat = {
+        "big": sd["big"],
+        "small": sd["small"],
+        "nested.w": sd["nested"]["w"],
+        "nested.step": 11,
+    }
     flat |= {"empty": sd["empty"], "scalar": sd["scalar"]}
     for key, want in flat.items():
         path = md.planner_data.get(key)
@@ -206,7 +254,9 @@ def random_claim(rng: random.Random) -> tuple[str, int]:
     return key, rng.choice([0, 1, rng.randint(2, 5000), 4096, 1 << rng.randint(20, 40)])
 
 
-def read_forged_claim(work: Path, original: Any, sd: dict[str, Any], claims: list[tuple[str, int]]) -> str:
+def read_forged_claim(
+    work: Path, original: Any, sd: dict[str, Any], claims: list[tuple[str, int]]
+) -> str:
     """A zstd-saved ``original`` whose tensors claim other element counts (one dimension):
     ``read_state_dict`` under a 64 MiB budget must end typed, never allocate the claim
     (a claim of 2^40 elements would be a raw RuntimeError or a slow example), or load exactly."""

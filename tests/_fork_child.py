@@ -32,7 +32,11 @@ def ok(dest: dict[str, torch.Tensor]) -> bool:
 
 def load_and_check(_: int = 0) -> bool:
     dest = fresh()
-    asyncload.load(dest, CKPT, options=asyncload.LoadOptions(chunk_size=1 << 16, min_chunk_size=1 << 12, concurrency=4))
+    asyncload.load(
+        dest,
+        CKPT,
+        options=asyncload.LoadOptions(chunk_size=1 << 16, min_chunk_size=1 << 12, concurrency=4),
+    )
     threads = [t.name for t in threading.enumerate() if t.name.startswith("asyncload-io")]
     return ok(dest) and not threads
 
@@ -48,7 +52,9 @@ def main() -> None:
     # fork while a background load is running in another thread
     dest_bg = fresh()
     handle = asyncload.start_load(
-        dest_bg, CKPT, options=asyncload.LoadOptions(chunk_size=1 << 12, min_chunk_size=1 << 10, concurrency=2)
+        dest_bg,
+        CKPT,
+        options=asyncload.LoadOptions(chunk_size=1 << 12, min_chunk_size=1 << 10, concurrency=2),
     )
     pid = os.fork()
     if pid == 0:

@@ -94,7 +94,9 @@ def make_seeds() -> Seeds:
     return Seeds(records, pickles, metas)
 
 
-def mutate(rng: random.Random, data: bytes, *, pickle_aware: bool = False, rounds: int | None = None) -> bytes:
+def mutate(
+    rng: random.Random, data: bytes, *, pickle_aware: bool = False, rounds: int | None = None
+) -> bytes:
     """A few random edits of ``data``: bit flips, bytes set, boundary integers written over
     fields, cuts, insertions, deletions, duplicated spans, (for pickles) opcodes inserted."""
     b = bytearray(data)
@@ -124,7 +126,9 @@ def mutate(rng: random.Random, data: bytes, *, pickle_aware: bool = False, round
             ln = rng.randint(1, min(16, n - c))
             b[a : a + ln], b[c : c + ln] = b[c : c + ln], b[a : a + ln]
         elif kind == 8:
-            b[pos:pos] = rng.choice(_OPCODES) + bytes(rng.randrange(256) for _ in range(rng.randint(0, 8)))
+            b[pos:pos] = rng.choice(_OPCODES) + bytes(
+                rng.randrange(256) for _ in range(rng.randint(0, 8))
+            )
     return bytes(b)
 
 
@@ -178,16 +182,28 @@ def _decode_record_pickle(data: bytes, work: Any = None) -> Any:
     from asyncload.decoding.allowlist import record_globals, safe_loads, storage_persistent_load
 
     return safe_loads(
-        data, what="fuzz/data.pkl", allowed=record_globals(), persistent_load=storage_persistent_load, work=work
+        data,
+        what="fuzz/data.pkl",
+        allowed=record_globals(),
+        persistent_load=storage_persistent_load,
+        work=work,
     )
 
 
 #: name -> (function, seed attribute, pickle-aware mutation)
 TARGETS: dict[str, tuple[Callable[..., Any], str, bool]] = {
-    "record parser (parse_archive + tensor_location/materialize)": (_parse_record, "records", False),
+    "record parser (parse_archive + tensor_location/materialize)": (
+        _parse_record,
+        "records",
+        False,
+    ),
     "record parser, probed (aparse_archive)": (_parse_record_probed, "records", False),
     "metadata decoder (safe_loads + check_metadata)": (_decode_metadata, "metadata", True),
-    "record pickle decoder (safe_loads, record allow-list)": (_decode_record_pickle, "pickles", True),
+    "record pickle decoder (safe_loads, record allow-list)": (
+        _decode_record_pickle,
+        "pickles",
+        True,
+    ),
 }
 
 

@@ -87,7 +87,9 @@ def colliding_int_pairs(n: int) -> list[tuple[int, int]]:
 
     inv_p1, inv_p2 = pow(p1, -1, 1 << 64), pow(p2, -1, 1 << 64)
     target = (rotl((p5 + 7 * p2) & m) * p1) & m  # acc after lane a=7
-    target = (rotl((target + 11 * p2) & m) * p1) & m  # ... and b=11: the hash of (7, 11) before the length
+    target = (
+        rotl((target + 11 * p2) & m) * p1
+    ) & m  # ... and b=11: the hash of (7, 11) before the length
     out: list[tuple[int, int]] = []
     a = 1
     while len(out) < n:
@@ -111,17 +113,31 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     inner = _dumps(_Call(builtins.open, m + "-inner", "w"))
     if not evil_pt.exists():
         torch.save(_Call(builtins.open, m + "-torchload", "w"), evil_pt)
-        np.save(evil_npy, np.array([_Call(builtins.open, m + "-npload", "w")], dtype=object), allow_pickle=True)
+        np.save(
+            evil_npy,
+            np.array([_Call(builtins.open, m + "-npload", "w")], dtype=object),
+            allow_pickle=True,
+        )
     items: list[Hostile] = []
 
-    def add(name: str, kind: str, data: bytes, expect: str = "unsafe", record_expect: str = "") -> None:
+    def add(
+        name: str, kind: str, data: bytes, expect: str = "unsafe", record_expect: str = ""
+    ) -> None:
         items.append(Hostile(name, kind, data, expect, record_expect))
 
     # --- code execution through globals (every protocol for the classic one) ---
     for proto in range(6):
         add(f"os.system/p{proto}", "code: os.system", _dumps(_Call(os.system, f"touch {m}"), proto))
-    add("builtins.eval", "code: eval/exec", _dumps(_Call(builtins.eval, f"open({m!r}, 'w').close()")))
-    add("builtins.exec", "code: eval/exec", _dumps(_Call(builtins.exec, f"open({m!r}, 'w').close()")))
+    add(
+        "builtins.eval",
+        "code: eval/exec",
+        _dumps(_Call(builtins.eval, f"open({m!r}, 'w').close()")),
+    )
+    add(
+        "builtins.exec",
+        "code: eval/exec",
+        _dumps(_Call(builtins.exec, f"open({m!r}, 'w').close()")),
+    )
     add("builtins.open", "code: builtins", _dumps(_Call(builtins.open, m, "w")))
     add("builtins.__import__", "code: builtins", _dumps(_Call(builtins.__import__, "os")))
     add(
@@ -141,12 +157,24 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     add(
         "builtins.setattr",
         "code: builtins",
-        _g("builtins", "setattr") + b"(" + _g("torch", "float32") + _u("is_floating_point") + b"NtR.",
+        _g("builtins", "setattr")
+        + b"("
+        + _g("torch", "float32")
+        + _u("is_floating_point")
+        + b"NtR.",
     )
     add("builtins.type", "code: builtins", _g("builtins", "type") + b"(" + _u("X") + b")}tR.")
-    add("subprocess.check_call", "code: subprocess", _dumps(_Call(subprocess.check_call, ["touch", m])))
+    add(
+        "subprocess.check_call",
+        "code: subprocess",
+        _dumps(_Call(subprocess.check_call, ["touch", m])),
+    )
     add("subprocess.Popen", "code: subprocess", _dumps(_Call(subprocess.Popen, ["touch", m])))
-    add("functools.partial", "code: __reduce__ tricks", _dumps(_Call(functools.partial(builtins.open, m, "w"))))
+    add(
+        "functools.partial",
+        "code: __reduce__ tricks",
+        _dumps(_Call(functools.partial(builtins.open, m, "w"))),
+    )
     add(
         "operator.methodcaller",
         "code: __reduce__ tricks",
@@ -164,7 +192,11 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     add(
         "copyreg._reconstructor",
         "code: __reduce__ tricks",
-        _g("copyreg", "_reconstructor") + b"(" + _g("builtins", "object") + _g("builtins", "object") + b"NtR.",
+        _g("copyreg", "_reconstructor")
+        + b"("
+        + _g("builtins", "object")
+        + _g("builtins", "object")
+        + b"NtR.",
     )
     add(
         "importlib.import_module",
@@ -178,7 +210,11 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
         "torch/numpy non-data globals",
         _g("torch.storage", "_load_from_bytes") + b"(" + b"C\x03abc" + b"tR.",
     )
-    add("torch._C._set_grad_enabled", "torch/numpy non-data globals", _g("torch._C", "_set_grad_enabled") + b"(\x89tR.")
+    add(
+        "torch._C._set_grad_enabled",
+        "torch/numpy non-data globals",
+        _g("torch._C", "_set_grad_enabled") + b"(\x89tR.",
+    )
     add("torch.nn.Module", "torch/numpy non-data globals", _g("torch.nn", "Module") + b")\x81.")
     add("torch.Tensor", "torch/numpy non-data globals", _g("torch", "Tensor") + b")\x81.")
     add(
@@ -186,8 +222,16 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
         "torch/numpy non-data globals",
         _g("torch._tensor", "_rebuild_from_type_v2") + b"(NNNNtR.",
     )
-    add("torch.jit.load", "torch/numpy non-data globals", _g("torch.jit", "load") + b"(" + _u(str(evil_pt)) + b"tR.")
-    add("numpy.load", "torch/numpy non-data globals", _dumps(_Call(np.load, str(evil_npy), None, True)))
+    add(
+        "torch.jit.load",
+        "torch/numpy non-data globals",
+        _g("torch.jit", "load") + b"(" + _u(str(evil_pt)) + b"tR.",
+    )
+    add(
+        "numpy.load",
+        "torch/numpy non-data globals",
+        _dumps(_Call(np.load, str(evil_npy), None, True)),
+    )
     # numpy data is decoded in records (DCP objects, torch.save files): there these names are
     # allowed and the malformed calls are damage; .metadata allows no numpy name at all
     add(
@@ -207,7 +251,11 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
         "torch/numpy non-data globals",
         _dumps(np.array([_Call(builtins.open, m + "-objarray", "w")], dtype=object)),
     )
-    add("numpy structured dtype", "torch/numpy non-data globals", _dumps(np.dtype([("a", "i4"), ("b", "O")])))
+    add(
+        "numpy structured dtype",
+        "torch/numpy non-data globals",
+        _dumps(np.dtype([("a", "i4"), ("b", "O")])),
+    )
 
     # --- allowed names used the wrong way ---
     add("REDUCE on torch.float32", "misused allowed names", _g("torch", "float32") + b")R.")
@@ -219,7 +267,12 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     add(
         "BUILD on a storage-type marker (shared)",
         "misused allowed names",
-        b"\x80\x02" + _g("torch", "FloatStorage") + b"}" + _u("dtype") + _g("torch", "int8") + b"sb.",
+        b"\x80\x02"
+        + _g("torch", "FloatStorage")
+        + b"}"
+        + _u("dtype")
+        + _g("torch", "int8")
+        + b"sb.",
     )
     add(
         "BUILD on the TensorProperties class",
@@ -231,17 +284,29 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
         + _g("torch", "Size")
         + b"s\x86b.",
     )
-    add("NEWOBJ of torch.Size", "misused allowed names", b"\x80\x02" + _g("torch", "Size") + b")\x81.")
+    add(
+        "NEWOBJ of torch.Size",
+        "misused allowed names",
+        b"\x80\x02" + _g("torch", "Size") + b")\x81.",
+    )
     add(
         "_get_layout('torch.load')",
         "misused allowed names",
         _g("torch.serialization", "_get_layout") + b"(" + _u("torch.load") + b"tR.",
     )
-    add("persistent id (not a storage)", "misused allowed names", b"\x80\x02" + _u("x") + b"Q.", "unsafe", "format")
+    add(
+        "persistent id (not a storage)",
+        "misused allowed names",
+        b"\x80\x02" + _u("x") + b"Q.",
+        "unsafe",
+        "format",
+    )
     add("copyreg extension code", "misused allowed names", b"\x80\x02\x82\x01.")
     # TensorProperties.__setstate__ formats a bad encoding into its error message: a
     # billion-laughs value would make that str() run forever
-    laughs = b"]q\x00" + b"".join(b"0(h" + bytes([i]) + b"h" + bytes([i]) + b"lq" + bytes([i + 1]) for i in range(60))
+    laughs = b"]q\x00" + b"".join(
+        b"0(h" + bytes([i]) + b"h" + bytes([i]) + b"lq" + bytes([i + 1]) for i in range(60)
+    )
     add(
         "TensorProperties state with a 2^60 DAG",
         "misused allowed names",
@@ -260,8 +325,18 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     )
 
     # --- resource abuse: memory ---
-    add("LONG_BINPUT 2^31 (memo abuse)", "memory: memo / declared lengths", b"\x80\x02]r\xff\xff\xff\x7f.", "format")
-    add("PUT 10^15 (memo abuse)", "memory: memo / declared lengths", b"(lp1000000000000000\n.", "format")
+    add(
+        "LONG_BINPUT 2^31 (memo abuse)",
+        "memory: memo / declared lengths",
+        b"\x80\x02]r\xff\xff\xff\x7f.",
+        "format",
+    )
+    add(
+        "PUT 10^15 (memo abuse)",
+        "memory: memo / declared lengths",
+        b"(lp1000000000000000\n.",
+        "format",
+    )
     add(
         "BYTEARRAY8 of 2^40 bytes",
         "memory: memo / declared lengths",
@@ -288,22 +363,38 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     )
     add("1M empty sets", "memory: huge structures", b"\x80\x04(" + b"\x8f" * 1_000_000 + b"l.")
     add("billion laughs: 2^60 list DAG", "memory: huge structures", b"\x80\x02" + laughs + b".")
-    add("100k nested lists", "depth: deep nesting", b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b".")
+    add(
+        "100k nested lists",
+        "depth: deep nesting",
+        b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b".",
+    )
     add("100k nested tuples", "depth: deep nesting", b"\x80\x02)" + b"\x85" * 100_000 + b".")
     add(
         "100k nested dicts",
         "depth: deep nesting",
-        b"\x80\x02" + b"}" * 100_000 + b"".join(b"K" + bytes([i % 256]) + b"\x94" for i in range(0)) + b"."
+        b"\x80\x02"
+        + b"}" * 100_000
+        + b"".join(b"K" + bytes([i % 256]) + b"\x94" for i in range(0))
+        + b"."
         if False
         else b"\x80\x02}" + b"K\x00}" * 99_999 + b"s" * 99_999 + b".",
     )
     # hashing a 1M-deep tuple overflows CPython's C stack (a segfault, with any unpickler)
-    add("1M nested tuples as a dict key", "hash: keys", b"\x80\x02})" + b"\x85" * 1_000_000 + b"Ns.")
-    add("frozenset of a 1M nested tuple", "hash: keys", b"\x80\x04()" + b"\x85" * 1_000_000 + b"\x91.")
+    add(
+        "1M nested tuples as a dict key", "hash: keys", b"\x80\x02})" + b"\x85" * 1_000_000 + b"Ns."
+    )
+    add(
+        "frozenset of a 1M nested tuple",
+        "hash: keys",
+        b"\x80\x04()" + b"\x85" * 1_000_000 + b"\x91.",
+    )
     pairs = colliding_int_pairs(50_000)
     flood = (
         b"\x80\x02}("
-        + b"".join(b"J" + struct.pack("<i", a) + b"\x8a\x08" + struct.pack("<q", b) + b"\x86N" for a, b in pairs)
+        + b"".join(
+            b"J" + struct.pack("<i", a) + b"\x8a\x08" + struct.pack("<q", b) + b"\x86N"
+            for a, b in pairs
+        )
         + b"u."
     )
     add("50k dict keys with one hash (hash flooding)", "hash: keys", flood)

@@ -35,7 +35,9 @@ def measure(layout: str) -> dict[str, object]:
     if layout == "transposed":
         dest = {f"t{i}": torch.zeros(COLS, ROWS).t() for i in range(N)}
     else:
-        dest = {f"t{i}": torch.zeros(ROWS, COLS) for i in range(N)}  # touched: counted in the baseline
+        dest = {
+            f"t{i}": torch.zeros(ROWS, COLS) for i in range(N)
+        }  # touched: counted in the baseline
     opts = asyncload.LoadOptions(
         concurrency=CONC,
         memory_budget=BUDGET,

@@ -63,7 +63,9 @@ def make_remote(
             proxy,
             server,
         )
-    return Remote(backend, direct, server.storage_options(endpoint_url=proxy.endpoint_url), proxy, server)
+    return Remote(
+        backend, direct, server.storage_options(endpoint_url=proxy.endpoint_url), proxy, server
+    )
 
 
 def established_to(port: int) -> list[Any]:

@@ -28,7 +28,11 @@ def main() -> None:
     while time.monotonic() < end:
         sd = {f"t{i}": torch.full((ROWS, COLS), float(k)) for i in range(N)}
         dcp.save(
-            sd, storage_writer=FileSystemWriter(CKPT, single_file_per_rank=bool(SINGLE), overwrite=True), no_dist=True
+            sd,
+            storage_writer=FileSystemWriter(
+                CKPT, single_file_per_rank=bool(SINGLE), overwrite=True
+            ),
+            no_dist=True,
         )
         k += 1
     print(k - 1)

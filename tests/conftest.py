@@ -52,11 +52,15 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def transport_options(request: pytest.FixtureRequest, transport: str, monkeypatch: pytest.MonkeyPatch) -> str:
+def transport_options(
+    request: pytest.FixtureRequest, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> str:
     """The module's option constants (``TRANSPORT_OPTIONS``, default ``("OPTS",)``) with
     ``transport`` for this test (``pytestmark = pytest.mark.usefixtures("transport_options")``)."""
     for name in getattr(request.module, "TRANSPORT_OPTIONS", ("OPTS",)):
-        monkeypatch.setattr(request.module, name, getattr(request.module, name).replace(transport=transport))
+        monkeypatch.setattr(
+            request.module, name, getattr(request.module, name).replace(transport=transport)
+        )
     return transport
 
 
@@ -75,7 +79,9 @@ def ckpt_state_dict() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ckpt(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ckpt_state_dict: dict[str, Any]
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    ckpt_state_dict: dict[str, Any],
 ) -> tuple[Path, dict[str, Any]]:
     """``(path, state_dict)``: ``ckpt_state_dict`` saved once for the test module (read only)."""
     stem = request.module.__name__.rpartition(".")[2].removeprefix("test_")

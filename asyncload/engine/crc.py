@@ -168,9 +168,13 @@ class CrcTracker:
         pos = self.start
         for off, (length, c) in pieces:
             if off != pos:
-                raise ValueError(f"bytes [{pos}, {off}) of [{self.start}, {self.end}) were never checksummed")
+                raise ValueError(
+                    f"bytes [{pos}, {off}) of [{self.start}, {self.end}) were never checksummed"
+                )
             crc = crc32_combine(crc, c, length)
             pos += length
         if pos != self.end:
-            raise ValueError(f"bytes [{pos}, {self.end}) of [{self.start}, {self.end}) were never checksummed")
+            raise ValueError(
+                f"bytes [{pos}, {self.end}) of [{self.start}, {self.end}) were never checksummed"
+            )
         return crc

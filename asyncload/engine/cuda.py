@@ -284,7 +284,11 @@ class DeviceStager:
 
     # planner: a deliver function for one staged piece
     def deliverer(
-        self, view: torch.Tensor, src_dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int]
+        self,
+        view: torch.Tensor,
+        src_dtype: torch.dtype,
+        shape: Sequence[int],
+        strides: Sequence[int],
     ) -> Callable[[memoryview], None]:
         """``deliver(data)``: the piece's raw bytes (``data``, as stored) into ``view`` on the device."""
         shape, strides = list(shape), list(strides)
@@ -305,7 +309,9 @@ class DeviceStager:
                 def op() -> None:
                     scratch = copier.device_empty(n, device)
                     scratch.copy_(src, non_blocking=True)
-                    view.copy_(scratch.view(src_dtype).as_strided(shape, strides, 0), non_blocking=True)
+                    view.copy_(
+                        scratch.view(src_dtype).as_strided(shape, strides, 0), non_blocking=True
+                    )
 
             copier.submit(device, op, src)
             if bounced is not None:
@@ -352,7 +358,9 @@ class DeviceStager:
                 await storage.readinto(chunk.name, chunk.start, [view], then=lambda slot=slot: None)
             t1 = time.monotonic()
             pipeline.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
-            token = await loop.run_in_executor(pipeline.executor, self._stage, chunk, view, raw, slot)
+            token = await loop.run_in_executor(
+                pipeline.executor, self._stage, chunk, view, raw, slot
+            )
             pipeline._count_assembled(chunk, t1)
             t2 = time.monotonic()
             delay = 0.00005

@@ -79,10 +79,15 @@ def _rekey_pre_2_4(planner: DefaultLoadPlanner, md: Metadata) -> None:
         planner.state_dict, planner.mappings = old_state_dict, old_mappings
 
 
-def state_dict_read_items(state_dict: dict[str, Any], metadata: Metadata, *, strict: bool = True) -> list[ReadItem]:
+def state_dict_read_items(
+    state_dict: dict[str, Any], metadata: Metadata, *, strict: bool = True
+) -> list[ReadItem]:
     """torch's ``create_default_local_load_plan(state_dict, metadata, strict).items``, with
     the intersection done by :func:`read_items_for_chunks`."""
-    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_item_for_byteio
+    from torch.distributed.checkpoint.planner_helpers import (
+        _create_chunk_list,
+        _create_read_item_for_byteio,
+    )
     from torch.distributed.tensor import DTensor
 
     saved = metadata.state_dict_metadata
@@ -93,8 +98,14 @@ def state_dict_read_items(state_dict: dict[str, Any], metadata: Metadata, *, str
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             continue
         md = saved[fqn]
-        if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None and md.size != obj.size():
-            raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+        if (
+            isinstance(md, TensorStorageMetadata)
+            and getattr(obj, "size", None) is not None
+            and md.size != obj.size()
+        ):
+            raise ValueError(
+                f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}"
+            )
         # a DTensor on a submesh this rank is not part of: nothing to read here
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue
@@ -134,7 +145,12 @@ def read_items_for_chunks(
     if len(saved) == 1 and len(local_chunks) == 1:
         # one process's checkpoint into one process's tensor: the whole box, when they agree
         sc, lc = saved[0], local_chunks[0]
-        if sc.offsets == lc.offsets and sc.sizes == lc.sizes and not any(sc.offsets) and all(sc.sizes):
+        if (
+            sc.offsets == lc.offsets
+            and sc.sizes == lc.sizes
+            and not any(sc.offsets)
+            and all(sc.sizes)
+        ):
             zeros = torch.Size([0] * len(sc.offsets))
             return [
                 ReadItem(
@@ -164,7 +180,9 @@ def read_items_for_chunks(
                 if len(h) > 1:
                     h.sort(key=lambda j: (saved[j].offsets[t] + saved[j].sizes[t], j))
         if t >= 0 and len(local_chunks) > 1:
-            locals_in_order = sorted(range(len(local_chunks)), key=lambda i: local_chunks[i].offsets[t])
+            locals_in_order = sorted(
+                range(len(local_chunks)), key=lambda i: local_chunks[i].offsets[t]
+            )
         else:
             locals_in_order = range(len(local_chunks))
     items: list[ReadItem] = []
@@ -246,7 +264,9 @@ def _overlap(lo: Sequence[int], ls: Sequence[int], so: Sequence[int], ss: Sequen
     return all(a < b + m and b < a + n for a, n, b, m in zip(lo, ls, so, ss))
 
 
-def _narrow(saved: ChunkStorageMetadata, local: ChunkStorageMetadata) -> tuple[list[int], list[int], list[int]]:
+def _narrow(
+    saved: ChunkStorageMetadata, local: ChunkStorageMetadata
+) -> tuple[list[int], list[int], list[int]]:
     """torch's ``_shards_get_overlap_region_wrt_saved_tensor``: the overlap's offsets in the
     saved chunk, in the destination chunk, and its lengths."""
     storage_offsets: list[int] = []
@@ -275,7 +295,9 @@ def _torch_order() -> str | None:
         return ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([end - start]))
 
     md = TensorStorageMetadata(
-        properties=TensorProperties(dtype=torch.float32), size=torch.Size([4]), chunks=[chunk(2, 4), chunk(0, 2)]
+        properties=TensorProperties(dtype=torch.float32),
+        size=torch.Size([4]),
+        chunks=[chunk(2, 4), chunk(0, 2)],
     )
     got = [
         (r.dest_index.index, r.storage_index.index)

@@ -63,7 +63,9 @@ def alias_groups(state_dict: Mapping[str, Any]) -> list[list[str]]:
     state dict's order. Tensors that merely overlap (a view of part of another) are not tied.
     Cheap for large state dicts: only tensors that start at the same address are compared."""
     first: dict[int, str] = {}
-    shared: dict[int, list[str]] = {}  # (no list per key: 100k small lists cost garbage collections)
+    shared: dict[
+        int, list[str]
+    ] = {}  # (no list per key: 100k small lists cost garbage collections)
     for key, value in state_dict.items():
         address = _address(value)
         if address:
@@ -88,7 +90,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
     return torch.equal(
-        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8)
+        a.detach().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().contiguous().reshape(-1).view(torch.uint8),
     )
 
 
@@ -147,7 +150,9 @@ def closest_keys(
     return found
 
 
-def missing_keys_message(missing: Sequence[str], n_destination: int, closest: Mapping[str, str]) -> str:
+def missing_keys_message(
+    missing: Sequence[str], n_destination: int, closest: Mapping[str, str]
+) -> str:
     """The sentence of the error for destination keys the checkpoint lacks: each of the first
     :data:`MISSING_SHOWN` with its closest checkpoint key, the count, and the option to pass."""
     shown = []

@@ -83,7 +83,9 @@ class Meter:
         return sum(1 for w in self._waiters if not w[3].done())
 
     def statistics(self) -> MeterStatistics:
-        return MeterStatistics(self.name, self.capacity, self.used, self.peak, self.waiting, self._wait_seconds)
+        return MeterStatistics(
+            self.name, self.capacity, self.used, self.peak, self.waiting, self._wait_seconds
+        )
 
     def __repr__(self) -> str:
         return (

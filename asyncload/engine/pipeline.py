@@ -112,7 +112,9 @@ class Pipeline:
         error: BaseException | None = None
         try:
             async with asyncio.TaskGroup() as tg:
-                tuner = tg.create_task(self._autotune()) if self.options.concurrency == "auto" else None
+                tuner = (
+                    tg.create_task(self._autotune()) if self.options.concurrency == "auto" else None
+                )
                 async for chunk in chunks:
                     t0 = time.monotonic()
                     await self.budget.acquire(chunk.nbytes)
@@ -197,7 +199,9 @@ class Pipeline:
         storage = self.storage
         t0 = time.monotonic()
         if storage.supports_readinto and chunk.tiles_into():
-            views = [s.into for s in chunk.segments if s.into is not None]  # all of them: tiles_into
+            views = [
+                s.into for s in chunk.segments if s.into is not None
+            ]  # all of them: tiles_into
             # verify=True: checksummed on the I/O thread, in the same hop
             then = functools.partial(track, chunk, views) if chunk.trackers else None
             await storage.readinto(chunk.name, chunk.start, views, then=then)
@@ -227,7 +231,9 @@ class Pipeline:
         if isinstance(batch, _DirectRun):
             await self._run_direct(batch)
             return
-        await self.storage.read_batch([(c.name, c.start, c.end, functools.partial(assemble, c)) for c in batch.members])
+        await self.storage.read_batch(
+            [(c.name, c.start, c.end, functools.partial(assemble, c)) for c in batch.members]
+        )
         self.stats.add(chunks=len(batch.members), storage_wait_seconds=time.monotonic() - t0)
         for c in batch.members:
             self._count_assembled(c, time.monotonic())
@@ -335,7 +341,11 @@ class _AutoTuner:
         if now - self.t_w < self.WINDOW or (finished < 4 and now - self.t_w < 10 * self.WINDOW):
             return
         rate = (p.stats.stats.bytes_read - self.bytes_w) / (now - self.t_w)
-        recent = sorted(t / n for t, n in list(self.clock.samples)[-finished:] if n > 0) if finished else []
+        recent = (
+            sorted(t / n for t, n in list(self.clock.samples)[-finished:] if n > 0)
+            if finished
+            else []
+        )
         cost = recent[len(recent) // 2] if recent else None
         was_saturated = self.saturated * 2 >= self.ticks
         self._new_window()
@@ -345,12 +355,20 @@ class _AutoTuner:
             self.base_cost = cost if self.base_cost is None else min(self.base_cost, cost)
         if self.prev_rate is None or rate >= self.prev_rate * 1.10:
             new = limit * 2 if self.slow_start else limit + max(1, limit // 4)
-            p._set_limit(min(p.options.max_in_flight, new), f"throughput {rate / 2**20:.1f} MiB/s rising")
+            p._set_limit(
+                min(p.options.max_in_flight, new), f"throughput {rate / 2**20:.1f} MiB/s rising"
+            )
         else:
             self.slow_start = False
-            if cost is not None and self.base_cost is not None and cost > 1.5 * self.base_cost and limit > 1:
+            if (
+                cost is not None
+                and self.base_cost is not None
+                and cost > 1.5 * self.base_cost
+                and limit > 1
+            ):
                 p._set_limit(
-                    max(1, limit - max(1, limit // 5)), f"throughput flat at {rate / 2**20:.1f} MiB/s, latency rising"
+                    max(1, limit - max(1, limit // 5)),
+                    f"throughput flat at {rate / 2**20:.1f} MiB/s, latency rising",
                 )
         self.prev_rate = rate
 
@@ -401,7 +419,12 @@ def _workers(executor: concurrent.futures.Executor) -> int:
 
 
 def _group(
-    chunks: list[Chunk], budget: int, workers: int, *, direct_ok: bool, staged_limit: int = _BATCH_CHUNK
+    chunks: list[Chunk],
+    budget: int,
+    workers: int,
+    *,
+    direct_ok: bool,
+    staged_limit: int = _BATCH_CHUNK,
 ) -> list[Chunk]:
     """Local chunks in dispatch order, grouped: consecutive tiny ones (up to
     ``_BATCH_CHUNK``, or ``staged_limit`` when assembled from a buffer anyway; no device
@@ -426,7 +449,8 @@ def _group(
 
     for c in chunks:
         if not c.needs_pinned and (
-            c.nbytes <= _BATCH_CHUNK or (c.nbytes <= staged_limit and (c.trackers or not c.tiles_into()))
+            c.nbytes <= _BATCH_CHUNK
+            or (c.nbytes <= staged_limit and (c.trackers or not c.tiles_into()))
         ):
             if cur and size + c.nbytes > tiny_limit:
                 flush()
@@ -442,7 +466,9 @@ def _group(
             out.append(c)
     flush()
     if direct:
-        reserve = min(budget, sum(m.nbytes for m in direct), workers * max(m.nbytes for m in direct))
+        reserve = min(
+            budget, sum(m.nbytes for m in direct), workers * max(m.nbytes for m in direct)
+        )
         out.insert(run_at, direct_run(direct, reserve))
     return out
 
@@ -455,11 +481,15 @@ def direct_run(members: list[Chunk], reserve: int) -> _DirectRun:
     return run
 
 
-def _run_reads(members: list[Chunk], jobs: int) -> tuple[list[tuple[str, int, list[memoryview]]], list[int]]:
+def _run_reads(
+    members: list[Chunk], jobs: int
+) -> tuple[list[tuple[str, int, list[memoryview]]], list[int]]:
     """A run's reads, in order: each member whole, except that (``jobs`` > 1) the members in
     the last ``2 x jobs`` largest members' worth of bytes are cut into :data:`_TAIL_PIECE`
     pieces; and the member each read belongs to."""
-    tail = 2 * jobs * max(m.nbytes for m in members) if jobs > 1 else 0  # one thread: nothing to even out
+    tail = (
+        2 * jobs * max(m.nbytes for m in members) if jobs > 1 else 0
+    )  # one thread: nothing to even out
     reads: list[tuple[str, int, list[memoryview]]] = []
     owner: list[int] = []
     after = sum(m.nbytes for m in members)
@@ -488,7 +518,9 @@ def _run_reads(members: list[Chunk], jobs: int) -> tuple[list[tuple[str, int, li
 
 def _payload(chunk: Chunk) -> int:
     """The destination bytes a chunk fills (counted in ``bytes_assembled``)."""
-    return sum(s.end - s.start if s.useful is None else s.useful for s in chunk.segments if s.payload)
+    return sum(
+        s.end - s.start if s.useful is None else s.useful for s in chunk.segments if s.payload
+    )
 
 
 def _direct(c: Chunk) -> bool:

@@ -39,7 +39,16 @@ __all__ = [
 
 _COPYABLE: dict[tuple[torch.dtype, torch.dtype], bool] = {}
 
-_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+_INTS = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
 _FLOATS = tuple(
     d
     for d in (
@@ -49,13 +58,23 @@ _FLOATS = tuple(
         torch.float64,
         *(
             getattr(torch, n, None)
-            for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+            for n in (
+                "float8_e4m3fn",
+                "float8_e5m2",
+                "float8_e4m3fnuz",
+                "float8_e5m2fnuz",
+                "float8_e8m0fnu",
+            )
         ),
     )
     if isinstance(d, torch.dtype)
 )
 #: complex dtype -> the float dtype of each component
-_COMPLEX = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+_COMPLEX = {
+    torch.complex32: torch.float16,
+    torch.complex64: torch.float32,
+    torch.complex128: torch.float64,
+}
 
 
 @functools.cache
@@ -64,11 +83,20 @@ def _float_traits(dt: torch.dtype) -> tuple[int, float, float, bool, bool, bool]
     fi = torch.finfo(dt)
     # mantissa bits probed (finfo's eps of float8_e5m2fnuz says 3 bits, it has 2)
     mant = 0
-    while (x := 1 + 2.0 ** -(mant + 1)) != 1.0 and float(torch.tensor(x, dtype=torch.float64).to(dt)) == x:
+    while (x := 1 + 2.0 ** -(mant + 1)) != 1.0 and float(
+        torch.tensor(x, dtype=torch.float64).to(dt)
+    ) == x:
         mant += 1
     smallest = fi.tiny * 2.0**-mant  # the smallest subnormal (no subnormals without mantissa bits)
     probe = torch.tensor([math.inf, -1.0, 0.0], dtype=torch.float64).to(dt).to(torch.float64)
-    return mant, fi.max, smallest, bool(probe[0].isinf()), bool(probe[1] == -1.0), bool(probe[2] == 0.0)
+    return (
+        mant,
+        fi.max,
+        smallest,
+        bool(probe[0].isinf()),
+        bool(probe[1] == -1.0),
+        bool(probe[2] == 0.0),
+    )
 
 
 def _int_range(dt: torch.dtype) -> tuple[int, int]:
@@ -114,7 +142,9 @@ def cast_loss(src: torch.dtype, dst: torch.dtype) -> str | None:
         lo, hi = _int_range(src)
         dlo, dhi = _int_range(dst)
         if lo < dlo or hi > dhi:
-            return f"{dst} cannot hold every value of {src}" + (" (negative numbers)" if lo < 0 <= dlo else "")
+            return f"{dst} cannot hold every value of {src}" + (
+                " (negative numbers)" if lo < 0 <= dlo else ""
+            )
         return None
     if src in _COMPLEX:
         if dst not in _COMPLEX:
@@ -241,12 +271,16 @@ def plan_tensor(
             f"{key or loc.where}: destination has shape {list(dest.shape)}, "
             f"the checkpoint's piece has shape {list(lengths)}"
         )
-    check_cast(loc.dtype, dest.dtype, allow_cast=allow_cast, what=f"key {key!r}" if key else loc.where)
+    check_cast(
+        loc.dtype, dest.dtype, allow_cast=allow_cast, what=f"key {key!r}" if key else loc.where
+    )
     if math.prod(lengths) == 0:
         return []
     isz = loc.itemsize
     on_device = stager is not None and stager.claims(dest)
-    can_direct = direct_ok and dest.dtype == loc.dtype and dest.device.type == "cpu" and not on_device
+    can_direct = (
+        direct_ok and dest.dtype == loc.dtype and dest.device.type == "cpu" and not on_device
+    )
     if (
         can_direct
         and not any(offsets)
@@ -261,7 +295,11 @@ def plan_tensor(
         mv = memory_of(dest)
         return [
             Piece(
-                loc.name, start_b + lo, start_b + min(nbytes, lo + chunk_size), into=mv[lo : lo + chunk_size], keep=dest
+                loc.name,
+                start_b + lo,
+                start_b + min(nbytes, lo + chunk_size),
+                into=mv[lo : lo + chunk_size],
+                keep=dest,
             )
             for lo in range(0, nbytes, chunk_size)
         ]
@@ -277,7 +315,9 @@ def plan_tensor(
     def base_elem(o: Sequence[int]) -> int:
         return loc.storage_offset + sum(a * s for a, s in zip(o, strides_p))
 
-    def emit_direct(start_b: int, nbytes: int, view: torch.Tensor, mv: memoryview | None = None) -> None:
+    def emit_direct(
+        start_b: int, nbytes: int, view: torch.Tensor, mv: memoryview | None = None
+    ) -> None:
         if mv is None:
             mv = memory_of(view)
         for lo in range(0, nbytes, chunk_size):
@@ -303,7 +343,10 @@ def plan_tensor(
             return
 
         def deliver(
-            data: memoryview, shape: list[int] = shape, strides: list[int] = strides, view: torch.Tensor = view
+            data: memoryview,
+            shape: list[int] = shape,
+            strides: list[int] = strides,
+            view: torch.Tensor = view,
         ) -> None:
             src = tensor_over(data, src_dtype).as_strided(shape, strides, 0)
             view.copy_(src)
@@ -344,7 +387,12 @@ def plan_tensor(
             group = max(1, chunk_size // row_bytes)
         if group >= lens[d]:
             group = max(1, lens[d] // 2)
-        if group == 1 and can_direct and view.is_contiguous() and _contiguous_box(lens[d + 1 :], strides_p[d + 1 :]):
+        if (
+            group == 1
+            and can_direct
+            and view.is_contiguous()
+            and _contiguous_box(lens[d + 1 :], strides_p[d + 1 :])
+        ):
             # one direct run per index of ``d`` (a column slice's rows), without a box each
             inner = math.prod(lens[d + 1 :]) * isz
             step = strides_p[d] * isz
@@ -393,7 +441,11 @@ def make_chunks(
         by_file.setdefault(p.name, []).append(p)
     for ps in by_file.values():
         ps.sort(key=lambda p: (p.start, p.end))
-    chosen = None if max_over_read is None else _chosen_gaps(by_file, min_chunk_size, max_over_read, charge)
+    chosen = (
+        None
+        if max_over_read is None
+        else _chosen_gaps(by_file, min_chunk_size, max_over_read, charge)
+    )
     chunks: list[Chunk] = []
     for name, ps in by_file.items():
         cur: list[Piece] = []
@@ -406,7 +458,9 @@ def make_chunks(
                     joined = 0 < gap <= min_chunk_size and small
                 else:
                     joined = (name, i) in chosen
-                if (gap <= 0 or (gap > 0 and joined)) and max(cur_end, p.end) - cur_start <= chunk_size:
+                if (gap <= 0 or (gap > 0 and joined)) and max(
+                    cur_end, p.end
+                ) - cur_start <= chunk_size:
                     cur.append(p)
                     cur_end = max(cur_end, p.end)
                     continue
@@ -432,8 +486,14 @@ def _chosen_gaps(
         for i, p in enumerate(ps):
             if end is not None:
                 gap = p.start - end
-                if 0 < gap <= min_chunk_size and p.nbytes < min_chunk_size and prev < min_chunk_size:
-                    candidates.append((gap if charge is None else charge(name, end, p.start), name, i))
+                if (
+                    0 < gap <= min_chunk_size
+                    and p.nbytes < min_chunk_size
+                    and prev < min_chunk_size
+                ):
+                    candidates.append(
+                        (gap if charge is None else charge(name, end, p.start), name, i)
+                    )
             end = p.end if end is None else max(end, p.end)
             prev = p.nbytes
     # equal gaps (a column slice's rows) are taken spread over the file, not in a row: the

@@ -49,7 +49,9 @@ _STEP = 1 << 20
 MAX_RATIO = {"stream.zstd": 1 << 16}
 
 
-def check_claim(descriptors: Sequence[str], stored: int, claimed: int, memory_budget: int, *, what: str) -> None:
+def check_claim(
+    descriptors: Sequence[str], stored: int, claimed: int, memory_budget: int, *, what: str
+) -> None:
     """Before a destination is allocated for a transformed record: the tensor bytes the
     metadata ``claimed`` for it must be ones that its ``stored`` bytes can decode to (known
     transforms: :data:`MAX_RATIO`), and the record, decoded whole, must fit ``memory_budget``
@@ -93,7 +95,9 @@ def extensions_for(
             f"decode ({type(exc).__name__}: {exc}): pass a registry that knows them, "
             "PipelinedReader(..., _extension_registry=...) or asyncload.load(..., extension_registry=...)"
         ) from exc
-    return [ex for ex in found if isinstance(ex, StreamTransformExtension)]  # as torch: others do not transform
+    return [
+        ex for ex in found if isinstance(ex, StreamTransformExtension)
+    ]  # as torch: others do not transform
 
 
 class _View(io.RawIOBase):
@@ -131,7 +135,11 @@ class DecodedTooLargeError(CheckpointFormatError):
 
 
 def decode(
-    extensions: Sequence[StreamTransformExtension], stored: bytes | memoryview, *, limit: int, what: str
+    extensions: Sequence[StreamTransformExtension],
+    stored: bytes | memoryview,
+    *,
+    limit: int,
+    what: str,
 ) -> bytearray:
     """``stored`` decoded through ``extensions``: at most ``limit`` bytes, else a typed error
     (read in steps: a bomb stops one step past the limit). Errors of the transforms are typed."""
@@ -189,7 +197,11 @@ async def aread_transformed(pipeline: Any, reads: Sequence[TransformedRead]) -> 
     again = await _aread_pass(pipeline, reads)
     if again:
         await _aread_pass(
-            pipeline, [dataclasses.replace(r, limit=r.retry_limit or r.limit, retry_limit=None) for r in again]
+            pipeline,
+            [
+                dataclasses.replace(r, limit=r.retry_limit or r.limit, retry_limit=None)
+                for r in again
+            ],
         )
 
 

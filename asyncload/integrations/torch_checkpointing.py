@@ -82,9 +82,13 @@ class AsyncloadStorageConfig(StorageConfig):
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
-            raise ValueError(f"AsyncloadStorageConfig.root must be a path or URL, got {self.root!r}")
+            raise ValueError(
+                f"AsyncloadStorageConfig.root must be a path or URL, got {self.root!r}"
+            )
         if not isinstance(self.options, LoadOptions):
-            raise TypeError(f"AsyncloadStorageConfig.options must be a LoadOptions, got {type(self.options).__name__}")
+            raise TypeError(
+                f"AsyncloadStorageConfig.options must be a LoadOptions, got {type(self.options).__name__}"
+            )
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(
                 f"AsyncloadStorageConfig.storage_options must be a mapping, got {type(self.storage_options).__name__}"
@@ -103,7 +107,9 @@ class AsyncloadStorage(Storage):
 
     def __init__(self, config: AsyncloadStorageConfig) -> None:
         self._config = config
-        self._root = str(local_root(config.root)) if is_local(config.root) else str(config.root).rstrip("/")
+        self._root = (
+            str(local_root(config.root)) if is_local(config.root) else str(config.root).rstrip("/")
+        )
         self._recorder = StatsRecorder()
         self._clock = LoadClock()  # one for every store: the timeout's progress, hedging's history
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -127,7 +133,9 @@ class AsyncloadStorage(Storage):
         if s.startswith(root + "/"):
             s = s[len(root) + 1 :]
         elif "://" in s or os.path.isabs(s):
-            raise ValueError(f"{path} is not under this storage's root {root} (AsyncloadStorageConfig.root)")
+            raise ValueError(
+                f"{path} is not under this storage's root {root} (AsyncloadStorageConfig.root)"
+            )
         return check_relative_path(s.strip("/"), root) if s.strip("/") else ""
 
     def _url(self, rel: str) -> str:
@@ -146,7 +154,9 @@ class AsyncloadStorage(Storage):
             store = self._stores.get(directory)
             if store is None:
                 if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="asyncload-tc")
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        4, thread_name_prefix="asyncload-tc"
+                    )
                 opts = self._config.options
                 raw = open_storage(
                     self._url(directory),
@@ -243,7 +253,9 @@ class _RangedStream(io.RawIOBase):
     ``_READ_AHEAD`` bytes, kept for the small reads that follow; a large one split into
     ``chunk_size`` requests in flight together)."""
 
-    def __init__(self, owner: AsyncloadStorage, store: RetryingStorage, name: str, size: int) -> None:
+    def __init__(
+        self, owner: AsyncloadStorage, store: RetryingStorage, name: str, size: int
+    ) -> None:
         super().__init__()
         self._owner, self._store, self._name, self._size = owner, store, name, size
         self._pos = 0

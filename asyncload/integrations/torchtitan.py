@@ -165,7 +165,12 @@ class AsyncLoadCheckpointManager(CheckpointManager):
         self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state_dict))
 
     def _read(self, state_dict: dict[str, Any], checkpoint_id: str) -> LoadStats:
-        stats = load(state_dict, checkpoint_id, options=self.load_options, storage_options=self.storage_options)
+        stats = load(
+            state_dict,
+            checkpoint_id,
+            options=self.load_options,
+            storage_options=self.storage_options,
+        )
         log.info(
             "asyncload read %d bytes of %s in %.2f s (%d files)",
             stats.bytes_read,

@@ -82,7 +82,8 @@ class _CachestatRange(ctypes.Structure):
 
 class _Cachestat(ctypes.Structure):
     _fields_ = [
-        (n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+        (n, ctypes.c_uint64)
+        for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
     ]
 
 
@@ -91,7 +92,9 @@ class _Cachestat(ctypes.Structure):
 #: The same number on the architectures whose numbers were unified from 424 on (not on alpha,
 #: mips or ia64: nothing is mapped there).
 _NR_CACHESTAT = 451
-_UNIFIED_SYSCALLS = frozenset({"x86_64", "aarch64", "arm64", "riscv64", "ppc64le", "ppc64", "s390x", "loongarch64"})
+_UNIFIED_SYSCALLS = frozenset(
+    {"x86_64", "aarch64", "arm64", "riscv64", "ppc64le", "ppc64", "s390x", "loongarch64"}
+)
 
 
 class _Libc:
@@ -101,7 +104,14 @@ class _Libc:
         libc = ctypes.CDLL(None, use_errno=True)
         self.mmap = libc.mmap
         self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         self.munmap = libc.munmap
         self.munmap.restype = ctypes.c_int
         self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -156,7 +166,11 @@ def _cachestat_missing() -> str | None:
     ctypes.set_errno(0)
     rc = libc.syscall(_NR_CACHESTAT, -1, None, None, 0)
     err = ctypes.get_errno()
-    why = None if rc != 0 and err not in (errno.ENOSYS, errno.EPERM) else f"no cachestat(2): {os.strerror(err)}"
+    why = (
+        None
+        if rc != 0 and err not in (errno.ENOSYS, errno.EPERM)
+        else f"no cachestat(2): {os.strerror(err)}"
+    )
     with _libc_lock:
         _cachestat_probe[:] = [why]
     return why
@@ -241,7 +255,12 @@ class MappedCopies:
 
     def _enter(self, fd: int, path: str, lease: _Lease, end: int) -> bool:
         """Hold the lease for one more window ending at file offset ``end``, or say no."""
-        assert _F_SETLEASE is not None and _F_GETLEASE is not None and _F_SETSIG is not None and _SIGNAL is not None
+        assert (
+            _F_SETLEASE is not None
+            and _F_GETLEASE is not None
+            and _F_SETSIG is not None
+            and _SIGNAL is not None
+        )
         with self._lock:
             if lease.dead:
                 return False
@@ -254,14 +273,20 @@ class MappedCopies:
                     lease.size = os.fstat(fd).st_size
                 except OSError as exc:
                     lease.dead = True
-                    why = "it is open for writing" if exc.errno == errno.EAGAIN else os.strerror(exc.errno or 0)
+                    why = (
+                        "it is open for writing"
+                        if exc.errno == errno.EAGAIN
+                        else os.strerror(exc.errno or 0)
+                    )
                     log.debug("%s: no read lease (%s): positional reads, no mappings", path, why)
                     return False
             if fcntl.fcntl(fd, _F_GETLEASE) != fcntl.F_RDLCK or end > lease.size:
                 # a writer waits for the lease, or the read runs past the end of the file
                 # (preadv's short read names it): no more mappings of this file
                 if end <= lease.size:
-                    log.debug("%s: a writer waits for the read lease: positional reads from here", path)
+                    log.debug(
+                        "%s: a writer waits for the read lease: positional reads from here", path
+                    )
                     lease.dead = True
                 if lease.active == 0:
                     _let_go(fd)

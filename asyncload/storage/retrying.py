@@ -119,7 +119,9 @@ async def _attempt(
     requests: dict[asyncio.Future[Any], _Request] = {}
 
     def start(req: _Request) -> asyncio.Future[Any]:
-        token = REQUEST.set(req)  # the request's task copies it: the store's first_byte() reaches req
+        token = REQUEST.set(
+            req
+        )  # the request's task copies it: the store's first_byte() reaches req
         try:
             fut = asyncio.ensure_future(op())
         finally:
@@ -162,10 +164,16 @@ async def _attempt(
                         pending.add(dup)
                         continue
                     # re-check soon: the delay shrinks as peers finish and build history
-                    step = max(HEDGE_POLL, after - (now - started)) if now - started < after else HEDGE_POLL
+                    step = (
+                        max(HEDGE_POLL, after - (now - started))
+                        if now - started < after
+                        else HEDGE_POLL
+                    )
                     step = min(step, HEDGE_POLL * 4)
                     wait = step if wait is None else min(wait, step)
-            done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(
+                pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+            )
             for t in done:
                 if t.exception() is None:
                     return t.result(), requests[t]
@@ -224,7 +232,12 @@ async def call_with_retry(
                 where = culprit() if culprit is not None else None
                 url, byte_range = where if where is not None else (url, byte_range)
                 raise translate(
-                    exc, url=url, byte_range=byte_range, attempts=attempt, failure=failure, timeout=retry.timeout
+                    exc,
+                    url=url,
+                    byte_range=byte_range,
+                    attempts=attempt,
+                    failure=failure,
+                    timeout=retry.timeout,
                 ) from exc
             stats.retry(failure.cause)
             delay = min(retry.max_backoff, retry.backoff * (2 ** (attempt - 1)))
@@ -369,7 +382,9 @@ class RetryingStorage:
             culprit=culprit,
         )
 
-    async def read(self, name: str, start: int, end: int, *, hedge: bool = True, counted: bool = True) -> memoryview:
+    async def read(
+        self, name: str, start: int, end: int, *, hedge: bool = True, counted: bool = True
+    ) -> memoryview:
         """Exactly bytes ``[start, end)`` of file ``name`` (``counted``: in ``bytes_read``,
         which leaves out the checkpoint's ``.metadata``)."""
         if end <= start:
@@ -401,7 +416,12 @@ class RetryingStorage:
         return data, int(size)
 
     async def readinto(
-        self, name: str, start: int, buffers: Sequence[memoryview], *, then: Callable[[], None] | None = None
+        self,
+        name: str,
+        start: int,
+        buffers: Sequence[memoryview],
+        *,
+        then: Callable[[], None] | None = None,
     ) -> None:
         """Fill ``buffers`` with the bytes from ``start`` on. A store that reads into caller
         memory does it on an I/O thread and runs ``then`` (a checksum) in the same hop."""
@@ -415,14 +435,20 @@ class RetryingStorage:
                 if then is not None:
                     then()
 
-            await self._call(lambda: loop.run_in_executor(self.executor, job), name, (start, start + n))
+            await self._call(
+                lambda: loop.run_in_executor(self.executor, job), name, (start, start + n)
+            )
         else:
-            await self._call(lambda: raw.readinto(name, start, buffers), name, (start, start + n), hedge=True)
+            await self._call(
+                lambda: raw.readinto(name, start, buffers), name, (start, start + n), hedge=True
+            )
             if then is not None:
                 then()
         self.stats.add(bytes_read=n)
 
-    async def read_batch(self, reads: Sequence[tuple[str, int, int, Callable[[memoryview], None]]]) -> None:
+    async def read_batch(
+        self, reads: Sequence[tuple[str, int, int, Callable[[memoryview], None]]]
+    ) -> None:
         """Several tiny reads of a store that reads into caller memory, without a thread hop
         as far as the store can read them on the loop (``Storage.readinto_cached``: a local
         file's cached pages, at most :data:`BATCH_INLINE` bytes), the rest in one hop to an
@@ -482,7 +508,9 @@ class RetryingStorage:
         lock = threading.Lock()
         times: list[tuple[float, int]] = []
         refused: list[BaseException] = []  # what ``landed`` raised
-        culprit: list[tuple[str, tuple[int, int]] | None] = [None]  # what the last failed attempt's error is about
+        culprit: list[tuple[str, tuple[int, int]] | None] = [
+            None
+        ]  # what the last failed attempt's error is about
         readinto, monotonic = raw.readinto_sync, time.monotonic
         ends = [(name, start, start + n) for (name, start, _), n in zip(reads, sizes)]
 
@@ -528,7 +556,9 @@ class RetryingStorage:
                                 refused.append(exc)
                             return
 
-            futures = [loop.run_in_executor(self.executor, job) for _ in range(min(jobs, len(todo)))]
+            futures = [
+                loop.run_in_executor(self.executor, job) for _ in range(min(jobs, len(todo)))
+            ]
             try:
                 await asyncio.gather(*futures)
             except BaseException:
@@ -541,7 +571,9 @@ class RetryingStorage:
                     todo.extendleft(sorted(taken, reverse=True))
                     taken.clear()
 
-        await self._call(attempt, reads[0][0], _group_span(ends), timed=False, culprit=lambda: culprit[0])
+        await self._call(
+            attempt, reads[0][0], _group_span(ends), timed=False, culprit=lambda: culprit[0]
+        )
         if refused:
             raise refused[0]
         for seconds, nbytes in times:

@@ -78,7 +78,9 @@ def test_chunks_that_do_not_cover_the_tensor_exactly(
             big[0].sizes = torch.Size([0, 64])
         elif forge == "overlap":
             big[0].sizes = torch.Size([40, 64])
-            big.append(ChunkStorageMetadata(offsets=torch.Size([24, 0]), sizes=torch.Size([40, 64])))
+            big.append(
+                ChunkStorageMetadata(offsets=torch.Size([24, 0]), sizes=torch.Size([40, 64]))
+            )
         elif forge == "duplicate":
             big.append(copy.deepcopy(big[0]))
         elif forge == "scalar twice":
@@ -105,9 +107,13 @@ def test_chunked_metadata_that_covers_exactly_passes(ckpt: tuple[Path, dict[str,
     ]
     check_metadata(md, "forged")
     smd.chunks.pop(3)
-    with pytest.raises(CheckpointFormatError, match=r"key 'big': the chunks hold 3584 of the tensor's 4096"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"key 'big': the chunks hold 3584 of the tensor's 4096"
+    ):
         check_metadata(md, "forged")
-    smd.chunks.append(ChunkStorageMetadata(offsets=torch.Size([16, 31]), sizes=torch.Size([16, 32])))
+    smd.chunks.append(
+        ChunkStorageMetadata(offsets=torch.Size([16, 31]), sizes=torch.Size([16, 32]))
+    )
     with pytest.raises(CheckpointFormatError, match=r"key 'big': chunks .* overlap"):
         check_metadata(md, "forged")
 
@@ -121,11 +127,14 @@ def test_coverage_check_is_cheap_for_thousands_of_chunks(ckpt: tuple[Path, dict[
         smd.size = torch.Size([1024, 1024])
         if i % 2:  # column-sharded: every chunk starts at row 0
             smd.chunks = [
-                ChunkStorageMetadata(offsets=torch.Size([0, c * 16]), sizes=torch.Size([1024, 16])) for c in range(64)
+                ChunkStorageMetadata(offsets=torch.Size([0, c * 16]), sizes=torch.Size([1024, 16]))
+                for c in range(64)
             ]
         else:
             smd.chunks = [
-                ChunkStorageMetadata(offsets=torch.Size([r * 128, c * 128]), sizes=torch.Size([128, 128]))
+                ChunkStorageMetadata(
+                    offsets=torch.Size([r * 128, c * 128]), sizes=torch.Size([128, 128])
+                )
                 for r in range(8)
                 for c in range(8)
             ]
@@ -160,7 +169,8 @@ def test_planner_refuses_a_plan_that_leaves_destination_elements_unread(
     planner.set_up_planner({"big": torch.zeros(64, 64)}, md, True)
     planner.allow_partial_load = True
     with pytest.raises(
-        CheckpointFormatError, match=r"key 'big': the checkpoint's chunks give 2048 of the destination's 4096"
+        CheckpointFormatError,
+        match=r"key 'big': the checkpoint's chunks give 2048 of the destination's 4096",
     ):
         planner.create_local_plan()
 
@@ -182,7 +192,9 @@ def test_load_that_did_not_write_every_byte_does_not_report_success(
 
     monkeypatch.setattr(_pipeline.Pipeline, "run", lossy)
     dest = sentinel_like(sd)
-    with pytest.raises(CheckpointFormatError, match=r"the load wrote \d+ of the \d+ destination bytes.*'big'"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"the load wrote \d+ of the \d+ destination bytes.*'big'"
+    ):
         asyncload.load(dest, path, options=PIECES)
 
 
@@ -242,7 +254,8 @@ def test_integer_tensor_requiring_grad_in_a_dcp_object_record(
     dest = sentinel_like(sd)
     kind = "parameter" if parameter else "tensor"
     with pytest.raises(
-        CheckpointFormatError, match=rf"'nested.step'.*{kind} record of dtype {dtype} has requires_grad=True"
+        CheckpointFormatError,
+        match=rf"'nested.step'.*{kind} record of dtype {dtype} has requires_grad=True",
     ):
         asyncload.load(dest, path, options=PIECES)
 
@@ -260,7 +273,9 @@ def test_integer_tensor_requiring_grad_in_a_torch_save_file(
     f.write_bytes(_rezip(buf.getvalue(), _flip_requires_grad))
     dest = sentinel_like({"ok": torch.ones(2), "w": t})
     kind = "parameter" if parameter else "tensor"
-    with pytest.raises(CheckpointFormatError, match=rf"model\.pt.*{kind} record of dtype {dtype} has requires_grad"):
+    with pytest.raises(
+        CheckpointFormatError, match=rf"model\.pt.*{kind} record of dtype {dtype} has requires_grad"
+    ):
         asyncload.load(dest, f)
     assert is_sentinel(dest)
 
@@ -290,23 +305,31 @@ def test_destination_that_is_not_a_tensor(ckpt: tuple[Path, dict[str, Any]], val
         value if isinstance(value, str) else type(value).__name__
     ]
     with pytest.raises(
-        StateDictMismatchError, match=r"key 'big': the checkpoint holds a tensor of shape \[64, 64\]"
+        StateDictMismatchError,
+        match=r"key 'big': the checkpoint holds a tensor of shape \[64, 64\]",
     ) as ei:
         asyncload.load(dest, path, options=PIECES)
     assert f"the destination holds a {shown}:" in str(ei.value)
-    assert dest["big"] is given  # the caller's dict is left as it was (torch's set-up would put None there)
+    assert (
+        dest["big"] is given
+    )  # the caller's dict is left as it was (torch's set-up would put None there)
     assert is_sentinel({k: v for k, v in dest.items() if k != "big"})
 
 
 @pytest.mark.parametrize("dtype", ["bits8", "float4_e2m1fn_x2"])
-def test_cast_towards_a_dtype_without_conversion(ckpt: tuple[Path, dict[str, Any]], dtype: str) -> None:
+def test_cast_towards_a_dtype_without_conversion(
+    ckpt: tuple[Path, dict[str, Any]], dtype: str
+) -> None:
     dt = getattr(torch, dtype, None)
     if dt is None:
         pytest.skip(f"torch has no {dtype}")
     path, sd = ckpt
     dest = sentinel_like(sd)
     dest["big"] = torch.zeros(64, 64 * dt.itemsize, dtype=torch.uint8).view(dt)
-    with pytest.raises(StateDictMismatchError, match=r"key 'big': the checkpoint's torch.float32 cannot be converted"):
+    with pytest.raises(
+        StateDictMismatchError,
+        match=r"key 'big': the checkpoint's torch.float32 cannot be converted",
+    ):
         asyncload.load(dest, path, options=LoadOptions(allow_dtype_cast=True))
     assert is_sentinel({k: v for k, v in dest.items() if k != "big"})
 
@@ -331,12 +354,23 @@ def _mutation(draw: st.DrawFn) -> tuple[Any, ...]:
     kind = draw(st.sampled_from(KINDS))
     key = draw(st.sampled_from(KEYS))
     value = draw(st.one_of(st.integers(-2, 70), st.sampled_from(INTS)))
-    return (kind, key, draw(st.integers(0, 3)), value, draw(st.sampled_from(DTYPES)), draw(st.integers(-64, 64)))
+    return (
+        kind,
+        key,
+        draw(st.integers(0, 3)),
+        value,
+        draw(st.sampled_from(DTYPES)),
+        draw(st.integers(-64, 64)),
+    )
 
 
 @pytest.fixture(scope="module")
-def forge_dir(tmp_path_factory: pytest.TempPathFactory, ckpt_state_dict: dict[str, Any]) -> tuple[Path, Any]:
-    path = make_checkpoint(tmp_path_factory.mktemp("forge") / "ckpt", copy.deepcopy(ckpt_state_dict))
+def forge_dir(
+    tmp_path_factory: pytest.TempPathFactory, ckpt_state_dict: dict[str, Any]
+) -> tuple[Path, Any]:
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("forge") / "ckpt", copy.deepcopy(ckpt_state_dict)
+    )
     return path, read_metadata(path)
 
 

@@ -52,16 +52,24 @@ def test_only_our_errors_escape(target: str) -> None:
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(seed_index=st.integers(0, len(seeds) - 1), rng_seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 8))
+    @given(
+        seed_index=st.integers(0, len(seeds) - 1),
+        rng_seed=st.integers(0, 2**32 - 1),
+        rounds=st.integers(1, 8),
+    )
     def run(seed_index: int, rng_seed: int, rounds: int) -> None:
-        data = mutate(random.Random(rng_seed), seeds[seed_index], pickle_aware=pickle_aware, rounds=rounds)
+        data = mutate(
+            random.Random(rng_seed), seeds[seed_index], pickle_aware=pickle_aware, rounds=rounds
+        )
         work = WorkBudget()  # counts only: a decode over its budget would look like an error
         try:
             fn(data, work)
             outcomes["ok"] += 1
         except (CheckpointFormatError, UnsafeCheckpointError):
             outcomes["error"] += 1
-        assert work.spent <= work_bound(len(data)), f"{target}: {work.spent} units for {len(data)} bytes"
+        assert work.spent <= work_bound(len(data)), (
+            f"{target}: {work.spent} units for {len(data)} bytes"
+        )
         costliest[:] = max(costliest, [work.spent, len(data)])
 
     run()
@@ -100,7 +108,11 @@ _scalars = st.one_of(
     st.binary(max_size=20),
     st.complex_numbers(allow_nan=False, allow_infinity=False),
 )
-_keys = st.one_of(st.text(max_size=10), st.integers(-(2**40), 2**40), st.tuples(st.integers(0, 9), st.text(max_size=3)))
+_keys = st.one_of(
+    st.text(max_size=10),
+    st.integers(-(2**40), 2**40),
+    st.tuples(st.integers(0, 9), st.text(max_size=3)),
+)
 _data = st.recursive(
     _scalars,
     lambda inner: st.one_of(
@@ -116,7 +128,11 @@ _data = st.recursive(
 
 @given(obj=_data)
 @settings(
-    max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 def test_decoder_agrees_with_pickle_on_every_protocol(obj: object) -> None:
     import pickle

@@ -21,7 +21,14 @@ from typing import Any
 import pytest
 import torch
 from _ckpt import make_checkpoint, zeros_like_tree
-from _corrupt import is_sentinel, mutate_metadata, read_metadata, record_of, sentinel_like, write_metadata
+from _corrupt import (
+    is_sentinel,
+    mutate_metadata,
+    read_metadata,
+    record_of,
+    sentinel_like,
+    write_metadata,
+)
 from _fuzzing import work_bound
 from _hostile import Hostile, corpus, record_pickle, replace_record_pickle
 
@@ -40,9 +47,15 @@ ERRORS = {"unsafe": UnsafeCheckpointError, "format": CheckpointFormatError}
 def _decode(data: bytes, placement: str, work: WorkBudget) -> Any:
     """What a load does with these bytes at ``placement``, with ``work`` counting."""
     if placement == "metadata":
-        return decode_metadata(data, "ckpt/.metadata", max_size=LoadOptions().max_metadata_size, work=work)
+        return decode_metadata(
+            data, "ckpt/.metadata", max_size=LoadOptions().max_metadata_size, work=work
+        )
     return safe_loads(
-        data, what="data.pkl", allowed=record_globals(), persistent_load=storage_persistent_load, work=work
+        data,
+        what="data.pkl",
+        allowed=record_globals(),
+        persistent_load=storage_persistent_load,
+        work=work,
     )
 
 
@@ -78,7 +91,9 @@ def _copy(pristine: Path, tmp_path: Path) -> Path:
 
 
 def _nothing_ran(markers: Path) -> None:
-    assert sorted(p.name for p in markers.iterdir()) == ["evil.npy", "evil.pt"], "a hostile payload ran"
+    assert sorted(p.name for p in markers.iterdir()) == ["evil.npy", "evil.pt"], (
+        "a hostile payload ran"
+    )
     assert torch.is_grad_enabled()
     assert not hasattr(torch.float32, "x")
     assert record_globals()[("torch", "FloatStorage")].dtype == torch.float32
@@ -122,7 +137,9 @@ def test_hostile_pickles_in_a_checkpoint(
         with pytest.raises((UnsafeCheckpointError, CheckpointFormatError)) as err:
             asyncload.load(dest, path)
         want = ERRORS[h.expected(placement)]
-        assert type(err.value) is want, f"{h.name} as {placement}: {type(err.value).__name__}: {err.value}"
+        assert type(err.value) is want, (
+            f"{h.name} as {placement}: {type(err.value).__name__}: {err.value}"
+        )
         # bounded work, counted (not timed): the same decode with a WorkBudget that counts
         work = WorkBudget()
         with pytest.raises(want):
@@ -190,7 +207,9 @@ for h in corpus({str(markers)!r}):
     out[h.name] = [err, max(0, status("VmHWM:") - before) / 2**20, len(h.data), h.expected("record")]
 print(json.dumps(out))
 """
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=110, check=False
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out) >= 12
@@ -202,7 +221,9 @@ print(json.dumps(out))
 # --- hostile .metadata that decodes fine but points elsewhere -----------------------
 
 
-@pytest.mark.parametrize("bad", ["../outside.distcp", "/etc/passwd", "sub/../../x", "a\\..\\b", "", "x\x00y", "C:/x"])
+@pytest.mark.parametrize(
+    "bad", ["../outside.distcp", "/etc/passwd", "sub/../../x", "a\\..\\b", "", "x\x00y", "C:/x"]
+)
 def test_metadata_paths_that_leave_the_checkpoint(pristine: Path, tmp_path: Path, bad: str) -> None:
     path = _copy(pristine, tmp_path)
     (tmp_path / "outside.distcp").write_bytes((path / "__0_0.distcp").read_bytes())
@@ -219,9 +240,12 @@ def test_metadata_paths_that_leave_the_checkpoint(pristine: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize(
-    "field,value", [("offset", -1), ("length", -5), ("offset", 1 << 70), ("offset", "12"), ("length", 2.5)]
+    "field,value",
+    [("offset", -1), ("length", -5), ("offset", 1 << 70), ("offset", "12"), ("length", 2.5)],
 )
-def test_metadata_storage_entries_with_bad_numbers(pristine: Path, tmp_path: Path, field: str, value: Any) -> None:
+def test_metadata_storage_entries_with_bad_numbers(
+    pristine: Path, tmp_path: Path, field: str, value: Any
+) -> None:
     path = _copy(pristine, tmp_path)
 
     def change(md: Any) -> None:
@@ -294,20 +318,27 @@ def _zip_damage(rec: bytes) -> dict[str, bytes]:
     data_cd = next((p for p in cdh if b"/data/" in cd_name(p)), pkl_cd)
     data_lfh = int.from_bytes(rec[data_cd + 42 : data_cd + 46], "little")
     zip64_all = put(
-        put(put(rec, eocd + 8, "<HH", 0xFFFF, 0xFFFF), eocd + 12, "<I", 0xFFFFFFFF), eocd + 16, "<I", 0xFFFFFFFF
+        put(put(rec, eocd + 8, "<HH", 0xFFFF, 0xFFFF), eocd + 12, "<I", 0xFFFFFFFF),
+        eocd + 16,
+        "<I",
+        0xFFFFFFFF,
     )
     return {
         "EOCD signature": put(rec, eocd, "<I", 0x06054B51),
         "EOCD directory offset past EOF": put(rec, eocd + 16, "<I", 0xFFFFFFF0),
         "EOCD directory size past EOF": put(rec, eocd + 12, "<I", 0x7FFFFFF0),
-        "EOCD entry count 0xFFFF, no zip64 locator": put(put(rec, eocd + 8, "<HH", 0xFFFF, 0xFFFF), eocd - 20, "<I", 0),
+        "EOCD entry count 0xFFFF, no zip64 locator": put(
+            put(rec, eocd + 8, "<HH", 0xFFFF, 0xFFFF), eocd - 20, "<I", 0
+        ),
         "zip64 locator points past EOF": put(zip64_all, eocd - 20 + 8, "<Q", (1 << 63) - 1),
         "zip64 end record claims 2^64-1 entries": put(zip64_all, eocd64 + 32, "<Q", (1 << 64) - 1),
         "zip64 end record directory offset 2^63": put(zip64_all, eocd64 + 48, "<Q", 1 << 63),
         "zip64 end record signature": put(zip64_all, eocd64, "<I", 0),
         "CD entry signature": put(rec, cdh[0], "<I", 0x02014B51),
         "CD name length past the directory": put(rec, cdh[-1] + 28, "<H", 0xFFFF),
-        "CD sizes 0xFFFFFFFF without zip64 extra": put(rec, data_cd + 20, "<II", 0xFFFFFFFF, 0xFFFFFFFF),
+        "CD sizes 0xFFFFFFFF without zip64 extra": put(
+            rec, data_cd + 20, "<II", 0xFFFFFFFF, 0xFFFFFFFF
+        ),
         "CD local header offset past EOF": put(rec, data_cd + 42, "<I", 0xFFFFFF00),
         "CD stored sizes disagree": put(rec, data_cd + 24, "<I", 17),
         "CD storage size smaller than the tensor": put(rec, data_cd + 20, "<II", 3, 3),
@@ -348,7 +379,9 @@ def test_damaged_records_parse_to_format_errors(pristine: Path) -> None:
     [LoadOptions(), LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=1 << 16)],
     ids=["whole-record", "probed"],
 )
-def test_damaged_records_in_a_checkpoint(pristine: Path, tmp_path: Path, options: LoadOptions) -> None:
+def test_damaged_records_in_a_checkpoint(
+    pristine: Path, tmp_path: Path, options: LoadOptions
+) -> None:
     """The same damage written into the .distcp in place: the load raises
     CheckpointFormatError naming the file and the key (or, for a damaged object record,
     the object), whichever read path finds it."""
@@ -365,13 +398,20 @@ def test_damaged_records_in_a_checkpoint(pristine: Path, tmp_path: Path, options
             assert repr(key) in str(err.value), f"{name}: {err.value}"
 
 
-def test_corpus_decodes_nothing_with_the_record_policy(hostile_items: list[Hostile], markers: Path) -> None:
+def test_corpus_decodes_nothing_with_the_record_policy(
+    hostile_items: list[Hostile], markers: Path
+) -> None:
     """The corpus straight through safe_loads with the record allow-list (the widest)."""
     for h in hostile_items:
         if h.heavy:
             continue  # test_resource_attacks_stay_bounded_in_memory decodes these with this policy
         with pytest.raises((UnsafeCheckpointError, CheckpointFormatError)) as err:
-            obj = safe_loads(h.data, what=h.name, allowed=record_globals(), persistent_load=storage_persistent_load)
+            obj = safe_loads(
+                h.data,
+                what=h.name,
+                allowed=record_globals(),
+                persistent_load=storage_persistent_load,
+            )
             if h.name.startswith("FRAME"):
                 pytest.fail(f"decoded {obj!r}")
         assert type(err.value) is ERRORS[h.expected("record")], f"{h.name}: {err.value}"
@@ -381,7 +421,9 @@ def test_corpus_decodes_nothing_with_the_record_policy(hostile_items: list[Hosti
 def test_a_real_record_pickle_still_decodes(pristine: Path) -> None:
     """The guards cost no legitimate pickle: torch.save's own data.pkl decodes."""
     pkl = record_pickle(_record_bytes(pristine, "w"))
-    ref = safe_loads(pkl, what="w", allowed=record_globals(), persistent_load=storage_persistent_load)
+    ref = safe_loads(
+        pkl, what="w", allowed=record_globals(), persistent_load=storage_persistent_load
+    )
     assert ref.size == (64, 32) and ref.dtype == torch.float32
     md = read_metadata(pristine)
     assert set(md.state_dict_metadata) == {"w", "b", "step", "cfg.lr", "cfg.name"}
@@ -402,7 +444,9 @@ def test_a_work_budget_counts_a_decode_and_its_limit_refuses_it() -> None:
     assert len(data) < counted.spent <= work_bound(len(data))
     for limit in (len(data) // 2, len(data) + 10):  # refused before the first opcode, then midway
         budget = WorkBudget(limit=limit)
-        with pytest.raises(CheckpointFormatError, match=rf"^dict.pkl needs more than the {limit} units of decoding"):
+        with pytest.raises(
+            CheckpointFormatError, match=rf"^dict.pkl needs more than the {limit} units of decoding"
+        ):
             safe_loads(data, what="dict.pkl", allowed=record_globals(), work=budget)
         assert budget.spent > limit
     # a budget with room to spare changes nothing: same value, same units

@@ -54,7 +54,9 @@ def sharded_metadata(tensors: int, ranks: int) -> dm.Metadata:
                 f"__{r}_0.distcp", pos[r], length
             )
             pos[r] += length
-        sdm[f"layers.{t}.w"] = dm.TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=chunks)
+        sdm[f"layers.{t}.w"] = dm.TensorStorageMetadata(
+            properties=props, size=torch.Size(shape), chunks=chunks
+        )
     sdm["step"] = dm.BytesStorageMetadata()
     storage[dm.MetadataIndex("step")] = _StorageInfo("__0_0.distcp", pos[0], 420)
     return dm.Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
@@ -63,7 +65,9 @@ def sharded_metadata(tensors: int, ranks: int) -> dm.Metadata:
 def _same(ours: Any, ref: Any, where: str) -> None:
     """Equal and of the same type, field by field (dataclasses), item by item (containers)."""
     assert type(ours) is type(ref), f"{where}: {type(ours).__name__} != {type(ref).__name__}"
-    if isinstance(ref, (dm.ChunkStorageMetadata, dm.MetadataIndex, _StorageInfo, dm.TensorStorageMetadata)):
+    if isinstance(
+        ref, (dm.ChunkStorageMetadata, dm.MetadataIndex, _StorageInfo, dm.TensorStorageMetadata)
+    ):
         assert vars(ours).keys() == vars(ref).keys(), where
         for k, v in vars(ref).items():
             _same(vars(ours)[k], v, f"{where}.{k}")
@@ -79,7 +83,9 @@ def _same(ours: Any, ref: Any, where: str) -> None:
 
 def _compare(ours: dm.Metadata, ref: dm.Metadata) -> None:
     assert ours.version == ref.version and ours.planner_data == ref.planner_data
-    assert (ours.storage_meta or dm.StorageMeta()) == (ref.storage_meta or dm.StorageMeta())  # decode_metadata fills it
+    assert (ours.storage_meta or dm.StorageMeta()) == (
+        ref.storage_meta or dm.StorageMeta()
+    )  # decode_metadata fills it
     assert list(ours.state_dict_metadata) == list(ref.state_dict_metadata)
     for key, smd in ref.state_dict_metadata.items():
         _same(ours.state_dict_metadata[key], smd, key)
@@ -97,14 +103,19 @@ def big() -> tuple[dm.Metadata, bytes]:
 
 def test_100k_chunks_decode_as_pickle_loads(big: tuple[dm.Metadata, bytes]) -> None:
     md, raw = big
-    assert sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks")) == 100_000
+    assert (
+        sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
+        == 100_000
+    )
     t0 = time.perf_counter()
     ref = pickle.loads(raw)
     t1 = time.perf_counter()
     ours = decode_metadata(raw, "scale/.metadata", max_size=len(raw))
     t2 = time.perf_counter()
     _compare(ours, ref)
-    _compare(safe_loads(raw, what="scale/.metadata", check_structure=False, expect=dm.Metadata), ref)
+    _compare(
+        safe_loads(raw, what="scale/.metadata", check_structure=False, expect=dm.Metadata), ref
+    )
     print(
         f"\n{len(raw) / 2**20:.1f} MiB .metadata, 100k chunks: pickle.loads {t1 - t0:.2f} s, "
         f"decode_metadata {t2 - t1:.2f} s ({(t2 - t1) / (t1 - t0):.2f}x)"
@@ -156,13 +167,17 @@ def test_memo_out_of_order_as_pickle_loads(data: bytes) -> None:
     assert safe_loads(data, what="memo.pkl", check_structure=False) == pickle.loads(data)
 
 
-@pytest.mark.parametrize("data", [b"\x80\x04K\x01h\x05.", b"\x80\x02K\x01g-1\n.", b"\x80\x02K\x01q\x05h\x04."])
+@pytest.mark.parametrize(
+    "data", [b"\x80\x04K\x01h\x05.", b"\x80\x02K\x01g-1\n.", b"\x80\x02K\x01q\x05h\x04."]
+)
 def test_memo_gets_of_missing_indices_are_format_errors(data: bytes) -> None:
     with pytest.raises(CheckpointFormatError):
         safe_loads(data, what="memo.pkl", check_structure=False)
 
 
-@pytest.mark.parametrize("data", [b"\x8b\xfb\xff\xff\xff.", b"T\xfb\xff\xff\xff.", b"\x8b\xfc\xff\xff\xff."])
+@pytest.mark.parametrize(
+    "data", [b"\x8b\xfb\xff\xff\xff.", b"T\xfb\xff\xff\xff.", b"\x8b\xfc\xff\xff\xff."]
+)
 @pytest.mark.timeout(20)
 def test_negative_lengths_are_format_errors_not_a_loop(data: bytes) -> None:
     # LONG4 / BINSTRING with a negative length moved the decoder back onto the same opcode
@@ -194,7 +209,9 @@ def _md(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...
         dm.MetadataIndex("w", torch.Size(o), i): _StorageInfo(f"__{i}_0.distcp", 0, 100)
         for i, (o, _) in enumerate(boxes)
     }
-    return pickle.loads(pickle.dumps(dm.Metadata(state_dict_metadata={"w": smd}, storage_data=storage)))
+    return pickle.loads(
+        pickle.dumps(dm.Metadata(state_dict_metadata={"w": smd}, storage_data=storage))
+    )
 
 
 def test_layouts_accepted_in_bulk_or_field_by_field() -> None:
@@ -208,8 +225,20 @@ def test_layouts_accepted_in_bulk_or_field_by_field() -> None:
 @pytest.mark.parametrize(
     ("boxes", "message"),
     [
-        ([((0, 0), (2, 4)), ((0, 4), (2, 4)), ((2, 0), (2, 4))], "the chunks hold 24 of the tensor's 32 elements"),
-        ([((0, 0), (2, 4)), ((0, 4), (2, 4)), ((2, 0), (2, 4)), ((2, 4), (2, 4)), ((2, 4), (2, 4))], "overlap"),
+        (
+            [((0, 0), (2, 4)), ((0, 4), (2, 4)), ((2, 0), (2, 4))],
+            "the chunks hold 24 of the tensor's 32 elements",
+        ),
+        (
+            [
+                ((0, 0), (2, 4)),
+                ((0, 4), (2, 4)),
+                ((2, 0), (2, 4)),
+                ((2, 4), (2, 4)),
+                ((2, 4), (2, 4)),
+            ],
+            "overlap",
+        ),
         ([((0, 0), (4, 4)), ((0, 4), (4, 4)), ((1, 2), (1, 1))], "overlap"),
         ([((0, 0), (4, 4)), ((0, 4), (4, 5))], "lies outside the tensor"),
         ([((0, 0), (4, 8)), ((0, -1), (0, 1))], "is not a shape"),
@@ -227,7 +256,9 @@ def test_bad_storage_entries_are_named_field_by_field() -> None:
     with pytest.raises(CheckpointFormatError, match="storage entry of 'w'.*not a plain path"):
         check_metadata(md, "bad")
     md.storage_data[index].relative_path, md.storage_data[index].length = "__0_0.distcp", -1
-    with pytest.raises(CheckpointFormatError, match="storage entry of 'w' has offset 0 and length -1"):
+    with pytest.raises(
+        CheckpointFormatError, match="storage entry of 'w' has offset 0 and length -1"
+    ):
         check_metadata(md, "bad")
     md.storage_data[index].length = 100
     md.storage_data[dm.MetadataIndex("w", (0, -3))] = md.storage_data.pop(index)
@@ -248,14 +279,19 @@ def test_unsafe_is_still_unsafe_at_scale(big: tuple[dm.Metadata, bytes]) -> None
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("extra", [0, 1, 7, 100])
-def test_flat_planner_data_is_accepted_exactly_when_the_walk_accepts_it(shared: bool, extra: int) -> None:
+def test_flat_planner_data_is_accepted_exactly_when_the_walk_accepts_it(
+    shared: bool, extra: int
+) -> None:
     """DCP's planner_data ({fqn: (path, ...)}) takes a fast path; its verdict, budget by budget,
     is the walk's (shared tuples counted each time they are referenced, as the walk counts)."""
     from asyncload.decoding.allowlist import _check_structure, _children, _flat_within
     from asyncload.decoding.vm import check_structure as walk
 
     one = tuple(f"p{i}" for i in range(3))
-    data = {f"layers.{i}.w": one if shared else tuple(f"p{i}.{j}" for j in range(3)) for i in range(20 + extra)}
+    data = {
+        f"layers.{i}.w": one if shared else tuple(f"p{i}.{j}" for j in range(3))
+        for i in range(20 + extra)
+    }
     n = 1 + len(data) + sum(1 + len(v) for v in data.values())
     for budget in (n - 1, n, n + 1):
         try:

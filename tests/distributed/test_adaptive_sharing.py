@@ -71,8 +71,13 @@ def w_load(
             if slow_progress is not None and rank == slow_progress[0]:
                 time.sleep(slow_progress[1])
 
-        stats = asyncload.load(sd, urls[rank], options=options, planner=_planner(kind, unit_size), progress=progress)
-        out[kind] = {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats)}
+        stats = asyncload.load(
+            sd, urls[rank], options=options, planner=_planner(kind, unit_size), progress=progress
+        )
+        out[kind] = {
+            "bad": [k for k in full if not same_bits(sd[k], full[k])],
+            "stats": stats_dict(stats),
+        }
     return out
 
 
@@ -80,7 +85,9 @@ def _column(values: list[dict[str, Any]], kind: str, field: str) -> list[int]:
     return [v[kind]["stats"][field] for v in values]
 
 
-def _check_exactly_once(values: list[dict[str, Any]], kind: str, total: int, probes: int = 0) -> None:
+def _check_exactly_once(
+    values: list[dict[str, Any]], kind: str, total: int, probes: int = 0
+) -> None:
     """Bit for bit everywhere; every shared unit read from storage by exactly one rank
     (hedged copies aside); every byte sent was received; every rank got everything."""
     for rank, v in enumerate(values):
@@ -105,11 +112,15 @@ def test_adaptive_reads_each_unit_once_through_different_urls(tmp_path: Path) ->
     first = save(tmp_path / "ck")
     urls = [first] + [shutil.copytree(first, tmp_path / f"copy{r}") for r in (1, 2, 3)]
     total = tensor_bytes(big_model())
-    values = all_ok(run_ranks(w_load, 4, [str(u) for u in urls], ["static", "adaptive"], OPTIONS, 16 * KiB))
+    values = all_ok(
+        run_ranks(w_load, 4, [str(u) for u in urls], ["static", "adaptive"], OPTIONS, 16 * KiB)
+    )
     for kind in ("static", "adaptive"):
         _check_exactly_once(values, kind, total)
     static = sum(_column(values, "static", "bytes_read"))
-    adaptive = sum(_column(values, "adaptive", "bytes_read")) - sum(_column(values, "adaptive", "bytes_hedged"))
+    adaptive = sum(_column(values, "adaptive", "bytes_read")) - sum(
+        _column(values, "adaptive", "bytes_hedged")
+    )
     assert adaptive == static
     assert sum(_column(values, "static", "bytes_taken_over")) == 0
     assert sum(_column(values, "static", "bytes_hedged")) == 0
@@ -131,7 +142,11 @@ def test_adaptive_sharing_of_a_safetensors_file(tmp_path: Path) -> None:
     for kind in ("static", "adaptive"):  # each rank probes the file's header itself (64 KiB) first
         _check_exactly_once(values, kind, total, probes=64 * KiB)
     static = sum(_column(values, "static", "bytes_read"))
-    assert sum(_column(values, "adaptive", "bytes_read")) - sum(_column(values, "adaptive", "bytes_hedged")) == static
+    assert (
+        sum(_column(values, "adaptive", "bytes_read"))
+        - sum(_column(values, "adaptive", "bytes_hedged"))
+        == static
+    )
 
 
 def test_mismatched_metadata_is_an_error_on_every_rank(tmp_path: Path) -> None:
@@ -141,7 +156,11 @@ def test_mismatched_metadata_is_an_error_on_every_rank(tmp_path: Path) -> None:
     other = save(tmp_path / "other")
     results = run_ranks(w_load, 4, [good, good, good, other], ["adaptive"], OPTIONS, timeout=40)
     for r in results:
-        assert r.status == "error" and r.error_type == "DistributedLoadError", (r.rank, r.status, r.message)
+        assert r.status == "error" and r.error_type == "DistributedLoadError", (
+            r.rank,
+            r.status,
+            r.message,
+        )
         assert "not loading the same checkpoint" in r.message, r.message
         assert "point rank(s) [3] at the same checkpoint" in r.message, r.message
         assert r.attrs["rank"] == 3
@@ -166,7 +185,9 @@ def per_rank_proxies(tmp_path: Path) -> Any:
         server.stop()
 
 
-def test_a_slow_rank_gets_a_smaller_share_and_late_transfers_are_hedged(per_rank_proxies: Any) -> None:
+def test_a_slow_rank_gets_a_smaller_share_and_late_transfers_are_hedged(
+    per_rank_proxies: Any,
+) -> None:
     """Rank 1's link adds 1 s to every data request. The others take over the units it has
     not started (its share shrinks well below the quarter the plan gave it) and read the
     ones it is still reading themselves once they are late (hedged); every unit is still
@@ -189,9 +210,13 @@ def test_a_slow_rank_gets_a_smaller_share_and_late_transfers_are_hedged(per_rank
     assert once[1] < 0.7 * (total / 4), once  # the plan gave it a quarter
     assert once[1] < min(once[r] for r in (0, 2, 3)), once
     assert sum(_column(values, "adaptive", "bytes_taken_over")) > 0
-    assert sum(h for r, h in enumerate(hedged) if r != 1) > 0, values  # the others read its late units
+    assert sum(h for r, h in enumerate(hedged) if r != 1) > 0, (
+        values
+    )  # the others read its late units
     assert total <= sum(once) <= 1.05 * total, once
-    assert sum(_column(values, "adaptive", "bytes_sent")) == sum(_column(values, "adaptive", "bytes_received"))
+    assert sum(_column(values, "adaptive", "bytes_sent")) == sum(
+        _column(values, "adaptive", "bytes_received")
+    )
 
 
 def test_a_slow_host_falls_behind_alone(tmp_path: Path) -> None:
@@ -202,10 +227,15 @@ def test_a_slow_host_falls_behind_alone(tmp_path: Path) -> None:
     one of them may take over much of another's queue.)"""
     path = save(tmp_path / "ck")
     total = tensor_bytes(big_model())
-    values = all_ok(run_ranks(w_load, 4, [path] * 4, ["adaptive"], OPTIONS, 16 * KiB, (2, 0.03), timeout=80))
+    values = all_ok(
+        run_ranks(w_load, 4, [path] * 4, ["adaptive"], OPTIONS, 16 * KiB, (2, 0.03), timeout=80)
+    )
     _check_exactly_once(values, "adaptive", total)
     once = [
-        r - h for r, h in zip(_column(values, "adaptive", "bytes_read"), _column(values, "adaptive", "bytes_hedged"))
+        r - h
+        for r, h in zip(
+            _column(values, "adaptive", "bytes_read"), _column(values, "adaptive", "bytes_hedged")
+        )
     ]
     assert once[2] < total / 4, once
     assert once[2] < sum(once[r] for r in (0, 1, 3)) / 3, once
@@ -256,7 +286,10 @@ def test_plan_transfers_on_random_layouts(seed: int) -> None:
         for r in t.consumers:
             assert any(n == t.name and s <= t.start and t.end <= e for n, s, e in needs[r]), (t, r)
     assert set(seen) == {k for k, v in who.items() if len(v) >= 2}
-    assert plan_transfers([_pack(n) for n in needs]) == (transfers, load)  # the packed form, as gathered
+    assert plan_transfers([_pack(n) for n in needs]) == (
+        transfers,
+        load,
+    )  # the packed form, as gathered
     alone = [0] * world
     for v in who.values():
         if len(v) == 1:
@@ -334,14 +367,21 @@ def test_checkpoint_identity_follows_the_metadata_not_the_path(tmp_path: Path) -
     a = save(tmp_path / "a")
     b = shutil.copytree(a, tmp_path / "b")
     c = save(tmp_path / "c")
-    mds = [decode_metadata((Path(p) / ".metadata").read_bytes(), str(p), max_size=1 << 30) for p in (a, b, c)]
+    mds = [
+        decode_metadata((Path(p) / ".metadata").read_bytes(), str(p), max_size=1 << 30)
+        for p in (a, b, c)
+    ]
     ids = [checkpoint_identity(md) for md in mds]
     assert ids[0] == ids[1] != ids[2]
     files = [file_identities(md) for md in mds]
     assert sorted(files[0]) == ["__0_0.distcp"]
     _check_identities([files[0], files[1], files[0]], 0)
-    _check_identities([files[0], {}, files[2] and {"other.distcp": "x"}], 0)  # no file in common: nothing to compare
-    with pytest.raises(asyncload.DistributedLoadError, match=r"point rank\(s\) \[2\] at the same checkpoint") as err:
+    _check_identities(
+        [files[0], {}, files[2] and {"other.distcp": "x"}], 0
+    )  # no file in common: nothing to compare
+    with pytest.raises(
+        asyncload.DistributedLoadError, match=r"point rank\(s\) \[2\] at the same checkpoint"
+    ) as err:
         _check_identities([files[0], files[0], files[2]], 1)
     assert err.value.rank == 2
     assert "different things about __0_0.distcp" in str(err.value)

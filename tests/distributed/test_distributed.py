@@ -110,7 +110,9 @@ def _local_box(full: torch.Tensor, mesh: Any, placements: list[Any]) -> torch.Te
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def _dtensors(full: dict[str, torch.Tensor], mesh: Any, spec: str, *, zeros: bool) -> dict[str, Any]:
+def _dtensors(
+    full: dict[str, torch.Tensor], mesh: Any, spec: str, *, zeros: bool
+) -> dict[str, Any]:
     """DTensors laid out as ``spec`` holding ``full`` (or zeros), built from local pieces."""
     from torch.distributed.tensor import DTensor
 
@@ -119,7 +121,9 @@ def _dtensors(full: dict[str, torch.Tensor], mesh: Any, spec: str, *, zeros: boo
         placements = _placements(spec, v.dim())
         local = _local_box(v, mesh, placements)
         local = torch.zeros_like(local) if zeros else local.clone()
-        out[k] = DTensor.from_local(local, mesh, placements, run_check=False, shape=v.shape, stride=v.stride())
+        out[k] = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=v.shape, stride=v.stride()
+        )
     return out
 
 
@@ -163,7 +167,9 @@ def _load_into(
     if entry == "aload":
         import asyncio
 
-        return asyncio.run(asyncload.aload(sd, path, options=options, planner=_make_planner(planner_kind)))
+        return asyncio.run(
+            asyncload.aload(sd, path, options=options, planner=_make_planner(planner_kind))
+        )
     kw = {}
     if options is not None:
         kw = {"options": options}
@@ -176,14 +182,21 @@ def _load_into(
 # --- workers (run on every rank; module level so that they pickle) ---------------------------------
 
 
-def w_save_dtensor(rank: int, world: int, path: str, mesh_shape: tuple[int, ...], spec: str) -> None:
+def w_save_dtensor(
+    rank: int, world: int, path: str, mesh_shape: tuple[int, ...], spec: str
+) -> None:
     mesh = _mesh(mesh_shape)
     sd = _dtensors(model_tensors(), mesh, spec, zeros=False)
     dcp.save(sd, checkpoint_id=path)
 
 
 def w_load_dtensor(
-    rank: int, world: int, path: str, mesh_shape: tuple[int, ...], spec: str, variants: list[tuple[str, str]]
+    rank: int,
+    world: int,
+    path: str,
+    mesh_shape: tuple[int, ...],
+    spec: str,
+    variants: list[tuple[str, str]],
 ) -> dict[str, Any]:
     """Load ``path`` into zeroed DTensors laid out as ``spec`` on ``mesh_shape``, once per
     ``(entry, planner)`` variant; report which keys match the saved tensors bit for bit."""
@@ -214,7 +227,10 @@ def w_load_narrow(
     want = _expected_local(full, mesh, spec)
     sd = _dtensors(full, mesh, spec, zeros=True)
     stats = _load_into(sd, path, entry, planner_kind, options)
-    return {"bad": [k for k in full if not same_bits(sd[k].to_local(), want[k])], "stats": stats_dict(stats)}
+    return {
+        "bad": [k for k in full if not same_bits(sd[k].to_local(), want[k])],
+        "stats": stats_dict(stats),
+    }
 
 
 def _share_threads(wait: float = 2.0) -> int:
@@ -251,12 +267,19 @@ def ckpt_4x_shard0(tmp_path_factory: pytest.TempPathFactory) -> str:
     """model_tensors() saved by 4 ranks as DTensors with Shard(0)."""
     path = str(tmp_path_factory.mktemp("dist") / "4x_shard0")
     all_ok(run_ranks(w_save_dtensor, 4, path, (4,), "S0"))
-    assert sorted(p for p in os.listdir(path) if p.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(p for p in os.listdir(path) if p.endswith(".distcp")) == [
+        f"__{r}_0.distcp" for r in range(4)
+    ]
     return path
 
 
 def test_reshard_4_to_2_shard0_to_shard1(ckpt_4x_shard0: str) -> None:
-    variants = [("load", "pipelined"), ("load", "sharded"), ("dcp", "pipelined"), ("dcp", "sharded")]
+    variants = [
+        ("load", "pipelined"),
+        ("load", "sharded"),
+        ("dcp", "pipelined"),
+        ("dcp", "sharded"),
+    ]
     values = all_ok(run_ranks(w_load_dtensor, 2, ckpt_4x_shard0, (2,), "S1", variants))
     for rank, value in enumerate(values):
         for variant, res in value.items():
@@ -304,10 +327,16 @@ def test_narrow_reads_row_shards_read_a_quarter(tmp_path: Path) -> None:
     save_single(tmp_path / "ck", full)
     total = tensor_bytes(full)
     probes = len(full) * 8 * KiB  # head and tail probe of each record
-    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S0", None, "load", "pipelined"))
+    values = all_ok(
+        run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S0", None, "load", "pipelined")
+    )
     for rank, v in enumerate(values):
         assert v["bad"] == [], rank
-        assert total // 4 <= v["stats"]["bytes_read"] <= 0.30 * total + probes, (rank, v["stats"], total)
+        assert total // 4 <= v["stats"]["bytes_read"] <= 0.30 * total + probes, (
+            rank,
+            v["stats"],
+            total,
+        )
         assert v["stats"]["bytes_received"] == 0 and v["stats"]["bytes_sent"] == 0
 
 
@@ -320,7 +349,11 @@ def test_narrow_reads_2d_mesh_replicas_share(tmp_path: Path) -> None:
     save_single(tmp_path / "ck", full)
     total = tensor_bytes(full)
     probes = len(full) * 8 * KiB
-    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S0,R", SHARE_OPTIONS, "load", "sharded", (2, 2)))
+    values = all_ok(
+        run_ranks(
+            w_load_narrow, 4, str(tmp_path / "ck"), "S0,R", SHARE_OPTIONS, "load", "sharded", (2, 2)
+        )
+    )
     for rank, v in enumerate(values):
         st = v["stats"]
         assert v["bad"] == [], rank
@@ -334,7 +367,9 @@ def test_narrow_reads_2d_mesh_replicas_share(tmp_path: Path) -> None:
         received = sum(values[r]["stats"]["bytes_received"] for r in pair)
         assert received <= 0.50 * total + 2 * probes, (pair, received)
         # each pair reads its half once between them (adaptive sharing splits it by speed)
-        once = sum(values[r]["stats"]["bytes_read"] - values[r]["stats"]["bytes_hedged"] for r in pair)
+        once = sum(
+            values[r]["stats"]["bytes_read"] - values[r]["stats"]["bytes_hedged"] for r in pair
+        )
         assert total // 2 <= once <= 0.50 * total + 2 * probes, (pair, once)
 
 
@@ -348,16 +383,22 @@ def test_narrow_reads_column_shards(tmp_path: Path) -> None:
     total = tensor_bytes(full)
     probes = len(full) * 8 * KiB
     narrow = LoadOptions(min_chunk_size=1 * KiB, chunk_size=256 * KiB)
-    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", narrow, "load", "pipelined"))
+    values = all_ok(
+        run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", narrow, "load", "pipelined")
+    )
     for rank, v in enumerate(values):
         assert v["bad"] == [], rank
         assert total // 4 <= v["stats"]["bytes_read"] <= 0.30 * total + probes, (rank, v["stats"])
-    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", None, "load", "pipelined"))
+    values = all_ok(
+        run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", None, "load", "pipelined")
+    )
     for rank, v in enumerate(values):
         assert v["bad"] == [], rank
         assert total // 4 <= v["stats"]["bytes_read"] <= 1.15 * (total // 4), (rank, v["stats"])
     unbounded = LoadOptions(max_over_read_ratio=None)
-    values = all_ok(run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", unbounded, "load", "pipelined"))
+    values = all_ok(
+        run_ranks(w_load_narrow, 4, str(tmp_path / "ck"), "S1", unbounded, "load", "pipelined")
+    )
     for rank, v in enumerate(values):
         assert v["bad"] == [], rank
         assert v["stats"]["bytes_read"] >= 0.70 * total, (rank, v["stats"])
@@ -380,11 +421,15 @@ SHARE_OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory
         ("sharded-static", "dcp"),
     ],
 )
-def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: str, entry: str) -> None:
+def test_sharded_replicated_reads_each_byte_once(
+    tmp_path: Path, planner_kind: str, entry: str
+) -> None:
     full = big_model()
     save_single(tmp_path / "ck", full)
     total = tensor_bytes(full)
-    values = all_ok(run_ranks(w_load_replicated, 4, str(tmp_path / "ck"), planner_kind, entry, SHARE_OPTIONS))
+    values = all_ok(
+        run_ranks(w_load_replicated, 4, str(tmp_path / "ck"), planner_kind, entry, SHARE_OPTIONS)
+    )
     reads = [v["stats"]["bytes_read"] for v in values]
     for rank, v in enumerate(values):
         assert v["bad"] == [], rank
@@ -392,7 +437,10 @@ def test_sharded_replicated_reads_each_byte_once(tmp_path: Path, planner_kind: s
         assert v["stats"]["peak_buffered_bytes"] <= SHARE_OPTIONS.memory_budget
         assert v["threads"] == 0
     assert total <= sum(reads) <= 1.05 * total, reads
-    if planner_kind not in ("sharded", "sharded-wait"):  # the static plan balances bytes; adaptive: by speed
+    if planner_kind not in (
+        "sharded",
+        "sharded-wait",
+    ):  # the static plan balances bytes; adaptive: by speed
         assert max(reads) <= 1.10 * min(reads), reads
     sent = sum(v["stats"]["bytes_sent"] for v in values)
     received = sum(v["stats"]["bytes_received"] for v in values)
@@ -408,7 +456,9 @@ def w_load_in_subgroups(rank: int, world: int, path: str, options: LoadOptions) 
     group = groups[rank // 2]
     full = big_model()
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
-    stats = asyncload.load(sd, path, options=options, planner=ShardedLoadPlanner(), process_group=group)
+    stats = asyncload.load(
+        sd, path, options=options, planner=ShardedLoadPlanner(), process_group=group
+    )
     return {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats)}
 
 
@@ -424,7 +474,9 @@ def test_sharded_on_subgroups(replicated_ckpt: str) -> None:
 def test_custom_plan_transfers(replicated_ckpt: str) -> None:
     """plan_transfers is an extension point: rank 0 reads everything, the others receive it."""
     total = tensor_bytes(big_model())
-    values = all_ok(run_ranks(w_load_replicated, 4, replicated_ckpt, "rank0", "load", SHARE_OPTIONS))
+    values = all_ok(
+        run_ranks(w_load_replicated, 4, replicated_ckpt, "rank0", "load", SHARE_OPTIONS)
+    )
     assert [v["bad"] for v in values] == [[], [], [], []]
     assert values[0]["stats"]["bytes_read"] >= total
     assert [v["stats"]["bytes_read"] for v in values[1:]] == [0, 0, 0]
@@ -435,7 +487,9 @@ def test_pipelined_replicated_reads_everything_on_every_rank(tmp_path: Path) -> 
     full = big_model()
     save_single(tmp_path / "ck", full)
     total = tensor_bytes(full)
-    values = all_ok(run_ranks(w_load_replicated, 4, str(tmp_path / "ck"), "pipelined", "load", SHARE_OPTIONS))
+    values = all_ok(
+        run_ranks(w_load_replicated, 4, str(tmp_path / "ck"), "pipelined", "load", SHARE_OPTIONS)
+    )
     for v in values:
         assert v["bad"] == []
         assert v["stats"]["bytes_read"] >= total
@@ -448,9 +502,12 @@ def test_pipelined_replicated_reads_everything_on_every_rank(tmp_path: Path) -> 
 def test_plan_transfers_every_shared_byte_once_and_balanced() -> None:
     mib = 1 << 20
     # 4 ranks need all of a 16 MiB file as 1 MiB reads; rank 3's reads are offset by half a MiB
-    needs: list[list[tuple[str, int, int]]] = [[("f", i * mib, (i + 1) * mib) for i in range(16)] for _ in range(3)]
+    needs: list[list[tuple[str, int, int]]] = [
+        [("f", i * mib, (i + 1) * mib) for i in range(16)] for _ in range(3)
+    ]
     needs.append(
-        [("f", 0, mib // 2)] + [("f", mib // 2 + i * mib, min(16 * mib, mib // 2 + (i + 1) * mib)) for i in range(16)]
+        [("f", 0, mib // 2)]
+        + [("f", mib // 2 + i * mib, min(16 * mib, mib // 2 + (i + 1) * mib)) for i in range(16)]
     )
     needs.append([("g", 0, 100)])  # rank 4 alone needs file g
     transfers, load = plan_transfers(needs)
@@ -472,9 +529,17 @@ def test_plan_transfers_every_shared_byte_once_and_balanced() -> None:
 
 def test_plan_transfers_subsets_and_exclusive() -> None:
     # ranks 0,1 share [0,100); ranks 2,3 share [100,200); rank 0 alone needs [200, 250)
-    needs = [[("f", 0, 100), ("f", 200, 250)], [("f", 0, 100)], [("f", 100, 200)], [("f", 100, 200)]]
+    needs = [
+        [("f", 0, 100), ("f", 200, 250)],
+        [("f", 0, 100)],
+        [("f", 100, 200)],
+        [("f", 100, 200)],
+    ]
     transfers, load = plan_transfers(needs)
-    assert [(t.start, t.end, t.consumers) for t in transfers] == [(0, 100, (0, 1)), (100, 200, (2, 3))]
+    assert [(t.start, t.end, t.consumers) for t in transfers] == [
+        (0, 100, (0, 1)),
+        (100, 200, (2, 3)),
+    ]
     assert transfers[0].owner == 1  # rank 0 already reads 50 bytes alone
     assert sum(load) == 250
 
@@ -482,7 +547,9 @@ def test_plan_transfers_subsets_and_exclusive() -> None:
 # --- ShardedTensor (still in torch 2.13) ---------------------------------------------------------
 
 
-def _sharded_tensors(full: dict[str, torch.Tensor], world: int, dim: int, *, zeros: bool) -> dict[str, Any]:
+def _sharded_tensors(
+    full: dict[str, torch.Tensor], world: int, dim: int, *, zeros: bool
+) -> dict[str, Any]:
     from torch.distributed._shard import sharded_tensor
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
@@ -515,7 +582,9 @@ def w_load_sharded_tensor(
         bad = []
         for k in full:
             got, exp = sd[k].local_shards(), want[k].local_shards()
-            if len(got) != len(exp) or not all(same_bits(a.tensor, b.tensor) for a, b in zip(got, exp)):
+            if len(got) != len(exp) or not all(
+                same_bits(a.tensor, b.tensor) for a, b in zip(got, exp)
+            ):
                 bad.append(k)
         out[f"{entry}/{planner_kind}"] = bad
     return out
@@ -539,7 +608,14 @@ def test_sharded_tensor_2_to_4_other_dim(tmp_path: Path) -> None:
 
 
 def w_one_rank_fails(
-    rank: int, world: int, path: str, planner_kind: str, entry: str, mode: str, victim: int, options: LoadOptions
+    rank: int,
+    world: int,
+    path: str,
+    planner_kind: str,
+    entry: str,
+    mode: str,
+    victim: int,
+    options: LoadOptions,
 ) -> dict[str, Any]:
     """Load the replicated model; ``victim`` raises (``raise``), hangs (``stall``) or dies
     (``die``) from its progress callback once a third of its bytes have landed."""
@@ -547,7 +623,9 @@ def w_one_rank_fails(
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
 
     def progress(done: int, total: int) -> None:
-        if rank == victim and mode == "raise-first":  # in the first read phase: before any rank can return
+        if (
+            rank == victim and mode == "raise-first"
+        ):  # in the first read phase: before any rank can return
             raise RuntimeError(f"injected failure on rank {rank}")
         if rank == victim and done >= total // 3:
             if mode == "raise":
@@ -558,7 +636,9 @@ def w_one_rank_fails(
                 os._exit(3)
 
     if entry == "load":
-        asyncload.load(sd, path, options=options, planner=_make_planner(planner_kind), progress=progress)
+        asyncload.load(
+            sd, path, options=options, planner=_make_planner(planner_kind), progress=progress
+        )
     else:
         reader = PipelinedReader(path, options=options)
         reader.progress = progress
@@ -567,7 +647,11 @@ def w_one_rank_fails(
 
 
 FAIL_OPTIONS = LoadOptions(
-    chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB, collective_timeout=4.0, concurrency=4
+    chunk_size=64 * KiB,
+    min_chunk_size=16 * KiB,
+    memory_budget=512 * KiB,
+    collective_timeout=4.0,
+    concurrency=4,
 )
 
 
@@ -580,15 +664,32 @@ def replicated_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize(
     "planner_kind,when",
-    [("sharded", "raise-first"), ("sharded", "raise"), ("sharded-wait", "raise"), ("pipelined", "raise")],
+    [
+        ("sharded", "raise-first"),
+        ("sharded", "raise"),
+        ("sharded-wait", "raise"),
+        ("pipelined", "raise"),
+    ],
 )
-def test_a_rank_that_raises_fails_every_rank(replicated_ckpt: str, planner_kind: str, when: str) -> None:
+def test_a_rank_that_raises_fails_every_rank(
+    replicated_ckpt: str, planner_kind: str, when: str
+) -> None:
     """Rank 1 raises from its progress callback: at its first bytes (the first read phase,
     which every rank must finish before any can read tensor data: no rank can have returned)
     or once a third of its bytes landed. Every other rank raises DistributedLoadError naming
     it; returning early (``sharded``), a rank that already had every byte of its own when
     rank 1 failed late may instead return them, bit for bit."""
-    results = run_ranks(w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", when, 1, FAIL_OPTIONS, timeout=30)
+    results = run_ranks(
+        w_one_rank_fails,
+        4,
+        replicated_ckpt,
+        planner_kind,
+        "load",
+        when,
+        1,
+        FAIL_OPTIONS,
+        timeout=30,
+    )
     victim = results[1]
     assert victim.status == "error" and victim.error_type == "RuntimeError", victim
     assert victim.message == "injected failure on rank 1"
@@ -596,7 +697,11 @@ def test_a_rank_that_raises_fails_every_rank(replicated_ckpt: str, planner_kind:
         if planner_kind == "sharded" and when == "raise" and r.status == "ok":
             assert r.value == {"bad": []}, r.rank
             continue
-        assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
+        assert r.status == "error" and r.error_type == "DistributedLoadError", (
+            r.status,
+            r.message,
+            r.traceback,
+        )
         assert "AsyncLoadError" in r.error_types
         assert r.attrs["rank"] == 1
         assert r.message.startswith("rank 1 failed while "), r.message
@@ -607,15 +712,25 @@ def test_a_rank_that_raises_fails_every_rank(replicated_ckpt: str, planner_kind:
 def test_a_rank_that_raises_under_dcp_load_fails_every_rank(replicated_ckpt: str) -> None:
     """With plain dcp.load the errors come out of DCP's own collective as CheckpointException;
     the other ranks' entries are DistributedLoadError naming rank 1."""
-    results = run_ranks(w_one_rank_fails, 4, replicated_ckpt, "sharded", "dcp", "raise", 1, FAIL_OPTIONS, timeout=30)
+    results = run_ranks(
+        w_one_rank_fails, 4, replicated_ckpt, "sharded", "dcp", "raise", 1, FAIL_OPTIONS, timeout=30
+    )
     for r in results:
-        assert r.status == "error" and r.error_type == "CheckpointException", (r.rank, r.status, r.message)
+        assert r.status == "error" and r.error_type == "CheckpointException", (
+            r.rank,
+            r.status,
+            r.message,
+        )
         assert "injected failure on rank 1" in r.message
         assert r.seconds < 20
 
 
 def _named_the_stalled_rank(r: Any) -> None:
-    assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
+    assert r.status == "error" and r.error_type == "DistributedLoadError", (
+        r.status,
+        r.message,
+        r.traceback,
+    )
     assert r.attrs["rank"] == 2
     assert r.message.startswith("rank 2 made no progress for "), r.message
     assert "collective_timeout=4.0" in r.message and "its last status: reading" in r.message
@@ -623,12 +738,23 @@ def _named_the_stalled_rank(r: Any) -> None:
 
 
 @pytest.mark.parametrize("planner_kind", ["sharded-wait", "pipelined"])
-def test_a_stalled_rank_is_named_on_every_other_rank(replicated_ckpt: str, planner_kind: str) -> None:
+def test_a_stalled_rank_is_named_on_every_other_rank(
+    replicated_ckpt: str, planner_kind: str
+) -> None:
     """Rank 2 hangs (its progress callback sleeps for an hour): within collective_timeout
     (4 s) plus a little, every other rank raises DistributedLoadError naming it and what it
     was doing. Rank 2 itself is killed by the harness."""
     results = run_ranks(
-        w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "stall", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
+        w_one_rank_fails,
+        4,
+        replicated_ckpt,
+        planner_kind,
+        "load",
+        "stall",
+        2,
+        FAIL_OPTIONS,
+        timeout=25,
+        may_hang={2},
     )
     assert results[2].status == "timed_out"
     for r in (results[0], results[1], results[3]):
@@ -640,7 +766,16 @@ def test_a_stalled_rank_with_ranks_that_return_early(replicated_ckpt: str) -> No
     its own (the stalled rank's units read from storage once late) returns with them bit for
     bit; one that still waits on the stalled rank raises the error naming it. Never a hang."""
     results = run_ranks(
-        w_one_rank_fails, 4, replicated_ckpt, "sharded", "load", "stall", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
+        w_one_rank_fails,
+        4,
+        replicated_ckpt,
+        "sharded",
+        "load",
+        "stall",
+        2,
+        FAIL_OPTIONS,
+        timeout=25,
+        may_hang={2},
     )
     assert results[2].status == "timed_out"
     for r in (results[0], results[1], results[3]):
@@ -656,14 +791,27 @@ def test_a_rank_that_dies_fails_every_other_rank(replicated_ckpt: str, planner_k
     naming it; returning early (the default), a rank may instead have had every byte of its
     own already (then they are bit for bit), never a hang."""
     results = run_ranks(
-        w_one_rank_fails, 4, replicated_ckpt, planner_kind, "load", "die", 2, FAIL_OPTIONS, timeout=25, may_hang={2}
+        w_one_rank_fails,
+        4,
+        replicated_ckpt,
+        planner_kind,
+        "load",
+        "die",
+        2,
+        FAIL_OPTIONS,
+        timeout=25,
+        may_hang={2},
     )
     assert results[2].status == "timed_out" and results[2].exitcode == 3
     for r in (results[0], results[1], results[3]):
         if planner_kind == "sharded" and r.status == "ok":
             assert r.value == {"bad": []}, r.rank
             continue
-        assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message, r.traceback)
+        assert r.status == "error" and r.error_type == "DistributedLoadError", (
+            r.status,
+            r.message,
+            r.traceback,
+        )
         assert r.attrs["rank"] == 2, r.message
         assert r.seconds < 20
 
@@ -688,7 +836,9 @@ def w_bad_destination(rank: int, world: int, path: str, bad_rank: int, what: str
         ("path", "CheckpointNotFoundError", "reading the checkpoint metadata"),
     ],
 )
-def test_a_planning_error_on_one_rank(replicated_ckpt: str, what: str, error: str, doing: str) -> None:
+def test_a_planning_error_on_one_rank(
+    replicated_ckpt: str, what: str, error: str, doing: str
+) -> None:
     results = run_ranks(w_bad_destination, 3, replicated_ckpt, 1, what, timeout=25)
     assert results[1].status == "error" and results[1].error_type == error, results[1]
     for r in (results[0], results[2]):

@@ -38,7 +38,13 @@ def rank_model(rank: int) -> dict[str, Any]:
 def zeros_of(sd: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in sd.items():
-        out[k] = zeros_of(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+        out[k] = (
+            zeros_of(v)
+            if isinstance(v, dict)
+            else torch.zeros_like(v)
+            if isinstance(v, torch.Tensor)
+            else None
+        )
     return out
 
 
@@ -78,7 +84,11 @@ def test_neither_metadata_names_both(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError) as ei:
         asyncload.load(zeros_of(sd), path)
     msg = str(ei.value)
-    assert ".metadata does not exist" in msg and "__0.metadata" in msg and "use_collectives=False" in msg
+    assert (
+        ".metadata does not exist" in msg
+        and "__0.metadata" in msg
+        and "use_collectives=False" in msg
+    )
 
 
 def test_damaged_global_metadata_does_not_fall_back(tmp_path: Path) -> None:
@@ -101,7 +111,11 @@ def w_save_and_load(rank: int, world: int, path: str, zstd: bool) -> dict[str, A
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint._extension import ZStandard
 
-        dcp.save(sd, storage_writer=FileSystemWriter(path, _extensions=[ZStandard()]), use_collectives=False)
+        dcp.save(
+            sd,
+            storage_writer=FileSystemWriter(path, _extensions=[ZStandard()]),
+            use_collectives=False,
+        )
     else:
         dcp.save(sd, checkpoint_id=path, use_collectives=False)
     dist.barrier()

@@ -26,7 +26,14 @@ from test_distributed import same_bits, stats_dict, tensor_bytes
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload.distributed.plan import Transfer, _pack, _rank_plan, balance_units, plan_transfers, split_units
+from asyncload.distributed.plan import (
+    Transfer,
+    _pack,
+    _rank_plan,
+    balance_units,
+    plan_transfers,
+    split_units,
+)
 
 KiB = 1 << 10
 
@@ -65,7 +72,9 @@ def random_ranges(
     return out
 
 
-def reference_plan(needs: Needs) -> tuple[list[tuple[str, int, int, int, tuple[int, ...]]], list[int]]:
+def reference_plan(
+    needs: Needs,
+) -> tuple[list[tuple[str, int, int, int, tuple[int, ...]]], list[int]]:
     """The plan by its definition, the slow way: who needs each byte; a transfer per stretch
     between two consecutive boundaries of any rank that two or more ranks need; owners by a
     plain greedy (largest first, then by file and offset; to the consumer with the fewest
@@ -177,7 +186,9 @@ def test_each_rank_plans_its_slice_of_the_full_plan(seed: int, unit_size: int | 
     component; its planned bytes are the full plan's; every rank of a component agrees."""
     needs = random_needs(random.Random(seed))
     transfers, load = plan_transfers(needs)
-    full = transfers if unit_size is None else balance_units(split_units(transfers, unit_size), load)
+    full = (
+        transfers if unit_size is None else balance_units(split_units(transfers, unit_size), load)
+    )
     planned = list(load)  # with units: what a rank reads alone, plus the units it owns
     if unit_size is not None:
         for t in transfers:
@@ -197,14 +208,20 @@ def test_each_rank_plans_its_slice_of_the_full_plan(seed: int, unit_size: int | 
             assert part.planned == planned[rank]
             assert rows(_rank_plan(packed, rank, unit_size).items) == rows(want)
             for t in part.items:  # the same number and owner on every consumer
-                assert agreed.setdefault((t.name, t.start), (t.index, t.owner)) == (t.index, t.owner)
+                assert agreed.setdefault((t.name, t.start), (t.index, t.owner)) == (
+                    t.index,
+                    t.owner,
+                )
 
 
 def test_disjoint_groups_plan_alone() -> None:
     """8,192 ranks in groups of 8, each group reading its own file (FSDP loaded on 8x the
     ranks it was saved on): a rank's plan holds its group's units only, numbered from 0."""
     world, per = 8192, 8
-    needs: Needs = [[(f"__{r // per}_0.distcp", i * 1000, i * 1000 + 900) for i in range(20)] for r in range(world)]
+    needs: Needs = [
+        [(f"__{r // per}_0.distcp", i * 1000, i * 1000 + 900) for i in range(20)]
+        for r in range(world)
+    ]
     packed = [_pack(n) for n in needs]
     part = _rank_plan(packed, 4100, 256)
     assert part.ranks == list(range(4096, 4104)) and part.component == 4096
@@ -234,7 +251,8 @@ def test_a_rank_with_nothing_to_share() -> None:
 def pair_model(pair: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + pair)
     return {
-        f"p{pair}.w{i}": torch.randn(n, 96, generator=g, dtype=torch.float32) for i, n in enumerate((400, 130, 1, 257))
+        f"p{pair}.w{i}": torch.randn(n, 96, generator=g, dtype=torch.float32)
+        for i, n in enumerate((400, 130, 1, 257))
     }
 
 
@@ -243,11 +261,15 @@ def w_save_pairs(rank: int, world: int, path: str) -> None:
     dcp.save(pair_model(rank), checkpoint_id=path)
 
 
-def w_load_pairs(rank: int, world: int, path: str, adaptive: bool, options: LoadOptions) -> dict[str, Any]:
+def w_load_pairs(
+    rank: int, world: int, path: str, adaptive: bool, options: LoadOptions
+) -> dict[str, Any]:
     """Ranks 0, 1 load pair 0's tensors (file __0_0), ranks 2, 3 pair 1's (file __1_0)."""
     full = pair_model(rank // 2)
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
-    stats = asyncload.load(sd, path, options=options, planner=ShardedLoadPlanner(adaptive=adaptive, unit_size=8 * KiB))
+    stats = asyncload.load(
+        sd, path, options=options, planner=ShardedLoadPlanner(adaptive=adaptive, unit_size=8 * KiB)
+    )
     return {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats)}
 
 
@@ -262,7 +284,11 @@ def test_groups_that_share_nothing_claim_apart(tmp_path: Path, adaptive: bool) -
     path = str(tmp_path / "ck")
     all_ok(run_ranks(w_save_pairs, 2, path))
     options = LoadOptions(
-        chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB, hedge=False, collective_timeout=30.0
+        chunk_size=64 * KiB,
+        min_chunk_size=16 * KiB,
+        memory_budget=512 * KiB,
+        hedge=False,
+        collective_timeout=30.0,
     )
     values = all_ok(run_ranks(w_load_pairs, 4, path, adaptive, options, timeout=80))
     for pair in (0, 1):

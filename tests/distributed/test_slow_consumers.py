@@ -39,7 +39,11 @@ SLOW = 2
 EXITS = 3
 #: Big enough that every send copy fits (the budget bounds send copies too).
 OPTIONS = LoadOptions(
-    chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=8 << 20, hedge_min_delay=0.05, collective_timeout=30.0
+    chunk_size=64 * KiB,
+    min_chunk_size=16 * KiB,
+    memory_budget=8 << 20,
+    hedge_min_delay=0.05,
+    collective_timeout=30.0,
 )
 #: Seconds the slow rank waits for the fast ranks' files at most (a failure cut-off).
 CUT_OFF = 15.0
@@ -94,7 +98,9 @@ def w_slow_consumer(
 
         def progress(done: int, total: int, seen: dict[str, bool] = seen, n: int = n) -> None:
             if rank == SLOW and "saw" not in seen and done >= total // 4:
-                seen["saw"] = _wait_for([Path(flags) / f"returned-{n}-{r}" for r in others], CUT_OFF)
+                seen["saw"] = _wait_for(
+                    [Path(flags) / f"returned-{n}-{r}" for r in others], CUT_OFF
+                )
 
         planner = (_LeaveOutTheSlowRank if leave_out else ShardedLoadPlanner)(unit_size=16 * KiB)
         stats = asyncload.load(sd, path, options=options, planner=planner, progress=progress)
@@ -130,7 +136,9 @@ def _check_load(values: list[list[dict[str, Any]]], n: int, total: int) -> None:
         assert v[n]["bad"] == [], (rank, n)
         assert st["bytes_assembled"] == total
         assert st["bytes_read"] + st["bytes_received"] >= total, (rank, st)
-    assert sum(v[n]["stats"]["bytes_sent"] for v in values) == sum(v[n]["stats"]["bytes_received"] for v in values)
+    assert sum(v[n]["stats"]["bytes_sent"] for v in values) == sum(
+        v[n]["stats"]["bytes_received"] for v in values
+    )
     # hedged units aside, read about once in all (what is above the checkpoint's bytes is what
     # each rank reads for itself: record headers, and gaps read through between records)
     once = sum(v[n]["stats"]["bytes_read"] - v[n]["stats"]["bytes_hedged"] for v in values)
@@ -155,7 +163,11 @@ def test_fast_ranks_return_while_a_slow_consumer_assembles(tmp_path: Path) -> No
     for r in (0, 1, 3):
         assert values[r][-1]["drained"] is True
         owed = values[r][-1]["at_return"]
-        assert (0 < values[r][-1]["after_return"] <= owed) if owed else values[r][-1]["after_return"] == 0, r
+        assert (
+            (0 < values[r][-1]["after_return"] <= owed)
+            if owed
+            else values[r][-1]["after_return"] == 0
+        ), r
     # the exit hook returned once everything owed had landed
     assert values[EXITS][-1]["after_return"] == values[EXITS][-1]["at_return"]
 
@@ -165,7 +177,9 @@ def test_a_unit_left_out_for_the_slow_rank_is_read_from_storage(tmp_path: Path) 
     unit) are read from storage by the slow rank itself; the fast ranks still exchange them."""
     path = save(tmp_path / "ck")
     total = tensor_bytes(big_model())
-    values = all_ok(run_ranks(w_slow_consumer, 4, path, str(tmp_path), OPTIONS, 1, None, True, timeout=100))
+    values = all_ok(
+        run_ranks(w_slow_consumer, 4, path, str(tmp_path), OPTIONS, 1, None, True, timeout=100)
+    )
     assert values[SLOW][0]["saw_returns"] is True
     for rank, v in enumerate(values):
         assert v[0]["bad"] == [], rank
@@ -184,7 +198,9 @@ def test_a_sender_that_dies_after_returning(tmp_path: Path) -> None:
     for something else, raises DistributedLoadError); never a hang."""
     path = save(tmp_path / "ck")
     options = OPTIONS.replace(collective_timeout=6.0)
-    results = run_ranks(w_slow_consumer, 4, path, str(tmp_path), options, 1, 1, timeout=60, may_hang={1})
+    results = run_ranks(
+        w_slow_consumer, 4, path, str(tmp_path), options, 1, 1, timeout=60, may_hang={1}
+    )
     assert results[1].status == "timed_out"  # exited without reporting
     for r in (results[0], results[3]):
         assert r.ok and r.value[0]["bad"] == [], (r.rank, r.status, r.message)
@@ -197,7 +213,11 @@ def test_a_sender_that_dies_after_returning(tmp_path: Path) -> None:
         # its own threads), so which of the two happened is not asserted
         assert slow.value[0]["stats"]["bytes_assembled"] == tensor_bytes(big_model())
     else:
-        assert slow.error_type == "DistributedLoadError", (slow.status, slow.message, slow.traceback)
+        assert slow.error_type == "DistributedLoadError", (
+            slow.status,
+            slow.message,
+            slow.traceback,
+        )
         assert slow.attrs["rank"] == 1, slow.message
 
 
@@ -215,7 +235,9 @@ def test_wait_for_peers_holds_every_rank_until_the_slow_one(tmp_path: Path) -> N
     assert all(v["background"] is None for v in values)
 
 
-def w_wait_for_peers(rank: int, world: int, path: str, flags: str, options: LoadOptions) -> dict[str, Any]:
+def w_wait_for_peers(
+    rank: int, world: int, path: str, flags: str, options: LoadOptions
+) -> dict[str, Any]:
     full = big_model()
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     seen: dict[str, bool] = {}
@@ -306,6 +328,10 @@ def test_ranks_that_disagree_on_wait_for_peers(tmp_path: Path) -> None:
     every rank raises DistributedLoadError naming it, before any byte is shared."""
     results = run_ranks(w_mixed, 4, save(tmp_path / "ck"), timeout=40)
     for r in results:
-        assert r.status == "error" and r.error_type == "DistributedLoadError", (r.rank, r.status, r.message)
+        assert r.status == "error" and r.error_type == "DistributedLoadError", (
+            r.rank,
+            r.status,
+            r.message,
+        )
         assert "disagree on wait_for_peers (rank(s) [3] wait" in r.message, r.message
         assert r.attrs["rank"] == 3

@@ -31,7 +31,9 @@ from asyncload.cli import EXIT_DAMAGED, main
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not ZStandard.is_available(), reason="needs the zstandard package (test extra)"),
+    pytest.mark.skipif(
+        not ZStandard.is_available(), reason="needs the zstandard package (test extra)"
+    ),
 ]
 
 MiB = 1 << 20
@@ -58,7 +60,9 @@ def _claim(path: Path, key: str, numel: int) -> int:
         smd.chunks[0].sizes = torch.Size([numel])
 
     mutate_metadata(path, change)
-    return next(info.length for idx, info in read_metadata(path).storage_data.items() if idx.fqn == key)
+    return next(
+        info.length for idx, info in read_metadata(path).storage_data.items() if idx.fqn == key
+    )
 
 
 def _status(field: str) -> int:
@@ -79,7 +83,9 @@ def _ratio_message(stored: int) -> str:
     )
 
 
-def test_read_state_dict_refuses_an_impossible_claim_before_allocating(huge_claim: tuple[Path, int]) -> None:
+def test_read_state_dict_refuses_an_impossible_claim_before_allocating(
+    huge_claim: tuple[Path, int],
+) -> None:
     path, stored = huge_claim
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -104,7 +110,9 @@ def test_iter_tensors_refuses_before_yielding_anything(huge_claim: tuple[Path, i
 
 
 @pytest.mark.parametrize("command", ["load", "verify"])
-def test_cli_exits_with_damaged(huge_claim: tuple[Path, int], command: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exits_with_damaged(
+    huge_claim: tuple[Path, int], command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, stored = huge_claim
     code = main([command, str(path)])
     out, err = capsys.readouterr()
@@ -136,8 +144,9 @@ def test_an_unknown_transform_is_bounded_by_the_budget(tmp_path: Path) -> None:
     stored = _claim(path, "z", HUGE)
     with pytest.raises(CheckpointFormatError) as info:
         asyncload.read_state_dict(path)  # the claim is checked before the registry is asked
-    assert f"its {stored} stored bytes and the {HUGE * 4} tensor bytes the metadata claims do not fit" in str(
-        info.value
+    assert (
+        f"its {stored} stored bytes and the {HUGE * 4} tensor bytes the metadata claims do not fit"
+        in str(info.value)
     )
 
 
@@ -166,12 +175,20 @@ def test_forged_claims_end_typed_or_load_exactly(tmp_path: Path) -> None:
     seen: set[str] = set()
 
     @settings(
-        max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+        max_examples=100,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
     )
     @given(st.integers(0, 1 << 32))
     def run(seed: int) -> None:
         rng = random.Random(seed)
-        seen.add(read_forged_claim(path, original, sd, [random_claim(rng) for _ in range(rng.randint(1, 2))]))
+        seen.add(
+            read_forged_claim(
+                path, original, sd, [random_claim(rng) for _ in range(rng.randint(1, 2))]
+            )
+        )
 
     run()
     assert "CheckpointFormatError" in seen

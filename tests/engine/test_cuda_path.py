@@ -27,7 +27,9 @@ from asyncload import LoadOptions
 from asyncload.engine.config import ring_geometry
 from asyncload.testing import fake_device
 
-SMALL = LoadOptions(chunk_size=16 << 10, min_chunk_size=2 << 10, memory_budget=64 << 10, concurrency=8)
+SMALL = LoadOptions(
+    chunk_size=16 << 10, min_chunk_size=2 << 10, memory_budget=64 << 10, concurrency=8
+)
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -73,7 +75,9 @@ def assert_clean(fake: Any) -> None:
     [SMALL, LoadOptions(memory_budget=64 << 10, concurrency=1), None],
     ids=["small-c8", "tiny-budget-c1", "default"],
 )
-def test_device_destinations_bit_exact(tmp_path: Path, fmt: str, options: LoadOptions | None) -> None:
+def test_device_destinations_bit_exact(
+    tmp_path: Path, fmt: str, options: LoadOptions | None
+) -> None:
     sd = state()
     ckpt = write(fmt, tmp_path, sd)
     with fake_device(delay=0.0005) as fake:
@@ -100,7 +104,9 @@ def test_slots_are_reused_only_after_their_copies_ran(tmp_path: Path) -> None:
     sd = {"w": random_tensor((256, 128), torch.float32, 9)}
     path = tmp_path / "model.safetensors"
     save_file(sd, str(path))
-    opts = LoadOptions(chunk_size=32 << 10, min_chunk_size=1 << 10, memory_budget=64 << 10, concurrency=16)
+    opts = LoadOptions(
+        chunk_size=32 << 10, min_chunk_size=1 << 10, memory_budget=64 << 10, concurrency=16
+    )
     assert ring_geometry(opts) == (2, 32 << 10)
     with fake_device(delay=0.005) as fake:
         dest = zeros(sd)
@@ -129,15 +135,24 @@ def test_mixed_cpu_and_device_destinations(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fmt", ["dcp", "safetensors"])
 def test_non_contiguous_and_cast_destinations_on_device(tmp_path: Path, fmt: str) -> None:
     """Strided views and dtype casts are done on the device from raw bytes (scratch + one copy)."""
-    sd = {"w": random_tensor((64, 48), torch.bfloat16, 3), "m": random_tensor((40, 30), torch.float32, 4)}
+    sd = {
+        "w": random_tensor((64, 48), torch.bfloat16, 3),
+        "m": random_tensor((40, 30), torch.float32, 4),
+    }
     ckpt = write(fmt, tmp_path, sd)
-    dest = {"w": torch.zeros(64, 48), "m": torch.zeros(30, 40).t()}  # cast bf16 -> f32; transposed view
+    dest = {
+        "w": torch.zeros(64, 48),
+        "m": torch.zeros(30, 40).t(),
+    }  # cast bf16 -> f32; transposed view
     with fake_device() as fake:
         asyncload.load(
             dest,
             ckpt,
             options=LoadOptions(
-                allow_dtype_cast=True, chunk_size=8 << 10, min_chunk_size=1 << 10, memory_budget=64 << 10
+                allow_dtype_cast=True,
+                chunk_size=8 << 10,
+                min_chunk_size=1 << 10,
+                memory_budget=64 << 10,
             ),
         )
         assert_bitwise_equal(dest["w"], sd["w"].float())  # the same cast torch does on the host
@@ -171,7 +186,10 @@ def test_remote_source_through_the_ring(tmp_path: Path, fmt: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_failed_load_leaves_nothing_pinned_or_in_flight(tmp_path: Path) -> None:
-    sd = {"a": random_tensor((128, 128), torch.float32, 1), "b": random_tensor((128, 128), torch.float32, 2)}
+    sd = {
+        "a": random_tensor((128, 128), torch.float32, 1),
+        "b": random_tensor((128, 128), torch.float32, 2),
+    }
     raw = st_save(sd)
     fs = fsspec.filesystem("memory")
     # the header promises more than the file holds: the read of b's bytes comes back short
@@ -182,7 +200,12 @@ def test_failed_load_leaves_nothing_pinned_or_in_flight(tmp_path: Path) -> None:
                 asyncload.load(
                     zeros(sd),
                     "memory://cuda-cut/model.safetensors",
-                    options=LoadOptions(retries=0, chunk_size=8 << 10, min_chunk_size=1 << 10, memory_budget=64 << 10),
+                    options=LoadOptions(
+                        retries=0,
+                        chunk_size=8 << 10,
+                        min_chunk_size=1 << 10,
+                        memory_budget=64 << 10,
+                    ),
                 )
             assert_clean(fake)
     finally:
@@ -222,7 +245,9 @@ def test_aload_and_dcp_load_take_the_device_path(tmp_path: Path) -> None:
         (1 << 20, 256 << 10, (4, 256 << 10)),
     ],
 )
-def test_ring_geometry_stays_within_the_budget(budget: int, chunk: int, expect: tuple[int, int]) -> None:
+def test_ring_geometry_stays_within_the_budget(
+    budget: int, chunk: int, expect: tuple[int, int]
+) -> None:
     opts = LoadOptions(memory_budget=budget, chunk_size=chunk, min_chunk_size=min(chunk, 1 << 20))
     slots, slot = ring_geometry(opts)
     assert (slots, slot) == expect

@@ -31,7 +31,10 @@ import asyncload
 from asyncload import PipelinedLoadPlanner, PipelinedReader, StateDictMismatchError
 from asyncload.testing import TEST_ENV
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+]
 
 SAVED = {"w": torch.arange(16.0), "b": torch.ones(4, dtype=torch.int32)}
 
@@ -70,14 +73,21 @@ def _load(entry: str, dest: dict[str, Any], url: Any, **kwargs: Any) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             try:
-                dcp.load(dest, storage_reader=PipelinedReader(url, **kwargs), planner=planner, no_dist=True)
+                dcp.load(
+                    dest,
+                    storage_reader=PipelinedReader(url, **kwargs),
+                    planner=planner,
+                    no_dist=True,
+                )
             except CheckpointException as exc:  # dcp.load wraps a rank's error
                 first = next(iter(exc.failures.values()))
                 raise (first[0] if isinstance(first, tuple) else first) from None
 
 
 def _shape_for(case: str) -> dict[str, Any]:
-    if case == "as_strided":  # the checkpoint's "w" is [16]: a [4, 4] destination of another checkpoint
+    if (
+        case == "as_strided"
+    ):  # the checkpoint's "w" is [16]: a [4, 4] destination of another checkpoint
         return {"w": torch.arange(16.0).reshape(4, 4), "b": SAVED["b"]}
     return SAVED
 
@@ -93,7 +103,9 @@ def _shape_for(case: str) -> dict[str, Any]:
         if (case, entry) != ("meta", "dcp.load+default")
     ],
 )
-def test_an_unwritable_destination_is_refused_before_reading(tmp_path: Path, ckpt: Path, case: str, entry: str) -> None:
+def test_an_unwritable_destination_is_refused_before_reading(
+    tmp_path: Path, ckpt: Path, case: str, entry: str
+) -> None:
     saved = _shape_for(case)
     path = ckpt
     if case == "as_strided":

@@ -32,7 +32,10 @@ from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
 from asyncload._stats import StatsRecorder
 from asyncload.storage import RetryingStorage, Storage
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+]
 
 DATA = os.urandom(1 << 20)
 ROOT = "scripted://bucket/run"
@@ -70,14 +73,20 @@ def executor():
     pool.shutdown(wait=True)
 
 
-def _reads(n: int, size: int = 4096, names: str = "f") -> tuple[list[tuple[str, int, list[memoryview]]], bytearray]:
+def _reads(
+    n: int, size: int = 4096, names: str = "f"
+) -> tuple[list[tuple[str, int, list[memoryview]]], bytearray]:
     """``n`` reads of ``size`` bytes (each into two buffers) covering ``DATA[: n * size]``,
     of the files ``names`` in turn (each file holds ``DATA``)."""
     dest = bytearray(n * size)
     mv = memoryview(dest)
     half = size // 3
     return [
-        (names[i % len(names)], i * size, [mv[i * size : i * size + half], mv[i * size + half : (i + 1) * size]])
+        (
+            names[i % len(names)],
+            i * size,
+            [mv[i * size : i * size + half], mv[i * size + half : (i + 1) * size]],
+        )
         for i in range(n)
     ], dest
 
@@ -140,7 +149,9 @@ async def test_with_several_threads_a_retry_still_lands_every_read_once(executor
     await rs.readinto_shared(reads, jobs=3, landed=lambda i, _s: landed.update([i]))
     assert bytes(dest) == DATA[: len(dest)]
     assert landed == Counter(range(60))
-    assert all(store.calls[s] >= 1 for _, s, _ in reads) and all(store.calls[s] == 2 for s in failing)
+    assert all(store.calls[s] >= 1 for _, s, _ in reads) and all(
+        store.calls[s] == 2 for s in failing
+    )
     assert stats.snapshot().bytes_read == len(dest)
 
 
@@ -158,7 +169,9 @@ async def test_the_error_names_the_read_that_failed_after_every_attempt(executor
         await rs.readinto_shared(reads, jobs=2)
     err = ei.value
     assert (err.path, err.byte_range, err.attempts) == (f"{ROOT}/f", (6 * 4096, 7 * 4096), 3)
-    assert str(err).startswith(f"reading {ROOT}/f bytes [{6 * 4096}, {7 * 4096}) failed after 3 attempts")
+    assert str(err).startswith(
+        f"reading {ROOT}/f bytes [{6 * 4096}, {7 * 4096}) failed after 3 attempts"
+    )
     assert store.calls[6 * 4096] == 3
     assert stats.snapshot().bytes_read == 0  # a call that failed counts nothing
 
@@ -175,7 +188,11 @@ async def test_a_run_over_several_files_names_the_file_of_the_read_that_failed(e
     rs, stats = _boundary(Store(fail), executor, retries=1)
     with pytest.raises(StorageReadError) as ei:
         await rs.readinto_shared(reads, jobs=2)
-    assert (ei.value.path, ei.value.byte_range, ei.value.attempts) == (f"{ROOT}/g", (bad, bad + 4096), 2)
+    assert (ei.value.path, ei.value.byte_range, ei.value.attempts) == (
+        f"{ROOT}/g",
+        (bad, bad + 4096),
+        2,
+    )
     # and without the failure, every file's reads land where they belong
     reads, dest = _reads(12, names="fgh")
     rs, stats = _boundary(Store(), executor)
@@ -254,7 +271,9 @@ async def test_an_error_from_landed_is_raised_as_it_is_and_not_retried(executor)
     rs, stats = _boundary(store, executor)
     with pytest.raises(Stop):
         await rs.readinto_shared(reads, jobs=2, landed=landed)
-    assert sum(store.calls.values()) < 30 and max(store.calls.values()) == 1  # stopped, nothing retried
+    assert (
+        sum(store.calls.values()) < 30 and max(store.calls.values()) == 1
+    )  # stopped, nothing retried
     assert stats.snapshot().retries == 0
 
 
@@ -297,7 +316,9 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torc
 @pytest.mark.parametrize(
     "options",
     [
-        LoadOptions(chunk_size=8 << 20),  # runs of 8 MiB reads, the last 32 MiB cut into 4 MiB pieces
+        LoadOptions(
+            chunk_size=8 << 20
+        ),  # runs of 8 MiB reads, the last 32 MiB cut into 4 MiB pieces
         LoadOptions(chunk_size=1 << 20, io_threads=3),
         LoadOptions(chunk_size=8 << 20, concurrency=1),  # one thread: nothing cut
         LoadOptions(chunk_size=16 << 20, memory_budget=16 << 20),  # the budget below two reads
@@ -308,7 +329,9 @@ def test_loads_through_runs_are_bit_exact(ckpt, options):
     path, sd = ckpt
     dest = {k: torch.zeros_like(v) for k, v in sd.items()}
     calls: list[int] = []
-    stats = asyncload.load(dest, path, options=options, progress=lambda done, _t: calls.append(done))
+    stats = asyncload.load(
+        dest, path, options=options, progress=lambda done, _t: calls.append(done)
+    )
     assert_bitwise_equal(dest, sd)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     assert calls == sorted(calls) and calls[-1] == total and len(calls) > 2

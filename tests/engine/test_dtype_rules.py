@@ -86,7 +86,16 @@ TABLE: dict[str, list[str]] = {
     "int16": ["int32", "int64", "float32", "float64", "complex64", "complex128"],
     "int32": ["int64", "float64", "complex128"],
     "int64": [],
-    "uint16": ["int32", "int64", "uint32", "uint64", "float32", "float64", "complex64", "complex128"],
+    "uint16": [
+        "int32",
+        "int64",
+        "uint32",
+        "uint64",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    ],
     "uint32": ["int64", "uint64", "float64", "complex128"],
     "uint64": [],
     "float8_e4m3fn": ["float16", "bfloat16", "float32", "float64", *_C],
@@ -122,7 +131,9 @@ def _samples(dt: torch.dtype) -> torch.Tensor:
     if dt == torch.bool:
         return torch.tensor([False, True])
     if dt.is_complex:
-        part = _samples({torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dt, torch.float64))
+        part = _samples(
+            {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dt, torch.float64)
+        )
         n = part.numel()
         g = torch.Generator().manual_seed(5)
         return (
@@ -140,12 +151,18 @@ def _samples(dt: torch.dtype) -> torch.Tensor:
     if dt.is_floating_point:
         fi = torch.finfo(dt)
         extra = torch.tensor(
-            [fi.max, fi.min, fi.tiny, -fi.tiny, 0.0, -0.0, float("inf"), float("-inf")], dtype=torch.float64
+            [fi.max, fi.min, fi.tiny, -fi.tiny, 0.0, -0.0, float("inf"), float("-inf")],
+            dtype=torch.float64,
         )
         return torch.cat([vals, extra.to(dt), (vals.to(torch.float64) * 0).to(dt)])
     ii = torch.iinfo(dt)
     return torch.cat(
-        [vals, torch.tensor([ii.min, ii.max, 0, 1], dtype=torch.int64 if dt != torch.uint64 else dt).to(dt)]
+        [
+            vals,
+            torch.tensor(
+                [ii.min, ii.max, 0, 1], dtype=torch.int64 if dt != torch.uint64 else dt
+            ).to(dt),
+        ]
     )
 
 
@@ -191,7 +208,9 @@ def _same_float(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 CONVERTIBLE = [(s, d) for s, d in PAIRS if can_copy(s, d) and can_copy(d, s)]
 
 
-@pytest.mark.parametrize("src,dst", CONVERTIBLE, ids=[f"{name(s)}->{name(d)}" for s, d in CONVERTIBLE])
+@pytest.mark.parametrize(
+    "src,dst", CONVERTIBLE, ids=[f"{name(s)}->{name(d)}" for s, d in CONVERTIBLE]
+)
 def test_rule_matches_the_values(src: torch.dtype, dst: torch.dtype) -> None:
     """Lossless: every sample keeps its value in dst (and back). Lossy: some sample does not."""
     with warnings.catch_warnings():  # torch's note on complex32, once per process
@@ -220,12 +239,19 @@ def per_dtype(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return make_checkpoint(tmp_path_factory.mktemp("dtypes") / "ckpt", sd), sd
 
 
-WIDE = [(s, d) for s in SAVEABLE_DTYPES for d in ALL if s != d and widening_is_lossless(s, d) and can_copy(s, d)]
+WIDE = [
+    (s, d)
+    for s in SAVEABLE_DTYPES
+    for d in ALL
+    if s != d and widening_is_lossless(s, d) and can_copy(s, d)
+]
 TARGETS = sorted({d for _, d in WIDE}, key=ALL.index)
 
 
 @pytest.mark.parametrize("dst", TARGETS, ids=[name(d) for d in TARGETS])
-def test_widening_loads_by_default(per_dtype: tuple[Path, dict[str, torch.Tensor]], dst: torch.dtype) -> None:
+def test_widening_loads_by_default(
+    per_dtype: tuple[Path, dict[str, torch.Tensor]], dst: torch.dtype
+) -> None:
     path, sd = per_dtype
     keys = [name(s) for s, d in WIDE if d == dst]
     dest = {k: torch.zeros(37, 11, dtype=dst) for k in keys}
@@ -235,7 +261,12 @@ def test_widening_loads_by_default(per_dtype: tuple[Path, dict[str, torch.Tensor
     assert stats.bytes_assembled == sum(t.numel() * t.element_size() for t in dest.values())
 
 
-LOSSY = [(s, d) for s in SAVEABLE_DTYPES for d in SAVEABLE_DTYPES if s != d and not widening_is_lossless(s, d)]
+LOSSY = [
+    (s, d)
+    for s in SAVEABLE_DTYPES
+    for d in SAVEABLE_DTYPES
+    if s != d and not widening_is_lossless(s, d)
+]
 
 
 @pytest.mark.parametrize("src,dst", LOSSY, ids=[f"{name(s)}->{name(d)}" for s, d in LOSSY])
@@ -277,11 +308,20 @@ def _realistic(sd_dtypes: list[torch.dtype]) -> dict[str, torch.Tensor]:
     out-of-range floats into integers are undefined in C, and may differ between code paths)."""
     g = torch.Generator().manual_seed(3)
     return {
-        name(d): (torch.randn(64, 33, generator=g, dtype=torch.float64) * 50).clamp(-120, 120).to(d) for d in sd_dtypes
+        name(d): (torch.randn(64, 33, generator=g, dtype=torch.float64) * 50).clamp(-120, 120).to(d)
+        for d in sd_dtypes
     }
 
 
-TORCH_SRC = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8]
+TORCH_SRC = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+]
 TORCH_DST = [
     torch.bfloat16,
     torch.float16,
@@ -307,7 +347,9 @@ def _torch_load(dest: dict[str, Any], reader: Any, planner: Any = None) -> None:
 
 
 @pytest.mark.parametrize("dst", TORCH_DST, ids=[name(d) for d in TORCH_DST])
-def test_torch_planner_casts_as_torch_does(realistic: tuple[Path, dict[str, torch.Tensor]], dst: torch.dtype) -> None:
+def test_torch_planner_casts_as_torch_does(
+    realistic: tuple[Path, dict[str, torch.Tensor]], dst: torch.dtype
+) -> None:
     path, sd = realistic
     ours = {k: torch.zeros(64, 33, dtype=dst) for k in sd}
     theirs = {k: torch.zeros(64, 33, dtype=dst) for k in sd}
@@ -320,10 +362,14 @@ def test_torch_planner_casts_as_torch_does(realistic: tuple[Path, dict[str, torc
     assert_bitwise_equal(again, theirs)
 
 
-def test_asyncload_planner_refuses_what_torch_planner_casts(realistic: tuple[Path, dict[str, torch.Tensor]]) -> None:
+def test_asyncload_planner_refuses_what_torch_planner_casts(
+    realistic: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
     path, sd = realistic
     dest = {"float32": torch.zeros(64, 33, dtype=torch.bfloat16)}
-    with pytest.raises(StateDictMismatchError, match=r"key 'float32'.*torch.bfloat16.*allow_dtype_cast"):
+    with pytest.raises(
+        StateDictMismatchError, match=r"key 'float32'.*torch.bfloat16.*allow_dtype_cast"
+    ):
         asyncload.load(dest, path)
     _torch_load(dest, PipelinedReader(path), DefaultLoadPlanner(allow_partial_load=True))
     assert_bitwise_equal(dest["float32"], sd["float32"].to(torch.bfloat16))
@@ -334,7 +380,10 @@ def test_asyncload_planner_refuses_what_torch_planner_casts(realistic: tuple[Pat
 
 def test_safetensors_widening_and_refusal(tmp_path: Path) -> None:
     st = pytest.importorskip("safetensors.torch")
-    saved = {"h": random_tensor((16, 8), torch.float16, 1), "i": torch.arange(-64, 64, dtype=torch.int8)}
+    saved = {
+        "h": random_tensor((16, 8), torch.float16, 1),
+        "i": torch.arange(-64, 64, dtype=torch.int8),
+    }
     f = tmp_path / "model.safetensors"
     st.save_file(saved, str(f))
     dest = {"h": torch.zeros(16, 8, dtype=torch.float32), "i": torch.zeros(128, dtype=torch.int32)}

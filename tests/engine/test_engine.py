@@ -99,7 +99,12 @@ def test_import_has_no_side_effects_and_a_load_prints_nothing(ckpt):
     path, sd = ckpt
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # Python's default filters
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, timeout=50, check=False, env=env
+        [sys.executable, "-c", _CHILD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     # nothing on stderr: no warning (torch's "torch.distributed is disabled" one included:
@@ -113,7 +118,9 @@ def test_import_has_no_side_effects_and_a_load_prints_nothing(ckpt):
     assert out["imported"] == []
     assert out["bytes_assembled"] == 64 * 1024 * 4 + 33 * 2 + 7 * 9 * 2
     assert out["step"] == 123
-    assert out["sha256"] == {k: hashlib.sha256(tensor_bytes(sd[k])).hexdigest() for k in ("big", "small", "half")}
+    assert out["sha256"] == {
+        k: hashlib.sha256(tensor_bytes(sd[k])).hexdigest() for k in ("big", "small", "half")
+    }
 
 
 _LOOP_CHILD = textwrap.dedent(
@@ -188,7 +195,12 @@ def test_local_loads_run_on_the_standard_loop_unless_uvloop_is_imported(ckpt):
     assert out["load0"] == {"ok": False, "loops": ["asyncload-loop"], "uvloop": False}
     assert out["load1"] == {"ok": False, "loops": ["asyncload-loop"], "uvloop": False}
     assert out["nested"] == [["asyncload-loop", "LoadReentryError"]] * 2
-    assert out["load2"] == {"ok": True, "sha256": want, "loops": ["asyncload-loop"], "uvloop": False}
+    assert out["load2"] == {
+        "ok": True,
+        "sha256": want,
+        "loops": ["asyncload-loop"],
+        "uvloop": False,
+    }
 
 
 def test_local_loads_run_on_uvloop_once_the_program_imported_it(ckpt):
@@ -199,7 +211,12 @@ def test_local_loads_run_on_uvloop_once_the_program_imported_it(ckpt):
     assert out["load0"] == {"ok": False, "loops": ["asyncload-loop-uvloop"], "uvloop": True}
     assert out["nested"] == [["asyncload-loop-uvloop", "LoadReentryError"]]
     for i in (1, 2):
-        assert out[f"load{i}"] == {"ok": True, "sha256": want, "loops": ["asyncload-loop-uvloop"], "uvloop": True}
+        assert out[f"load{i}"] == {
+            "ok": True,
+            "sha256": want,
+            "loops": ["asyncload-loop-uvloop"],
+            "uvloop": True,
+        }
 
 
 def test_a_module_still_being_imported_is_not_used():
@@ -237,7 +254,9 @@ def test_a_session_keeps_its_loop_for_the_whole_load(ckpt):
     async def where() -> None:
         seen.append(asyncio.get_running_loop())
 
-    other = _loop.loop_thread(not any(lt.loop is first and lt.uvloop for lt in _loop._threads.values()))
+    other = _loop.loop_thread(
+        not any(lt.loop is first and lt.uvloop for lt in _loop._threads.values())
+    )
     assert other is not first
     session.run(where())
     session.run(where())
@@ -349,11 +368,15 @@ async def test_aload_runs_on_the_callers_loop_without_helper_threads(ckpt):
     for threads in [*during, after]:
         assert not [t.name for t in threads if t.name.startswith("asyncload-aload")]
         assert not [t.name for t in threads - before if t.name.startswith("asyncload-loop")]
-    assert asyncload_threads("asyncload-io", ignore=THREADS_BEFORE) == []  # closed before aload returned
+    assert (
+        asyncload_threads("asyncload-io", ignore=THREADS_BEFORE) == []
+    )  # closed before aload returned
 
 
 @pytest.mark.asyncio
-async def test_cancelling_aload_mid_load_leaves_no_io_thread(ckpt, http_server, fault_proxy, bucket_name):
+async def test_cancelling_aload_mid_load_leaves_no_io_thread(
+    ckpt, http_server, fault_proxy, bucket_name
+):
     path, sd = ckpt
     http_server.upload_dir(path, bucket_name, "ckpt")
     proxy = fault_proxy(http_server)
@@ -361,7 +384,9 @@ async def test_cancelling_aload_mid_load_leaves_no_io_thread(ckpt, http_server, 
     url = http_server.url(bucket_name, "ckpt", endpoint_url=proxy.endpoint_url)
     before = live_threads("asyncload-io")
     dst = _dst(sd)
-    task = asyncio.create_task(asyncload.aload(dst, url, options=LoadOptions(timeout=None, hedge=False)))
+    task = asyncio.create_task(
+        asyncload.aload(dst, url, options=LoadOptions(timeout=None, hedge=False))
+    )
     deadline = time.monotonic() + 20
     while rule.matched == 0 and not task.done() and time.monotonic() < deadline:  # noqa: ASYNC110 - a proxy counter
         await asyncio.sleep(0.01)
@@ -447,7 +472,9 @@ def test_plain_dcp_load_reader_then_planner_options(ckpt):
     assert reader.stats.chunks == asyncload.load(_dst(sd), path, options=a).chunks
 
 
-def test_plain_dcp_load_timeout_metadata_by_reader_data_by_planner(ckpt, http_server, fault_proxy, bucket_name):
+def test_plain_dcp_load_timeout_metadata_by_reader_data_by_planner(
+    ckpt, http_server, fault_proxy, bucket_name
+):
     path, sd = ckpt
     http_server.upload_dir(path, bucket_name, "ckpt")
     proxy = fault_proxy(http_server)
@@ -462,7 +489,9 @@ def test_plain_dcp_load_timeout_metadata_by_reader_data_by_planner(ckpt, http_se
     from torch.distributed.checkpoint.api import CheckpointException
 
     with pytest.raises((asyncload.ChunkTimeoutError, CheckpointException)) as ei:
-        dcp.load(_dst(sd), storage_reader=reader, planner=PipelinedLoadPlanner(options=b), no_dist=True)
+        dcp.load(
+            _dst(sd), storage_reader=reader, planner=PipelinedLoadPlanner(options=b), no_dist=True
+        )
     err = ei.value
     if isinstance(err, CheckpointException):  # dcp.load wraps the reader's errors
         err = err.failures[0][0]
@@ -482,7 +511,12 @@ def test_plain_dcp_load_timeout_metadata_by_reader_data_by_planner(ckpt, http_se
     [
         (LoadOptions(), True),
         (LoadOptions(chunk_size=256 * KiB), True),
-        (LoadOptions(chunk_size=1 << 20, min_chunk_size=64 * KiB, timeout=None, concurrency="auto"), False),
+        (
+            LoadOptions(
+                chunk_size=1 << 20, min_chunk_size=64 * KiB, timeout=None, concurrency="auto"
+            ),
+            False,
+        ),
     ],
     ids=["defaults", "derived", "explicit"],
 )
@@ -507,5 +541,9 @@ def test_load_options_pickle_and_replace_keep_derived_fields(options, derived):
                 o.replace(chunk_size=32 * KiB)
         # the policies follow the replaced fields, not the ones cached before
         r = o.replace(retries=9, timeout=3.0, hedge=False, chunk_size=128 * KiB)
-        assert (r.retry_policy.attempts, r.retry_policy.timeout, r.hedge_policy.enabled) == (10, 3.0, False)
+        assert (r.retry_policy.attempts, r.retry_policy.timeout, r.hedge_policy.enabled) == (
+            10,
+            3.0,
+            False,
+        )
         assert r.chunk_policy.chunk_size == 128 * KiB

@@ -28,7 +28,13 @@ from asyncload.testing import reset, stall, status, truncate
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]
 
 OPTS = LoadOptions(
-    chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=2.0, retries=3, backoff=0.02, max_backoff=0.1, hedge=False
+    chunk_size=128 << 10,
+    min_chunk_size=16 << 10,
+    timeout=2.0,
+    retries=3,
+    backoff=0.02,
+    max_backoff=0.1,
+    hedge=False,
 )
 #: Only ranged reads of tensor data (not .metadata, not HEAD/info requests).
 DATA = {"path": ".distcp", "range_only": True, "data_only": True}
@@ -77,7 +83,9 @@ def test_retry_after_is_honoured(request, backend, ckpt, bucket_name, fault_prox
     rule = r.proxy.add_rule(status(429, retry_after=0.6), times=1, **DATA)
     dst = zeros_like_tree(sd, object_placeholder=None)
     t0 = time.monotonic()
-    stats = asyncload.load(dst, r.url, options=OPTS.replace(max_backoff=2.0), storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, r.url, options=OPTS.replace(max_backoff=2.0), storage_options=r.storage_options
+    )
     took = time.monotonic() - t0
     assert_bitwise_equal(dst, sd)
     assert rule.fired == 1 and stats.retries == 1 and stats.retries_by_cause == {"status_429": 1}
@@ -95,21 +103,30 @@ def test_short_stall_is_a_timeout_retried(request, backend, ckpt, bucket_name, f
     # two: aiohttp may silently resend a request whose reused connection dies before headers
     rule = r.proxy.add_rule(stall(3.0), times=2, **DATA)
     dst = zeros_like_tree(sd, object_placeholder=None)
-    stats = asyncload.load(dst, r.url, options=OPTS.replace(timeout=0.5), storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, r.url, options=OPTS.replace(timeout=0.5), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     assert rule.fired >= 1
-    assert stats.retries_by_cause.get("timeout", 0) >= 1 and stats.timeouts == stats.retries_by_cause["timeout"]
+    assert (
+        stats.retries_by_cause.get("timeout", 0) >= 1
+        and stats.timeouts == stats.retries_by_cause["timeout"]
+    )
     assert wait_closed(r.proxy.port) == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_body_always_cut_short_fails_and_is_never_assembled(request, backend, ckpt, bucket_name, fault_proxy):
+def test_body_always_cut_short_fails_and_is_never_assembled(
+    request, backend, ckpt, bucket_name, fault_proxy
+):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     r.proxy.add_rule(truncate(100), times=None, **DATA)
     dst = zeros_like_tree(sd, object_placeholder=None)
     with pytest.raises(StorageReadError) as ei:
-        asyncload.load(dst, r.url, options=OPTS.replace(retries=1), storage_options=r.storage_options)
+        asyncload.load(
+            dst, r.url, options=OPTS.replace(retries=1), storage_options=r.storage_options
+        )
     err = ei.value
     assert err.attempts == 2 and ".distcp" in err.path and err.byte_range is not None
     # no tensor got the 100 bytes that did arrive: every destination is still all zeros
@@ -119,7 +136,9 @@ def test_body_always_cut_short_fails_and_is_never_assembled(request, backend, ck
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dead_chunk_ends_in_chunk_timeout_error_in_bounded_time(request, backend, ckpt, bucket_name, fault_proxy):
+def test_dead_chunk_ends_in_chunk_timeout_error_in_bounded_time(
+    request, backend, ckpt, bucket_name, fault_proxy
+):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     r.proxy.add_rule(stall(None), times=None, **DATA)  # never answers
@@ -132,7 +151,9 @@ def test_dead_chunk_ends_in_chunk_timeout_error_in_bounded_time(request, backend
     # timeout x attempts plus backoff (<= 0.1 s per retry) plus set-up and metadata
     assert took < 0.5 * 3 + 2 * 0.1 + 1.5
     err = ei.value
-    assert err.attempts == 3 and ".distcp" in err.path and err.path.startswith(r.url.split("://")[0])
+    assert (
+        err.attempts == 3 and ".distcp" in err.path and err.path.startswith(r.url.split("://")[0])
+    )
     lo, hi = err.byte_range
     assert 0 <= lo < hi and f"[{lo}, {hi})" in str(err) and "3 attempts" in str(err)
     assert "LoadOptions.timeout" in str(err)
@@ -141,7 +162,9 @@ def test_dead_chunk_ends_in_chunk_timeout_error_in_bounded_time(request, backend
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_pipeline_state_after_dead_chunk_and_after_cancel(request, backend, ckpt, bucket_name, fault_proxy):
+async def test_pipeline_state_after_dead_chunk_and_after_cancel(
+    request, backend, ckpt, bucket_name, fault_proxy
+):
     """The reader pool itself, on a real store: budget and limiter whole, no task, no connection."""
     path, _ = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
@@ -180,9 +203,13 @@ async def test_pipeline_state_after_dead_chunk_and_after_cancel(request, backend
             assert pipe.budget.used == 0 and pipe.limiter.used == 0
             assert pipe.budget.statistics().waiting == 0
             # a chunk is written whole and exact, or not at all
-            done = [lo for lo in range(0, size, step) if dest[lo : lo + step] == data[lo : lo + step]]
+            done = [
+                lo for lo in range(0, size, step) if dest[lo : lo + step] == data[lo : lo + step]
+            ]
             assert len(done) >= (1 if how == "dead" else 0)
-            assert all(not any(dest[lo : lo + step]) for lo in range(0, size, step) if lo not in done)
+            assert all(
+                not any(dest[lo : lo + step]) for lo in range(0, size, step) if lo not in done
+            )
             await storage.aclose()
             await asyncio.sleep(0)
             assert asyncio.all_tasks() == {asyncio.current_task()}
@@ -191,7 +218,9 @@ async def test_pipeline_state_after_dead_chunk_and_after_cancel(request, backend
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_cancelled_aload_leaves_nothing_behind(request, backend, ckpt, bucket_name, fault_proxy):
+async def test_cancelled_aload_leaves_nothing_behind(
+    request, backend, ckpt, bucket_name, fault_proxy
+):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     rule = r.proxy.add_rule(stall(None), times=None, **DATA)
@@ -199,7 +228,9 @@ async def test_cancelled_aload_leaves_nothing_behind(request, backend, ckpt, buc
     before = {t for t in threading.enumerate() if t.name.startswith("asyncload-io")}
     with no_unclosed_session_warnings():
         task = asyncio.ensure_future(
-            asyncload.aload(dst, r.url, options=OPTS.replace(timeout=30), storage_options=r.storage_options)
+            asyncload.aload(
+                dst, r.url, options=OPTS.replace(timeout=30), storage_options=r.storage_options
+            )
         )
         while rule.fired < 1:  # noqa: ASYNC110 - the proxy counts in its own thread
             await asyncio.sleep(0.01)
@@ -213,7 +244,9 @@ async def test_cancelled_aload_leaves_nothing_behind(request, backend, ckpt, buc
     assert left == set()
 
 
-def test_slow_link_with_steady_progress_does_not_time_out(request, tmp_path, bucket_name, fault_proxy):
+def test_slow_link_with_steady_progress_does_not_time_out(
+    request, tmp_path, bucket_name, fault_proxy
+):
     """A bandwidth cap makes single reads slower than ``timeout``; other reads keep finishing,
     so the shared deadline keeps moving and nothing fails (a dead link fails: test above).
 
@@ -228,7 +261,9 @@ def test_slow_link_with_steady_progress_does_not_time_out(request, tmp_path, buc
     for i in range(48):
         sd[f"small.{i:02d}"] = torch.full((2048,), float(i))
     path = make_checkpoint(
-        tmp_path / "ckpt", sd, storage_writer=FileSystemWriter(tmp_path / "ckpt", single_file_per_rank=False)
+        tmp_path / "ckpt",
+        sd,
+        storage_writer=FileSystemWriter(tmp_path / "ckpt", single_file_per_rank=False),
     )
     total = sum(p.stat().st_size for p in path.glob("*.distcp"))
     r = make_remote(request, "http", path, bucket_name, fault_proxy, bandwidth=total / 2.0)
@@ -241,17 +276,23 @@ def test_slow_link_with_steady_progress_does_not_time_out(request, tmp_path, buc
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_metadata_requests_are_retried_too(request, backend, ckpt, bucket_name, fault_proxy, transport):
+def test_metadata_requests_are_retried_too(
+    request, backend, ckpt, bucket_name, fault_proxy, transport
+):
     """The first requests of a load (the size of .metadata, then its bytes; under obstore one
     GET gives both) get the same policy."""
     import re
 
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
-    if transport == "obstore":  # no HEAD: the GET of the whole .metadata fails twice, then once more
+    if (
+        transport == "obstore"
+    ):  # no HEAD: the GET of the whole .metadata fails twice, then once more
         info = r.proxy.add_rule(status(503), method="GET", path=".metadata", times=2)
     elif backend == "gcs":  # object info: GET .../o/<name> without ?alt=media
-        info = r.proxy.add_rule(status(503), method="GET", path=re.compile(r"/o/[^?]*\.metadata$"), times=2)
+        info = r.proxy.add_rule(
+            status(503), method="GET", path=re.compile(r"/o/[^?]*\.metadata$"), times=2
+        )
     else:
         info = r.proxy.add_rule(status(503), method="HEAD", path=".metadata", times=2)
     data = r.proxy.add_rule(status(500), path=".metadata", data_only=True, times=1)
@@ -268,7 +309,9 @@ def test_metadata_requests_are_retried_too(request, backend, ckpt, bucket_name, 
 
 
 @pytest.mark.parametrize("transport", ["fsspec"])  # fsspec's HEAD-then-GET size probe
-def test_http_size_probe_failing_twice_is_a_retry_not_a_missing_file(request, ckpt, bucket_name, fault_proxy):
+def test_http_size_probe_failing_twice_is_a_retry_not_a_missing_file(
+    request, ckpt, bucket_name, fault_proxy
+):
     path, sd = ckpt
     r = make_remote(request, "http", path, bucket_name, fault_proxy)
     # fsspec: HEAD, then GET without Range; both fail once -> FileNotFoundError inside fsspec

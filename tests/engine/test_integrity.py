@@ -31,7 +31,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 import asyncload
-from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions, StateDictMismatchError
+from asyncload import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    LoadOptions,
+    StateDictMismatchError,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +44,9 @@ KiB = 1 << 10
 
 #: Small chunks so that the 512 KiB tensor is read in 8 pieces, out of order, by 8 readers
 #: (the record's CRC is combined from pieces); "small" stays a whole-record read.
-PIECES = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, concurrency=8, memory_budget=256 * KiB, retries=0)
+PIECES = LoadOptions(
+    chunk_size=64 * KiB, min_chunk_size=16 * KiB, concurrency=8, memory_budget=256 * KiB, retries=0
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +71,12 @@ def _distcp(path: Path) -> Path:
 # --- verify=True --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [LoadOptions(verify=True), PIECES.replace(verify=True)], ids=["default", "pieces"])
-def test_verify_passes_on_intact_checkpoint(fresh_ckpt: tuple[Path, dict[str, Any]], options: LoadOptions) -> None:
+@pytest.mark.parametrize(
+    "options", [LoadOptions(verify=True), PIECES.replace(verify=True)], ids=["default", "pieces"]
+)
+def test_verify_passes_on_intact_checkpoint(
+    fresh_ckpt: tuple[Path, dict[str, Any]], options: LoadOptions
+) -> None:
     path, sd = fresh_ckpt
     dest = zeros_like_tree(sd)
     stats = asyncload.load(dest, path, options=options)
@@ -96,7 +107,9 @@ def test_flipped_byte_is_caught_with_file_record_key_and_range(
     assert f"the record says {rec.crc32:#010x}" in msg
 
 
-def test_verify_off_loads_the_damaged_byte_and_checks_sizes(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_verify_off_loads_the_damaged_byte_and_checks_sizes(
+    fresh_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     path, sd = fresh_ckpt
     rec = record_of(path, "big")
     assert rec.data_start is not None
@@ -161,7 +174,9 @@ def _narrow_load(path: Path, options: LoadOptions, dest: torch.Tensor) -> asyncl
     return reader.stats
 
 
-def test_narrow_read_with_verify_reads_and_checks_the_whole_storage(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_narrow_read_with_verify_reads_and_checks_the_whole_storage(
+    fresh_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     """A partial read of a record checks the CRC of the whole storage: the bytes the
     destination does not need are read too (counted in bytes_read, not bytes_assembled)."""
     path, sd = fresh_ckpt
@@ -209,7 +224,9 @@ def test_file_shorter_than_metadata_leaves_destination_untouched(
 
 
 @pytest.mark.parametrize("delta", [-1, 1, -100])
-def test_record_length_in_metadata_that_lies(fresh_ckpt: tuple[Path, dict[str, Any]], delta: int) -> None:
+def test_record_length_in_metadata_that_lies(
+    fresh_ckpt: tuple[Path, dict[str, Any]], delta: int
+) -> None:
     """A record's length in .metadata that does not match the record: the zip directory is
     not where it should be; never a shorter or zero-filled tensor."""
     path, sd = fresh_ckpt
@@ -229,12 +246,18 @@ def test_record_length_in_metadata_that_lies(fresh_ckpt: tuple[Path, dict[str, A
 
 
 @pytest.mark.parametrize("target", ["first", "small"])
-def test_record_offset_into_another_record(fresh_ckpt: tuple[Path, dict[str, Any]], target: str) -> None:
+def test_record_offset_into_another_record(
+    fresh_ckpt: tuple[Path, dict[str, Any]], target: str
+) -> None:
     """.metadata places "big" at another record's offset (with big's length): the zip
     directory is not at the end of the range (or the range runs past the end of the file)."""
     path, sd = fresh_ckpt
     big = record_of(path, "big")
-    other = min(records(path).values(), key=lambda r: r.offset) if target == "first" else record_of(path, "small")
+    other = (
+        min(records(path).values(), key=lambda r: r.offset)
+        if target == "first"
+        else record_of(path, "small")
+    )
     assert other.offset != big.offset
 
     def change(md: Any) -> None:
@@ -259,7 +282,9 @@ def test_record_and_metadata_disagree_on_dtype(fresh_ckpt: tuple[Path, dict[str,
     mutate_metadata(path, change)
     dest = zeros_like_tree(sd)
     dest["big"] = torch.zeros(512, 256, dtype=torch.int32)
-    with pytest.raises(CheckpointFormatError, match=r"holds torch.float32, the metadata says torch.int32"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"holds torch.float32, the metadata says torch.int32"
+    ):
         asyncload.load(dest, path, options=PIECES)
 
 
@@ -274,11 +299,15 @@ def test_record_and_metadata_disagree_on_shape(fresh_ckpt: tuple[Path, dict[str,
     mutate_metadata(path, change)
     dest = zeros_like_tree(sd)
     dest["big"] = torch.zeros(256, 512)
-    with pytest.raises(CheckpointFormatError, match=r"shape \[512, 256\], the metadata says \[256, 512\]"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"shape \[512, 256\], the metadata says \[256, 512\]"
+    ):
         asyncload.load(dest, path, options=PIECES)
 
 
-def test_file_truncated_while_loading_is_a_format_error(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_file_truncated_while_loading_is_a_format_error(
+    fresh_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     """The file passes the size check, then shrinks under the load (a writer rewriting
     it): the short local read is a CheckpointFormatError at once, not a smaller tensor
     and not a round of retries."""
@@ -324,9 +353,9 @@ def test_metadata_names_a_file_that_does_not_exist(fresh_ckpt: tuple[Path, dict[
     dest = sentinel_like(sd)
     with pytest.raises(CheckpointNotFoundError) as err:
         asyncload.load(dest, path)
-    assert "__7_0.distcp" in str(err.value) and "named by the checkpoint's metadata but does not exist" in str(
+    assert "__7_0.distcp" in str(
         err.value
-    )
+    ) and "named by the checkpoint's metadata but does not exist" in str(err.value)
     assert is_sentinel(dest)
 
 
@@ -345,12 +374,16 @@ def test_unknown_dcp_version(fresh_ckpt: tuple[Path, dict[str, Any]], version: A
     path, sd = fresh_ckpt
     mutate_metadata(path, lambda md: setattr(md, "version", version))
     dest = sentinel_like(sd)
-    with pytest.raises(CheckpointFormatError, match=f"unknown DCP version {re.escape(repr(version))}"):
+    with pytest.raises(
+        CheckpointFormatError, match=f"unknown DCP version {re.escape(repr(version))}"
+    ):
         asyncload.load(dest, path)
     assert is_sentinel(dest)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", b"not a pickle at all", b"\x80\x04K\x05."])
+@pytest.mark.parametrize(
+    "content", [b"", b"\x80\x04garbage", b"not a pickle at all", b"\x80\x04K\x05."]
+)
 def test_empty_or_garbage_metadata(fresh_ckpt: tuple[Path, dict[str, Any]], content: bytes) -> None:
     path, sd = fresh_ckpt
     write_metadata(path, None, raw=content)
@@ -368,7 +401,9 @@ def test_metadata_with_a_chunk_outside_its_tensor(fresh_ckpt: tuple[Path, dict[s
 
     mutate_metadata(path, change)
     dest = sentinel_like(sd)
-    with pytest.raises(CheckpointFormatError, match=r"key 'big': chunk 0 .* lies outside the tensor"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"key 'big': chunk 0 .* lies outside the tensor"
+    ):
         asyncload.load(dest, path)
     assert is_sentinel(dest)
 
@@ -376,7 +411,9 @@ def test_metadata_with_a_chunk_outside_its_tensor(fresh_ckpt: tuple[Path, dict[s
 # --- keys ---------------------------------------------------------------------------
 
 
-def test_destination_key_missing_from_checkpoint_is_an_error(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_destination_key_missing_from_checkpoint_is_an_error(
+    fresh_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     path, sd = fresh_ckpt
     dest = sentinel_like({**sd, "not_saved": torch.zeros(3)})
     with pytest.raises(StateDictMismatchError, match="not_saved"):
@@ -384,11 +421,15 @@ def test_destination_key_missing_from_checkpoint_is_an_error(fresh_ckpt: tuple[P
     assert is_sentinel(dest)
 
 
-def test_unexpected_keys_are_reported_and_optionally_an_error(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_unexpected_keys_are_reported_and_optionally_an_error(
+    fresh_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     path, sd = fresh_ckpt
     dest = {"big": torch.zeros(512, 256), "nested": {"w": torch.zeros(40, 7, dtype=torch.float64)}}
     stats = asyncload.load(dest, path)
-    assert torch.equal(dest["big"], sd["big"]) and torch.equal(dest["nested"]["w"], sd["nested"]["w"])
+    assert torch.equal(dest["big"], sd["big"]) and torch.equal(
+        dest["nested"]["w"], sd["nested"]["w"]
+    )
     assert stats.unexpected_keys == ["empty", "half", "nested.step", "scalar", "small"]
 
     dest2 = sentinel_like(dest)
@@ -452,12 +493,16 @@ def test_crc_pieces_in_any_order_overlapping_and_from_threads() -> None:
         pieces = [(a, b) for a, b in zip([base, *cuts], [*cuts, base + len(data)])]
         # overlaps: every piece widened a little at random, some twice
         pieces = [
-            (max(base, a - rng.randrange(0, 3000)), min(base + len(data), b + rng.randrange(0, 3000)))
+            (
+                max(base, a - rng.randrange(0, 3000)),
+                min(base + len(data), b + rng.randrange(0, 3000)),
+            )
             for a, b in pieces
         ] + pieces[:5]
         rng.shuffle(pieces)
         threads = [
-            threading.Thread(target=lambda a=a, b=b, tr=tr: tr.add(a, data[a - base : b - base])) for a, b in pieces
+            threading.Thread(target=lambda a=a, b=b, tr=tr: tr.add(a, data[a - base : b - base]))
+            for a, b in pieces
         ]
         for t in threads:
             t.start()

@@ -72,7 +72,9 @@ def chunk(box: Box) -> ChunkStorageMetadata:
 
 def tensor_md(shape: tuple[int, ...], boxes: list[Box]) -> TensorStorageMetadata:
     return TensorStorageMetadata(
-        properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape), chunks=[chunk(b) for b in boxes]
+        properties=TensorProperties(dtype=torch.float32),
+        size=torch.Size(shape),
+        chunks=[chunk(b) for b in boxes],
     )
 
 
@@ -120,7 +122,9 @@ def grid_tiling(draw: Any, shape: tuple[int, ...]) -> list[Box]:
     """A grid with random cut points in every dimension."""
     cuts = []
     for n in shape:
-        points = sorted(set(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4)))) if n > 1 else []
+        points = (
+            sorted(set(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4)))) if n > 1 else []
+        )
         edges = [0, *points, n]
         cuts.append([(a, b - a) for a, b in itertools.pairwise(edges)])
     return grid(shape, cuts)
@@ -141,7 +145,9 @@ def layout(draw: Any, shape: tuple[int, ...]) -> list[Box]:
         for _ in range(draw(st.integers(1, 2))):
             d = draw(st.integers(0, len(shape) - 1))
             o = tuple(draw(st.integers(0, n)) for n in shape)
-            s = tuple(0 if i == d else draw(st.integers(0, shape[i] - o[i])) for i in range(len(shape)))
+            s = tuple(
+                0 if i == d else draw(st.integers(0, shape[i] - o[i])) for i in range(len(shape))
+            )
             boxes.insert(draw(st.integers(0, len(boxes))), (o, s))
     order = draw(st.sampled_from(["as is", "reversed", "shuffled"]))
     if order == "reversed":
@@ -195,9 +201,17 @@ def test_read_items_edge_cases_equal_torchs() -> None:
         ((), [((), ()), ((), ())], [((), ()), ((), ())]),
         ((8,), [((0,), (8,))], []),  # nothing held here
         ((8,), [], [((0,), (8,))]),  # nothing saved
-        ((8,), [((4,), (4,)), ((0,), (4,))], [((4,), (0,)), ((2,), (0,)), ((8,), (0,))]),  # empty shards
+        (
+            (8,),
+            [((4,), (4,)), ((0,), (4,))],
+            [((4,), (0,)), ((2,), (0,)), ((8,), (0,))],
+        ),  # empty shards
         ((0, 5), [((0, 0), (0, 5))], [((0, 0), (0, 5))]),  # an empty tensor
-        ((6, 6), [((0, 0), (6, 3)), ((0, 3), (6, 3))], [((0, 0), (3, 6)), ((3, 0), (3, 6))]),  # columns -> rows
+        (
+            (6, 6),
+            [((0, 0), (6, 3)), ((0, 3), (6, 3))],
+            [((0, 0), (3, 6)), ((3, 0), (3, 6))],
+        ),  # columns -> rows
     ]
     for shape, saved, local in cases:
         md = tensor_md(shape, saved)
@@ -241,7 +255,9 @@ def test_thousands_of_ranks_equal_torchs(shape: tuple[int, ...]) -> None:
     for saved, dest in layouts:
         md = tensor_md(shape, saved)
         assert sum(math.prod(b[1]) for b in saved) == math.prod(shape)
-        for r in sorted({0, 1, 7, 8, len(dest) // 2, len(dest) - 1, *rng.sample(range(len(dest)), 6)}):
+        for r in sorted(
+            {0, 1, 7, 8, len(dest) // 2, len(dest) - 1, *rng.sample(range(len(dest)), 6)}
+        ):
             chunks = [chunk(dest[r])]
             want = create_read_items_for_chunk_list("w", md, chunks)
             got = read_items_for_chunks("w", md, chunks)
@@ -283,7 +299,9 @@ def planner_case(draw: Any) -> tuple[dict[str, Any], Metadata, bool]:
     for i in range(n):
         shape = draw(shapes)
         saved = draw(layout(shape))
-        smd[f"model.t{i}"] = tensor_md(shape, [b for b in saved if math.prod(b[1]) or not math.prod(shape)])
+        smd[f"model.t{i}"] = tensor_md(
+            shape, [b for b in saved if math.prod(b[1]) or not math.prod(shape)]
+        )
         if draw(st.booleans()):
             model[f"t{i}"] = torch.empty(shape)
         else:
@@ -352,7 +370,9 @@ def w_save_then_plan(rank: int, world: int, path: str) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world,))
     full = _full()
-    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, checkpoint_id=path)
+    dcp.save(
+        {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, checkpoint_id=path
+    )
     md = dcp.FileSystemReader(path).read_metadata()
 
     def dest() -> dict[str, Any]:
@@ -372,9 +392,19 @@ def w_save_then_plan(rank: int, world: int, path: str) -> dict[str, Any]:
     got = plan_items(PipelinedLoadPlanner(), dest(), md)
     sd = dest()
     asyncload.load(sd, path)
-    expect = {k: distribute_tensor(v, mesh, [Shard(v.dim() - 1)]).to_local() for k, v in full.items()}
-    bad = [k for k in full if sd[k].to_local().dtype != expect[k].dtype or not torch.equal(sd[k].to_local(), expect[k])]
-    chunks = {k: len(v.chunks) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    expect = {
+        k: distribute_tensor(v, mesh, [Shard(v.dim() - 1)]).to_local() for k, v in full.items()
+    }
+    bad = [
+        k
+        for k in full
+        if sd[k].to_local().dtype != expect[k].dtype or not torch.equal(sd[k].to_local(), expect[k])
+    ]
+    chunks = {
+        k: len(v.chunks)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
     return {"same_plan": got == want, "items": len(got), "bad": bad, "chunks": chunks}
 
 

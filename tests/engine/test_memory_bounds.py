@@ -26,7 +26,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 import asyncload
 from asyncload import AsyncLoadError, CheckpointFormatError, LoadOptions
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+]
 
 MiB = 1 << 20
 CLAIM = 160 * MiB
@@ -62,7 +65,11 @@ def _grow(path: Path, extra: int) -> int:
 
 def _object_ckpt(tmp_path: Path) -> tuple[Path, str]:
     ckpt = tmp_path / "obj"
-    dcp.save({"w": torch.arange(64, dtype=torch.float32), "extra": "step seven"}, checkpoint_id=ckpt, no_dist=True)
+    dcp.save(
+        {"w": torch.arange(64, dtype=torch.float32), "extra": "step seven"},
+        checkpoint_id=ckpt,
+        no_dist=True,
+    )
     (data,) = [p for p in ckpt.iterdir() if p.suffix == ".distcp"]
     return ckpt, data.name
 
@@ -119,7 +126,9 @@ def _forge_directory_claim(path: Path, claim: int) -> None:
 
 
 @pytest.mark.parametrize("limit", [None, 64 * MiB], ids=["under-limit", "over-limit"])
-def test_a_huge_zip_directory_claim_costs_at_most_the_claim(tmp_path: Path, limit: int | None) -> None:
+def test_a_huge_zip_directory_claim_costs_at_most_the_claim(
+    tmp_path: Path, limit: int | None
+) -> None:
     path = tmp_path / "model.pt"
     torch.save({"w": torch.arange(64, dtype=torch.float32)}, path)
     _forge_directory_claim(path, CLAIM)

@@ -61,7 +61,9 @@ def shard_box(shape: torch.Size, dim: int, rank: int, world: int) -> tuple[list[
 class ShardPlanner(asyncload.PipelinedLoadPlanner):
     """Loads ``rank``'s ``Shard(dim)`` slice of every saved tensor into ``dests`` (plain tensors)."""
 
-    def __init__(self, dests: dict[str, torch.Tensor], dim: int, rank: int, world: int, **kw: Any) -> None:
+    def __init__(
+        self, dests: dict[str, torch.Tensor], dim: int, rank: int, world: int, **kw: Any
+    ) -> None:
         super().__init__(**kw)
         self.dests, self.dim, self.rank, self.world = dests, dim, rank, world
 
@@ -94,7 +96,12 @@ class ShardPlanner(asyncload.PipelinedLoadPlanner):
 
 
 def load_shard(
-    url: str, full: dict[str, torch.Tensor], dim: int, rank: int, world: int, options: LoadOptions | None = None
+    url: str,
+    full: dict[str, torch.Tensor],
+    dim: int,
+    rank: int,
+    world: int,
+    options: LoadOptions | None = None,
 ) -> tuple[asyncload.LoadStats, int]:
     """Load ``rank``'s slice of every tensor from ``url``; check it bit for bit; return the
     stats and the bytes needed (the slices' bytes)."""
@@ -105,13 +112,17 @@ def load_shard(
     dests = {k: torch.zeros_like(w) for k, w in want.items()}
     reader = asyncload.PipelinedReader(url, options=options)
     planner = ShardPlanner(dests, dim, rank, world, options=options)
-    dcp.load({k: torch.empty(0) for k in full}, storage_reader=reader, planner=planner, no_dist=True)
+    dcp.load(
+        {k: torch.empty(0) for k in full}, storage_reader=reader, planner=planner, no_dist=True
+    )
     stats = reader.stats
     assert stats is not None
     for k, w in want.items():
         got = dests[k]
         assert got.dtype == w.dtype and got.shape == w.shape, k
-        assert torch.equal(got.view(-1).view(torch.uint8), w.contiguous().view(-1).view(torch.uint8)), k
+        assert torch.equal(
+            got.view(-1).view(torch.uint8), w.contiguous().view(-1).view(torch.uint8)
+        ), k
     needed = sum(w.numel() * w.element_size() for w in want.values())
     return stats, needed
 
@@ -135,11 +146,19 @@ def large(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tor
 
 @pytest.mark.parametrize("dim", [0, 1], ids=["rows", "columns"])
 @pytest.mark.parametrize("size", ["tiny", "large"])
-def test_local_narrow_reads_within_the_bound(size: str, dim: int, request: pytest.FixtureRequest) -> None:
+def test_local_narrow_reads_within_the_bound(
+    size: str, dim: int, request: pytest.FixtureRequest
+) -> None:
     path, full = request.getfixturevalue(size)
     for rank in range(4):
         stats, needed = load_shard(str(path), full, dim, rank, 4)
-        assert needed <= stats.bytes_read <= 1.15 * needed, (size, dim, rank, stats.bytes_read, needed)
+        assert needed <= stats.bytes_read <= 1.15 * needed, (
+            size,
+            dim,
+            rank,
+            stats.bytes_read,
+            needed,
+        )
         assert stats.bytes_assembled == needed
 
 
@@ -153,7 +172,9 @@ def test_remote_narrow_reads_within_the_bound(
     url = http_server.url(bucket_name, size)
     for rank in (0, 3) if dim == 0 else (1,):
         stats, needed = load_shard(url, full, dim, rank, 4)
-        read = stats.bytes_read - stats.bytes_hedged  # a hedged duplicate is the store's delay, not the plan
+        read = (
+            stats.bytes_read - stats.bytes_hedged
+        )  # a hedged duplicate is the store's delay, not the plan
         assert needed <= read <= 1.15 * needed, (size, dim, rank, stats.bytes_read, needed)
         assert stats.bytes_assembled == needed
 
@@ -182,7 +203,9 @@ def test_a_looser_bound_buys_fewer_requests(tiny: tuple[Path, dict[str, torch.Te
     assert tight.bytes_read <= needed + 7 * 8 * KiB
 
 
-def test_verify_reads_and_checks_every_byte_of_a_narrow_read(tiny: tuple[Path, dict[str, torch.Tensor]]) -> None:
+def test_verify_reads_and_checks_every_byte_of_a_narrow_read(
+    tiny: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
     """verify=True checksums whole storages: the bound does not apply, every saved tensor byte is read."""
     path, full = tiny
     stats, needed = load_shard(str(path), full, 1, 3, 4, LoadOptions(verify=True))
@@ -191,7 +214,9 @@ def test_verify_reads_and_checks_every_byte_of_a_narrow_read(tiny: tuple[Path, d
     assert stats.bytes_assembled == needed
 
 
-def test_progress_counts_the_bytes_taken_from_the_probes(tiny: tuple[Path, dict[str, torch.Tensor]]) -> None:
+def test_progress_counts_the_bytes_taken_from_the_probes(
+    tiny: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
     """Rank 0's first rows (and rank 3's last) arrive with the records' header probes and are
     copied from them, not read twice; progress still ends at the destination's bytes."""
     path, full = tiny
@@ -207,7 +232,9 @@ def test_progress_counts_the_bytes_taken_from_the_probes(tiny: tuple[Path, dict[
         reader = asyncload.PipelinedReader(str(path), options=opts)
         reader.progress = lambda done, total: seen.append((done, total))
         planner = ShardPlanner(dests, 0, rank, 4, options=opts)
-        dcp.load({k: torch.empty(0) for k in full}, storage_reader=reader, planner=planner, no_dist=True)
+        dcp.load(
+            {k: torch.empty(0) for k in full}, storage_reader=reader, planner=planner, no_dist=True
+        )
         assert all(torch.equal(dests[k], want[k]) for k in full)
         needed = sum(w.numel() * w.element_size() for w in want.values())
         assert seen and seen[-1] == (needed, needed)
@@ -236,7 +263,9 @@ def test_make_chunks_charges_only_what_charge_says() -> None:
     def charge(name: str, start: int, end: int) -> int:
         return 0 if (start, end) == (100, 150) else end - start
 
-    chunks = make_chunks(ps, chunk_size=1 << 20, min_chunk_size=1 << 10, max_over_read=0, charge=charge)
+    chunks = make_chunks(
+        ps, chunk_size=1 << 20, min_chunk_size=1 << 10, max_over_read=0, charge=charge
+    )
     assert [(c.start, c.end) for c in chunks] == [(0, 250), (400, 500)]
 
 

@@ -121,7 +121,15 @@ def test_min_chunk_size_may_not_exceed_chunk_size():
 
 
 def test_good_edge_values():
-    LoadOptions(timeout=None, retries=0, backoff=0, concurrency="auto", io_threads=1, chunk_size=1, min_chunk_size=1)
+    LoadOptions(
+        timeout=None,
+        retries=0,
+        backoff=0,
+        concurrency="auto",
+        io_threads=1,
+        chunk_size=1,
+        min_chunk_size=1,
+    )
     assert LoadOptions(concurrency="auto").max_in_flight == 64
     assert LoadOptions(concurrency=5).max_in_flight == 5
 
@@ -174,15 +182,43 @@ def model_ckpt(tmp_path_factory):
 
 
 TINY_CASES = [
-    {"chunk_size": 4 * KiB, "min_chunk_size": 1 * KiB, "memory_budget": MIN_BUDGET, "concurrency": 1},
-    {"chunk_size": 4 * KiB, "min_chunk_size": 1 * KiB, "memory_budget": MIN_BUDGET, "concurrency": 64},
-    {"chunk_size": 4 * KiB, "min_chunk_size": 1, "memory_budget": MIN_BUDGET, "concurrency": "auto"},
-    {"chunk_size": 1 << 20, "min_chunk_size": 64 * KiB, "memory_budget": MIN_BUDGET, "concurrency": 64},  # clamped
-    {"chunk_size": 1000, "min_chunk_size": 999, "memory_budget": MIN_BUDGET, "concurrency": 7, "io_threads": 1},
+    {
+        "chunk_size": 4 * KiB,
+        "min_chunk_size": 1 * KiB,
+        "memory_budget": MIN_BUDGET,
+        "concurrency": 1,
+    },
+    {
+        "chunk_size": 4 * KiB,
+        "min_chunk_size": 1 * KiB,
+        "memory_budget": MIN_BUDGET,
+        "concurrency": 64,
+    },
+    {
+        "chunk_size": 4 * KiB,
+        "min_chunk_size": 1,
+        "memory_budget": MIN_BUDGET,
+        "concurrency": "auto",
+    },
+    {
+        "chunk_size": 1 << 20,
+        "min_chunk_size": 64 * KiB,
+        "memory_budget": MIN_BUDGET,
+        "concurrency": 64,
+    },  # clamped
+    {
+        "chunk_size": 1000,
+        "min_chunk_size": 999,
+        "memory_budget": MIN_BUDGET,
+        "concurrency": 7,
+        "io_threads": 1,
+    },
 ]
 
 
-@pytest.mark.parametrize("kw", TINY_CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize(
+    "kw", TINY_CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items())
+)
 def test_tiny_chunks_and_budget_local(model_ckpt, kw):
     path, sd = model_ckpt
     opts = LoadOptions(**kw)
@@ -204,7 +240,10 @@ def test_tiny_chunks_and_budget_fsspec_memory(model_ckpt, concurrency):
     copy_dir_to_fsspec(path, fs, root)
     try:
         opts = LoadOptions(
-            chunk_size=4 * KiB, min_chunk_size=1 * KiB, memory_budget=MIN_BUDGET, concurrency=concurrency
+            chunk_size=4 * KiB,
+            min_chunk_size=1 * KiB,
+            memory_budget=MIN_BUDGET,
+            concurrency=concurrency,
         )
         dst = zeros_like_tree(sd)
         stats = asyncload.load(dst, f"memory://{root}", options=opts)
@@ -220,7 +259,11 @@ def test_concurrency_one_never_has_two_reads_in_flight(model_ckpt):
     path, sd = model_ckpt
     dst = zeros_like_tree(sd)
     stats = asyncload.load(
-        dst, path, options=LoadOptions(chunk_size=4 * KiB, min_chunk_size=KiB, memory_budget=MIN_BUDGET, concurrency=1)
+        dst,
+        path,
+        options=LoadOptions(
+            chunk_size=4 * KiB, min_chunk_size=KiB, memory_budget=MIN_BUDGET, concurrency=1
+        ),
     )
     assert stats.peak_concurrency == 1
     assert_bitwise_equal(sd, dst)
@@ -230,7 +273,9 @@ def test_large_min_chunk_size_makes_fewer_requests(model_ckpt):
     """min_chunk_size coalesces small neighbours: fewer requests, same tensors."""
     path, sd = model_ckpt
     few = zeros_like_tree(sd)
-    s_few = asyncload.load(few, path, options=LoadOptions(chunk_size=256 * KiB, min_chunk_size=256 * KiB))
+    s_few = asyncload.load(
+        few, path, options=LoadOptions(chunk_size=256 * KiB, min_chunk_size=256 * KiB)
+    )
     many = zeros_like_tree(sd)
     s_many = asyncload.load(many, path, options=LoadOptions(chunk_size=256 * KiB, min_chunk_size=1))
     assert_bitwise_equal(sd, few)
@@ -255,10 +300,14 @@ class RecordingMemoryFileSystem(MemoryFileSystem):
         return super().cat_file(path, start=start, end=end, **kwargs)
 
 
-fsspec.register_implementation(RecordingMemoryFileSystem.protocol, RecordingMemoryFileSystem, clobber=True)
+fsspec.register_implementation(
+    RecordingMemoryFileSystem.protocol, RecordingMemoryFileSystem, clobber=True
+)
 
 
-@pytest.mark.parametrize("chunk_size,min_chunk_size", [(4 * KiB, 1 * KiB), (16 * KiB, 4 * KiB), (1000, 999)])
+@pytest.mark.parametrize(
+    "chunk_size,min_chunk_size", [(4 * KiB, 1 * KiB), (16 * KiB, 4 * KiB), (1000, 999)]
+)
 def test_no_single_read_exceeds_chunk_size(model_ckpt, chunk_size, min_chunk_size):
     """chunk_size is the largest read of tensor data; a record's header probes are at most
     4 KiB, so below 4 KiB those probes are the largest reads (the whole .metadata excepted)."""
@@ -268,13 +317,17 @@ def test_no_single_read_exceeds_chunk_size(model_ckpt, chunk_size, min_chunk_siz
     copy_dir_to_fsspec(path, fs, root)
     RecordingMemoryFileSystem.reads.clear()
     try:
-        opts = LoadOptions(chunk_size=chunk_size, min_chunk_size=min_chunk_size, memory_budget=MIN_BUDGET)
+        opts = LoadOptions(
+            chunk_size=chunk_size, min_chunk_size=min_chunk_size, memory_budget=MIN_BUDGET
+        )
         dst = zeros_like_tree(sd)
         stats = asyncload.load(dst, f"{RecordingMemoryFileSystem.protocol}://{root}", options=opts)
         assert_bitwise_equal(sd, dst)
     finally:
         fs.rm(root, recursive=True)
-    data_reads = [(s, e) for p, s, e in RecordingMemoryFileSystem.reads if not p.endswith(".metadata")]
+    data_reads = [
+        (s, e) for p, s, e in RecordingMemoryFileSystem.reads if not p.endswith(".metadata")
+    ]
     assert data_reads and all(s is not None and e is not None for s, e in data_reads)
     assert max(e - s for s, e in data_reads) <= max(chunk_size, 4 * KiB)
     assert len(data_reads) >= math.ceil(total_tensor_bytes(sd) / chunk_size)

@@ -231,7 +231,9 @@ def data_file(tmp_path):
     return tmp_path, data
 
 
-def _chunks_into(dest: bytearray, name: str, size: int, chunk: int, staged_every: int = 0) -> list[Chunk]:
+def _chunks_into(
+    dest: bytearray, name: str, size: int, chunk: int, staged_every: int = 0
+) -> list[Chunk]:
     out = []
     mv = memoryview(dest)
     for i, lo in enumerate(range(0, size, chunk)):
@@ -252,7 +254,9 @@ def _chunks_into(dest: bytearray, name: str, size: int, chunk: int, staged_every
 @pytest.mark.parametrize("concurrency", [1, 4, 64])
 async def test_pipeline_reads_everything_within_budget(data_file, concurrency):
     root, data = data_file
-    opts = LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=concurrency)
+    opts = LoadOptions(
+        chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=concurrency
+    )
     with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-io") as ex:
         storage = LocalStorage(str(root), ex)
         rec = StatsRecorder()
@@ -273,12 +277,16 @@ async def test_pipeline_reads_everything_within_budget(data_file, concurrency):
 @pytest.mark.asyncio
 async def test_pipeline_error_leaves_budget_and_limiter_whole(data_file):
     root, data = data_file
-    opts = LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=4, retries=0)
+    opts = LoadOptions(
+        chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=4, retries=0
+    )
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         storage = LocalStorage(str(root), ex)
         pipe = Pipeline(storage, opts, StatsRecorder(), ex)
         dest = bytearray(len(data) + 4096)
-        chunks = _chunks_into(dest, "f.bin", len(data) + 4096, 4096)  # the last one runs past the end
+        chunks = _chunks_into(
+            dest, "f.bin", len(data) + 4096, 4096
+        )  # the last one runs past the end
         with pytest.raises(AsyncLoadError) as ei:
             await pipe.run(chunks)
         assert "f.bin" in str(ei.value)
@@ -317,7 +325,9 @@ async def test_pipeline_cancelled_mid_run_leaves_budget_and_limiter_whole(data_f
         unblock.wait(10)
         mv[40960:45056] = part
 
-    chunks[10] = Chunk("f.bin", 40960, 45056, [Piece("f.bin", 40960, 45056, deliver=blocking_deliver)])
+    chunks[10] = Chunk(
+        "f.bin", 40960, 45056, [Piece("f.bin", 40960, 45056, deliver=blocking_deliver)]
+    )
     ex = concurrent.futures.ThreadPoolExecutor(2)
     try:
         storage = LocalStorage(str(root), ex)
@@ -378,14 +388,18 @@ def test_local_chunks_are_grouped_in_order_within_their_limits():
         + [chunk(2 << 20, "pinned")]  # a device destination's staged read
         + [chunk(4 * KiB, "pinned")]
     )
-    groups = P._group(chunks, budget=4 << 20, workers=2, direct_ok=True, staged_limit=P._BATCH_STAGED_CHUNK)
+    groups = P._group(
+        chunks, budget=4 << 20, workers=2, direct_ok=True, staged_limit=P._BATCH_STAGED_CHUNK
+    )
     # every chunk once; in the order given, but for a run, which takes its file's direct
     # chunks where the first of them was
     flat = [m for g in groups for m in _members(g)]
     assert len(flat) == len(chunks) and {id(m) for m in flat} == {id(c) for c in chunks}
     assert [m for m in flat if not _direct_large(m)] == [c for c in chunks if not _direct_large(c)]
     kinds = [type(g).__name__ for g in groups]
-    assert kinds[0] == "_Batch" and [len(_members(g)) for g in groups[:1]] == [5]  # tiny + staged together
+    assert kinds[0] == "_Batch" and [len(_members(g)) for g in groups[:1]] == [
+        5
+    ]  # tiny + staged together
     # the 25 large direct chunks of the file: one run, where the first of them was, holding
     # two reads' worth of the budget (2 workers), whatever the checksummed read between them
     runs = [g for g in groups if isinstance(g, P._DirectRun)]
@@ -402,18 +416,31 @@ def test_local_chunks_are_grouped_in_order_within_their_limits():
     small = P._group(chunks[5:25], budget=500 * KiB, workers=4, direct_ok=True)
     assert len(small) == 1 and small[0].nbytes == 500 * KiB and small[0].members == chunks[5:25]
     # device destinations (direct_ok=False): large chunks stay one by one
-    assert not any(isinstance(g, P._DirectRun) for g in P._group(chunks, 4 << 20, 2, direct_ok=False))
+    assert not any(
+        isinstance(g, P._DirectRun) for g in P._group(chunks, 4 << 20, 2, direct_ok=False)
+    )
     # outside the header phase, only reads of up to _BATCH_CHUNK are grouped with tiny ones
     data_phase = P._group(chunks, budget=4 << 20, workers=2, direct_ok=True)
     assert [len(_members(g)) for g in data_phase[:3]] == [3, 1, 1]
     # one run for every file, the reads of each in the order given
     other = [
-        Chunk("g", c.start, c.end, [Piece("g", s.start, s.end, into=s.into) for s in c.segments]) for c in chunks[5:8]
+        Chunk("g", c.start, c.end, [Piece("g", s.start, s.end, into=s.into) for s in c.segments])
+        for c in chunks[5:8]
     ]
-    mixed = P._group([chunks[5], other[0], chunks[6], other[1], other[2]], 4 << 20, 2, direct_ok=True)
-    assert len(mixed) == 1 and mixed[0].members == [chunks[5], other[0], chunks[6], other[1], other[2]]
+    mixed = P._group(
+        [chunks[5], other[0], chunks[6], other[1], other[2]], 4 << 20, 2, direct_ok=True
+    )
+    assert len(mixed) == 1 and mixed[0].members == [
+        chunks[5],
+        other[0],
+        chunks[6],
+        other[1],
+        other[2],
+    ]
     reads, _ = P._run_reads(mixed[0].members, 2)
-    assert [(name, start) for name, start, _ in reads] == [(c.name, c.start) for c in mixed[0].members]
+    assert [(name, start) for name, start, _ in reads] == [
+        (c.name, c.start) for c in mixed[0].members
+    ]
 
 
 def test_a_runs_reads_cover_its_members_in_order_the_last_ones_cut_small():
@@ -430,7 +457,10 @@ def test_a_runs_reads_cover_its_members_in_order_the_last_ones_cut_small():
                 "f",
                 pos,
                 pos + n,
-                [Piece("f", pos, cut, into=dest[pos:cut]), Piece("f", cut, pos + n, into=dest[cut : pos + n])],
+                [
+                    Piece("f", pos, cut, into=dest[pos:cut]),
+                    Piece("f", cut, pos + n, into=dest[cut : pos + n]),
+                ],
             )
         )
         pos += n

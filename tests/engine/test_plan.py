@@ -74,7 +74,13 @@ def run_chunks(chunks, data: bytes) -> None:
 
 def plan(saved, offsets, lengths, dest, *, chunk_size=1 << 20, min_chunk_size=0, **kw):
     return plan_tensor(
-        location(saved), offsets, lengths, dest, chunk_size=chunk_size, min_chunk_size=min_chunk_size, **kw
+        location(saved),
+        offsets,
+        lengths,
+        dest,
+        chunk_size=chunk_size,
+        min_chunk_size=min_chunk_size,
+        **kw,
     )
 
 
@@ -213,7 +219,11 @@ def test_dtype_cast_only_when_allowed():
     dest = torch.zeros(16, 16, dtype=torch.float16)
     with pytest.raises(StateDictMismatchError, match="allow_dtype_cast") as ei:
         plan(saved, (0, 0), (16, 16), dest, key="layer.w")
-    assert "layer.w" in str(ei.value) and "torch.float16" in str(ei.value) and "torch.float32" in str(ei.value)
+    assert (
+        "layer.w" in str(ei.value)
+        and "torch.float16" in str(ei.value)
+        and "torch.float32" in str(ei.value)
+    )
     pieces = plan(saved, (0, 0), (16, 16), dest, allow_cast=True)
     assert all(p.into is None for p in pieces)  # never raw bytes into a different dtype
     run_pieces(pieces, data)
@@ -230,7 +240,13 @@ def test_wrong_destination_shape_and_out_of_range_box():
 
 def test_location_check_rejects_storage_too_small():
     loc = TensorLocation(
-        name="f", data_start=0, storage_nbytes=100, dtype=torch.float32, size=(5, 6), stride=(6, 1), where="record 'x'"
+        name="f",
+        data_start=0,
+        storage_nbytes=100,
+        dtype=torch.float32,
+        size=(5, 6),
+        stride=(6, 1),
+        where="record 'x'",
     )
     with pytest.raises(CheckpointFormatError, match="record 'x'.*needs 120 bytes.*has 100"):
         loc.check()
@@ -367,7 +383,9 @@ def test_property_any_box_any_layout_is_bit_exact(case):
     dest = region.permute(inv_dest) if shape else region
     assert tuple(dest.shape) == tuple(lengths)
     outside = buf.clone()
-    pieces = plan(saved, offsets, lengths, dest, chunk_size=chunk_size, min_chunk_size=min_chunk_size)
+    pieces = plan(
+        saved, offsets, lengths, dest, chunk_size=chunk_size, min_chunk_size=min_chunk_size
+    )
     for p in pieces:
         assert p.nbytes <= max(chunk_size, isz), (p.nbytes, chunk_size)
         assert HEADER <= p.start < p.end <= HEADER + flat.numel() * isz
@@ -386,9 +404,13 @@ def test_property_any_box_any_layout_is_bit_exact(case):
     assert_bitwise_equal(buf[mask], outside[mask])
 
 
-@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.float64, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.complex128, torch.complex64, torch.float64, torch.int64, torch.bfloat16]
+)
 @pytest.mark.parametrize("misalign", [1, 3, 8])
-def test_staged_copy_from_a_misaligned_buffer_is_bit_exact(dtype: torch.dtype, misalign: int) -> None:
+def test_staged_copy_from_a_misaligned_buffer_is_bit_exact(
+    dtype: torch.dtype, misalign: int
+) -> None:
     """A staged piece's bytes can sit at any offset of a read buffer; torch's copy kernels
     need element-aligned sources (a misaligned complex128 source crashed the process: found
     by the property test above with --hypothesis-seed=11307)."""
@@ -411,7 +433,9 @@ def test_staged_copy_from_a_misaligned_buffer_is_bit_exact(dtype: torch.dtype, m
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (1, 9), (9, 1), (2, 1, 3), (40, 33), ()])
 @pytest.mark.parametrize("chunk", [16, 1000, 1 << 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.float64])
-def test_a_whole_contiguous_tensor_is_read_straight_into_its_destination_in_chunk_size_runs(shape, chunk, dtype):
+def test_a_whole_contiguous_tensor_is_read_straight_into_its_destination_in_chunk_size_runs(
+    shape, chunk, dtype
+):
     """The common case (a whole saved tensor, row-major, into a contiguous CPU destination of
     its dtype) skips the box walk: one direct run of the storage, cut at ``chunk_size``, each
     into the destination's own memory at the same offset; bit for bit."""
@@ -421,7 +445,9 @@ def test_a_whole_contiguous_tensor_is_read_straight_into_its_destination_in_chun
     view = storage[off:].view(shape)
     loc = location(view)
     dest = torch.zeros(shape, dtype=dtype)
-    pieces = plan_tensor(loc, [0] * len(shape), list(shape), dest, chunk_size=chunk, min_chunk_size=8)
+    pieces = plan_tensor(
+        loc, [0] * len(shape), list(shape), dest, chunk_size=chunk, min_chunk_size=8
+    )
     nbytes = saved.numel() * saved.element_size()
     start = HEADER + off * saved.element_size()
     want = [(start + lo, start + min(nbytes, lo + chunk)) for lo in range(0, nbytes, chunk)]

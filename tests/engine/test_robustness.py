@@ -43,7 +43,9 @@ def _child(script: str, *args: Any, timeout: float = 150) -> dict[str, Any]:
         cwd=TESTS,
         check=False,
     )
-    assert res.returncode == 0, f"{script} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, (
+        f"{script} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -59,7 +61,8 @@ def _budgets_in_use() -> list[int]:
 def ckpt_128m(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """16 tensors of 8 MiB; tensor i is filled with i (what _ctrlc_child.py checks)."""
     return make_checkpoint(
-        tmp_path_factory.mktemp("c128") / "ckpt", {f"t{i}": torch.full((1024, 2048), float(i)) for i in range(16)}
+        tmp_path_factory.mktemp("c128") / "ckpt",
+        {f"t{i}": torch.full((1024, 2048), float(i)) for i in range(16)},
     )
 
 
@@ -103,7 +106,9 @@ def test_ctrl_c_at_any_point_leaves_nothing_behind(ckpt_128m: Path, where: str) 
 @pytest.mark.asyncio
 async def test_aload_cancelled_at_many_points_keeps_the_budget_whole(ckpt_128m: Path) -> None:
     before = live_threads("asyncload-io")
-    opts = LoadOptions(chunk_size=MiB, min_chunk_size=64 << 10, concurrency=8, memory_budget=4 * MiB)
+    opts = LoadOptions(
+        chunk_size=MiB, min_chunk_size=64 << 10, concurrency=8, memory_budget=4 * MiB
+    )
     cancelled = 0
     for spins in (0, 1, 3, 10, 30, 100, 300, 1000):
         dest = {f"t{i}": torch.zeros(1024, 2048) for i in range(16)}
@@ -136,7 +141,9 @@ def test_fork_safety(tmp_path: Path) -> None:
     """A process that used asyncload forks (os.fork while a background load runs, and a
     multiprocessing 'fork' pool like DataLoader workers); each child loads on a fresh loop
     thread and executor, bit-exact; the parent's own load is unharmed."""
-    path = make_checkpoint(tmp_path / "ckpt", {f"t{i}": torch.full((256, 256), float(i)) for i in range(8)})
+    path = make_checkpoint(
+        tmp_path / "ckpt", {f"t{i}": torch.full((256, 256), float(i)) for i in range(8)}
+    )
     out = _child("_fork_child.py", path, timeout=190)
     assert out == {
         "parent_first": True,
@@ -151,14 +158,27 @@ def test_fork_safety(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_peak_rss_above_destination_under_concurrency_64(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_peak_rss_above_destination_under_concurrency_64(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     """256 MiB checkpoint, concurrency 64, memory_budget 8 MiB, 128 KiB chunks, into
     contiguous destinations (reads land in them) and into transposed views (every byte
     staged): the peak RSS above the (touched) destination stays within the budget plus a
     fixed overhead (a generous 64 MiB here; docs/integrity.md has the measured figures)."""
     path = _ckpt_256m(tmp_path_factory)
     budget = 8 * MiB
-    out = _child("_memory_child.py", path, 32, 2048, 1024, 64, budget, 128 << 10, "contiguous,transposed", timeout=190)
+    out = _child(
+        "_memory_child.py",
+        path,
+        32,
+        2048,
+        1024,
+        64,
+        budget,
+        128 << 10,
+        "contiguous,transposed",
+        timeout=190,
+    )
     assert [r["layout"] for r in out] == ["contiguous", "transposed"]
     for r in out:
         assert r["ok"], r
@@ -169,7 +189,9 @@ def test_peak_rss_above_destination_under_concurrency_64(tmp_path_factory: pytes
             assert 2 * (128 << 10) <= r["peak_buffered_bytes"] <= 16 * (128 << 10), r
             assert 2 <= r["peak_concurrency"] <= 16, r
         else:
-            assert r["peak_buffered_bytes"] >= budget // 2, r  # staged reads: the budget really filled up
+            assert r["peak_buffered_bytes"] >= budget // 2, (
+                r
+            )  # staged reads: the budget really filled up
             assert r["peak_concurrency"] >= 32, r
         assert r["above_destination"] <= budget + 64 * MiB, r
 
@@ -181,7 +203,8 @@ def _ckpt_256m(factory: pytest.TempPathFactory) -> Path:
     if not _CKPT_256:
         _CKPT_256.append(
             make_checkpoint(
-                factory.mktemp("c256") / "ckpt", {f"t{i}": torch.full((2048, 1024), float(i)) for i in range(32)}
+                factory.mktemp("c256") / "ckpt",
+                {f"t{i}": torch.full((2048, 1024), float(i)) for i in range(32)},
             )
         )
     return _CKPT_256[0]
@@ -203,7 +226,9 @@ def _save(path: Path, k: float, *, n: int, rows: int, cols: int, single: bool) -
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("single_file", [True, False], ids=["one-file-per-rank", "one-file-per-item"])
+@pytest.mark.parametrize(
+    "single_file", [True, False], ids=["one-file-per-rank", "one-file-per-item"]
+)
 def test_load_while_a_save_overwrites_the_checkpoint(tmp_path: Path, single_file: bool) -> None:
     """torch's dcp.save rewrites the checkpoint in place (old .metadata kept until the
     end) while loads run: each load gives every tensor one save's values, or raises
@@ -216,7 +241,11 @@ def test_load_while_a_save_overwrites_the_checkpoint(tmp_path: Path, single_file
     path = tmp_path / "ckpt"
     _save(path, 0.0, n=n, rows=rows, cols=cols, single=single_file)
     writer = subprocess.Popen(
-        [sys.executable, str(TESTS / "_writer_child.py"), *map(str, (path, 3, n, rows, cols, int(single_file)))],
+        [
+            sys.executable,
+            str(TESTS / "_writer_child.py"),
+            *map(str, (path, 3, n, rows, cols, int(single_file))),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         cwd=TESTS,
@@ -228,7 +257,9 @@ def test_load_while_a_save_overwrites_the_checkpoint(tmp_path: Path, single_file
         while time.monotonic() < end:
             dest = {f"t{i}": torch.full((rows, cols), -1.0) for i in range(n)}
             try:
-                asyncload.load(dest, path, options=LoadOptions(chunk_size=4 * MiB, min_chunk_size=MiB))
+                asyncload.load(
+                    dest, path, options=LoadOptions(chunk_size=4 * MiB, min_chunk_size=MiB)
+                )
             except CheckpointFormatError as exc:
                 kind = (
                     "changed"

@@ -62,7 +62,9 @@ def _tensor_bytes(sd: dict) -> int:
     return n
 
 
-SMALL = LoadOptions(chunk_size=256 << 10, min_chunk_size=64 << 10, concurrency=4, memory_budget=1 << 20)
+SMALL = LoadOptions(
+    chunk_size=256 << 10, min_chunk_size=64 << 10, concurrency=4, memory_budget=1 << 20
+)
 
 
 # --- the recorder and the numbers ---------------------------------------------------------
@@ -77,7 +79,12 @@ def test_latency_percentiles_are_nearest_rank() -> None:
     one = StatsRecorder()
     one.latency(0.25)
     s1 = one.snapshot()
-    assert (s1.latency_p50, s1.latency_p90, s1.latency_p99, s1.latency_max) == (0.25, 0.25, 0.25, 0.25)
+    assert (s1.latency_p50, s1.latency_p90, s1.latency_p99, s1.latency_max) == (
+        0.25,
+        0.25,
+        0.25,
+        0.25,
+    )
     empty = StatsRecorder().snapshot()
     assert (empty.latency_p50, empty.latency_max) == (0.0, 0.0)
 
@@ -196,13 +203,19 @@ def test_stats_of_a_real_load(ckpt: tuple[Path, dict]) -> None:
     assert 1 <= stats.peak_concurrency <= 4
     assert 0 < stats.latency_p50 <= stats.latency_p90 <= stats.latency_p99 <= stats.latency_max
     assert stats.seconds > 0 and stats.throughput > 0
-    assert stats.storage_wait_seconds > 0 and stats.assembly_seconds >= 0 and stats.budget_wait_seconds >= 0
+    assert (
+        stats.storage_wait_seconds > 0
+        and stats.assembly_seconds >= 0
+        and stats.budget_wait_seconds >= 0
+    )
     assert stats.retries == stats.timeouts == stats.hedges == 0 and stats.retries_by_cause == {}
     assert json.loads(json.dumps(stats.to_dict()))["bytes_assembled"] == stats.bytes_assembled
 
 
 @pytest.mark.timeout(60)
-def test_retries_by_cause_from_a_real_fault(ckpt: tuple[Path, dict], http_server, fault_proxy, bucket_name) -> None:
+def test_retries_by_cause_from_a_real_fault(
+    ckpt: tuple[Path, dict], http_server, fault_proxy, bucket_name
+) -> None:
     path, sd = ckpt
     http_server.upload_dir(path, bucket_name, "ck")
     proxy = fault_proxy(http_server)
@@ -211,7 +224,9 @@ def test_retries_by_cause_from_a_real_fault(ckpt: tuple[Path, dict], http_server
     dst = _zeros_like(sd)
     stats = asyncload.load(dst, url, options=SMALL.replace(backoff=0.01, hedge=False))
     assert rule.fired == 2
-    assert stats.retries == 2 and stats.retries_by_cause == {"status_503": 2} and stats.timeouts == 0
+    assert (
+        stats.retries == 2 and stats.retries_by_cause == {"status_503": 2} and stats.timeouts == 0
+    )
     assert "2 retries (status_503 2)" in str(stats)
     assert _bits_equal(dst["half"], sd["half"])
 
@@ -242,7 +257,9 @@ def test_progress_callback_of_load(ckpt: tuple[Path, dict]) -> None:
 async def test_progress_callback_of_aload(ckpt: tuple[Path, dict]) -> None:
     path, sd = ckpt
     calls: list[tuple[int, int]] = []
-    await asyncload.aload(_zeros_like(sd), path, options=SMALL, progress=lambda d, t: calls.append((d, t)))
+    await asyncload.aload(
+        _zeros_like(sd), path, options=SMALL, progress=lambda d, t: calls.append((d, t))
+    )
     _check_progress(calls, _tensor_bytes(sd))
 
 
@@ -250,7 +267,9 @@ async def test_progress_callback_of_aload(ckpt: tuple[Path, dict]) -> None:
 def test_progress_of_start_load_and_handle(ckpt: tuple[Path, dict]) -> None:
     path, sd = ckpt
     calls: list[tuple[int, int]] = []
-    handle = asyncload.start_load(_zeros_like(sd), path, options=SMALL, progress=lambda d, t: calls.append((d, t)))
+    handle = asyncload.start_load(
+        _zeros_like(sd), path, options=SMALL, progress=lambda d, t: calls.append((d, t))
+    )
     stats = handle.result(timeout=60)
     _check_progress(calls, _tensor_bytes(sd))
     assert handle.progress == (_tensor_bytes(sd), _tensor_bytes(sd))
@@ -273,12 +292,16 @@ def test_progress_from_a_remote_store(ckpt: tuple[Path, dict], s3_server, bucket
 
 
 @pytest.mark.timeout(60)
-def test_live_statistics_while_running(ckpt: tuple[Path, dict], http_server, fault_proxy, bucket_name) -> None:
+def test_live_statistics_while_running(
+    ckpt: tuple[Path, dict], http_server, fault_proxy, bucket_name
+) -> None:
     path, sd = ckpt
     http_server.upload_dir(path, bucket_name, "ck")
     proxy = fault_proxy(http_server, latency=0.02)  # every request takes at least 40 ms
     url = http_server.url(bucket_name, "ck", endpoint_url=proxy.endpoint_url)
-    handle = asyncload.start_load(_zeros_like(sd), url, options=SMALL.replace(concurrency=1, hedge=False))
+    handle = asyncload.start_load(
+        _zeros_like(sd), url, options=SMALL.replace(concurrency=1, hedge=False)
+    )
     seen: list[LoadStats] = []
     while not handle.done():
         seen.append(handle.statistics())
@@ -305,7 +328,11 @@ def test_logging_and_nothing_printed(
     infos = [r for r in ours if r.levelno == logging.INFO]
     assert len(infos) == 1
     assert infos[0].getMessage() == f"loaded {path}: {stats}"
-    chunk_lines = [r.getMessage() for r in ours if r.levelno == logging.DEBUG and r.getMessage().startswith("chunk ")]
+    chunk_lines = [
+        r.getMessage()
+        for r in ours
+        if r.levelno == logging.DEBUG and r.getMessage().startswith("chunk ")
+    ]
     assert len(chunk_lines) >= 8
     pattern = re.compile(
         r"^chunk \S+ \[\d+, \d+\) \d+ bytes in \d+ segments: read \d+\.\d\d ms, assembled \d+\.\d\d ms$"
@@ -317,12 +344,16 @@ def test_logging_and_nothing_printed(
 
 @pytest.mark.timeout(60)
 @pytest.mark.asyncio
-async def test_aload_and_start_load_print_nothing(ckpt: tuple[Path, dict], capfd: pytest.CaptureFixture[str]) -> None:
+async def test_aload_and_start_load_print_nothing(
+    ckpt: tuple[Path, dict], capfd: pytest.CaptureFixture[str]
+) -> None:
     path, sd = ckpt
     logging.getLogger("asyncload").setLevel(logging.DEBUG)
     try:
         await asyncload.aload(_zeros_like(sd), path, options=SMALL)
-        await asyncio.to_thread(lambda: asyncload.start_load(_zeros_like(sd), path, options=SMALL).result(60))
+        await asyncio.to_thread(
+            lambda: asyncload.start_load(_zeros_like(sd), path, options=SMALL).result(60)
+        )
     finally:
         logging.getLogger("asyncload").setLevel(logging.NOTSET)
     out, err = capfd.readouterr()

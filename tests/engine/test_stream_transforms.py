@@ -17,19 +17,31 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ckpt import assert_bitwise_equal, asyncload_threads, live_threads, open_fds_under, random_tensor, zeros_like_tree
+from _ckpt import (
+    assert_bitwise_equal,
+    asyncload_threads,
+    live_threads,
+    open_fds_under,
+    random_tensor,
+    zeros_like_tree,
+)
 from _corrupt import mutate_metadata, read_metadata
 from _dist import all_ok, run_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.testing._internal.distributed.checkpoint_utils import Rot13Example, get_test_extension_registry
+from torch.testing._internal.distributed.checkpoint_utils import (
+    Rot13Example,
+    get_test_extension_registry,
+)
 
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, PipelinedLoadPlanner, PipelinedReader
 from asyncload.testing.faults import status
 
-pytestmark = pytest.mark.skipif(not ZStandard.is_available(), reason="needs the zstandard package (test extra)")
+pytestmark = pytest.mark.skipif(
+    not ZStandard.is_available(), reason="needs the zstandard package (test extra)"
+)
 
 KiB = 1 << 10
 
@@ -40,7 +52,12 @@ def model() -> dict[str, Any]:
         "w": random_tensor((128, 256), torch.float32, 1),
         "emb": random_tensor((100, 70), torch.bfloat16, 2),
         "zeros": torch.zeros(4096),  # compresses to almost nothing
-        "layers": {"0": {"q": random_tensor((64, 64), torch.int8, 3), "mask": random_tensor((333,), torch.bool, 4)}},
+        "layers": {
+            "0": {
+                "q": random_tensor((64, 64), torch.int8, 3),
+                "mask": random_tensor((333,), torch.bool, 4),
+            }
+        },
         "step": 4000,
         "meta": {"name": "run7", "lr": [0.1, 0.01]},
     }
@@ -116,7 +133,9 @@ def test_metadata_really_holds_transforms(zstd_ckpt: Path, rot13_ckpt: Path) -> 
 def test_zstd_under_plain_dcp_load(zstd_ckpt: Path, saved: dict[str, Any], planner: str) -> None:
     dest = fresh(saved)
     reader = PipelinedReader(zstd_ckpt)
-    dcp_load(dest, reader, **({"planner": PipelinedLoadPlanner()} if planner == "asyncload" else {}))
+    dcp_load(
+        dest, reader, **({"planner": PipelinedLoadPlanner()} if planner == "asyncload" else {})
+    )
     assert_bitwise_equal(dest, saved)
     # the same as torch's own reader
     theirs = fresh(saved)
@@ -153,7 +172,9 @@ def test_rot13_with_its_registry(rot13_ckpt: Path, saved: dict[str, Any]) -> Non
     asyncload.load(dest, rot13_ckpt, extension_registry=get_test_extension_registry())
     assert_bitwise_equal(dest, saved)
     dest = fresh(saved)
-    handle = asyncload.start_load(dest, rot13_ckpt, extension_registry=get_test_extension_registry())
+    handle = asyncload.start_load(
+        dest, rot13_ckpt, extension_registry=get_test_extension_registry()
+    )
     handle.result(timeout=60)
     assert_bitwise_equal(dest, saved)
 
@@ -171,7 +192,12 @@ def test_unknown_transform_is_a_typed_error_naming_key_file_descriptor(
     err = root_error(ei.value)
     assert isinstance(err, CheckpointFormatError), repr(err)
     msg = str(err)
-    assert "stream.rot13/1" in msg and ".distcp" in msg and "key '" in msg and "_extension_registry" in msg
+    assert (
+        "stream.rot13/1" in msg
+        and ".distcp" in msg
+        and "key '" in msg
+        and "_extension_registry" in msg
+    )
     assert all_zero(dest)
     assert open_fds_under(rot13_ckpt) == []
 
@@ -211,7 +237,9 @@ def test_damaged_compressed_record(tmp_path: Path, saved: dict[str, Any]) -> Non
     assert untouched(dest["w"])  # other records may have landed already
 
 
-def test_damaged_compressed_payload_never_gives_garbage(tmp_path: Path, saved: dict[str, Any]) -> None:
+def test_damaged_compressed_payload_never_gives_garbage(
+    tmp_path: Path, saved: dict[str, Any]
+) -> None:
     """Bytes flipped inside the compressed data: zstd may decode them to other bytes without a
     word (its frames carry no checksum by default); the archive's CRC-32 is always checked."""
     path = save(tmp_path / "ckpt", saved, [ZStandard()])
@@ -261,7 +289,9 @@ def test_lying_size_is_a_typed_error(tmp_path: Path, saved: dict[str, Any]) -> N
     bigger = random_tensor((128 * 256 + 1024,), torch.float32, 9)
     _forge_record(path, "w", _zstd(_archive(bigger[: 128 * 256].view(128, 256))))
     dest = fresh(saved)
-    with pytest.raises(CheckpointFormatError, match=r"storage of 135168 bytes, the metadata claims 131072") as ei:
+    with pytest.raises(
+        CheckpointFormatError, match=r"storage of 135168 bytes, the metadata claims 131072"
+    ) as ei:
         asyncload.load(dest, path)
     assert "'w'" in str(ei.value)
     assert untouched(dest["w"])
@@ -271,7 +301,9 @@ def test_wrong_shape_inside_is_a_typed_error(tmp_path: Path, saved: dict[str, An
     path = save(tmp_path / "ckpt", saved, [ZStandard()])
     _forge_record(path, "w", _zstd(_archive(random_tensor((256, 128), torch.float32, 9))))
     dest = fresh(saved)
-    with pytest.raises(CheckpointFormatError, match=r"shape \[256, 128\], the metadata says \[128, 256\]"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"shape \[256, 128\], the metadata says \[128, 256\]"
+    ):
         asyncload.load(dest, path)
     assert untouched(dest["w"])
 
@@ -374,7 +406,11 @@ def test_over_http(
     opts = http_server.storage_options()
     dest = fresh(saved)
     stats = asyncload.load(
-        dest, url, storage_options=opts, extension_registry=registry, options=LoadOptions(backoff=0.01)
+        dest,
+        url,
+        storage_options=opts,
+        extension_registry=registry,
+        options=LoadOptions(backoff=0.01),
     )
     assert_bitwise_equal(dest, saved)
     assert rule.fired == 1 and stats.retries == 1
@@ -422,7 +458,9 @@ def many_records(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("spins", [0, 3, 10, 30, 100])
-async def test_aload_cancelled_while_decoding(many_records: tuple[Path, dict[str, torch.Tensor]], spins: int) -> None:
+async def test_aload_cancelled_while_decoding(
+    many_records: tuple[Path, dict[str, torch.Tensor]], spins: int
+) -> None:
     path, sd = many_records
     before = set(live_threads("asyncload-io"))
     dest = zeros_like_tree(sd)

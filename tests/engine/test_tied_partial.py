@@ -22,7 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import asyncload
-from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader, ShardedLoadPlanner, StateDictMismatchError
+from asyncload import (
+    LoadOptions,
+    PipelinedLoadPlanner,
+    PipelinedReader,
+    ShardedLoadPlanner,
+    StateDictMismatchError,
+)
 from asyncload.engine.keys import MISSING_SHOWN, alias_groups, closest_keys
 
 if TYPE_CHECKING:
@@ -83,7 +89,9 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"single": single, "sharded": sharded, "state": want, "logits": logits(ref)}
 
 
-def check_loaded(model: LlamaForCausalLM, stats: asyncload.LoadStats, hf: dict[str, Any], where: str) -> None:
+def check_loaded(
+    model: LlamaForCausalLM, stats: asyncload.LoadStats, hf: dict[str, Any], where: str
+) -> None:
     got = model.state_dict()
     assert list(got) == list(hf["state"])
     assert_bitwise_equal(dict(got), hf["state"], where)
@@ -107,10 +115,16 @@ def run_face(face: str, sd: dict[str, Any], checkpoint: Any, **kwargs: Any) -> a
     if face == "dcp.load":
         partial = kwargs.pop("allow_partial_load", False)
         opts = kwargs.pop("options", None)
-        reader = PipelinedReader(checkpoint, options=opts, storage_options=kwargs.pop("storage_options", None))
+        reader = PipelinedReader(
+            checkpoint, options=opts, storage_options=kwargs.pop("storage_options", None)
+        )
         assert not kwargs
         try:
-            dcp.load(sd, storage_reader=reader, planner=PipelinedLoadPlanner(options=opts, allow_partial_load=partial))
+            dcp.load(
+                sd,
+                storage_reader=reader,
+                planner=PipelinedLoadPlanner(options=opts, allow_partial_load=partial),
+            )
         except CheckpointException as exc:  # dcp.load wraps the planner's and reader's errors
             raise exc.failures[0][0] from exc
         assert reader.stats is not None
@@ -129,7 +143,9 @@ FACES = ["load", "aload", "start_load", "dcp.load"]
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 def test_hf_tied_local(hf: dict[str, Any], face: str, layout: str) -> None:
     model = llama(1)
-    assert not torch.equal(model.state_dict()[THROUGH], hf["state"][THROUGH])  # other random weights
+    assert not torch.equal(
+        model.state_dict()[THROUGH], hf["state"][THROUGH]
+    )  # other random weights
     stats = run_face(face, fresh_state(model), hf[layout], options=SMALL)
     check_loaded(model, stats, hf, f"{face} {layout}")
 
@@ -146,13 +162,17 @@ def test_hf_tied_from_s3(hf: dict[str, Any], s3_server: Any, bucket_name: str) -
         model = llama(2)
         index = url + "/model.safetensors.index.json"
         if layout == "sharded":
-            check_loaded(model, asyncload.load(fresh_state(model), index, storage_options=opts), hf, index)
+            check_loaded(
+                model, asyncload.load(fresh_state(model), index, storage_options=opts), hf, index
+            )
 
 
 @pytest.mark.timeout(120)
 def test_hf_tied_through_sharded_planner(hf: dict[str, Any]) -> None:
     model = llama(3)
-    stats = asyncload.load(fresh_state(model), hf["sharded"], planner=ShardedLoadPlanner(options=SMALL))
+    stats = asyncload.load(
+        fresh_state(model), hf["sharded"], planner=ShardedLoadPlanner(options=SMALL)
+    )
     check_loaded(model, stats, hf, "ShardedLoadPlanner")
 
 
@@ -176,7 +196,9 @@ def test_dcp_with_both_tied_keys_equal(tmp_path: Path, hf: dict[str, Any], face:
     """``dcp.save`` of the tied model's own state dict writes both keys (same bytes): loaded
     once into the shared memory, the other compared with it."""
     path = make_checkpoint(tmp_path / "ckpt", llama(0).state_dict())
-    assert {TIED, THROUGH} <= set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    assert {TIED, THROUGH} <= set(
+        dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    )
     model = llama(5)
     stats = run_face(face, fresh_state(model), path, options=SMALL)
     got = model.state_dict()
@@ -192,7 +214,9 @@ def test_dcp_with_both_tied_keys_equal(tmp_path: Path, hf: dict[str, Any], face:
 def test_tied_keys_with_different_saved_values_refused(tmp_path: Path, face: str) -> None:
     a, b = random_tensor((8, 16), torch.float32, 1), random_tensor((8, 16), torch.float32, 2)
     b[:4] = a[:4]  # the first half agrees, the second does not
-    path = make_checkpoint(tmp_path / "ckpt", {"a": a, "b": b, "c": random_tensor((3,), torch.float32, 3)})
+    path = make_checkpoint(
+        tmp_path / "ckpt", {"a": a, "b": b, "c": random_tensor((3,), torch.float32, 3)}
+    )
     shared = torch.zeros(8, 16)
     with pytest.raises(StateDictMismatchError) as err:
         run_face(face, {"a": shared, "b": shared, "c": torch.zeros(3)}, path, options=SMALL)
@@ -214,7 +238,9 @@ def test_torch_save_tied(tmp_path: Path, hf: dict[str, Any]) -> None:
     without = tmp_path / "without.pt"
     torch.save({k: v for k, v in hf["state"].items() if k != TIED}, without)
     model = llama(6)
-    check_loaded(model, asyncload.load(fresh_state(model), without, options=SMALL), hf, "torch.save without")
+    check_loaded(
+        model, asyncload.load(fresh_state(model), without, options=SMALL), hf, "torch.save without"
+    )
     # a tied model saved as it is: both keys, one storage in the archive
     both = tmp_path / "both.pt"
     source = llama(0)
@@ -236,7 +262,13 @@ def _rank_tied(rank: int, world: int, checkpoints: list[str]) -> list[dict[str, 
         dest = {"embed": shared, "head": shared, "w": torch.zeros(8, 4)}
         stats = asyncload.load(dest, path, planner=ShardedLoadPlanner(options=SMALL))
         # raw bytes, not tensors: tensors would travel as shared memory the exiting rank takes along
-        out.append({"embed": tensor_bytes(dest["head"]), "w": tensor_bytes(dest["w"]), "tied": stats.tied_keys})
+        out.append(
+            {
+                "embed": tensor_bytes(dest["head"]),
+                "w": tensor_bytes(dest["w"]),
+                "tied": stats.tied_keys,
+            }
+        )
     return out
 
 
@@ -248,11 +280,21 @@ def test_two_rank_sharded_planner_tied(tmp_path: Path) -> None:
     embed, w = random_tensor((16, 8), torch.bfloat16, 1), random_tensor((8, 4), torch.float32, 2)
     save_file({"embed": embed, "w": w}, str(tmp_path / "model.safetensors"))  # the head left out
     both = make_checkpoint(tmp_path / "dcp", {"embed": embed, "head": embed.clone(), "w": w})
-    values = all_ok(run_ranks(_rank_tied, 2, [str(tmp_path / "model.safetensors"), str(both)], timeout=90))
+    values = all_ok(
+        run_ranks(_rank_tied, 2, [str(tmp_path / "model.safetensors"), str(both)], timeout=90)
+    )
     for per_rank in values:
         without, with_both = per_rank
-        assert without == {"embed": tensor_bytes(embed), "w": tensor_bytes(w), "tied": {"head": "embed"}}
-        assert with_both == {"embed": tensor_bytes(embed), "w": tensor_bytes(w), "tied": {"head": "embed"}}
+        assert without == {
+            "embed": tensor_bytes(embed),
+            "w": tensor_bytes(w),
+            "tied": {"head": "embed"},
+        }
+        assert with_both == {
+            "embed": tensor_bytes(embed),
+            "w": tensor_bytes(w),
+            "tied": {"head": "embed"},
+        }
 
 
 def test_views_that_only_overlap_are_not_tied() -> None:
@@ -290,7 +332,9 @@ def test_missing_keys_named_with_closest_and_nothing_written(tmp_path: Path, fac
     path = make_checkpoint(tmp_path / "ckpt", saved)
     dest = sentinel_like(
         {
-            "layers.0.mlp.gate_proj.weight": saved["model.layers.0.mlp.gate_proj.weight"],  # "model." lost
+            "layers.0.mlp.gate_proj.weight": saved[
+                "model.layers.0.mlp.gate_proj.weight"
+            ],  # "model." lost
             "model.encoder.norm.weight": saved["encoder.norm.weight"],  # "model." added
             "heads.weight": saved["head.weight"],  # renamed
             "head.weight": saved["head.weight"],
@@ -305,7 +349,10 @@ def test_missing_keys_named_with_closest_and_nothing_written(tmp_path: Path, fac
     assert (
         "'heads.weight' (closest checkpoint key: 'head.weight')" not in msg
     )  # head.weight is loaded: not a suggestion
-    assert "'layers.0.mlp.gate_proj.weight' (closest checkpoint key: 'model.layers.0.mlp.gate_proj.weight')" in msg
+    assert (
+        "'layers.0.mlp.gate_proj.weight' (closest checkpoint key: 'model.layers.0.mlp.gate_proj.weight')"
+        in msg
+    )
     assert "'model.encoder.norm.weight' (closest checkpoint key: 'encoder.norm.weight')" in msg
     assert "'unrelated.zzz'," in msg or "'unrelated.zzz'." in msg
     assert "pass allow_partial_load=True" in msg
@@ -346,7 +393,9 @@ def test_allow_partial_load_on_every_face(tmp_path: Path, face: str) -> None:
     assert stats.missing_keys == ["extra.a", "extra.b"]
     assert stats.unexpected_keys == ["obj.step"]  # flattened, as DCP names it
     assert stats.tied_keys == {}
-    assert "2 destination keys not in the checkpoint, left as they were (extra.a, extra.b)." in str(stats)
+    assert "2 destination keys not in the checkpoint, left as they were (extra.a, extra.b)." in str(
+        stats
+    )
     assert stats.to_dict()["missing_keys"] == ["extra.a", "extra.b"]
 
 
@@ -380,14 +429,19 @@ def test_allow_partial_load_with_a_planner(tmp_path: Path) -> None:
     assert stats.missing_keys == ["b"] and torch.equal(dest["b"], torch.ones(2))
     # a planner made partial loads partially with the argument left at its default
     stats = asyncload.load(
-        {"a": torch.zeros(4), "c": torch.ones(1)}, path, planner=ShardedLoadPlanner(allow_partial_load=True)
+        {"a": torch.zeros(4), "c": torch.ones(1)},
+        path,
+        planner=ShardedLoadPlanner(allow_partial_load=True),
     )
     assert stats.missing_keys == ["c"]
     # and without either, the missing key is an error
     with pytest.raises(
-        StateDictMismatchError, match=r"1 of the destination's 2 keys is missing from the checkpoint: 'b'\."
+        StateDictMismatchError,
+        match=r"1 of the destination's 2 keys is missing from the checkpoint: 'b'\.",
     ):
-        asyncload.load({"a": torch.zeros(4), "b": torch.ones(2)}, path, planner=PipelinedLoadPlanner())
+        asyncload.load(
+            {"a": torch.zeros(4), "b": torch.ones(2)}, path, planner=PipelinedLoadPlanner()
+        )
     with pytest.raises(TypeError, match="allow_partial_load must be a bool, not str"):
         asyncload.load(dest, path, allow_partial_load="yes")  # type: ignore[arg-type]
 

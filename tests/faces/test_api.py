@@ -89,7 +89,9 @@ def fresh(sd):
     return zeros_like_tree(sd, object_placeholder=None)
 
 
-def check_stats(stats: asyncload.LoadStats, sd, options: asyncload.LoadOptions | None = None) -> None:
+def check_stats(
+    stats: asyncload.LoadStats, sd, options: asyncload.LoadOptions | None = None
+) -> None:
     options = options or asyncload.LoadOptions()
     assert isinstance(stats, asyncload.LoadStats)
     assert stats.bytes_assembled == total_tensor_bytes(sd)
@@ -100,7 +102,15 @@ def check_stats(stats: asyncload.LoadStats, sd, options: asyncload.LoadOptions |
     assert stats.files >= 1
     assert stats.retries == 0 and stats.timeouts == 0
     assert stats.unexpected_keys == []
-    for name in ("bytes_read", "bytes_assembled", "chunks", "retries", "timeouts", "seconds", "peak_buffered_bytes"):
+    for name in (
+        "bytes_read",
+        "bytes_assembled",
+        "chunks",
+        "retries",
+        "timeouts",
+        "seconds",
+        "peak_buffered_bytes",
+    ):
         assert hasattr(stats, name)
     assert "Loaded" in str(stats)
 
@@ -206,7 +216,9 @@ def test_planner_chunk_size_governs_dcp_load(ckpt):
 def test_planner_knobs_govern_asyncload_load(ckpt):
     path, sd = ckpt
     dst = fresh(sd)
-    stats = asyncload.load(dst, path, planner=asyncload.PipelinedLoadPlanner(chunk_size=4096, min_chunk_size=256))
+    stats = asyncload.load(
+        dst, path, planner=asyncload.PipelinedLoadPlanner(chunk_size=4096, min_chunk_size=256)
+    )
     assert_bitwise_equal(sd, dst)
     assert stats.chunks >= math.ceil(total_tensor_bytes(sd) / 4096)
 
@@ -215,9 +227,13 @@ def test_planner_min_chunk_size_coalesces_small_records(ckpt):
     path, sd = ckpt
     n_records = 1 + 3 * 2 + 1 + 1 + 2  # emb, layers.*.{w,norm}, head_t, step, meta.{epoch,name}
     few = fresh(sd)
-    s_few = asyncload.load(few, path, options=asyncload.LoadOptions(chunk_size=16 << 20, min_chunk_size=4 << 20))
+    s_few = asyncload.load(
+        few, path, options=asyncload.LoadOptions(chunk_size=16 << 20, min_chunk_size=4 << 20)
+    )
     many = fresh(sd)
-    s_many = asyncload.load(many, path, options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=1))
+    s_many = asyncload.load(
+        many, path, options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=1)
+    )
     assert_bitwise_equal(few, many)
     assert s_few.chunks < n_records <= s_many.chunks
 
@@ -266,7 +282,9 @@ def test_file_url_with_escaped_characters(tmp_path):
     "options",
     [
         asyncload.LoadOptions(),
-        asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=8),
+        asyncload.LoadOptions(
+            chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=8
+        ),
     ],
     ids=["default", "tiny"],
 )
@@ -287,7 +305,11 @@ async def test_fsspec_memory_checkpoint_aload_and_dcp(memory_ckpt):
     dst = fresh(sd)
     reader = asyncload.PipelinedReader(f"memory://{root}")
     await asyncio.to_thread(
-        dcp.load, dst, storage_reader=reader, planner=asyncload.PipelinedLoadPlanner(chunk_size=4096), no_dist=True
+        dcp.load,
+        dst,
+        storage_reader=reader,
+        planner=asyncload.PipelinedLoadPlanner(chunk_size=4096),
+        no_dist=True,
     )
     assert_bitwise_equal(sd, dst)
     reader.close()
@@ -306,7 +328,9 @@ def test_aload_under_uvloop(ckpt):
     async def main():
         loop = asyncio.get_running_loop()
         assert type(loop).__module__.startswith("uvloop")
-        stats = await asyncload.aload(dst, path, options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512))
+        stats = await asyncload.aload(
+            dst, path, options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512)
+        )
         asyncload.load(dst_sync, path)  # the sync API from inside a running uvloop loop
         return stats
 
@@ -358,7 +382,9 @@ def big_ckpt(tmp_path_factory):
     return path, sd
 
 
-CANCEL_OPTS = asyncload.LoadOptions(chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=1)
+CANCEL_OPTS = asyncload.LoadOptions(
+    chunk_size=4096, min_chunk_size=1024, memory_budget=64 << 10, concurrency=1
+)
 
 
 def _assert_nothing_left(path) -> None:
@@ -435,7 +461,9 @@ def test_start_load_cancel(big_ckpt):
     started = threading.Event()
     cancelled = threading.Event()
 
-    def progress(done: int, _total: int) -> None:  # a library thread: hold the load until cancel() ran
+    def progress(
+        done: int, _total: int
+    ) -> None:  # a library thread: hold the load until cancel() ran
         if done >= 64 << 10 and not started.is_set():
             started.set()
             cancelled.wait(10)
@@ -462,7 +490,9 @@ def test_start_load_result_timeout_then_completes(ckpt):
     copy_dir_to_fsspec(path, fs, root)
     try:
         dst = fresh(sd)
-        handle = asyncload.start_load(dst, f"{SlowMemoryFileSystem.protocol}://{root}", storage_options={"delay": 0.02})
+        handle = asyncload.start_load(
+            dst, f"{SlowMemoryFileSystem.protocol}://{root}", storage_options={"delay": 0.02}
+        )
         with pytest.raises(TimeoutError):
             handle.result(timeout=0.01)
         assert not handle.done()
@@ -531,7 +561,9 @@ def test_dcp_load_with_reader_and_torchs_default_planner(ckpt):
 
 def test_one_reader_for_two_dcp_loads_and_nothing_left_open(ckpt):
     path, sd = ckpt
-    reader = asyncload.PipelinedReader(path, options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512))
+    reader = asyncload.PipelinedReader(
+        path, options=asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512)
+    )
     for _ in range(2):
         dst = fresh(sd)
         dcp.load(dst, storage_reader=reader, no_dist=True)
@@ -549,7 +581,10 @@ def test_dcp_load_failure_in_planning_leaves_nothing_open(ckpt):
     dst["emb"] = torch.zeros(3)
     with pytest.raises(CheckpointException):
         dcp.load(
-            dst, storage_reader=asyncload.PipelinedReader(path), planner=asyncload.PipelinedLoadPlanner(), no_dist=True
+            dst,
+            storage_reader=asyncload.PipelinedReader(path),
+            planner=asyncload.PipelinedLoadPlanner(),
+            no_dist=True,
         )
     _assert_nothing_left(path)
 
@@ -567,7 +602,9 @@ def test_aload_cancelled_under_uvloop(big_ckpt):
             if done >= 64 << 10 and task is not None and not task.cancelling():
                 task.cancel()
 
-        task = asyncio.create_task(asyncload.aload(dst, path, options=CANCEL_OPTS, progress=progress))
+        task = asyncio.create_task(
+            asyncload.aload(dst, path, options=CANCEL_OPTS, progress=progress)
+        )
         with pytest.raises(asyncio.CancelledError):
             await task
         assert asyncio.all_tasks() == {asyncio.current_task()}

@@ -76,7 +76,9 @@ def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "MiB", "16XiB", "-1", "0", "1.5", "0.1KiB", "16 MiB extra", "1e3"])
+@pytest.mark.parametrize(
+    "text", ["", "MiB", "16XiB", "-1", "0", "1.5", "0.1KiB", "16 MiB extra", "1e3"]
+)
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
@@ -117,7 +119,15 @@ def test_inspect_json(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0, err
     info = json.loads(out)
     keys = {k["key"]: k for k in info["keys"]}
-    assert set(keys) == {"model.embed", "model.layers.0.w", "model.layers.0.norm", "ids", "scalar", "step", "tag"}
+    assert set(keys) == {
+        "model.embed",
+        "model.layers.0.w",
+        "model.layers.0.norm",
+        "ids",
+        "scalar",
+        "step",
+        "tag",
+    }
     assert keys["model.embed"] == {
         "key": "model.embed",
         "kind": "tensor",
@@ -160,7 +170,17 @@ def test_inspect_text(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.timeout(60)
 def test_load_prints_stats(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(
-        ["load", str(ckpt_path), "--chunk-size", "64KiB", "--concurrency", "3", "--budget", "256KiB", "--no-progress"],
+        [
+            "load",
+            str(ckpt_path),
+            "--chunk-size",
+            "64KiB",
+            "--concurrency",
+            "3",
+            "--budget",
+            "256KiB",
+            "--no-progress",
+        ],
         capsys,
     )
     assert code == 0, err
@@ -216,7 +236,9 @@ def test_load_compare_torch_local(ckpt_path: Path, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.timeout(120)
-def test_load_and_inspect_from_s3(ckpt_path: Path, s3_server, bucket_name, capsys: pytest.CaptureFixture[str]) -> None:
+def test_load_and_inspect_from_s3(
+    ckpt_path: Path, s3_server, bucket_name, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = s3_server.upload_dir(ckpt_path, bucket_name, "run/ck")
     opts = [
         "--storage-option",
@@ -271,17 +293,24 @@ def _damaged_copy(src: Path, dst: Path, keys: list[str]) -> Path:
 
 
 @pytest.mark.timeout(60)
-def test_verify_reports_every_damaged_key(ckpt_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_reports_every_damaged_key(
+    ckpt_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = _damaged_copy(ckpt_path, tmp_path / "bad", ["model.embed", "model.layers.0.w"])
     code, out, err = _run(["verify", str(bad), "--no-progress"], capsys)
     assert code == 3, err
-    damaged = sorted(line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("DAMAGED"))
+    damaged = sorted(
+        line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("DAMAGED")
+    )
     assert damaged == ["model.embed", "model.layers.0.w"]
     assert "checksum mismatch" in out
     assert out.rstrip().endswith("2 of 7 keys damaged.")
     code, out, _ = _run(["verify", str(bad), "--json", "--no-progress"], capsys)
     assert code == 3
-    assert sorted(d["key"] for d in json.loads(out)["damaged"]) == ["model.embed", "model.layers.0.w"]
+    assert sorted(d["key"] for d in json.loads(out)["damaged"]) == [
+        "model.embed",
+        "model.layers.0.w",
+    ]
     # a plain load with --verify fails with the same status; without it, the damage goes unnoticed
     assert _run(["load", str(bad), "--verify", "--no-progress"], capsys)[0] == 3
     assert _run(["load", str(bad), "--no-progress"], capsys)[0] == 0
@@ -306,7 +335,9 @@ def test_verify_missing_data_file_is_damage(
 
 
 @pytest.mark.timeout(60)
-def test_not_found_is_4_and_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_not_found_is_4_and_one_sentence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for cmd in ("inspect", "load", "verify"):
         code, out, err = _run([cmd, str(tmp_path / "nope")], capsys)
         assert code == 4
@@ -356,8 +387,13 @@ def test_usage_errors_are_2(argv: list[str], capsys: pytest.CaptureFixture[str])
 @pytest.mark.timeout(60)
 def test_invalid_option_values_are_2(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(["load", str(ckpt_path), "--budget", "1KiB"], capsys)
-    assert code == 2 and err == "asyncload: error: --budget 1024 is invalid: must be at least 65536 bytes\n"
-    code, _, err = _run(["load", str(ckpt_path), "--chunk-size", "64KiB", "--min-chunk-size", "1MiB"], capsys)
+    assert (
+        code == 2
+        and err == "asyncload: error: --budget 1024 is invalid: must be at least 65536 bytes\n"
+    )
+    code, _, err = _run(
+        ["load", str(ckpt_path), "--chunk-size", "64KiB", "--min-chunk-size", "1MiB"], capsys
+    )
     assert code == 2 and "--min-chunk-size" in err
     code, _, err = _run(["inspect", str(ckpt_path), "-o", "novalue"], capsys)
     assert code == 2 and "key=value" in err
@@ -369,7 +405,17 @@ def test_storage_error_is_1(capsys: pytest.CaptureFixture[str]) -> None:
 
     port = free_port()  # nothing listens there
     code, _, err = _run(
-        ["inspect", "s3://b/ck", "-o", f"endpoint_url=http://127.0.0.1:{port}", "-o", "key=k", "-o", "secret=s"], capsys
+        [
+            "inspect",
+            "s3://b/ck",
+            "-o",
+            f"endpoint_url=http://127.0.0.1:{port}",
+            "-o",
+            "key=k",
+            "-o",
+            "secret=s",
+        ],
+        capsys,
     )
     assert code == 1
     assert err.startswith("asyncload: error: ") and err.count("\n") == 1 and "Traceback" not in err
@@ -389,7 +435,9 @@ def test_exit_codes_are_documented() -> None:
 def test_entry_points(ckpt_path: Path) -> None:
     script = Path(sys.executable).with_name("asyncload")
     for argv in ([sys.executable, "-m", "asyncload"], [str(script)]):
-        res = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60, env=_env())
+        res = subprocess.run(
+            [*argv, "--version"], capture_output=True, text=True, timeout=60, env=_env()
+        )
         assert res.returncode == 0 and res.stdout.strip().startswith("asyncload ")
     res = subprocess.run(
         [sys.executable, "-m", "asyncload", "load", str(ckpt_path)],
@@ -428,7 +476,9 @@ def _run_in_pty(argv: list[str], timeout: float = 60.0) -> tuple[int, str]:
 
 @pytest.mark.timeout(120)
 def test_progress_bar_on_a_terminal(ckpt_path: Path) -> None:
-    code, text = _run_in_pty([sys.executable, "-m", "asyncload", "load", str(ckpt_path), "--compare-torch"])
+    code, text = _run_in_pty(
+        [sys.executable, "-m", "asyncload", "load", str(ckpt_path), "--compare-torch"]
+    )
     assert code == 0, text
     frames = [f for f in text.replace("\n", "\r").split("\r") if "%|" in f]
     assert any(f.startswith("asyncload: 100%|") and "321k/321k" in f for f in frames), frames
@@ -436,7 +486,9 @@ def test_progress_bar_on_a_terminal(ckpt_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_exits_130_and_cleans_up(ckpt_path: Path, http_server, fault_proxy, bucket_name) -> None:
+def test_ctrl_c_exits_130_and_cleans_up(
+    ckpt_path: Path, http_server, fault_proxy, bucket_name
+) -> None:
     http_server.upload_dir(ckpt_path, bucket_name, "ck")
     proxy = fault_proxy(http_server)
     # every read of a data file hangs (.metadata, a ranged GET too, goes through)
@@ -471,7 +523,8 @@ def test_other_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
     (tmp_path / "st").mkdir()
     save_file(
-        {"a": torch.randn(10, 10), "b": torch.ones(3, dtype=torch.bfloat16)}, str(tmp_path / "st" / "model.safetensors")
+        {"a": torch.randn(10, 10), "b": torch.ones(3, dtype=torch.bfloat16)},
+        str(tmp_path / "st" / "model.safetensors"),
     )
     code, out, err = _run(["inspect", str(tmp_path / "st"), "--json"], capsys)
     assert code == 0, err
@@ -521,14 +574,18 @@ def test_forged_sizes_are_damage_before_any_allocation(command: str, tmp_path: P
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.RLIM_INFINITY))\n"
         f"sys.exit(main([{command!r}, {str(path)!r}, '--no-progress']))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=_env())
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=_env()
+    )
     assert res.returncode == cli.EXIT_DAMAGED, res.stdout + res.stderr
     assert "'big'" in res.stderr + res.stdout and "8589934592 bytes" in res.stderr + res.stdout
     assert "MemoryError" not in res.stderr and "Traceback" not in res.stderr
 
 
 @pytest.mark.timeout(60)
-def test_verify_streams_within_the_budget(ckpt_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_streams_within_the_budget(
+    ckpt_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = _run(["verify", str(ckpt_path), "--budget", "64KiB", "--json"], capsys)
     assert code == 0, err
     info = json.loads(out)

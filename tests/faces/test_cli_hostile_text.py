@@ -40,7 +40,10 @@ def _save(path: Path, sd: dict[str, Any]) -> Path:
 
 @pytest.fixture
 def hostile(tmp_path: Path) -> Path:
-    return _save(tmp_path / "ck", {k: torch.full((4,), float(i)) for i, k in enumerate(HOSTILE)} | {"plain": 1})
+    return _save(
+        tmp_path / "ck",
+        {k: torch.full((4,), float(i)) for i, k in enumerate(HOSTILE)} | {"plain": 1},
+    )
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -60,8 +63,14 @@ def test_inspect_escapes_keys(hostile: Path, capsys: pytest.CaptureFixture[str])
     code, out, err = _run(["inspect", str(hostile)], capsys)
     assert code == 0, err
     _assert_escaped(out + err)
-    rows = [line.split()[0] for line in out.split("\n") if line.startswith(("evil", "w\\x0d", "bidi", "half"))]
-    assert sorted(rows) == sorted(["evil\\x1b]0;owned\\x07", "w\\x0d\\x0aOK:", "bidi\\u202eexe.txt", "half\\udc80"])
+    rows = [
+        line.split()[0]
+        for line in out.split("\n")
+        if line.startswith(("evil", "w\\x0d", "bidi", "half"))
+    ]
+    assert sorted(rows) == sorted(
+        ["evil\\x1b]0;owned\\x07", "w\\x0d\\x0aOK:", "bidi\\u202eexe.txt", "half\\udc80"]
+    )
 
 
 def test_inspect_json_is_exact(hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,7 +82,9 @@ def test_inspect_json_is_exact(hostile: Path, capsys: pytest.CaptureFixture[str]
     assert keys == {*HOSTILE, "plain"}
 
 
-def test_verify_escapes_keys_and_messages(hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_escapes_keys_and_messages(
+    hostile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for f in hostile.glob("*.distcp"):
         f.unlink()
     code, out, err = _run(["verify", str(hostile), "--no-progress"], capsys)
@@ -81,7 +92,9 @@ def test_verify_escapes_keys_and_messages(hostile: Path, capsys: pytest.CaptureF
     _assert_escaped(out + err)
     damaged = [line for line in out.split("\n") if line.startswith("DAMAGED  ")]
     assert len(damaged) == 5
-    assert any(line.startswith("DAMAGED  w\\x0d\\x0aOK: 5 of 5 tensor records match: ") for line in damaged)
+    assert any(
+        line.startswith("DAMAGED  w\\x0d\\x0aOK: 5 of 5 tensor records match: ") for line in damaged
+    )
     assert out.rstrip().endswith("5 of 5 keys damaged.")
     code, out, _ = _run(["verify", str(hostile), "--no-progress", "--json"], capsys)
     assert code == EXIT_DAMAGED

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.timeout(120)
 def ckpt_state_dict() -> dict[str, Any]:
     return {
         "embed": random_tensor((256, 128), torch.bfloat16, 1),  # 64 KiB
-        "layers": {str(i): {"w": random_tensor((64, 64), torch.float32, 10 + i)} for i in range(6)},  # 16 KiB each
+        "layers": {
+            str(i): {"w": random_tensor((64, 64), torch.float32, 10 + i)} for i in range(6)
+        },  # 16 KiB each
         "head": random_tensor((300, 100), torch.float16, 2),  # ~59 KiB
         "ids": random_tensor((50,), torch.int64, 3),
         "mask": random_tensor((33,), torch.bool, 4),
@@ -70,11 +72,15 @@ def test_single_file_when_one_shard_fits(ckpt: tuple[Path, dict[str, Any]], tmp_
     assert asyncload_threads() == []
 
 
-def test_shards_and_index(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_shards_and_index(
+    ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path, saved = ckpt
     caplog.set_level(logging.INFO, logger="asyncload.stream")
     budget = 96 << 10
-    result = convert(path, tmp_path / "out", max_shard_size=40_000, options=LoadOptions(memory_budget=budget))
+    result = convert(
+        path, tmp_path / "out", max_shard_size=40_000, options=LoadOptions(memory_budget=budget)
+    )
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     n = len(result.files) - 1
     assert n > 2 and names == sorted(result.files)
@@ -87,7 +93,9 @@ def test_shards_and_index(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, cap
     assert set(index["weight_map"]) == set(want)
     got = _load_dir(tmp_path / "out")
     assert_bitwise_equal(got, want)
-    for shard in set(index["weight_map"].values()):  # no shard over the limit but a lone large tensor
+    for shard in set(
+        index["weight_map"].values()
+    ):  # no shard over the limit but a lone large tensor
         with safetensors.safe_open(str(tmp_path / "out" / shard), "pt") as f:
             keys = list(f.keys())
         size = sum(got[k].nbytes for k in keys)
@@ -98,7 +106,10 @@ def test_shards_and_index(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, cap
 
 
 def test_other_formats_and_keys(tmp_path: Path) -> None:
-    sd = {"a.weight": random_tensor((20, 10), torch.float32, 5), "b.bias": random_tensor((10,), torch.float16, 6)}
+    sd = {
+        "a.weight": random_tensor((20, 10), torch.float32, 5),
+        "b.bias": random_tensor((10,), torch.float16, 6),
+    }
     torch.save(sd, tmp_path / "model.pt")
     convert(tmp_path / "model.pt", tmp_path / "from_pt")
     assert_bitwise_equal(_load_dir(tmp_path / "from_pt"), sd)
@@ -126,11 +137,23 @@ def test_refuses_to_overwrite_and_writes_atomically(ckpt_path: Path, tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left
 
 
-def test_cli_convert(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_convert(
+    ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, saved = ckpt
     out = tmp_path / "hf"
     code = main(
-        ["convert", str(path), str(out), "--max-shard-size", "40KB", "--keys", "layers", "embed", "--no-progress"]
+        [
+            "convert",
+            str(path),
+            str(out),
+            "--max-shard-size",
+            "40KB",
+            "--keys",
+            "layers",
+            "embed",
+            "--no-progress",
+        ]
     )
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -144,12 +167,17 @@ def test_cli_convert(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: 
     captured = capsys.readouterr()
     assert code == 0, captured.err
     info = json.loads(captured.out)
-    assert info["files"] == ["model.safetensors"] and sorted(info["skipped_objects"]) == ["config.name", "step"]
+    assert info["files"] == ["model.safetensors"] and sorted(info["skipped_objects"]) == [
+        "config.name",
+        "step",
+    ]
     assert "skipped 2 objects" in captured.err
     assert_bitwise_equal(_load_dir(out), _tensors(saved))
 
 
-def test_damage_mid_stream_leaves_no_output(fresh_ckpt: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_damage_mid_stream_leaves_no_output(
+    fresh_ckpt: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     """A checksum failure after some tensors were written: no DST, no temporary directory."""
     path, _ = fresh_ckpt
     rec = record_of(path, "head")  # not the first tensor in the file: others were written already

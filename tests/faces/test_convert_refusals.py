@@ -41,7 +41,9 @@ def _nothing_written(parent: Path, src: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["dcp", "torch.save"])
-def test_a_tensor_named_metadata_is_refused(tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_tensor_named_metadata_is_refused(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     sd = {"w": torch.ones(3), "__metadata__": torch.zeros(2)}
     if fmt == "dcp":
         src = _dcp(tmp_path / "src", sd)
@@ -59,7 +61,9 @@ def test_a_tensor_named_metadata_is_refused(tmp_path: Path, fmt: str, capsys: py
     assert "key '__metadata__' is the name safetensors reserves" in capsys.readouterr().err
     _nothing_written(tmp_path, "src")
     convert(src, tmp_path / "out", keys=["w"])  # what the message suggests works
-    assert torch.equal(safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))["w"], sd["w"])
+    assert torch.equal(
+        safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))["w"], sd["w"]
+    )
 
 
 def test_a_lone_surrogate_is_refused(tmp_path: Path) -> None:
@@ -90,7 +94,9 @@ def test_safetensors_reads_no_header_over_the_limit(tmp_path: Path) -> None:
         f.unlink()
 
 
-def test_a_header_over_the_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_header_over_the_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Keys enough to pass the limit (lowered here, so that the checkpoint stays small)."""
     src = _dcp(tmp_path / "src", {f"layer.{i:03d}.weight": torch.ones(1) for i in range(40)})
     monkeypatch.setattr(_convert, "SAFETENSORS_MAX_HEADER", 1000)
@@ -117,7 +123,9 @@ def test_a_symlink_destination_is_an_existing_one(
         aim.mkdir()
     link = tmp_path / "link"
     link.symlink_to(aim)
-    with pytest.raises(FileExistsError, match=f"{link} exists \\(a symbolic link to {aim}\\): pass --force"):
+    with pytest.raises(
+        FileExistsError, match=f"{link} exists \\(a symbolic link to {aim}\\): pass --force"
+    ):
         convert(src, link)
     assert main(["convert", str(src), str(link), "--no-progress"]) == EXIT_USAGE
     assert "a symbolic link to" in capsys.readouterr().err

@@ -124,7 +124,12 @@ def test_wrong_dtype_names_both_dtypes(fresh_ckpt):
     with pytest.raises(asyncload.StateDictMismatchError) as ei:
         asyncload.load(dst, path)
     msg = str(ei.value)
-    assert "'big'" in msg and "torch.float16" in msg and "torch.bfloat16" in msg and "allow_dtype_cast" in msg
+    assert (
+        "'big'" in msg
+        and "torch.float16" in msg
+        and "torch.bfloat16" in msg
+        and "allow_dtype_cast" in msg
+    )
     assert _all_zero(dst)
 
 
@@ -272,7 +277,9 @@ def test_bad_metadata_is_checkpoint_format_error(fresh_ckpt, content):
     "options",
     [
         asyncload.LoadOptions(),
-        asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=1),
+        asyncload.LoadOptions(
+            chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=1
+        ),
     ],
     ids=["default", "tiny"],
 )
@@ -328,7 +335,9 @@ def _find(data: bytes, needle: bytes) -> int:
     "options",
     [
         asyncload.LoadOptions(verify=True),
-        asyncload.LoadOptions(verify=True, chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10),
+        asyncload.LoadOptions(
+            verify=True, chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10
+        ),
     ],
     ids=["default", "tiny"],
 )

@@ -65,7 +65,12 @@ def test_the_examples_are_there() -> None:
 def test_example_runs(script: Path, tmp_path: Path) -> None:
     tmp = _tmpdir(tmp_path)
     res = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, env=_env(tmp), capture_output=True, text=True, timeout=170
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env=_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     assert res.stderr == ""  # quiet: no warnings, no tracebacks
@@ -88,7 +93,12 @@ def test_demo_small(tmp_path: Path) -> None:
     out = res.stdout
     table = out[out.index("4. Results") :].splitlines()
     rows = [line.split() for line in table if line.startswith(("local ", "s3 "))]
-    assert [r[:2] for r in rows] == [["local", "torch"], ["local", "asyncload"], ["s3", "torch"], ["s3", "asyncload"]]
+    assert [r[:2] for r in rows] == [
+        ["local", "torch"],
+        ["local", "asyncload"],
+        ["s3", "torch"],
+        ["s3", "asyncload"],
+    ]
     assert all(r[-3].endswith("x") for r in rows)
     assert "%|" not in res.stderr  # no progress bars when stderr is not a terminal
     assert "Warning" not in res.stderr  # quiet: no wall of warnings
@@ -101,7 +111,16 @@ def test_demo_small(tmp_path: Path) -> None:
 def test_demo_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
     tmp = _tmpdir(tmp_path)
     proc = subprocess.Popen(
-        [sys.executable, "examples/demo.py", "--size-mib", "48", "--server", "moto", "--file-mib", "4"],
+        [
+            sys.executable,
+            "examples/demo.py",
+            "--size-mib",
+            "48",
+            "--server",
+            "moto",
+            "--file-mib",
+            "4",
+        ],
         cwd=REPO,
         env=_env(tmp),
         stdout=subprocess.PIPE,

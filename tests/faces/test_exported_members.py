@@ -21,7 +21,9 @@ def _public_attributes(module: types.ModuleType) -> set[str]:
         name
         for name, value in vars(module).items()
         if not name.startswith("_")
-        and not isinstance(value, types.ModuleType)  # submodules are reached by import, not by __all__
+        and not isinstance(
+            value, types.ModuleType
+        )  # submodules are reached by import, not by __all__
         and not isinstance(value, __future__._Feature)  # ``from __future__ import annotations``
     }
 

@@ -39,7 +39,13 @@ def _cli(*argv: str, umask: int = -1, timeout: float = 120) -> subprocess.Comple
     env.update(TEST_ENV)
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(
-        [*CLI, *argv], capture_output=True, text=True, timeout=timeout, env=env, umask=umask, check=False
+        [*CLI, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        umask=umask,
+        check=False,
     )
 
 
@@ -73,7 +79,9 @@ def test_a_closed_endpoint_says_could_not_connect_after_two_attempts(transport: 
     assert err.attempts == 2  # one retry, whatever LoadOptions.retries says
     assert msg.startswith(f"could not connect to {endpoint} (connection refused")
     assert "to read s3://bucket/ck/.metadata after 2 attempts" in msg
-    assert "storage_options endpoint_url" in msg and "asyncload docs: Errors > StorageReadError" in msg
+    assert (
+        "storage_options endpoint_url" in msg and "asyncload docs: Errors > StorageReadError" in msg
+    )
     assert "Debug source" not in msg and "raise LoadOptions.retries" not in msg
 
 
@@ -88,7 +96,9 @@ def test_cli_closed_endpoint_one_sentence(transport: str) -> None:
     assert res.returncode == 1, res.stderr
     assert res.stdout == ""
     lines = res.stderr.splitlines()
-    assert lines[-1].startswith(f"asyncload: error: could not connect to {endpoint} (connection refused")
+    assert lines[-1].startswith(
+        f"asyncload: error: could not connect to {endpoint} (connection refused"
+    )
     assert "endpoint_url" in lines[-1] and "after 2 attempts" in lines[-1]
     assert "Debug source" not in res.stderr and "raise LoadOptions" not in res.stderr
     assert "Traceback" not in res.stderr
@@ -103,7 +113,10 @@ def test_a_missing_directory_says_so_first_in_one_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError) as info:
         asyncload.load({"w": torch.zeros(4)}, missing)
     err = info.value
-    assert str(err) == f"the checkpoint {missing} does not exist: no such file or directory (check the path)"
+    assert (
+        str(err)
+        == f"the checkpoint {missing} does not exist: no such file or directory (check the path)"
+    )
     assert err.__cause__ is None and err.__suppress_context__  # nothing chained below it
     with pytest.raises(CheckpointNotFoundError, match="does not exist: no such file"):
         asyncload.read_state_dict(missing)
@@ -115,7 +128,9 @@ def test_a_directory_without_metadata_chains_only_the_os_error(tmp_path: Path) -
         asyncload.load({"w": torch.zeros(4)}, tmp_path)
     err = info.value
     msg = str(err)
-    assert msg.startswith(f"{tmp_path}/.metadata does not exist: {tmp_path} is not a DCP checkpoint")
+    assert msg.startswith(
+        f"{tmp_path}/.metadata does not exist: {tmp_path} is not a DCP checkpoint"
+    )
     assert "(asyncload docs: Formats)" in msg and "docs/formats.md" not in msg
     assert "rank-local" in msg and "__0.metadata" in msg
     assert type(err.__cause__) is FileNotFoundError and err.__cause__.__cause__ is None
@@ -176,12 +191,18 @@ def test_cli_compare_torch_is_quiet_and_says_how_it_timed(small_ckpt) -> None:
     res = _cli("load", str(root), "--compare-torch", "--json", "--no-progress")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["identical"] is True and out["differing_keys"] == [] and out["torch_reader"] == "FileSystemReader"
+    assert (
+        out["identical"] is True
+        and out["differing_keys"] == []
+        and out["torch_reader"] == "FileSystemReader"
+    )
     assert out["timing"] == (
         "both timed from the call to the end of the load (the .metadata read included), into destinations "
         "allocated before either clock, on a page cache warmed by reading the files once before"
     )
-    assert out["asyncload"]["seconds"] <= out["asyncload_seconds"]  # the load's own clock is inside the CLI's
+    assert (
+        out["asyncload"]["seconds"] <= out["asyncload_seconds"]
+    )  # the load's own clock is inside the CLI's
     assert out["asyncload"]["files"] == 2
     # torch's "loading in a single process" warning is printed nowhere
     assert "torch.distributed is disabled" not in res.stderr and "Warning" not in res.stderr
@@ -207,7 +228,9 @@ def test_compare_torch_filter_is_narrow(small_ckpt) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_inspect_and_stats_count_the_same_files(small_ckpt, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_and_stats_count_the_same_files(
+    small_ckpt, capsys: pytest.CaptureFixture[str]
+) -> None:
     from asyncload.cli import main
 
     root, sd = small_ckpt
@@ -231,7 +254,9 @@ def test_convert_output_follows_the_umask(small_ckpt, tmp_path: Path) -> None:
     res = _cli("convert", str(root), str(dst), "--no-progress", umask=0o027)
     assert res.returncode == 0, res.stderr
     assert stat.S_IMODE(dst.stat().st_mode) == 0o750  # not mkdtemp's 0700
-    assert [(p.name, stat.S_IMODE(p.stat().st_mode)) for p in dst.iterdir()] == [("model.safetensors", 0o640)]
+    assert [(p.name, stat.S_IMODE(p.stat().st_mode)) for p in dst.iterdir()] == [
+        ("model.safetensors", 0o640)
+    ]
     from safetensors.torch import load_file
 
     back = load_file(str(dst / "model.safetensors"))
@@ -244,7 +269,9 @@ def test_convert_output_follows_the_umask(small_ckpt, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_handle_progress_total_is_none_until_known_and_repr(small_ckpt, http_server, fault_proxy, bucket_name) -> None:
+def test_handle_progress_total_is_none_until_known_and_repr(
+    small_ckpt, http_server, fault_proxy, bucket_name
+) -> None:
     root, sd = small_ckpt
     http_server.upload_dir(root, bucket_name, "ck")
     proxy = fault_proxy(http_server)
@@ -271,7 +298,10 @@ def test_handle_progress_total_is_none_until_known_and_repr(small_ckpt, http_ser
 
     handle = asyncload.start_load(dest, root / "missing")
     assert isinstance(handle.exception(60), CheckpointNotFoundError)
-    assert repr(handle) == f"<LoadHandle {root / 'missing'} failed: CheckpointNotFoundError, 0 B (total not known yet)>"
+    assert (
+        repr(handle)
+        == f"<LoadHandle {root / 'missing'} failed: CheckpointNotFoundError, 0 B (total not known yet)>"
+    )
 
 
 # --- load on a thread that runs an event loop ------------------------------------------------
@@ -311,15 +341,26 @@ def test_the_user_level_pipeline_figure_is_what_its_generator_draws() -> None:
     import importlib.util
 
     repo = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("draw_pipeline", repo / "benchmarks" / "draw_pipeline.py")
+    spec = importlib.util.spec_from_file_location(
+        "draw_pipeline", repo / "benchmarks" / "draw_pipeline.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     committed = (repo / "docs" / "img" / "pipeline_user.svg").read_text()
     assert committed == mod.svg()
-    for name in ("asyncload.load", "LoadOptions", "chunk_size", "concurrency", "memory_budget", "LoadStats"):
+    for name in (
+        "asyncload.load",
+        "LoadOptions",
+        "chunk_size",
+        "concurrency",
+        "memory_budget",
+        "LoadStats",
+    ):
         assert name in committed
-    assert "_session" not in committed and "Pipeline" not in committed  # no private module or class names
+    assert (
+        "_session" not in committed and "Pipeline" not in committed
+    )  # no private module or class names
 
 
 def test_the_examples_table_lists_every_example_and_each_says_what_it_needs() -> None:
@@ -342,5 +383,13 @@ def test_the_readme_layout_names_every_module() -> None:
     layout = (repo / "README.md").read_text().split("## Layout", 1)[1]
     modules = {p.stem for p in (repo / "asyncload").glob("*.py")} - {"__init__", "__main__"}
     assert sorted(m for m in modules if m not in layout) == []
-    for folder in ("formats/", "testing/", "tests/", "benchmarks/", "examples/", "docs/", "scripts/"):
+    for folder in (
+        "formats/",
+        "testing/",
+        "tests/",
+        "benchmarks/",
+        "examples/",
+        "docs/",
+        "scripts/",
+    ):
         assert folder in layout

@@ -10,7 +10,9 @@ import sys
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_import_asyncload_imports_no_integration() -> None:

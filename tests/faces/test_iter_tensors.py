@@ -38,8 +38,13 @@ TENSOR = 64 << 10  # 16384 float32
 @pytest.fixture(scope="module")
 def ckpt_state_dict() -> dict[str, Any]:
     """24 tensors of 64 KiB (six batches of two under a 256 KiB budget), one of 512 KiB, objects."""
-    sd: dict[str, Any] = {f"t{i:02d}": random_tensor((128, 128), torch.float32, i) for i in range(24)}
-    sd["nested"] = {"big": random_tensor((512, 256), torch.float32, 99), "small": random_tensor((5,), torch.int64, 7)}
+    sd: dict[str, Any] = {
+        f"t{i:02d}": random_tensor((128, 128), torch.float32, i) for i in range(24)
+    }
+    sd["nested"] = {
+        "big": random_tensor((512, 256), torch.float32, 99),
+        "small": random_tensor((5,), torch.int64, 7),
+    }
     sd["step"] = 12
     return sd
 
@@ -73,7 +78,11 @@ def reads() -> Iterator[ReadLog]:
 
 
 def _stats(caplog: pytest.LogCaptureFixture) -> asyncload.LoadStats:
-    found = [r.args[1] for r in caplog.records if r.name == "asyncload.stream" and isinstance(r.args, tuple)]
+    found = [
+        r.args[1]
+        for r in caplog.records
+        if r.name == "asyncload.stream" and isinstance(r.args, tuple)
+    ]
     assert found, "no 'read ...' INFO line was logged"
     return found[-1]
 
@@ -83,14 +92,20 @@ def _nothing_left(path: Path) -> None:
     assert open_fds_under(path) == []
 
 
-def test_every_tensor_bit_for_bit(ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
+def test_every_tensor_bit_for_bit(
+    ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
     path, saved = ckpt
     caplog.set_level(logging.INFO, logger="asyncload.stream")
     got = dict(asyncload.iter_tensors(path, options=LoadOptions(memory_budget=BUDGET)))
-    want = dict(iter_tensors({k: v for k, v in saved.items() if k != "step"}))  # objects are not yielded
+    want = dict(
+        iter_tensors({k: v for k, v in saved.items() if k != "step"})
+    )  # objects are not yielded
     assert_bitwise_equal(got, want)
     records = records_of(path)
-    assert list(got) == sorted(got, key=lambda n: (records[n].file, records[n].offset))  # file and offset order
+    assert list(got) == sorted(
+        got, key=lambda n: (records[n].file, records[n].offset)
+    )  # file and offset order
     stats = _stats(caplog)
     big = saved["nested"]["big"].nbytes
     # the 512 KiB tensor was read and held alone; never more than the budget otherwise
@@ -99,7 +114,9 @@ def test_every_tensor_bit_for_bit(ckpt: tuple[Path, dict[str, Any]], caplog: pyt
     _nothing_left(path)
 
 
-def test_memory_bound_and_back_pressure(ckpt_path: Path, reads: ReadLog, caplog: pytest.LogCaptureFixture) -> None:
+def test_memory_bound_and_back_pressure(
+    ckpt_path: Path, reads: ReadLog, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="asyncload.stream")
     small = [f"t{i:02d}" for i in range(24)]
     it = asyncload.iter_tensors(ckpt_path, keys=small, options=LoadOptions(memory_budget=BUDGET))
@@ -141,7 +158,9 @@ def test_break_close_and_exceptions_stop_the_reads(ckpt_path: Path, reads: ReadL
 def test_keys_meta_and_dtype(ckpt: tuple[Path, dict[str, Any]], reads: ReadLog) -> None:
     path, saved = ckpt
     got = dict(asyncload.iter_tensors(path, keys=["nested"], dtype=torch.float16))
-    assert_bitwise_equal(got, {"nested.big": saved["nested"]["big"].half(), "nested.small": saved["nested"]["small"]})
+    assert_bitwise_equal(
+        got, {"nested.big": saved["nested"]["big"].half(), "nested.small": saved["nested"]["small"]}
+    )
     before = reads.bytes
     meta = dict(asyncload.iter_tensors(path, keys=lambda n: n.startswith("t0"), device="meta"))
     assert reads.bytes == before  # no data read
@@ -153,9 +172,16 @@ def test_async_bit_for_bit_and_aclose(ckpt: tuple[Path, dict[str, Any]]) -> None
     path, saved = ckpt
 
     async def main() -> tuple[dict[str, torch.Tensor], list[str]]:
-        got = {n: t async for n, t in asyncload.aiter_tensors(path, options=LoadOptions(memory_budget=BUDGET))}
+        got = {
+            n: t
+            async for n, t in asyncload.aiter_tensors(
+                path, options=LoadOptions(memory_budget=BUDGET)
+            )
+        }
         seen = []
-        async with contextlib.aclosing(asyncload.aiter_tensors(path, options=LoadOptions(memory_budget=BUDGET))) as it:
+        async with contextlib.aclosing(
+            asyncload.aiter_tensors(path, options=LoadOptions(memory_budget=BUDGET))
+        ) as it:
             async for n, _ in it:
                 seen.append(n)
                 if len(seen) == 3:
@@ -173,7 +199,9 @@ def test_cancelling_the_consumer_stops_the_reads(ckpt_path: Path, reads: ReadLog
         first = asyncio.Event()
 
         async def consume() -> None:
-            async for _ in asyncload.aiter_tensors(ckpt_path, options=LoadOptions(memory_budget=BUDGET)):
+            async for _ in asyncload.aiter_tensors(
+                ckpt_path, options=LoadOptions(memory_budget=BUDGET)
+            ):
                 first.set()
                 await asyncio.sleep(3600)  # a consumer stuck on its first tensor
 
@@ -191,7 +219,9 @@ def test_cancelling_the_consumer_stops_the_reads(ckpt_path: Path, reads: ReadLog
     assert reads.bytes == after
 
 
-def test_damage_is_found_before_the_first_tensor(fresh_ckpt: tuple[Path, dict[str, Any]], reads: ReadLog) -> None:
+def test_damage_is_found_before_the_first_tensor(
+    fresh_ckpt: tuple[Path, dict[str, Any]], reads: ReadLog
+) -> None:
     path, _ = fresh_ckpt
     data = next(p for p in path.iterdir() if p.suffix == ".distcp")
     os.truncate(data, data.stat().st_size - 100)
@@ -202,7 +232,9 @@ def test_damage_is_found_before_the_first_tensor(fresh_ckpt: tuple[Path, dict[st
     _nothing_left(path)
 
 
-def test_remote_stream_over_s3(ckpt: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str) -> None:
+def test_remote_stream_over_s3(
+    ckpt: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str
+) -> None:
     path, saved = ckpt
     url = s3_server.upload_dir(path, bucket_name, "run/it")
     got = dict(
@@ -213,7 +245,9 @@ def test_remote_stream_over_s3(ckpt: tuple[Path, dict[str, Any]], s3_server: Any
             storage_options=s3_server.storage_options(),
         )
     )
-    want = {f"t1{i}": saved[f"t1{i}"] for i in range(10)} | {"nested.small": saved["nested"]["small"]}
+    want = {f"t1{i}": saved[f"t1{i}"] for i in range(10)} | {
+        "nested.small": saved["nested"]["small"]
+    }
     assert_bitwise_equal(got, want)
 
 
@@ -253,11 +287,17 @@ def test_rss_stays_within_the_budget(tmp_path: Path) -> None:
 
     from _ckpt import make_checkpoint
 
-    path = make_checkpoint(tmp_path / "big", {f"t{i:02d}": torch.full((2048, 1024), float(i)) for i in range(12)})
+    path = make_checkpoint(
+        tmp_path / "big", {f"t{i:02d}": torch.full((2048, 1024), float(i)) for i in range(12)}
+    )
     budget = 32 << 20
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     res = subprocess.run(
-        [sys.executable, "-c", _RSS_CHILD, str(path), str(budget)], capture_output=True, text=True, timeout=150, env=env
+        [sys.executable, "-c", _RSS_CHILD, str(path), str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
     )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -319,7 +359,9 @@ def test_tensors_over_the_budget_are_held_one_at_a_time(tmp_path: Path, consumer
     from _ckpt import make_checkpoint
 
     tensor = 24 << 20
-    path = make_checkpoint(tmp_path / "big", {f"t{i}": torch.full((tensor // 4,), float(i)) for i in range(4)})
+    path = make_checkpoint(
+        tmp_path / "big", {f"t{i}": torch.full((tensor // 4,), float(i)) for i in range(4)}
+    )
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     res = subprocess.run(
         [sys.executable, "-c", _BIG_CHILD, str(path), str(8 << 20), consumer],

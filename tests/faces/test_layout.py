@@ -175,7 +175,9 @@ def test_import_changes_no_global_warnings_filter(name: str) -> None:
         f"import {name}; after = list(warnings.filters); "
         "print([f for f in after if f not in before])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "[]"
 
 

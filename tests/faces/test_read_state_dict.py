@@ -40,13 +40,20 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def ckpt_state_dict() -> dict[str, Any]:
     sd = small_state_dict()
-    sd["blocks"] = [random_tensor((32, 16), torch.float32, 9), {"b": random_tensor((7,), torch.float64, 10)}]
+    sd["blocks"] = [
+        random_tensor((32, 16), torch.float32, 9),
+        {"b": random_tensor((7,), torch.float64, 10)},
+    ]
     return sd
 
 
 def _stats(caplog: pytest.LogCaptureFixture) -> asyncload.LoadStats:
     """The LoadStats of the last read (its INFO line carries them)."""
-    found = [r.args[1] for r in caplog.records if r.name == "asyncload.stream" and isinstance(r.args, tuple)]
+    found = [
+        r.args[1]
+        for r in caplog.records
+        if r.name == "asyncload.stream" and isinstance(r.args, tuple)
+    ]
     assert found, "no 'read ...' INFO line was logged"
     stats = found[-1]
     assert isinstance(stats, asyncload.LoadStats)
@@ -67,7 +74,9 @@ def test_async_face(ckpt: tuple[Path, dict[str, Any]]) -> None:
     assert asyncload_threads() == []
 
 
-def test_keys_read_only_their_bytes(ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
+def test_keys_read_only_their_bytes(
+    ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
     path, saved = ckpt
     caplog.set_level(logging.INFO, logger="asyncload.stream")
     asyncload.read_state_dict(path)
@@ -84,11 +93,17 @@ def test_keys_read_only_their_bytes(ckpt: tuple[Path, dict[str, Any]], caplog: p
     out = asyncload.read_state_dict(path, keys=["layers"])
     assert_bitwise_equal(out, {"layers": saved["layers"]})
     out = asyncload.read_state_dict(path, keys=["layers.*.q", "e*"])
-    assert_bitwise_equal(out, {"emb": saved["emb"], "layers": {"0": {"q": saved["layers"]["0"]["q"]}}})
+    assert_bitwise_equal(
+        out, {"emb": saved["emb"], "layers": {"0": {"q": saved["layers"]["0"]["q"]}}}
+    )
     # both records, and at most the small gap between them (neighbours are coalesced)
     span = recs["layers.0.q"].offset + recs["layers.0.q"].length - recs["emb"].offset
-    assert recs["emb"].length + recs["layers.0.q"].length - 2048 <= _stats(caplog).bytes_read <= span
-    out = asyncload.read_state_dict(path, keys=lambda name: name.startswith("blocks.") or name == "step")
+    assert (
+        recs["emb"].length + recs["layers.0.q"].length - 2048 <= _stats(caplog).bytes_read <= span
+    )
+    out = asyncload.read_state_dict(
+        path, keys=lambda name: name.startswith("blocks.") or name == "step"
+    )
     assert_bitwise_equal(out, {"blocks": saved["blocks"], "step": 4000})
     out = asyncload.read_state_dict(path, keys=["blocks.1"])  # a list keeps its length
     assert_bitwise_equal(out, {"blocks": [None, saved["blocks"][1]]})
@@ -101,7 +116,9 @@ def test_keys_that_select_nothing_are_an_error(ckpt_path: Path) -> None:
         asyncload.read_state_dict(ckpt_path, keys=[3])  # type: ignore[list-item]
 
 
-def test_meta_reads_no_data(ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
+def test_meta_reads_no_data(
+    ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
     path, saved = ckpt
     caplog.set_level(logging.INFO, logger="asyncload.stream")
     out = asyncload.read_state_dict(path, device="meta")
@@ -115,10 +132,14 @@ def test_meta_reads_no_data(ckpt: tuple[Path, dict[str, Any]], caplog: pytest.Lo
 
 def test_dtype_converts_floating_tensors_only(ckpt: tuple[Path, dict[str, Any]]) -> None:
     path, saved = ckpt
-    out = asyncload.read_state_dict(path, keys=["w", "emb", "layers", "mask", "c"], dtype=torch.bfloat16)
+    out = asyncload.read_state_dict(
+        path, keys=["w", "emb", "layers", "mask", "c"], dtype=torch.bfloat16
+    )
     assert_bitwise_equal(out["w"], saved["w"].to(torch.bfloat16))
     assert_bitwise_equal(out["emb"], saved["emb"])
-    assert_bitwise_equal(out["layers"]["0"]["norm"], saved["layers"]["0"]["norm"].to(torch.bfloat16))
+    assert_bitwise_equal(
+        out["layers"]["0"]["norm"], saved["layers"]["0"]["norm"].to(torch.bfloat16)
+    )
     assert_bitwise_equal(out["layers"]["0"]["q"], saved["layers"]["0"]["q"])  # int8 kept
     assert_bitwise_equal(out["mask"], saved["mask"])  # bool kept
     assert_bitwise_equal(out["c"], saved["c"])  # complex kept
@@ -130,7 +151,9 @@ def test_device_path(ckpt: tuple[Path, dict[str, Any]]) -> None:
     """Destinations the device copier claims go through the pinned ring (a fake device here)."""
     path, saved = ckpt
     with fake_device(delay=0.0005) as fake:
-        out = asyncload.read_state_dict(path, options=LoadOptions(memory_budget=256 << 10, chunk_size=64 << 10))
+        out = asyncload.read_state_dict(
+            path, options=LoadOptions(memory_budget=256 << 10, chunk_size=64 << 10)
+        )
     assert_bitwise_equal(out, saved)
     assert fake.copies > 0 and fake.bytes_copied >= total_tensor_bytes(saved)
     assert fake.pageable_sources == 0 and fake.pinned_bytes == 0
@@ -158,7 +181,9 @@ def test_safetensors_single_and_indexed(tmp_path: Path) -> None:
     weight_map = dict.fromkeys(a, "model-00001-of-00002.safetensors") | dict.fromkeys(
         b, "model-00002-of-00002.safetensors"
     )
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     out = asyncload.read_state_dict(d, keys=["model.*"])
     assert_bitwise_equal(out, a)  # flat names stay flat
     out = asyncload.read_state_dict(d, dtype=torch.float32)
@@ -166,7 +191,11 @@ def test_safetensors_single_and_indexed(tmp_path: Path) -> None:
 
 
 def test_torch_save_file(tmp_path: Path) -> None:
-    sd = {"w": random_tensor((40, 30), torch.float32, 4), "q": random_tensor((9,), torch.int16, 5), "epoch": 3}
+    sd = {
+        "w": random_tensor((40, 30), torch.float32, 4),
+        "q": random_tensor((9,), torch.int16, 5),
+        "epoch": 3,
+    }
     f = tmp_path / "model.pt"
     torch.save(sd, f)
     assert_bitwise_equal(asyncload.read_state_dict(f), sd)
@@ -174,7 +203,10 @@ def test_torch_save_file(tmp_path: Path) -> None:
 
 def test_a_nested_torch_save_file_comes_back_nested_as_torch_load_gives_it(tmp_path: Path) -> None:
     sd = {
-        "model": {"w": random_tensor((8, 3), torch.bfloat16, 7), "layers": [random_tensor((5,), torch.float32, 8)]},
+        "model": {
+            "w": random_tensor((8, 3), torch.bfloat16, 7),
+            "layers": [random_tensor((5,), torch.float32, 8)],
+        },
         "optim": {"lr": 0.1, "step": 12},
         "epoch": 3,
     }
@@ -184,13 +216,17 @@ def test_a_nested_torch_save_file_comes_back_nested_as_torch_load_gives_it(tmp_p
     assert_bitwise_equal(out, torch.load(f, weights_only=True))
     assert_bitwise_equal(out, sd)
     # selected by flattened name, nested back
-    assert_bitwise_equal(asyncload.read_state_dict(f, keys=["model.w"]), {"model": {"w": sd["model"]["w"]}})
+    assert_bitwise_equal(
+        asyncload.read_state_dict(f, keys=["model.w"]), {"model": {"w": sd["model"]["w"]}}
+    )
 
 
 def test_from_s3(ckpt: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str) -> None:
     path, saved = ckpt
     url = s3_server.upload_dir(path, bucket_name, "run/rsd")
-    out = asyncload.read_state_dict(url, keys=["w", "layers"], storage_options=s3_server.storage_options())
+    out = asyncload.read_state_dict(
+        url, keys=["w", "layers"], storage_options=s3_server.storage_options()
+    )
     assert_bitwise_equal(out, {"w": saved["w"], "layers": saved["layers"]})
 
 
@@ -273,7 +309,9 @@ def test_progress_moves_forward_to_the_total(ckpt: tuple[Path, dict[str, Any]]) 
         with lock:
             seen.append((done, total))
 
-    out = asyncload.read_state_dict(path, keys="layers", progress=progress, options=LoadOptions(chunk_size=16 << 10))
+    out = asyncload.read_state_dict(
+        path, keys="layers", progress=progress, options=LoadOptions(chunk_size=16 << 10)
+    )
     assert_bitwise_equal(out, {"layers": saved["layers"]})  # a single string is one name or pattern
     want = total_tensor_bytes(saved["layers"])
     assert seen and all(total == want for _, total in seen)

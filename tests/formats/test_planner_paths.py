@@ -22,7 +22,10 @@ from _corrupt import is_sentinel, mutate_metadata, sentinel_like
 import asyncload
 from asyncload import CheckpointFormatError
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+]
 
 MiB = 1 << 20
 
@@ -52,8 +55,14 @@ def _forge(ckpt: Path, **paths: Any) -> None:
 
 FORGED = {
     # the object "step" written into element 0 of tensor "a" (returned normally before)
-    "into a tensor": ({"step": ("a", 0)}, "'step' at ('a', 0), which runs through the value of key 'a'"),
-    "under a tensor": ({"b.c": ("a", "z")}, "'b.c' at ('a', 'z'), which runs through the value of key 'a'"),
+    "into a tensor": (
+        {"step": ("a", 0)},
+        "'step' at ('a', 0), which runs through the value of key 'a'",
+    ),
+    "under a tensor": (
+        {"b.c": ("a", "z")},
+        "'b.c' at ('a', 'z'), which runs through the value of key 'a'",
+    ),
     # a list index of 10**9: a list of a billion Nones (unbounded allocation before)
     "huge index": (
         {"b.l.1": ("b", "l", 10**9)},
@@ -61,17 +70,34 @@ FORGED = {
     ),
     "negative index": ({"b.l.1": ("b", "l", -1)}, "which indexes a list at -1, outside the 5 keys"),
     "int at the top": ({"a": (0,)}, "'a' at (0,), which does not start with a string"),
-    "dict into a list": ({"b.l.1": ("b", "l", "x")}, "which steps into a list that holds 0 with 'x'"),
-    "float step": ({"a": ("a", 1.5)}, "which has a step of type float, neither a string nor an int"),
-    "bool step": ({"b.l.1": ("b", "l", True)}, "which has a step of type bool, neither a string nor an int"),
+    "dict into a list": (
+        {"b.l.1": ("b", "l", "x")},
+        "which steps into a list that holds 0 with 'x'",
+    ),
+    "float step": (
+        {"a": ("a", 1.5)},
+        "which has a step of type float, neither a string nor an int",
+    ),
+    "bool step": (
+        {"b.l.1": ("b", "l", True)},
+        "which has a step of type bool, neither a string nor an int",
+    ),
     "same path": ({"b.c": ("a",)}, "'b.c' at ('a',), which is the path of key 'a' too"),
-    "onto a container": ({"step": ("b",)}, "'step' at ('b',), which is a container of other keys' values"),
-    "a container onto a key": ({"a": ("b",)}, "'b.c' at ('b', 'c'), which runs through the value of key 'a'"),
+    "onto a container": (
+        {"step": ("b",)},
+        "'step' at ('b',), which is a container of other keys' values",
+    ),
+    "a container onto a key": (
+        {"a": ("b",)},
+        "'b.c' at ('b', 'c'), which runs through the value of key 'a'",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FORGED))
-def test_read_state_dict_refuses_a_forged_path_before_allocating(saved: tuple[Path, Any], case: str) -> None:
+def test_read_state_dict_refuses_a_forged_path_before_allocating(
+    saved: tuple[Path, Any], case: str
+) -> None:
     ckpt, _ = saved
     paths, message = FORGED[case]
     _forge(ckpt, **paths)
@@ -84,7 +110,9 @@ def test_read_state_dict_refuses_a_forged_path_before_allocating(saved: tuple[Pa
 
 
 @pytest.mark.parametrize("case", ["into a tensor", "huge index"])
-def test_load_into_a_state_dict_touches_nothing_on_a_forged_path(saved: tuple[Path, Any], case: str) -> None:
+def test_load_into_a_state_dict_touches_nothing_on_a_forged_path(
+    saved: tuple[Path, Any], case: str
+) -> None:
     """The check runs when ``.metadata`` is decoded: every entry point refuses, before any read."""
     ckpt, sd = saved
     _forge(ckpt, **FORGED[case][0])
@@ -126,7 +154,9 @@ def test_valid_paths_nest_as_saved(saved: tuple[Path, Any]) -> None:
     _forge(ckpt, **{"b.l.1": ("b", "l", 4)})  # the largest index allowed: 5 keys
     got = asyncload.read_state_dict(ckpt)
     assert got["b"]["l"][1:4] == [None, None, None]
-    assert torch.equal(got["b"]["l"][4], sd["b"]["l"][1]) and got["b"]["l"][4].dtype == torch.float32
+    assert (
+        torch.equal(got["b"]["l"][4], sd["b"]["l"][1]) and got["b"]["l"][4].dtype == torch.float32
+    )
 
 
 def test_planner_data_that_is_not_a_dict_leaves_the_names_flat(saved: tuple[Path, Any]) -> None:
@@ -154,12 +184,20 @@ def test_forged_paths_end_typed_or_nest_exactly(tmp_path: Path) -> None:
     seen: set[str] = set()
 
     @settings(
-        max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+        max_examples=150,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
     )
     @given(st.integers(0, 1 << 32))
     def run(seed: int) -> None:
         rng = random.Random(seed)
-        seen.add(read_forged_paths(base, original, sd, [random_path_mutation(rng) for _ in range(rng.randint(1, 3))]))
+        seen.add(
+            read_forged_paths(
+                base, original, sd, [random_path_mutation(rng) for _ in range(rng.randint(1, 3))]
+            )
+        )
 
     run()
     assert seen == {"CheckpointFormatError", "loaded"}

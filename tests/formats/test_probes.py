@@ -23,7 +23,9 @@ pytestmark = pytest.mark.timeout(90)
 
 #: 24 records of 64 KiB and more (probed, not read whole: above min_chunk_size + probes), and
 #: small ones (read whole with the probes)
-OPTS = LoadOptions(chunk_size=64 << 10, min_chunk_size=8 << 10, concurrency=2, timeout=10.0, retries=2)
+OPTS = LoadOptions(
+    chunk_size=64 << 10, min_chunk_size=8 << 10, concurrency=2, timeout=10.0, retries=2
+)
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
@@ -44,7 +46,9 @@ def one_file(tmp_path_factory):
 
 
 def _streamed(caplog) -> bool:
-    return any("streamed" in r.getMessage() for r in caplog.records if r.name == "asyncload.session")
+    return any(
+        "streamed" in r.getMessage() for r in caplog.records if r.name == "asyncload.session"
+    )
 
 
 def _unquoted(path: str) -> str:
@@ -66,10 +70,14 @@ def test_data_is_read_while_later_records_are_still_probed(
     dst = zeros_like_tree(sd)
     caplog.set_level(logging.DEBUG, logger="asyncload.session")
     with no_unclosed_session_warnings():
-        stats = asyncload.load(dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options)
+        stats = asyncload.load(
+            dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+        )
     assert_bitwise_equal(dst, sd)
     assert _streamed(caplog)
-    ranged = [e for e in r.proxy.log if e.range is not None and _unquoted(e.path).endswith(".distcp")]
+    ranged = [
+        e for e in r.proxy.log if e.range is not None and _unquoted(e.path).endswith(".distcp")
+    ]
     probes = [i for i, e in enumerate(ranged) if not _large(e)]
     data = [i for i, e in enumerate(ranged) if _large(e)]
     assert probes and data
@@ -80,19 +88,25 @@ def test_data_is_read_while_later_records_are_still_probed(
 
 
 @pytest.mark.parametrize("backend", ["s3", "http"])
-def test_streamed_load_verifies_every_record(request, backend, one_file, bucket_name, fault_proxy, caplog):
+def test_streamed_load_verifies_every_record(
+    request, backend, one_file, bucket_name, fault_proxy, caplog
+):
     path, sd = one_file
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd)
     caplog.set_level(logging.DEBUG, logger="asyncload.session")
-    stats = asyncload.load(dst, r.url, options=OPTS.replace(verify=True), storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, r.url, options=OPTS.replace(verify=True), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     assert _streamed(caplog)
     assert stats.verified_records == len(sd)
 
 
 @pytest.mark.parametrize("backend", ["s3", "http"])
-def test_streamed_load_names_a_damaged_record(request, backend, one_file, bucket_name, fault_proxy, tmp_path):
+def test_streamed_load_names_a_damaged_record(
+    request, backend, one_file, bucket_name, fault_proxy, tmp_path
+):
     """A record whose header is damaged fails the load with the record named, though other
     records' data was being read (the planning error stops the pipeline)."""
     src, sd = one_file
@@ -113,7 +127,9 @@ def test_metadata_is_one_get_under_obstore(request, backend, one_file, bucket_na
     path, sd = one_file
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd)
-    asyncload.load(dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options)
+    asyncload.load(
+        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     md = [e for e in r.proxy.log if _unquoted(e.path).endswith(".metadata")]
     assert [e.method for e in md] == ["GET"], md
@@ -132,10 +148,15 @@ def test_metadata_larger_than_the_first_get_takes_one_more(
     monkeypatch.setattr(_obstore, "OBJECT_PREFIX", 1000)
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd)
-    asyncload.load(dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options)
+    asyncload.load(
+        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     md = [e for e in r.proxy.log if _unquoted(e.path).endswith(".metadata")]
-    assert [(e.method, e.range) for e in md] == [("GET", "bytes=0-999"), ("GET", f"bytes=1000-{size - 1}")]
+    assert [(e.method, e.range) for e in md] == [
+        ("GET", "bytes=0-999"),
+        ("GET", f"bytes=1000-{size - 1}"),
+    ]
 
 
 @pytest.mark.parametrize("backend", ["s3", "http"])
@@ -159,7 +180,9 @@ def test_metadata_larger_than_the_limit_is_refused_before_its_body(
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
-def test_a_size_seen_once_is_not_asked_for_again(request, backend, bucket_name, fault_proxy, tmp_path):
+def test_a_size_seen_once_is_not_asked_for_again(
+    request, backend, bucket_name, fault_proxy, tmp_path
+):
     """A safetensors directory: the file's size from the HEAD that found it (or from the
     listing started beside the ``.metadata`` GET) serves the size check before the reads
     (no second HEAD)."""
@@ -171,7 +194,13 @@ def test_a_size_seen_once_is_not_asked_for_again(request, backend, bucket_name, 
     save_file(sd, str(path / "model.safetensors"))
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd)
-    asyncload.load(dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options)
+    asyncload.load(
+        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
-    heads = [e for e in r.proxy.log if _unquoted(e.path).endswith("model.safetensors") and e.range is None]
+    heads = [
+        e
+        for e in r.proxy.log
+        if _unquoted(e.path).endswith("model.safetensors") and e.range is None
+    ]
     assert len(heads) <= 1, heads

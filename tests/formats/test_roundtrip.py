@@ -25,7 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 #: Defaults: every record here is small, so it is fetched whole and parsed in one go.
 DEFAULT = asyncload.LoadOptions()
 #: Tiny reads: large records go through the header probes and chunked, split reads.
-TINY = asyncload.LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=4)
+TINY = asyncload.LoadOptions(
+    chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=4
+)
 
 
 def _dtype_state_dict(dtype: torch.dtype) -> dict:
@@ -59,11 +61,23 @@ def test_every_dtype_round_trips_bit_exact(tmp_path, dtype, options):
 def test_special_float_values_bit_exact(tmp_path):
     # NaNs with payloads, signed zeros, infinities and subnormals must survive as bits
     bits = torch.tensor(
-        [0x7FC00001, 0xFFC00000, 0x80000000, 0x00000000, 0x7F800000, 0xFF800000, 0x00000001, 0x7F800001],
+        [
+            0x7FC00001,
+            0xFFC00000,
+            0x80000000,
+            0x00000000,
+            0x7F800000,
+            0xFF800000,
+            0x00000001,
+            0x7F800001,
+        ],
         dtype=torch.int64,
     ).to(torch.int32)
     f32 = bits.view(torch.float32).clone()
-    sd = {"f32": f32, "bf16": torch.tensor([-0.0, float("nan"), float("inf"), 1e-40], dtype=torch.bfloat16)}
+    sd = {
+        "f32": f32,
+        "bf16": torch.tensor([-0.0, float("nan"), float("inf"), 1e-40], dtype=torch.bfloat16),
+    }
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
     dst = zeros_like_tree(sd)
     asyncload.load(dst, ckpt)
@@ -76,15 +90,24 @@ def test_nested_dicts_lists_and_objects(tmp_path, options):
     sd = {
         "model": {
             "layers": {
-                str(i): {"w": random_tensor((64, 48), torch.float32, seed=i), "b": torch.randn(48)} for i in range(3)
+                str(i): {"w": random_tensor((64, 48), torch.float32, seed=i), "b": torch.randn(48)}
+                for i in range(3)
             },
             "norm": {"weight": torch.ones(48, dtype=torch.bfloat16)},
         },
         "optim": {
-            "state": {"step": torch.tensor(7), "exp_avg": random_tensor((64, 48), torch.float16, seed=9)},
-            "param_groups": [{"lr": 0.001, "betas": [0.9, 0.95], "name": "adamw", "params": [0, 1, 2]}],
+            "state": {
+                "step": torch.tensor(7),
+                "exp_avg": random_tensor((64, 48), torch.float16, seed=9),
+            },
+            "param_groups": [
+                {"lr": 0.001, "betas": [0.9, 0.95], "name": "adamw", "params": [0, 1, 2]}
+            ],
         },
-        "tensors_in_list": [torch.arange(10, dtype=torch.int64), random_tensor((4, 4), torch.float64, seed=11)],
+        "tensors_in_list": [
+            torch.arange(10, dtype=torch.int64),
+            random_tensor((4, 4), torch.float64, seed=11),
+        ],
         "mixed_list": [3, "three", torch.full((2, 2), 3.0)],
         "step": 4000,
         "name": "run7",
@@ -135,14 +158,18 @@ def test_permuted_and_offset_saved_tensors(tmp_path, options):
     assert_bitwise_equal(sd, dst)
 
 
-@pytest.mark.parametrize("single_file_per_rank", [False, True], ids=["file_per_item", "file_per_rank"])
+@pytest.mark.parametrize(
+    "single_file_per_rank", [False, True], ids=["file_per_item", "file_per_rank"]
+)
 @pytest.mark.parametrize("options", [DEFAULT, TINY], ids=["default", "tiny"])
 def test_file_per_item_and_per_rank(tmp_path, single_file_per_rank, options):
     sd = {f"w{i}": random_tensor((40 + i, 50), torch.float32, seed=i) for i in range(6)}
     sd["obj"] = {"epoch": 3}
     sd["scalar"] = torch.tensor(1.5, dtype=torch.float64)
     ckpt = tmp_path / "ckpt"
-    make_checkpoint(ckpt, sd, storage_writer=FileSystemWriter(ckpt, single_file_per_rank=single_file_per_rank))
+    make_checkpoint(
+        ckpt, sd, storage_writer=FileSystemWriter(ckpt, single_file_per_rank=single_file_per_rank)
+    )
     files = sorted(p.name for p in ckpt.glob("*.distcp"))
     if single_file_per_rank:
         assert len(files) == 1
@@ -190,7 +217,9 @@ def test_non_contiguous_destinations(tmp_path, options):
         assert not v.is_contiguous(), k
     keep = {k: v.clone() for k, v in {"big_c": big_c, "big_d": big_d, "big_e": big_e}.items()}
     asyncload.load(dst, ckpt, options=options)
-    assert_bitwise_equal({k: v.contiguous() for k, v in sd.items()}, {k: v.contiguous() for k, v in dst.items()})
+    assert_bitwise_equal(
+        {k: v.contiguous() for k, v in sd.items()}, {k: v.contiguous() for k, v in dst.items()}
+    )
     # the bytes around the views were not touched
     untouched_c = big_c.clone()
     untouched_c[::3] = 0
@@ -205,7 +234,10 @@ def test_non_contiguous_destinations(tmp_path, options):
 
 def test_destination_views_share_one_storage(tmp_path):
     # two destinations that are disjoint slices of one flat buffer (like a flat-param layout)
-    sd = {"x": random_tensor((33, 17), torch.float32, seed=41), "y": random_tensor((1000,), torch.float32, seed=42)}
+    sd = {
+        "x": random_tensor((33, 17), torch.float32, seed=41),
+        "y": random_tensor((1000,), torch.float32, seed=42),
+    }
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
     flat = torch.full((7 + 33 * 17 + 1000 + 5,), -1.0)
     dst = {"x": flat[7 : 7 + 561].view(33, 17), "y": flat[7 + 561 : 7 + 561 + 1000]}
@@ -216,7 +248,11 @@ def test_destination_views_share_one_storage(tmp_path):
 
 @pytest.mark.parametrize("options", [DEFAULT, TINY], ids=["default", "tiny"])
 def test_dtype_cast_when_allowed(tmp_path, options):
-    sd = {"w": torch.randn(64, 70), "h": torch.randn(33).half(), "i": torch.arange(5000, dtype=torch.int32)}
+    sd = {
+        "w": torch.randn(64, 70),
+        "h": torch.randn(33).half(),
+        "i": torch.arange(5000, dtype=torch.int32),
+    }
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
     dst = {
         "w": torch.zeros(64, 70, dtype=torch.bfloat16),
@@ -241,7 +277,9 @@ def test_large_tensor_split_into_many_chunks(tmp_path):
     sd = {"t": t, "tail": torch.arange(3)}
     ckpt = make_checkpoint(tmp_path / "ckpt", sd)
     dst = zeros_like_tree(sd)
-    opts = asyncload.LoadOptions(chunk_size=64 << 10, min_chunk_size=4 << 10, memory_budget=256 << 10)
+    opts = asyncload.LoadOptions(
+        chunk_size=64 << 10, min_chunk_size=4 << 10, memory_budget=256 << 10
+    )
     stats = asyncload.load(dst, ckpt, options=opts)
     assert_bitwise_equal(sd, dst)
     assert stats.chunks >= math.ceil(t.numel() / opts.chunk_size)
@@ -251,10 +289,14 @@ def test_large_tensor_split_into_many_chunks(tmp_path):
 
 def test_load_into_a_modules_own_state_dict(tmp_path):
     torch.manual_seed(0)
-    src = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8, bias=False))
+    src = torch.nn.Sequential(
+        torch.nn.Linear(40, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8, bias=False)
+    )
     src[1].weight.data.uniform_()
     ckpt = make_checkpoint(tmp_path / "ckpt", src.state_dict())
-    dst = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8, bias=False))
+    dst = torch.nn.Sequential(
+        torch.nn.Linear(40, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8, bias=False)
+    )
     sd = dst.state_dict()  # detached tensors sharing the parameters' memory
     asyncload.load(sd, ckpt, options=TINY)
     for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
@@ -276,7 +318,9 @@ def _tensor_cases(draw):
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(
     cases=st.lists(_tensor_cases(), min_size=1, max_size=6),
@@ -295,7 +339,9 @@ def test_property_random_state_dicts_round_trip(
         base = random_tensor(tuple(phys), dtype, seed=i)
         sd[f"t{i}"] = base.permute(inv) if shape else base
         if dest_kind == "transposed" and len(shape) >= 2:
-            dst[f"t{i}"] = torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(*reversed(range(len(shape))))
+            dst[f"t{i}"] = torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(
+                *reversed(range(len(shape)))
+            )
         elif dest_kind == "padded" and len(shape) >= 1:
             big = torch.zeros(tuple(n + 2 for n in shape), dtype=dtype)
             v = big

@@ -32,7 +32,9 @@ from asyncload.formats.safetensors import SAFETENSORS_DTYPES, parse_header
 
 # every dtype both torch and the safetensors package can hold
 ST_DTYPES = [
-    d for d in SAVEABLE_DTYPES if d in SAFETENSORS_DTYPES.values() and d is not getattr(torch, "float8_e8m0fnu", None)
+    d
+    for d in SAVEABLE_DTYPES
+    if d in SAFETENSORS_DTYPES.values() and d is not getattr(torch, "float8_e8m0fnu", None)
 ]
 
 TINY = LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=1)
@@ -49,7 +51,9 @@ def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
         "empty": torch.empty(0, 7, dtype=torch.float32),
     }
     for i, dt in enumerate(ST_DTYPES):
-        sd[f"dtypes.{str(dt).removeprefix('torch.')}"] = random_tensor((5, 3 + i), dt, seed + 10 + i)
+        sd[f"dtypes.{str(dt).removeprefix('torch.')}"] = random_tensor(
+            (5, 3 + i), dt, seed + 10 + i
+        )
     return sd
 
 
@@ -118,7 +122,9 @@ def test_sharded_index_bit_exact(tmp_path: Path, target: str) -> None:
     sd = model_state(2)
     root = write_sharded(tmp_path / "hf", sd)
     dest = zeros(sd)
-    stats = asyncload.load(dest, root if target == "dir" else root / "model.safetensors.index.json", options=MANY)
+    stats = asyncload.load(
+        dest, root if target == "dir" else root / "model.safetensors.index.json", options=MANY
+    )
     assert_bitwise_equal(dest, sd)
     assert stats.files == 3
 
@@ -166,7 +172,11 @@ def test_s3_single_and_sharded(tmp_path: Path, s3_server: Any, bucket_name: str)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("header_pad", [0, 100_000])
 def test_remote_single_file_asks_no_head(
-    request: pytest.FixtureRequest, backend: str, bucket_name: str, fault_proxy: Any, header_pad: int
+    request: pytest.FixtureRequest,
+    backend: str,
+    bucket_name: str,
+    fault_proxy: Any,
+    header_pad: int,
 ) -> None:
     """A URL naming one .safetensors file: its first 64 KiB and its size come in one ranged
     GET (obstore), no HEAD before it; a header longer than that is read with one more GET."""
@@ -177,21 +187,30 @@ def test_remote_single_file_asks_no_head(
     server.put_object(bucket_name, "one/model.safetensors", blob)
     proxy = fault_proxy(server)
     if backend == "http":
-        url, opts = server.url(bucket_name, "one/model.safetensors", endpoint_url=proxy.endpoint_url), {}
+        url, opts = (
+            server.url(bucket_name, "one/model.safetensors", endpoint_url=proxy.endpoint_url),
+            {},
+        )
     else:
         url, opts = (
             f"{server.protocol}://{bucket_name}/one/model.safetensors",
             server.storage_options(proxy.endpoint_url),
         )
     dest = zeros(sd)
-    stats = asyncload.load(dest, url, storage_options=opts, options=LoadOptions(transport="obstore"))
+    stats = asyncload.load(
+        dest, url, storage_options=opts, options=LoadOptions(transport="obstore")
+    )
     assert_bitwise_equal(dest, sd, url)
     assert stats.bytes_assembled == nbytes(sd)
-    log = [e for e in proxy.log if urllib.parse.unquote(e.path).endswith("one/model.safetensors")]  # GCS quotes it
+    log = [
+        e for e in proxy.log if urllib.parse.unquote(e.path).endswith("one/model.safetensors")
+    ]  # GCS quotes it
     assert [e.method for e in log] == ["GET"] * len(log)
     assert log[0].range == "bytes=0-65535"
     header_end = 8 + struct.unpack("<Q", blob[:8])[0]
-    header_gets = [e for e in log if e.range and int(e.range.split("=")[1].split("-")[0]) < header_end]
+    header_gets = [
+        e for e in log if e.range and int(e.range.split("=")[1].split("-")[0]) < header_end
+    ]
     assert len(header_gets) == (1 if header_end <= 65536 else 2)
 
 
@@ -215,7 +234,9 @@ def test_partial_load_reports_unexpected_keys_and_reads_only_those(tmp_path: Pat
     assert stats.bytes_assembled == 2 * 256 * 64 * 4
     with pytest.raises(asyncload.StateDictMismatchError, match="strict_unexpected_keys"):
         asyncload.load(
-            {k: torch.zeros(256, 64) for k in wanted}, path, options=LoadOptions(strict_unexpected_keys=True)
+            {k: torch.zeros(256, 64) for k in wanted},
+            path,
+            options=LoadOptions(strict_unexpected_keys=True),
         )
 
 
@@ -235,7 +256,9 @@ class SlicePlanner(asyncload.PipelinedLoadPlanner):
         items = []
         for fqn, (offs, sizes) in self.boxes.items():
             chunk = ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes))
-            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            items += create_read_items_for_chunk_list(
+                fqn, self.metadata.state_dict_metadata[fqn], [chunk]
+            )
         return LoadPlan(items)
 
     def resolve_tensor(self, read_item: Any) -> torch.Tensor:
@@ -251,7 +274,10 @@ class SlicePlanner(asyncload.PipelinedLoadPlanner):
 @pytest.mark.parametrize("fmt", ["single", "sharded", "dcp-safetensors"])
 def test_slice_destination_reads_only_its_slice(tmp_path: Path, fmt: str) -> None:
     rows, cols = 512, 96
-    sd = {"w": random_tensor((rows, cols), torch.bfloat16, 7), "v": random_tensor((rows, 40), torch.float32, 8)}
+    sd = {
+        "w": random_tensor((rows, cols), torch.bfloat16, 7),
+        "v": random_tensor((rows, 40), torch.float32, 8),
+    }
     if fmt == "single":
         save_file(sd, str(tmp_path / "model.safetensors"))
         ckpt = tmp_path / "model.safetensors"
@@ -261,7 +287,9 @@ def test_slice_destination_reads_only_its_slice(tmp_path: Path, fmt: str) -> Non
         ckpt = tmp_path / "dcp"
         dcp.save(
             sd,
-            storage_writer=dcp.FileSystemWriter(ckpt, serialization_format=SerializationFormat.SAFETENSORS),
+            storage_writer=dcp.FileSystemWriter(
+                ckpt, serialization_format=SerializationFormat.SAFETENSORS
+            ),
             no_dist=True,
         )
     # rank 1 of 4 along dim 0 for w; a column block (strided in the file) for v
@@ -273,7 +301,9 @@ def test_slice_destination_reads_only_its_slice(tmp_path: Path, fmt: str) -> Non
     assert_bitwise_equal(dest["v"], sd["v"][:, 10:30])
     # w: only the slice's rows; v: the span of its column block; plus one header probe per file (and the index)
     files = 2 if fmt == "sharded" else 1
-    assert stats.bytes_read <= 128 * cols * 2 + ((rows - 1) * 40 + 20) * 4 + files * (64 << 10) + 1024
+    assert (
+        stats.bytes_read <= 128 * cols * 2 + ((rows - 1) * 40 + 20) * 4 + files * (64 << 10) + 1024
+    )
 
 
 def _rank_load(rank: int, world: int, ckpt: str, shapes: dict[str, list[int]]) -> dict[str, Any]:
@@ -299,10 +329,19 @@ def _rank_load(rank: int, world: int, ckpt: str, shapes: dict[str, list[int]]) -
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_two_rank_dtensor_load(tmp_path: Path) -> None:
-    sd = {"w": random_tensor((256, 64), torch.bfloat16, 11), "v": random_tensor((32, 128), torch.float32, 12)}
+    sd = {
+        "w": random_tensor((256, 64), torch.bfloat16, 11),
+        "v": random_tensor((32, 128), torch.float32, 12),
+    }
     save_file(sd, str(tmp_path / "model.safetensors"))
     values = all_ok(
-        run_ranks(_rank_load, 2, str(tmp_path / "model.safetensors"), {"w": [256, 64], "v": [32, 128]}, timeout=90)
+        run_ranks(
+            _rank_load,
+            2,
+            str(tmp_path / "model.safetensors"),
+            {"w": [256, 64], "v": [32, 128]},
+            timeout=90,
+        )
     )
     for rank, got in enumerate(values):
         assert got["w"] == tensor_bytes(sd["w"][rank * 128 : (rank + 1) * 128])
@@ -322,7 +361,9 @@ def test_dcp_filesystem_writer_safetensors_serialization(tmp_path: Path) -> None
         warnings.simplefilter("ignore")
         dcp.save(
             sd,
-            storage_writer=dcp.FileSystemWriter(tmp_path / "ck", serialization_format=SerializationFormat.SAFETENSORS),
+            storage_writer=dcp.FileSystemWriter(
+                tmp_path / "ck", serialization_format=SerializationFormat.SAFETENSORS
+            ),
             no_dist=True,
         )
     for options in (None, TINY):
@@ -341,7 +382,9 @@ def test_huggingface_storage_writer(tmp_path: Path, mapping: str | None) -> None
         warnings.simplefilter("ignore")
         dcp.save(
             sd,
-            storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf"), fqn_to_index_mapping=fqn_map),
+            storage_writer=HuggingFaceStorageWriter(
+                str(tmp_path / "hf"), fqn_to_index_mapping=fqn_map
+            ),
             no_dist=True,
         )
     dest = zeros(sd)
@@ -382,13 +425,17 @@ def test_huggingface_save_distributed_shards_without_index(tmp_path: Path) -> No
     dest = {"w": torch.zeros(64, 24), "b": torch.zeros(10, dtype=torch.bfloat16)}
     asyncload.load(dest, tmp_path / "hf")
     assert_bitwise_equal(dest["w"], random_tensor((64, 24), torch.float32, 21))
-    assert torch.equal(dest["b"].view(torch.int16), random_tensor((10,), torch.bfloat16, 22).view(torch.int16))
+    assert torch.equal(
+        dest["b"].view(torch.int16), random_tensor((10,), torch.bfloat16, 22).view(torch.int16)
+    )
 
 
 # --- hostile and damaged headers ---------------------------------------------------------------
 
 
-def _blob(header: Any, data: bytes = b"", raw_header: bytes | None = None, length: int | None = None) -> bytes:
+def _blob(
+    header: Any, data: bytes = b"", raw_header: bytes | None = None, length: int | None = None
+) -> bytes:
     h = raw_header if raw_header is not None else json.dumps(header).encode()
     return struct.pack("<Q", len(h) if length is None else length) + h + data
 
@@ -404,7 +451,10 @@ GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
         (_blob(GOOD, bytes(16), length=1 << 40), "exceeds"),
         (_blob(GOOD, bytes(16), length=10_000), "runs past the end"),
         (_blob(None, bytes(16), raw_header=b"[1, 2]"), "not start with"),
-        (_blob(None, bytes(16), raw_header=b'{"w": {"dtype": "F32",' + b"\xff" * 4 + b"}"), "UTF-8 JSON"),
+        (
+            _blob(None, bytes(16), raw_header=b'{"w": {"dtype": "F32",' + b"\xff" * 4 + b"}"),
+            "UTF-8 JSON",
+        ),
         (
             _blob(
                 None,
@@ -414,12 +464,30 @@ GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
             ),
             "duplicate key",
         ),
-        (_blob({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)), "dtype 'F4'"),
-        (_blob({"w": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, bytes(16)), "malformed shape"),
-        (_blob({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, bytes(16)), "malformed shape"),
-        (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(8)), "outside"),
-        (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 4]}}, bytes(16)), "outside"),
-        (_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)), "needs 16 bytes"),
+        (
+            _blob({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)),
+            "dtype 'F4'",
+        ),
+        (
+            _blob({"w": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, bytes(16)),
+            "malformed shape",
+        ),
+        (
+            _blob({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, bytes(16)),
+            "malformed shape",
+        ),
+        (
+            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(8)),
+            "outside",
+        ),
+        (
+            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 4]}}, bytes(16)),
+            "outside",
+        ),
+        (
+            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)),
+            "needs 16 bytes",
+        ),
         (
             _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": ["0", 16]}}, bytes(16)),
             "malformed data_offsets",
@@ -456,7 +524,9 @@ def test_header_limit_follows_max_metadata_size(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError, match="max_metadata_size"):
         asyncload.load(zeros(sd), path, options=LoadOptions(max_metadata_size=n - 1))
     dest = zeros(sd)
-    asyncload.load(dest, path, options=LoadOptions(max_metadata_size=n))  # exactly at the limit: fine
+    asyncload.load(
+        dest, path, options=LoadOptions(max_metadata_size=n)
+    )  # exactly at the limit: fine
 
 
 @pytest.mark.timeout(60)
@@ -499,7 +569,9 @@ def test_parse_header_locations_are_exact() -> None:
         loc = h.tensors[key]
         assert loc.dtype == t.dtype and loc.size == tuple(t.shape)
         assert loc.stride == tuple(t.stride())
-        got = torch.frombuffer(bytearray(raw[loc.data_start : loc.data_start + loc.storage_nbytes]), dtype=torch.uint8)
+        got = torch.frombuffer(
+            bytearray(raw[loc.data_start : loc.data_start + loc.storage_nbytes]), dtype=torch.uint8
+        )
         assert torch.equal(got, t.reshape(-1).view(torch.uint8))
     assert h.data_start == 8 + n and h.data_size == len(raw) - 8 - n
     assert math.prod(h.tensors["b"].size) * 8 == h.tensors["b"].storage_nbytes

@@ -26,7 +26,12 @@ from _ckpt import assert_bitwise_equal
 from _dist import all_ok, run_ranks
 
 import asyncload
-from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions, UnsafeCheckpointError
+from asyncload import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    LoadOptions,
+    UnsafeCheckpointError,
+)
 
 pytest.importorskip("torch_checkpointing")
 
@@ -48,7 +53,9 @@ def _manager(resharded: tuple[str, ...] = ("model",)) -> Any:
     from torch_checkpointing.default_resharder import DefaultResharder
 
     items = {k: ItemSpec(resharder=DefaultResharder()) for k in resharded}
-    cfg = CheckpointManager.Config(items=items, save=SyncCheckpointSaverConfig(), storage_config=_storage())
+    cfg = CheckpointManager.Config(
+        items=items, save=SyncCheckpointSaverConfig(), storage_config=_storage()
+    )
     return CheckpointManager(cfg)
 
 
@@ -63,7 +70,10 @@ def _training_state() -> dict[str, Any]:
     model(torch.randn(4, 6, generator=g)).square().sum().backward()
     opt.step()
     sd = model.state_dict()
-    sd["buffers"] = {"ids": torch.arange(10, dtype=torch.int64), "half": torch.randn(3, 2, generator=g).half()}
+    sd["buffers"] = {
+        "ids": torch.arange(10, dtype=torch.int64),
+        "half": torch.randn(3, 2, generator=g).half(),
+    }
     return {"model": sd, "optimizer": opt.state_dict(), "step": 1234, "lr": 0.25}
 
 
@@ -109,7 +119,13 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
         assert mgr.save(str(path), state) is None
     finally:
         mgr.close()
-    assert sorted(os.listdir(path)) == ["lr_0.pt", "metadata.pkl", "model_0.pt", "optimizer_0.pt", "step_0.pt"]
+    assert sorted(os.listdir(path)) == [
+        "lr_0.pt",
+        "metadata.pkl",
+        "model_0.pt",
+        "optimizer_0.pt",
+        "step_0.pt",
+    ]
     return path, state
 
 
@@ -148,7 +164,9 @@ def test_load_into_destination_and_iter_tensors(one_rank: tuple[Path, dict[str, 
     stats = asyncload.load(dest, path)
     assert dest["step"] == 1234
     assert_bitwise_equal(dest["model"], state["model"], "model")
-    assert stats.bytes_assembled == sum(t.numel() * t.element_size() for t in _flat(state["model"]).values())
+    assert stats.bytes_assembled == sum(
+        t.numel() * t.element_size() for t in _flat(state["model"]).values()
+    )
     for face in ("aload", "start_load", "dcp"):
         dest = {"model": _zeros_like(state["model"]), "step": 0}
         if face == "aload":
@@ -165,7 +183,9 @@ def test_load_into_destination_and_iter_tensors(one_rank: tuple[Path, dict[str, 
         assert_bitwise_equal(seen[f"model.{k}"], t, k)
 
 
-def test_remote_s3_same_as_local(one_rank: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str) -> None:
+def test_remote_s3_same_as_local(
+    one_rank: tuple[Path, dict[str, Any]], s3_server: Any, bucket_name: str
+) -> None:
     path, state = one_rank
     url = s3_server.upload_dir(path, bucket_name, "tc1")
     got = asyncload.read_state_dict(url, storage_options=s3_server.storage_options())
@@ -182,7 +202,9 @@ def _full(big: bool = False) -> dict[str, torch.Tensor]:
     n = 100 if big else 1
     return {
         "emb": torch.randn(7 * n, 6 * n, generator=g),  # rows split unevenly over 2 ranks (4 + 3)
-        "proj": torch.randn(4 * n, 9 * n, generator=g).to(torch.bfloat16),  # split by columns (5 + 4)
+        "proj": torch.randn(4 * n, 9 * n, generator=g).to(
+            torch.bfloat16
+        ),  # split by columns (5 + 4)
         "norm": torch.randn(6, generator=g),  # replicated
         "ids": torch.arange(10, dtype=torch.int64),  # a plain tensor on every rank
     }
@@ -198,7 +220,9 @@ def _placements(spec: str) -> list[Any]:
     return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec.split(",")]
 
 
-def _dtensors(full: dict[str, torch.Tensor], mesh: Any, spec: dict[str, str], *, zeros: bool) -> dict[str, Any]:
+def _dtensors(
+    full: dict[str, torch.Tensor], mesh: Any, spec: dict[str, str], *, zeros: bool
+) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -211,7 +235,12 @@ def _dtensors(full: dict[str, torch.Tensor], mesh: Any, spec: dict[str, str], *,
         shape, off = compute_local_shape_and_global_offset(v.shape, mesh, pl)
         local = v[tuple(slice(o, o + n) for o, n in zip(off, shape))].clone()
         out[k] = DTensor.from_local(
-            torch.zeros_like(local) if zeros else local, mesh, pl, run_check=False, shape=v.shape, stride=v.stride()
+            torch.zeros_like(local) if zeros else local,
+            mesh,
+            pl,
+            run_check=False,
+            shape=v.shape,
+            stride=v.stride(),
         )
     return out
 
@@ -241,7 +270,9 @@ class _Payload:
         class Payload(CheckpointBase):
             def __init__(self) -> None:
                 self.items = {
-                    k: CheckpointItem(value=v, resharder=DefaultResharder() if k == "model" else None)
+                    k: CheckpointItem(
+                        value=v, resharder=DefaultResharder() if k == "model" else None
+                    )
                     for k, v in values.items()
                 }
                 self.result: Any = None
@@ -256,14 +287,20 @@ class _Payload:
 
 
 def w_save(
-    rank: int, world: int, path: str, mesh_shape: tuple[int, ...] | None = None, spec: dict[str, str] | None = None
+    rank: int,
+    world: int,
+    path: str,
+    mesh_shape: tuple[int, ...] | None = None,
+    spec: dict[str, str] | None = None,
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch_checkpointing import RankInfo, make_sync_checkpoint_saver
     from torch_checkpointing.config import SyncCheckpointSaverConfig
 
     mesh = init_device_mesh("cpu", mesh_shape or (world,))
-    info = RankInfo(global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world)
+    info = RankInfo(
+        global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world
+    )
     saver = make_sync_checkpoint_saver(
         config=SyncCheckpointSaverConfig(),
         rank_info=info,
@@ -271,7 +308,12 @@ def w_save(
         checkpoint_metadata_manager=_gloo_metadata_manager(info),
     )
     try:
-        saver.save(path, _Payload({"model": _dtensors(_full(), mesh, spec or _SPEC, zeros=False), "step": 40 + rank}))
+        saver.save(
+            path,
+            _Payload(
+                {"model": _dtensors(_full(), mesh, spec or _SPEC, zeros=False), "step": 40 + rank}
+            ),
+        )
     finally:
         saver.close()
 
@@ -282,17 +324,24 @@ def w_own_load(rank: int, world: int, path: str, spec: dict[str, str]) -> dict[s
     from torch_checkpointing import CheckpointLoader, CheckpointReader, RankInfo
 
     mesh = init_device_mesh("cpu", (world,))
-    info = RankInfo(global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world)
+    info = RankInfo(
+        global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world
+    )
     loader = CheckpointLoader(
         reader=CheckpointReader(rank_info=info, storage_config=_storage()),
         metadata_manager=_gloo_metadata_manager(info),
     )
     ck = _Payload({"model": _dtensors(_full(), mesh, spec, zeros=True)})
     loader.load(path, ck)
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in ck.result["model"].items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+        for k, v in ck.result["model"].items()
+    }
 
 
-def w_asyncload(rank: int, world: int, path: str, spec: dict[str, str], big: bool = False) -> dict[str, Any]:
+def w_asyncload(
+    rank: int, world: int, path: str, spec: dict[str, str], big: bool = False
+) -> dict[str, Any]:
     """asyncload.load into zeroed DTensors laid out as ``spec``: which keys came back wrong."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -310,7 +359,9 @@ def w_asyncload(rank: int, world: int, path: str, spec: dict[str, str], big: boo
         for k in full
         if not (
             local(dest["model"][k]).dtype == local(want[k]).dtype
-            and torch.equal(local(dest["model"][k]).view(torch.uint8), local(want[k]).view(torch.uint8))
+            and torch.equal(
+                local(dest["model"][k]).view(torch.uint8), local(want[k]).view(torch.uint8)
+            )
         )
     ]
     return {"bad": bad, "step": dest["step"], "bytes_read": stats.bytes_read}
@@ -320,7 +371,13 @@ def w_asyncload(rank: int, world: int, path: str, spec: dict[str, str], big: boo
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tc2") / "step_40"
     all_ok(run_ranks(w_save, 2, str(path), timeout=90))
-    assert sorted(os.listdir(path)) == ["metadata.pkl", "model_0.pt", "model_1.pt", "step_0.pt", "step_1.pt"]
+    assert sorted(os.listdir(path)) == [
+        "metadata.pkl",
+        "model_0.pt",
+        "model_1.pt",
+        "step_0.pt",
+        "step_1.pt",
+    ]
     return path
 
 
@@ -331,7 +388,9 @@ def test_two_rank_save_read_by_one(two_ranks: Path) -> None:
     got = asyncload.read_state_dict(two_ranks)
     assert got["step"] == 40  # rank 0's value of a non-tensor item
     assert_bitwise_equal(got["model"], full, "model")
-    own = all_ok(run_ranks(w_own_load, 1, str(two_ranks), {"emb": "R", "proj": "R", "norm": "R"}, timeout=90))[0]
+    own = all_ok(
+        run_ranks(w_own_load, 1, str(two_ranks), {"emb": "R", "proj": "R", "norm": "R"}, timeout=90)
+    )[0]
     assert_bitwise_equal(got["model"], own, "model")
     dest = {"model": _zeros_like(full)}  # plain tensors: 1 rank reading a 2-rank save
     asyncload.load(dest, two_ranks)
@@ -374,11 +433,16 @@ def test_one_rank_save_loaded_sharded_by_two(tmp_path: Path) -> None:
     total = sum(t.numel() * t.element_size() for t in full.values())
     # emb's rows and proj's columns are split: each rank reads its part of them, not all
     print("bytes read by each rank", [v["bytes_read"] for v in values], "of", total)
-    assert all(v["bytes_read"] < 0.7 * total for v in values), ([v["bytes_read"] for v in values], total)
+    assert all(v["bytes_read"] < 0.7 * total for v in values), (
+        [v["bytes_read"] for v in values],
+        total,
+    )
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs", "http"])
-def test_two_rank_save_remote(two_ranks: Path, request: pytest.FixtureRequest, backend: str, bucket_name: str) -> None:
+def test_two_rank_save_remote(
+    two_ranks: Path, request: pytest.FixtureRequest, backend: str, bucket_name: str
+) -> None:
     """From each store: found by listing the directory (HTTP: its index page), read bit for bit."""
     server = request.getfixturevalue(f"{backend}_server")
     url = server.upload_dir(two_ranks, bucket_name, "tc2")
@@ -399,7 +463,9 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _metadata(path: Path) -> dict[str, Any]:
-    return pickle.loads((path / "metadata.pkl").read_bytes())  # the test's own file, written by torch-checkpointing
+    return pickle.loads(
+        (path / "metadata.pkl").read_bytes()
+    )  # the test's own file, written by torch-checkpointing
 
 
 def _write_metadata(path: Path, md: Any) -> None:
@@ -430,16 +496,16 @@ def test_forged_metadata_global_refused(two_ranks: Path, tmp_path: Path) -> None
     ("forge", "error", "match"),
     [
         (  # placements that disagree with the shard the file holds
-            lambda md: md["metadata"]["model"]["nested_path_to_metadata"]['["emb"]'][0]["sharding_metadata"][
-                "data"
-            ].__setitem__("placements", [{"type": "Shard", "dim": 1}]),
+            lambda md: md["metadata"]["model"]["nested_path_to_metadata"]['["emb"]'][0][
+                "sharding_metadata"
+            ]["data"].__setitem__("placements", [{"type": "Shard", "dim": 1}]),
             CheckpointFormatError,
             r"model_0\.pt.*metadata\.pkl says size \[7, 6\], placements \(\('shard', 1, 0\),\)",
         ),
         (  # a global shape the files do not have (its shards would point outside the tensor)
-            lambda md: md["metadata"]["model"]["nested_path_to_metadata"]['["emb"]'][0]["sharding_metadata"][
-                "data"
-            ].__setitem__("global_shape", [70, 6]),
+            lambda md: md["metadata"]["model"]["nested_path_to_metadata"]['["emb"]'][0][
+                "sharding_metadata"
+            ]["data"].__setitem__("global_shape", [70, 6]),
             CheckpointFormatError,
             r"DTensor 'model\.emb' of .*model_0\.pt.*metadata\.pkl says size \[70, 6\]",
         ),
@@ -453,14 +519,19 @@ def test_forged_metadata_global_refused(two_ranks: Path, tmp_path: Path) -> None
         ),
         (  # a file outside the checkpoint
             lambda md: md["metadata"]["model"]["rank_to_layout_info"].__setitem__(
-                1, {"file_path": "../model_1.pt", "serialization_format": {"type": "TorchSerialization"}}
+                1,
+                {
+                    "file_path": "../model_1.pt",
+                    "serialization_format": {"type": "TorchSerialization"},
+                },
             ),
             CheckpointFormatError,
             r"metadata\.pkl.*\.\./model_1\.pt",
         ),
         (  # both ranks' shards said to be in rank 0's file
             lambda md: md["metadata"]["model"]["rank_to_layout_info"].__setitem__(
-                1, {"file_path": "model_0.pt", "serialization_format": {"type": "TorchSerialization"}}
+                1,
+                {"file_path": "model_0.pt", "serialization_format": {"type": "TorchSerialization"}},
             ),
             CheckpointFormatError,
             r"model_0\.pt.*metadata\.pkl says .* coordinate \(1,\) for rank 1; the file holds .* coordinate \(0,\)",
@@ -474,7 +545,11 @@ def test_forged_metadata_global_refused(two_ranks: Path, tmp_path: Path) -> None
         ),
         (  # an item saved as JSON
             lambda md: md["metadata"]["model"]["rank_to_layout_info"].__setitem__(
-                0, {"file_path": "model_0.pt", "serialization_format": {"type": "JsonSerialization", "cls": None}}
+                0,
+                {
+                    "file_path": "model_0.pt",
+                    "serialization_format": {"type": "JsonSerialization", "cls": None},
+                },
             ),
             CheckpointFormatError,
             r"item 'model' of rank 0 is saved with 'JsonSerialization'; asyncload reads only TorchSerialization",
@@ -510,7 +585,9 @@ def test_forged_metadata_global_refused(two_ranks: Path, tmp_path: Path) -> None
         "version",
     ],
 )
-def test_forged_metadata(two_ranks: Path, tmp_path: Path, forge: Any, error: type[Exception], match: str) -> None:
+def test_forged_metadata(
+    two_ranks: Path, tmp_path: Path, forge: Any, error: type[Exception], match: str
+) -> None:
     path = _copy(two_ranks, tmp_path / "ck")
     md = _metadata(path)
     forge(md)
@@ -529,19 +606,25 @@ def test_overlapping_and_missing_shards(two_ranks: Path, tmp_path: Path) -> None
     path = _copy(two_ranks, tmp_path / "overlap")
     (path / "metadata.pkl").unlink()
     shutil.copyfile(path / "model_0.pt", path / "model_1.pt")
-    with pytest.raises(CheckpointFormatError, match=r"DTensor 'model\.emb': chunks 0 .* and 1 .* overlap"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"DTensor 'model\.emb': chunks 0 .* and 1 .* overlap"
+    ):
         asyncload.read_state_dict(path)
     path = _copy(two_ranks, tmp_path / "missing")
     for name in ("metadata.pkl", "model_1.pt", "step_1.pt"):
         (path / name).unlink()
-    with pytest.raises(CheckpointFormatError, match=r"DTensor 'model\.emb': the chunks hold 24 of the tensor's 42"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"DTensor 'model\.emb': the chunks hold 24 of the tensor's 42"
+    ):
         asyncload.read_state_dict(path)
 
 
 def test_half_written(two_ranks: Path, tmp_path: Path) -> None:
     path = _copy(two_ranks, tmp_path / "half")
     (path / "model_1.pt").unlink()
-    with pytest.raises(CheckpointNotFoundError, match=r"model_1\.pt \(named by .*metadata\.pkl\) does not exist"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"model_1\.pt \(named by .*metadata\.pkl\) does not exist"
+    ):
         asyncload.read_state_dict(path)
     path = _copy(two_ranks, tmp_path / "cut")
     data = (path / "model_1.pt").read_bytes()
@@ -552,14 +635,19 @@ def test_half_written(two_ranks: Path, tmp_path: Path) -> None:
     (path / "metadata.pkl").unlink()
     (path / "step_0.pt").unlink()
     shutil.copyfile(path / "step_1.pt", path / "step_2.pt")
-    with pytest.raises(CheckpointNotFoundError, match=r"step_0\.pt does not exist although rank 2 wrote step_2\.pt"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"step_0\.pt does not exist although rank 2 wrote step_2\.pt"
+    ):
         asyncload.read_state_dict(path)
 
 
 def test_metadata_over_the_bound_is_not_read(two_ranks: Path, tmp_path: Path) -> None:
     path = _copy(two_ranks, tmp_path / "big")
     size = (path / "metadata.pkl").stat().st_size
-    with pytest.raises(CheckpointFormatError, match=rf"metadata\.pkl is {size} bytes, more than .*max_metadata_size"):
+    with pytest.raises(
+        CheckpointFormatError,
+        match=rf"metadata\.pkl is {size} bytes, more than .*max_metadata_size",
+    ):
         asyncload.read_state_dict(path, options=LoadOptions(max_metadata_size=size - 1))
 
 
@@ -597,7 +685,8 @@ def test_storage_backend_reads_s3_through_the_engine(
     proxy = fault_proxy(s3_server)
     rule = proxy.add_rule(status(503), data_only=True, times=2)
     config = AsyncloadStorageConfig(
-        root=f"s3://{bucket_name}/run", storage_options=s3_server.storage_options(proxy.endpoint_url)
+        root=f"s3://{bucket_name}/run",
+        storage_options=s3_server.storage_options(proxy.endpoint_url),
     )
     storage = config.create_storage()
     try:
@@ -613,7 +702,9 @@ def test_storage_backend_reads_s3_through_the_engine(
     assert stats.bytes_read >= sum(p.stat().st_size for p in path.iterdir())
 
 
-def test_storage_backend_paths_and_refusals(one_rank: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_storage_backend_paths_and_refusals(
+    one_rank: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     from asyncload.integrations.torch_checkpointing import AsyncloadStorageConfig
 
     path, state = one_rank
@@ -642,7 +733,9 @@ def test_only_metadata_left(two_ranks: Path, tmp_path: Path) -> None:
     path = tmp_path / "bare"
     path.mkdir()
     shutil.copyfile(two_ranks / "metadata.pkl", path / "metadata.pkl")
-    with pytest.raises(CheckpointNotFoundError, match=r"model_0\.pt \(named by .*metadata\.pkl\) does not exist"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"model_0\.pt \(named by .*metadata\.pkl\) does not exist"
+    ):
         asyncload.read_state_dict(path)
 
 
@@ -650,7 +743,9 @@ def test_forged_item_file_refused(two_ranks: Path, tmp_path: Path) -> None:
     """A rank's item file whose pickle runs code: refused by the allow-list, naming that file."""
     path = _copy(two_ranks, tmp_path / "ck")
     torch.save(_RunsCode(), path / "step_1.pt")
-    with pytest.raises(UnsafeCheckpointError, match=r"step_1\.pt \(data\.pkl\): asks to import posix\.system"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"step_1\.pt \(data\.pkl\): asks to import posix\.system"
+    ):
         asyncload.read_state_dict(path)
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
@@ -660,10 +755,17 @@ def w_save_stages(rank: int, world: int, path: str) -> None:
     from torch_checkpointing import RankInfo, make_sync_checkpoint_saver
     from torch_checkpointing.config import SyncCheckpointSaverConfig
 
-    info = RankInfo(global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world)
-    saver = make_sync_checkpoint_saver(config=SyncCheckpointSaverConfig(), rank_info=info, storage_config=_storage())
+    info = RankInfo(
+        global_rank=rank, global_world_size=world, role_rank=rank, role_world_size=world
+    )
+    saver = make_sync_checkpoint_saver(
+        config=SyncCheckpointSaverConfig(), rank_info=info, storage_config=_storage()
+    )
     full = _full()
-    mine = {"layers": {str(rank): {"w": full["emb"] + rank, "b": full["norm"] * rank}}, "stage": rank}
+    mine = {
+        "layers": {str(rank): {"w": full["emb"] + rank, "b": full["norm"] * rank}},
+        "stage": rank,
+    }
     try:
         saver.save(path, _Payload({"pipe": mine}))
     finally:
@@ -676,16 +778,23 @@ def test_pipeline_stages_each_rank_its_layers(tmp_path: Path) -> None:
     assert sorted(os.listdir(path)) == ["pipe_0.pt", "pipe_1.pt"]
     full = _full()
     got = asyncload.read_state_dict(path)
-    want = {"layers": {str(r): {"w": full["emb"] + r, "b": full["norm"] * r} for r in (0, 1)}, "stage": 0}
+    want = {
+        "layers": {str(r): {"w": full["emb"] + r, "b": full["norm"] * r} for r in (0, 1)},
+        "stage": 0,
+    }
     assert_bitwise_equal(got["pipe"], want, "pipe")
 
 
 def test_one_item_file_alone_says_load_the_directory(two_ranks: Path) -> None:
     """Before: "holds a int" (a scalar item) or an allow-list refusal (a DTensor shard), with no
     word of what the file is; now the same error says to load the directory."""
-    with pytest.raises(CheckpointFormatError, match=r"step_0\.pt is named like one item file of a torch-checkpointing"):
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"step_0\.pt is named like one item file of a torch-checkpointing",
+    ):
         asyncload.read_state_dict(two_ranks / "step_0.pt")
     with pytest.raises(
-        UnsafeCheckpointError, match=r"model_1\.pt is named like one item file .* load the checkpoint's directory"
+        UnsafeCheckpointError,
+        match=r"model_1\.pt is named like one item file .* load the checkpoint's directory",
     ):
         asyncload.read_state_dict(two_ranks / "model_1.pt")

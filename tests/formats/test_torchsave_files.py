@@ -19,7 +19,12 @@ from _ckpt import SAVEABLE_DTYPES, assert_bitwise_equal, random_tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import asyncload
-from asyncload import CheckpointFormatError, LoadOptions, StateDictMismatchError, UnsafeCheckpointError
+from asyncload import (
+    CheckpointFormatError,
+    LoadOptions,
+    StateDictMismatchError,
+    UnsafeCheckpointError,
+)
 
 TINY = LoadOptions(chunk_size=4096, min_chunk_size=512, memory_budget=64 << 10, concurrency=1)
 MANY = LoadOptions(chunk_size=8192, min_chunk_size=1024, memory_budget=256 << 10, concurrency=16)
@@ -32,10 +37,14 @@ def flat_state(seed: int = 0) -> dict[str, torch.Tensor]:
         "layers.0.norm": random_tensor((48,), torch.float16, seed + 2),
         "scalar": random_tensor((), torch.float64, seed + 3),
         "empty": torch.empty(0, 5),
-        "transposed": random_tensor((24, 40), torch.float32, seed + 4).t(),  # saved with its strides
+        "transposed": random_tensor(
+            (24, 40), torch.float32, seed + 4
+        ).t(),  # saved with its strides
     }
     for i, dt in enumerate(SAVEABLE_DTYPES):
-        sd[f"dtypes.{str(dt).removeprefix('torch.')}"] = random_tensor((4, 3 + i), dt, seed + 10 + i)
+        sd[f"dtypes.{str(dt).removeprefix('torch.')}"] = random_tensor(
+            (4, 3 + i), dt, seed + 10 + i
+        )
     return sd
 
 
@@ -62,7 +71,9 @@ def saved(obj: Any, **kw: Any) -> bytes:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("options", [None, TINY, MANY], ids=["default", "tiny-c1", "small-c16"])
 @pytest.mark.parametrize("suffix", [".pt", ".bin", ".weights"])
-def test_flat_state_dict_bit_exact(tmp_path: Path, options: LoadOptions | None, suffix: str) -> None:
+def test_flat_state_dict_bit_exact(
+    tmp_path: Path, options: LoadOptions | None, suffix: str
+) -> None:
     sd = flat_state()
     path = tmp_path / f"model{suffix}"
     torch.save(sd, path)
@@ -108,7 +119,9 @@ def test_file_url_and_memory_fs(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_s3_reads_by_range_without_downloading_it_whole(tmp_path: Path, s3_server: Any, bucket_name: str) -> None:
+def test_s3_reads_by_range_without_downloading_it_whole(
+    tmp_path: Path, s3_server: Any, bucket_name: str
+) -> None:
     sd = {f"layer{i}.w": random_tensor((128, 64), torch.float32, i) for i in range(12)}
     raw = saved(sd)
     url = s3_server.put_object(bucket_name, "run/model.pt", raw)
@@ -137,7 +150,12 @@ def test_nested_checkpoint_keys(tmp_path: Path) -> None:
     torch.save(ck, path)
 
     # 1) the whole tree, DCP-style
-    dest = {"model": zeros_tree(ck["model"]), "optimizer": zeros_tree(ck["optimizer"]), "epoch": 0, "tag": ""}
+    dest = {
+        "model": zeros_tree(ck["model"]),
+        "optimizer": zeros_tree(ck["optimizer"]),
+        "epoch": 0,
+        "tag": "",
+    }
     stats = asyncload.load(dest, path)
     assert_bitwise_equal(dest, ck)
     assert stats.unexpected_keys == []
@@ -152,7 +170,10 @@ def test_nested_checkpoint_keys(tmp_path: Path) -> None:
     dest = {"model.0.weight": torch.zeros(16, 8), "epoch": 0}
     stats = asyncload.load(dest, path)
     assert torch.equal(dest["model.0.weight"], ck["model"]["0.weight"]) and dest["epoch"] == 7
-    assert "model.2.bias" in stats.unexpected_keys and "optimizer.state.0.exp_avg" in stats.unexpected_keys
+    assert (
+        "model.2.bias" in stats.unexpected_keys
+        and "optimizer.state.0.exp_avg" in stats.unexpected_keys
+    )
 
     # 4) a key that is nowhere: the planner's usual error, naming it
     with pytest.raises(StateDictMismatchError, match="(?i)missing.*nowhere.weight"):
@@ -168,12 +189,16 @@ def test_ddp_module_prefix(tmp_path: Path) -> None:
     torch.save(sd, tmp_path / "ddp.pt")
     dest = {"fc.weight": torch.zeros(6, 4), "fc.bias": torch.zeros(6)}
     asyncload.load(dest, tmp_path / "ddp.pt")
-    assert_bitwise_equal(dest, {"fc.weight": sd["module.fc.weight"], "fc.bias": sd["module.fc.bias"]})
+    assert_bitwise_equal(
+        dest, {"fc.weight": sd["module.fc.weight"], "fc.bias": sd["module.fc.bias"]}
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("options", [None, TINY], ids=["default", "tiny"])
-def test_shared_storages_tied_weights_and_views(tmp_path: Path, options: LoadOptions | None) -> None:
+def test_shared_storages_tied_weights_and_views(
+    tmp_path: Path, options: LoadOptions | None
+) -> None:
     base = random_tensor((40, 32), torch.float32, 5)
     emb = random_tensor((50, 16), torch.bfloat16, 6)
     sd = {
@@ -207,7 +232,9 @@ def test_many_storages_layout_in_a_few_requests(tmp_path: Path) -> None:
     fs.pipe("/many/m.pt", path.read_bytes())
     try:
         dest = zeros_tree(sd)
-        stats = asyncload.load(dest, "memory://many/m.pt", options=LoadOptions(min_chunk_size=1 << 20))
+        stats = asyncload.load(
+            dest, "memory://many/m.pt", options=LoadOptions(min_chunk_size=1 << 20)
+        )
         assert_bitwise_equal(dest, sd)
         assert stats.chunks <= 4  # the data: all 300 small storages coalesced
     finally:
@@ -225,7 +252,12 @@ def test_objects_and_tuples_with_tensors(tmp_path: Path) -> None:
     }
     path = tmp_path / "obj.pt"
     torch.save(ck, path)
-    dest: dict[str, Any] = {"w": torch.zeros(4), "pair": None, "cfg": {"lr": 0.0, "betas": [0.0, 0.0]}, "names": []}
+    dest: dict[str, Any] = {
+        "w": torch.zeros(4),
+        "pair": None,
+        "cfg": {"lr": 0.0, "betas": [0.0, 0.0]},
+        "names": [],
+    }
     asyncload.load(dest, path)
     assert_bitwise_equal(dest["w"], ck["w"])
     assert isinstance(dest["pair"], tuple) and dest["pair"][1] == 5
@@ -242,13 +274,18 @@ def test_dcp_load_with_reader_and_default_planner(tmp_path: Path) -> None:
         dest = {**zeros_tree(flat_state(2)), "step": 0}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(dest, storage_reader=asyncload.PipelinedReader(path), planner=planner, no_dist=True)
+            dcp.load(
+                dest, storage_reader=asyncload.PipelinedReader(path), planner=planner, no_dist=True
+            )
         assert_bitwise_equal(dest, sd, type(planner).__name__)
 
 
 @pytest.mark.timeout(60)
 def test_verify_checks_the_zip_crc(tmp_path: Path) -> None:
-    sd = {"a": random_tensor((64, 64), torch.float32, 1), "b": random_tensor((100,), torch.int64, 2)}
+    sd = {
+        "a": random_tensor((64, 64), torch.float32, 1),
+        "b": random_tensor((100,), torch.int64, 2),
+    }
     path = tmp_path / "v.pt"
     torch.save(sd, path)
     dest = zeros_tree(sd)
@@ -347,7 +384,9 @@ def test_hf_bin_shards_with_index(tmp_path: Path) -> None:
         name = f"pytorch_model-{i + 1:05d}-of-00002.bin"
         torch.save({k: sd[k] for k in part}, root / name)
         wm.update(dict.fromkeys(part, name))
-    (root / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (root / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": wm})
+    )
     for target in (root, root / "pytorch_model.bin.index.json"):
         dest = zeros_tree(sd)
         asyncload.load(dest, target)
@@ -375,7 +414,10 @@ def test_records_with_the_same_pickle_share_its_decode_and_keep_their_own_checks
     from asyncload.formats import archive as torchsave
 
     torchsave._TENSOR_PICKLES.clear()
-    a, b = _archive(torch.arange(12.0).reshape(3, 4)), _archive(torch.ones(3, 4))  # same data.pkl bytes
+    a, b = (
+        _archive(torch.arange(12.0).reshape(3, 4)),
+        _archive(torch.ones(3, 4)),
+    )  # same data.pkl bytes
     la, lb = _parse(a), _parse(b)
     assert lb.obj is la.obj and len(torchsave._TENSOR_PICKLES) == 1  # decoded once
     assert la.storages["0"].crc32 != lb.storages["0"].crc32  # each archive's own directory
@@ -388,7 +430,9 @@ def test_records_with_the_same_pickle_share_its_decode_and_keep_their_own_checks
             for info in z.infolist():
                 data = z.read(info)
                 w.writestr(info, data[:-4] if info.filename == f"{prefix}/data/0" else data)
-    with pytest.raises(CheckpointFormatError, match=r"storage data/0 holds 44 bytes, data.pkl says 48"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"storage data/0 holds 44 bytes, data.pkl says 48"
+    ):
         _parse(out.getvalue())
     # only single-tensor records are kept (a dict of tensors is not), and hostile pickles never
     _parse(_archive({"w": torch.zeros(2)}))

@@ -34,7 +34,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import asyncload
-from asyncload import CheckpointFormatError, LoadOptions, PipelinedLoadPlanner, PipelinedReader, UnsafeCheckpointError
+from asyncload import (
+    CheckpointFormatError,
+    LoadOptions,
+    PipelinedLoadPlanner,
+    PipelinedReader,
+    UnsafeCheckpointError,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,14 +54,18 @@ def assert_same(got: Any, want: Any, where: str = "root") -> None:
     """``got`` is ``want`` as torch.load gives it: the same types (of keys and containers
     too), key order, attributes of state dicts (``_metadata``), tensors bit for bit with
     dtype, shape, stride and requires_grad, numpy arrays byte for byte with dtype and strides."""
-    assert type(got) is type(want), f"{where}: {type(got).__name__} where torch.load gives {type(want).__name__}"
+    assert type(got) is type(want), (
+        f"{where}: {type(got).__name__} where torch.load gives {type(want).__name__}"
+    )
     if isinstance(want, torch.Tensor):
         assert (got.dtype, got.shape, got.stride(), got.requires_grad) == (
             want.dtype,
             want.shape,
             want.stride(),
             want.requires_grad,
-        ), f"{where}: {got.dtype} {list(got.shape)} {got.stride()} vs {want.dtype} {list(want.shape)} {want.stride()}"
+        ), (
+            f"{where}: {got.dtype} {list(got.shape)} {got.stride()} vs {want.dtype} {list(want.shape)} {want.stride()}"
+        )
         a, b = got.detach().contiguous(), want.detach().contiguous()
         assert a.view(-1).view(torch.uint8).tolist() == b.view(-1).view(torch.uint8).tolist(), where
     elif isinstance(want, np.ndarray):
@@ -64,7 +74,9 @@ def assert_same(got: Any, want: Any, where: str = "root") -> None:
     elif isinstance(want, np.generic):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), where
     elif isinstance(want, dict):
-        assert [(type(k), k) for k in got] == [(type(k), k) for k in want], f"{where}: keys {list(got)} vs {list(want)}"
+        assert [(type(k), k) for k in got] == [(type(k), k) for k in want], (
+            f"{where}: keys {list(got)} vs {list(want)}"
+        )
         for k in want:
             assert_same(got[k], want[k], f"{where}[{k!r}]")
         assert vars(got).keys() == vars(want).keys() if hasattr(want, "__dict__") else True, where
@@ -100,7 +112,9 @@ def test_assert_same_can_fail() -> None:
 
 
 @pytest.fixture
-def publish(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[Path], tuple[str, dict[str, Any] | None]]:
+def publish(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Callable[[Path], tuple[str, dict[str, Any] | None]]:
     """``publish(path)`` -> (url, storage_options) of a local file or directory, as it is, or
     uploaded to the loopback S3 server (``@pytest.mark.parametrize("where", WHERE)``)."""
     where = request.node.callspec.params["where"]
@@ -153,7 +167,9 @@ def _resumed_step(
 
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_optimizer_state_dict_is_what_torch_load_gives(tmp_path: Path, publish: Any, name: str, where: str) -> None:
+def test_optimizer_state_dict_is_what_torch_load_gives(
+    tmp_path: Path, publish: Any, name: str, where: str
+) -> None:
     make = OPTIMIZERS[name]
     model = _model()
     opt = make(model.parameters())
@@ -215,7 +231,9 @@ def test_structure_and_storages_as_torch_load(tmp_path: Path) -> None:
     assert list(part) == ["od", "l", 3, "model"]
     assert type(part["od"]) is collections.OrderedDict and list(part["od"]) == ["a"]
     assert part["l"] == [None, 3]
-    assert list(part["model"]) == ["0.weight"] and torch.equal(part["model"]["0.weight"], want["model"]["0.weight"])
+    assert list(part["model"]) == ["0.weight"] and torch.equal(
+        part["model"]["0.weight"], want["model"]["0.weight"]
+    )
     names = [n for n, _ in asyncload.iter_tensors(path, keys="od")]
     assert names == ["od.b", "od.a"]
 
@@ -228,8 +246,12 @@ def test_indexed_torch_save_shards_merge_in_file_order(tmp_path: Path) -> None:
     b = {"y.weight": torch.randn(4)}
     torch.save(a, tmp_path / "pytorch_model-00001-of-00002.bin")
     torch.save(b, tmp_path / "pytorch_model-00002-of-00002.bin")
-    wm = dict.fromkeys(a, "pytorch_model-00001-of-00002.bin") | dict.fromkeys(b, "pytorch_model-00002-of-00002.bin")
-    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    wm = dict.fromkeys(a, "pytorch_model-00001-of-00002.bin") | dict.fromkeys(
+        b, "pytorch_model-00002-of-00002.bin"
+    )
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": wm})
+    )
     got = asyncload.read_state_dict(tmp_path)
     assert_same(got, {**a, **b})
 
@@ -267,7 +289,9 @@ def accelerate_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, to
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_accelerate_save_state(accelerate_state: tuple[Path, torch.nn.Module], publish: Any, where: str) -> None:
+def test_accelerate_save_state(
+    accelerate_state: tuple[Path, torch.nn.Module], publish: Any, where: str
+) -> None:
     state_dir, model = accelerate_state
     url, so = publish(state_dir)
     assert {"optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= set(os.listdir(state_dir))
@@ -275,11 +299,15 @@ def test_accelerate_save_state(accelerate_state: tuple[Path, torch.nn.Module], p
     def read(name: str) -> Any:
         return asyncload.read_state_dict(f"{url}/{name}", storage_options=so)
 
-    opt_got, opt_want = read("optimizer.bin"), torch.load(state_dir / "optimizer.bin", weights_only=True)
+    opt_got, opt_want = (
+        read("optimizer.bin"),
+        torch.load(state_dir / "optimizer.bin", weights_only=True),
+    )
     assert_same(opt_got, opt_want)
     assert len(opt_got["state"]) == 4  # every parameter's state restored (the issue: 0 of 4)
     for a, b in zip(
-        _resumed_step(model, OPTIMIZERS["AdamW"], opt_got), _resumed_step(model, OPTIMIZERS["AdamW"], opt_want)
+        _resumed_step(model, OPTIMIZERS["AdamW"], opt_got),
+        _resumed_step(model, OPTIMIZERS["AdamW"], opt_want),
     ):
         assert torch.equal(a, b)
     assert_same(read("scheduler.bin"), torch.load(state_dir / "scheduler.bin", weights_only=True))
@@ -288,7 +316,9 @@ def test_accelerate_save_state(accelerate_state: tuple[Path, torch.nn.Module], p
     # numpy's state: torch.load refuses it with weights_only=True; this is the test's own file
     rng_want = torch.load(state_dir / "random_states_0.pkl", weights_only=False)
     assert_same(rng_got, rng_want)
-    assert _draws(rng_got["random_state"], rng_got["numpy_random_seed"], rng_got["torch_manual_seed"]) == _draws(
+    assert _draws(
+        rng_got["random_state"], rng_got["numpy_random_seed"], rng_got["torch_manual_seed"]
+    ) == _draws(
         rng_want["random_state"], rng_want["numpy_random_seed"], rng_want["torch_manual_seed"]
     )
 
@@ -361,12 +391,16 @@ def trainer_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_trainer_checkpoint_files(trainer_checkpoint: tuple[Path, torch.nn.Module], publish: Any, where: str) -> None:
+def test_trainer_checkpoint_files(
+    trainer_checkpoint: tuple[Path, torch.nn.Module], publish: Any, where: str
+) -> None:
     ckpt, model = trainer_checkpoint
     url, so = publish(ckpt)
 
     rng_got = asyncload.read_state_dict(f"{url}/rng_state.pth", storage_options=so)
-    rng_want = torch.load(ckpt / "rng_state.pth", weights_only=False)  # numpy's state: the test's own file
+    rng_want = torch.load(
+        ckpt / "rng_state.pth", weights_only=False
+    )  # numpy's state: the test's own file
     assert_same(rng_got, rng_want)
     assert _draws(rng_got["python"], rng_got["numpy"], rng_got["cpu"]) == _draws(
         rng_want["python"], rng_want["numpy"], rng_want["cpu"]
@@ -385,7 +419,10 @@ def test_trainer_checkpoint_files(trainer_checkpoint: tuple[Path, torch.nn.Modul
         decay = set(Trainer.get_decay_parameter_names(None, m))  # type: ignore[arg-type]  # the Trainer's two groups
         named = list(m.named_parameters())
         opt = torch.optim.AdamW(
-            [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay]}]
+            [
+                {"params": [p for n, p in named if n in decay]},
+                {"params": [p for n, p in named if n not in decay]},
+            ]
         )
         opt.load_state_dict(state)
         ids = torch.arange(8).unsqueeze(0) % 64
@@ -413,7 +450,11 @@ def _training_state(seed: int) -> dict[str, Any]:
     return {
         "model": model.state_dict(),
         "optim": opt.state_dict(),
-        "rng": {"numpy": rs.get_state(), "python": random.Random(seed).getstate(), "torch": torch.get_rng_state()},
+        "rng": {
+            "numpy": rs.get_state(),
+            "python": random.Random(seed).getstate(),
+            "torch": torch.get_rng_state(),
+        },
         "np_scalar": np.float32(1.5),
         "np_array": np.arange(6, dtype=">i4").reshape(2, 3),
         "step": 7,
@@ -431,7 +472,12 @@ def test_dcp_objects_as_torch_reader_gives_them(tmp_path: Path, publish: Any, wh
     url, so = publish(ckpt)
     got = asyncload.read_state_dict(url, storage_options=so)
     assert_same(got, want)
-    assert list(got["optim"]["state"]) == ["0", "1", "2", "3"]  # DCP saved them as strings: torch's reader too
+    assert list(got["optim"]["state"]) == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ]  # DCP saved them as strings: torch's reader too
 
     # and into a destination, as dcp.load with torch's reader fills it
     def dest() -> dict[str, Any]:
@@ -451,7 +497,13 @@ def test_numpy_and_python_rng_in_a_torch_save_file(tmp_path: Path) -> None:
     values = {
         "state": np.random.RandomState(1).get_state(),
         "py": random.Random(2).getstate(),
-        "scalars": [np.float16(1.5), np.int64(-3), np.bool_(True), np.complex64(1 - 2j), np.uint8(7)],
+        "scalars": [
+            np.float16(1.5),
+            np.int64(-3),
+            np.bool_(True),
+            np.complex64(1 - 2j),
+            np.uint8(7),
+        ],
         "arrays": [
             np.arange(12, dtype="<f8").reshape(3, 4).T,  # Fortran order
             np.array([b"ab", b"c"], dtype="S2"),
@@ -468,7 +520,9 @@ def test_numpy_and_python_rng_in_a_torch_save_file(tmp_path: Path) -> None:
     torch.save(values, path)
     assert_same(asyncload.read_state_dict(path), torch.load(path, weights_only=False))
     # as numpy 1.x writes them
-    raw = _with_pickle(path, lambda p: p.replace(b"numpy._core.multiarray", b"numpy.core.multiarray"))
+    raw = _with_pickle(
+        path, lambda p: p.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    )
     old = tmp_path / "np1.pt"
     old.write_bytes(raw)
     assert b"numpy.core.multiarray" in raw
@@ -507,20 +561,50 @@ def _np_core() -> Any:
 
 
 def _forged_array(shape: Any, dtype: Any, raw: Any, version: int = 1) -> _Reduce:
-    return _Reduce(_np_core()._reconstruct, (np.ndarray, (0,), b"b"), (version, shape, dtype, False, raw))
+    return _Reduce(
+        _np_core()._reconstruct, (np.ndarray, (0,), b"b"), (version, shape, dtype, False, raw)
+    )
 
 
 HOSTILE_NUMPY: dict[str, tuple[Any, type[Exception], str]] = {
     "object array": (np.array([1, "a"], dtype=object), UnsafeCheckpointError, "dtype 'O'"),
-    "structured with objects": (np.zeros(1, dtype=[("a", "i4"), ("b", "O")]), UnsafeCheckpointError, "dtype 'O'"),
-    "structured": (np.zeros(1, dtype=[("a", "i4")]), UnsafeCheckpointError, "structured numpy dtype"),
-    "shape past the bytes": (_forged_array((10,), np.dtype("f8"), b"\0" * 8), CheckpointFormatError, "needs 80 bytes"),
-    "huge shape": (_forged_array((1 << 40, 1 << 20), np.dtype("f8"), b"\0" * 8), CheckpointFormatError, "needs"),
-    "negative shape": (_forged_array((-1,), np.dtype("f8"), b""), CheckpointFormatError, "malformed shape"),
+    "structured with objects": (
+        np.zeros(1, dtype=[("a", "i4"), ("b", "O")]),
+        UnsafeCheckpointError,
+        "dtype 'O'",
+    ),
+    "structured": (
+        np.zeros(1, dtype=[("a", "i4")]),
+        UnsafeCheckpointError,
+        "structured numpy dtype",
+    ),
+    "shape past the bytes": (
+        _forged_array((10,), np.dtype("f8"), b"\0" * 8),
+        CheckpointFormatError,
+        "needs 80 bytes",
+    ),
+    "huge shape": (
+        _forged_array((1 << 40, 1 << 20), np.dtype("f8"), b"\0" * 8),
+        CheckpointFormatError,
+        "needs",
+    ),
+    "negative shape": (
+        _forged_array((-1,), np.dtype("f8"), b""),
+        CheckpointFormatError,
+        "malformed shape",
+    ),
     "object data": (_forged_array((1,), np.dtype("f8"), [1.0]), UnsafeCheckpointError, "dtype 'O'"),
-    "bad version": (_forged_array((1,), np.dtype("f8"), b"\0" * 8, version=2), CheckpointFormatError, "state"),
+    "bad version": (
+        _forged_array((1,), np.dtype("f8"), b"\0" * 8, version=2),
+        CheckpointFormatError,
+        "state",
+    ),
     "bad type code": (_Reduce(np.dtype, ("q9", False, True)), CheckpointFormatError, "numpy.dtype"),
-    "shared dtype (copy=False)": (_Reduce(np.dtype, ("f8", False, False)), CheckpointFormatError, "numpy.dtype"),
+    "shared dtype (copy=False)": (
+        _Reduce(np.dtype, ("f8", False, False)),
+        CheckpointFormatError,
+        "numpy.dtype",
+    ),
     "dtype state not numpy's": (
         _Reduce(np.dtype, ("f8", False, True), (3, "<", None, None, None, 99, -1, 0)),
         CheckpointFormatError,
@@ -593,7 +677,9 @@ class WithState:
 @pytest.mark.parametrize("where", WHERE)
 def test_safe_globals(tmp_path: Path, publish: Any, where: str) -> None:
     saved = {
-        "args": argparse.Namespace(lr=0.1, name="run", sizes=(1, 2), scale=torch.full((2,), 0.5)),  # a tensor inside
+        "args": argparse.Namespace(
+            lr=0.1, name="run", sizes=(1, 2), scale=torch.full((2,), 0.5)
+        ),  # a tensor inside
         "config": RunConfig(0.5, [1, 2]),
         "custom": WithState(4),
         "w": torch.arange(4.0),
@@ -609,7 +695,9 @@ def test_safe_globals(tmp_path: Path, publish: Any, where: str) -> None:
     assert "nothing from it was executed" in msg
 
     with pytest.raises(UnsafeCheckpointError, match=r'safe_globals=\["[\w.]*RunConfig"\]'):
-        asyncload.read_state_dict(url, storage_options=so, options=LoadOptions(safe_globals=[argparse.Namespace]))
+        asyncload.read_state_dict(
+            url, storage_options=so, options=LoadOptions(safe_globals=[argparse.Namespace])
+        )
 
     trusted = LoadOptions(safe_globals=["argparse.Namespace", RunConfig, WithState])
     got = asyncload.read_state_dict(url, storage_options=so, options=trusted)
@@ -686,7 +774,9 @@ class RawBytesPlanner(PipelinedLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         data = value.read()
         self.raw[read_item.dest_index.fqn] = data
-        self.load_object(read_item, torch.load(io.BytesIO(data), weights_only=False))  # the user's own choice
+        self.load_object(
+            read_item, torch.load(io.BytesIO(data), weights_only=False)
+        )  # the user's own choice
 
 
 def _record_bytes(ckpt: Path, fqn: str) -> bytes:

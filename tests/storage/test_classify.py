@@ -64,7 +64,9 @@ RANGE = (1024, 4096)
 # --- the raw errors, as the clients make them --------------------------------------------------
 
 
-def s3_error(code: str, status: int, retry_after: str | None = None, op: str = "GetObject") -> Exception:
+def s3_error(
+    code: str, status: int, retry_after: str | None = None, op: str = "GetObject"
+) -> Exception:
     """A botocore ClientError as aiobotocore raises it for an S3 error answer."""
     headers = {"content-type": "application/xml"}
     if retry_after is not None:
@@ -115,7 +117,9 @@ def caused_by(outer: BaseException, inner: BaseException) -> BaseException:
 
 def payload_error(cause: BaseException) -> Exception:
     """aiohttp's ClientPayloadError for a body cut short (its parser error as the cause)."""
-    return caused_by(aiohttp.ClientPayloadError(f"Response payload is not completed: {cause!r}"), cause)  # type: ignore[return-value]
+    return caused_by(
+        aiohttp.ClientPayloadError(f"Response payload is not completed: {cause!r}"), cause
+    )  # type: ignore[return-value]
 
 
 def _with_context(outer: BaseException, inner: BaseException) -> BaseException:
@@ -131,7 +135,9 @@ def _with_context(outer: BaseException, inner: BaseException) -> BaseException:
 
 def connector_error() -> Exception:
     key = ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
-    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
+    return aiohttp.ClientConnectorError(
+        key, ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed")
+    )
 
 
 def endpoint_error(cause: Exception) -> Exception:
@@ -140,23 +146,35 @@ def endpoint_error(cause: Exception) -> Exception:
         raise cause
     except Exception as e:
         try:
-            raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9", error=e)
+            raise botocore.exceptions.EndpointConnectionError(
+                endpoint_url="http://127.0.0.1:9", error=e
+            )
         except Exception as wrapped:
             return wrapped
 
 
 def certificate_error() -> Exception:
     key = ConnectionKey("127.0.0.1", 9, True, True, None, None, None)
-    cert = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    cert = ssl.SSLCertVerificationError(
+        1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"
+    )
     return aiohttp.ClientConnectorCertificateError(key, cert)
 
 
 def ssl_handshake_error() -> Exception:
     key = ConnectionKey("127.0.0.1", 9, True, True, None, None, None)
-    return aiohttp.ClientConnectorSSLError(key, ssl.SSLError(1, "[SSL: UNEXPECTED_EOF_WHILE_READING] EOF"))
+    return aiohttp.ClientConnectorSSLError(
+        key, ssl.SSLError(1, "[SSL: UNEXPECTED_EOF_WHILE_READING] EOF")
+    )
 
 
-def fail(retryable: bool, cause: str, status: int | None = None, retry_after: float | None = None, **flags: bool):
+def fail(
+    retryable: bool,
+    cause: str,
+    status: int | None = None,
+    retry_after: float | None = None,
+    **flags: bool,
+):
     return Failure(retryable, cause, status, retry_after, **flags)
 
 
@@ -167,7 +185,9 @@ CREDS = fail(False, "credentials")
 CONFIG = fail(False, "config")
 TLS = fail(False, "tls")
 CONNECTION = fail(True, "connection")
-UNREACHABLE = fail(True, "unreachable", max_attempts=2)  # nothing answers: one retry, then "could not connect"
+UNREACHABLE = fail(
+    True, "unreachable", max_attempts=2
+)  # nothing answers: one retry, then "could not connect"
 SHORT = fail(True, "short_read")
 TIMEOUT = fail(True, "timeout")
 RANGE_416 = fail(False, "range_not_satisfiable", 416, format_error=True)
@@ -315,7 +335,9 @@ def test_classify(make: Callable[[], BaseException], expected: Failure) -> None:
 TRANSLATED = [r for r in ROWS if r[3] is not None]
 
 
-async def provoke_obstore(how: str, s3_server: Any, fault_proxy: Callable[..., Any], bucket: str) -> BaseException:
+async def provoke_obstore(
+    how: str, s3_server: Any, fault_proxy: Callable[..., Any], bucket: str
+) -> BaseException:
     """The exception obstore raises for ``how``, provoked against moto (behind a FaultProxy
     where the server would not fail by itself)."""
     import obstore
@@ -352,11 +374,15 @@ async def provoke_obstore(how: str, s3_server: Any, fault_proxy: Callable[..., A
         elif how == "precondition":
             options = {"range": (0, 4096), "if_match": '"not-the-etag"'}
         elif how == "refused":
-            await obstore.get_async(store(f"http://127.0.0.1:{free_port()}"), "ckpt/x.bin", options=options)
+            await obstore.get_async(
+                store(f"http://127.0.0.1:{free_port()}"), "ckpt/x.bin", options=options
+            )
         elif how == "unknown-key":
             store(no_such_key="x")
         elif how == "range-ignored":
-            await obstore.get_async(HTTPStore(ignoring_range_url(), client_options=client), "x.bin", options=options)
+            await obstore.get_async(
+                HTTPStore(ignoring_range_url(), client_options=client), "x.bin", options=options
+            )
         result = await obstore.get_async(store(), "ckpt/x.bin", options=options)
         await result.bytes_async()
     except Exception as exc:
@@ -406,8 +432,12 @@ OBSTORE_ROWS: list[tuple[str, str, Failure, type[AsyncLoadError]]] = [
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("how,failure,cls", [r[1:] for r in OBSTORE_ROWS], ids=[r[0] for r in OBSTORE_ROWS])
-async def test_classify_and_translate_obstore(s3_server, fault_proxy, bucket_name, how, failure, cls) -> None:
+@pytest.mark.parametrize(
+    "how,failure,cls", [r[1:] for r in OBSTORE_ROWS], ids=[r[0] for r in OBSTORE_ROWS]
+)
+async def test_classify_and_translate_obstore(
+    s3_server, fault_proxy, bucket_name, how, failure, cls
+) -> None:
     exc = await provoke_obstore(how, s3_server, fault_proxy, bucket_name)
     assert classify(exc) == failure, (type(exc), str(exc)[:300])
     err = translate(exc, url=URL_, byte_range=RANGE, attempts=1)
@@ -417,8 +447,12 @@ async def test_classify_and_translate_obstore(s3_server, fault_proxy, bucket_nam
         assert HINTS[failure.cause] in str(err)
 
 
-@pytest.mark.parametrize("make,failure,cls", [r[1:] for r in TRANSLATED], ids=[r[0] for r in TRANSLATED])
-def test_translate(make: Callable[[], BaseException], failure: Failure, cls: type[AsyncLoadError]) -> None:
+@pytest.mark.parametrize(
+    "make,failure,cls", [r[1:] for r in TRANSLATED], ids=[r[0] for r in TRANSLATED]
+)
+def test_translate(
+    make: Callable[[], BaseException], failure: Failure, cls: type[AsyncLoadError]
+) -> None:
     exc = make()
     err = translate(exc, url=URL_, byte_range=RANGE, attempts=3)
     assert type(err) is cls
@@ -444,12 +478,19 @@ def test_translate(make: Callable[[], BaseException], failure: Failure, cls: typ
         assert "raise LoadOptions.retries" not in msg
         return
     if failure == UNREACHABLE:  # what to check instead of the client's words (issue 26)
-        endpoint = "127.0.0.1:9" if type(exc).__name__ == "ClientConnectorError" else "http://127.0.0.1:9"
+        endpoint = (
+            "127.0.0.1:9" if type(exc).__name__ == "ClientConnectorError" else "http://127.0.0.1:9"
+        )
         if isinstance(exc, ConnectionRefusedError):
             endpoint = "the endpoint"  # the builtin does not say where
         assert msg.startswith(f"could not connect to {endpoint} (connection refused"), msg
-        assert f"to read {URL_} bytes [1024, 4096) after 3 attempts: " in msg and "endpoint_url" in msg
-        assert "raise LoadOptions.retries" not in msg and "(asyncload docs: Errors > StorageReadError)" in msg
+        assert (
+            f"to read {URL_} bytes [1024, 4096) after 3 attempts: " in msg and "endpoint_url" in msg
+        )
+        assert (
+            "raise LoadOptions.retries" not in msg
+            and "(asyncload docs: Errors > StorageReadError)" in msg
+        )
         return
     assert f"{type(exc).__name__}: " in msg
     assert (f" HTTP {failure.status} " in msg) == (failure.status is not None)
@@ -467,8 +508,16 @@ def test_translate(make: Callable[[], BaseException], failure: Failure, cls: typ
             NF,
             f"{URL_} does not exist after 1 attempt (ClientError: ",
         ),
-        (lambda: http_error(403), SR, f"reading {URL_} failed HTTP 403 after 1 attempt: ClientResponseError: "),
-        (lambda: OSError(errno.EIO, "eio"), SR, f"reading {URL_} failed after 1 attempt: OSError: "),
+        (
+            lambda: http_error(403),
+            SR,
+            f"reading {URL_} failed HTTP 403 after 1 attempt: ClientResponseError: ",
+        ),
+        (
+            lambda: OSError(errno.EIO, "eio"),
+            SR,
+            f"reading {URL_} failed after 1 attempt: OSError: ",
+        ),
     ],
     ids=["not-found", "denied", "io-error"],
 )
@@ -489,7 +538,9 @@ def test_translate_keeps_asyncload_errors_and_bounds_the_message() -> None:
     err = translate(OSError(errno.EIO, "x" * 5000), url=URL_, byte_range=RANGE, attempts=2)
     msg = str(err)
     assert msg.startswith(f"reading {URL_} bytes [1024, 4096) failed after 2 attempts: OSError: ")
-    assert len(msg) < 900 and msg.endswith("(raise LoadOptions.retries or LoadOptions.timeout for a flaky store)")
+    assert len(msg) < 900 and msg.endswith(
+        "(raise LoadOptions.retries or LoadOptions.timeout for a flaky store)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -499,15 +550,27 @@ def test_translate_keeps_asyncload_errors_and_bounds_the_message() -> None:
             botocore.exceptions.NoCredentialsError,
             "did not get credentials: check the access key, secret, session token",
         ),
-        (lambda: s3_error("ExpiredToken", 400), "did not get credentials: check the access key, secret, session token"),
+        (
+            lambda: s3_error("ExpiredToken", 400),
+            "did not get credentials: check the access key, secret, session token",
+        ),
         (lambda: http_error(401), "did not get credentials"),
         (lambda: s3_error("AccessDenied", 403), "lack permission to read this object"),
         (botocore.exceptions.NoRegionError, "check the endpoint URL and region"),
         (lambda: aiohttp.InvalidURL("http://:80/x"), "check the endpoint URL and region"),
-        (certificate_error, "TLS certificate was rejected: check the endpoint URL and the CA bundle"),
+        (
+            certificate_error,
+            "TLS certificate was rejected: check the endpoint URL and the CA bundle",
+        ),
         (lambda: NotRegularFileError("/c/x", stat.S_IFIFO), "must be a regular file, not a FIFO"),
-        (lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory"), "a file where a directory is expected"),
-        (lambda: OSError(errno.ENAMETOOLONG, "File name too long"), "longer than the file system allows"),
+        (
+            lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory"),
+            "a file where a directory is expected",
+        ),
+        (
+            lambda: OSError(errno.ENAMETOOLONG, "File name too long"),
+            "longer than the file system allows",
+        ),
         (lambda: OSError(errno.ELOOP, "Too many levels"), "symbolic link loop"),
     ],
     ids=[
@@ -524,7 +587,9 @@ def test_translate_keeps_asyncload_errors_and_bounds_the_message() -> None:
         "eloop",
     ],
 )
-def test_translate_names_the_real_cause_and_fix(make: Callable[[], BaseException], text: str) -> None:
+def test_translate_names_the_real_cause_and_fix(
+    make: Callable[[], BaseException], text: str
+) -> None:
     err = translate(make(), url=URL_, byte_range=RANGE, attempts=1)
     assert type(err) is StorageReadError
     msg = str(err)
@@ -557,7 +622,9 @@ class Scripted(Storage):
 
     supports_readinto = True
 
-    def __init__(self, error: Callable[[], BaseException] | None, fail: int, *, readinto: bool = True) -> None:
+    def __init__(
+        self, error: Callable[[], BaseException] | None, fail: int, *, readinto: bool = True
+    ) -> None:
         super().__init__(ROOT)
         self.error = error
         self.fail = fail
@@ -609,14 +676,18 @@ def executor():
     pool.shutdown(wait=True)
 
 
-def boundary(storage: Storage, executor: Any, **changes: Any) -> tuple[RetryingStorage, StatsRecorder]:
+def boundary(
+    storage: Storage, executor: Any, **changes: Any
+) -> tuple[RetryingStorage, StatsRecorder]:
     stats = StatsRecorder()
     return RetryingStorage.for_options(storage, OPTS.replace(**changes), stats, executor), stats
 
 
 async def _batch(rs: RetryingStorage) -> list[bytes]:
     got: list[bytes] = []
-    await rs.read_batch([("f", 0, 4, lambda v: got.append(bytes(v))), ("f", 50, 60, lambda v: got.append(bytes(v)))])
+    await rs.read_batch(
+        [("f", 0, 4, lambda v: got.append(bytes(v))), ("f", 50, 60, lambda v: got.append(bytes(v)))]
+    )
     return got
 
 
@@ -630,7 +701,9 @@ async def _shared(rs: RetryingStorage) -> list[bytes]:
     """Two reads straight into caller memory pulled from one queue (a run of large local
     chunks), by one thread here: the failing calls are the first read's."""
     a, b, c = bytearray(4), bytearray(3), bytearray(5)
-    await rs.readinto_shared([("f", 200, [memoryview(a), memoryview(b)]), ("f", 300, [memoryview(c)])], jobs=1)
+    await rs.readinto_shared(
+        [("f", 200, [memoryview(a), memoryview(b)]), ("f", 300, [memoryview(c)])], jobs=1
+    )
     return [bytes(a + b), bytes(c)]
 
 
@@ -638,7 +711,14 @@ async def _shared(rs: RetryingStorage) -> list[bytes]:
 #: names). A batch makes one raw call per member: a failure at the first retries the whole batch.
 OPS: list[tuple[str, Callable[[RetryingStorage], Any], Any, int, str, tuple[int, int] | None]] = [
     ("read", lambda rs: rs.read("f", 10, 20), DATA[10:20], 10, "read", (10, 20)),
-    ("read-uncounted", lambda rs: rs.read("f", 10, 20, counted=False), DATA[10:20], 0, "read", (10, 20)),
+    (
+        "read-uncounted",
+        lambda rs: rs.read("f", 10, 20, counted=False),
+        DATA[10:20],
+        0,
+        "read",
+        (10, 20),
+    ),
     ("readinto", _readinto, DATA[100:110], 10, "readinto", (100, 110)),
     ("read_batch", _batch, [DATA[0:4], DATA[50:60]], 14, "readinto", (0, 60)),
     ("readinto_shared", _shared, [DATA[200:207], DATA[300:305]], 12, "readinto", (200, 207)),
@@ -663,8 +743,12 @@ def _norm(value: Any) -> Any:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("make,cause", [r[1:] for r in RETRYABLE], ids=[r[0] for r in RETRYABLE])
-@pytest.mark.parametrize("call,result,nbytes,op,_rng", [o[1:] for o in OPS], ids=[o[0] for o in OPS])
-async def test_retryable_errors_are_retried_then_succeed(executor, call, result, nbytes, op, _rng, make, cause):
+@pytest.mark.parametrize(
+    "call,result,nbytes,op,_rng", [o[1:] for o in OPS], ids=[o[0] for o in OPS]
+)
+async def test_retryable_errors_are_retried_then_succeed(
+    executor, call, result, nbytes, op, _rng, make, cause
+):
     raw = Scripted(make, fail=2)
     rs, stats = boundary(raw, executor)
     throttled: list[int] = []
@@ -681,7 +765,9 @@ async def test_retryable_errors_are_retried_then_succeed(executor, call, result,
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("call,result,nbytes,op,rng", [o[1:] for o in OPS], ids=[o[0] for o in OPS])
-async def test_retryable_error_every_time_fails_after_every_attempt(executor, call, result, nbytes, op, rng):
+async def test_retryable_error_every_time_fails_after_every_attempt(
+    executor, call, result, nbytes, op, rng
+):
     raw = Scripted(aiohttp.ServerDisconnectedError, fail=1000)
     rs, stats = boundary(raw, executor, retries=2)
     if op == "listdir":  # a listing that cannot be made is an empty one (after the same retries)
@@ -693,7 +779,9 @@ async def test_retryable_error_every_time_fails_after_every_attempt(executor, ca
         assert type(err) is StorageReadError
         assert (err.path, err.byte_range, err.attempts, err.status) == (f"{ROOT}/f", rng, 3, None)
         where = f"{ROOT}/f bytes [{rng[0]}, {rng[1]})" if rng else f"{ROOT}/f"
-        assert str(err).startswith(f"reading {where} failed after 3 attempts: ServerDisconnectedError: ")
+        assert str(err).startswith(
+            f"reading {where} failed after 3 attempts: ServerDisconnectedError: "
+        )
         assert isinstance(err.__cause__, aiohttp.ServerDisconnectedError)
     assert raw.calls == {op: 3}
     s = stats.snapshot()
@@ -708,31 +796,62 @@ FINAL = [
     ("AccessDenied", lambda: s3_error("AccessDenied", 403), StorageReadError, 403),
     ("gcs-forbidden", lambda: gcs_error(403, b"no"), StorageReadError, 403),
     ("http-416", lambda: http_error(416), CheckpointFormatError, None),
-    ("local-short-read", lambda: ShortReadError("/c/f", 0, 10, 0, local=True), CheckpointFormatError, None),
+    (
+        "local-short-read",
+        lambda: ShortReadError("/c/f", 0, 10, 0, local=True),
+        CheckpointFormatError,
+        None,
+    ),
     ("ValueError", lambda: ValueError("bad"), StorageReadError, None),
     ("NoCredentialsError", botocore.exceptions.NoCredentialsError, StorageReadError, None),
     (
         "PartialCredentialsError",
-        lambda: botocore.exceptions.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"),
+        lambda: botocore.exceptions.PartialCredentialsError(
+            provider="env", cred_var="AWS_SECRET_ACCESS_KEY"
+        ),
         StorageReadError,
         None,
     ),
     ("ExpiredToken", lambda: s3fs_error("ExpiredToken", 400), StorageReadError, 400),
     ("http-401", lambda: http_error(401), StorageReadError, 401),
     ("NoRegionError", botocore.exceptions.NoRegionError, StorageReadError, None),
-    ("ParamValidationError", lambda: botocore.exceptions.ParamValidationError(report="bad"), StorageReadError, None),
+    (
+        "ParamValidationError",
+        lambda: botocore.exceptions.ParamValidationError(report="bad"),
+        StorageReadError,
+        None,
+    ),
     ("InvalidURL", lambda: aiohttp.InvalidURL("http://:80/x"), StorageReadError, None),
     ("certificate", certificate_error, StorageReadError, None),
-    ("NotADirectoryError", lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory"), StorageReadError, None),
-    ("ELOOP", lambda: OSError(errno.ELOOP, "Too many levels of symbolic links"), StorageReadError, None),
-    ("range-ignored", lambda: RangeIgnoredError(f"{ROOT}/f", 0, 10, 200, "a 1024-byte body"), StorageReadError, 200),
+    (
+        "NotADirectoryError",
+        lambda: NotADirectoryError(errno.ENOTDIR, "Not a directory"),
+        StorageReadError,
+        None,
+    ),
+    (
+        "ELOOP",
+        lambda: OSError(errno.ELOOP, "Too many levels of symbolic links"),
+        StorageReadError,
+        None,
+    ),
+    (
+        "range-ignored",
+        lambda: RangeIgnoredError(f"{ROOT}/f", 0, 10, 200, "a 1024-byte body"),
+        StorageReadError,
+        200,
+    ),
 ]
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("make,cls,status", [r[1:] for r in FINAL], ids=[r[0] for r in FINAL])
-@pytest.mark.parametrize("call,result,nbytes,op,rng", [o[1:] for o in NOT_LISTDIR], ids=[o[0] for o in NOT_LISTDIR])
-async def test_errors_retrying_cannot_help_fail_at_once(executor, call, result, nbytes, op, rng, make, cls, status):
+@pytest.mark.parametrize(
+    "call,result,nbytes,op,rng", [o[1:] for o in NOT_LISTDIR], ids=[o[0] for o in NOT_LISTDIR]
+)
+async def test_errors_retrying_cannot_help_fail_at_once(
+    executor, call, result, nbytes, op, rng, make, cls, status
+):
     raw = Scripted(make, fail=1000)
     rs, stats = boundary(raw, executor, retries=5)
     with pytest.raises(cls) as ei:
@@ -750,7 +869,9 @@ async def test_errors_retrying_cannot_help_fail_at_once(executor, call, result, 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    "make", [lambda: s3fs_error("NoSuchBucket", 404), lambda: http_error(403)], ids=["no-bucket", "denied"]
+    "make",
+    [lambda: s3fs_error("NoSuchBucket", 404), lambda: http_error(403)],
+    ids=["no-bucket", "denied"],
 )
 async def test_listdir_that_cannot_help_is_empty_at_once(executor, make):
     raw = Scripted(make, fail=1000)
@@ -792,7 +913,9 @@ async def test_a_store_that_never_answers_ends_in_chunk_timeout_error(executor, 
     assert isinstance(err, TimeoutError) and isinstance(err.__cause__, TimeoutError)
     assert (err.path, err.byte_range, err.attempts) == (f"{ROOT}/f", rng or (0, 0), 2)
     where = f"{ROOT}/f bytes [{rng[0]}, {rng[1]})" if rng else f"{ROOT}/f"
-    assert str(err).startswith(f"reading {where} made no progress within 0.05 s on any of 2 attempts")
+    assert str(err).startswith(
+        f"reading {where} made no progress within 0.05 s on any of 2 attempts"
+    )
     assert raw.calls == {op: 2}
     s = stats.snapshot()
     assert (s.retries, s.retries_by_cause, s.timeouts, s.bytes_read) == (1, {"timeout": 1}, 2, 0)
@@ -849,18 +972,24 @@ async def test_local_storage_errors_are_translated_at_once(local):
             await rs.read("missing", 0, 10)
         err = ei.value
         assert (err.path, err.byte_range, err.attempts, err.status) == (url, (0, 10), 1, 404)
-        assert str(err).startswith(f"reading {url} bytes [0, 10) failed: the object does not exist after 1 attempt")
+        assert str(err).startswith(
+            f"reading {url} bytes [0, 10) failed: the object does not exist after 1 attempt"
+        )
         assert isinstance(err.__cause__, FileNotFoundError)
 
         with pytest.raises(CheckpointNotFoundError) as ei:
             await rs.size("missing")
-        assert str(ei.value).startswith(f"{url} does not exist after 1 attempt (FileNotFoundError: ")
+        assert str(ei.value).startswith(
+            f"{url} does not exist after 1 attempt (FileNotFoundError: "
+        )
         assert (ei.value.path, ei.value.byte_range, ei.value.attempts) == (url, None, 1)
         with pytest.raises(CheckpointNotFoundError):
             await rs.fingerprint("missing")
 
         # past the end of a local file: truncated, final (no retry)
-        with pytest.raises(CheckpointFormatError, match=r"/g bytes \[0, 10\) lies past the end of the file"):
+        with pytest.raises(
+            CheckpointFormatError, match=r"/g bytes \[0, 10\) lies past the end of the file"
+        ):
             await rs.read("g", 0, 10)
         with pytest.raises(CheckpointFormatError, match="truncated"):
             await _batch_of(rs, "g", 1, 5)
@@ -869,7 +998,12 @@ async def test_local_storage_errors_are_translated_at_once(local):
             await rs.read("sub", 0, 10)
         err = ei.value
         assert type(err) is StorageReadError and isinstance(err.__cause__, IsADirectoryError)
-        assert (err.path, err.byte_range, err.attempts, err.status) == (f"{root}/sub", (0, 10), 1, None)
+        assert (err.path, err.byte_range, err.attempts, err.status) == (
+            f"{root}/sub",
+            (0, 10),
+            1,
+            None,
+        )
         assert "IsADirectoryError" in str(err) and "raise LoadOptions.retries" not in str(err)
 
         s = stats.snapshot()
@@ -891,7 +1025,11 @@ async def test_local_fifo_and_file_for_directory_fail_at_once(tmp_path, executor
     (tmp_path / "file").write_bytes(b"x")
     rs, stats = boundary(LocalStorage(str(tmp_path), executor), executor, retries=5)
     try:
-        for call in (lambda: rs.read("pipe", 0, 10), lambda: _batch_of(rs, "pipe", 0, 4), lambda: rs.size("pipe")):
+        for call in (
+            lambda: rs.read("pipe", 0, 10),
+            lambda: _batch_of(rs, "pipe", 0, 4),
+            lambda: rs.size("pipe"),
+        ):
             with pytest.raises(StorageReadError) as ei:
                 await asyncio.wait_for(call(), 20)
             err = ei.value
@@ -919,9 +1057,13 @@ async def _batch_of(rs: RetryingStorage, name: str, start: int, end: int) -> Non
     await rs.read_batch([(name, start, end, lambda v: None)])
 
 
-@pytest.mark.parametrize("make", [asyncio.TimeoutError, TimeoutError, lambda: OSError(errno.ETIMEDOUT, "timed out")])
+@pytest.mark.parametrize(
+    "make", [asyncio.TimeoutError, TimeoutError, lambda: OSError(errno.ETIMEDOUT, "timed out")]
+)
 def test_translate_makes_a_timeout_a_chunk_timeout_error(make: Callable[[], BaseException]) -> None:
     err = translate(make(), url=URL_, byte_range=(0, 10), attempts=3, timeout=2.5)
     assert type(err) is ChunkTimeoutError
     assert (err.path, err.byte_range, err.attempts) == (URL_, (0, 10), 3)
-    assert str(err).startswith(f"reading {URL_} bytes [0, 10) made no progress within 2.5 s on any of 3 attempts")
+    assert str(err).startswith(
+        f"reading {URL_} bytes [0, 10) made no progress within 2.5 s on any of 3 attempts"
+    )

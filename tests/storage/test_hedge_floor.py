@@ -94,7 +94,9 @@ def test_a_request_without_an_answer_is_hedged_after_a_few_first_byte_latencies(
     since = ft.t
     ft.t += 0.001
     _answers(fast, ft, 10, 0.001)
-    assert hedge_delay(DERIVED, fast, 8 * MiB, waiting_since=since) == pytest.approx(HEDGE_DERIVED_FLOOR)
+    assert hedge_delay(DERIVED, fast, 8 * MiB, waiting_since=since) == pytest.approx(
+        HEDGE_DERIVED_FLOOR
+    )
     # an explicit floor bounds the first-byte rule too
     fixed = LoadOptions(hedge_min_delay=0.25).hedge_policy
     assert hedge_delay(fixed, clock, 8 * MiB, waiting_since=waiting_since) == pytest.approx(0.25)
@@ -126,11 +128,15 @@ def test_the_body_floor_is_the_expected_time_at_the_measured_rate():
     # comparable history: max(floor, 3 x p90) with the floor 3 x the expected time
     assert hedge_delay(DERIVED, clock, 8 * MiB) == pytest.approx(0.3)
     # the same history under the old fixed floor of 0.5 s
-    assert hedge_delay(LoadOptions(hedge_min_delay=0.5).hedge_policy, clock, 8 * MiB) == pytest.approx(0.5)
+    assert hedge_delay(
+        LoadOptions(hedge_min_delay=0.5).hedge_policy, clock, 8 * MiB
+    ) == pytest.approx(0.5)
     # a read 4x larger than any so far: no comparable history, so no body hedge though its
     # expected time is known
     big = 64 * MiB
-    assert clock.straggler_time(big) is None and clock.expected_time(big) == pytest.approx(0.02 + 0.64)
+    assert clock.straggler_time(big) is None and clock.expected_time(big) == pytest.approx(
+        0.02 + 0.64
+    )
     assert hedge_delay(DERIVED, clock, big) is None
 
 
@@ -240,7 +246,9 @@ def many_chunks(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("floor") / "ckpt", sd), sd
 
 
-OPTS = LoadOptions(chunk_size=64 << 10, min_chunk_size=8 << 10, timeout=10.0, retries=2, backoff=0.02)
+OPTS = LoadOptions(
+    chunk_size=64 << 10, min_chunk_size=8 << 10, timeout=10.0, retries=2, backoff=0.02
+)
 DATA = {"path": ".distcp", "range_only": True, "data_only": True}
 
 
@@ -255,7 +263,9 @@ def test_stalled_gets_are_hedged_under_the_derived_floor(
     rule = r.proxy.add_rule(stall(5.0), times=2, **DATA)
     dst = zeros_like_tree(sd)
     with no_unclosed_session_warnings():
-        stats = asyncload.load(dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options)
+        stats = asyncload.load(
+            dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+        )
     assert_bitwise_equal(dst, sd)
     assert rule.fired == 2
     assert stats.hedges >= 2 and stats.retries == 0 and stats.timeouts == 0
@@ -267,12 +277,18 @@ def test_stalled_gets_are_hedged_under_the_derived_floor(
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["s3", "http"])
-def test_a_uniformly_slow_link_hedges_nothing(request, backend, many_chunks, bucket_name, fault_proxy):
+def test_a_uniformly_slow_link_hedges_nothing(
+    request, backend, many_chunks, bucket_name, fault_proxy
+):
     """60 ms per round trip and 8 MiB/s shared by every request: each read is slow, none
     is a straggler among its peers."""
     path, sd = many_chunks
-    r = make_remote(request, backend, path, bucket_name, fault_proxy, latency=0.03, bandwidth=8 * MiB)
+    r = make_remote(
+        request, backend, path, bucket_name, fault_proxy, latency=0.03, bandwidth=8 * MiB
+    )
     dst = zeros_like_tree(sd)
-    stats = asyncload.load(dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     assert stats.hedges == 0, stats

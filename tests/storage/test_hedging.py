@@ -21,13 +21,20 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_option
 TRANSPORT_OPTIONS = ("OPTS", "AUTO")
 
 OPTS = LoadOptions(
-    chunk_size=128 << 10, min_chunk_size=16 << 10, timeout=10.0, retries=2, backoff=0.02, hedge_min_delay=0.2
+    chunk_size=128 << 10,
+    min_chunk_size=16 << 10,
+    timeout=10.0,
+    retries=2,
+    backoff=0.02,
+    hedge_min_delay=0.2,
 )
 DATA = {"path": ".distcp", "range_only": True, "data_only": True}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_stalled_reads_are_hedged_and_do_not_hold_up_the_load(request, backend, ckpt, bucket_name, fault_proxy):
+def test_two_stalled_reads_are_hedged_and_do_not_hold_up_the_load(
+    request, backend, ckpt, bucket_name, fault_proxy
+):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     rule = r.proxy.add_rule(stall(5.0), times=2, **DATA)
@@ -52,7 +59,9 @@ def test_without_hedging_a_stall_holds_up_the_load(request, ckpt, bucket_name, f
     r.proxy.add_rule(stall(1.5), times=1, **DATA)
     dst = zeros_like_tree(sd, object_placeholder=None)
     t0 = time.monotonic()
-    stats = asyncload.load(dst, r.url, options=OPTS.replace(hedge=False), storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, r.url, options=OPTS.replace(hedge=False), storage_options=r.storage_options
+    )
     assert time.monotonic() - t0 >= 1.5
     assert_bitwise_equal(dst, sd)
     assert stats.hedges == 0
@@ -90,7 +99,9 @@ def test_hedge_delay_cold_floor_and_comparable_history():
 @pytest.fixture(scope="module")
 def many_chunks(tmp_path_factory):
     """2 MiB in 32 KiB reads: 64 data chunks."""
-    sd = {f"t{i}": random_tensor((64, 128), __import__("torch").float32, 100 + i) for i in range(64)}
+    sd = {
+        f"t{i}": random_tensor((64, 128), __import__("torch").float32, 100 + i) for i in range(64)
+    }
     return make_checkpoint(tmp_path_factory.mktemp("auto") / "ckpt", sd), sd
 
 
@@ -116,7 +127,9 @@ def _limits(caplog):
 
 def test_auto_grows_on_a_high_latency_link(request, many_chunks, bucket_name, fault_proxy, caplog):
     path, sd = many_chunks
-    r = make_remote(request, "http", path, bucket_name, fault_proxy, latency=0.04)  # 80 ms per request
+    r = make_remote(
+        request, "http", path, bucket_name, fault_proxy, latency=0.04
+    )  # 80 ms per request
     dst = zeros_like_tree(sd)
     caplog.set_level(logging.DEBUG, logger="asyncload.pipeline")
     stats = asyncload.load(dst, r.url, options=AUTO, storage_options=r.storage_options)
@@ -126,11 +139,15 @@ def test_auto_grows_on_a_high_latency_link(request, many_chunks, bucket_name, fa
     assert stats.peak_concurrency > AUTO.initial_concurrency
 
 
-def test_auto_does_not_run_to_the_ceiling_on_a_capped_link(request, many_chunks, bucket_name, fault_proxy, caplog):
+def test_auto_does_not_run_to_the_ceiling_on_a_capped_link(
+    request, many_chunks, bucket_name, fault_proxy, caplog
+):
     path, sd = many_chunks
     # 2 MiB/s and 5 ms each way: a 32 KiB read is 16 ms on the wire plus 10 ms of latency,
     # so 2-3 reads in flight fill the link and more only queue (latency rises, throughput not)
-    r = make_remote(request, "http", path, bucket_name, fault_proxy, latency=0.005, bandwidth=2 << 20)
+    r = make_remote(
+        request, "http", path, bucket_name, fault_proxy, latency=0.005, bandwidth=2 << 20
+    )
     caplog.set_level(logging.DEBUG, logger="asyncload.pipeline")
     dst = zeros_like_tree(sd)
     stats = asyncload.load(dst, r.url, options=AUTO, storage_options=r.storage_options)
@@ -148,7 +165,9 @@ def test_auto_backs_off_on_503_throttling(request, many_chunks, bucket_name, fau
     rule = r.proxy.add_rule(status(503), times=6, skip=8, **DATA)  # a burst of throttling
     caplog.set_level(logging.DEBUG, logger="asyncload.pipeline")
     dst = zeros_like_tree(sd)
-    stats = asyncload.load(dst, r.url, options=AUTO.replace(retries=10), storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, r.url, options=AUTO.replace(retries=10), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     assert rule.fired >= 1 and stats.retries_by_cause.get("status_503", 0) == rule.fired
     limits = _limits(caplog)

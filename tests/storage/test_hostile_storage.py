@@ -49,14 +49,18 @@ def no_range_server(tmp_path):
 
 def _boundary(url: str, executor: Any, **opts: Any) -> tuple[RetryingStorage, StatsRecorder]:
     stats = StatsRecorder()
-    options = LoadOptions(**{"retries": 3, "backoff": 0, "max_backoff": 0, "timeout": 30.0, "hedge": False, **opts})
+    options = LoadOptions(
+        **{"retries": 3, "backoff": 0, "max_backoff": 0, "timeout": 30.0, "hedge": False, **opts}
+    )
     raw = FsspecStorage(url, "http", {}, executor)
     return RetryingStorage.for_options(raw, options, stats, executor), stats
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("start", [1024, 0], ids=["mid-file", "from-0"])
-async def test_a_server_that_ignores_range_fails_at_once_without_downloading_the_file(no_range_server, executor, start):
+async def test_a_server_that_ignores_range_fails_at_once_without_downloading_the_file(
+    no_range_server, executor, start
+):
     url = f"{no_range_server.endpoint_url}/ckpt"
     rs, stats = _boundary(url, executor)
     try:
@@ -66,7 +70,12 @@ async def test_a_server_that_ignores_range_fails_at_once_without_downloading_the
         await rs.aclose()
     err = ei.value
     assert type(err) is StorageReadError and type(err.__cause__) is RangeIgnoredError
-    assert (err.path, err.byte_range, err.attempts, err.status) == (f"{url}/big.bin", (start, start + 4096), 1, 200)
+    assert (err.path, err.byte_range, err.attempts, err.status) == (
+        f"{url}/big.bin",
+        (start, start + 4096),
+        1,
+        200,
+    )
     assert str(err) == (
         f"reading {url}/big.bin bytes [{start}, {start + 4096}) failed after 1 attempt: the server ignores "
         f"Range requests (asked for bytes [{start}, {start + 4096}) of {url}/big.bin, got HTTP 200 with a "
@@ -91,7 +100,9 @@ async def test_a_reset_the_http_client_would_resend_is_counted(http_server, faul
     await _reset_once_between_two_reads(rs, stats, proxy, data)
 
 
-async def _reset_once_between_two_reads(rs: RetryingStorage, stats: StatsRecorder, proxy: Any, data: bytes) -> None:
+async def _reset_once_between_two_reads(
+    rs: RetryingStorage, stats: StatsRecorder, proxy: Any, data: bytes
+) -> None:
     """Read once (a pooled connection), reset the next request once: the re-send is ours, counted."""
     try:
         assert bytes(await rs.read("f.bin", 0, 100)) == data[:100]
@@ -102,7 +113,11 @@ async def _reset_once_between_two_reads(rs: RetryingStorage, stats: StatsRecorde
     s = stats.snapshot()
     assert (s.retries, s.retries_by_cause) == (1, {"connection": 1})
     assert proxy.faults_applied == 1
-    assert [e.range for e in proxy.log if e.range is not None] == ["bytes=0-99", "bytes=100-3999", "bytes=100-3999"]
+    assert [e.range for e in proxy.log if e.range is not None] == [
+        "bytes=0-99",
+        "bytes=100-3999",
+        "bytes=100-3999",
+    ]
 
 
 def _logged(server: HTTPRangeServer, suffix: str) -> list[dict[str, Any]]:
@@ -120,7 +135,9 @@ def _save_dcp(path: Path) -> None:
     dcp.save({"w": torch.arange(16, dtype=torch.float32)}, checkpoint_id=str(path))
 
 
-def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_server, tmp_path, transport):
+def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(
+    http_server, tmp_path, transport
+):
     """A ``.metadata`` whose storage file name is ``%2e%2e/%2e%2e/other/__0_0.distcp`` (the
     same server serves a real ``other/__0_0.distcp`` there): refused, never fetched."""
     import pickle
@@ -141,7 +158,9 @@ def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_ser
     url = http_server.url("pct", "a/ckpt")
     before = len(http_server.requests())
     with pytest.raises(CheckpointFormatError) as ei:
-        asyncload.load({"w": torch.zeros(16)}, url, options=LoadOptions(retries=0, transport=transport))
+        asyncload.load(
+            {"w": torch.zeros(16)}, url, options=LoadOptions(retries=0, transport=transport)
+        )
     assert "%2e%2e" in str(ei.value)
     seen = [r["path"] for r in http_server.requests()[before:]]
     assert seen and all("other" not in p and "%2e" not in p.lower() for p in seen), seen
@@ -160,7 +179,9 @@ def test_percent_escaped_name_outside_the_checkpoint_is_never_requested(http_ser
         "model.safetensors%00.txt",
     ],
 )
-def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(http_server, tmp_path, evil, transport):
+def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(
+    http_server, tmp_path, evil, transport
+):
     """The same through ``model.safetensors.index.json``'s ``weight_map`` (a real file of the
     same name is served where the name would lead): refused before anything of it is fetched."""
     from safetensors.torch import save_file
@@ -179,7 +200,11 @@ def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(htt
     before = len(http_server.requests())
     dest = {"w": torch.zeros(16)}
     with pytest.raises(CheckpointFormatError) as ei:
-        asyncload.load(dest, http_server.url(bucket, "a/ckpt"), options=LoadOptions(retries=0, transport=transport))
+        asyncload.load(
+            dest,
+            http_server.url(bucket, "a/ckpt"),
+            options=LoadOptions(retries=0, transport=transport),
+        )
     assert "model.safetensors" in str(ei.value)
     seen = [r["path"] for r in http_server.requests()[before:]]
     assert seen and all("/other" not in p and "%2e" not in p.lower() for p in seen), seen
@@ -202,7 +227,9 @@ async def _get(url: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_reset_the_s3_client_would_resend_is_counted(s3_server, fault_proxy, executor, bucket_name):
+async def test_a_reset_the_s3_client_would_resend_is_counted(
+    s3_server, fault_proxy, executor, bucket_name
+):
     """The same over s3fs: aiobotocore's aiohttp session would re-send the GET on a fresh
     connection unseen; asyncload's policy re-sends it instead, and counts it."""
     data = bytes(range(256)) * 64
@@ -210,6 +237,8 @@ async def test_a_reset_the_s3_client_would_resend_is_counted(s3_server, fault_pr
     proxy = fault_proxy(s3_server)
     stats = StatsRecorder()
     options = LoadOptions(retries=3, backoff=0, max_backoff=0, timeout=30.0, hedge=False)
-    raw = FsspecStorage(f"s3://{bucket_name}/ckpt", "s3", s3_server.storage_options(proxy.endpoint_url), executor)
+    raw = FsspecStorage(
+        f"s3://{bucket_name}/ckpt", "s3", s3_server.storage_options(proxy.endpoint_url), executor
+    )
     rs = RetryingStorage.for_options(raw, options, stats, executor)
     await _reset_once_between_two_reads(rs, stats, proxy, data)

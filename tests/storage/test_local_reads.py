@@ -27,9 +27,18 @@ from _ckpt import assert_bitwise_equal, evict_pages, resident_pages
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
 from asyncload._stats import StatsRecorder
-from asyncload.storage import BATCH_INLINE, INLINE_READ, LocalStorage, RetryingStorage, ShortReadError
+from asyncload.storage import (
+    BATCH_INLINE,
+    INLINE_READ,
+    LocalStorage,
+    RetryingStorage,
+    ShortReadError,
+)
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+]
 
 MiB = 1 << 20
 PIECE = 4 * MiB  # sizes around it: pieces of a read that cross several destination buffers
@@ -94,11 +103,15 @@ def test_small_reads_from_the_page_cache_need_no_io_thread(tmp_path: Path) -> No
     assert bytes(large[0][2][0]) == data[: INLINE_READ + 1]
 
 
-async def _counted_batch(root: Path, reads: list[tuple[str, int, int]]) -> tuple[int, list[tuple[bytes, bool]]]:
+async def _counted_batch(
+    root: Path, reads: list[tuple[str, int, int]]
+) -> tuple[int, list[tuple[bytes, bool]]]:
     """``RetryingStorage.read_batch`` of ``reads`` (name, start, end): the jobs the I/O threads
     got, and each read's bytes with whether they were delivered on the calling thread."""
     pool = _CountingPool()
-    st = RetryingStorage.for_options(LocalStorage(str(root), pool), LoadOptions(), StatsRecorder(), pool)
+    st = RetryingStorage.for_options(
+        LocalStorage(str(root), pool), LoadOptions(), StatsRecorder(), pool
+    )
     got: list[tuple[bytes, bool]] = []
 
     def deliver(mv: memoryview) -> None:
@@ -133,10 +146,15 @@ def test_a_batch_of_cached_reads_needs_no_io_thread(tmp_path: Path) -> None:
         if jobs:
             break
     assert jobs == 1
-    assert got == [(data[10:5000], True), (data[cold + 3 : cold + 9000], False), (data[:100], False)]
+    assert got == [
+        (data[10:5000], True),
+        (data[cold + 3 : cold + 9000], False),
+        (data[:100], False),
+    ]
     # cached, but more than BATCH_INLINE bytes in all: the reads past the bound go to a thread
     many = [
-        ("f", i * (INLINE_READ // 2), (i + 1) * (INLINE_READ // 2)) for i in range(2 * BATCH_INLINE // INLINE_READ + 1)
+        ("f", i * (INLINE_READ // 2), (i + 1) * (INLINE_READ // 2))
+        for i in range(2 * BATCH_INLINE // INLINE_READ + 1)
     ]
     jobs, got = asyncio.run(_counted_batch(tmp_path, many))
     inline = BATCH_INLINE // (INLINE_READ // 2)
@@ -219,7 +237,9 @@ def test_reads_are_bit_exact_at_unaligned_starts_ends_and_the_tail(
         (size - 1, 1),  # its last byte
         (PIECE - 1, PIECE + 2),
     ]
-    cases += [(s, rnd.randrange(1, size - s + 1)) for s in (rnd.randrange(0, size) for _ in range(8))]
+    cases += [
+        (s, rnd.randrange(1, size - s + 1)) for s in (rnd.randrange(0, size) for _ in range(8))
+    ]
     for start, n in cases:
         if cold:
             evict_pages(f)
@@ -244,7 +264,11 @@ def test_a_read_past_the_end_is_the_short_read_of_a_local_file(
     buf = bytearray(n)
     with pytest.raises(ShortReadError) as err:
         storage.readinto_sync("f", start, [memoryview(buf)])
-    assert err.value.local and err.value.got == size - start and (err.value.start, err.value.end) == (start, start + n)
+    assert (
+        err.value.local
+        and err.value.got == size - start
+        and (err.value.start, err.value.end) == (start, start + n)
+    )
     assert buf[: size - start] == data[start:]  # what the file holds was delivered
 
 
@@ -288,7 +312,9 @@ def big_ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("verify", [False, True])
-def test_a_cold_load_is_bit_exact(big_ckpt: tuple[Path, dict[str, torch.Tensor]], verify: bool) -> None:
+def test_a_cold_load_is_bit_exact(
+    big_ckpt: tuple[Path, dict[str, torch.Tensor]], verify: bool
+) -> None:
     path, sd = big_ckpt
     for f in path.iterdir():
         evict_pages(f)
@@ -298,7 +324,9 @@ def test_a_cold_load_is_bit_exact(big_ckpt: tuple[Path, dict[str, torch.Tensor]]
     assert_bitwise_equal(dest, sd)
 
 
-def test_a_file_truncated_under_a_cold_load_is_a_format_error(big_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+def test_a_file_truncated_under_a_cold_load_is_a_format_error(
+    big_ckpt: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
     """The file shrinks under a cold load, after its size was checked: the short local
     read is the truncated file it is (CheckpointFormatError), as with a warm cache
     (tests/test_integrity.py)."""
@@ -314,5 +342,7 @@ def test_a_file_truncated_under_a_cold_load_is_a_format_error(big_ckpt: tuple[Pa
 
     opts = LoadOptions(chunk_size=8 * MiB, concurrency=1, retries=3, backoff=5.0)
     with pytest.raises(CheckpointFormatError, match="truncated"):
-        asyncload.load({k: torch.zeros_like(v) for k, v in sd.items()}, path, options=opts, progress=progress)
+        asyncload.load(
+            {k: torch.zeros_like(v) for k, v in sd.items()}, path, options=opts, progress=progress
+        )
     assert state["cut"]

@@ -34,19 +34,26 @@ from asyncload import AsyncLoadError, LoadOptions
 from asyncload.storage import LocalStorage, ShortReadError
 from asyncload.storage import mapped as _mapped
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+]
 
 MiB = 1 << 20
 
 if _mapped.mapped_copies_available() is not None:  # pragma: no cover - not this machine
-    pytest.skip(f"no mapped copies here: {_mapped.mapped_copies_available()}", allow_module_level=True)
+    pytest.skip(
+        f"no mapped copies here: {_mapped.mapped_copies_available()}", allow_module_level=True
+    )
 
 
 @pytest.fixture
 def always_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every large read counts as aliasing: the lease and window machinery on every read."""
     monkeypatch.setattr(
-        _mapped.MappedCopies, "aliasing", staticmethod(lambda pos, buf: len(buf) >= _mapped.MIN_MAPPED_READ)
+        _mapped.MappedCopies,
+        "aliasing",
+        staticmethod(lambda pos, buf: len(buf) >= _mapped.MIN_MAPPED_READ),
     )
 
 
@@ -70,7 +77,9 @@ def _at(n: int, file_offset: int, shift: int) -> tuple[bytearray, memoryview]:
 
 
 @pytest.mark.parametrize("shift", [0, 1, 8, 31, 32, 64, 2049, 4095])
-def test_only_reads_the_kernel_would_alias_are_mapped(tmp_path: Path, storage: LocalStorage, shift: int) -> None:
+def test_only_reads_the_kernel_would_alias_are_mapped(
+    tmp_path: Path, storage: LocalStorage, shift: int
+) -> None:
     data = _file(tmp_path, 4 * MiB + 99)
     start = 77
     _, view = _at(len(data) - start, start, shift)
@@ -80,7 +89,9 @@ def test_only_reads_the_kernel_would_alias_are_mapped(tmp_path: Path, storage: L
     assert storage.mapped_bytes == (len(view) if 0 < shift < 32 else 0)
 
 
-def test_a_read_into_several_buffers_maps_only_the_aliasing_ones(tmp_path: Path, storage: LocalStorage) -> None:
+def test_a_read_into_several_buffers_maps_only_the_aliasing_ones(
+    tmp_path: Path, storage: LocalStorage
+) -> None:
     data = _file(tmp_path, 6 * MiB)
     sizes = [2 * MiB + 3, 100, 3 * MiB - 3, MiB - 100]  # the second and last too small to map
     shifts = [8, 1, 0, 5]
@@ -127,7 +138,13 @@ def test_warm_reads_are_copied_through_mappings_bit_exact(
     data = _file(tmp_path, size)
     rnd = random.Random(11)
     mapped = 0
-    for start, n in [(0, size), (1, 5 * MiB), (4095, 3 * MiB + 2), (size - 4 * MiB - 3, 4 * MiB + 3), (77, MiB)]:
+    for start, n in [
+        (0, size),
+        (1, 5 * MiB),
+        (4095, 3 * MiB + 2),
+        (size - 4 * MiB - 3, 4 * MiB + 3),
+        (77, MiB),
+    ]:
         parts = _pieces(rnd, n)
         before = storage.mapped_bytes
         storage.readinto_sync("f", start, [memoryview(p) for p in parts])
@@ -178,7 +195,11 @@ def test_a_read_past_the_end_maps_what_is_there_then_is_the_typed_short_read(
     buf = bytearray(size)  # 513 bytes more than the file holds from start
     with pytest.raises(ShortReadError) as err:
         storage.readinto_sync("f", start, [memoryview(buf)])
-    assert err.value.local and (err.value.start, err.value.end, err.value.got) == (start, start + size, size - start)
+    assert err.value.local and (err.value.start, err.value.end, err.value.got) == (
+        start,
+        start + size,
+        size - start,
+    )
     assert buf[: size - start] == data[start:]
     assert storage.mapped_bytes == 4 * small_windows  # the windows inside the file
 
@@ -248,7 +269,9 @@ def test_a_writer_waits_for_the_window_being_copied_only(
             seen["dead"] = lease.dead
         return copy_window(libc, fd, pos, dst, n)  # type: ignore[arg-type]
 
-    def leave_then_let_the_writer_finish(self: _mapped.MappedCopies, fd: int, lease: object) -> None:
+    def leave_then_let_the_writer_finish(
+        self: _mapped.MappedCopies, fd: int, lease: object
+    ) -> None:
         leave(self, fd, lease)  # type: ignore[arg-type]
         child = seen["child"]
         assert isinstance(child, subprocess.Popen)
@@ -318,7 +341,9 @@ def test_local_mapped_copies_must_be_a_bool() -> None:
         LoadOptions(local_mapped_copies="yes")  # type: ignore[arg-type]
 
 
-def test_a_program_that_handles_sigurg_gets_no_mappings(tmp_path: Path, always_mapped: None) -> None:
+def test_a_program_that_handles_sigurg_gets_no_mappings(
+    tmp_path: Path, always_mapped: None
+) -> None:
     old = signal.signal(signal.SIGURG, lambda *_: None)
     try:
         assert "SIGURG" in (_mapped.mapped_copies_available() or "")
@@ -361,7 +386,9 @@ def test_loads_racing_a_process_that_truncates_the_file_never_crash(
     path, sd = ckpt
     (data,) = path.glob("*.distcp")
     hammer = subprocess.Popen(
-        [sys.executable, "-c", _HAMMER, str(data), str(time.time() + 3.0)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _HAMMER, str(data), str(time.time() + 3.0)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     ok = failed = 0
     opts = LoadOptions(retries=0)

@@ -27,7 +27,9 @@ pytestmark = [
 TRANSPORT_OPTIONS = ("SLOW",)
 
 N = 256 << 10  # float32 elements: 1 MiB of data, 16 chunks of 64 KiB
-SLOW = LoadOptions(chunk_size=64 << 10, min_chunk_size=64 << 10, concurrency=1, hedge=False, retries=2, backoff=0)
+SLOW = LoadOptions(
+    chunk_size=64 << 10, min_chunk_size=64 << 10, concurrency=1, hedge=False, retries=2, backoff=0
+)
 
 
 def _save_two(tmp_path: Path) -> tuple[Path, Path, str]:
@@ -41,7 +43,9 @@ def _save_two(tmp_path: Path) -> tuple[Path, Path, str]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_object_rewritten_mid_load_is_a_clear_error(request, backend, tmp_path, bucket_name, fault_proxy):
+def test_an_object_rewritten_mid_load_is_a_clear_error(
+    request, backend, tmp_path, bucket_name, fault_proxy
+):
     v1, v2, name = _save_two(tmp_path)
     remote = make_remote(request, backend, v1, bucket_name, fault_proxy)
     replaced: list[int] = []
@@ -53,12 +57,20 @@ def test_an_object_rewritten_mid_load_is_a_clear_error(request, backend, tmp_pat
 
     dest = {"w": torch.zeros(N)}
     with pytest.raises(CheckpointChangedError) as ei:
-        asyncload.load(dest, remote.url, storage_options=remote.storage_options, options=SLOW, progress=progress)
+        asyncload.load(
+            dest,
+            remote.url,
+            storage_options=remote.storage_options,
+            options=SLOW,
+            progress=progress,
+        )
     err = ei.value
     assert replaced, "the object was never replaced: the test did not run its case"
     assert isinstance(err, CheckpointFormatError)  # what callers of older versions catch
     assert err.path.endswith(f"ckpt/{name}") and name in str(err)
-    assert err.byte_range is not None and 0 < err.byte_range[1] - err.byte_range[0] <= 64 << 10  # one chunk
+    assert (
+        err.byte_range is not None and 0 < err.byte_range[1] - err.byte_range[0] <= 64 << 10
+    )  # one chunk
     assert err.seen and err.seen.split()[0] in {"etag", "generation"}
     assert "load again" in str(err)
     # the pinned version went with every read: the store refused, or its answer was compared
@@ -77,7 +89,11 @@ def test_an_unchanged_object_loads_bit_exactly_with_the_version_pinned(
     assert torch.equal(dest["w"], torch.arange(N, dtype=torch.float32))
     assert stats.retries == 0
     if backend == "http":  # every data read carried the ETag the HEAD reported
-        data = [r for r in remote.server.requests()[before:] if r["path"].endswith(name) and r["method"] == "GET"]
+        data = [
+            r
+            for r in remote.server.requests()[before:]
+            if r["path"].endswith(name) and r["method"] == "GET"
+        ]
         assert len(data) >= 16  # the 16 chunks, and the record probes
         assert all(r["if_match"] and r["if_match"].startswith('"') for r in data)
         assert all(r["status"] == 206 for r in data)

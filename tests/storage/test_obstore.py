@@ -49,19 +49,33 @@ def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
     pool.shutdown(wait=True)
 
 
-def _remote(request: pytest.FixtureRequest, backend: str, bucket: str, fault_proxy: Any, data: bytes = DATA):
+def _remote(
+    request: pytest.FixtureRequest, backend: str, bucket: str, fault_proxy: Any, data: bytes = DATA
+):
     """``(url, storage_options, proxy, server)`` of ``bucket/ckpt/f.bin`` holding ``data``, through a proxy."""
     server = request.getfixturevalue(f"{backend}_server")
     server.put_object(bucket, "ckpt/f.bin", data)
     proxy = fault_proxy(server)
     if backend == "http":
-        return server.url(bucket, "ckpt", endpoint_url=proxy.endpoint_url), server.storage_options(), proxy, server
-    return f"{server.protocol}://{bucket}/ckpt", server.storage_options(endpoint_url=proxy.endpoint_url), proxy, server
+        return (
+            server.url(bucket, "ckpt", endpoint_url=proxy.endpoint_url),
+            server.storage_options(),
+            proxy,
+            server,
+        )
+    return (
+        f"{server.protocol}://{bucket}/ckpt",
+        server.storage_options(endpoint_url=proxy.endpoint_url),
+        proxy,
+        server,
+    )
 
 
 def _boundary(raw: Any, executor: Any, **opts: Any) -> tuple[RetryingStorage, StatsRecorder]:
     stats = StatsRecorder()
-    options = LoadOptions(**{"retries": 3, "backoff": 0, "max_backoff": 0, "timeout": 30.0, "hedge": False, **opts})
+    options = LoadOptions(
+        **{"retries": 3, "backoff": 0, "max_backoff": 0, "timeout": 30.0, "hedge": False, **opts}
+    )
     return RetryingStorage.for_options(raw, options, stats, executor), stats
 
 
@@ -73,7 +87,12 @@ def _boundary(raw: Any, executor: Any, **opts: Any) -> tuple[RetryingStorage, St
     [
         (
             "s3://b/ckpt/step-1",
-            {"endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s", "skip_instance_cache": True},
+            {
+                "endpoint_url": "http://127.0.0.1:9000",
+                "key": "k",
+                "secret": "s",
+                "skip_instance_cache": True,
+            },
             "s3",
             {"endpoint": "http://127.0.0.1:9000", "access_key_id": "k", "secret_access_key": "s"},
             {"allow_http": True},
@@ -81,7 +100,10 @@ def _boundary(raw: Any, executor: Any, **opts: Any) -> tuple[RetryingStorage, St
         ),
         (
             "s3://b/ckpt",
-            {"anon": True, "client_kwargs": {"endpoint_url": "https://minio:9000", "region_name": "eu-west-1"}},
+            {
+                "anon": True,
+                "client_kwargs": {"endpoint_url": "https://minio:9000", "region_name": "eu-west-1"},
+            },
             "s3",
             {"skip_signature": True, "endpoint": "https://minio:9000", "region": "eu-west-1"},
             {},
@@ -124,16 +146,29 @@ def _boundary(raw: Any, executor: Any, **opts: Any) -> tuple[RetryingStorage, St
         ),
         (
             "http://127.0.0.1:8000/ckpt/",
-            {"headers": {"Authorization": "Bearer x"}, "client_kwargs": {"headers": {"X-A": 1}}, "simple_links": True},
+            {
+                "headers": {"Authorization": "Bearer x"},
+                "client_kwargs": {"headers": {"X-A": 1}},
+                "simple_links": True,
+            },
             "http",
             {},
             {"allow_http": True, "default_headers": {"X-A": "1", "Authorization": "Bearer x"}},
             0,
         ),
     ],
-    ids=["s3-endpoint-key-secret", "s3-anon-client-kwargs", "s3-token-config-kwargs", "gcs-anon", "gcs-dict", "http"],
+    ids=[
+        "s3-endpoint-key-secret",
+        "s3-anon-client-kwargs",
+        "s3-token-config-kwargs",
+        "gcs-anon",
+        "gcs-dict",
+        "http",
+    ],
 )
-def test_storage_options_map_onto_obstore(monkeypatch, url, options, kind, config, client, retries) -> None:
+def test_storage_options_map_onto_obstore(
+    monkeypatch, url, options, kind, config, client, retries
+) -> None:
     monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     spec = plan_store(url, options)
@@ -168,16 +203,29 @@ def test_a_ca_bundle_becomes_obstore_root_certificates(monkeypatch, tmp_path) ->
         ("s3://b/c", {"profile": "dev"}, "'profile'"),
         (
             "s3://b/c",
-            {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://h", "proxies": {}}},
+            {
+                "key": "k",
+                "secret": "s",
+                "client_kwargs": {"endpoint_url": "http://h", "proxies": {}},
+            },
             "proxies",
         ),
         (
             "s3://b/c",
-            {"key": "k", "secret": "s", "endpoint_url": "http://h", "config_kwargs": {"proxies": {}}},
+            {
+                "key": "k",
+                "secret": "s",
+                "endpoint_url": "http://h",
+                "config_kwargs": {"proxies": {}},
+            },
             "proxies",
         ),
         ("s3://b/c", {"key": "k", "endpoint_url": "http://h"}, "without its secret"),
-        ("s3://b/c", {"key": "k", "secret": "s", "endpoint_url": "http://h", "version_aware": True}, "version_aware"),
+        (
+            "s3://b/c",
+            {"key": "k", "secret": "s", "endpoint_url": "http://h", "version_aware": True},
+            "version_aware",
+        ),
         ("s3://b/c", {"key": "k", "secret": "s"}, "no region"),
         ("s3://b/c?versionId=1", {}, "query"),
         ("gs://b/c", {"token": object()}, "token of type object"),
@@ -228,7 +276,9 @@ def test_no_credentials_with_instance_metadata_disabled_falls_back(monkeypatch, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_auto_picks_obstore_for_the_servers_options_and_fsspec_on_request(request, backend, executor) -> None:
+def test_auto_picks_obstore_for_the_servers_options_and_fsspec_on_request(
+    request, backend, executor
+) -> None:
     server = request.getfixturevalue(f"{backend}_server")
     url = server.url("bucket", "ckpt") if backend == "http" else f"{server.protocol}://bucket/ckpt"
     opts = server.storage_options()
@@ -238,14 +288,25 @@ def test_auto_picks_obstore_for_the_servers_options_and_fsspec_on_request(reques
 
 
 def test_auto_falls_back_to_fsspec_and_says_why(caplog, executor, tmp_path) -> None:
-    opts = {"endpoint_url": "http://127.0.0.1:1", "key": "k", "secret": "s", "config_kwargs": {"proxies": {}}}
+    opts = {
+        "endpoint_url": "http://127.0.0.1:1",
+        "key": "k",
+        "secret": "s",
+        "config_kwargs": {"proxies": {}},
+    }
     with caplog.at_level(logging.DEBUG, logger="asyncload.storage"):
         storage = open_storage_("s3://b/ckpt", opts, executor)
     assert type(storage) is FsspecStorage
-    assert any("not obstore" in r.getMessage() and "proxies" in r.getMessage() for r in caplog.records)
+    assert any(
+        "not obstore" in r.getMessage() and "proxies" in r.getMessage() for r in caplog.records
+    )
     with pytest.raises(StorageReadError) as ei:
         open_storage_("s3://b/ckpt", opts, executor, transport="obstore")
-    assert "proxies" in str(ei.value) and "transport='fsspec'" in str(ei.value) and ei.value.path == "s3://b/ckpt"
+    assert (
+        "proxies" in str(ei.value)
+        and "transport='fsspec'" in str(ei.value)
+        and ei.value.path == "s3://b/ckpt"
+    )
     # not an object store: fsspec (or local) whatever the transport
     assert type(open_storage_("memory://x", {}, executor, transport="obstore")) is FsspecStorage
     assert type(open_storage_(tmp_path, None, executor, transport="obstore")) is LocalStorage
@@ -262,7 +323,9 @@ def test_transport_is_validated() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_a_read_returns_exactly_its_bytes_read_only(request, backend, bucket_name, fault_proxy, executor) -> None:
+async def test_a_read_returns_exactly_its_bytes_read_only(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
     url, opts, _proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
     raw = open_storage_(url, opts, executor, transport="obstore")
     rs, stats = _boundary(raw, executor)
@@ -280,7 +343,9 @@ async def test_a_read_returns_exactly_its_bytes_read_only(request, backend, buck
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_a_read_past_the_end_is_a_short_read(request, backend, bucket_name, fault_proxy, executor) -> None:
+async def test_a_read_past_the_end_is_a_short_read(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
     url, opts, _, _ = _remote(request, backend, bucket_name, fault_proxy)
     raw = open_storage_(url, opts, executor, transport="obstore")
     try:
@@ -293,14 +358,18 @@ async def test_a_read_past_the_end_is_a_short_read(request, backend, bucket_name
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_versions_pinned_and_every_answer_compared(request, backend, bucket_name, fault_proxy, executor) -> None:
+async def test_versions_pinned_and_every_answer_compared(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
     url, opts, _, server = _remote(request, backend, bucket_name, fault_proxy)
     raw = open_storage_(url, opts, executor, transport="obstore")
     assert isinstance(raw, ObstoreStorage)
     try:
         assert await raw.size("f.bin") == len(DATA)
         seen = raw.pinned("f.bin")
-        assert seen is not None and seen.split(" ", 1)[0] == ("generation" if backend == "gcs" else "etag")
+        assert seen is not None and seen.split(" ", 1)[0] == (
+            "generation" if backend == "gcs" else "etag"
+        )
         assert bytes(await raw.read("f.bin", 0, 10)) == DATA[:10]
         if backend == "http":  # the Range server's ETag is mtime and size: change both
             await asyncio.sleep(0.01)
@@ -319,21 +388,29 @@ async def test_versions_pinned_and_every_answer_compared(request, backend, bucke
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
-async def test_sizes_in_one_listing_pin_versions(request, backend, bucket_name, fault_proxy, executor) -> None:
+async def test_sizes_in_one_listing_pin_versions(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
     server = request.getfixturevalue(f"{backend}_server")
     names = [f"__{i}_0.distcp" for i in range(5)]
     for i, n in enumerate(names):
         server.put_object(bucket_name, f"ckpt/{n}", bytes(i + 1))
     server.put_object(bucket_name, "ckpt/sub/deeper.bin", b"x")
     proxy = fault_proxy(server)
-    raw = open_storage_(f"{server.protocol}://{bucket_name}/ckpt", server.storage_options(proxy.endpoint_url), executor)
+    raw = open_storage_(
+        f"{server.protocol}://{bucket_name}/ckpt",
+        server.storage_options(proxy.endpoint_url),
+        executor,
+    )
     try:
         assert await raw.sizes([*names, "missing"]) == {n: i + 1 for i, n in enumerate(names)}
         assert await raw.listdir() == sorted(names)
     finally:
         await raw.aclose()
     assert sum(1 for e in proxy.log if e.method == "GET") == 2  # one listing each, no HEAD per file
-    assert all(raw.pinned(n) is not None for n in names) == (backend == "s3")  # GCS lists no generation
+    assert all(raw.pinned(n) is not None for n in names) == (
+        backend == "s3"
+    )  # GCS lists no generation
 
 
 @pytest.mark.asyncio
@@ -349,14 +426,20 @@ async def test_a_size_asked_while_the_listing_is_out_takes_the_first_answer(
     server.put_object(bucket_name, "ckpt/model.safetensors", DATA)
     proxy = fault_proxy(server)
     held = proxy.add_rule(delay(0.3), method="HEAD", times=None)
-    raw = open_storage_(f"{server.protocol}://{bucket_name}/ckpt", server.storage_options(proxy.endpoint_url), executor)
+    raw = open_storage_(
+        f"{server.protocol}://{bucket_name}/ckpt",
+        server.storage_options(proxy.endpoint_url),
+        executor,
+    )
     assert isinstance(raw, ObstoreStorage)
     try:
         raw.prefetch_sizes()
         with pytest.raises(FileNotFoundError, match="is not in the listing of"):
             await raw.size("model.safetensors.index.json")
         assert await raw.size("model.safetensors") == len(DATA)
-        assert raw.pinned("model.safetensors") is not None or backend == "gcs"  # GCS lists no generation
+        assert (
+            raw.pinned("model.safetensors") is not None or backend == "gcs"
+        )  # GCS lists no generation
         with pytest.raises(FileNotFoundError) as again:  # once: now the store answers (a 404)
             await raw.size("model.safetensors.index.json")
     finally:
@@ -376,8 +459,14 @@ async def test_a_size_asked_while_the_listing_is_stalled_is_the_heads_answer(
     server = request.getfixturevalue(f"{backend}_server")
     server.put_object(bucket_name, "ckpt/model.safetensors", DATA)
     proxy = fault_proxy(server)
-    proxy.add_rule(stall(None), method="GET", path=re.compile(r"list-type=2|delimiter="), times=None)
-    raw = open_storage_(f"{server.protocol}://{bucket_name}/ckpt", server.storage_options(proxy.endpoint_url), executor)
+    proxy.add_rule(
+        stall(None), method="GET", path=re.compile(r"list-type=2|delimiter="), times=None
+    )
+    raw = open_storage_(
+        f"{server.protocol}://{bucket_name}/ckpt",
+        server.storage_options(proxy.endpoint_url),
+        executor,
+    )
     try:
         raw.prefetch_sizes()
         assert await asyncio.wait_for(raw.size("model.safetensors"), 20) == len(DATA)
@@ -401,7 +490,10 @@ async def range_ignoring(tmp_path, executor):
     server = HTTPRangeServer(tmp_path, ignore_range=True)
     server.start()
     try:
-        rs, stats = _boundary(open_storage_(f"{server.endpoint_url}/ckpt", {}, executor, transport="obstore"), executor)
+        rs, stats = _boundary(
+            open_storage_(f"{server.endpoint_url}/ckpt", {}, executor, transport="obstore"),
+            executor,
+        )
         try:
             yield rs, stats, server
         finally:
@@ -411,7 +503,9 @@ async def range_ignoring(tmp_path, executor):
 
 
 @pytest.mark.asyncio
-async def test_a_server_that_ignores_range_is_refused_without_reading_the_body(range_ignoring) -> None:
+async def test_a_server_that_ignores_range_is_refused_without_reading_the_body(
+    range_ignoring,
+) -> None:
     rs, stats, server = range_ignoring
     try:
         with pytest.raises(StorageReadError) as ei:
@@ -455,11 +549,15 @@ async def test_a_files_first_bytes_and_size_come_in_one_get(
         assert [e.method for e in proxy.log][2:] == ["GET", "HEAD"]
         with pytest.raises(FileNotFoundError):
             await raw.read_prefix("missing.bin", 10)
-        assert bytes(await rs.read("f.bin", 4096, 8192)) == DATA[4096:8192]  # the pinned version holds
+        assert (
+            bytes(await rs.read("f.bin", 4096, 8192)) == DATA[4096:8192]
+        )  # the pinned version holds
         if backend == "http":  # the Range server's ETag is mtime and size: change both
             await asyncio.sleep(0.01)
         server.put_object(bucket_name, "ckpt/f.bin", DATA[::-1] + b"x")
-        with pytest.raises(ObjectChangedError):  # compared with the version the prefix's answer gave
+        with pytest.raises(
+            ObjectChangedError
+        ):  # compared with the version the prefix's answer gave
             await raw.read("f.bin", 8192, 9000)
     finally:
         await rs.aclose()
@@ -477,7 +575,9 @@ async def test_a_prefix_from_a_server_that_ignores_range_is_refused(range_ignori
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_obstores_own_retries_are_off(request, backend, bucket_name, fault_proxy, executor) -> None:
+async def test_obstores_own_retries_are_off(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
     url, opts, proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
     raw = open_storage_(url, opts, executor, transport="obstore")
     rule = proxy.add_rule(status(503), times=None, data_only=True)
@@ -487,7 +587,9 @@ async def test_obstores_own_retries_are_off(request, backend, bucket_name, fault
     finally:
         await raw.aclose()
     assert rule.fired == 1  # one request: obstore did not try again by itself
-    rs, stats = _boundary(open_storage_(url, opts, executor, transport="obstore"), executor, retries=2)
+    rs, stats = _boundary(
+        open_storage_(url, opts, executor, transport="obstore"), executor, retries=2
+    )
     try:
         with pytest.raises(StorageReadError) as ei:
             await rs.read("f.bin", 0, 100)
@@ -499,7 +601,9 @@ async def test_obstores_own_retries_are_off(request, backend, bucket_name, fault
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_a_reset_is_retried_and_counted(request, backend, bucket_name, fault_proxy, executor) -> None:
+async def test_a_reset_is_retried_and_counted(
+    request, backend, bucket_name, fault_proxy, executor
+) -> None:
     url, opts, proxy, _ = _remote(request, backend, bucket_name, fault_proxy)
     rs, stats = _boundary(open_storage_(url, opts, executor, transport="obstore"), executor)
     try:
@@ -554,7 +658,9 @@ async def test_timed_out_and_cancelled_reads_leave_nothing(
 
 def test_spec_is_plain_data() -> None:
     spec = StoreSpec("http", None, None, url="http://127.0.0.1:1/x")
-    assert spec.build().url == "http://127.0.0.1:1/x" and spec.config == {} and spec.max_retries == 0
+    assert (
+        spec.build().url == "http://127.0.0.1:1/x" and spec.config == {} and spec.max_retries == 0
+    )
 
 
 _EXIT_CHILD = r"""
@@ -588,10 +694,17 @@ def test_a_process_that_exits_right_after_concurrent_reads_exits_cleanly(http_se
     url = http_server.url("exits", "c")
     package = str(Path(asyncload.__file__).parent)
     codes = [
-        subprocess.run([sys.executable, "-c", _EXIT_CHILD, url, package], capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-c", _EXIT_CHILD, url, package],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         for _ in range(12)
     ]
-    assert [(c.returncode, c.stdout.strip()) for c in codes] == [(0, str(128 << 10))] * 12, [c.stderr for c in codes]
+    assert [(c.returncode, c.stdout.strip()) for c in codes] == [(0, str(128 << 10))] * 12, [
+        c.stderr for c in codes
+    ]
 
 
 @pytest.mark.slow

@@ -75,7 +75,9 @@ def other_host():
     recorder.close()
 
 
-def _load_redirected(r: Any, transport: str, other_url: str, code: int) -> tuple[StorageReadError, Any]:
+def _load_redirected(
+    r: Any, transport: str, other_url: str, code: int
+) -> tuple[StorageReadError, Any]:
     # every data GET (.metadata included) is redirected to the other origin; the caller's
     # headers (an API key) and an S3 session token would go along with a followed redirect
     r.proxy.add_rule(
@@ -111,27 +113,39 @@ def test_a_redirect_to_another_host_is_refused_and_nothing_is_sent_there(
 
 
 @pytest.mark.parametrize("backend", ["http", "s3", "gcs"])
-def test_a_redirect_to_another_port_is_refused_on_fsspec(request, backend, ckpt, bucket_name, fault_proxy):
+def test_a_redirect_to_another_port_is_refused_on_fsspec(
+    request, backend, ckpt, bucket_name, fault_proxy
+):
     """fsspec refuses a redirect to another origin whatever differs (obstore: another host
     only, docs/remote.md)."""
     r = make_remote(request, backend, ckpt[0], bucket_name, fault_proxy)
-    other = fault_proxy(request.getfixturevalue(f"{backend}_server"))  # the same server, another port
+    other = fault_proxy(
+        request.getfixturevalue(f"{backend}_server")
+    )  # the same server, another port
     code = 302 if backend == "http" else 307
     err, _ = _load_redirected(r, "fsspec", other.endpoint_url, code)
     msg = str(err)
-    assert f"answered HTTP {code} with a redirect to another origin, {other.endpoint_url} " in msg, msg
+    assert (
+        f"answered HTTP {code} with a redirect to another origin, {other.endpoint_url} " in msg
+    ), msg
     assert f"(the checkpoint's origin is {r.proxy.endpoint_url})" in msg, msg
     assert err.attempts == 1 and err.status == code, msg
     assert other.requests_seen == 0, other.log
 
 
-def test_a_redirect_within_the_origin_is_followed(request, ckpt, bucket_name, fault_proxy, transport):
+def test_a_redirect_within_the_origin_is_followed(
+    request, ckpt, bucket_name, fault_proxy, transport
+):
     path, sd = ckpt
     r = make_remote(request, "http", path, bucket_name, fault_proxy)
     target = r.url.removeprefix(r.proxy.endpoint_url)
-    r.proxy.add_rule(faults.status(302, body=b"", headers={"Location": f"{target}/.metadata"}), path=".metadata")
+    r.proxy.add_rule(
+        faults.status(302, body=b"", headers={"Location": f"{target}/.metadata"}), path=".metadata"
+    )
     dst = zeros_like_tree(sd, object_placeholder=None)
-    asyncload.load(dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options)
+    asyncload.load(
+        dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
 
 
@@ -145,7 +159,9 @@ def test_an_answer_for_another_range_is_refused_before_its_bytes_are_used(
     rule = r.proxy.add_rule(faults.shift_range(4096), path=".distcp", range_only=True, times=None)
     dst = zeros_like_tree(sd, object_placeholder=None)
     with pytest.raises(StorageReadError) as info:
-        asyncload.load(dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options)
+        asyncload.load(
+            dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+        )
     msg = str(info.value)
     assert rule.fired >= 1
     assert ".distcp bytes [0, " in msg and "failed HTTP 206 after 1 attempt" in msg, msg
@@ -172,13 +188,18 @@ def test_an_over_long_ranged_body_is_refused_after_about_the_bytes_asked_for(
         )
     msg = str(info.value)
     assert ".distcp bytes [0, " in msg and "failed HTTP 206 after 1 attempt" in msg, msg
-    assert "got HTTP 206 with a body longer than that range: the answer does not match the request" in msg, msg
+    assert (
+        "got HTTP 206 with a body longer than that range: the answer does not match the request"
+        in msg
+    ), msg
     # the client took at most a few MiB of the 256 MiB (socket buffers included), not all of it
     assert r.proxy.extra_bytes_sent < 32 << 20, r.proxy.extra_bytes_sent
     _untouched(dst)
 
 
-def test_credentials_in_the_url_are_sent_and_never_shown(request, ckpt, bucket_name, fault_proxy, transport, caplog):
+def test_credentials_in_the_url_are_sent_and_never_shown(
+    request, ckpt, bucket_name, fault_proxy, transport, caplog
+):
     path, sd = ckpt
     r = make_remote(request, "http", path, bucket_name, fault_proxy)
     url = r.url.replace("http://", "http://alice:s3cr%40t@", 1)
@@ -188,7 +209,9 @@ def test_credentials_in_the_url_are_sent_and_never_shown(request, ckpt, bucket_n
     r.proxy.rules[-1].matches = _without_basic_auth(r.proxy.rules[-1].matches, "alice", "s3cr@t")  # type: ignore[method-assign]
     dst = zeros_like_tree(sd, object_placeholder=None)
     caplog.set_level(logging.DEBUG, logger="asyncload")
-    stats = asyncload.load(dst, url, options=OPTS.replace(transport=transport), storage_options=r.storage_options)
+    stats = asyncload.load(
+        dst, url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+    )
     assert_bitwise_equal(dst, sd)
     assert stats.retries == 1 and "alice:***@" in caplog.text, caplog.text
     # a missing file: the message, its path, its repr and the log name the URL without the password
@@ -215,9 +238,9 @@ def test_redaction_rule():
     from asyncload._errors import redact_text, redact_url
 
     assert redact_url("http://u:pw@h:1/p?a=1") == "http://u:***@h:1/p?a=1"
-    assert redact_url("https://h/p?X-Amz-Signature=abc&X-Amz-Credential=k%2F1&n=2&X-Amz-Security-Token=t") == (
-        "https://h/p?X-Amz-Signature=***&X-Amz-Credential=***&n=2&X-Amz-Security-Token=***"
-    )
+    assert redact_url(
+        "https://h/p?X-Amz-Signature=abc&X-Amz-Credential=k%2F1&n=2&X-Amz-Security-Token=t"
+    ) == ("https://h/p?X-Amz-Signature=***&X-Amz-Credential=***&n=2&X-Amz-Security-Token=***")
     assert redact_url("https://h/o?X-Goog-Signature=ff&sig=1&token=2&access_token=3&key=4&x=5") == (
         "https://h/o?X-Goog-Signature=***&sig=***&token=***&access_token=***&key=***&x=5"
     )
@@ -261,7 +284,9 @@ class _ListingServer:
                     piece, i = filler * 64, 0
                     while left > 0:
                         if links:  # distinct names: what a directory of millions of files lists
-                            piece = b"".join(b'<a href="n%09d">x</a>\n' % (i + k) for k in range(2048))
+                            piece = b"".join(
+                                b'<a href="n%09d">x</a>\n' % (i + k) for k in range(2048)
+                            )
                             i += 2048
                         n = min(len(piece), left)
                         self.wfile.write(piece[:n])
@@ -294,11 +319,17 @@ def test_a_listing_larger_than_max_metadata_size_is_refused_after_that_many_byte
     listing = _ListingServer(64 << 20)
     try:
         with pytest.raises(asyncload.CheckpointFormatError) as info:
-            asyncload.load({}, listing.url, options=OPTS.replace(transport=transport, max_metadata_size=1 << 20))
+            asyncload.load(
+                {},
+                listing.url,
+                options=OPTS.replace(transport=transport, max_metadata_size=1 << 20),
+            )
     finally:
         listing.close()
     msg = str(info.value)
-    assert f"the listing of {listing.url} is more than 1048576 bytes (its page and the names" in msg, msg
+    assert (
+        f"the listing of {listing.url} is more than 1048576 bytes (its page and the names" in msg
+    ), msg
     assert "LoadOptions.max_metadata_size" in msg, msg
     assert listing.sent < 16 << 20, listing.sent  # not the 64 MiB page
 
@@ -330,8 +361,16 @@ print(json.dumps({"above": status("VmHWM:") - base, "error": error}))
 @pytest.mark.parametrize(
     ("links", "limit", "expect"),
     [
-        (False, 1 << 30, "late.safetensors"),  # under the default limit: read whole, parsed as a stream
-        (True, 64 << 20, "its page and the names it lists"),  # 5.6 million names: refused at the limit
+        (
+            False,
+            1 << 30,
+            "late.safetensors",
+        ),  # under the default limit: read whole, parsed as a stream
+        (
+            True,
+            64 << 20,
+            "its page and the names it lists",
+        ),  # 5.6 million names: refused at the limit
     ],
     ids=["filler-under-the-limit", "millions-of-links"],
 )
@@ -357,14 +396,18 @@ def test_a_huge_listing_page_costs_at_most_max_metadata_size(links, limit, expec
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["error"] is not None and expect in result["error"], result
     if not links:
-        assert listing.sent >= (128 << 20) - 4096  # the whole page was read, the link at its end found
+        assert (
+            listing.sent >= (128 << 20) - 4096
+        )  # the whole page was read, the link at its end found
         assert result["above"] < 64 << 20, result  # peak RSS above the baseline
     else:
         assert listing.sent < 72 << 20, listing.sent
         assert result["above"] < limit + (32 << 20), result
 
 
-def test_the_cli_never_prints_a_password_of_the_url(request, ckpt, bucket_name, fault_proxy, capsys):
+def test_the_cli_never_prints_a_password_of_the_url(
+    request, ckpt, bucket_name, fault_proxy, capsys
+):
     from asyncload.cli import main
 
     r = make_remote(request, "http", ckpt[0], bucket_name, fault_proxy)
@@ -384,7 +427,9 @@ def test_the_content_range_rule():
     v = VersionPins("http://h/c")
     v._check_range("f", 0, 10, 206, "bytes 0-9/100")
     v._check_range("f", 90, 100, 206, "bytes 90-99/100")
-    v._check_range("f", 95, 110, 206, "bytes 95-99/100")  # the file ends there: a short read, told apart later
+    v._check_range(
+        "f", 95, 110, 206, "bytes 95-99/100"
+    )  # the file ends there: a short read, told apart later
     v._check_range("f", 0, 10, 206, "bytes 0-9/*")
     for bad in (
         None,
@@ -396,7 +441,10 @@ def test_the_content_range_rule():
         "bytes 0-9",
         "items 0-9/100",
     ):
-        with pytest.raises(RangeMismatchError, match=r"asked for bytes \[0, 10\) of http://h/c/f, got HTTP 206 with"):
+        with pytest.raises(
+            RangeMismatchError,
+            match=r"asked for bytes \[0, 10\) of http://h/c/f, got HTTP 206 with",
+        ):
             v._check_range("f", 0, 10, 206, bad)
 
 
@@ -412,10 +460,18 @@ def test_which_obstore_stores_refuse_other_hosts(monkeypatch):
     monkeypatch.delenv("AWS_EC2_METADATA_DISABLED", raising=False)
     keys = {"key": "k", "secret": "s"}
     assert plan_store("http://u:p@h.example:8080/ckpt", {}).origin_hosts == ("h.example",)
-    assert plan_store("s3://b/ckpt", {"endpoint_url": "http://127.0.0.1:9000", **keys}).origin_hosts == ("127.0.0.1",)
-    virtual = {"endpoint_url": "https://s3.example", **keys, "config_kwargs": {"s3": {"addressing_style": "virtual"}}}
+    assert plan_store(
+        "s3://b/ckpt", {"endpoint_url": "http://127.0.0.1:9000", **keys}
+    ).origin_hosts == ("127.0.0.1",)
+    virtual = {
+        "endpoint_url": "https://s3.example",
+        **keys,
+        "config_kwargs": {"s3": {"addressing_style": "virtual"}},
+    }
     assert plan_store("s3://b/ckpt", virtual).origin_hosts == ("s3.example", "b.s3.example")
-    assert plan_store("s3://b/ckpt", {"endpoint_url": "http://127.0.0.1:9000"}).origin_hosts is None  # IMDS
+    assert (
+        plan_store("s3://b/ckpt", {"endpoint_url": "http://127.0.0.1:9000"}).origin_hosts is None
+    )  # IMDS
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     assert plan_store("s3://b/ckpt", keys).origin_hosts is None  # AWS's own endpoints
     gcs = {"endpoint_url": "http://127.0.0.1:4443", "token": "anon"}

@@ -17,7 +17,10 @@ from safetensors.torch import save_file
 import asyncload
 from asyncload import StorageReadError
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+]
 
 
 def test_a_dcp_data_file_that_links_out_of_the_directory_is_followed(tmp_path: Path) -> None:
@@ -47,7 +50,9 @@ def test_a_hugging_face_cache_snapshot_of_links_into_blobs_loads(tmp_path: Path)
 
 
 @pytest.mark.parametrize("kind", ["loop", "directory", "dangling"])
-def test_a_data_file_link_that_leads_nowhere_readable_is_a_clear_error(tmp_path: Path, kind: str) -> None:
+def test_a_data_file_link_that_leads_nowhere_readable_is_a_clear_error(
+    tmp_path: Path, kind: str
+) -> None:
     ckpt = tmp_path / "ckpt"
     dcp.save({"w": torch.arange(32, dtype=torch.float32)}, checkpoint_id=ckpt, no_dist=True)
     (data,) = [p for p in ckpt.iterdir() if p.suffix == ".distcp"]

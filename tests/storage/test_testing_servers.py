@@ -118,7 +118,10 @@ def closing() -> Iterator[Callable[[T], T]]:
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("server_name", ["s3_server", "gcs_server", "http_server"])
 def test_server_serves_exact_ranges(
-    server_name: str, request: pytest.FixtureRequest, payload_dir: Path, closing: Callable[[Any], Any]
+    server_name: str,
+    request: pytest.FixtureRequest,
+    payload_dir: Path,
+    closing: Callable[[Any], Any],
 ) -> None:
     server: LoopbackServer = request.getfixturevalue(server_name)
     url = server.upload_dir(payload_dir, "roundtrip", "run1/")
@@ -150,7 +153,10 @@ def test_server_serves_exact_ranges(
 
 
 def test_put_object_and_listing(
-    s3_server: S3Server, gcs_server: GCSServer, http_server: HTTPRangeServer, closing: Callable[[Any], Any]
+    s3_server: S3Server,
+    gcs_server: GCSServer,
+    http_server: HTTPRangeServer,
+    closing: Callable[[Any], Any],
 ) -> None:
     for server in (s3_server, gcs_server, http_server):
         url = server.put_object("listing", "dir/x.bin", b"xyz")
@@ -171,27 +177,47 @@ def test_http_server_range_semantics(
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
 
-            async def get(u: str, rng: str | None = None, method: str = "GET") -> tuple[int, Any, bytes]:
+            async def get(
+                u: str, rng: str | None = None, method: str = "GET"
+            ) -> tuple[int, Any, bytes]:
                 headers = {"Range": rng} if rng else {}
                 async with session.request(method, u, headers=headers) as r:
                     return r.status, r.headers, await r.read()
 
             st, h, body = await get(url, method="HEAD")
-            assert (st, h["Content-Length"], h["Accept-Ranges"], body) == (200, str(size), "bytes", b"")
+            assert (st, h["Content-Length"], h["Accept-Ranges"], body) == (
+                200,
+                str(size),
+                "bytes",
+                b"",
+            )
             st, h, body = await get(url, "bytes=10-19", method="HEAD")
-            assert (st, h["Content-Length"], h["Content-Range"], body) == (206, "10", f"bytes 10-19/{size}", b"")
+            assert (st, h["Content-Length"], h["Content-Range"], body) == (
+                206,
+                "10",
+                f"bytes 10-19/{size}",
+                b"",
+            )
             st, h, body = await get(url)
             assert (st, body) == (200, A)
             st, h, body = await get(url, "bytes=10-19")
             assert (st, h["Content-Range"], body) == (206, f"bytes 10-19/{size}", A[10:20])
             st, h, body = await get(url, "bytes=-10")  # suffix
-            assert (st, h["Content-Range"], body) == (206, f"bytes {size - 10}-{size - 1}/{size}", A[-10:])
+            assert (st, h["Content-Range"], body) == (
+                206,
+                f"bytes {size - 10}-{size - 1}/{size}",
+                A[-10:],
+            )
             st, h, body = await get(url, f"bytes=-{size + 50}")  # suffix longer than the file
             assert (st, body) == (206, A)
             st, h, body = await get(url, f"bytes={size - 5}-")  # open-ended
             assert (st, body) == (206, A[-5:])
             st, h, body = await get(url, f"bytes={size - 5}-{size + 100}")  # end clamped
-            assert (st, h["Content-Range"], body) == (206, f"bytes {size - 5}-{size - 1}/{size}", A[-5:])
+            assert (st, h["Content-Range"], body) == (
+                206,
+                f"bytes {size - 5}-{size - 1}/{size}",
+                A[-5:],
+            )
             for bad in (
                 f"bytes={size}-",
                 f"bytes={size + 10}-{size + 20}",
@@ -354,13 +380,18 @@ def test_proxy_passthrough_keepalive_bit_exact(
                 assert (await _get(s, f"{base}/a.bin", (start, end)))[:2] == (206, A[start:end])
             assert (await _get(s, f"{base}/a.bin"))[:2] == (200, A)
             assert (await _get(s, f"{base}/sub/b.bin?chunked=1"))[:2] == (200, B)
-            assert (await _get(s, f"{base}/sub/b.bin?chunked=1", (5, 60000)))[:2] == (206, B[5:60000])
+            assert (await _get(s, f"{base}/sub/b.bin?chunked=1", (5, 60000)))[:2] == (
+                206,
+                B[5:60000],
+            )
             async with s.head(f"{base}/a.bin") as r:
                 assert (r.status, r.headers["Content-Length"]) == (200, str(len(A)))
             assert (await _get(s, f"{base}/nope.bin"))[0] == 404
             assert (await _get(s, f"{base}/small.txt"))[:2] == (200, SMALL)
         async with _session(limit=16) as s:  # many connections at once
-            got = await asyncio.gather(*(_get(s, f"{base}/a.bin", (i * 4096, i * 4096 + 9000)) for i in range(40)))
+            got = await asyncio.gather(
+                *(_get(s, f"{base}/a.bin", (i * 4096, i * 4096 + 9000)) for i in range(40))
+            )
             assert [g[1] for g in got] == [A[i * 4096 : i * 4096 + 9000] for i in range(40)]
 
     run(main())
@@ -374,14 +405,19 @@ def test_proxy_passthrough_keepalive_bit_exact(
     assert 2 <= proxy.connections_accepted <= 17
 
 
-def test_proxy_delay_targets_one_request(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
+def test_proxy_delay_targets_one_request(
+    http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy
+) -> None:
     proxy = fault_proxy(http_server)
     rule = proxy.add_rule(delay(0.5), path="b.bin", times=1)
     base = http_server.url("faults", endpoint_url=proxy.endpoint_url)
 
     async def main() -> list[tuple[int, bytes, float]]:
         async with _session() as s:
-            return [await _get(s, f"{base}/{name}") for name in ("a.bin", "sub/b.bin", "sub/b.bin", "a.bin")]
+            return [
+                await _get(s, f"{base}/{name}")
+                for name in ("a.bin", "sub/b.bin", "sub/b.bin", "a.bin")
+            ]
 
     (s1, b1, t1), (s2, b2, t2), (s3, b3, t3), (s4, b4, t4) = run(main())
     assert (s1, b1, s2, b2, s3, b3, s4, b4) == (200, A, 200, B, 200, B, 200, A)
@@ -487,7 +523,9 @@ def test_proxy_reset_sends_rst_on_the_targeted_request(
     run(mid_body())
 
 
-def test_proxy_truncate_cuts_the_body(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
+def test_proxy_truncate_cuts_the_body(
+    http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy
+) -> None:
     proxy = fault_proxy(http_server)
     base = http_server.url("faults", endpoint_url=proxy.endpoint_url)
     proxy.add_rule(truncate(1000), path="a.bin", times=1)
@@ -512,7 +550,12 @@ def test_proxy_truncate_cuts_the_body(http_server: HTTPRangeServer, http_files: 
 
     run(main())
     assert rule.fired == 1
-    assert [e.action for e in proxy.log] == ["truncate(1000)", "forward", "truncate(100)", "forward"]
+    assert [e.action for e in proxy.log] == [
+        "truncate(1000)",
+        "forward",
+        "truncate(100)",
+        "forward",
+    ]
 
 
 def test_proxy_stall(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
@@ -524,7 +567,9 @@ def test_proxy_stall(http_server: HTTPRangeServer, http_files: str, fault_proxy:
 
     async def main() -> None:
         async with _session(limit=8) as s:
-            stalled = asyncio.ensure_future(_get(s, f"{base}/sub/b.bin", timeout=aiohttp.ClientTimeout(total=0.6)))
+            stalled = asyncio.ensure_future(
+                _get(s, f"{base}/sub/b.bin", timeout=aiohttp.ClientTimeout(total=0.6))
+            )
             await asyncio.sleep(0.1)
             # other requests go through while one is stalled
             assert (await _get(s, f"{base}/a.bin"))[:2] == (200, A)
@@ -532,10 +577,14 @@ def test_proxy_stall(http_server: HTTPRangeServer, http_files: str, fault_proxy:
                 await stalled
             t0 = time.monotonic()
             with pytest.raises(aiohttp.ServerDisconnectedError):
-                await _get(s, f"{base}/small.txt")  # stalled, closed, retried by aiohttp, stalled, closed
+                await _get(
+                    s, f"{base}/small.txt"
+                )  # stalled, closed, retried by aiohttp, stalled, closed
             assert 0.6 <= time.monotonic() - t0 < 2.5
             async with s.get(
-                f"{base}/a.bin", headers={"Range": "bytes=0-99999"}, timeout=aiohttp.ClientTimeout(sock_read=0.4)
+                f"{base}/a.bin",
+                headers={"Range": "bytes=0-99999"},
+                timeout=aiohttp.ClientTimeout(sock_read=0.4),
             ) as r:
                 assert r.status == 206
                 assert await r.content.readexactly(5000) == A[:5000]
@@ -563,7 +612,9 @@ def test_proxy_stall(http_server: HTTPRangeServer, http_files: str, fault_proxy:
             pass
 
 
-def test_proxy_trickle_latency_bandwidth(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
+def test_proxy_trickle_latency_bandwidth(
+    http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy
+) -> None:
     proxy = fault_proxy(http_server)
     base = http_server.url("faults", endpoint_url=proxy.endpoint_url)
     rule = proxy.add_rule(trickle(200_000), path="b.bin", times=1)
@@ -595,7 +646,9 @@ def test_proxy_trickle_latency_bandwidth(http_server: HTTPRangeServer, http_file
     assert t < capped / 2
 
 
-def test_proxy_skip_and_probability(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
+def test_proxy_skip_and_probability(
+    http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy
+) -> None:
     proxy = fault_proxy(http_server)
     base = http_server.url("faults", endpoint_url=proxy.endpoint_url)
     second = proxy.add_rule(status(500), path="small.txt", skip=1, times=1)
@@ -684,7 +737,10 @@ def test_proxy_s3_errors_reach_s3fs_as_the_right_exceptions(
         fs.cat_file(url, start=0, end=10)
     # a listing is not a data request: untouched
     proxy.add_rule(status(500), data_only=True, times=None)
-    assert fs.ls(f"{bucket_name}/dir", detail=False) == [f"{bucket_name}/dir/obj.bin", f"{bucket_name}/dir/put.bin"]
+    assert fs.ls(f"{bucket_name}/dir", detail=False) == [
+        f"{bucket_name}/dir/obj.bin",
+        f"{bucket_name}/dir/put.bin",
+    ]
     assert proxy.log[-1].action == "forward" and "list-type=2" in proxy.log[-1].query
 
 

@@ -83,7 +83,9 @@ class Run:
     the run that saved, so a load that misses something shows).
     """
 
-    def __init__(self, checkpoint: BaseCheckpointManager.Config, base_folder: Path | str, *, seed: int) -> None:
+    def __init__(
+        self, checkpoint: BaseCheckpointManager.Config, base_folder: Path | str, *, seed: int
+    ) -> None:
         spec = model_spec()
         self.model_config = spec.model
         torch.manual_seed(seed)
@@ -138,10 +140,13 @@ class Run:
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": {
-                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizers.state_dict().items()
+                k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in self.optimizers.state_dict().items()
             },
             "lr_scheduler": self.lr_schedulers.state_dict(),
-            "dataloader": {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in dataloader.items()},
+            "dataloader": {
+                k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in dataloader.items()
+            },
             "dataloader_bytes": dataloader,
             "train_state": self.train_state.state_dict(),
             "lr": [g["lr"] for opt in self.optimizers.optimizers for g in opt.param_groups],
@@ -156,10 +161,14 @@ def assert_same(got: Any, want: Any, where: str = "") -> None:
     type, keys and entries; other values by type and ``==``."""
     assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{list(got.shape)}"
+        assert got.dtype == want.dtype and got.shape == want.shape, (
+            f"{where}: {got.dtype}{list(got.shape)}"
+        )
         assert torch.equal(got, want), f"{where}: values differ"
     elif isinstance(want, dict):
-        assert list(got.keys()) == list(want.keys()), f"{where}: keys {sorted(set(got) ^ set(want))[:5]}"
+        assert list(got.keys()) == list(want.keys()), (
+            f"{where}: keys {sorted(set(got) ^ set(want))[:5]}"
+        )
         for k in want:
             assert_same(got[k], want[k], f"{where}.{k}")
     elif isinstance(want, list | tuple):

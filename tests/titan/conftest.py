@@ -19,7 +19,9 @@ import torch.distributed as dist
 with warnings.catch_warnings():
     # torchtitan's attention module compiles FlexAttention at import, which imports torch's
     # inductor, which defines TorchScript modules: torch's own deprecation, once per process
-    warnings.filterwarnings("ignore", r"`torch.jit.script_method` is deprecated", DeprecationWarning)
+    warnings.filterwarnings(
+        "ignore", r"`torch.jit.script_method` is deprecated", DeprecationWarning
+    )
     # fails the titan run when torchtitan is missing
     import torchtitan.models.llama3  # noqa: F401
 

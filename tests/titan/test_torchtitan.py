@@ -30,7 +30,9 @@ pytestmark = [
     # torchdata's StatefulDataLoader (torchtitan's dataloader) calls torch's deprecated set_vital
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
     # torchtitan's LRSchedulersContainer.load_state_dict recomputes the LR with get_lr()
-    pytest.mark.filterwarnings("ignore:To get the last learning rate computed by the scheduler:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:To get the last learning rate computed by the scheduler:UserWarning"
+    ),
 ]
 
 #: asyncload's clients for remote stores (LoadOptions.transport)
@@ -64,17 +66,23 @@ def resume(checkpoint: Any, base_folder: Path | str) -> Resumed:
         assert run.checkpointer.load() is True
         loaded = run.states()
         # the load replaced the fresh weights (a load that did nothing cannot pass)
-        assert not torch.equal(fresh["norm.weight"], loaded["model"]["norm.weight"]) or not torch.equal(
+        assert not torch.equal(
+            fresh["norm.weight"], loaded["model"]["norm.weight"]
+        ) or not torch.equal(
             fresh["tok_embeddings.weight"], loaded["model"]["tok_embeddings.weight"]
         )
         losses = [run.train_step() for _ in range(MORE_STEPS)]
-        return Resumed(loaded, losses, run.states(), getattr(run.checkpointer, "last_load_stats", None))
+        return Resumed(
+            loaded, losses, run.states(), getattr(run.checkpointer, "last_load_stats", None)
+        )
     finally:
         run.close()
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Any], list[torch.Tensor]]]:
+def saved(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, dict[str, Any], list[torch.Tensor]]]:
     """torchtitan's manager saves the run at step 3: ``(base folder, the states saved, the
     losses of the 3 steps the saving run takes next)``."""
     base = tmp_path_factory.mktemp("titan")
@@ -127,7 +135,11 @@ def test_selected_from_torchtitan_config(tmp_path: Path) -> None:
         interval=10,
         last_save_model_only=False,
         load_options=LoadOptions(concurrency=4),
-        storage_options={"endpoint_url": "http://127.0.0.1:1", "key": "AKIA-not-logged", "secret": "not-logged"},
+        storage_options={
+            "endpoint_url": "http://127.0.0.1:1",
+            "key": "AKIA-not-logged",
+            "secret": "not-logged",
+        },
     )
     assert isinstance(config, Trainer.Config)
     assert AsyncLoadCheckpointManager.Config._owner is AsyncLoadCheckpointManager
@@ -153,17 +165,26 @@ def test_selected_from_torchtitan_config(tmp_path: Path) -> None:
     assert logged["interval"] == 10 and logged["load_options"]["concurrency"] == 4
     # a disabled manager is torchtitan's no-op
     off = AsyncLoadCheckpointManager.Config().build(
-        dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None
+        dataloader=None,
+        model_parts=[],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
     )
     assert off.load() is False and off.save(curr_step=1) is False
 
 
 def test_config_validation() -> None:
     with pytest.raises(
-        ValueError, match=r"load_options=\{'concurrency': 4\} is invalid: it must be an asyncload.LoadOptions"
+        ValueError,
+        match=r"load_options=\{'concurrency': 4\} is invalid: it must be an asyncload.LoadOptions",
     ):
         AsyncLoadCheckpointManager.Config(load_options={"concurrency": 4})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"storage_options is invalid: it must be a dict with str keys, not a list$"):
+    with pytest.raises(
+        ValueError,
+        match=r"storage_options is invalid: it must be a dict with str keys, not a list$",
+    ):
         AsyncLoadCheckpointManager.Config(storage_options=[("secret", "s")])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"storage_options is invalid: its key 1 is not a str$"):
         AsyncLoadCheckpointManager.Config(storage_options={1: "s"})  # type: ignore[dict-item]
@@ -172,12 +193,18 @@ def test_config_validation() -> None:
         AsyncLoadCheckpointManager.Config(interval=0)
 
 
-def test_resume_local_bit_exact(saved: tuple[Path, dict[str, Any], list[torch.Tensor]], titan_resumed: Resumed) -> None:
+def test_resume_local_bit_exact(
+    saved: tuple[Path, dict[str, Any], list[torch.Tensor]], titan_resumed: Resumed
+) -> None:
     base, _, _ = saved
     got = resume(asyncload_config(), base)
     assert_resumed_alike(got, titan_resumed)
     # the load went through asyncload: every byte of the data file read once
-    assert got.stats is not None and got.stats.bytes_read == data_bytes(base) and got.stats.unexpected_keys == []
+    assert (
+        got.stats is not None
+        and got.stats.bytes_read == data_bytes(base)
+        and got.stats.unexpected_keys == []
+    )
 
 
 @pytest.mark.parametrize("store", ["s3", "gcs"])
@@ -211,11 +238,17 @@ def test_resume_remote_bit_exact(
         assert got.stats is not None and got.stats.bytes_read == data_bytes(base), transport
 
 
-def test_hf_import_bit_exact(saved: tuple[Path, dict[str, Any], list[torch.Tensor]], tmp_path: Path) -> None:
+def test_hf_import_bit_exact(
+    saved: tuple[Path, dict[str, Any], list[torch.Tensor]], tmp_path: Path
+) -> None:
     """``initial_load_in_hf``: the safetensors torchtitan exported (``last_save_in_hf``),
     read through asyncload and mapped by the model's state-dict adapter."""
     _, states, _ = saved
-    export = Run(titan_config(folder="export", last_save_in_hf=True, last_save_model_only=True), tmp_path, seed=0)
+    export = Run(
+        titan_config(folder="export", last_save_in_hf=True, last_save_model_only=True),
+        tmp_path,
+        seed=0,
+    )
     try:
         export.model.load_state_dict(states["model"])
         assert export.checkpointer.save(curr_step=SAVE_STEP, last_step=True) is True
@@ -233,7 +266,11 @@ def test_hf_import_bit_exact(saved: tuple[Path, dict[str, Any], list[torch.Tenso
         finally:
             run.close()
 
-    hf = {"initial_load_path": str(hf_dir), "initial_load_in_hf": True, "initial_load_model_only": True}
+    hf = {
+        "initial_load_path": str(hf_dir),
+        "initial_load_in_hf": True,
+        "initial_load_model_only": True,
+    }
     want, _ = imported(titan_config(**hf))
     got, stats = imported(asyncload_config(**hf))
     assert_same(got, want, "hf import")
