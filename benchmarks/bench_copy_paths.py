@@ -1,5 +1,5 @@
 """Which copy out of a warm page cache: the kernel's (``preadv``) or a user-space ``memmove``
-out of a short-lived mapping (asyncload/_mapped.py), into aligned and unaligned memory.
+out of a short-lived mapping (asyncload/storage/mapped.py), into aligned and unaligned memory.
 
     python benchmarks/bench_copy_paths.py --size-mib 1024 --rounds 9
     python benchmarks/bench_copy_paths.py --shifts --size-mib 256 --rounds 5

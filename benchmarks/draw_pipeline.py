@@ -2,7 +2,7 @@
 
 The module-level picture is the text diagram in docs/pipeline.md ("The structure"); this one
 shows what a caller gives, what each option governs and what comes back. Plain SVG, no
-dependencies, deterministic output (tests/test_first_hour.py checks the committed file is
+dependencies, deterministic output (tests/faces/test_first_hour.py checks the committed file is
 what this writes).
 
     python benchmarks/draw_pipeline.py [--out docs/img/pipeline_user.svg]

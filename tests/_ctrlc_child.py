@@ -1,4 +1,4 @@
-"""Child process of tests/test_robustness.py: loads a checkpoint again and again, each time
+"""Child process of tests/engine/test_robustness.py: loads a checkpoint again and again, each time
 interrupted (SIGINT delivered to the main thread, or ``_thread.interrupt_main``) after a
 given delay; after each, reports what was left behind. Prints one JSON line.
 

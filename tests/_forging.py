@@ -4,7 +4,7 @@ in an ``AsyncLoadError``, or every tensor is bit-exact and fully written. Also (
 forged ``planner_data`` paths and forged claimed sizes of zstd-transformed records, read by
 ``read_state_dict``.
 
-Shared by ``tests/test_forged.py`` (hypothesis draws the mutations) and
+Shared by ``tests/decoding/test_forged.py`` (hypothesis draws the mutations) and
 ``benchmarks/fuzz_long.py --structural-minutes`` (``random.Random`` draws them).
 """
 

@@ -1,4 +1,4 @@
-"""Child process of tests/test_robustness.py: uses asyncload, then forks (os.fork, with a
+"""Child process of tests/engine/test_robustness.py: uses asyncload, then forks (os.fork, with a
 background load still running, and a multiprocessing 'fork' pool like DataLoader workers);
 every child loads the checkpoint itself. Prints one JSON line.
 

@@ -1,4 +1,4 @@
-"""Shared by tests/test_fuzz.py (hypothesis, bounded) and benchmarks/fuzz_long.py (a longer,
+"""Shared by tests/decoding/test_fuzz.py (hypothesis, bounded) and benchmarks/fuzz_long.py (a longer,
 random campaign): seed inputs from real checkpoints, a mutator, and the targets.
 
 A target returns normally or raises one of asyncload's own errors; anything else

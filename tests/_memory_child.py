@@ -1,4 +1,4 @@
-"""Child process of tests/test_robustness.py (and benchmarks): peak RSS of one load above
+"""Child process of tests/engine/test_robustness.py (and benchmarks): peak RSS of one load above
 the destination tensors. The destination is allocated and touched first, one load warms
 the page cache and starts the library's threads, then the peak RSS (VmHWM) is reset and
 a second load measured. Prints one JSON line.

@@ -1,4 +1,4 @@
-"""Child process of tests/test_robustness.py: overwrites a DCP checkpoint in place again and
+"""Child process of tests/engine/test_robustness.py: overwrites a DCP checkpoint in place again and
 again with torch's own dcp.save (save k fills every tensor with the value k), for a given
 number of seconds. Prints "ready" when it starts saving, then the number of saves completed.
 

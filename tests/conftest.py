@@ -15,7 +15,7 @@ Checkpoints written by torch's own ``dcp.save`` (see :func:`_ckpt.make_checkpoin
     fixture (module scope) with the state dict its tests are written against.
 
 ``storage`` (function) -> ``LocalStorage``
-    over ``tmp_path``, 2 I/O threads (tests/test_local_reads.py, test_mapped_copies.py).
+    over ``tmp_path``, 2 I/O threads (tests/storage/test_local_reads.py, test_mapped_copies.py).
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def _settle_at_exit() -> None:
 
     obstore 0.12's tokio threads finish their share of a just-completed read after the
     Python future resolved; a process that exits in that window aborts (SIGABRT, about one
-    exit in four right after concurrent reads, measured here; ``tests/test_obstore.py``). 50 ms
+    exit in four right after concurrent reads, measured here; ``tests/storage/test_obstore.py``). 50 ms
     in an ``atexit`` hook (registered on first use, not at import) closes the window."""
     if not _settling:
         _settling.append(os.getpid())

@@ -1,4 +1,4 @@
-"""The sorted-sweep intersection (asyncload/_intersect.py) gives torch's read items bit
+"""The sorted-sweep intersection (asyncload/engine/intersect.py) gives torch's read items bit
 for bit: the same ``ReadItem`` s, in the same order, with the same offsets, lengths and
 storage indexes, as ``create_read_items_for_chunk_list`` and ``DefaultLoadPlanner``, on
 random layouts (hypothesis), on layouts of thousands of ranks, and on real DTensors saved

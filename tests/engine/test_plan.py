@@ -213,7 +213,7 @@ def test_storage_offset_respected():
 
 
 def test_dtype_cast_only_when_allowed():
-    # a lossy cast (narrowing) needs allow_cast; lossless widening does not (tests/test_dtype_rules.py)
+    # a lossy cast (narrowing) needs allow_cast; lossless widening does not (tests/engine/test_dtype_rules.py)
     saved = random_tensor((16, 16), torch.float32, seed=10).nan_to_num(0.0, 0.0, 0.0)
     data = fake_file(saved)
     dest = torch.zeros(16, 16, dtype=torch.float16)

@@ -1,4 +1,4 @@
-"""The public surface is ``__all__``, exactly (like httpx's tests/test_exported_members.py).
+"""The public surface is ``__all__``, exactly (like httpx's tests/faces/test_exported_members.py).
 
 Every name in ``__all__`` exists, and every public attribute of the package (no leading
 ``_``, not a submodule, not a ``from __future__`` feature) is listed in ``__all__``: a name

@@ -2,7 +2,7 @@
 ``--compare-torch``, ``convert``'s permissions, and the small edges of the API
 (``LoadHandle.progress`` and ``repr``, the file count, ``load`` on a running loop).
 
-CLI behaviour is checked by running the real command in a subprocess, as tests/test_cli.py does."""
+CLI behaviour is checked by running the real command in a subprocess, as tests/faces/test_cli.py does."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LocalStorage's read path (asyncload/_local.py): positional reads (``os.preadv``) from
+"""LocalStorage's read path (asyncload/storage/local.py): positional reads (``os.preadv``) from
 a thread pool straight into caller memory, several destination buffers per read. Bit-exact
 at unaligned starts and ends and at a file's tail, with the page cache warm and cold; a file
 shorter than the read is the typed short read of a local file (a truncated checkpoint), the
@@ -329,7 +329,7 @@ def test_a_file_truncated_under_a_cold_load_is_a_format_error(
 ) -> None:
     """The file shrinks under a cold load, after its size was checked: the short local
     read is the truncated file it is (CheckpointFormatError), as with a warm cache
-    (tests/test_integrity.py)."""
+    (tests/engine/test_integrity.py)."""
     path, sd = big_ckpt
     (data,) = path.glob("*.distcp")
     evict_pages(data)

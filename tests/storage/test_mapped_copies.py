@@ -1,5 +1,5 @@
 """Local reads the kernel's copy would alias (a destination 1-31 bytes past its file offset
-modulo 4096) copied out of the page cache through leased mappings (asyncload/_mapped.py):
+modulo 4096) copied out of the page cache through leased mappings (asyncload/storage/mapped.py):
 only those reads are mapped; bit-exact at unaligned offsets, across windows and several
 destination buffers; a window with a page not in the cache, a file open for writing, a read
 past the end of the file and a program that handles SIGURG all fall back to ``preadv``; a
