@@ -383,7 +383,14 @@ def test_the_readme_layout_names_every_module() -> None:
     layout = (repo / "README.md").read_text().split("## Layout", 1)[1]
     modules = {p.stem for p in (repo / "asyncload").glob("*.py")} - {"__init__", "__main__"}
     assert sorted(m for m in modules if m not in layout) == []
+    for wing in ("engine", "storage", "distributed", "decoding", "formats"):
+        names = {p.stem for p in (repo / "asyncload" / wing).glob("*.py")} - {"__init__"}
+        assert sorted(m for m in names if m not in layout) == [], wing
     for folder in (
+        "engine/",
+        "storage/",
+        "distributed/",
+        "decoding/",
         "formats/",
         "testing/",
         "tests/",
