@@ -1,6 +1,7 @@
 """asyncload: load PyTorch distributed checkpoints fast, from local disk or object storage.
 
-Public names live here; everything else is private: the ``asyncload._*`` modules and the\nwings (``engine/``, ``storage/``, ``distributed/``, ``formats/``, ``decoding/``), whose layout\ndocs/pipeline.md draws.
+Public names live here; everything else is private: the ``asyncload._*`` modules and the
+wings (``engine/``, ``storage/``, ``distributed/``, ``formats/``, ``decoding/``), whose layout\ndocs/pipeline.md draws.
 """
 
 import typing
