@@ -1,7 +1,8 @@
 """asyncload: load PyTorch distributed checkpoints fast, from local disk or object storage.
 
 Public names live here; everything else is private: the ``asyncload._*`` modules and the
-wings (``engine/``, ``storage/``, ``distributed/``, ``formats/``, ``decoding/``), whose layout\ndocs/pipeline.md draws.
+wings (``engine/``, ``storage/``, ``distributed/``, ``formats/``, ``decoding/``), whose layout
+docs/pipeline.md draws.
 """
 
 import typing
