@@ -109,7 +109,8 @@ def load(
     extension_registry: ExtensionRegistry | None = None,
     allow_partial_load: bool = False,
 ) -> LoadStats:
-    """Load ``checkpoint`` into ``state_dict`` in place, like ``dcp.load``; return its :class:`LoadStats`.
+    """Load ``checkpoint`` into ``state_dict`` in place, like ``dcp.load``; return its
+    :class:`LoadStats`.
 
     ``checkpoint`` is a local path, a ``PathLike``, a ``file://`` URL or any fsspec URL
     (``storage_options`` go to the filesystem). Works in a plain script and when the

@@ -36,7 +36,13 @@ from asyncload.formats import HF_INDEX, HF_SINGLE
 from asyncload.formats.safetensors import SAFETENSORS_DTYPES
 from asyncload.storage import is_local, local_root
 
-__all__ = ["SAFETENSORS_MAX_HEADER", "ConvertResult", "check_destination", "convert", "plan_shards"]
+__all__ = [
+    "SAFETENSORS_MAX_HEADER",
+    "ConvertResult",
+    "check_destination",
+    "convert",
+    "plan_shards",
+]
 
 #: torch dtype -> safetensors' name for it
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -225,7 +231,9 @@ def _write_shards(
             if (
                 data.nbytes != end - start
             ):  # pragma: no cover - the stream allocates from the same metadata
-                raise ValueError(f"key {key!r}: {data.nbytes} bytes, the header says {end - start}")
+                raise ValueError(
+                    f"key {key!r}: {data.nbytes} bytes, the header says {end - start}"
+                )
             f.seek(bases[i] + start)
             f.write(memoryview(data))
             del data, tensor

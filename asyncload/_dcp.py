@@ -121,7 +121,8 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             raise CheckpointFormatError("the planner was not set up with metadata")
         saved = md.state_dict_metadata
         if self.flatten_state_dict:
-            # older (torch < 2.4) checkpoints flatten differently: the destination's keys as they were then
+            # older (torch < 2.4) checkpoints flatten differently: the destination's keys as they
+            # were then
             _rekey_pre_2_4(self, md)
         tied, checked = _ties(self.state_dict, md)
         missing = [fqn for fqn in self.state_dict if fqn not in saved and fqn not in tied]
@@ -152,7 +153,9 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                     raise StateDictMismatchError(
                         f"key {fqn!r}: the destination has shape {shape}, the checkpoint {list(smd.size)}"
                     )
-                check_cast(smd.properties.dtype, obj.dtype, allow_cast=cast_ok, what=f"key {fqn!r}")
+                check_cast(
+                    smd.properties.dtype, obj.dtype, allow_cast=cast_ok, what=f"key {fqn!r}"
+                )
         self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
         self.missing_keys = sorted(missing)
         self.tied_keys = dict(sorted(tied.items()))
@@ -242,7 +245,9 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             if isinstance(exc, AsyncLoadError):  # pragma: no cover - ours pass through
                 raise
             raise StateDictMismatchError(
-                f"the destination does not match the checkpoint: {type(exc).__name__}: {exc}"[:2000]
+                f"the destination does not match the checkpoint: {type(exc).__name__}: {exc}"[
+                    :2000
+                ]
             ) from exc
 
     @property
@@ -457,8 +462,9 @@ class PipelinedReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         session = self.session
         if not session.started or "rank" not in kwargs:
-            # dcp.load's first call of every load (it calls reset() only when given a checkpoint_id):
-            # a reader used for several loads reports each on its own, under the reader's options
+            # dcp.load's first call of every load (it calls reset() only when given a
+            # checkpoint_id): a reader used for several loads reports each on its own, under the
+            # reader's options
             session.begin()
         try:
             md = session.run(session.aread_metadata(rank=kwargs.get("rank")))

@@ -16,7 +16,8 @@ leaves also derive from the builtin a caller would naturally catch::
     └── LoadCancelledError         (also CancelledError) the load was cancelled through its handle
 
 Storage errors are translated into these classes in one place
-(:class:`asyncload.storage.retrying.RetryingStorage`), parser errors in the format modules, always with
+(:class:`asyncload.storage.retrying.RetryingStorage`), parser errors in the format modules, always
+with
 ``raise ... from exc`` so the original cause stays attached.
 """
 
@@ -264,7 +265,9 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
     if not real:
         return asyncio.CancelledError()
     own = [
-        e for e in real if isinstance(e, AsyncLoadError) and not isinstance(e, DistributedLoadError)
+        e
+        for e in real
+        if isinstance(e, AsyncLoadError) and not isinstance(e, DistributedLoadError)
     ]
     remote = [e for e in real if isinstance(e, DistributedLoadError)]
     return (own or remote or real)[0]

@@ -85,7 +85,9 @@ class LoadClock:
         """The ``q`` quantile of recent comparable read times, scaled to ``nbytes``; None
         with fewer than 4 comparable reads (same size or up to 4x smaller)."""
         lo = nbytes / 4
-        times = sorted(t * max(1.0, nbytes / n) if n > 0 else t for t, n in self.samples if n >= lo)
+        times = sorted(
+            t * max(1.0, nbytes / n) if n > 0 else t for t, n in self.samples if n >= lo
+        )
         return percentile(times, q)
 
     def first_byte_time(self, q: float = 0.9) -> float | None:

@@ -230,7 +230,10 @@ class LoadOptions:
             bad("timeout", self.timeout, "expected a positive number of seconds or None")
         ct = self.collective_timeout
         if ct is not None and (
-            isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0 or math.isinf(ct)
+            isinstance(ct, bool)
+            or not isinstance(ct, (int, float))
+            or not ct > 0
+            or math.isinf(ct)
         ):
             bad("collective_timeout", ct, "expected a positive number of seconds or None")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
@@ -271,7 +274,13 @@ class LoadOptions:
         if self.transport not in ("auto", "obstore", "fsspec"):
             bad("transport", self.transport, 'expected "auto", "obstore" or "fsspec"')
         object.__setattr__(self, "safe_globals", _check_safe_globals(self.safe_globals))
-        for name in ("verify", "hedge", "allow_dtype_cast", "strict_unexpected_keys", "use_uvloop"):
+        for name in (
+            "verify",
+            "hedge",
+            "allow_dtype_cast",
+            "strict_unexpected_keys",
+            "use_uvloop",
+        ):
             if not isinstance(getattr(self, name), bool):
                 bad(name, getattr(self, name), "expected a bool")
 
@@ -299,7 +308,9 @@ class LoadOptions:
     @functools.cached_property
     def chunk_policy(self) -> ChunkPolicy:
         assert self.min_chunk_size is not None  # derived in __post_init__
-        return ChunkPolicy(chunk_size=self.effective_chunk_size, min_chunk_size=self.min_chunk_size)
+        return ChunkPolicy(
+            chunk_size=self.effective_chunk_size, min_chunk_size=self.min_chunk_size
+        )
 
     @property
     def effective_chunk_size(self) -> int:

@@ -1,8 +1,8 @@
 """Loads without a prebuilt state dict: :func:`read_state_dict` and :func:`aread_state_dict`.
 
 The destinations are allocated from the checkpoint's metadata (after its claims were
-checked against the files) and loaded in one pass through :class:`~asyncload._stream.CheckpointStream`;
-the result is nested again the way it was saved.
+checked against the files) and loaded in one pass through
+:class:`~asyncload._stream.CheckpointStream`; the result is nested again the way it was saved.
 """
 
 from __future__ import annotations

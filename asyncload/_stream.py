@@ -9,10 +9,10 @@ set of I/O threads, one clock and one :class:`LoadStats` for the whole stream).
 
 Streaming: the selected tensors, in file and offset order, are split into batches of at
 most ``memory_budget / 2`` bytes (a tensor larger than that is a batch of its own). While
-batch ``k`` is being yielded, batch ``k + 1`` is read, as long as the tensors held (read and not yet yielded, and
-the one yielded last until the consumer asks for the next) stay within ``memory_budget``;
-a batch larger than the budget is read only once nothing is held, and yielded alone. A
-consumer that does not ask for the next tensor stops the reads there.
+batch ``k`` is being yielded, batch ``k + 1`` is read, as long as the tensors held (read and not
+yet yielded, and the one yielded last until the consumer asks for the next) stay within
+``memory_budget``; a batch larger than the budget is read only once nothing is held, and yielded
+alone. A consumer that does not ask for the next tensor stops the reads there.
 """
 
 from __future__ import annotations
@@ -230,7 +230,9 @@ class CheckpointStream:
         if smd.chunks and self.metadata.storage_data:
             info = self.metadata.storage_data.get(MetadataIndex(fqn, smd.chunks[0].offsets))
             if info is not None:
-                return str(getattr(info, "relative_path", "")), int(getattr(info, "offset", 0) or 0)
+                return str(getattr(info, "relative_path", "")), int(
+                    getattr(info, "offset", 0) or 0
+                )
         return "", 0
 
     def dtype_of(self, smd: TensorStorageMetadata) -> torch.dtype:
@@ -453,8 +455,9 @@ def iter_tensors(
     ``options.memory_budget``; a tensor larger than it is read only after the loop asked for
     the next tensor, with nothing else held, so the peak is that one tensor plus whatever the
     loop still holds of the previous ones (``for name, t in ...`` keeps ``t`` bound while
-    the next is read: ``del t`` at the end of the body for a peak of one tensor). Leaving the loop early (``break``, ``close()``, an exception)
-    stops the reads and closes files, sessions and threads.
+    the next is read: ``del t`` at the end of the body for a peak of one tensor). Leaving the loop
+    early (``break``, ``close()``, an exception) stops the reads and closes files, sessions and
+    threads.
     """
     agen = aiter_tensors(
         checkpoint,

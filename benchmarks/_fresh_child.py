@@ -76,7 +76,9 @@ if mode == "timeline":
                 _events.append((time.perf_counter(), f"open {os.path.basename(p)}"))
         elif event == "mmap.__new__":
             _events.append((time.perf_counter(), "mmap"))
-        elif event == "import" and args and isinstance(args[0], str) and args[0] not in sys.modules:
+        elif (
+            event == "import" and args and isinstance(args[0], str) and args[0] not in sys.modules
+        ):
             _events.append((time.perf_counter(), f"import {args[0]}"))
 
     sys.addaudithook(_audit)

@@ -193,7 +193,8 @@ def main() -> None:
             torch.equal(t, torch.randn(t.shape, generator=g).to(t.dtype)) for t in dest.values()
         )
     print(
-        "RESULT " + json.dumps({"seconds": seconds, "cpu": cpu, "peak": peak, "ok": ok}), flush=True
+        "RESULT " + json.dumps({"seconds": seconds, "cpu": cpu, "peak": peak, "ok": ok}),
+        flush=True,
     )
 
 

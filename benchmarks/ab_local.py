@@ -113,7 +113,9 @@ def main() -> None:
             print(f"{name:10s} {first:9.4f} {bound / first:8.3f} {second:9.4f}")
         wins = sum(b["seconds"] < a["seconds"] for a, b in zip(res["A"], res["B"]))
         wins2 = sum(b["seconds2"] < a["seconds2"] for a, b in zip(res["A"], res["B"]))
-        print(f"B faster than A: first load in {wins} of {args.rounds} rounds, 2nd load in {wins2}")
+        print(
+            f"B faster than A: first load in {wins} of {args.rounds} rounds, 2nd load in {wins2}"
+        )
     print(f"load average (end): {C.loadavg()}")
 
 

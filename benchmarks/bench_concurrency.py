@@ -99,7 +99,8 @@ def main() -> None:
                         finally:
                             proxy.close()
                         line = next(
-                            (ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None
+                            (ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")),
+                            None,
                         )
                         got = json.loads(line[7:]) if line else {}
                         if "seconds" not in got or got.get("ok") is False:

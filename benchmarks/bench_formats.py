@@ -139,7 +139,9 @@ def main() -> None:
     ap.add_argument(
         "--size-mib", type=int, default=1024, help="model size (bf16), MiB (default 1024)"
     )
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the local methods")
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds of the local methods"
+    )
     ap.add_argument("--remote-rounds", type=int, default=3)
     ap.add_argument(
         "--latency-ms", type=float, default=5.0, help="one-way latency the proxy adds (ms)"

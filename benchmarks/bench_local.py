@@ -319,7 +319,9 @@ def run_rounds(
             before()
             out = run_child({**base, **contenders[name]}, env)
             if "check" in out and out["check"] != checks:
-                raise SystemExit(f"{name} ({what}) loaded wrong values: {out['check']} != {checks}")
+                raise SystemExit(
+                    f"{name} ({what}) loaded wrong values: {out['check']} != {checks}"
+                )
             res[name].append(out)
     return res
 
@@ -335,7 +337,12 @@ def fresh_section(
     o: dict[str, object],
 ) -> None:
     env = child_env()
-    base: dict[str, object] = {"path": path, "files": files, "shapes": shapes_file, "check": checks}
+    base: dict[str, object] = {
+        "path": path,
+        "files": files,
+        "shapes": shapes_file,
+        "check": checks,
+    }
     contenders: dict[str, dict[str, object]] = {
         "raw into destination-sized buffer": {"mode": "bound"},
         "torch dcp.load FileSystemReader": {"mode": "torch", "second": True},

@@ -90,7 +90,9 @@ def main() -> None:
     ap.add_argument(
         "--ranks", type=int, nargs="+", default=[10, 100, 1024], help="saving ranks per size"
     )
-    ap.add_argument("--repeats", type=int, default=1, help="children per figure (the best is kept)")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="children per figure (the best is kept)"
+    )
     args = ap.parse_args()
     print(f"load average before: {loadavg()}", flush=True)
     base = alloc_baseline()

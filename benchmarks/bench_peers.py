@@ -224,7 +224,10 @@ def main() -> None:
     if args.plot_from:
         saved = json.loads(Path(args.plot_from).read_text())
         plot(
-            saved["medians"], saved["meta"]["bytes"], saved["meta"], args.plot or "remote_peers.png"
+            saved["medians"],
+            saved["meta"]["bytes"],
+            saved["meta"],
+            args.plot or "remote_peers.png",
         )
         return
     configure_env()
@@ -239,7 +242,9 @@ def main() -> None:
     if exe is None:
         sys.exit("s3rver is not installed (npm install --prefix .s3rver s3rver@3.7.1)")
     missing = [
-        c for c in wanted if CONTENDERS[c][1] and importlib.util.find_spec(CONTENDERS[c][1]) is None
+        c
+        for c in wanted
+        if CONTENDERS[c][1] and importlib.util.find_spec(CONTENDERS[c][1]) is None
     ]
     if "curl" in wanted and shutil.which("curl") is None:
         missing.append("curl")

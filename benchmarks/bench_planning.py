@@ -507,7 +507,9 @@ def run_case(
         ("payload_max", "gathered_bytes", "decode_s", "decode_heap", "plan_s", "plan_heap"), 0.0
     )
     sums.update(
-        dict.fromkeys(("units_rank", "component", "full_s", "full_heap", "transfers", "units"), 0.0)
+        dict.fromkeys(
+            ("units_rank", "component", "full_s", "full_heap", "transfers", "units"), 0.0
+        )
     )
     sums["read_bytes"] = 0.0
     samples = sorted({0, mesh.world // 2, mesh.world - 1})
@@ -580,7 +582,10 @@ COLUMNS = [
     ("local + decode + rank plan s", "total_s", "s"),
 ]
 #: With --reference: the whole plan as every rank computed it before (one object per unit).
-REFERENCE = [("full plan s (reference)", "full_s", "s"), ("heap full plan MiB", "full_heap", "MiB")]
+REFERENCE = [
+    ("full plan s (reference)", "full_s", "s"),
+    ("heap full plan MiB", "full_heap", "MiB"),
+]
 
 
 def cell(value: Any, unit: str) -> str:

@@ -182,7 +182,8 @@ def main() -> None:
     exe = BR.find_s3rver()
     s3: Any = S3rverServer(executable=exe) if exe is not None else S3Server()
     print(
-        f"S3 server: {type(s3).__name__}; {args.size_mib} MiB; load average {loadavg()}", flush=True
+        f"S3 server: {type(s3).__name__}; {args.size_mib} MiB; load average {loadavg()}",
+        flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp, s3:
         if args.part in ("raw", "both"):
@@ -254,7 +255,9 @@ def _load(args: argparse.Namespace, size: int, s3: Any, tmp: Path) -> None:
     total = nbytes(sd)
     path = tmp / "ckpt"
     dcp.save(
-        sd, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True
+        sd,
+        storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False),
+        no_dist=True,
     )
     del sd
     url = s3.upload_dir(path, "bench", "ckpt")

@@ -263,7 +263,9 @@ def _forged_worker(
             rng = random.Random(f"{seed}/forged/{wid}/{i}")
             name = "planner_data read" if i % 2 == 0 else "transformed claim read"
             if i % 2 == 0:
-                mutations: list[Any] = [random_path_mutation(rng) for _ in range(rng.randint(1, 3))]
+                mutations: list[Any] = [
+                    random_path_mutation(rng) for _ in range(rng.randint(1, 3))
+                ]
             else:
                 mutations = [random_claim(rng) for _ in range(rng.randint(1, 2))]
             progress[wid] = i
@@ -417,7 +419,9 @@ def main() -> None:
             f"Forged planner_data and transformed claims: {args.forged_minutes} min on {args.workers} workers, seed {args.seed}"
         )
         failed |= _report(
-            campaign(args.forged_minutes, args.workers, args.seed, args.slow, target=_forged_worker)
+            campaign(
+                args.forged_minutes, args.workers, args.seed, args.slow, target=_forged_worker
+            )
         )
     sys.exit(1 if failed else 0)
 

@@ -240,7 +240,9 @@ def main() -> None:
     )
     parser.add_argument("--local-mib", type=int, default=512)
     parser.add_argument("--remote-mib", type=int, default=192)
-    parser.add_argument("--latency-ms", type=float, default=10.0, help="added each way per request")
+    parser.add_argument(
+        "--latency-ms", type=float, default=10.0, help="added each way per request"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="loads per local point (median)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "img")
     parser.add_argument(

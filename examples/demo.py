@@ -421,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         reference = zeros_like_checkpoint(ckpt)
         rows.append(
             run_torch(
-                "local", dcp.FileSystemReader(str(ckpt)), reference, total, "torch FileSystemReader"
+                "local",
+                dcp.FileSystemReader(str(ckpt)),
+                reference,
+                total,
+                "torch FileSystemReader",
             )
         )
         dest = zeros_like_checkpoint(ckpt)
@@ -440,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
 
             zero(dest)
             rows.append(
-                run_torch("s3", FsspecReader(url, **opts), dest, total, "torch FsspecReader (s3fs)")
+                run_torch(
+                    "s3", FsspecReader(url, **opts), dest, total, "torch FsspecReader (s3fs)"
+                )
             )
             check(reference, dest, "s3 torch")
             zero(dest)

@@ -137,7 +137,13 @@ def total_tensor_bytes(obj: Any) -> int:
 
 
 def float8_dtypes() -> list[torch.dtype]:
-    names = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    names = (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
     return [getattr(torch, n) for n in names if hasattr(torch, n)]
 
 

@@ -37,7 +37,9 @@ SOURCE: str = CKPT
 STORAGE_OPTIONS: dict[str, object] = {}
 PROXY_PORT = 0
 N, ROWS, COLS = 16, 1024, 2048  # 16 x 8 MiB float32, as the test wrote them
-OPTS = LoadOptions(chunk_size=1 << 20, min_chunk_size=1 << 16, concurrency=8, memory_budget=8 << 20)
+OPTS = LoadOptions(
+    chunk_size=1 << 20, min_chunk_size=1 << 16, concurrency=8, memory_budget=8 << 20
+)
 
 
 def fresh() -> dict[str, torch.Tensor]:
@@ -47,7 +49,9 @@ def fresh() -> dict[str, torch.Tensor]:
 def leftovers() -> dict[str, object]:
     deadline = time.monotonic() + 3.0
     while True:  # executor threads finish their current read, then exit
-        threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncload-io"))
+        threads = sorted(
+            t.name for t in threading.enumerate() if t.name.startswith("asyncload-io")
+        )
         if not threads or time.monotonic() > deadline:
             break
         time.sleep(0.01)

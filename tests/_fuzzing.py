@@ -163,7 +163,9 @@ def _parse_record_probed(data: bytes, work: Any = None) -> Any:
             assert 0 <= lo <= hi <= len(data), (lo, hi)
             return data[lo:hi]
 
-        return await aparse_archive(win, 0, len(data), "fuzz", fetch, max_pickle=1 << 20, work=work)
+        return await aparse_archive(
+            win, 0, len(data), "fuzz", fetch, max_pickle=1 << 20, work=work
+        )
 
     return asyncio.run(go())
 

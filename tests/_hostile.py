@@ -46,7 +46,9 @@ class Hostile:
         return len(self.data) > 200_000
 
     def expected(self, placement: str) -> str:
-        return self.record_expect if placement != "metadata" and self.record_expect else self.expect
+        return (
+            self.record_expect if placement != "metadata" and self.record_expect else self.expect
+        )
 
 
 class _Call:
@@ -127,7 +129,9 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
 
     # --- code execution through globals (every protocol for the classic one) ---
     for proto in range(6):
-        add(f"os.system/p{proto}", "code: os.system", _dumps(_Call(os.system, f"touch {m}"), proto))
+        add(
+            f"os.system/p{proto}", "code: os.system", _dumps(_Call(os.system, f"touch {m}"), proto)
+        )
     add(
         "builtins.eval",
         "code: eval/exec",
@@ -381,7 +385,9 @@ def corpus(marker_dir: str | os.PathLike[str]) -> list[Hostile]:
     )
     # hashing a 1M-deep tuple overflows CPython's C stack (a segfault, with any unpickler)
     add(
-        "1M nested tuples as a dict key", "hash: keys", b"\x80\x02})" + b"\x85" * 1_000_000 + b"Ns."
+        "1M nested tuples as a dict key",
+        "hash: keys",
+        b"\x80\x02})" + b"\x85" * 1_000_000 + b"Ns.",
     )
     add(
         "frozenset of a 1M nested tuple",

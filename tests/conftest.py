@@ -85,7 +85,9 @@ def ckpt(
 ) -> tuple[Path, dict[str, Any]]:
     """``(path, state_dict)``: ``ckpt_state_dict`` saved once for the test module (read only)."""
     stem = request.module.__name__.rpartition(".")[2].removeprefix("test_")
-    return make_checkpoint(tmp_path_factory.mktemp(stem) / "ckpt", ckpt_state_dict), ckpt_state_dict
+    return make_checkpoint(
+        tmp_path_factory.mktemp(stem) / "ckpt", ckpt_state_dict
+    ), ckpt_state_dict
 
 
 @pytest.fixture(scope="module")

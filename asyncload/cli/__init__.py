@@ -185,7 +185,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Load every key into freshly allocated tensors (zeros of the saved shapes and "
         "dtypes; objects decoded with the allow-list), then print the load's statistics.",
     )
-    p.add_argument("--verify", action="store_true", help="check each tensor record's stored CRC-32")
+    p.add_argument(
+        "--verify", action="store_true", help="check each tensor record's stored CRC-32"
+    )
     p.add_argument(
         "--compare-torch",
         action="store_true",

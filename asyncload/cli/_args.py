@@ -141,7 +141,9 @@ def _ratio_arg(text: str) -> float | None:
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a ratio (e.g. 1.15) or 'none'") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a ratio (e.g. 1.15) or 'none'"
+        ) from None
     if not v >= 1 or math.isinf(v):
         raise argparse.ArgumentTypeError(
             f"{text!r}: the ratio of bytes read to bytes needed is at least 1"
@@ -155,7 +157,9 @@ def _timeout_arg(text: str) -> float | None:
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds or 'none'") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds or 'none'"
+        ) from None
     if not v > 0 or math.isinf(v):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return v

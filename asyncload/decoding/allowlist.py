@@ -376,7 +376,9 @@ class _CheckpointPolicy:
         if (
             cls is collections.OrderedDict
         ):  # attributes of the dict, e.g. nn.Module.state_dict()._metadata
-            if len(state) > 64 or not all(type(k) is str and not k.startswith("__") for k in state):
+            if len(state) > 64 or not all(
+                type(k) is str and not k.startswith("__") for k in state
+            ):
                 raise vm.bad(f"OrderedDict with malformed attributes {short_repr(list(state))}")
             inst.__dict__.update(state)
             return

@@ -186,7 +186,9 @@ def _chunks_fine(chunks: list[Any], size: tuple[int, ...], chunk_type: type) -> 
     offs, lens = _int64s(offs_list, ndim), _int64s(lens_list, ndim)
     if offs is None or lens is None or (ndim and (offs.min() < 0 or lens.min() < 0)):
         return False
-    if ndim and (offs > np.array(size, dtype=np.int64) - lens).any():  # o + n > s, without overflow
+    if (
+        ndim and (offs > np.array(size, dtype=np.int64) - lens).any()
+    ):  # o + n > s, without overflow
         return False
     if math.prod(size) == 0:
         return True

@@ -117,7 +117,12 @@ def _build_np_dtype(vm: PickleVM, inst: Any, state: Any) -> None:
 
 
 def _args_np_reconstruct(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
-    if len(args) != 3 or args[0] is not np.ndarray or args[1] != (0,) or type(args[1]) is not tuple:
+    if (
+        len(args) != 3
+        or args[0] is not np.ndarray
+        or args[1] != (0,)
+        or type(args[1]) is not tuple
+    ):
         raise vm.bad(f"numpy _reconstruct called with malformed arguments {short_repr(args)}")
     if args[2] not in (b"b", "b"):
         raise vm.bad(f"numpy _reconstruct called with malformed arguments {short_repr(args)}")
@@ -125,7 +130,12 @@ def _args_np_reconstruct(vm: PickleVM, args: tuple[Any, ...], what: str) -> int:
 
 
 def _build_np_array(vm: PickleVM, inst: Any, state: Any) -> None:
-    if type(inst) is not np.ndarray or type(state) is not tuple or len(state) != 5 or state[0] != 1:
+    if (
+        type(inst) is not np.ndarray
+        or type(state) is not tuple
+        or len(state) != 5
+        or state[0] != 1
+    ):
         raise vm.bad(f"numpy array with malformed state {short_repr(state)[:120]}")
     _, shape, dtype, fortran, raw = state
     if (

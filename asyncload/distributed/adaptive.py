@@ -295,7 +295,12 @@ class _AdaptivePipeline(_SharedPipeline):
         return len(chunk.segments) == 1 and chunk.tiles_into()
 
     async def _run_parts(
-        self, chunk: Chunk, parts: list[_Part], buf: memoryview, direct: bool, state: dict[str, Any]
+        self,
+        chunk: Chunk,
+        parts: list[_Part],
+        buf: memoryview,
+        direct: bool,
+        state: dict[str, Any],
     ) -> None:
         claims = self.claims
         order = sorted(parts, key=lambda p: claims.key(p.transfer) if p.transfer else (-1, 0, 0))

@@ -213,7 +213,11 @@ class Monitor:
         connection) so that every other rank raises at once."""
         if getattr(exc, "_asyncload_posted", False):
             return  # read from the store, or posted when it was raised
-        if isinstance(exc, DistributedLoadError) and exc.rank is not None and exc.rank != self.rank:
+        if (
+            isinstance(exc, DistributedLoadError)
+            and exc.rank is not None
+            and exc.rank != self.rank
+        ):
             value = f"{exc.rank}|{exc.doing}|{exc}"  # a peer's failure this rank saw first
         else:
             kind = (

@@ -140,11 +140,18 @@ class _SharedPipeline(Pipeline):
         destination: after a failure, a transfer still pending can then only ever land in a
         buffer that was given up on)."""
         return (
-            len(chunk.segments) == 1 and chunk.tiles_into() and all(p.kind != "recv" for p in parts)
+            len(chunk.segments) == 1
+            and chunk.tiles_into()
+            and all(p.kind != "recv" for p in parts)
         )
 
     async def _run_parts(
-        self, chunk: Chunk, parts: list[_Part], buf: memoryview, direct: bool, state: dict[str, Any]
+        self,
+        chunk: Chunk,
+        parts: list[_Part],
+        buf: memoryview,
+        direct: bool,
+        state: dict[str, Any],
     ) -> None:
         if len(parts) == 1:
             await self._part(chunk, parts[0], buf, state)

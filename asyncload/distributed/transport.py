@@ -121,9 +121,13 @@ class _Transport:
                         else _nullcontext()
                     ):
                         if op == "send":
-                            works.append(dist.isend(dev, group=self.group, group_dst=peer, tag=tag))
+                            works.append(
+                                dist.isend(dev, group=self.group, group_dst=peer, tag=tag)
+                            )
                         else:
-                            works.append(dist.irecv(dev, group=self.group, group_src=peer, tag=tag))
+                            works.append(
+                                dist.irecv(dev, group=self.group, group_src=peer, tag=tag)
+                            )
                 finally:
                     await self._done_turn(peer)
             current = None

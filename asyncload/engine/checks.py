@@ -22,7 +22,11 @@ import torch
 from torch.distributed.checkpoint import ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from asyncload._errors import CheckpointChangedError, CheckpointFormatError, CheckpointNotFoundError
+from asyncload._errors import (
+    CheckpointChangedError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+)
 from asyncload._options import LoadOptions
 from asyncload._paths import check_relative_path
 from asyncload._stats import StatsRecorder

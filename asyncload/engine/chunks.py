@@ -3,8 +3,8 @@ of bytes and where it goes (:class:`Piece`), one read request (:class:`Chunk`).
 
 Formats answer with a ``TensorLocation``; planning (:mod:`asyncload.engine.plan`) turns locations
 and destinations into pieces and groups pieces into chunks; the reader pool
-(:mod:`asyncload.engine.pipeline`) reads chunks; assembly (:mod:`asyncload.engine.assembly`) hands each
-piece its bytes. Byte ranges are half-open ``[start, end)`` of a file named relative to the
+(:mod:`asyncload.engine.pipeline`) reads chunks; assembly (:mod:`asyncload.engine.assembly`) hands
+each piece its bytes. Byte ranges are half-open ``[start, end)`` of a file named relative to the
 checkpoint root.
 """
 

@@ -80,7 +80,9 @@ def planner_options(planner: object) -> LoadOptions | None:
 def ring_geometry(options: LoadOptions) -> tuple[int, int]:
     """``(slots, slot_size)`` of the pinned ring for ``options``: slots of one chunk,
     2 to 8 of them, all within ``memory_budget``."""
-    slot = min(options.effective_chunk_size, max(MIN_SLOT_SIZE, options.memory_budget // MIN_SLOTS))
+    slot = min(
+        options.effective_chunk_size, max(MIN_SLOT_SIZE, options.memory_budget // MIN_SLOTS)
+    )
     slots = max(MIN_SLOTS, min(MAX_SLOTS, options.memory_budget // slot))
     return slots, slot
 

@@ -355,7 +355,9 @@ class DeviceStager:
             if raw is None:
                 # the read's job holds ``slot`` (its tensor owns the memory) through ``then``: a
                 # cancelled load's thread may still be reading into it after the ring was dropped
-                await storage.readinto(chunk.name, chunk.start, [view], then=lambda slot=slot: None)
+                await storage.readinto(
+                    chunk.name, chunk.start, [view], then=lambda slot=slot: None
+                )
             t1 = time.monotonic()
             pipeline.stats.add(chunks=1, storage_wait_seconds=t1 - t0)
             token = await loop.run_in_executor(

@@ -11,10 +11,10 @@ job on thousands of ranks tests thousands of saved chunks per tensor (pytorch#16
 Here each tensor's saved chunks are sorted once along the dimension that separates them
 best (guessed from the first chunk: the dimension it is the smallest part of); a
 destination chunk bisects to the saved chunks that start within ``(start - longest, end)``
-along it and tests only those in every dimension. The answer is torch's own, bit for bit: the same ``ReadItem`` s (offsets,
-lengths, storage indexes) in the same order, which is found out once per process from
-torch itself (:func:`_torch_order`); a torch that orders some other way, or a layout whose
-chunks disagree on their number of dimensions, is handed to torch's own function.
+along it and tests only those in every dimension. The answer is torch's own, bit for bit: the same
+``ReadItem`` s (offsets, lengths, storage indexes) in the same order, which is found out once per
+process from torch itself (:func:`_torch_order`); a torch that orders some other way, or a layout
+whose chunks disagree on their number of dimensions, is handed to torch's own function.
 """
 
 from __future__ import annotations

@@ -158,7 +158,9 @@ def missing_keys_message(
     shown = []
     for key in missing[:MISSING_SHOWN]:
         hit = closest.get(key)
-        shown.append(f"{key!r} (closest checkpoint key: {hit!r})" if hit is not None else repr(key))
+        shown.append(
+            f"{key!r} (closest checkpoint key: {hit!r})" if hit is not None else repr(key)
+        )
     more = len(missing) - len(shown)
     listed = ", ".join(shown) + (f", and {more} more" if more > 0 else "")
     verb = "is" if len(missing) == 1 else "are"

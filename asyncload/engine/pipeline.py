@@ -113,7 +113,9 @@ class Pipeline:
         try:
             async with asyncio.TaskGroup() as tg:
                 tuner = (
-                    tg.create_task(self._autotune()) if self.options.concurrency == "auto" else None
+                    tg.create_task(self._autotune())
+                    if self.options.concurrency == "auto"
+                    else None
                 )
                 async for chunk in chunks:
                     t0 = time.monotonic()

@@ -469,7 +469,9 @@ class RecordReads:
             # a decoded record is always checked: a damaged compressed stream may decode to
             # other bytes without an error of its own (zstd frames carry no checksum by default)
             if (options.verify or rec.transforms) and loc.crc32 is not None:
-                tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
+                tracker = CrcTracker(
+                    loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32
+                )
                 tracker.add(base, data)
                 raise_on_bad_crc(tracker, rec, rec.name)
                 recorder.add(verified_records=1)

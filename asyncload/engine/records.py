@@ -69,7 +69,9 @@ def decode_object(
     (and the globals the user trusts: ``LoadOptions.safe_globals``)."""
     win = ByteWindow()
     win.add(0, raw)
-    layout = parse_archive(win, 0, len(raw), what, max_pickle=max_pickle, safe_globals=safe_globals)
+    layout = parse_archive(
+        win, 0, len(raw), what, max_pickle=max_pickle, safe_globals=safe_globals
+    )
     return materialize(layout, win)
 
 
@@ -158,7 +160,11 @@ def collect(
         if isinstance(sinfo, formats.FormatEntry):
             # safetensors / torch.save files, DCP saved as safetensors: one record per item
             rec = Record(
-                sinfo.relative_path, sinfo.offset, sinfo.length, item.storage_index.fqn, entry=sinfo
+                sinfo.relative_path,
+                sinfo.offset,
+                sinfo.length,
+                item.storage_index.fqn,
+                entry=sinfo,
             )
             if item.type == LoadItemType.BYTE_IO:
                 rec.byte_items.append(item)

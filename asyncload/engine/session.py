@@ -129,7 +129,9 @@ class LoadSession:
         self._now = clock
         self._copier = copier
         self.extension_registry = (
-            extension_registry if extension_registry is not None else _transforms.default_registry()
+            extension_registry
+            if extension_registry is not None
+            else _transforms.default_registry()
         )
         self.metadata_cache = metadata_cache
         # the load in progress
@@ -498,7 +500,9 @@ class LoadSession:
         # CUDA destinations: pinned staging ring + side stream (caller's thread: stream order)
         dests = (d for r in records for _, d in r.tensor_items)
         self._stager = _cuda.stager_for(dests, self._config.memory, self._copier)
-        note_keys(planner, self._recorder.stats, strict=self._config.options.strict_unexpected_keys)
+        note_keys(
+            planner, self._recorder.stats, strict=self._config.options.strict_unexpected_keys
+        )
         return records
 
     async def aread(

@@ -212,7 +212,9 @@ def _parse_archive(
             )
     ds = _data_start(win, start, pkl.header_offset, pkl.name, where)
     if pkl.method != 0:
-        raise CheckpointFormatError(f"{where}: data.pkl is compressed; torch.save never compresses")
+        raise CheckpointFormatError(
+            f"{where}: data.pkl is compressed; torch.save never compresses"
+        )
     obj = decode(win.get(start + ds, start + ds + pkl.size), where)
     refs: list[TensorRef] = []
     _walk_refs(obj, refs)
@@ -318,7 +320,13 @@ async def aparse_archive(
     for _ in range(16):
         try:
             return parse_archive(
-                win, start, size, where, max_pickle=max_pickle, safe_globals=safe_globals, work=work
+                win,
+                start,
+                size,
+                where,
+                max_pickle=max_pickle,
+                safe_globals=safe_globals,
+                work=work,
             )
         except NeedBytes as need:
             lo = max(start, need.start)

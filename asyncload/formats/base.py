@@ -238,7 +238,9 @@ class Fetcher:
 def _absent(exc: AsyncLoadError) -> bool:
     """Whether ``exc`` says the file is not there: missing, or a local path below a regular
     file ("model.pt/.metadata": NotADirectoryError)."""
-    return isinstance(exc, CheckpointNotFoundError) or isinstance(exc.__cause__, NotADirectoryError)
+    return isinstance(exc, CheckpointNotFoundError) or isinstance(
+        exc.__cause__, NotADirectoryError
+    )
 
 
 OpenRoot = Callable[[str], Awaitable[RetryingStorage]]
@@ -278,7 +280,9 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
     sdm = {k[len(pre) :]: v for k, v in saved.items() if k.startswith(pre)}
     for index, entry in list(md.storage_data.items()):
         if index.fqn.startswith(pre):
-            md.storage_data[MetadataIndex(index.fqn[len(pre) :], index.offset, index.index)] = entry
+            md.storage_data[MetadataIndex(index.fqn[len(pre) :], index.offset, index.index)] = (
+                entry
+            )
     log.info(
         "%s: loading the destination's keys from under %r (%d of %d destination keys found there)",
         md.source,

@@ -30,7 +30,9 @@ def decode_metadata(
         raw, what=url, max_size=max_size, check_structure=False, expect=Metadata, work=work
     )
     if not isinstance(md, Metadata):
-        raise CheckpointFormatError(f"{url} does not hold DCP Metadata (found {type(md).__name__})")
+        raise CheckpointFormatError(
+            f"{url} does not hold DCP Metadata (found {type(md).__name__})"
+        )
     version = getattr(md, "version", None)
     if version not in KNOWN_DCP_VERSIONS:
         raise CheckpointFormatError(

@@ -253,7 +253,9 @@ def _placements(v: Any) -> tuple[tuple[str, int, int], ...]:
                 "not a slice of the tensor, and asyncload does not reduce across ranks"
             )
         if not isinstance(p, _Record):
-            raise CheckpointFormatError(f"DTensor record has a malformed placement {short_repr(p)}")
+            raise CheckpointFormatError(
+                f"DTensor record has a malformed placement {short_repr(p)}"
+            )
         dim: Any = p.fields.get("dim", p.args[0] if p.args else None)
         if isinstance(p, _ReplicateRecord):
             out.append(("replicate", -1, 0))
@@ -392,7 +394,11 @@ class _DTensorPolicy(_CheckpointPolicy):
                             raise vm.bad(f"{inst.kind} state is malformed")
                         merged.update(part)
                 state = merged
-            if type(state) is not dict or len(state) > 64 or not all(type(k) is str for k in state):
+            if (
+                type(state) is not dict
+                or len(state) > 64
+                or not all(type(k) is str for k in state)
+            ):
                 raise vm.bad(f"{inst.kind} state is malformed: {short_repr(state)}")
             vm.charge(len(state))
             inst.fields.update(state)

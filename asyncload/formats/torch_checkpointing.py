@@ -247,7 +247,9 @@ def _sharding(g: Any, key: str, world: int, url: str) -> _Sharding:
     ):
         raise _bad(url, f"key {key!r} has a malformed sharding group")
     if any(not 0 <= r < world for r in ranks):
-        raise _bad(url, f"key {key!r} names ranks {short_repr(ranks)} outside the world of {world}")
+        raise _bad(
+            url, f"key {key!r} names ranks {short_repr(ranks)} outside the world of {world}"
+        )
     kind = sm.get("type")
     if kind != "DTensorShardingMetadata":
         raise _bad(
@@ -353,7 +355,9 @@ async def adirectory_metadata(
                 lst[:] = (lst + [""] * meta.world_size)[: meta.world_size]
             lst[rank] = rel
     if not files:
-        raise CheckpointFormatError(f"{source}: a torch-checkpointing directory without item files")
+        raise CheckpointFormatError(
+            f"{source}: a torch-checkpointing directory without item files"
+        )
     wanted = sorted({rel for lst in files.values() for rel in lst})
     sizes = await asyncio.gather(*(fetcher.size(rel) for rel in wanted))
     size_of = dict(zip(wanted, sizes))

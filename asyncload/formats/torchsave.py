@@ -483,7 +483,9 @@ async def _alayout(
                     f"{url}: needs bytes [{need.start}, {need.end}) outside the file"
                 ) from None
             win.add(lo, await fetcher.read(name, lo, hi))
-    raise CheckpointFormatError(f"{url}: the archive's layout did not resolve after 16 extra reads")
+    raise CheckpointFormatError(
+        f"{url}: the archive's layout did not resolve after 16 extra reads"
+    )
 
 
 async def _afill(

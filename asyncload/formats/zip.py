@@ -119,7 +119,9 @@ def parse_central_directory(
     cd: bytes | memoryview, n_entries: int, archive_size: int, where: str
 ) -> CentralDirectory:
     """Parse ``n_entries`` central directory headers from ``cd`` (exactly the directory's bytes)."""
-    cd = memoryview(cd)  # no copy: the directory may be large (up to LoadOptions.max_metadata_size)
+    cd = memoryview(
+        cd
+    )  # no copy: the directory may be large (up to LoadOptions.max_metadata_size)
     entries: dict[str, ZipEntry] = {}
     pos = 0
     total = len(cd)
@@ -148,7 +150,9 @@ def parse_central_directory(
         )
         end = pos + head + nl + el + cl
         if end > total:
-            raise CheckpointFormatError(f"{where}: central directory entry runs past the directory")
+            raise CheckpointFormatError(
+                f"{where}: central directory entry runs past the directory"
+            )
         name = bytes(cd[pos + head : pos + head + nl]).decode("utf-8", "replace")
         if 0xFFFFFFFF in (csize, usize, lho):
             extra = bytes(cd[pos + head + nl : pos + head + nl + el])

@@ -312,6 +312,8 @@ class _RangedStream(io.RawIOBase):
             async with asyncio.TaskGroup() as tg:
                 for lo in range(start, end, step):
                     tg.create_task(one(lo))
-        except BaseExceptionGroup as group:  # the first failure, as the caller would see one read's
+        except (
+            BaseExceptionGroup
+        ) as group:  # the first failure, as the caller would see one read's
             raise group.exceptions[0] from None
         return buf

@@ -57,7 +57,9 @@ class ShortReadError(OSError):
     end of file is final (the file is truncated: not worth a retry)."""
 
     def __init__(self, path: str, start: int, end: int, got: int, *, local: bool = False) -> None:
-        super().__init__(f"short read of {path} [{start}, {end}): got {got} of {end - start} bytes")
+        super().__init__(
+            f"short read of {path} [{start}, {end}): got {got} of {end - start} bytes"
+        )
         self.path, self.start, self.end, self.got = path, start, end, got
         self.local = local
 
@@ -167,7 +169,9 @@ class ObjectChangedError(OSError):
             if now is not None
             else "no longer matches it (the store refused the precondition)"
         )
-        super().__init__(f"{where}: the object was {seen} when this load first saw it and {became}")
+        super().__init__(
+            f"{where}: the object was {seen} when this load first saw it and {became}"
+        )
         self.url, self.byte_range, self.seen, self.now = url, byte_range, seen, now
 
 
@@ -300,7 +304,9 @@ class VersionPins(Storage):
             got = f"Content-Range {content_range!r}" if content_range else "no Content-Range"
             raise RangeMismatchError(self.url(name), start, end, status, got)
         first, stop, total = parsed
-        seen = self._totals.setdefault(name, total) if total is not None else self._totals.get(name)
+        seen = (
+            self._totals.setdefault(name, total) if total is not None else self._totals.get(name)
+        )
         short = (
             stop < end and total is not None and stop == total
         )  # the file ends there: a short read

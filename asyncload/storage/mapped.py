@@ -34,7 +34,8 @@ The lease break is signalled to the holder; the signal is set to ``SIGURG`` (``F
 which is ignored unless a program handles it (when Python code handles it, nothing is
 mapped). Where any of this is missing (not Linux, a kernel without ``cachestat``, a file system
 without leases, a file this process may not lease: not its owner and no ``CAP_LEASE``, a
-file open for writing), reads use ``preadv``. ``LoadOptions(local_mapped_copies=False)`` turns it off.
+file open for writing), reads use ``preadv``. ``LoadOptions(local_mapped_copies=False)`` turns it
+off.
 
 Left: a page dropped from the cache between the check and the copy that then fails to read
 from the disk; a process stopped for longer than the lease-break time in the middle of a copy.
@@ -191,8 +192,8 @@ class MappedCopies:
     """Copies of large local reads through leased mappings, for one :class:`LocalStorage`.
 
     :meth:`copy` copies what it can of a buffer's read, window by window from its start, and
-    returns how many bytes it copied; the caller reads the rest with ``preadv``. Thread-safe: the I/O
-    threads share one lease per file.
+    returns how many bytes it copied; the caller reads the rest with ``preadv``. Thread-safe: the
+    I/O threads share one lease per file.
     """
 
     def __init__(self) -> None:

@@ -130,8 +130,8 @@ def _settle_at_exit() -> None:
 
     obstore 0.12's tokio threads finish their share of a just-completed read after the
     Python future resolved; a process that exits in that window aborts (SIGABRT, about one
-    exit in four right after concurrent reads, measured here; ``tests/storage/test_obstore.py``). 50 ms
-    in an ``atexit`` hook (registered on first use, not at import) closes the window."""
+    exit in four right after concurrent reads, measured here; ``tests/storage/test_obstore.py``).
+    50 ms in an ``atexit`` hook (registered on first use, not at import) closes the window."""
     if not _settling:
         _settling.append(os.getpid())
         atexit.register(time.sleep, 0.05)
@@ -458,7 +458,13 @@ def _http_spec(url: str, opts: dict[str, Any]) -> StoreSpec:
         token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
         headers["Authorization"] = f"Basic {token}"
         url = urlunsplit(
-            (parts.scheme, parts.netloc.rpartition("@")[2], parts.path, parts.query, parts.fragment)
+            (
+                parts.scheme,
+                parts.netloc.rpartition("@")[2],
+                parts.path,
+                parts.query,
+                parts.fragment,
+            )
         )
     if auth is not None:
         encode = getattr(auth, "encode", None)

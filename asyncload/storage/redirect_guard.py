@@ -63,7 +63,9 @@ class RedirectGuard:
             log.debug(
                 "refused a request of an obstore store to %s: not the checkpoint's origin", where
             )
-            body = f"asyncload refused a request to {where}: not the checkpoint's origin\n".encode()
+            body = (
+                f"asyncload refused a request to {where}: not the checkpoint's origin\n".encode()
+            )
             writer.write(
                 b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()

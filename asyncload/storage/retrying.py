@@ -390,7 +390,9 @@ class RetryingStorage:
         if end <= start:
             return memoryview(b"")
         raw = self.raw
-        data = await self._call(lambda: raw.read(name, start, end), name, (start, end), hedge=hedge)
+        data = await self._call(
+            lambda: raw.read(name, start, end), name, (start, end), hedge=hedge
+        )
         if counted:
             self.stats.add(bytes_read=end - start)
         return memoryview(data).cast("B") if not isinstance(data, memoryview) else data

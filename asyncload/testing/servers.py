@@ -202,7 +202,9 @@ class S3Server(_S3CompatibleServer):
 
         for mod in ("moto", "werkzeug", "flask"):
             if importlib.util.find_spec(mod) is None:
-                raise ServerNotAvailableError(f"S3Server needs {mod!r}: pip install 'moto[server]'")
+                raise ServerNotAvailableError(
+                    f"S3Server needs {mod!r}: pip install 'moto[server]'"
+                )
 
     def _command(self, port: int) -> list[str]:
         # _serve.py run as a script by the running interpreter (works whether
@@ -421,7 +423,9 @@ class GCSServer(LoopbackServer):
             {"Content-Type": "application/json"},
         )
         if status not in (200, 409):
-            raise ServerError(f"fake-gcs-server refused bucket {bucket!r}: {status} {body[:300]!r}")
+            raise ServerError(
+                f"fake-gcs-server refused bucket {bucket!r}: {status} {body[:300]!r}"
+            )
 
     def create_bucket(self, bucket: str) -> str:
         """Create ``bucket`` if missing; return ``gs://bucket``."""

@@ -118,7 +118,9 @@ def test_chunked_metadata_that_covers_exactly_passes(ckpt: tuple[Path, dict[str,
         check_metadata(md, "forged")
 
 
-def test_coverage_check_is_cheap_for_thousands_of_chunks(ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_coverage_check_is_cheap_for_thousands_of_chunks(
+    ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     """2,000 tensors of 64 chunks each (a grid, row- and column-sharded): work linear in the chunks."""
     md = read_metadata(ckpt[0])
     proto = md.state_dict_metadata["big"]
@@ -274,7 +276,8 @@ def test_integer_tensor_requiring_grad_in_a_torch_save_file(
     dest = sentinel_like({"ok": torch.ones(2), "w": t})
     kind = "parameter" if parameter else "tensor"
     with pytest.raises(
-        CheckpointFormatError, match=rf"model\.pt.*{kind} record of dtype {dtype} has requires_grad"
+        CheckpointFormatError,
+        match=rf"model\.pt.*{kind} record of dtype {dtype} has requires_grad",
     ):
         asyncload.load(dest, f)
     assert is_sentinel(dest)

@@ -224,7 +224,9 @@ print(json.dumps(out))
 @pytest.mark.parametrize(
     "bad", ["../outside.distcp", "/etc/passwd", "sub/../../x", "a\\..\\b", "", "x\x00y", "C:/x"]
 )
-def test_metadata_paths_that_leave_the_checkpoint(pristine: Path, tmp_path: Path, bad: str) -> None:
+def test_metadata_paths_that_leave_the_checkpoint(
+    pristine: Path, tmp_path: Path, bad: str
+) -> None:
     path = _copy(pristine, tmp_path)
     (tmp_path / "outside.distcp").write_bytes((path / "__0_0.distcp").read_bytes())
 
@@ -445,7 +447,8 @@ def test_a_work_budget_counts_a_decode_and_its_limit_refuses_it() -> None:
     for limit in (len(data) // 2, len(data) + 10):  # refused before the first opcode, then midway
         budget = WorkBudget(limit=limit)
         with pytest.raises(
-            CheckpointFormatError, match=rf"^dict.pkl needs more than the {limit} units of decoding"
+            CheckpointFormatError,
+            match=rf"^dict.pkl needs more than the {limit} units of decoding",
         ):
             safe_loads(data, what="dict.pkl", allowed=record_globals(), work=budget)
         assert budget.spent > limit

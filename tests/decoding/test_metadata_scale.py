@@ -200,8 +200,12 @@ def test_newobj_of_a_deeply_nested_tuple_is_refused_without_hashing_it() -> None
     assert "refused: deep.pkl: asks to create a 'tuple' object" in out.stdout
 
 
-def _md(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> dm.Metadata:
-    chunks = [dm.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in boxes]
+def _md(
+    size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> dm.Metadata:
+    chunks = [
+        dm.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in boxes
+    ]
     smd = dm.TensorStorageMetadata(
         properties=dm.TensorProperties(dtype=torch.float32), size=torch.Size(size), chunks=chunks
     )
@@ -219,7 +223,9 @@ def test_layouts_accepted_in_bulk_or_field_by_field() -> None:
     check_metadata(_md((6, 8), grid), "grid")  # FSDP x TP: a 3 x 2 grid
     check_metadata(_md((6, 8), [*grid, ((6, 0), (0, 8))]), "grid")  # plus an empty shard
     # not a grid, still disjoint and complete: the sweep accepts it
-    check_metadata(_md((4, 8), [((0, 0), (2, 8)), ((2, 0), (2, 3)), ((2, 3), (2, 5))]), "irregular")
+    check_metadata(
+        _md((4, 8), [((0, 0), (2, 8)), ((2, 0), (2, 3)), ((2, 3), (2, 5))]), "irregular"
+    )
 
 
 @pytest.mark.parametrize(

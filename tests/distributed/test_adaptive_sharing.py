@@ -254,7 +254,9 @@ def test_adaptive_under_the_smallest_memory_budget(tmp_path: Path) -> None:
 # --- the pure parts --------------------------------------------------------------------------------
 
 
-def _brute_force(needs: list[list[tuple[str, int, int]]]) -> dict[tuple[str, int], tuple[int, ...]]:
+def _brute_force(
+    needs: list[list[tuple[str, int, int]]],
+) -> dict[tuple[str, int], tuple[int, ...]]:
     """Who needs each byte of each file, byte by byte."""
     out: dict[tuple[str, int], set[int]] = {}
     for r, ranges in enumerate(needs):

@@ -63,7 +63,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(bits(a), bits(b))
+    return (
+        a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(bits(a), bits(b))
+    )
 
 
 def tensor_bytes(sd: dict[str, torch.Tensor]) -> int:
@@ -127,7 +129,9 @@ def _dtensors(
     return out
 
 
-def _expected_local(full: dict[str, torch.Tensor], mesh: Any, spec: str) -> dict[str, torch.Tensor]:
+def _expected_local(
+    full: dict[str, torch.Tensor], mesh: Any, spec: str
+) -> dict[str, torch.Tensor]:
     return {k: v.to_local() for k, v in _dtensors(full, mesh, spec, zeros=False).items()}
 
 
@@ -160,7 +164,11 @@ def _make_planner(kind: str, **kw: Any) -> Any:
 
 
 def _load_into(
-    sd: dict[str, Any], path: str, entry: str, planner_kind: str, options: LoadOptions | None = None
+    sd: dict[str, Any],
+    path: str,
+    entry: str,
+    planner_kind: str,
+    options: LoadOptions | None = None,
 ) -> asyncload.LoadStats:
     if entry == "load":
         return asyncload.load(sd, path, options=options, planner=_make_planner(planner_kind))
@@ -351,7 +359,14 @@ def test_narrow_reads_2d_mesh_replicas_share(tmp_path: Path) -> None:
     probes = len(full) * 8 * KiB
     values = all_ok(
         run_ranks(
-            w_load_narrow, 4, str(tmp_path / "ck"), "S0,R", SHARE_OPTIONS, "load", "sharded", (2, 2)
+            w_load_narrow,
+            4,
+            str(tmp_path / "ck"),
+            "S0,R",
+            SHARE_OPTIONS,
+            "load",
+            "sharded",
+            (2, 2),
         )
     )
     for rank, v in enumerate(values):
@@ -713,7 +728,15 @@ def test_a_rank_that_raises_under_dcp_load_fails_every_rank(replicated_ckpt: str
     """With plain dcp.load the errors come out of DCP's own collective as CheckpointException;
     the other ranks' entries are DistributedLoadError naming rank 1."""
     results = run_ranks(
-        w_one_rank_fails, 4, replicated_ckpt, "sharded", "dcp", "raise", 1, FAIL_OPTIONS, timeout=30
+        w_one_rank_fails,
+        4,
+        replicated_ckpt,
+        "sharded",
+        "dcp",
+        "raise",
+        1,
+        FAIL_OPTIONS,
+        timeout=30,
     )
     for r in results:
         assert r.status == "error" and r.error_type == "CheckpointException", (
@@ -842,6 +865,9 @@ def test_a_planning_error_on_one_rank(
     results = run_ranks(w_bad_destination, 3, replicated_ckpt, 1, what, timeout=25)
     assert results[1].status == "error" and results[1].error_type == error, results[1]
     for r in (results[0], results[2]):
-        assert r.status == "error" and r.error_type == "DistributedLoadError", (r.status, r.message)
+        assert r.status == "error" and r.error_type == "DistributedLoadError", (
+            r.status,
+            r.message,
+        )
         assert r.attrs == {"rank": 1, "doing": doing}
         assert r.message.startswith(f"rank 1 failed while {doing}: {error}: "), r.message

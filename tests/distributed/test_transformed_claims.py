@@ -154,7 +154,9 @@ def test_a_legitimate_record_near_zstd_s_ratio_loads(tmp_path: Path) -> None:
     """64 MiB of zeros in a torch.save archive compress about 24000:1 (zstd caps 32768:1): accepted, bit for bit."""
     sd = {"zeros": torch.zeros(16 * MiB), "w": random_tensor((8, 8), torch.float32, 2)}
     path = _save(tmp_path / "ck", sd, [ZStandard()])
-    stored = next(i.length for x, i in read_metadata(path).storage_data.items() if x.fqn == "zeros")
+    stored = next(
+        i.length for x, i in read_metadata(path).storage_data.items() if x.fqn == "zeros"
+    )
     assert 64 * MiB > 20000 * stored  # the ratio the bound must allow (archive headers included)
     got = asyncload.read_state_dict(path)
     assert_bitwise_equal(got, sd)

@@ -308,7 +308,9 @@ def _realistic(sd_dtypes: list[torch.dtype]) -> dict[str, torch.Tensor]:
     out-of-range floats into integers are undefined in C, and may differ between code paths)."""
     g = torch.Generator().manual_seed(3)
     return {
-        name(d): (torch.randn(64, 33, generator=g, dtype=torch.float64) * 50).clamp(-120, 120).to(d)
+        name(d): (torch.randn(64, 33, generator=g, dtype=torch.float64) * 50)
+        .clamp(-120, 120)
+        .to(d)
         for d in sd_dtypes
     }
 

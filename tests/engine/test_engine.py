@@ -97,7 +97,9 @@ _CHILD = textwrap.dedent(
 
 def test_import_has_no_side_effects_and_a_load_prints_nothing(ckpt):
     path, sd = ckpt
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # Python's default filters
+    env = {
+        k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"
+    }  # Python's default filters
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(path)],
         capture_output=True,

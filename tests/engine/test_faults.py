@@ -56,7 +56,9 @@ SERIAL = {"reset-before-headers"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name,action,times,expect,cause", TRANSIENT, ids=[t[0] for t in TRANSIENT])
+@pytest.mark.parametrize(
+    "name,action,times,expect,cause", TRANSIENT, ids=[t[0] for t in TRANSIENT]
+)
 def test_transient_fault_is_retried_bit_exact(
     request, backend, name, action, times, expect, cause, ckpt, bucket_name, fault_proxy
 ):

@@ -341,7 +341,9 @@ def test_missing_metadata(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
     assert is_sentinel(dest)
 
 
-def test_metadata_names_a_file_that_does_not_exist(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_metadata_names_a_file_that_does_not_exist(
+    fresh_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     path, sd = fresh_ckpt
 
     def change(md: Any) -> None:
@@ -384,7 +386,9 @@ def test_unknown_dcp_version(fresh_ckpt: tuple[Path, dict[str, Any]], version: A
 @pytest.mark.parametrize(
     "content", [b"", b"\x80\x04garbage", b"not a pickle at all", b"\x80\x04K\x05."]
 )
-def test_empty_or_garbage_metadata(fresh_ckpt: tuple[Path, dict[str, Any]], content: bytes) -> None:
+def test_empty_or_garbage_metadata(
+    fresh_ckpt: tuple[Path, dict[str, Any]], content: bytes
+) -> None:
     path, sd = fresh_ckpt
     write_metadata(path, None, raw=content)
     dest = sentinel_like(sd)

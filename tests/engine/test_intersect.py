@@ -398,7 +398,8 @@ def w_save_then_plan(rank: int, world: int, path: str) -> dict[str, Any]:
     bad = [
         k
         for k in full
-        if sd[k].to_local().dtype != expect[k].dtype or not torch.equal(sd[k].to_local(), expect[k])
+        if sd[k].to_local().dtype != expect[k].dtype
+        or not torch.equal(sd[k].to_local(), expect[k])
     ]
     chunks = {
         k: len(v.chunks)

@@ -247,7 +247,9 @@ def test_make_chunks_spends_the_budget_on_the_smallest_gaps() -> None:
     ps = [Piece("f", s, s + 100) for s in (0, 110, 300, 1000, 1120)]  # gaps 10, 90, 600, 20
     joined = make_chunks(ps, chunk_size=1 << 20, min_chunk_size=1 << 10, max_over_read=30)
     assert [(c.start, c.end) for c in joined] == [(0, 210), (300, 400), (1000, 1220)]
-    unbounded = make_chunks(ps, chunk_size=1 << 20, min_chunk_size=1 << 10)  # min_chunk_size's rule
+    unbounded = make_chunks(
+        ps, chunk_size=1 << 20, min_chunk_size=1 << 10
+    )  # min_chunk_size's rule
     assert [(c.start, c.end) for c in unbounded] == [(0, 1100), (1120, 1220)]
     assert len(make_chunks(ps, chunk_size=1 << 20, min_chunk_size=1 << 10, max_over_read=0)) == 5
     rows = [Piece("f", 100 * i, 100 * i + 25) for i in range(8)]  # equal gaps of 75

@@ -169,7 +169,9 @@ def _model_like() -> dict:
         sd[f"layers.{i}.mlp_t"] = random_tensor((130, 64), torch.float32, seed=10 + i).t()
         sd[f"layers.{i}.norm"] = random_tensor((96,), torch.float32, seed=20 + i)
         sd[f"layers.{i}.bias"] = random_tensor((7,), torch.float16, seed=30 + i)
-    sd["emb"] = random_tensor((300, 300), torch.float32, seed=99)  # 351 KiB: larger than the budget
+    sd["emb"] = random_tensor(
+        (300, 300), torch.float32, seed=99
+    )  # 351 KiB: larger than the budget
     sd["scalar"] = torch.tensor(3.25, dtype=torch.float64)
     sd["empty"] = torch.empty(0, 5)
     return sd
@@ -277,7 +279,9 @@ def test_large_min_chunk_size_makes_fewer_requests(model_ckpt):
         few, path, options=LoadOptions(chunk_size=256 * KiB, min_chunk_size=256 * KiB)
     )
     many = zeros_like_tree(sd)
-    s_many = asyncload.load(many, path, options=LoadOptions(chunk_size=256 * KiB, min_chunk_size=1))
+    s_many = asyncload.load(
+        many, path, options=LoadOptions(chunk_size=256 * KiB, min_chunk_size=1)
+    )
     assert_bitwise_equal(sd, few)
     assert_bitwise_equal(sd, many)
     assert s_few.chunks < s_many.chunks

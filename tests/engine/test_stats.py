@@ -75,7 +75,12 @@ def test_latency_percentiles_are_nearest_rank() -> None:
     for v in range(100, 0, -1):  # 100 ... 1, out of order on purpose
         rec.latency(float(v))
     s = rec.snapshot()
-    assert (s.latency_p50, s.latency_p90, s.latency_p99, s.latency_max) == (50.0, 90.0, 99.0, 100.0)
+    assert (s.latency_p50, s.latency_p90, s.latency_p99, s.latency_max) == (
+        50.0,
+        90.0,
+        99.0,
+        100.0,
+    )
     one = StatsRecorder()
     one.latency(0.25)
     s1 = one.snapshot()
@@ -247,7 +252,9 @@ def _check_progress(calls: list[tuple[int, int]], total: int) -> None:
 def test_progress_callback_of_load(ckpt: tuple[Path, dict]) -> None:
     path, sd = ckpt
     calls: list[tuple[int, int]] = []
-    asyncload.load(_zeros_like(sd), path, options=SMALL, progress=lambda d, t: calls.append((d, t)))
+    asyncload.load(
+        _zeros_like(sd), path, options=SMALL, progress=lambda d, t: calls.append((d, t))
+    )
     _check_progress(calls, _tensor_bytes(sd))
     assert len(calls) >= 8
 

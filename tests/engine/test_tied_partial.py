@@ -393,8 +393,9 @@ def test_allow_partial_load_on_every_face(tmp_path: Path, face: str) -> None:
     assert stats.missing_keys == ["extra.a", "extra.b"]
     assert stats.unexpected_keys == ["obj.step"]  # flattened, as DCP names it
     assert stats.tied_keys == {}
-    assert "2 destination keys not in the checkpoint, left as they were (extra.a, extra.b)." in str(
-        stats
+    assert (
+        "2 destination keys not in the checkpoint, left as they were (extra.a, extra.b)."
+        in str(stats)
     )
     assert stats.to_dict()["missing_keys"] == ["extra.a", "extra.b"]
 

@@ -157,7 +157,9 @@ def test_dcp_load_with_reader_and_planner(ckpt):
     path, sd = ckpt
     dst = fresh(sd)
     reader = asyncload.PipelinedReader(path)
-    planner = asyncload.PipelinedLoadPlanner(chunk_size=8 << 10, min_chunk_size=1 << 10, timeout=20)
+    planner = asyncload.PipelinedLoadPlanner(
+        chunk_size=8 << 10, min_chunk_size=1 << 10, timeout=20
+    )
     assert planner.options.chunk_size == 8 << 10 and planner.options.min_chunk_size == 1 << 10
     assert planner.options.timeout == 20
     dcp.load(dst, storage_reader=reader, planner=planner, no_dist=True)
@@ -242,7 +244,9 @@ def test_planner_timeout_governs_the_load(memory_ckpt):
     root, sd = memory_ckpt
     url = f"{SlowMemoryFileSystem.protocol}://{root}"
     dst = fresh(sd)
-    planner = asyncload.PipelinedLoadPlanner(timeout=0.05, options=asyncload.LoadOptions(retries=0))
+    planner = asyncload.PipelinedLoadPlanner(
+        timeout=0.05, options=asyncload.LoadOptions(retries=0)
+    )
     t0 = time.monotonic()
     with pytest.raises(asyncload.ChunkTimeoutError) as ei:
         asyncload.load(dst, url, planner=planner, storage_options={"delay": 0.4})
@@ -554,7 +558,9 @@ def test_dcp_load_with_reader_and_torchs_default_planner(ckpt):
     dcp.load(dst, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     assert_bitwise_equal(sd, dst)
     dst = fresh(sd)
-    dcp.load(dst, storage_reader=asyncload.PipelinedReader(path), no_dist=True)  # no planner at all
+    dcp.load(
+        dst, storage_reader=asyncload.PipelinedReader(path), no_dist=True
+    )  # no planner at all
     assert_bitwise_equal(sd, dst)
     _assert_nothing_left(path)
 

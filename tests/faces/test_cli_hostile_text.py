@@ -93,7 +93,8 @@ def test_verify_escapes_keys_and_messages(
     damaged = [line for line in out.split("\n") if line.startswith("DAMAGED  ")]
     assert len(damaged) == 5
     assert any(
-        line.startswith("DAMAGED  w\\x0d\\x0aOK: 5 of 5 tensor records match: ") for line in damaged
+        line.startswith("DAMAGED  w\\x0d\\x0aOK: 5 of 5 tensor records match: ")
+        for line in damaged
     )
     assert out.rstrip().endswith("5 of 5 keys damaged.")
     code, out, _ = _run(["verify", str(hostile), "--no-progress", "--json"], capsys)

@@ -61,7 +61,9 @@ def _tensors(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     return dict(iter_tensors({k: v for k, v in sd.items() if k not in ("step", "config")}))
 
 
-def test_single_file_when_one_shard_fits(ckpt: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_single_file_when_one_shard_fits(
+    ckpt: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     path, saved = ckpt
     result = convert(path, tmp_path / "out")
     assert result.files == ["model.safetensors"]

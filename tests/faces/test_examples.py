@@ -56,7 +56,12 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 
 def test_the_examples_are_there() -> None:
     names = {p.name for p in EXAMPLES}
-    assert {"resume_training.py", "load_from_s3.py", "background_load.py", "async_load.py"} <= names
+    assert {
+        "resume_training.py",
+        "load_from_s3.py",
+        "background_load.py",
+        "async_load.py",
+    } <= names
     assert (REPO / "examples" / "demo.py").exists()
 
 

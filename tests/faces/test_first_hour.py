@@ -80,7 +80,8 @@ def test_a_closed_endpoint_says_could_not_connect_after_two_attempts(transport: 
     assert msg.startswith(f"could not connect to {endpoint} (connection refused")
     assert "to read s3://bucket/ck/.metadata after 2 attempts" in msg
     assert (
-        "storage_options endpoint_url" in msg and "asyncload docs: Errors > StorageReadError" in msg
+        "storage_options endpoint_url" in msg
+        and "asyncload docs: Errors > StorageReadError" in msg
     )
     assert "Debug source" not in msg and "raise LoadOptions.retries" not in msg
 

@@ -159,7 +159,8 @@ def test_keys_meta_and_dtype(ckpt: tuple[Path, dict[str, Any]], reads: ReadLog) 
     path, saved = ckpt
     got = dict(asyncload.iter_tensors(path, keys=["nested"], dtype=torch.float16))
     assert_bitwise_equal(
-        got, {"nested.big": saved["nested"]["big"].half(), "nested.small": saved["nested"]["small"]}
+        got,
+        {"nested.big": saved["nested"]["big"].half(), "nested.small": saved["nested"]["small"]},
     )
     before = reads.bytes
     meta = dict(asyncload.iter_tensors(path, keys=lambda n: n.startswith("t0"), device="meta"))

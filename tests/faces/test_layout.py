@@ -136,7 +136,9 @@ def test_library_modules_do_not_import_the_public_namespace() -> None:
     offenders = sorted(
         m
         for m, deps in graph.items()
-        if "asyncload" in deps and _layer(m) not in ("integrations", "testing") and m != "asyncload"
+        if "asyncload" in deps
+        and _layer(m) not in ("integrations", "testing")
+        and m != "asyncload"
     )
     assert offenders == [], offenders
 

@@ -268,7 +268,9 @@ def test_claims_checked_against_files_before_allocating(tmp_path: Path) -> None:
     assert asyncload_threads() == [] and open_fds_under(path) == []
 
 
-def test_truncated_file_is_found_before_allocating(fresh_ckpt: tuple[Path, dict[str, Any]]) -> None:
+def test_truncated_file_is_found_before_allocating(
+    fresh_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
     path, _ = fresh_ckpt
     data = next(p for p in path.iterdir() if p.suffix == ".distcp")
     os.truncate(data, data.stat().st_size // 2)
@@ -312,7 +314,9 @@ def test_progress_moves_forward_to_the_total(ckpt: tuple[Path, dict[str, Any]]) 
     out = asyncload.read_state_dict(
         path, keys="layers", progress=progress, options=LoadOptions(chunk_size=16 << 10)
     )
-    assert_bitwise_equal(out, {"layers": saved["layers"]})  # a single string is one name or pattern
+    assert_bitwise_equal(
+        out, {"layers": saved["layers"]}
+    )  # a single string is one name or pattern
     want = total_tensor_bytes(saved["layers"])
     assert seen and all(total == want for _, total in seen)
     done = [d for d, _ in seen]

@@ -68,7 +68,10 @@ FORGED = {
         {"b.l.1": ("b", "l", 10**9)},
         "'b.l.1' at ('b', 'l', 1000000000), which indexes a list at 1000000000, outside the 5 keys",
     ),
-    "negative index": ({"b.l.1": ("b", "l", -1)}, "which indexes a list at -1, outside the 5 keys"),
+    "negative index": (
+        {"b.l.1": ("b", "l", -1)},
+        "which indexes a list at -1, outside the 5 keys",
+    ),
     "int at the top": ({"a": (0,)}, "'a' at (0,), which does not start with a string"),
     "dict into a list": (
         {"b.l.1": ("b", "l", "x")},
@@ -120,7 +123,9 @@ def test_load_into_a_state_dict_touches_nothing_on_a_forged_path(
     dest["b"]["l"] = [sentinel_like(t) for t in sd["b"]["l"]]  # sentinel_like walks dicts only
     with pytest.raises(CheckpointFormatError, match="planner_data nests key"):
         asyncload.load(dest, ckpt)
-    assert is_sentinel(dest["a"]) and is_sentinel(dest["b"]["c"]) and is_sentinel(dest["b"]["l"][0])
+    assert (
+        is_sentinel(dest["a"]) and is_sentinel(dest["b"]["c"]) and is_sentinel(dest["b"]["l"][0])
+    )
     assert is_sentinel(dest["b"]["l"][1])
     with pytest.raises(CheckpointFormatError, match="planner_data nests key"):
         list(asyncload.iter_tensors(ckpt))

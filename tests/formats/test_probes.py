@@ -41,7 +41,9 @@ def one_file(tmp_path_factory):
     """dcp.save's one file per rank: every record in one .distcp."""
     sd = _state_dict()
     path = tmp_path_factory.mktemp("probes") / "ckpt"
-    make_checkpoint(path, sd, storage_writer=FileSystemWriter(str(path), single_file_per_rank=True))
+    make_checkpoint(
+        path, sd, storage_writer=FileSystemWriter(str(path), single_file_per_rank=True)
+    )
     return path, sd
 
 
@@ -71,7 +73,10 @@ def test_data_is_read_while_later_records_are_still_probed(
     caplog.set_level(logging.DEBUG, logger="asyncload.session")
     with no_unclosed_session_warnings():
         stats = asyncload.load(
-            dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+            dst,
+            r.url,
+            options=OPTS.replace(transport=transport),
+            storage_options=r.storage_options,
         )
     assert_bitwise_equal(dst, sd)
     assert _streamed(caplog)

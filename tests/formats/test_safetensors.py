@@ -224,7 +224,9 @@ def test_partial_load_reports_unexpected_keys_and_reads_only_those(tmp_path: Pat
     save_file(sd, str(path))
     wanted = ["layer2.w", "layer5.w"]
     dest = {k: torch.zeros(256, 64) for k in wanted}
-    stats = asyncload.load(dest, path, options=LoadOptions(min_chunk_size=4096, chunk_size=1 << 20))
+    stats = asyncload.load(
+        dest, path, options=LoadOptions(min_chunk_size=4096, chunk_size=1 << 20)
+    )
     for k in wanted:
         assert_bitwise_equal(dest[k], sd[k], k)
     assert stats.unexpected_keys == sorted(set(sd) - set(wanted))

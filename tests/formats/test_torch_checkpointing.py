@@ -62,7 +62,9 @@ def _manager(resharded: tuple[str, ...] = ("model",)) -> Any:
 def _training_state() -> dict[str, Any]:
     """A model (nested, several dtypes), its AdamW state after one step, and scalars."""
     g = torch.Generator().manual_seed(7)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
@@ -389,7 +391,9 @@ def test_two_rank_save_read_by_one(two_ranks: Path) -> None:
     assert got["step"] == 40  # rank 0's value of a non-tensor item
     assert_bitwise_equal(got["model"], full, "model")
     own = all_ok(
-        run_ranks(w_own_load, 1, str(two_ranks), {"emb": "R", "proj": "R", "norm": "R"}, timeout=90)
+        run_ranks(
+            w_own_load, 1, str(two_ranks), {"emb": "R", "proj": "R", "norm": "R"}, timeout=90
+        )
     )[0]
     assert_bitwise_equal(got["model"], own, "model")
     dest = {"model": _zeros_like(full)}  # plain tensors: 1 rank reading a 2-rank save
@@ -531,7 +535,10 @@ def test_forged_metadata_global_refused(two_ranks: Path, tmp_path: Path) -> None
         (  # both ranks' shards said to be in rank 0's file
             lambda md: md["metadata"]["model"]["rank_to_layout_info"].__setitem__(
                 1,
-                {"file_path": "model_0.pt", "serialization_format": {"type": "TorchSerialization"}},
+                {
+                    "file_path": "model_0.pt",
+                    "serialization_format": {"type": "TorchSerialization"},
+                },
             ),
             CheckpointFormatError,
             r"model_0\.pt.*metadata\.pkl says .* coordinate \(1,\) for rank 1; the file holds .* coordinate \(0,\)",
@@ -636,7 +643,8 @@ def test_half_written(two_ranks: Path, tmp_path: Path) -> None:
     (path / "step_0.pt").unlink()
     shutil.copyfile(path / "step_1.pt", path / "step_2.pt")
     with pytest.raises(
-        CheckpointNotFoundError, match=r"step_0\.pt does not exist although rank 2 wrote step_2\.pt"
+        CheckpointNotFoundError,
+        match=r"step_0\.pt does not exist although rank 2 wrote step_2\.pt",
     ):
         asyncload.read_state_dict(path)
 
@@ -715,7 +723,9 @@ def test_storage_backend_paths_and_refusals(
             got = _own_load_through(storage, ckpt_id, {"model": state["model"]})
             assert_bitwise_equal(got["model"], state["model"], "model")
         assert sorted(storage.ls(Path("step_1234"))) == sorted(os.listdir(path))
-        assert storage.getsize(Path("step_1234/model_0.pt")) == (path / "model_0.pt").stat().st_size
+        assert (
+            storage.getsize(Path("step_1234/model_0.pt")) == (path / "model_0.pt").stat().st_size
+        )
         assert storage.exists(Path("step_1234")) and not storage.exists(Path("step_9"))
         with pytest.raises(FileNotFoundError, match="does not exist"):
             _own_load_through(storage, "step_9", {"model": state["model"]})

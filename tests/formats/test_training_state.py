@@ -67,7 +67,9 @@ def assert_same(got: Any, want: Any, where: str = "root") -> None:
             f"{where}: {got.dtype} {list(got.shape)} {got.stride()} vs {want.dtype} {list(want.shape)} {want.stride()}"
         )
         a, b = got.detach().contiguous(), want.detach().contiguous()
-        assert a.view(-1).view(torch.uint8).tolist() == b.view(-1).view(torch.uint8).tolist(), where
+        assert a.view(-1).view(torch.uint8).tolist() == b.view(-1).view(torch.uint8).tolist(), (
+            where
+        )
     elif isinstance(want, np.ndarray):
         assert (got.dtype, got.shape, got.strides) == (want.dtype, want.shape, want.strides), where
         assert got.tobytes() == want.tobytes(), where
@@ -593,13 +595,21 @@ HOSTILE_NUMPY: dict[str, tuple[Any, type[Exception], str]] = {
         CheckpointFormatError,
         "malformed shape",
     ),
-    "object data": (_forged_array((1,), np.dtype("f8"), [1.0]), UnsafeCheckpointError, "dtype 'O'"),
+    "object data": (
+        _forged_array((1,), np.dtype("f8"), [1.0]),
+        UnsafeCheckpointError,
+        "dtype 'O'",
+    ),
     "bad version": (
         _forged_array((1,), np.dtype("f8"), b"\0" * 8, version=2),
         CheckpointFormatError,
         "state",
     ),
-    "bad type code": (_Reduce(np.dtype, ("q9", False, True)), CheckpointFormatError, "numpy.dtype"),
+    "bad type code": (
+        _Reduce(np.dtype, ("q9", False, True)),
+        CheckpointFormatError,
+        "numpy.dtype",
+    ),
     "shared dtype (copy=False)": (
         _Reduce(np.dtype, ("f8", False, False)),
         CheckpointFormatError,
@@ -691,7 +701,9 @@ def test_safe_globals(tmp_path: Path, publish: Any, where: str) -> None:
     with pytest.raises(UnsafeCheckpointError) as err:
         asyncload.read_state_dict(url, storage_options=so)
     msg = str(err.value)
-    assert "argparse.Namespace" in msg and 'LoadOptions(safe_globals=["argparse.Namespace"])' in msg
+    assert (
+        "argparse.Namespace" in msg and 'LoadOptions(safe_globals=["argparse.Namespace"])' in msg
+    )
     assert "nothing from it was executed" in msg
 
     with pytest.raises(UnsafeCheckpointError, match=r'safe_globals=\["[\w.]*RunConfig"\]'):
@@ -735,7 +747,9 @@ def test_safe_globals_reach_dcp_objects_and_not_metadata(tmp_path: Path) -> None
         else:
             assert [n for n, _ in asyncload.iter_tensors(ckpt, options=trusted)] == ["w"]
             continue
-        assert dest["args"] == argparse.Namespace(lr=0.25) and torch.equal(dest["w"], torch.ones(3))
+        assert dest["args"] == argparse.Namespace(lr=0.25) and torch.equal(
+            dest["w"], torch.ones(3)
+        )
 
     # .metadata keeps its own strict list, whatever the user trusts
     md = tmp_path / "ckpt" / ".metadata"
@@ -749,7 +763,9 @@ def test_safe_globals_reach_dcp_objects_and_not_metadata(tmp_path: Path) -> None
 def test_safe_globals_validation() -> None:
     opts = LoadOptions(safe_globals=[argparse.Namespace, "collections.Counter"])
     assert opts.safe_globals == (argparse.Namespace, "collections.Counter")
-    assert hash(opts) == hash(LoadOptions(safe_globals=(argparse.Namespace, "collections.Counter")))
+    assert hash(opts) == hash(
+        LoadOptions(safe_globals=(argparse.Namespace, "collections.Counter"))
+    )
     for bad, says in [
         ("argparse.Namespace", "expected a list or tuple"),
         (["Namespace"], "entry 0 ('Namespace') is not a 'module.qualname' string"),

@@ -474,7 +474,9 @@ def test_translate(
         assert "returned 1000 of 3072 bytes" in msg and "cut short" in msg
         return
     if isinstance(exc, RangeIgnoredError):
-        assert "the server ignores Range requests" in msg and "range requests" in msg.split(";")[-1]
+        assert (
+            "the server ignores Range requests" in msg and "range requests" in msg.split(";")[-1]
+        )
         assert "raise LoadOptions.retries" not in msg
         return
     if failure == UNREACHABLE:  # what to check instead of the client's words (issue 26)
@@ -485,7 +487,8 @@ def test_translate(
             endpoint = "the endpoint"  # the builtin does not say where
         assert msg.startswith(f"could not connect to {endpoint} (connection refused"), msg
         assert (
-            f"to read {URL_} bytes [1024, 4096) after 3 attempts: " in msg and "endpoint_url" in msg
+            f"to read {URL_} bytes [1024, 4096) after 3 attempts: " in msg
+            and "endpoint_url" in msg
         )
         assert (
             "raise LoadOptions.retries" not in msg
@@ -686,7 +689,10 @@ def boundary(
 async def _batch(rs: RetryingStorage) -> list[bytes]:
     got: list[bytes] = []
     await rs.read_batch(
-        [("f", 0, 4, lambda v: got.append(bytes(v))), ("f", 50, 60, lambda v: got.append(bytes(v)))]
+        [
+            ("f", 0, 4, lambda v: got.append(bytes(v))),
+            ("f", 50, 60, lambda v: got.append(bytes(v))),
+        ]
     )
     return got
 
@@ -764,7 +770,9 @@ async def test_retryable_errors_are_retried_then_succeed(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("call,result,nbytes,op,rng", [o[1:] for o in OPS], ids=[o[0] for o in OPS])
+@pytest.mark.parametrize(
+    "call,result,nbytes,op,rng", [o[1:] for o in OPS], ids=[o[0] for o in OPS]
+)
 async def test_retryable_error_every_time_fails_after_every_attempt(
     executor, call, result, nbytes, op, rng
 ):
@@ -864,7 +872,12 @@ async def test_errors_retrying_cannot_help_fail_at_once(
     assert f"{ROOT}/f" in str(err)
     assert err.__cause__ is not None and type(err.__cause__) is type(make())
     if cls is not CheckpointFormatError:
-        assert (err.path, err.byte_range, err.attempts, err.status) == (f"{ROOT}/f", rng, 1, status)
+        assert (err.path, err.byte_range, err.attempts, err.status) == (
+            f"{ROOT}/f",
+            rng,
+            1,
+            status,
+        )
 
 
 @pytest.mark.asyncio
@@ -1060,7 +1073,9 @@ async def _batch_of(rs: RetryingStorage, name: str, start: int, end: int) -> Non
 @pytest.mark.parametrize(
     "make", [asyncio.TimeoutError, TimeoutError, lambda: OSError(errno.ETIMEDOUT, "timed out")]
 )
-def test_translate_makes_a_timeout_a_chunk_timeout_error(make: Callable[[], BaseException]) -> None:
+def test_translate_makes_a_timeout_a_chunk_timeout_error(
+    make: Callable[[], BaseException],
+) -> None:
     err = translate(make(), url=URL_, byte_range=(0, 10), attempts=3, timeout=2.5)
     assert type(err) is ChunkTimeoutError
     assert (err.path, err.byte_range, err.attempts) == (URL_, (0, 10), 3)

@@ -264,7 +264,10 @@ def test_stalled_gets_are_hedged_under_the_derived_floor(
     dst = zeros_like_tree(sd)
     with no_unclosed_session_warnings():
         stats = asyncload.load(
-            dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+            dst,
+            r.url,
+            options=OPTS.replace(transport=transport),
+            storage_options=r.storage_options,
         )
     assert_bitwise_equal(dst, sd)
     assert rule.fired == 2

@@ -308,7 +308,9 @@ def ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def test_a_load_copies_through_mappings_and_is_bit_exact(
-    ckpt: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch, always_mapped: None
+    ckpt: tuple[Path, dict[str, torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+    always_mapped: None,
 ) -> None:
     path, sd = ckpt
     copied: list[tuple[int, int]] = []  # (bytes copied, bytes asked for) per buffer

@@ -102,7 +102,10 @@ def _boundary(raw: Any, executor: Any, **opts: Any) -> tuple[RetryingStorage, St
             "s3://b/ckpt",
             {
                 "anon": True,
-                "client_kwargs": {"endpoint_url": "https://minio:9000", "region_name": "eu-west-1"},
+                "client_kwargs": {
+                    "endpoint_url": "https://minio:9000",
+                    "region_name": "eu-west-1",
+                },
             },
             "s3",
             {"skip_signature": True, "endpoint": "https://minio:9000", "region": "eu-west-1"},
@@ -407,7 +410,9 @@ async def test_sizes_in_one_listing_pin_versions(
         assert await raw.listdir() == sorted(names)
     finally:
         await raw.aclose()
-    assert sum(1 for e in proxy.log if e.method == "GET") == 2  # one listing each, no HEAD per file
+    assert (
+        sum(1 for e in proxy.log if e.method == "GET") == 2
+    )  # one listing each, no HEAD per file
     assert all(raw.pinned(n) is not None for n in names) == (
         backend == "s3"
     )  # GCS lists no generation

@@ -160,12 +160,17 @@ def test_an_answer_for_another_range_is_refused_before_its_bytes_are_used(
     dst = zeros_like_tree(sd, object_placeholder=None)
     with pytest.raises(StorageReadError) as info:
         asyncload.load(
-            dst, r.url, options=OPTS.replace(transport=transport), storage_options=r.storage_options
+            dst,
+            r.url,
+            options=OPTS.replace(transport=transport),
+            storage_options=r.storage_options,
         )
     msg = str(info.value)
     assert rule.fired >= 1
     assert ".distcp bytes [0, " in msg and "failed HTTP 206 after 1 attempt" in msg, msg
-    assert "the answer was not the byte range asked for, so none of its bytes were used" in msg, msg
+    assert "the answer was not the byte range asked for, so none of its bytes were used" in msg, (
+        msg
+    )
     assert info.value.attempts == 1, msg
     _untouched(dst)
 
@@ -241,9 +246,9 @@ def test_redaction_rule():
     assert redact_url(
         "https://h/p?X-Amz-Signature=abc&X-Amz-Credential=k%2F1&n=2&X-Amz-Security-Token=t"
     ) == ("https://h/p?X-Amz-Signature=***&X-Amz-Credential=***&n=2&X-Amz-Security-Token=***")
-    assert redact_url("https://h/o?X-Goog-Signature=ff&sig=1&token=2&access_token=3&key=4&x=5") == (
-        "https://h/o?X-Goog-Signature=***&sig=***&token=***&access_token=***&key=***&x=5"
-    )
+    assert redact_url(
+        "https://h/o?X-Goog-Signature=ff&sig=1&token=2&access_token=3&key=4&x=5"
+    ) == ("https://h/o?X-Goog-Signature=***&sig=***&token=***&access_token=***&key=***&x=5")
     assert redact_url("/local/path?token=1") == "/local/path?token=1"
     assert redact_text("GET http://a:b@h/x failed (URL('http://a:b@h/x'))") == (
         "GET http://a:***@h/x failed (URL('http://a:***@h/x'))"

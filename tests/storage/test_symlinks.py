@@ -40,7 +40,10 @@ def test_a_hugging_face_cache_snapshot_of_links_into_blobs_loads(tmp_path: Path)
     blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
     blobs.mkdir()
     snap.mkdir(parents=True)
-    tensors = {"a": torch.arange(8, dtype=torch.bfloat16), "b": torch.ones(3, 4, dtype=torch.int32)}
+    tensors = {
+        "a": torch.arange(8, dtype=torch.bfloat16),
+        "b": torch.ones(3, 4, dtype=torch.int32),
+    }
     save_file(tensors, str(blobs / "0f1e2d"))
     os.symlink(os.path.relpath(blobs / "0f1e2d", snap), snap / "model.safetensors")
     dest = {k: torch.zeros_like(v) for k, v in tensors.items()}

@@ -313,7 +313,9 @@ def test_server_start_failure_is_reported(tmp_path: Path) -> None:
 
 
 def test_s3rver_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(S3rverServer, "find_executable", staticmethod(lambda executable=None: None))
+    monkeypatch.setattr(
+        S3rverServer, "find_executable", staticmethod(lambda executable=None: None)
+    )
     with pytest.raises(ServerNotAvailableError, match=r"npm install .*s3rver@3\.7\.1"):
         S3rverServer().start()
 
@@ -558,7 +560,9 @@ def test_proxy_truncate_cuts_the_body(
     ]
 
 
-def test_proxy_stall(http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy) -> None:
+def test_proxy_stall(
+    http_server: HTTPRangeServer, http_files: str, fault_proxy: MakeProxy
+) -> None:
     proxy = fault_proxy(http_server)
     base = http_server.url("faults", endpoint_url=proxy.endpoint_url)
     forever = proxy.add_rule(stall(), path="b.bin", times=1)
@@ -664,7 +668,9 @@ def test_proxy_skip_and_probability(
     for _ in range(2):
         p = fault_proxy(http_server, seed=7)
         rule = p.add_rule(status(503), probability=0.5, times=None)
-        got = run(statuses(http_server.url("faults", "small.txt", endpoint_url=p.endpoint_url), 24))
+        got = run(
+            statuses(http_server.url("faults", "small.txt", endpoint_url=p.endpoint_url), 24)
+        )
         assert rule.fired == got.count(503) and 0 < rule.fired < 24
         patterns.append(got)
     assert patterns[0] == patterns[1]
@@ -725,7 +731,10 @@ def test_proxy_s3_errors_reach_s3fs_as_the_right_exceptions(
     slow = proxy.add_rule(status(503), data_only=True, times=1)
     assert fs.cat_file(url, start=100, end=200) == A[100:200]  # s3fs retries the SlowDown
     assert slow.fired == 1
-    assert [(e.method, e.action) for e in proxy.log] == [("GET", "status(503)"), ("GET", "forward")]
+    assert [(e.method, e.action) for e in proxy.log] == [
+        ("GET", "status(503)"),
+        ("GET", "forward"),
+    ]
     assert {e.range for e in proxy.log} == {"bytes=100-199"}
 
     proxy.clear()
