@@ -150,8 +150,10 @@ def test_dead_chunk_ends_in_chunk_timeout_error_in_bounded_time(
     with no_unclosed_session_warnings(), pytest.raises(ChunkTimeoutError) as ei:
         asyncload.load(dst, r.url, options=opts, storage_options=r.storage_options)
     took = time.monotonic() - t0
-    # timeout x attempts plus backoff (<= 0.1 s per retry) plus set-up and metadata
-    assert took < 0.5 * 3 + 2 * 0.1 + 1.5
+    # bounded: timeout x attempts plus backoff (<= 0.1 s per retry), plus set-up and metadata
+    # with room for a busy machine (the exact count of attempts is asserted below; the time
+    # bound only says that a dead store ends the load instead of hanging it)
+    assert took < 0.5 * 3 + 2 * 0.1 + 10
     err = ei.value
     assert (
         err.attempts == 3 and ".distcp" in err.path and err.path.startswith(r.url.split("://")[0])
@@ -173,7 +175,9 @@ async def test_pipeline_state_after_dead_chunk_and_after_cancel(
     name = sorted(p.name for p in path.glob("*.distcp"))[0]
     size = (path / name).stat().st_size
     data = (path / name).read_bytes()
-    opts = OPTS.replace(timeout=0.3, retries=1, memory_budget=256 << 10, concurrency=4)
+    # the timeout must let the three answered requests finish on a busy machine (the stalled
+    # ones end by it either way)
+    opts = OPTS.replace(timeout=2.0, retries=1, memory_budget=256 << 10, concurrency=4)
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         for how in ("dead", "cancel"):
             r.proxy.clear()
