@@ -28,6 +28,11 @@ import asyncload
 from asyncload import LoadOptions
 from asyncload.engine.meter import Meter
 
+# The faces (and torch.distributed.checkpoint) are imported on first use: here, before the
+# interrupts below, as `import asyncload` did; an import interrupted half-way (sympy's, under
+# torch's) is Python's state, not the load's.
+_ = asyncload.load
+
 CKPT, MODES = sys.argv[1], sys.argv[2].split(",")
 DELAYS = [float(x) for x in sys.argv[3:]]
 #: MODE "http": the checkpoint is read over HTTP through a proxy adding 5 ms each way, and
