@@ -104,6 +104,7 @@ if cfg.get(
     import uvloop  # noqa: F401
 if mode in ("asyncload", "timeline"):
     import asyncload
+    from asyncload import load  # noqa: F401 - the faces import on first use: before the clock
 
     al_file = asyncload.__file__
 if mode == "torch":
