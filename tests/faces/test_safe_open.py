@@ -33,6 +33,7 @@ from asyncload import (
     LoadOptions,
     StateDictMismatchError,
 )
+from asyncload.testing import status
 
 
 def _safetensors_dtypes() -> list[torch.dtype]:
@@ -434,3 +435,25 @@ def test_s3_matches_safetensors(
         asyncload.safe_open(
             f"s3://{bucket_name}/x/none.safetensors", storage_options=s3_server.storage_options()
         )
+
+
+@pytest.mark.timeout(120)
+def test_remote_reads_retry_and_stay_on_the_version_first_seen(
+    tmp_path: Path, http_server: Any, bucket_name: str, fault_proxy: Any
+) -> None:
+    """The storage boundary of a load: a 503 is retried (counted), and an object replaced
+    after the header was read is a CheckpointChangedError, not a mix of two files."""
+    w = random_tensor((64, 32), torch.float32, 9)
+    blob = st_save({"w": w})
+    http_server.put_object(bucket_name, "v/model.safetensors", blob)
+    proxy = fault_proxy(http_server)
+    url = http_server.url(bucket_name, "v/model.safetensors", endpoint_url=proxy.endpoint_url)
+    opts = LoadOptions(backoff=0.01, max_backoff=0.05, transport="obstore")
+    with asyncload.safe_open(url, options=opts) as f:
+        rule = proxy.add_rule(status(503), range_only=True, times=2)
+        same(f.get_slice("w")[8:16], w[8:16], "rows")
+        assert rule.fired == 2 and f.stats.retries == 2
+        http_server.put_object(bucket_name, "v/model.safetensors", st_save({"w": w + 1}))
+        with pytest.raises(CheckpointChangedError):
+            f.get_tensor("w")
+    assert wait_closed(proxy.port) == []
