@@ -457,3 +457,21 @@ def test_remote_reads_retry_and_stay_on_the_version_first_seen(
         with pytest.raises(CheckpointChangedError):
             f.get_tensor("w")
     assert wait_closed(proxy.port) == []
+
+
+@pytest.mark.timeout(60)
+def test_threads_share_one_open_file(tmp_path: Path) -> None:
+    """Loader threads (a tensor-parallel loader's) read slices of one open file at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = random_tensor((64, 48), torch.float16, 10)
+    path = tmp_path / "model.safetensors"
+    save_file({"w": w, "b": torch.arange(48)}, str(path))
+    with asyncload.safe_open(path) as f, ThreadPoolExecutor(4) as pool:
+        s = f.get_slice("w")
+        parts = list(pool.map(lambda r: s[r * 8 : (r + 1) * 8, r : r + 16], range(8)))
+        tensors = list(pool.map(f.get_tensor, ["b"] * 8))
+    for r, part in enumerate(parts):
+        same(part, w[r * 8 : (r + 1) * 8, r : r + 16], f"rank {r}")
+    for t in tensors:
+        same(t, torch.arange(48), "b")
