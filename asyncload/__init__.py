@@ -28,6 +28,7 @@ if typing.TYPE_CHECKING:
     from asyncload._api import LoadHandle, aload, load, start_load
     from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
     from asyncload._read import aread_state_dict, read_state_dict
+    from asyncload._safe_open import safe_open
     from asyncload._sharded_planner import (
         BackgroundSends,
         ShardedLoadPlanner,
@@ -47,6 +48,7 @@ _LAZY = {
     "PipelinedReader": "asyncload._dcp",
     "aread_state_dict": "asyncload._read",
     "read_state_dict": "asyncload._read",
+    "safe_open": "asyncload._safe_open",
     "BackgroundSends": "asyncload._sharded_planner",
     "ShardedLoadPlanner": "asyncload._sharded_planner",
     "wait_for_background_sends": "asyncload._sharded_planner",
@@ -96,6 +98,7 @@ __all__ = [
     "iter_tensors",
     "load",
     "read_state_dict",
+    "safe_open",
     "start_load",
     "wait_for_background_sends",
 ]

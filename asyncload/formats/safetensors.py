@@ -120,6 +120,9 @@ class SafetensorsHeader:
     metadata: dict[str, str] = field(default_factory=dict)
     #: For messages, e.g. ``"s3://b/model.safetensors"``.
     where: str = ""
+    #: Whether the header has a ``__metadata__`` entry at all (``safe_open(...).metadata()``
+    #: is ``None`` without one, ``{}`` for an empty one).
+    has_metadata: bool = False
 
     def sharding_offsets(self) -> dict[str, tuple[int, ...]]:
         """Chunk offsets torch's DCP safetensors writers record (``DCP_SHARDING_INFO``), by key.
@@ -327,6 +330,7 @@ def parse_header(
         tensors=tensors,
         metadata=metadata,
         where=where,
+        has_metadata=md is not None,
     )
 
 
