@@ -8,7 +8,6 @@ storage is closed when the ``with`` block ends."""
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import tempfile
@@ -20,6 +19,7 @@ import pytest
 import torch
 from _ckpt import SAVEABLE_DTYPES, asyncload_threads, live_threads, random_tensor
 from _remote import wait_closed
+from _st_blob import GOOD, st_blob
 from safetensors import safe_open as st_safe_open
 from safetensors.torch import save as st_save
 from safetensors.torch import save_file
@@ -236,40 +236,30 @@ def test_unknown_key_is_a_key_error_naming_the_closest(tmp_path: Path) -> None:
             f.get_tensor("zzz")
 
 
-def _blob(
-    header: Any, data: bytes = b"", raw: bytes | None = None, length: int | None = None
-) -> bytes:
-    h = raw if raw is not None else json.dumps(header).encode()
-    return struct.pack("<Q", len(h) if length is None else length) + h + data
-
-
-GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "blob, match",
     [
         (b"\x01\x02", "too small"),
-        (_blob(GOOD, bytes(16), length=1 << 40), "exceeds"),
-        (_blob(GOOD, bytes(16), length=10_000), "runs past the end"),
-        (_blob(None, bytes(16), raw=b"[1, 2]"), "not start with"),
+        (st_blob(GOOD, bytes(16), length=1 << 40), "exceeds"),
+        (st_blob(GOOD, bytes(16), length=10_000), "runs past the end"),
+        (st_blob(None, bytes(16), raw_header=b"[1, 2]"), "not start with"),
         (
-            _blob(
+            st_blob(
                 None,
                 bytes(32),
-                raw=b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, '
+                raw_header=b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, '
                 b'"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]}}',
             ),
             "duplicate key",
         ),
-        (_blob(GOOD, bytes(8)), "outside"),
+        (st_blob(GOOD, bytes(8)), "outside"),
         (
-            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)),
+            st_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)),
             "needs",
         ),
         (
-            _blob(
+            st_blob(
                 {
                     "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
                     "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
@@ -278,7 +268,7 @@ GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
             ),
             "overlap",
         ),
-        (_blob({"__metadata__": {"k": 1}, **GOOD}, bytes(16)), "__metadata__"),
+        (st_blob({"__metadata__": {"k": 1}, **GOOD}, bytes(16)), "__metadata__"),
     ],
 )
 def test_hostile_header_is_a_format_error(tmp_path: Path, blob: bytes, match: str) -> None:

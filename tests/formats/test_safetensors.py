@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from _ckpt import SAVEABLE_DTYPES, assert_bitwise_equal, random_tensor, tensor_bytes
 from _dist import all_ok, run_ranks
 from _remote import BACKENDS
+from _st_blob import GOOD, st_blob
 from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -435,30 +436,20 @@ def test_huggingface_save_distributed_shards_without_index(tmp_path: Path) -> No
 # --- hostile and damaged headers ---------------------------------------------------------------
 
 
-def _blob(
-    header: Any, data: bytes = b"", raw_header: bytes | None = None, length: int | None = None
-) -> bytes:
-    h = raw_header if raw_header is not None else json.dumps(header).encode()
-    return struct.pack("<Q", len(h) if length is None else length) + h + data
-
-
-GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "blob, match",
     [
         (b"\x01\x02", "too small"),
-        (_blob(GOOD, bytes(16), length=1 << 40), "exceeds"),
-        (_blob(GOOD, bytes(16), length=10_000), "runs past the end"),
-        (_blob(None, bytes(16), raw_header=b"[1, 2]"), "not start with"),
+        (st_blob(GOOD, bytes(16), length=1 << 40), "exceeds"),
+        (st_blob(GOOD, bytes(16), length=10_000), "runs past the end"),
+        (st_blob(None, bytes(16), raw_header=b"[1, 2]"), "not start with"),
         (
-            _blob(None, bytes(16), raw_header=b'{"w": {"dtype": "F32",' + b"\xff" * 4 + b"}"),
+            st_blob(None, bytes(16), raw_header=b'{"w": {"dtype": "F32",' + b"\xff" * 4 + b"}"),
             "UTF-8 JSON",
         ),
         (
-            _blob(
+            st_blob(
                 None,
                 bytes(32),
                 raw_header=b'{"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, '
@@ -467,35 +458,39 @@ GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
             "duplicate key",
         ),
         (
-            _blob({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)),
+            st_blob({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)),
             "dtype 'F4'",
         ),
         (
-            _blob({"w": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, bytes(16)),
+            st_blob({"w": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}}, bytes(16)),
             "malformed shape",
         ),
         (
-            _blob({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, bytes(16)),
+            st_blob(
+                {"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, bytes(16)
+            ),
             "malformed shape",
         ),
         (
-            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(8)),
+            st_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(8)),
             "outside",
         ),
         (
-            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 4]}}, bytes(16)),
+            st_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 4]}}, bytes(16)),
             "outside",
         ),
         (
-            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)),
+            st_blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, bytes(16)),
             "needs 16 bytes",
         ),
         (
-            _blob({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": ["0", 16]}}, bytes(16)),
+            st_blob(
+                {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": ["0", 16]}}, bytes(16)
+            ),
             "malformed data_offsets",
         ),
         (
-            _blob(
+            st_blob(
                 {
                     "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
                     "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
@@ -504,8 +499,8 @@ GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
             ),
             "overlap",
         ),
-        (_blob({"__metadata__": {"k": 1}, **GOOD}, bytes(16)), "__metadata__"),
-        (_blob({"w": [1, 2]}, bytes(16)), "not an object"),
+        (st_blob({"__metadata__": {"k": 1}, **GOOD}, bytes(16)), "__metadata__"),
+        (st_blob({"w": [1, 2]}, bytes(16)), "not an object"),
     ],
 )
 def test_hostile_headers_are_format_errors(tmp_path: Path, blob: bytes, match: str) -> None:
