@@ -66,6 +66,11 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     are complete and correct either way. ``wait_for_peers=True`` keeps the behaviour where
     every rank waits for all, sends come straight from destination memory, and any
     failure is raised on every rank. The static plan (``adaptive=False``, NCCL) always waits.
+    ``node_id`` (default: the host name): the node this rank runs on. When the ranks sit on
+    two or more nodes and some node holds several of them, every byte enters each node once
+    (from storage or from one rank of another node) and is handed to the node's other ranks
+    through shared memory (:mod:`asyncload.distributed.nodes`); tests pass distinct
+    ``node_id`` values to simulate nodes on one host.
     Other keyword arguments are those of :class:`PipelinedLoadPlanner`.
     """
 
@@ -78,6 +83,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         adaptive: bool | None = None,
         unit_size: int | None = None,
         wait_for_peers: bool = False,
+        node_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -96,10 +102,15 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
                 f"ShardedLoadPlanner(unit_size={unit_size!r}) is invalid: "
                 "expected a positive int (bytes)"
             )
+        if node_id is not None and not isinstance(node_id, str):
+            raise ValueError(
+                f"ShardedLoadPlanner(node_id={node_id!r}) is invalid: expected a str or None"
+            )
         self.ordered = ordered
         self.adaptive = adaptive
         self.unit_size = unit_size
         self.wait_for_peers = wait_for_peers
+        self.node_id = node_id
         #: The last load's sends that may outlive it (``wait_for_peers=False``), or None.
         self.background_sends: BackgroundSends | None = None
         if collective_timeout is not _UNSET:
@@ -155,6 +166,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
             unit_size=self.unit_size,
             wait_for_peers=self.wait_for_peers,
             custom_plan=self.plan_transfers if self._custom_plan() else None,
+            node_id=self.node_id,
         )
         if share is not None:
             self.background_sends = share.sends

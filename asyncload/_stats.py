@@ -86,6 +86,11 @@ class LoadStats:
     assembly_seconds: float = 0.0
     #: Highest number of reads in flight at once (useful with ``concurrency="auto"``).
     peak_concurrency: int = 0
+    #: Node-aware sharing (ShardedLoadPlanner on several nodes): bytes this rank received from
+    #: ranks on other nodes (for its node), and bytes of its own chunks that another rank of
+    #: its node fetched and handed over through shared memory.
+    bytes_from_other_nodes: int = 0
+    bytes_from_own_node: int = 0
 
     @property
     def throughput(self) -> float:

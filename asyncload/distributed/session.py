@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import socket
 import time
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
@@ -47,6 +49,7 @@ from asyncload.distributed.adaptive import _AdaptivePipeline
 from asyncload.distributed.claims import Claims, _unit_keys
 from asyncload.distributed.identity import _check_identities, _check_same_ending, file_identities
 from asyncload.distributed.monitor import Monitor
+from asyncload.distributed.nodes import node_layout, run_node_phase
 from asyncload.distributed.plan import (
     _advertise,
     _check_transfers,
@@ -84,10 +87,12 @@ def open_share(
     unit_size: int | None,
     wait_for_peers: bool,
     custom_plan: PlanFn | None,
+    node_id: str | None = None,
 ) -> _ShareSession | None:
     """A share session that takes over this rank's reads of ``load_session``, or None when
     there is nobody to share with (no process group, or a group of one). The group is
     ``process_group``, else the one the load session was made with; so is its monitor.
+    ``node_id``: this rank's node (default: its host name), for node-aware sharing.
 
     Raised: ``AsyncLoadError`` for knobs that cannot run together (:func:`sharing_policy`)."""
     group = process_group if process_group is not None else load_session.group
@@ -109,7 +114,9 @@ def open_share(
         custom_plan=custom_plan,
         send_budget=load_session.config.memory.sends,
     )
-    return _ShareSession(group, monitor, policy, load_session)
+    share = _ShareSession(group, monitor, policy, load_session)
+    share.node_id = socket.gethostname() if node_id is None else str(node_id)
+    return share
 
 
 class _ShareSession:
@@ -143,6 +150,8 @@ class _ShareSession:
             monitor.returns_early = True
             monitor.after_return = self.sends.after_return
         self._identity: dict[str, str] | None = None
+        #: This rank's node (node-aware sharing, :mod:`asyncload.distributed.nodes`).
+        self.node_id = ""
 
     def fail(self, exc: BaseException) -> None:
         """read_data failed on this rank: tell the others."""
@@ -168,7 +177,12 @@ class _ShareSession:
         mine = sorted(chunks, key=lambda c: (c.name, c.start))
         adv = _advertise(mine)
         needs = [(c.name, a[0], a[1]) for c, a in zip(mine, adv) if a is not None]
-        payload = (self.identity(n for n, _, _ in needs), _pack(needs), self.sends is not None)
+        payload = (
+            self.identity(n for n, _, _ in needs),
+            _pack(needs),
+            self.sends is not None,
+            (self.node_id, secrets.token_hex(8)),
+        )
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
         await self.monitor.abarrier(
@@ -191,6 +205,29 @@ class _ShareSession:
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
         policy = self.policy
         unit = policy.unit_for(pipeline.options.effective_chunk_size)
+        nodes = node_layout([g[3][0] for g in gathered])
+        if nodes is not None and policy.custom_plan is None and policy.transport == "thread":
+            # several nodes: every byte enters each node once, handed over inside it through
+            # shared memory
+            self._set_doing(f"reading and sharing {what} between nodes")
+            token = gathered[0][3][1]
+            await _run_watched(
+                run_node_phase(
+                    self,
+                    pipeline,
+                    mine,
+                    [_unpack(g[1]) for g in gathered],
+                    nodes,
+                    token,
+                    phase,
+                    tag_base,
+                    unit,
+                    policy.adaptive,
+                    what,
+                ),
+                self.monitor,
+            )
+            return
         if policy.custom_plan is not None:
             # the override's whole plan, as tuples; its owners are where each rank starts
             all_needs: list[Any] = [_unpack(g[1]) for g in gathered]

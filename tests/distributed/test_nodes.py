@@ -1,0 +1,209 @@
+"""Node-aware sharing (``ShardedLoadPlanner(node_id=...)``): ranks grouped into nodes, every
+byte entering each node once (from storage or from another node), handed to the node's
+other ranks through shared memory (:mod:`asyncload.distributed.nodes`).
+
+Multi-rank tests run 4 gloo processes as 2 simulated nodes of 2 (distinct ``node_id``s on
+one host) against real checkpoints on local disk; every rank checks what it loaded bit for
+bit, and the byte counters are asserted as bounds, never timings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _dist import all_ok, run_ranks
+from test_distributed import big_model, same_bits, tensor_bytes
+
+import asyncload
+from asyncload import LoadOptions, ShardedLoadPlanner
+from asyncload.distributed.nodes import NodeFiles, node_layout, plan_blocks, shm_dir
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
+
+KiB = 1 << 10
+OPTIONS = LoadOptions(chunk_size=64 * KiB, min_chunk_size=16 * KiB, memory_budget=512 * KiB)
+FIELDS = (
+    "bytes_read",
+    "bytes_sent",
+    "bytes_received",
+    "bytes_assembled",
+    "bytes_from_other_nodes",
+    "bytes_from_own_node",
+    "bytes_taken_over",
+)
+
+
+def _left_in_shm() -> set[str]:
+    return {n for n in os.listdir(shm_dir()) if n.startswith("asyncload-")}
+
+
+def w_nodes(rank: int, world: int, url: str, ranks_per_node: int, adaptive: bool) -> Any:
+    full = big_model()
+    sd = {k: torch.zeros_like(v) for k, v in full.items()}
+    planner = ShardedLoadPlanner(
+        node_id=f"node{rank // ranks_per_node}", adaptive=adaptive, wait_for_peers=True
+    )
+    stats = asyncload.load(sd, url, options=OPTIONS, planner=planner)
+    return {
+        "bad": [k for k in full if not same_bits(sd[k], full[k])],
+        "stats": {f: getattr(stats, f) for f in FIELDS},
+    }
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "static"])
+def test_two_nodes_of_two_read_once_and_take_half_across(tmp_path: Path, adaptive: bool) -> None:
+    """The acceptance case: a replicated checkpoint on 2 simulated nodes of 2 ranks. Storage
+    bytes at most 1.05x the checkpoint in total; each node takes at most 1.05x half of it
+    from the other node; every rank's other bytes come from its own node's shared memory;
+    bit for bit on every rank; no shared-memory file left behind."""
+    before = _left_in_shm()
+    path = str(tmp_path / "ck")
+    dcp.save({k: v.clone() for k, v in big_model().items()}, checkpoint_id=path, no_dist=True)
+    total = tensor_bytes(big_model())
+    values = all_ok(run_ranks(w_nodes, 4, path, 2, adaptive, timeout=90))
+    stats = [v["stats"] for v in values]
+    for rank, v in enumerate(values):
+        assert v["bad"] == [], rank
+        assert v["stats"]["bytes_assembled"] == total
+    read = sum(s["bytes_read"] for s in stats)
+    assert total <= read <= 1.05 * total, read
+    intake = []
+    for node in (0, 1):
+        mine = stats[2 * node : 2 * node + 2]
+        across = sum(s["bytes_from_other_nodes"] for s in mine)
+        # every byte enters the node once: from storage or from the other node
+        intake.append(sum(s["bytes_read"] for s in mine) + across)
+        if not adaptive:  # the planned split (adaptive: a faster node takes over more)
+            assert 0 < across <= 1.05 * total / 2, (node, across)
+        # each rank took from its node peer what it did not fetch itself
+        for s in mine:
+            assert s["bytes_from_own_node"] > 0, s
+    assert intake[0] == intake[1] and total <= intake[0] <= 1.05 * total, intake
+    assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+    assert sum(s["bytes_received"] for s in stats) == sum(
+        s["bytes_from_other_nodes"] for s in stats
+    )
+    assert _left_in_shm() <= before
+
+
+def test_uneven_nodes_and_a_partial_layout(tmp_path: Path) -> None:
+    """3 ranks as a node of 2 and a node of 1, each rank loading a different half of the
+    keys: still bit for bit, storage read about once."""
+    path = str(tmp_path / "ck")
+    dcp.save({k: v.clone() for k, v in big_model().items()}, checkpoint_id=path, no_dist=True)
+    values = all_ok(run_ranks(w_partial, 3, path, timeout=90))
+    for rank, v in enumerate(values):
+        assert v["bad"] == [], rank
+    total = tensor_bytes(big_model())
+    read = sum(v["stats"]["bytes_read"] for v in values)
+    assert read <= 1.05 * total, read
+
+
+def w_partial(rank: int, world: int, url: str) -> Any:
+    full = big_model()
+    keys = sorted(full)
+    mine = keys[: len(keys) // 2] if rank == 1 else keys[len(keys) // 4 :]
+    sd = {k: torch.zeros_like(full[k]) for k in mine}
+    planner = ShardedLoadPlanner(node_id="a" if rank < 2 else "b")
+    stats = asyncload.load(sd, url, options=OPTIONS, planner=planner, allow_partial_load=True)
+    ShardedLoadPlanner.wait_for_background_sends(30)
+    return {
+        "bad": [k for k in mine if not same_bits(sd[k], full[k])],
+        "stats": {f: getattr(stats, f) for f in FIELDS},
+    }
+
+
+# --- the pure parts ---------------------------------------------------------------------------
+
+
+def test_node_layout() -> None:
+    assert node_layout(["h"] * 4) is None  # one node: rank-to-rank sharing as before
+    assert node_layout(["a", "b", "c"]) is None  # one rank per node: nothing to hand over
+    assert node_layout(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
+    assert node_layout(["b", "a", "b", "a", "c"]) == [[0, 2], [1, 3], [4]]
+
+
+def _covered(blocks: list[Any], node: int, name: str) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for b in sorted(
+        (b for b in blocks if node in b.nodes and b.name == name), key=lambda b: b.start
+    ):
+        if out and out[-1][1] == b.start:
+            out[-1] = (out[-1][0], b.end)
+        else:
+            out.append((b.start, b.end))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_plan_blocks_on_random_layouts(seed: int) -> None:
+    """Against the definition: each node's blocks cover exactly the union of its ranks'
+    needs; blocks do not overlap, are at most ``block_size``; a block's nodes are exactly
+    the nodes that need its bytes; fetchers belong to their node; the owner is one of the
+    block's nodes; every rank of a node fetches within one block of the others."""
+    rng = random.Random(seed)
+    world = rng.randint(2, 9)
+    ids = [rng.randrange(rng.randint(1, 4)) for _ in range(world)]
+    nodes: list[list[int]] = []
+    seen: dict[int, int] = {}
+    for r, n in enumerate(ids):
+        if n not in seen:
+            seen[n] = len(nodes)
+            nodes.append([])
+        nodes[seen[n]].append(r)
+    files = ["f0", "f1", "f2"][: rng.randint(1, 3)]
+    needs = []
+    for _ in range(world):
+        mine = []
+        for f in files:
+            for _ in range(rng.randint(0, 3)):
+                a = rng.randrange(0, 1000)
+                mine.append((f, a, a + rng.randint(1, 300)))
+        needs.append(mine)
+    block = rng.choice([7, 64, 1000])
+    blocks = plan_blocks(needs, nodes, block)
+    for i, b in enumerate(blocks):
+        assert b.index == i and 0 < b.nbytes <= block
+        assert b.owner in b.nodes
+        for k, f in zip(b.nodes, b.fetchers):
+            assert f in nodes[k]
+    for f in files:
+        spans = sorted((b.start, b.end) for b in blocks if b.name == f)
+        assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans))
+        for k, ranks in enumerate(nodes):
+            want: set[int] = set()
+            for r in ranks:
+                for name, a, e in needs[r]:
+                    if name == f:
+                        want.update(range(a, e))
+            got = {x for s, e in _covered(blocks, k, f) for x in range(s, e)}
+            assert got == want, (k, f)
+    for ranks in nodes:
+        loads = [sum(b.nbytes for b in blocks if r in b.fetchers) for r in ranks]
+        assert max(loads) - min(loads) <= block
+
+
+def test_node_files_are_removed_on_every_path() -> None:
+    before = _left_in_shm()
+    files = NodeFiles("test-unlink", {"a": 4096, "b": 0, "c": 10})
+    assert {os.path.basename(p) for p in files.paths.values()} <= _left_in_shm()
+    files.view("a", 0, 4)[:] = b"abcd"
+    other = NodeFiles("test-unlink", {"a": 4096, "b": 0, "c": 10})  # the same node's peer
+    v = other.view("a", 0, 4)
+    assert bytes(v) == b"abcd"
+    v.release()
+    files.unlink()
+    other.unlink()
+    assert _left_in_shm() <= before
+    files.close()
+    other.close()
+    with pytest.raises(OSError):
+        NodeFiles("x/../../no/such/dir", {"a": 10})
+    assert _left_in_shm() <= before
