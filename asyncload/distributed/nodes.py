@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import hashlib
-import itertools
 import mmap
 import os
 import tempfile
@@ -103,7 +102,8 @@ def plan_blocks(
     blocks of at most ``block_size`` bytes; each block's fetcher in each node that needs it
     (the node's rank with the fewest fetched bytes so far) and its planned owner node (among
     those that need it, the one with the fewest planned bytes so far)."""
-    per_file: dict[str, list[list[tuple[int, int]]]] = {}
+    # per file, the nodes' unions as events: (offset, +1 starts / -1 ends, node)
+    events: dict[str, list[tuple[int, int, int]]] = {}
     for k, ranks in enumerate(nodes):
         by_file: dict[str, list[tuple[int, int]]] = {}
         for r in ranks:
@@ -111,32 +111,31 @@ def plan_blocks(
                 if b > a:
                     by_file.setdefault(name, []).append((a, b))
         for name, rs in by_file.items():
-            per_file.setdefault(name, [[] for _ in nodes])[k] = _union(rs)
+            ev = events.setdefault(name, [])
+            for a, b in _union(rs):
+                ev.append((a, 1, k))
+                ev.append((b, -1, k))
     fetched = {r: 0 for ranks in nodes for r in ranks}
     planned = [0] * len(nodes)
     blocks: list[NodeBlock] = []
-    for name in sorted(per_file):
-        lists = per_file[name]
-        cuts: set[int] = set()
-        for rs in lists:
-            for a, b in rs:
-                cuts.add(a)
-                cuts.add(b)
-        points = sorted(cuts)
-        pos = [0] * len(nodes)
-        for a, b in itertools.pairwise(points):
-            members: list[int] = []
-            for k, rs in enumerate(lists):
-                i = pos[k]
-                while i < len(rs) and rs[i][1] <= a:
-                    i += 1
-                pos[k] = i
-                if i < len(rs) and rs[i][0] <= a:
-                    members.append(k)
-            if not members:
+    for name in sorted(events):
+        ev = sorted(events[name])
+        active: set[int] = set()
+        i = 0
+        while i < len(ev):
+            pos = ev[i][0]
+            while i < len(ev) and ev[i][0] == pos:  # every change at this offset
+                _, d, k = ev[i]
+                if d > 0:
+                    active.add(k)
+                else:
+                    active.discard(k)
+                i += 1
+            if not active or i == len(ev):
                 continue
-            for s in range(a, b, block_size):
-                e = min(b, s + block_size)
+            members = sorted(active)
+            for s in range(pos, ev[i][0], block_size):
+                e = min(ev[i][0], s + block_size)
                 n = e - s
                 fetchers = []
                 for k in members:
