@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from asyncload._errors import AsyncLoadError
 from asyncload.distributed.plan import _Part
 from asyncload.distributed.shared import Share, _SharedPipeline
 from asyncload.engine.assembly import copy_bytes
@@ -183,6 +184,7 @@ class NodeFiles:
     def __init__(self, token: str, sizes: dict[str, int]) -> None:
         self.paths: dict[str, str] = {}
         self.maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}
         base = shm_dir()
         with _live_lock:
             if not _exit_hook:
@@ -198,16 +200,28 @@ class NodeFiles:
                     _live_paths.add(path)
                 self.paths[name] = path
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    if os.fstat(fd).st_size < size:
-                        os.ftruncate(fd, size)
-                    self.maps[name] = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
+                self._fds[name] = fd
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)
+                self.maps[name] = mmap.mmap(fd, size)
         except BaseException:
             self.unlink()
             self.close()
             raise
+
+    def reserve(self, name: str, start: int, end: int) -> None:
+        """Allocate ``[start, end)`` of ``name``'s file before writing into its mapping, so
+        that a full ``/dev/shm`` fails here, as an error, not later with SIGBUS."""
+        if not hasattr(os, "posix_fallocate"):  # pragma: no cover - not on Linux
+            return
+        try:
+            os.posix_fallocate(self._fds[name], start, end - start)
+        except OSError as exc:
+            raise AsyncLoadError(
+                f"node-aware sharing could not stage bytes [{start}, {end}) of {name} in "
+                f"{self.paths[name]} ({exc}): free space in {shm_dir()}, or load with "
+                "ShardedLoadPlanner(node_id=<one id for every rank>) to share rank to rank"
+            ) from exc
 
     def view(self, name: str, start: int, end: int) -> memoryview:
         return memoryview(self.maps[name])[start:end]
@@ -222,6 +236,9 @@ class NodeFiles:
                 _live_paths.discard(path)
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
         for m in self.maps.values():
             try:
                 m.close()
@@ -368,6 +385,8 @@ async def _fetch(
         )
         stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
 
+    for b in order:  # every block this rank writes, allocated up front
+        files.reserve(b.name, b.start, b.end)
     async with asyncio.TaskGroup() as tg:
         for b in order:
             view = files.view(b.name, b.start, b.end)

@@ -24,12 +24,17 @@ from asyncload.testing.netns import available, hosts
 pytestmark = [pytest.mark.timeout(300), pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
-WHY = available()
-needs_netns = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces: {WHY}")
 
 
-@needs_netns
-def test_hosts_are_made_and_removed() -> None:
+@pytest.fixture(scope="module")
+def netns() -> None:
+    """Skip (with the reason) where network namespaces cannot be made."""
+    why = available()
+    if why is not None:
+        pytest.skip(f"no network namespaces: {why}")
+
+
+def test_hosts_are_made_and_removed(netns: None) -> None:
     """Two hosts and a storage host reach each other over the bridge; every namespace is
     gone after the context, also when the block raises."""
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -59,8 +64,7 @@ except OSError as e:
 """
 
 
-@needs_netns
-def test_two_nodes_of_two_ranks_bit_exact(tmp_path: Path) -> None:
+def test_two_nodes_of_two_ranks_bit_exact(netns: None, tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     run = subprocess.run(
         [
