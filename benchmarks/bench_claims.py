@@ -18,8 +18,9 @@ Two parts:
 * ``exchange`` (``--exchange``): the plan exchange of node-aware sharing at 8,192 ranks, on
   ``bench_planning.py``'s simulated 1,002-tensor FSDP checkpoint saved on 1,024 ranks,
   loaded on 8,192 ranks as 1,024 nodes of 8: per read phase, every rank's packed needs
-  unpickled and unpacked (what the session does after the all-gather) and ``plan_blocks``
-  over all of them; seconds and heap peak (tracemalloc), both phases summed.
+  unpickled (what the session does after the all-gather) and ``plan_blocks`` over them,
+  for the whole plan and for what a rank plans (its node's part, ``node=``; the slowest
+  of nodes 0, middle and last); seconds and heap peak (tracemalloc), both phases summed.
 
 Run:  python benchmarks/bench_claims.py                 # the claims table (~1-2 min, 2 cores)
       python benchmarks/bench_claims.py --exchange      # the 8,192-rank exchange (~3 min)
@@ -98,7 +99,7 @@ def node_ops(
     world = len(needs)
     nodes = [list(range(k, min(world, k + per_node))) for k in range(0, world, per_node)]
     t, blocks = best_of(lambda: plan_blocks(needs, nodes, BLOCK_UNITS * UNIT))
-    ops = [(b.index, f) for b in blocks if len(b.nodes) > 1 for f in b.fetchers]
+    ops = [(b.seq, f) for b in blocks if len(b.nodes) > 1 for f in b.fetchers]
     return ops, t
 
 
@@ -212,22 +213,29 @@ def exchange(args: argparse.Namespace) -> None:
     for phase in (0, 1):
         blobs = [bp.encode(ns, identity) for ns in all_needs[phase]]
 
-        def plan(blobs: list[bytes] = blobs) -> Any:
+        def plan(blobs: list[bytes] = blobs, node: int | None = None) -> Any:
             gathered = [pickle.loads(b) for b in blobs]
-            return plan_blocks([sharded._unpack(g[1]) for g in gathered], nodes, block)
+            return plan_blocks([g[1] for g in gathered], nodes, block, node)
 
-        t, blocks = best_of(plan, 1)
-        h = heap_peak(plan)
+        whole_s, blocks = best_of(plan, 1)
         multi = sum(1 for b in blocks if len(b.nodes) > 1)
+        del blocks
+        # what a rank plans: its node's part (nodes 0, middle, last: the slowest)
+        t, h, mine = 0.0, 0, 0
+        for node in sorted({0, len(nodes) // 2, len(nodes) - 1}):
+            tn, part = best_of(lambda node=node: plan(node=node), 1)
+            t = max(t, tn)
+            mine = max(mine, len(part))
+            h = max(h, heap_peak(lambda node=node: plan(node=node)))
         print(
-            f"phase {phase}: {sum(map(len, blobs)) / MiB:.1f} MiB gathered, "
-            f"{len(blocks):,} blocks ({multi:,} needed by several nodes), "
-            f"decode + plan {t:.2f} s, heap {h / MiB:.0f} MiB",
+            f"phase {phase}: {sum(map(len, blobs)) / MiB:.1f} MiB gathered; the whole plan "
+            f"{whole_s:.2f} s ({multi:,} blocks needed by several nodes); a node's part: "
+            f"{mine:,} blocks, decode + plan {t:.2f} s, heap {h / MiB:.0f} MiB",
             flush=True,
         )
         total_s += t
         peak = max(peak, h)
-        del blobs, blocks
+        del blobs
         gc.collect()
     print(
         f"{mesh.world} ranks as {len(nodes)} nodes of {args.per_node}: node-aware plan exchange "

@@ -33,7 +33,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from asyncload._errors import AsyncLoadError
 from asyncload.distributed.plan import _Part
@@ -60,13 +62,13 @@ def node_layout(node_ids: Sequence[str]) -> list[list[int]] | None:
     return groups
 
 
-@dataclass(frozen=True)
-class NodeBlock:
+class NodeBlock(NamedTuple):
     """Bytes ``[start, end)`` of file ``name`` that the nodes ``nodes`` need (node indexes,
     ascending); ``fetchers[i]`` is the rank of node ``nodes[i]`` that fetches it for its
-    node; ``owner``: the node planned to read it from storage (where claims start)."""
+    node; ``owner``: the node planned to read it from storage (where claims start).
+    ``seq``: its number in the phase (the same on every rank: tags and claim keys)."""
 
-    index: int
+    seq: int
     name: str
     start: int
     end: int
@@ -82,72 +84,119 @@ class NodeBlock:
         return self.fetchers[self.nodes.index(node)]
 
 
-def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
+#: Node offsets in the merge's keys (file offsets stay below it).
+_BIG = 1 << 42
+
+
+def _rank_arrays(need: Any) -> dict[str, Any]:
+    """One rank's needs as ``(n, 2)`` int64 arrays per file: from the packed form
+    (``plan._pack``: per file, flat little-endian int64 offsets) or from ``(file, start,
+    end)`` tuples."""
+    if isinstance(need, dict):
+        return {f: np.frombuffer(b, dtype="<i8").reshape(-1, 2) for f, b in need.items() if b}
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, a, b in need:
+        out.setdefault(name, []).append((a, b))
+    return {f: np.asarray(v, dtype=np.int64).reshape(-1, 2) for f, v in out.items()}
+
+
+def _node_unions(parts: list[tuple[Any, int]]) -> tuple[Any, Any, Any]:
+    """The union of each node's ranges in one file (ranges that overlap or touch joined):
+    starts, ends and nodes, sorted by node then start."""
+    s = np.concatenate([a[:, 0] for a, _ in parts])
+    e = np.concatenate([a[:, 1] for a, _ in parts])
+    k = np.concatenate([np.full(len(a), n, dtype=np.int64) for a, n in parts])
+    keep = e > s
+    s, e, k = s[keep], e[keep], k[keep]
+    if not len(s):
+        return s, e, k
+    order = np.lexsort((s, k))
+    s, e, k = s[order], e[order], k[order]
+    off = k * _BIG  # a running maximum per node, in one pass
+    top = np.maximum.accumulate(e + off)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] + off[1:] > top[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, len(s) - 1)
+    return s[first], top[last] - off[first], k[first]
+
+
+def _block_count(s: Any, e: Any, block_size: int) -> int:
+    """The number of blocks of a file whose node unions are ``s``, ``e``."""
+    if not len(s):
+        return 0
+    bounds = np.unique(np.concatenate((s, e)))
+    cnt = np.zeros(len(bounds), dtype=np.int64)
+    np.add.at(cnt, np.searchsorted(bounds, s), 1)
+    np.add.at(cnt, np.searchsorted(bounds, e), -1)
+    covered = np.cumsum(cnt)[:-1] > 0
+    lens = (bounds[1:] - bounds[:-1])[covered]
+    return int(((lens + block_size - 1) // block_size).sum())
 
 
 def plan_blocks(
-    needs: Sequence[Sequence[tuple[str, int, int]]],
+    needs: Sequence[Any],
     nodes: Sequence[Sequence[int]],
     block_size: int,
+    node: int | None = None,
 ) -> list[NodeBlock]:
     """The node-level plan of one read phase (the same on every rank): per node the union of
-    its ranks' needed ranges ``(file, start, end)``, cut at every node's boundaries and into
-    blocks of at most ``block_size`` bytes; each block's fetcher in each node that needs it
-    (the node's rank with the fewest fetched bytes so far) and its planned owner node (among
-    those that need it, the one with the fewest planned bytes so far)."""
-    # per file, the nodes' unions as events: (offset, +1 starts / -1 ends, node)
-    events: dict[str, list[tuple[int, int, int]]] = {}
-    for k, ranks in enumerate(nodes):
-        by_file: dict[str, list[tuple[int, int]]] = {}
-        for r in ranks:
-            for name, a, b in needs[r]:
-                if b > a:
-                    by_file.setdefault(name, []).append((a, b))
-        for name, rs in by_file.items():
-            ev = events.setdefault(name, [])
-            for a, b in _union(rs):
-                ev.append((a, 1, k))
-                ev.append((b, -1, k))
-    fetched = {r: 0 for ranks in nodes for r in ranks}
-    planned = [0] * len(nodes)
+    its ranks' needed ranges (``needs[r]``: ``(file, start, end)`` tuples, or the packed form
+    of the all-gather), cut at every node's boundaries and into blocks of at most
+    ``block_size`` bytes, numbered in file order. A block's fetcher in each node that needs
+    it rotates over the node's ranks (by the block's place in its piece and the piece's
+    place in the file); its planned owner node is, among the nodes that need it, the one with the fewest
+    planned bytes in the file so far (lowest first on ties). Both depend only on the file, so with
+    ``node`` only the blocks that node needs are made (the others only counted, for the
+    numbering): what a rank plans is proportional to its node's files."""
+    node_of = {r: k for k, ranks in enumerate(nodes) for r in ranks}
+    per_file: dict[str, list[tuple[Any, int]]] = {}
+    for r, need in enumerate(needs):
+        for f, arr in _rank_arrays(need).items():
+            per_file.setdefault(f, []).append((arr, node_of[r]))
     blocks: list[NodeBlock] = []
-    for name in sorted(events):
-        ev = sorted(events[name])
+    base = 0
+    for name in sorted(per_file):
+        s, e, k = _node_unions(per_file[name])
+        if node is not None and node not in set(k.tolist()):
+            base += _block_count(s, e, block_size)
+            continue
+        events = sorted(
+            [(a, 1, n) for a, n in zip(s.tolist(), k.tolist())]
+            + [(b, -1, n) for b, n in zip(e.tolist(), k.tolist())]
+        )
         active: set[int] = set()
+        planned: dict[int, int] = {}
         i = 0
-        while i < len(ev):
-            pos = ev[i][0]
-            while i < len(ev) and ev[i][0] == pos:  # every change at this offset
-                _, d, k = ev[i]
+        piece = 0
+        while i < len(events):
+            pos = events[i][0]
+            while i < len(events) and events[i][0] == pos:  # every change at this offset
+                _, d, n = events[i]
                 if d > 0:
-                    active.add(k)
+                    active.add(n)
                 else:
-                    active.discard(k)
+                    active.discard(n)
                 i += 1
-            if not active or i == len(ev):
+            if not active or i == len(events):
                 continue
-            members = sorted(active)
-            for s in range(pos, ev[i][0], block_size):
-                e = min(ev[i][0], s + block_size)
-                n = e - s
-                fetchers = []
-                for k in members:
-                    r = min(nodes[k], key=lambda x: (fetched[x], x))
-                    fetched[r] += n
-                    fetchers.append(r)
-                owner = min(members, key=lambda k: (planned[k], k))
-                planned[owner] += n
-                blocks.append(
-                    NodeBlock(len(blocks), name, s, e, tuple(members), tuple(fetchers), owner)
-                )
+            end = events[i][0]
+            count = -(-(end - pos) // block_size)
+            members = tuple(sorted(active))
+            make = node is None or node in active  # else only numbered and balanced
+            for j in range(count):
+                a = pos + j * block_size
+                b = min(end, a + block_size)
+                owner = members[0]  # the member with the fewest planned bytes in this file
+                for n in members:
+                    if planned.get(n, 0) < planned.get(owner, 0):
+                        owner = n
+                planned[owner] = planned.get(owner, 0) + (b - a)
+                if make:
+                    fetchers = tuple(nodes[n][(j + piece) % len(nodes[n])] for n in members)
+                    blocks.append(NodeBlock(base, name, a, b, members, fetchers, owner))
+                base += 1
+            piece += 1
     return blocks
 
 
@@ -275,7 +324,7 @@ async def run_node_phase(
     share: Share,
     pipeline: Pipeline,
     mine: Sequence[Chunk],
-    needs: Sequence[Sequence[tuple[str, int, int]]],
+    needs: Sequence[Any],
     nodes: list[list[int]],
     token: str,
     phase: int,
@@ -290,7 +339,7 @@ async def run_node_phase(
     monitor = share.monitor
     node = next(k for k, ranks in enumerate(nodes) if rank in ranks)
     block = max(unit, BLOCK_UNITS * unit)
-    blocks = plan_blocks(needs, nodes, block)
+    blocks = plan_blocks(needs, nodes, block, node)
     sizes: dict[str, int] = {}
     for b in blocks:
         if node in b.nodes:
@@ -302,9 +351,10 @@ async def run_node_phase(
             f"node-fetch-{phase}", f"waiting for the other ranks to fetch {what} for their nodes"
         )
         files.unlink()  # every rank of the node has mapped them
-        mine_needs: dict[str, list[tuple[int, int]]] = {}
-        for name, lo, hi in needs[rank]:
-            mine_needs.setdefault(name, []).append((lo, hi))
+        mine_needs = {
+            f: [(int(lo), int(hi)) for lo, hi in arr.tolist()]
+            for f, arr in _rank_arrays(needs[rank]).items()
+        }
         own = sum(
             _overlap(mine_needs.get(b.name, []), b.start, b.end)
             for b in blocks
@@ -363,8 +413,8 @@ async def _fetch(
         await share.transport.exchange(
             "send",
             peers,
-            tag_base + b.index,
-            b.index,
+            tag_base + b.seq,
+            b.seq,
             view,
             files,
             monitor,
@@ -376,8 +426,8 @@ async def _fetch(
         await share.transport.exchange(
             "recv",
             [src],
-            tag_base + b.index,
-            b.index,
+            tag_base + b.seq,
+            b.seq,
             view,
             files,
             monitor,
@@ -397,10 +447,10 @@ async def _fetch(
                 continue
             if adaptive:
                 await slots.acquire()
-                got = store.compare_set(f"{prefix}{b.index}", "", str(rank)).decode()
+                got = store.compare_set(f"{prefix}{b.seq}", "", str(rank)).decode()
                 winner = int(got)
                 if winner == rank:
-                    monitor._written.append(f"{prefix}{b.index}")
+                    monitor._written.append(f"{prefix}{b.seq}")
                 else:
                     slots.release()
             else:

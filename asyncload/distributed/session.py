@@ -216,7 +216,7 @@ class _ShareSession:
                     self,
                     pipeline,
                     mine,
-                    [_unpack(g[1]) for g in gathered],
+                    [g[1] for g in gathered],
                     nodes,
                     token,
                     phase,

@@ -24,6 +24,7 @@ from test_distributed import big_model, same_bits, tensor_bytes
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
 from asyncload.distributed.nodes import NodeFiles, node_layout, plan_blocks, shm_dir
+from asyncload.distributed.plan import _pack
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 
@@ -48,7 +49,10 @@ def w_nodes(rank: int, world: int, url: str, ranks_per_node: int, adaptive: bool
     full = big_model()
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     planner = ShardedLoadPlanner(
-        node_id=f"node{rank // ranks_per_node}", adaptive=adaptive, wait_for_peers=True
+        node_id=f"node{rank // ranks_per_node}",
+        adaptive=adaptive,
+        wait_for_peers=True,
+        unit_size=16 * KiB,  # blocks of 64 KiB: the planned split within 5 % of half
     )
     stats = asyncload.load(sd, url, options=OPTIONS, planner=planner)
     return {
@@ -170,7 +174,7 @@ def test_plan_blocks_on_random_layouts(seed: int) -> None:
     block = rng.choice([7, 64, 1000])
     blocks = plan_blocks(needs, nodes, block)
     for i, b in enumerate(blocks):
-        assert b.index == i and 0 < b.nbytes <= block
+        assert b.seq == i and 0 < b.nbytes <= block
         assert b.owner in b.nodes
         for k, f in zip(b.nodes, b.fetchers):
             assert f in nodes[k]
@@ -185,9 +189,21 @@ def test_plan_blocks_on_random_layouts(seed: int) -> None:
                         want.update(range(a, e))
             got = {x for s, e in _covered(blocks, k, f) for x in range(s, e)}
             assert got == want, (k, f)
-    for ranks in nodes:
-        loads = [sum(b.nbytes for b in blocks if r in b.fetchers) for r in ranks]
-        assert max(loads) - min(loads) <= block
+    for k in range(len(nodes)):  # what one node's ranks plan: its part, numbered alike
+        assert plan_blocks(needs, nodes, block, k) == [b for b in blocks if k in b.nodes]
+    packed = [_pack(n) for n in needs]  # the all-gather's form plans the same
+    assert plan_blocks(packed, nodes, block) == blocks
+
+
+def test_plan_blocks_balances_a_replicated_file() -> None:
+    """2 nodes of 2 ranks, one 10-block file all need: each node owns half of it (within
+    half a block) and each rank fetches half of its node's blocks."""
+    needs = [[("f", 0, 10 * 64)] for _ in range(4)]
+    blocks = plan_blocks(needs, [[0, 1], [2, 3]], 64)
+    assert len(blocks) == 10 and all(b.nodes == (0, 1) for b in blocks)
+    assert [sum(b.nbytes for b in blocks if b.owner == k) for k in (0, 1)] == [320, 320]
+    for r in range(4):
+        assert sum(b.nbytes for b in blocks if r in b.fetchers) == 320
 
 
 def test_node_files_are_removed_on_every_path() -> None:
