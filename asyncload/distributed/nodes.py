@@ -5,7 +5,7 @@ two or more of them, a read phase runs in two stages instead of rank-to-rank sha
 
 1. **fetch**: the union of what a node's ranks need is cut into *blocks* (each at most a few
    work units); every block a node needs is fetched for it by one of its ranks (its
-   *fetcher*, chosen per block so that a node's ranks fetch about equal bytes), into a file
+   *fetcher*, rotating over the node's ranks block by block), into a file
    in shared memory (``/dev/shm``) at the block's file offset. A block that several nodes
    need is read from storage by one of them: the first fetcher to get to it claims it for
    its node with one ``compare_set`` in the group's store (each node starts with its planned
