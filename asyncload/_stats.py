@@ -86,6 +86,13 @@ class LoadStats:
     assembly_seconds: float = 0.0
     #: Highest number of reads in flight at once (useful with ``concurrency="auto"``).
     peak_concurrency: int = 0
+    #: ShardedLoadPlanner: ``"share"`` (shared ranges read once and sent over the process
+    #: group) or ``"read"`` (every rank read its own bytes: sharing would not pay); ``""``
+    #: without sharing. ``sharing_reason``: why (the cost model's figures, or the knob that
+    #: decided); ``sharing_unit_size``: adaptive sharing's work unit in the data phase, bytes.
+    sharing_decision: str = ""
+    sharing_reason: str = ""
+    sharing_unit_size: int = 0
 
     @property
     def throughput(self) -> float:
@@ -147,6 +154,8 @@ class LoadStats:
                 f"{_fmt_bytes(self.bytes_received)} received from and {_fmt_bytes(self.bytes_sent)} "
                 "sent to other ranks."
             )
+        if self.sharing_reason:
+            parts.append(f"Sharing: {self.sharing_reason}.")
         if self.unexpected_keys:
             shown = ", ".join(self.unexpected_keys[:3]) + (
                 ", ..." if len(self.unexpected_keys) > 3 else ""
@@ -185,6 +194,12 @@ class StatsRecorder:
         with self._lock:
             for k, v in deltas.items():
                 setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def set(self, **values: Any) -> None:
+        """Set fields (those that are not counters: ``sharing_decision`` ...)."""
+        with self._lock:
+            for k, v in values.items():
+                setattr(self.stats, k, v)
 
     def maximum(self, name: str, value: float) -> None:
         with self._lock:

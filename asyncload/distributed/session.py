@@ -50,13 +50,20 @@ from asyncload.distributed.monitor import Monitor
 from asyncload.distributed.plan import (
     _advertise,
     _check_transfers,
+    _needs,
     _pack,
     _parts_for,
     _rank_plan,
     _unpack,
     split_units,
 )
-from asyncload.distributed.policy import PlanFn, SharingPolicy, sharing_policy
+from asyncload.distributed.policy import (
+    PlanFn,
+    RankEstimate,
+    SharingPolicy,
+    decide_sharing,
+    sharing_policy,
+)
 from asyncload.distributed.sends import BackgroundSends
 from asyncload.distributed.shared import _SharedPipeline
 from asyncload.distributed.transport import _nullcontext, _Transport, _transport_kind
@@ -84,6 +91,7 @@ def open_share(
     unit_size: int | None,
     wait_for_peers: bool,
     custom_plan: PlanFn | None,
+    sharing: str = "auto",
 ) -> _ShareSession | None:
     """A share session that takes over this rank's reads of ``load_session``, or None when
     there is nobody to share with (no process group, or a group of one). The group is
@@ -108,6 +116,7 @@ def open_share(
         collective_timeout=collective_timeout,
         custom_plan=custom_plan,
         send_budget=load_session.config.memory.sends,
+        sharing=sharing,
     )
     return _ShareSession(group, monitor, policy, load_session)
 
@@ -143,6 +152,10 @@ class _ShareSession:
             monitor.returns_early = True
             monitor.after_return = self.sends.after_return
         self._identity: dict[str, str] | None = None
+        #: Whether this load shares (decided by every rank alike before its first read phase:
+        #: :func:`decide_sharing`); None before.
+        self.sharing: bool | None = None
+        self._why = ""
 
     def fail(self, exc: BaseException) -> None:
         """read_data failed on this rank: tell the others."""
@@ -165,10 +178,19 @@ class _ShareSession:
         phase = self.phase
         self.phase += 1
         what = "record headers and small records" if phase == 0 else "tensor data"
+        if self.sharing is False:  # every rank decided to read its own bytes: no exchange
+            await _run_watched(pipeline.run(chunks), self.monitor)
+            return
         mine = sorted(chunks, key=lambda c: (c.name, c.start))
         adv = _advertise(mine)
-        needs = [(c.name, a[0], a[1]) for c, a in zip(mine, adv) if a is not None]
-        payload = (self.identity(n for n, _, _ in needs), _pack(needs), self.sends is not None)
+        needs = _needs(mine, adv)
+        estimate = RankEstimate.measure(pipeline.storage, sum(e - s for _, s, e in needs))
+        payload = (
+            self.identity(n for n, _, _ in needs),
+            _pack(needs),
+            self.sends is not None,
+            estimate,
+        )
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
         await self.monitor.abarrier(
@@ -190,7 +212,26 @@ class _ShareSession:
         _check_same_ending([g[2] for g in gathered])
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
         policy = self.policy
-        unit = policy.unit_for(pipeline.options.effective_chunk_size)
+        decision = decide_sharing(
+            policy,
+            [g[3] for g in gathered],
+            pipeline.options.effective_chunk_size,
+            share=self.sharing,
+            why=self._why,
+        )
+        if decision.why:  # decided (else: nothing to read yet, the next phase decides)
+            self.sharing, self._why = decision.share, decision.why
+        pipeline.stats.set(
+            sharing_decision="share" if decision.share else "read",
+            sharing_reason=decision.reason,
+            sharing_unit_size=decision.unit_size if decision.share and policy.adaptive else 0,
+        )
+        if not decision.share or not decision.unit_size:  # read alone (the load, or this phase)
+            log.debug("rank %d, %s: %s", self.rank, what, decision.reason)
+            self._set_doing(f"reading {what}")
+            await _run_watched(pipeline.run(chunks), self.monitor)
+            return
+        unit = decision.unit_size
         if policy.custom_plan is not None:
             # the override's whole plan, as tuples; its owners are where each rank starts
             all_needs: list[Any] = [_unpack(g[1]) for g in gathered]
@@ -208,7 +249,7 @@ class _ShareSession:
         shared: _SharedPipeline
         if policy.adaptive:
             keys = _unit_keys(items, self.rank)
-            parts = _parts_for(mine, adv, items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank, [g[1] for g in gathered])
             by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
             # own planned units first, then chunks only this rank reads, then the others' units
             rank_of = {
@@ -222,7 +263,7 @@ class _ShareSession:
             shared = _AdaptivePipeline(pipeline, self, by_id, tag_base, len(mine), claims, policy)
         else:
             self.transport.set_order(items, self.rank)
-            parts = _parts_for(mine, adv, items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank, [g[1] for g in gathered])
             by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
             shared = _SharedPipeline(pipeline, self, by_id, tag_base, len(mine))
         t1 = time.monotonic()

@@ -45,7 +45,7 @@ def save(path: Path) -> str:
 
 
 def _planner(kind: str, unit_size: int | None) -> ShardedLoadPlanner:
-    return ShardedLoadPlanner(adaptive=kind == "adaptive", unit_size=unit_size)
+    return ShardedLoadPlanner(sharing="always", adaptive=kind == "adaptive", unit_size=unit_size)
 
 
 def w_load(
@@ -391,11 +391,11 @@ def test_checkpoint_identity_follows_the_metadata_not_the_path(tmp_path: Path) -
 
 def test_planner_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="unit_size=0"):
-        ShardedLoadPlanner(unit_size=0)
+        ShardedLoadPlanner(sharing="always", unit_size=0)
     with pytest.raises(ValueError, match="adaptive='yes'"):
-        ShardedLoadPlanner(adaptive="yes")  # type: ignore[arg-type]
+        ShardedLoadPlanner(sharing="always", adaptive="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="wait_for_peers=1"):
-        ShardedLoadPlanner(wait_for_peers=1)  # type: ignore[arg-type]
+        ShardedLoadPlanner(sharing="always", wait_for_peers=1)  # type: ignore[arg-type]
 
 
 def _policy(**kw: Any) -> Any:
