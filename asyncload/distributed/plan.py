@@ -416,7 +416,8 @@ def _needs(
     chunks: Sequence[Chunk], adv: Sequence[tuple[int, int] | None]
 ) -> list[tuple[str, int, int]]:
     """What this rank announces it needs: of each chunk's advertised part (:func:`_advertise`),
-    only the bytes its pieces cover, as runs of touching pieces. Gaps a request reads through
+    only the bytes its pieces cover (and the headers between them: :data:`HEADER_GAP`). Gaps a
+    request reads through
     (the cost model's choice, bounded by ``max_over_read_ratio``) are not needs: a range is
     shared only among the ranks whose pieces need it, so a rank never receives, nor claims,
     bytes of keys it did not ask for (and reads no gap another rank needs:
@@ -424,14 +425,21 @@ def _needs(
     return [(c.name, s, e) for c, a in zip(chunks, adv) if a is not None for s, e in _runs(c, *a)]
 
 
+#: Gaps between a chunk's pieces up to this size are needs too: the headers between two
+#: records' data (a torch.save record's zip directory and the next one's local headers: about
+#: 1.5 KiB), which every rank reading both records reads through, are then shared as well.
+HEADER_GAP = 8 << 10
+
+
 def _runs(c: Chunk, lo: int, hi: int) -> list[tuple[int, int]]:
-    """The bytes of ``[lo, hi)`` that chunk ``c``'s pieces cover, as runs of touching pieces."""
+    """The bytes of ``[lo, hi)`` that chunk ``c``'s pieces cover, as runs of pieces at most
+    :data:`HEADER_GAP` apart."""
     out: list[list[int]] = []
     for seg in sorted(c.segments, key=lambda p: p.start):
         s, e = max(seg.start, lo), min(seg.end, hi)
         if s >= e:
             continue
-        if out and s <= out[-1][1]:
+        if out and s <= out[-1][1] + HEADER_GAP:
             out[-1][1] = max(out[-1][1], e)
         else:
             out.append([s, e])

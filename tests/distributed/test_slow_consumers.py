@@ -102,7 +102,9 @@ def w_slow_consumer(
                     [Path(flags) / f"returned-{n}-{r}" for r in others], CUT_OFF
                 )
 
-        planner = (_LeaveOutTheSlowRank if leave_out else ShardedLoadPlanner)(unit_size=16 * KiB)
+        planner = (_LeaveOutTheSlowRank if leave_out else ShardedLoadPlanner)(
+            unit_size=16 * KiB, sharing="always"
+        )
         stats = asyncload.load(sd, path, options=options, planner=planner, progress=progress)
         bad = [k for k in full if not same_bits(sd[k], full[k])]
         bg = planner.background_sends
