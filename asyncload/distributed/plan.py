@@ -446,6 +446,12 @@ def _runs(c: Chunk, lo: int, hi: int) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out]
 
 
+def _has_gap(c: Chunk, lo: int, hi: int) -> bool:
+    """Whether chunk ``c`` reads bytes of ``[lo, hi)`` that none of its needs cover."""
+    runs = _runs(c, lo, hi)
+    return len(runs) > 1 or (bool(runs) and (runs[0][0] > lo or runs[-1][1] < hi))
+
+
 def _others(needs: Sequence[Any], rank: int, files: set[str]) -> dict[str, tuple[Any, Any]]:
     """Per file of ``files``: the byte ranges other ranks need (packed or tuples), merged, as
     sorted arrays of starts and ends."""
@@ -517,14 +523,16 @@ def _parts_for(
     """Split each chunk into parts by source; None for a chunk this rank reads whole.
     ``needs``: every rank's (as all-gathered): gaps a chunk would read through that another
     rank needs are left out of this rank's reads (:func:`_skip_gaps`)."""
-    others = _others(needs, rank, {c.name for c in chunks}) if needs is not None else {}
     out = _split_parts(chunks, adv, transfers, rank)
-    if not others:
+    # only chunks that read through a gap are looked at (none in most loads: no extra sweep)
+    gappy = [
+        (i, a) for i, (c, a) in enumerate(zip(chunks, adv)) if a is not None and _has_gap(c, *a)
+    ]
+    if needs is None or not gappy:
         return out
-    for i, (c, a) in enumerate(zip(chunks, adv)):
-        if a is None or (len(c.segments) < 2 and not out[i]):
-            continue
-        lo, hi = a
+    others = _others(needs, rank, {chunks[i].name for i, _ in gappy})
+    for i, (lo, hi) in gappy:
+        c = chunks[i]
         parts = out[i] or [_Part(c.start, c.end, "read")]
         skipped = _skip_gaps(c, lo, hi, parts, others)
         if [(p.start, p.end, p.kind) for p in skipped] != [
