@@ -13,6 +13,7 @@ from typing import Any
 from asyncload._dcp import PipelinedLoadPlanner
 from asyncload._options import LoadOptions
 from asyncload.distributed.plan import Transfer, plan_transfers
+from asyncload.distributed.policy import SHARING_MODES
 from asyncload.distributed.sends import BackgroundSends, wait_for_background_sends
 from asyncload.distributed.session import _ShareSession, open_share
 from asyncload.engine.session import LoadSession
@@ -43,7 +44,9 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     fixed order, and for a subclass that overrides :meth:`plan_transfers`, whose owners are
     kept): hand out the shared ranges as ranks get to them instead of fixing their
     owners before reading. Shared ranges are cut into work units of at most ``unit_size``
-    bytes (default ``min(256 KiB, chunk_size)``); the first rank that needs a unit and has a
+    bytes (default: chosen per read phase from the latency and rate measured so far, as
+    chunks are: 4 x latency x rate, from 256 KiB to ``chunk_size`` and at most an eighth of
+    a rank's share; ``LoadStats.sharing_unit_size``); the first rank that needs a unit and has a
     free reader claims it through an atomic compare-and-set in the group's store, reads
     it and sends it to the other ranks that need it. Each rank starts with the units
     ``plan_transfers`` gave it and then takes over, from the back, units that other ranks
@@ -71,6 +74,14 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     (from storage or from one rank of another node) and is handed to the node's other ranks
     through shared memory (:mod:`asyncload.distributed.nodes`); tests pass distinct
     ``node_id`` values to simulate nodes on one host.
+    ``sharing`` (default ``"auto"``): whether to share at all. Before its first read phase
+    every rank tells the others its storage's kind and what it measured; they decide alike
+    from a cost model (:func:`asyncload.distributed.policy.decide_sharing`): reading from an
+    object store, share; from a local disk, which reads faster than the process group
+    sends, every rank reads its own bytes (as :class:`PipelinedLoadPlanner` would). A
+    ``plan_transfers`` override always shares. ``"always"`` / ``"never"`` override the model.
+    ``LoadStats.sharing_decision`` (``"share"`` or ``"read"``) and ``sharing_reason`` say
+    what was decided and why.
     Other keyword arguments are those of :class:`PipelinedLoadPlanner`.
     """
 
@@ -84,9 +95,15 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         unit_size: int | None = None,
         wait_for_peers: bool = False,
         node_id: str | None = None,
+        sharing: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if sharing not in SHARING_MODES:
+            raise ValueError(
+                f"ShardedLoadPlanner(sharing={sharing!r}) is invalid: expected one of "
+                + ", ".join(map(repr, SHARING_MODES))
+            )
         if not isinstance(wait_for_peers, bool):
             raise ValueError(
                 f"ShardedLoadPlanner(wait_for_peers={wait_for_peers!r}) is invalid: expected a bool"
@@ -111,6 +128,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         self.unit_size = unit_size
         self.wait_for_peers = wait_for_peers
         self.node_id = node_id
+        self.sharing = sharing
         #: The last load's sends that may outlive it (``wait_for_peers=False``), or None.
         self.background_sends: BackgroundSends | None = None
         if collective_timeout is not _UNSET:
@@ -167,6 +185,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
             wait_for_peers=self.wait_for_peers,
             custom_plan=self.plan_transfers if self._custom_plan() else None,
             node_id=self.node_id,
+            sharing=self.sharing,
         )
         if share is not None:
             self.background_sends = share.sends

@@ -91,6 +91,13 @@ class LoadStats:
     #: its node fetched and handed over through shared memory.
     bytes_from_other_nodes: int = 0
     bytes_from_own_node: int = 0
+    #: ShardedLoadPlanner: ``"share"`` (shared ranges read once and sent over the process
+    #: group) or ``"read"`` (every rank read its own bytes: sharing would not pay); ``""``
+    #: without sharing. ``sharing_reason``: why (the cost model's figures, or the knob that
+    #: decided); ``sharing_unit_size``: adaptive sharing's work unit in the data phase, bytes.
+    sharing_decision: str = ""
+    sharing_reason: str = ""
+    sharing_unit_size: int = 0
 
     @property
     def throughput(self) -> float:
@@ -152,6 +159,8 @@ class LoadStats:
                 f"{_fmt_bytes(self.bytes_received)} received from and {_fmt_bytes(self.bytes_sent)} "
                 "sent to other ranks."
             )
+        if self.sharing_reason:
+            parts.append(f"Sharing: {self.sharing_reason}.")
         if self.unexpected_keys:
             shown = ", ".join(self.unexpected_keys[:3]) + (
                 ", ..." if len(self.unexpected_keys) > 3 else ""
@@ -190,6 +199,12 @@ class StatsRecorder:
         with self._lock:
             for k, v in deltas.items():
                 setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def set(self, **values: Any) -> None:
+        """Set fields (those that are not counters: ``sharing_decision`` ...)."""
+        with self._lock:
+            for k, v in values.items():
+                setattr(self.stats, k, v)
 
     def maximum(self, name: str, value: float) -> None:
         with self._lock:

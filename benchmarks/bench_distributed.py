@@ -168,6 +168,8 @@ def _planner(how: str) -> Any:
         return asyncload.ShardedLoadPlanner(unit_size=int(unit) << 10 if unit else None, **kw)
     if how == "static":
         return asyncload.ShardedLoadPlanner(adaptive=False)
+    if how == "always":  # sharing forced on (the cost model left out)
+        return asyncload.ShardedLoadPlanner(sharing="always")
     return asyncload.PipelinedLoadPlanner()
 
 
@@ -245,6 +247,7 @@ def rank_main(
             dcp.load(sd, storage_reader=reader, planner=torch_planner)
             read = _socket_bytes[0] if remote else _rchar() - rchar0
             counts = {"received": 0, "sent": 0, "taken_over": 0, "hedged": 0, "at_return": 0}
+            counts.update(decision="", unit=0, budget_wait=0.0)
         else:
             progress = None
             if slow_rate is not None:
@@ -268,6 +271,9 @@ def rank_main(
                 "taken_over": stats.bytes_taken_over,
                 "hedged": stats.bytes_hedged,
                 "at_return": bg.bytes_at_return if bg is not None else 0,
+                "decision": stats.sharing_decision,
+                "unit": stats.sharing_unit_size,
+                "budget_wait": stats.budget_wait_seconds,
             }
         seconds = seconds_ if how != "torch" else time.perf_counter() - t0
         dist.barrier()
@@ -360,11 +366,40 @@ NAMES = {
     "pipelined": "asyncload PipelinedLoadPlanner",
     "static": "asyncload static sharing",
     "sharded": "asyncload adaptive sharing",
+    "always": "asyncload sharing='always'",
 }
 
 
 def _per_rank(res: list[dict[str, Any]], key: str) -> str:
     return "/".join(_mib(r[key]) for r in res)
+
+
+def _decision(res: list[dict[str, Any]]) -> str:
+    """The sharing decision, the unit (KiB) and the budget wait (s) of each rank."""
+    return " ".join(
+        f"{r.get('decision') or '-'}/{r.get('unit', 0) >> 10}/{r.get('budget_wait', 0.0):.2f}"
+        for r in res
+    )
+
+
+def _print_medians(
+    runs: dict[tuple[Any, str], list[tuple[float, int]]], ckpt_bytes: int, rounds: int
+) -> None:
+    """Per setting: each contender's median wall time over the rounds, its ratio to
+    PipelinedLoadPlanner's, and its bytes read against the checkpoint."""
+    print(f"medians over {rounds} interleaved round(s), fresh processes each:")
+    for (setting, how), got in runs.items():
+        walls = sorted(w for w, _ in got)
+        med = walls[len(walls) // 2]
+        base = runs.get((setting, "pipelined"))
+        ratio = ""
+        if base is not None:
+            b = sorted(w for w, _ in base)[len(base) // 2]
+            ratio = f", {b / med:.2f}x the speed of PipelinedLoadPlanner ({med / b:.2f}x its time)"
+        print(
+            f"  {setting}: {NAMES[how]}: {med:.2f} s (runs {', '.join(f'{w:.2f}' for w in walls)})"
+            f"{ratio}; storage bytes {max(t for _, t in got) / ckpt_bytes:.2f}x the checkpoint"
+        )
 
 
 def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> None:
@@ -374,20 +409,23 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
 
     bw = args.rank_bandwidth_mib * MiB
     server = HTTPRangeServer(root=work).start()
-    proxies = [FaultProxy(server, bandwidth=bw).start() for _ in range(args.world)]
+    proxies = [
+        FaultProxy(server, bandwidth=bw, latency=args.latency_ms / 1000).start()
+        for _ in range(args.world)
+    ]
     try:
         urls = [server.url("ckpt", endpoint_url=p.endpoint_url) for p in proxies]
         print(
             f"checkpoint: {_mib(ckpt_bytes)} MiB in {files} data file(s), replicated on {args.world} ranks "
             f"(gloo, 127.0.0.1); http on 127.0.0.1, each rank through its own FaultProxy at "
-            f"{args.rank_bandwidth_mib:g} MiB/s; slow assembly {args.slow_assembly_mib:g} MiB/s; "
+            f"{args.rank_bandwidth_mib:g} MiB/s, {args.latency_ms:g} ms one-way; slow assembly {args.slow_assembly_mib:g} MiB/s; "
             f"torch {torch.__version__}, {os.cpu_count()} CPUs; per-rank columns: MiB on ranks 0/1/2/3"
         )
         header = (
             f"{'setting':<26} {'contender':<31} {'wall s':>7} {'x equal':>7} {'fast s':>7} {'x eq':>5} "
             f"{'slow s':>7} {'x eq':>5} {'read MiB':>9} {'x ckpt':>6}  {'wall s per rank':<23} "
             f"{'read per rank':<23} {'sent per rank':<23} {'received per rank':<23} {'taken over':<23} "
-            f"{'hedged':<23} owed at return"
+            f"{'hedged':<23} {'owed at return':<23} decision, unit KiB, budget wait s per rank"
         )
         print(header)
         print("-" * len(header))
@@ -403,10 +441,15 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
         equal: dict[str, float] = {}
         digests: list[str] | None = None
         summary: list[str] = []
+        runs: dict[tuple[str, str], list[tuple[float, int]]] = {}
         for setting, slow_link, slow_assembly in settings:
             for i, p in enumerate(proxies):
                 p.bandwidth = bw / 4 if i == slow_link else bw
-            for how in args.contenders.split(","):
+            hows = args.contenders.split(",")
+            rounds = [
+                hows[k % len(hows) :] + hows[: k % len(hows)] for k in range(args.rounds)
+            ]  # interleaved, each round starting with the next contender
+            for how in [h for order in rounds for h in order]:
                 res = run_case(
                     f"replicated:{how}",
                     urls,
@@ -435,9 +478,11 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
                     f"{fast / equal[how]:>5.2f} {slow:>7.2f} {slow / equal[how]:>5.2f} {_mib(total):>9} "
                     f"{total / ckpt_bytes:>6.2f}  {walls:<23} {_per_rank(res, 'read'):<23} "
                     f"{_per_rank(res, 'sent'):<23} {_per_rank(res, 'received'):<23} "
-                    f"{_per_rank(res, 'taken_over'):<23} {_per_rank(res, 'hedged'):<23} {_per_rank(res, 'at_return')}",
+                    f"{_per_rank(res, 'taken_over'):<23} {_per_rank(res, 'hedged'):<23} {_per_rank(res, 'at_return'):<23} "
+                    f"{_decision(res)}",
                     flush=True,
                 )
+                runs.setdefault((setting, how), []).append((wall, total))
                 got = [r["digest"] for r in res]
                 if digests is not None and got != digests:
                     raise SystemExit(
@@ -457,6 +502,7 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
         print("every contender loaded identical tensors on every rank in every setting: ok")
         for line in summary:
             print(line)
+        _print_medians(runs, ckpt_bytes, args.rounds)
     finally:
         for p in proxies:
             p.stop()
@@ -517,6 +563,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--latency-ms", type=float, default=0.0, help="http/s3: one-way latency added per request"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="interleaved rounds of every contender (default 1)"
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per case")
     ap.add_argument(
@@ -588,15 +637,27 @@ def main() -> None:
         )
         header = (
             f"{'case':<44} {'total read MiB':>14} {'x ckpt':>7} {'per-rank read MiB':>26} {'max/min':>8} "
-            f"{'recv MiB/rank':>13} {'wall s':>7} {'peak RSS +MiB':>13}"
+            f"{'recv MiB/rank':>13} {'wall s':>7} {'peak RSS +MiB':>13}  decision/unit KiB/budget wait s"
         )
         print(header)
         print("-" * len(header))
         names = {**NAMES, "sharded": "asyncload ShardedLoadPlanner"}
         digests: dict[str, list[str]] = {}
         rows: dict[str, tuple[float, float]] = {}
-        for case in args.cases.split(","):
+        cases = args.cases.split(",")
+        order = [
+            c
+            for k in range(args.rounds)
+            for c in cases[k % len(cases) :] + cases[: k % len(cases)]
+        ]  # interleaved rounds
+        runs: dict[tuple[str, str], list[tuple[float, int]]] = {}
+        for case in order:
             layout, _, how = case.partition(":")
+            if args.store == "local":  # warm: every file read once outside the clock
+                for f in os.listdir(ckpt):
+                    with open(os.path.join(ckpt, f), "rb") as fh:
+                        while fh.read(16 << 20):
+                            pass
             res = run_case(case, url, args.world, args.size_mib, args.timeout, storage_options)
             reads = [r["read"] for r in res]
             total = sum(reads)
@@ -608,15 +669,17 @@ def main() -> None:
             peak = max(r["peak"] for r in res)
             print(
                 f"{label:<44} {_mib(total):>14} {total / ckpt_bytes:>7.2f} {per_rank:>26} {ratio:>8.2f} "
-                f"{_mib(recv):>13} {wall:>7.2f} {_mib(peak):>13}",
+                f"{_mib(recv):>13} {wall:>7.2f} {_mib(peak):>13}  {_decision(res)}",
                 flush=True,
             )
             rows[case] = (total, wall)
+            runs.setdefault((layout, how), []).append((wall, total))
             got = [r["digest"] for r in res]
             if layout in digests and digests[layout] != got:
                 raise SystemExit(f"{case}: loaded tensors differ from the first {layout} case")
             digests.setdefault(layout, got)
         print("every variant loaded identical tensors on every rank: ok")
+        _print_medians(runs, ckpt_bytes, args.rounds)
         for layout in ("replicated", "shard0"):
             base = rows.get(f"{layout}:torch")
             if base is None:

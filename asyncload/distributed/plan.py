@@ -412,7 +412,137 @@ def _advertise(chunks: Sequence[Chunk]) -> list[tuple[int, int] | None]:
     return out
 
 
+def _needs(
+    chunks: Sequence[Chunk], adv: Sequence[tuple[int, int] | None]
+) -> list[tuple[str, int, int]]:
+    """What this rank announces it needs: of each chunk's advertised part (:func:`_advertise`),
+    only the bytes its pieces cover (and the headers between them: :data:`HEADER_GAP`). Gaps a
+    request reads through
+    (the cost model's choice, bounded by ``max_over_read_ratio``) are not needs: a range is
+    shared only among the ranks whose pieces need it, so a rank never receives, nor claims,
+    bytes of keys it did not ask for (and reads no gap another rank needs:
+    :func:`_skip_gaps`)."""
+    return [(c.name, s, e) for c, a in zip(chunks, adv) if a is not None for s, e in _runs(c, *a)]
+
+
+#: Gaps between a chunk's pieces up to this size are needs too: the headers between two
+#: records' data (a torch.save record's zip directory and the next one's local headers: about
+#: 1.5 KiB), which every rank reading both records reads through, are then shared as well.
+HEADER_GAP = 8 << 10
+
+
+def _runs(c: Chunk, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The bytes of ``[lo, hi)`` that chunk ``c``'s pieces cover, as runs of pieces at most
+    :data:`HEADER_GAP` apart."""
+    out: list[list[int]] = []
+    for seg in sorted(c.segments, key=lambda p: p.start):
+        s, e = max(seg.start, lo), min(seg.end, hi)
+        if s >= e:
+            continue
+        if out and s <= out[-1][1] + HEADER_GAP:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _has_gap(c: Chunk, lo: int, hi: int) -> bool:
+    """Whether chunk ``c`` reads bytes of ``[lo, hi)`` that none of its needs cover."""
+    runs = _runs(c, lo, hi)
+    return len(runs) > 1 or (bool(runs) and (runs[0][0] > lo or runs[-1][1] < hi))
+
+
+def _others(needs: Sequence[Any], rank: int, files: set[str]) -> dict[str, tuple[Any, Any]]:
+    """Per file of ``files``: the byte ranges other ranks need (packed or tuples), merged, as
+    sorted arrays of starts and ends."""
+    flat: dict[str, list[Any]] = {}
+    for r, item in enumerate(needs):
+        if r == rank:
+            continue
+        packed = item if isinstance(item, Mapping) else _pack(item)
+        for name, raw in packed.items():
+            if name in files and raw:
+                flat.setdefault(name, []).append(np.frombuffer(raw, dtype="<i8"))
+    out: dict[str, tuple[Any, Any]] = {}
+    for name, parts in flat.items():
+        a = np.concatenate(parts).astype(np.int64).reshape(-1, 2)
+        a = a[np.argsort(a[:, 0], kind="stable")]
+        ends = np.maximum.accumulate(a[:, 1])
+        new = np.concatenate([[True], a[1:, 0] > ends[:-1]])
+        idx = np.flatnonzero(new)
+        out[name] = (a[idx, 0], np.maximum.reduceat(ends, idx))
+    return out
+
+
+def _needed_by_others(others: dict[str, tuple[Any, Any]], name: str, lo: int, hi: int) -> bool:
+    """Whether another rank needs a byte of ``[lo, hi)`` of ``name`` (merged ranges: sorted
+    and disjoint, so the last one starting before ``hi`` is the only candidate)."""
+    got = others.get(name)
+    if got is None:
+        return False
+    starts, ends = got
+    i = int(np.searchsorted(starts, hi))
+    return i > 0 and int(ends[i - 1]) > lo
+
+
+def _skip_gaps(
+    c: Chunk, lo: int, hi: int, parts: list[_Part], others: dict[str, tuple[Any, Any]]
+) -> list[_Part]:
+    """``parts`` with the gaps (bytes no piece of this rank needs) that another rank needs
+    left out of this rank's reads: a byte another rank reads (or shares) is not read here too,
+    so that storage serves every needed byte once."""
+    runs = _runs(c, lo, hi)
+    out: list[_Part] = []
+    for p in parts:
+        if p.kind != "read":
+            out.append(p)
+            continue
+        inside = [(max(s, p.start), min(e, p.end)) for s, e in runs if s < p.end and e > p.start]
+        keep: list[tuple[int, int]] = []
+        pos = cut = p.start
+        for s, e in [*inside, (p.end, p.end)]:
+            # a gap [cut, s) between runs that another rank needs: not read here
+            if s > cut and _needed_by_others(others, c.name, cut, s):
+                if cut > pos:
+                    keep.append((pos, cut))
+                pos = s
+            cut = max(cut, e)
+        if p.end > pos:
+            keep.append((pos, p.end))
+        out.extend(_Part(a, b, "read") for a, b in keep)
+    return out
+
+
 def _parts_for(
+    chunks: Sequence[Chunk],
+    adv: Sequence[tuple[int, int] | None],
+    transfers: Sequence[Transfer],
+    rank: int,
+    needs: Sequence[Any] | None = None,
+) -> list[list[_Part] | None]:
+    """Split each chunk into parts by source; None for a chunk this rank reads whole.
+    ``needs``: every rank's (as all-gathered): gaps a chunk would read through that another
+    rank needs are left out of this rank's reads (:func:`_skip_gaps`)."""
+    out = _split_parts(chunks, adv, transfers, rank)
+    # only chunks that read through a gap are looked at (none in most loads: no extra sweep)
+    gappy = [
+        (i, a) for i, (c, a) in enumerate(zip(chunks, adv)) if a is not None and _has_gap(c, *a)
+    ]
+    if needs is None or not gappy:
+        return out
+    others = _others(needs, rank, {chunks[i].name for i, _ in gappy})
+    for i, (lo, hi) in gappy:
+        c = chunks[i]
+        parts = out[i] or [_Part(c.start, c.end, "read")]
+        skipped = _skip_gaps(c, lo, hi, parts, others)
+        if [(p.start, p.end, p.kind) for p in skipped] != [
+            (p.start, p.end, p.kind) for p in parts
+        ]:
+            out[i] = skipped
+    return out
+
+
+def _split_parts(
     chunks: Sequence[Chunk],
     adv: Sequence[tuple[int, int] | None],
     transfers: Sequence[Transfer],

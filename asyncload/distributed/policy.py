@@ -11,12 +11,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncload._errors import AsyncLoadError
+from asyncload._latency import percentile
 from asyncload._options import HedgePolicy, LoadOptions
+from asyncload.engine.cost import (
+    LOCAL_BANDWIDTH,
+    LOCAL_REQUEST_SECONDS,
+    REMOTE_BANDWIDTH,
+    REMOTE_REQUEST_SECONDS,
+)
 
-__all__ = ["UNIT_SIZE", "PlanFn", "SharingPolicy", "sharing_policy"]
+__all__ = [
+    "SHARING_MODES",
+    "UNIT_SIZE",
+    "PlanFn",
+    "RankEstimate",
+    "SharingDecision",
+    "SharingPolicy",
+    "decide_sharing",
+    "sharing_policy",
+]
 
-#: Default size of a work unit of adaptive sharing (``ShardedLoadPlanner(unit_size=...)``).
+#: The smallest work unit of adaptive sharing chosen by default
+#: (``ShardedLoadPlanner(unit_size=...)`` given explicitly is kept as it is).
 UNIT_SIZE = 256 << 10
+#: ``ShardedLoadPlanner(sharing=...)``: decide from the cost model, always share, never share.
+SHARING_MODES = ("auto", "always", "never")
 
 #: A ``plan_transfers`` override: all ranks' needs -> (transfers, bytes each rank reads).
 PlanFn = Callable[[Sequence[Sequence[tuple[str, int, int]]]], tuple[list[Any], list[int]]]
@@ -33,7 +52,8 @@ class SharingPolicy:
     ordered: bool
     #: Units claimed as ranks get to them (else the static plan, owners fixed before reading).
     adaptive: bool
-    #: ``unit_size`` as given (None: :meth:`unit_for` derives it from the chunk size).
+    #: ``unit_size`` as given (None: :func:`decide_sharing` derives it from the measured
+    #: latency and rate).
     unit_size: int | None
     #: Returning before the peers (adaptive sharing, ``wait_for_peers=False``, CPU transport):
     #: sends from private copies that may outlive the load (``BackgroundSends``).
@@ -50,11 +70,9 @@ class SharingPolicy:
     #: Bytes of send copies allowed at once (the memory plan's ``sends`` share: one
     #: ``memory_budget``).
     send_budget: int
-
-    def unit_for(self, chunk_size: int) -> int:
-        """The work unit for reads of at most ``chunk_size`` bytes (the pipeline's, which CUDA
-        staging may make smaller than the options')."""
-        return self.unit_size or min(UNIT_SIZE, chunk_size)
+    #: ``ShardedLoadPlanner(sharing=...)``: ``"auto"`` (:func:`decide_sharing`'s cost model),
+    #: ``"always"`` or ``"never"``.
+    sharing: str = "auto"
 
 
 def sharing_policy(
@@ -68,6 +86,7 @@ def sharing_policy(
     collective_timeout: float | None,
     custom_plan: PlanFn | None = None,
     send_budget: int | None = None,
+    sharing: str = "auto",
 ) -> SharingPolicy:
     """The one place a sharded load's knobs are resolved (see ``ShardedLoadPlanner``).
 
@@ -92,4 +111,174 @@ def sharing_policy(
         hedge=dataclasses.replace(options.hedge_policy, derived=False),
         claim_slots=max(2, min(16, options.initial_concurrency // 2)),
         send_budget=options.memory_budget if send_budget is None else send_budget,
+        sharing=sharing,
     )
+
+
+# --- whether sharing pays, and the work unit: the cost model ----------------------------------
+
+#: Bytes per second a rank receives over the process group's transport (gloo on the loopback of
+#: a 2-core host: 1.0-1.2 GiB/s for messages of 4-16 MiB, 0.45 GiB/s for 256 KiB; about the same
+#: as a 10 GbE link). docs/distributed.md ("when sharing pays").
+TRANSPORT_RATE = 1 << 30
+#: Bytes per second one rank reads from its storage, as the model assumes: a local file (warm
+#: page cache: 4-10 GiB/s measured here) and an object store (four streams at the engine's
+#: assumed per-stream rate, :data:`asyncload.engine.cost.REMOTE_BANDWIDTH`).
+LOCAL_RATE = LOCAL_BANDWIDTH
+REMOTE_RATE = 4 * REMOTE_BANDWIDTH
+#: Sharing is chosen when the model says it takes less than the reads alone divided by this
+#: (it costs two collectives per phase, a claim per unit and the copies of the sends).
+SHARE_MARGIN = 1.25
+#: A work unit carries this many times the bytes one request's latency costs at the stream's
+#: rate (the engine's break-even gap, :func:`asyncload.engine.plan.break_even_gap`), so that
+#: the latency of a unit's own request costs at most a fifth of its time ...
+UNIT_LATENCIES = 4
+#: ... and is no larger than a share of this many units per rank, so that ranks of different
+#: speeds can still even out.
+MIN_UNITS_PER_RANK = 8
+#: ``sharing="auto"``: a read phase whose largest need is smaller is read by every rank alone
+#: (record headers: a few KiB a record): the bytes saved cost less than its claims' round trips.
+MIN_SHARED_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """What one rank tells the others before a read phase (all-gathered with its needs): its
+    storage's kind, the latency and per-stream rate measured so far (None: not yet), and the
+    bytes it needs in the phase. Every rank decides from the same gathered estimates."""
+
+    remote: bool
+    latency: float | None
+    stream_rate: float | None
+    need: int
+
+    @classmethod
+    def measure(cls, storage: Any, need: int) -> RankEstimate:
+        """This rank's estimate: ``storage`` is the load's ``RetryingStorage`` (its clock)."""
+        clock = getattr(storage, "clock", None)
+        latency = rate = None
+        if clock is not None:
+            latency = clock.first_byte_time(0.5)
+            rate = percentile(sorted(clock.stream_rates), 0.5)
+        return cls(bool(getattr(storage, "hedgeable", False)), latency, rate, need)
+
+
+@dataclass(frozen=True)
+class SharingDecision:
+    """What a read phase does (:func:`decide_sharing`): share or read, the work unit (0: the
+    load shares, but this phase is read by every rank alone), and why
+    (``LoadStats.sharing_decision``, ``sharing_reason``, ``sharing_unit_size``)."""
+
+    share: bool
+    unit_size: int
+    #: What this phase does and why (``LoadStats.sharing_reason``) ...
+    reason: str
+    #: ... and why the load shares or reads (carried to the next phase).
+    why: str
+
+
+def _rate_of(e: RankEstimate) -> float:
+    return REMOTE_RATE if e.remote else LOCAL_RATE
+
+
+def decide_sharing(
+    policy: SharingPolicy,
+    estimates: Sequence[RankEstimate],
+    chunk_size: int,
+    *,
+    share: bool | None = None,
+    why: str = "",
+) -> SharingDecision:
+    """Whether sharing pays, and the work unit, from every rank's :class:`RankEstimate`
+    (the same on every rank: pure). ``share``: already decided (by an earlier phase, for
+    the reason ``why``); a first phase where no rank needs a byte leaves the decision to the
+    next (its ``why`` is empty).
+
+    The model: ``N`` the most bytes a rank needs, ``W`` ranks, ``S`` a rank's storage rate
+    (:data:`LOCAL_RATE`, :data:`REMOTE_RATE`), ``G`` the transport's (:data:`TRANSPORT_RATE`).
+    Reading alone takes ``N / S``; sharing at worst (every byte shared) ``N / (W S) + N (W - 1)
+    / (W G)``. Sharing is chosen when it is :data:`SHARE_MARGIN` times faster: an object store
+    (256 MiB/s a rank) shares, a local disk (4 GiB/s, faster than gloo) reads.
+
+    The unit (adaptive sharing, ``unit_size`` not given): :data:`UNIT_LATENCIES` x the latency
+    (the slowest rank's median first byte) x the per-stream rate (the ranks' median), both
+    measured where known, else the engine's assumptions for the storage kind; at least
+    :data:`UNIT_SIZE`, at most ``chunk_size`` and ``N / (W x MIN_UNITS_PER_RANK)``. With
+    ``"auto"``, a phase under :data:`MIN_SHARED_BYTES` a rank is read alone (unit 0)."""
+    world = max(1, len(estimates))
+    need = max((e.need for e in estimates), default=0)
+    unit, unit_why = _unit(policy, estimates, chunk_size, need, world)
+    read_s = max((e.need / _rate_of(e) for e in estimates), default=0.0)
+    share_s = (
+        max(
+            (e.need / world / _rate_of(e) + e.need * (world - 1) / world / TRANSPORT_RATE)
+            for e in estimates
+        )
+        if estimates
+        else 0.0
+    )
+    kinds = sorted({"object store" if e.remote else "local file" for e in estimates})
+    model = (
+        f"{' and '.join(kinds)} at {_fmt_rate(min(map(_rate_of, estimates), default=LOCAL_RATE))}"
+        f" a rank, the process group at {_fmt_rate(TRANSPORT_RATE)}: reading alone "
+        f"{read_s:.3f} s, sharing {share_s:.3f} s (modelled)"
+    )
+    if share is None and not need:  # nothing to read: the next phase decides
+        return SharingDecision(True, 0, "share: nothing to read in this phase", "")
+    if share is not None:
+        why = why or "decided before the first read phase"
+    elif policy.sharing != "auto":
+        share, why = policy.sharing == "always", f"ShardedLoadPlanner(sharing={policy.sharing!r})"
+    elif policy.custom_plan is not None:
+        share, why = True, "plan_transfers is overridden"
+    else:
+        share = share_s * SHARE_MARGIN < read_s
+        why = model
+    if not share:
+        return SharingDecision(False, unit, f"read: {why}", why)
+    if policy.sharing == "auto" and policy.custom_plan is None and need < MIN_SHARED_BYTES:
+        # this phase only: the load still shares (a later phase decides again)
+        return SharingDecision(
+            True,
+            0,
+            f"share, but not this phase: at most {need} bytes a rank, under {MIN_SHARED_BYTES}",
+            why,
+        )
+    return SharingDecision(True, unit, f"share: {why}; {unit_why}", why)
+
+
+def _unit(
+    policy: SharingPolicy,
+    estimates: Sequence[RankEstimate],
+    chunk_size: int,
+    need: int,
+    world: int,
+) -> tuple[int, str]:
+    if policy.unit_size is not None:
+        return policy.unit_size, f"unit {policy.unit_size} bytes (given)"
+    if not policy.adaptive:
+        return min(UNIT_SIZE, chunk_size), "static plan"
+    remote = any(e.remote for e in estimates)
+    latencies = [e.latency for e in estimates if e.latency is not None]
+    rates = sorted(e.stream_rate for e in estimates if e.stream_rate is not None)
+    latency = (
+        max(latencies)
+        if latencies
+        else REMOTE_REQUEST_SECONDS
+        if remote
+        else LOCAL_REQUEST_SECONDS
+    )
+    rate = rates[len(rates) // 2] if rates else REMOTE_BANDWIDTH if remote else LOCAL_BANDWIDTH
+    model = int(UNIT_LATENCIES * latency * rate)
+    cap = need // (world * MIN_UNITS_PER_RANK)
+    unit = min(chunk_size, max(UNIT_SIZE, min(model, cap)))
+    unit = max(1, unit - unit % 4096 if unit > 4096 else unit)
+    return unit, (
+        f"unit {unit} bytes ({UNIT_LATENCIES} x {latency * 1e3:.1f} ms x {_fmt_rate(rate)}"
+        f"{', measured' if latencies else ', assumed'}; at most {MIN_UNITS_PER_RANK} units "
+        f"a rank's share, {UNIT_SIZE} to chunk_size {chunk_size})"
+    )
+
+
+def _fmt_rate(rate: float) -> str:
+    return f"{rate / (1 << 30):.2f} GiB/s" if rate >= 1 << 30 else f"{rate / (1 << 20):.0f} MiB/s"

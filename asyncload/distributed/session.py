@@ -53,13 +53,20 @@ from asyncload.distributed.nodes import node_layout, run_node_phase
 from asyncload.distributed.plan import (
     _advertise,
     _check_transfers,
+    _needs,
     _pack,
     _parts_for,
     _rank_plan,
     _unpack,
     split_units,
 )
-from asyncload.distributed.policy import PlanFn, SharingPolicy, sharing_policy
+from asyncload.distributed.policy import (
+    PlanFn,
+    RankEstimate,
+    SharingPolicy,
+    decide_sharing,
+    sharing_policy,
+)
 from asyncload.distributed.sends import BackgroundSends
 from asyncload.distributed.shared import _SharedPipeline
 from asyncload.distributed.transport import _nullcontext, _Transport, _transport_kind
@@ -88,6 +95,7 @@ def open_share(
     wait_for_peers: bool,
     custom_plan: PlanFn | None,
     node_id: str | None = None,
+    sharing: str = "auto",
 ) -> _ShareSession | None:
     """A share session that takes over this rank's reads of ``load_session``, or None when
     there is nobody to share with (no process group, or a group of one). The group is
@@ -113,6 +121,7 @@ def open_share(
         collective_timeout=collective_timeout,
         custom_plan=custom_plan,
         send_budget=load_session.config.memory.sends,
+        sharing=sharing,
     )
     share = _ShareSession(group, monitor, policy, load_session)
     share.node_id = socket.gethostname() if node_id is None else str(node_id)
@@ -152,6 +161,10 @@ class _ShareSession:
         self._identity: dict[str, str] | None = None
         #: This rank's node (node-aware sharing, :mod:`asyncload.distributed.nodes`).
         self.node_id = ""
+        #: Whether this load shares (decided by every rank alike before its first read phase:
+        #: :func:`decide_sharing`); None before.
+        self.sharing: bool | None = None
+        self._why = ""
 
     def fail(self, exc: BaseException) -> None:
         """read_data failed on this rank: tell the others."""
@@ -174,13 +187,18 @@ class _ShareSession:
         phase = self.phase
         self.phase += 1
         what = "record headers and small records" if phase == 0 else "tensor data"
+        if self.sharing is False:  # every rank decided to read its own bytes: no exchange
+            await _run_watched(pipeline.run(chunks), self.monitor)
+            return
         mine = sorted(chunks, key=lambda c: (c.name, c.start))
         adv = _advertise(mine)
-        needs = [(c.name, a[0], a[1]) for c, a in zip(mine, adv) if a is not None]
+        needs = _needs(mine, adv)
+        estimate = RankEstimate.measure(pipeline.storage, sum(e - s for _, s, e in needs))
         payload = (
             self.identity(n for n, _, _ in needs),
             _pack(needs),
             self.sends is not None,
+            estimate,
             (self.node_id, secrets.token_hex(8)),
         )
         t0 = time.monotonic()
@@ -204,13 +222,32 @@ class _ShareSession:
         _check_same_ending([g[2] for g in gathered])
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
         policy = self.policy
-        unit = policy.unit_for(pipeline.options.effective_chunk_size)
-        nodes = node_layout([g[3][0] for g in gathered])
+        decision = decide_sharing(
+            policy,
+            [g[3] for g in gathered],
+            pipeline.options.effective_chunk_size,
+            share=self.sharing,
+            why=self._why,
+        )
+        if decision.why:  # decided (else: nothing to read yet, the next phase decides)
+            self.sharing, self._why = decision.share, decision.why
+        pipeline.stats.set(
+            sharing_decision="share" if decision.share else "read",
+            sharing_reason=decision.reason,
+            sharing_unit_size=decision.unit_size if decision.share and policy.adaptive else 0,
+        )
+        if not decision.share or not decision.unit_size:  # read alone (the load, or this phase)
+            log.debug("rank %d, %s: %s", self.rank, what, decision.reason)
+            self._set_doing(f"reading {what}")
+            await _run_watched(pipeline.run(chunks), self.monitor)
+            return
+        unit = decision.unit_size
+        nodes = node_layout([g[4][0] for g in gathered])
         if nodes is not None and policy.custom_plan is None and policy.transport == "thread":
             # several nodes: every byte enters each node once, handed over inside it through
             # shared memory
             self._set_doing(f"reading and sharing {what} between nodes")
-            token = gathered[0][3][1]
+            token = gathered[0][4][1]
             await _run_watched(
                 run_node_phase(
                     self,
@@ -245,7 +282,7 @@ class _ShareSession:
         shared: _SharedPipeline
         if policy.adaptive:
             keys = _unit_keys(items, self.rank)
-            parts = _parts_for(mine, adv, items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank, [g[1] for g in gathered])
             by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
             # own planned units first, then chunks only this rank reads, then the others' units
             rank_of = {
@@ -259,7 +296,7 @@ class _ShareSession:
             shared = _AdaptivePipeline(pipeline, self, by_id, tag_base, len(mine), claims, policy)
         else:
             self.transport.set_order(items, self.rank)
-            parts = _parts_for(mine, adv, items, self.rank)
+            parts = _parts_for(mine, adv, items, self.rank, [g[1] for g in gathered])
             by_id = {id(c): p for c, p in zip(mine, parts) if p is not None}
             shared = _SharedPipeline(pipeline, self, by_id, tag_base, len(mine))
         t1 = time.monotonic()

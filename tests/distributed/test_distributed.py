@@ -153,13 +153,13 @@ def _make_planner(kind: str, **kw: Any) -> Any:
     if kind == "rank0":
         return Rank0ReadsEverything(**kw)
     if kind == "sharded":
-        return ShardedLoadPlanner(**kw)
+        return ShardedLoadPlanner(sharing="always", **kw)
     if kind == "sharded-ordered":
-        return ShardedLoadPlanner(ordered=True, **kw)
+        return ShardedLoadPlanner(sharing="always", ordered=True, **kw)
     if kind == "sharded-static":
-        return ShardedLoadPlanner(adaptive=False, **kw)
+        return ShardedLoadPlanner(sharing="always", adaptive=False, **kw)
     if kind == "sharded-wait":
-        return ShardedLoadPlanner(wait_for_peers=True, **kw)
+        return ShardedLoadPlanner(sharing="always", wait_for_peers=True, **kw)
     return PipelinedLoadPlanner(**kw)
 
 
@@ -472,7 +472,11 @@ def w_load_in_subgroups(rank: int, world: int, path: str, options: LoadOptions) 
     full = big_model()
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     stats = asyncload.load(
-        sd, path, options=options, planner=ShardedLoadPlanner(), process_group=group
+        sd,
+        path,
+        options=options,
+        planner=ShardedLoadPlanner(sharing="always"),
+        process_group=group,
     )
     return {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats)}
 
@@ -849,7 +853,7 @@ def w_bad_destination(rank: int, world: int, path: str, bad_rank: int, what: str
         sd["layers.3.w"] = torch.zeros(256, 255)
     if rank == bad_rank and what == "path":
         path = path + "-missing"
-    asyncload.load(sd, path, planner=ShardedLoadPlanner(collective_timeout=10))
+    asyncload.load(sd, path, planner=ShardedLoadPlanner(sharing="always", collective_timeout=10))
 
 
 @pytest.mark.parametrize(

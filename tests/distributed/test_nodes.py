@@ -50,6 +50,7 @@ def w_nodes(rank: int, world: int, url: str, ranks_per_node: int, adaptive: bool
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     planner = ShardedLoadPlanner(
         node_id=f"node{rank // ranks_per_node}",
+        sharing="always",  # local disk: the cost model would read, not share
         adaptive=adaptive,
         wait_for_peers=True,
         unit_size=16 * KiB,  # blocks of 64 KiB: the planned split within 5 % of half
@@ -115,7 +116,7 @@ def w_partial(rank: int, world: int, url: str) -> Any:
     keys = sorted(full)
     mine = keys[: len(keys) // 2] if rank == 1 else keys[len(keys) // 4 :]
     sd = {k: torch.zeros_like(full[k]) for k in mine}
-    planner = ShardedLoadPlanner(node_id="a" if rank < 2 else "b")
+    planner = ShardedLoadPlanner(node_id="a" if rank < 2 else "b", sharing="always")
     stats = asyncload.load(sd, url, options=OPTIONS, planner=planner, allow_partial_load=True)
     ShardedLoadPlanner.wait_for_background_sends(30)
     return {

@@ -268,7 +268,10 @@ def w_load_pairs(
     full = pair_model(rank // 2)
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     stats = asyncload.load(
-        sd, path, options=options, planner=ShardedLoadPlanner(adaptive=adaptive, unit_size=8 * KiB)
+        sd,
+        path,
+        options=options,
+        planner=ShardedLoadPlanner(sharing="always", adaptive=adaptive, unit_size=8 * KiB),
     )
     return {"bad": [k for k in full if not same_bits(sd[k], full[k])], "stats": stats_dict(stats)}
 

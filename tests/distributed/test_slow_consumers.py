@@ -102,7 +102,9 @@ def w_slow_consumer(
                     [Path(flags) / f"returned-{n}-{r}" for r in others], CUT_OFF
                 )
 
-        planner = (_LeaveOutTheSlowRank if leave_out else ShardedLoadPlanner)(unit_size=16 * KiB)
+        planner = (_LeaveOutTheSlowRank if leave_out else ShardedLoadPlanner)(
+            unit_size=16 * KiB, sharing="always"
+        )
         stats = asyncload.load(sd, path, options=options, planner=planner, progress=progress)
         bad = [k for k in full if not same_bits(sd[k], full[k])]
         bg = planner.background_sends
@@ -247,7 +249,7 @@ def w_wait_for_peers(
         if rank == SLOW and "saw" not in seen and done >= total // 4:
             seen["saw"] = _wait_for(others, 3.0)
 
-    planner = ShardedLoadPlanner(unit_size=16 * KiB, wait_for_peers=True)
+    planner = ShardedLoadPlanner(sharing="always", unit_size=16 * KiB, wait_for_peers=True)
     asyncload.load(sd, path, options=options, planner=planner, progress=progress)
     if rank != SLOW:
         (Path(flags) / f"waited-{rank}").touch()
@@ -272,7 +274,9 @@ def w_dcp_slow(rank: int, world: int, path: str, options: LoadOptions) -> list[s
     reader = asyncload.PipelinedReader(path, options=options)
     if rank == SLOW:
         reader.progress = lambda done, total: time.sleep(0.01)
-    dcp.load(sd, storage_reader=reader, planner=ShardedLoadPlanner(unit_size=16 * KiB))
+    dcp.load(
+        sd, storage_reader=reader, planner=ShardedLoadPlanner(sharing="always", unit_size=16 * KiB)
+    )
     return [k for k in full if not same_bits(sd[k], full[k])]
 
 
@@ -320,7 +324,12 @@ def _check_behind(sends: BackgroundSends) -> None:
 
 def w_mixed(rank: int, world: int, path: str) -> None:
     sd = {k: torch.zeros_like(v) for k, v in big_model().items()}
-    asyncload.load(sd, path, options=OPTIONS, planner=ShardedLoadPlanner(wait_for_peers=rank == 3))
+    asyncload.load(
+        sd,
+        path,
+        options=OPTIONS,
+        planner=ShardedLoadPlanner(sharing="always", wait_for_peers=rank == 3),
+    )
 
 
 def test_ranks_that_disagree_on_wait_for_peers(tmp_path: Path) -> None:

@@ -260,7 +260,9 @@ def _rank_tied(rank: int, world: int, checkpoints: list[str]) -> list[dict[str, 
     for path in checkpoints:
         shared = torch.zeros(16, 8, dtype=torch.bfloat16)
         dest = {"embed": shared, "head": shared, "w": torch.zeros(8, 4)}
-        stats = asyncload.load(dest, path, planner=ShardedLoadPlanner(options=SMALL))
+        stats = asyncload.load(
+            dest, path, planner=ShardedLoadPlanner(options=SMALL, sharing="always")
+        )
         # raw bytes, not tensors: tensors would travel as shared memory the exiting rank takes along
         out.append(
             {
