@@ -180,7 +180,7 @@ class LoadOptions:
     #: ``object_store``), ``"fsspec"`` (s3fs, gcsfs, aiohttp), or ``"auto"``: obstore when it
     #: is installed and every ``storage_options`` entry maps onto it, else fsspec
     #: (docs/remote.md#transport). Other protocols always use fsspec.
-    transport: Literal["auto", "obstore", "fsspec"] = "auto"
+    transport: Literal["auto", "obstore", "fsspec", "wire"] = "auto"
     #: The most bytes a load reads per byte its destinations need, with ``verify=False``
     #: (header probes and gaps read through included): a rank that needs a slice of each
     #: saved tensor reads gaps only while they fit this bound, cheapest first, and only those
@@ -271,8 +271,8 @@ class LoadOptions:
             isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1 or math.isinf(r)
         ):
             bad("max_over_read_ratio", r, "expected a finite number >= 1 or None (no bound)")
-        if self.transport not in ("auto", "obstore", "fsspec"):
-            bad("transport", self.transport, 'expected "auto", "obstore" or "fsspec"')
+        if self.transport not in ("auto", "obstore", "fsspec", "wire"):
+            bad("transport", self.transport, 'expected "auto", "obstore", "fsspec" or "wire"')
         object.__setattr__(self, "safe_globals", _check_safe_globals(self.safe_globals))
         for name in (
             "verify",

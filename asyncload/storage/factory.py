@@ -78,7 +78,17 @@ def open_storage(
     protocol = s.split("://", 1)[0]
     options = storage_options or {}
     made = None
-    if transport != "fsspec":
+    if transport == "wire":
+        made = _wire_storage(s, protocol, options, executor, max_listing_size)
+        if isinstance(made, Storage):
+            return made
+        if made is not None:
+            raise StorageReadError(
+                f"{redact_url(s)} cannot be read with LoadOptions.transport='wire': {made} "
+                "(use transport='obstore' or 'fsspec', or 'auto' to choose by itself)",
+                path=redact_url(s),
+            )
+    elif transport != "fsspec":
         made = _obstore_storage(s, protocol, options, executor, max_listing_size)
     if isinstance(made, Storage):
         return made
@@ -125,6 +135,33 @@ def _obstore_storage(
         return _fsspec_storage(url, urlsplit(url).scheme, options, executor, max_listing_size)
 
     return ObstoreStorage(url, spec, lister=lister)
+
+
+def _wire_storage(
+    url: str,
+    protocol: str,
+    options: Mapping[str, Any],
+    executor: concurrent.futures.Executor,
+    max_listing_size: int | None,
+) -> Storage | str | None:
+    """The wire transport's store for ``url``; why it cannot serve it (an option or a source
+    of credentials it does not handle); or ``None`` for a protocol it is not used for. Its
+    HTTP directory listings go through fsspec."""
+    from asyncload.storage.obstore_plan import OBSTORE_PROTOCOLS, Unmappable
+
+    if protocol.lower() not in OBSTORE_PROTOCOLS:
+        return None
+    from asyncload.storage.wire import WireStorage, plan_wire
+
+    try:
+        spec = plan_wire(url, options)
+    except Unmappable as exc:
+        return str(exc)
+
+    def lister() -> Storage:
+        return _fsspec_storage(url, urlsplit(url).scheme, options, executor, max_listing_size)
+
+    return WireStorage(url, spec, lister=lister, max_listing_size=max_listing_size)
 
 
 def _fsspec_storage(

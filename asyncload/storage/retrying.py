@@ -353,6 +353,10 @@ class RetryingStorage:
         return self.raw.supports_readinto
 
     @property
+    def receives_into(self) -> bool:
+        return self.raw.receives_into
+
+    @property
     def hedgeable(self) -> bool:
         return self.raw.hedgeable
 
