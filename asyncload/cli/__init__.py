@@ -143,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--transport",
-        choices=("auto", "obstore", "fsspec"),
+        choices=("auto", "obstore", "fsspec", "wire"),
         help="client for s3://, gs://, http(s):// (auto: obstore where the options map, else "
         "fsspec)",
     )

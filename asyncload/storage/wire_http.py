@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import ssl as _ssl
 from collections.abc import Sequence
 
@@ -428,18 +429,20 @@ class Pool:
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(
-            Connection,
-            self.host,
-            self.port,
-            ssl=self.ssl,
-            server_hostname=self.host if self.ssl is not None else None,
-        )
+        try:
+            _, conn = await loop.create_connection(
+                Connection,
+                self.host,
+                self.port,
+                ssl=self.ssl,
+                server_hostname=self.host if self.ssl is not None else None,
+            )
+        except (ConnectionRefusedError, socket.gaierror) as exc:  # named with the endpoint
+            where = f"{self.scheme}://{self.host_header}"
+            raise type(exc)(exc.errno, f"could not connect to {where} ({exc.strerror})") from exc
         self.opened += 1
         sock = conn.transport.get_extra_info("socket") if conn.transport else None
         if sock is not None:
-            import socket
-
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
@@ -461,32 +464,30 @@ class Pool:
     async def request(
         self, method: str, target: str, headers: dict[str, str], url: str
     ) -> Response:
-        """Send ``method target`` with ``headers`` and wait for the answer's head. A
-        connection from the pool that turns out closed before any answer (a keep-alive
-        timeout of the server) is replaced by a new one once."""
+        """Send ``method target`` with ``headers`` on an idle connection (one the server has
+        closed is dropped) or a new one, and wait for the answer's head."""
         if self._closed:
             raise ConnectionError("the connection pool is closed")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host_header}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        while True:
-            reused = bool(self._idle)
-            conn = self._idle.pop() if reused else await self._connect()
-            try:
-                conn.send(data)
-                status, reason, head = await conn.read_head()
-            except asyncio.CancelledError:
+        conn = None
+        while self._idle and conn is None:  # one the server closed while idle is dropped
+            conn = self._idle.pop()
+            if conn.closed:
                 conn.abort()
-                raise
-            except (ConnectionError, OSError):
-                conn.abort()
-                if reused and not conn._inbox:
-                    continue  # a stale keep-alive connection: try a fresh one
-                raise
-            except BaseException:
-                conn.abort()
-                raise
-            return Response(self, conn, method, status, reason, head, url)
+                conn = None
+        if conn is None:
+            conn = await self._connect()
+        try:
+            conn.send(data)
+            status, reason, head = await conn.read_head()
+        except BaseException:
+            # a reset or cancel, even of a reused connection: asyncload's retry policy is the
+            # only one (nothing is re-sent here)
+            conn.abort()
+            raise
+        return Response(self, conn, method, status, reason, head, url)
 
     async def aclose(self) -> None:
         self._closed = True
