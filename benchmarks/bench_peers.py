@@ -63,6 +63,10 @@ CONTENDERS: dict[str, tuple[set[str], str | None]] = {
         {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
         "asyncload",
     ),
+    "asyncload_obstore": (
+        {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
+        "asyncload",
+    ),
     #: asyncload imported from ``--baseline`` (another tree: a before/after in the same run)
     "asyncload_baseline": (
         {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
@@ -82,6 +86,7 @@ LEGEND = {
     "asyncload": "asyncload.load",
     "asyncload_fsspec": 'asyncload.load, transport="fsspec"',
     "asyncload_wire": 'asyncload.load, transport="wire"',
+    "asyncload_obstore": 'asyncload.load, transport="obstore"',
     "asyncload_baseline": "asyncload.load (baseline tree)",
     "s3torchconnector": "s3torchconnector DCP reader",
     "torch_fsspec": "torch dcp.load + FsspecReader",
@@ -309,6 +314,8 @@ def main() -> None:
                             cfg["options"] = {"transport": "fsspec"}
                         if c == "asyncload_wire":
                             cfg["options"] = {"transport": "wire"}
+                        if c == "asyncload_obstore":
+                            cfg["options"] = {"transport": "obstore"}
                         pythonpath = args.baseline if c == "asyncload_baseline" else None
                         results.setdefault((layout, c), []).append(
                             run_child(cfg, args.timeout, pythonpath) or {}

@@ -270,3 +270,24 @@ def test_wire_refuses_what_it_cannot_sign(tmp_path, monkeypatch):
     assert LoadOptions(transport="wire").transport == "wire"
     with pytest.raises(ValueError, match="wire"):
         LoadOptions(transport="curl")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["wire", "obstore"])
+def test_time_to_first_byte_is_reported(request, bucket_name, fault_proxy, tmp_path, transport):
+    """``LoadStats.time_to_first_byte``: from the call to the first data byte, after the
+    ``.metadata`` round trips (the proxy adds 20 ms to each) and before the load ends."""
+    import torch.distributed.checkpoint as dcp
+
+    import asyncload
+
+    sd = {
+        f"w{i}": torch.randn(64, 33, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    }
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    r = make_remote(request, "s3", tmp_path / "ckpt", bucket_name, fault_proxy, latency=0.01)
+    dest = {k: torch.zeros_like(v) for k, v in sd.items()}
+    stats = asyncload.load(
+        dest, r.url, options=LoadOptions(transport=transport), storage_options=r.storage_options
+    )
+    assert all(torch.equal(dest[k], sd[k]) for k in sd)
+    assert 0.02 <= stats.time_to_first_byte <= stats.seconds, stats
