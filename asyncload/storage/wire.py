@@ -108,11 +108,10 @@ class WireSpec:
         return f"{base}/{self.bucket}?{query}"
 
     def ssl_context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cadata=self.cadata) if self.cadata else None
-        if ctx is None:
-            ctx = ssl.create_default_context()
-            if self.cadata is None and os.environ.get("SSL_CERT_FILE"):
-                ctx.load_verify_locations(os.environ["SSL_CERT_FILE"])
+        """The system's roots (``SSL_CERT_FILE`` honoured), plus the CA bundle given."""
+        ctx = ssl.create_default_context()
+        if self.cadata:
+            ctx.load_verify_locations(cadata=self.cadata)
         if not self.verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
@@ -125,7 +124,7 @@ def plan_wire(url: str, storage_options: Mapping[str, Any]) -> WireSpec:
     Raised: :class:`asyncload.storage.obstore_plan.Unmappable` naming what it cannot honour."""
     from asyncload.storage.obstore_plan import Unmappable, plan_store
 
-    spec = plan_store(url, storage_options)
+    spec = plan_store(url, storage_options, for_obstore=False)
     client = spec.client_options
     cadata = client.get("root_certificate")
     verify = not client.get("allow_invalid_certificates", False)
