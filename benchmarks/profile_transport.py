@@ -1,4 +1,4 @@
-"""Where the CPU of a remote load goes, per transport: one ``asyncload.load`` of a DCP
+"""Where the CPU of a remote load goes, per transport: one ``asyncload.aload`` (on this thread's loop, so that the profile sees it) of a DCP
 checkpoint (one file, ``--size-mib``) from s3rver on loopback, under cProfile, in a fresh
 process per transport (imports and a touched destination before the profile); prints CPU
 seconds per GiB (``/proc/self/stat`` user + system of the process, all threads) and the
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CHILD = r"""
-import cProfile, io, json, os, pstats, sys, time
+import asyncio, cProfile, io, json, os, pstats, sys, time
 import torch
 import asyncload
 cfg = json.loads(sys.argv[1])
@@ -36,7 +36,7 @@ opts = asyncload.LoadOptions(transport=cfg["transport"])
 prof = cProfile.Profile()
 c0, t0 = cpu(), time.perf_counter()
 prof.enable()
-asyncload.load(dest, cfg["url"], options=opts, storage_options=cfg["so"])
+asyncio.run(asyncload.aload(dest, cfg["url"], options=opts, storage_options=cfg["so"]))
 prof.disable()
 wall, used = time.perf_counter() - t0, cpu() - c0
 gib = sum(t.numel() * t.element_size() for t in dest.values()) / (1 << 30)

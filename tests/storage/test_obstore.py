@@ -406,6 +406,7 @@ async def test_sizes_in_one_listing_pin_versions(
         f"{server.protocol}://{bucket_name}/ckpt",
         server.storage_options(proxy.endpoint_url),
         executor,
+        transport="obstore",
     )
     try:
         assert await raw.sizes([*names, "missing"]) == {n: i + 1 for i, n in enumerate(names)}
@@ -437,6 +438,7 @@ async def test_a_size_asked_while_the_listing_is_out_takes_the_first_answer(
         f"{server.protocol}://{bucket_name}/ckpt",
         server.storage_options(proxy.endpoint_url),
         executor,
+        transport="obstore",
     )
     assert isinstance(raw, ObstoreStorage)
     try:
@@ -473,6 +475,7 @@ async def test_a_size_asked_while_the_listing_is_stalled_is_the_heads_answer(
         f"{server.protocol}://{bucket_name}/ckpt",
         server.storage_options(proxy.endpoint_url),
         executor,
+        transport="obstore",
     )
     try:
         raw.prefetch_sizes()
