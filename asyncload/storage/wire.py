@@ -309,6 +309,8 @@ class WireStorage(VersionPins):
                     got = f"{resp.length} bytes" if resp.length is not None else "a body"
                     raise RangeIgnoredError(self.url(name), start, end, resp.status, got)
                 self._totals.setdefault(name, resp.length)
+                if resp.length < end:  # the whole file is shorter than the range
+                    raise ShortReadError(self.url(name), start, end, resp.length)
                 return resp
             self._check_range(name, start, end, resp.status, resp.headers.get("content-range"))
             first, stop, total = parse_content_range(resp.headers.get("content-range")) or (
