@@ -176,11 +176,13 @@ class LoadOptions:
     local_mapped_copies: bool = True
     #: Largest ``.metadata`` / header accepted, bytes (hostile-input guard).
     max_metadata_size: int = 1 * GiB
-    #: The client for ``s3://``, ``gs://``/``gcs://`` and ``http(s)://``: ``"obstore"`` (Rust
-    #: ``object_store``), ``"fsspec"`` (s3fs, gcsfs, aiohttp), or ``"auto"``: obstore when it
-    #: is installed and every ``storage_options`` entry maps onto it, else fsspec
-    #: (docs/remote.md#transport). Other protocols always use fsspec.
-    transport: Literal["auto", "obstore", "fsspec"] = "auto"
+    #: The client for ``s3://``, ``gs://``/``gcs://`` and ``http(s)://``: ``"wire"``
+    #: (asyncload's own HTTP/1.1 range reader: bodies land straight in the destination),
+    #: ``"obstore"`` (Rust ``object_store``), ``"fsspec"`` (s3fs, gcsfs, aiohttp), or
+    #: ``"auto"``: wire when every ``storage_options`` entry maps onto it and its credentials
+    #: are static (or none), else obstore when it is installed and they map onto it, else
+    #: fsspec (docs/remote.md#transport). Other protocols always use fsspec.
+    transport: Literal["auto", "obstore", "fsspec", "wire"] = "auto"
     #: The most bytes a load reads per byte its destinations need, with ``verify=False``
     #: (header probes and gaps read through included): a rank that needs a slice of each
     #: saved tensor reads gaps only while they fit this bound, cheapest first, and only those
@@ -271,8 +273,8 @@ class LoadOptions:
             isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1 or math.isinf(r)
         ):
             bad("max_over_read_ratio", r, "expected a finite number >= 1 or None (no bound)")
-        if self.transport not in ("auto", "obstore", "fsspec"):
-            bad("transport", self.transport, 'expected "auto", "obstore" or "fsspec"')
+        if self.transport not in ("auto", "obstore", "fsspec", "wire"):
+            bad("transport", self.transport, 'expected "auto", "obstore", "fsspec" or "wire"')
         object.__setattr__(self, "safe_globals", _check_safe_globals(self.safe_globals))
         for name in (
             "verify",

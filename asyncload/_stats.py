@@ -98,6 +98,10 @@ class LoadStats:
     sharing_decision: str = ""
     sharing_reason: str = ""
     sharing_unit_size: int = 0
+    #: Seconds from the call to the first byte of the checkpoint's data files (header probes
+    #: included, the ``.metadata`` file left out): when the answer to the first such read began
+    #: (remote stores that tell: obstore, wire) or the read ended (the others). 0.0: none read.
+    time_to_first_byte: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -194,6 +198,8 @@ class StatsRecorder:
         self.stats = LoadStats()
         self._latencies: list[float] = []
         self._causes: Counter[str] = Counter()
+        #: when the load was called (the load clock), for ``time_to_first_byte``
+        self.started: float | None = None
 
     def add(self, **deltas: float) -> None:
         with self._lock:
@@ -210,6 +216,13 @@ class StatsRecorder:
         with self._lock:
             if value > getattr(self.stats, name):
                 setattr(self.stats, name, value)
+
+    def first_data(self, at: float) -> None:
+        """The answer to a read of data began at ``at`` (the load clock): the first one sets
+        ``time_to_first_byte``, counted from ``started`` (set by the session at the call)."""
+        with self._lock:
+            if not self.stats.time_to_first_byte and self.started is not None:
+                self.stats.time_to_first_byte = max(at - self.started, 1e-9)
 
     def latency(self, seconds: float) -> None:
         with self._lock:

@@ -59,6 +59,14 @@ CONTENDERS: dict[str, tuple[set[str], str | None]] = {
         {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
         "asyncload",
     ),
+    "asyncload_wire": (
+        {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
+        "asyncload",
+    ),
+    "asyncload_obstore": (
+        {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
+        "asyncload",
+    ),
     #: asyncload imported from ``--baseline`` (another tree: a before/after in the same run)
     "asyncload_baseline": (
         {"dcp-one-file", "dcp-per-item", "safetensors", "safetensors-index"},
@@ -77,6 +85,8 @@ LEGEND = {
     "curl": "curl --parallel (bound)",
     "asyncload": "asyncload.load",
     "asyncload_fsspec": 'asyncload.load, transport="fsspec"',
+    "asyncload_wire": 'asyncload.load, transport="wire"',
+    "asyncload_obstore": 'asyncload.load, transport="obstore"',
     "asyncload_baseline": "asyncload.load (baseline tree)",
     "s3torchconnector": "s3torchconnector DCP reader",
     "torch_fsspec": "torch dcp.load + FsspecReader",
@@ -302,6 +312,10 @@ def main() -> None:
                         }
                         if c == "asyncload_fsspec":
                             cfg["options"] = {"transport": "fsspec"}
+                        if c == "asyncload_wire":
+                            cfg["options"] = {"transport": "wire"}
+                        if c == "asyncload_obstore":
+                            cfg["options"] = {"transport": "obstore"}
                         pythonpath = args.baseline if c == "asyncload_baseline" else None
                         results.setdefault((layout, c), []).append(
                             run_child(cfg, args.timeout, pythonpath) or {}

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - only while asyncload.testing is being 
 
 
 #: The clients a remote test runs with (``LoadOptions.transport``).
-TRANSPORTS = ["obstore", "fsspec"]
+TRANSPORTS = ["obstore", "fsspec", "wire"]
 
 
 @pytest.fixture(params=TRANSPORTS)

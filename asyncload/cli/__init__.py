@@ -143,9 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--transport",
-        choices=("auto", "obstore", "fsspec"),
-        help="client for s3://, gs://, http(s):// (auto: obstore where the options map, else "
-        "fsspec)",
+        choices=("auto", "obstore", "fsspec", "wire"),
+        help="client for s3://, gs://, http(s):// (auto: wire where the options map, else "
+        "obstore, else fsspec)",
     )
     g.add_argument(
         "--no-progress",

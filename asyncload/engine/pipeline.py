@@ -200,7 +200,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         storage = self.storage
         t0 = time.monotonic()
-        if storage.supports_readinto and chunk.tiles_into():
+        if (storage.supports_readinto or storage.receives_into) and chunk.tiles_into():
             views = [
                 s.into for s in chunk.segments if s.into is not None
             ]  # all of them: tiles_into

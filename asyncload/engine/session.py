@@ -235,6 +235,7 @@ class LoadSession:
         self._clock = LoadClock(self._now)
         self._boundary = None  # made again for this load's statistics and clock
         self._t0 = self._now()
+        self._recorder.started = self._t0
         self.stats = None
         self.metadata_error = None
         self._fingerprints = {}

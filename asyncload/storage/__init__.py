@@ -6,9 +6,11 @@ Layers, each importing only those below it:
   remote object (:class:`VersionPins`) and the raw errors a store raises;
 - the stores beside each other, each importing only the interface: local files
   (:mod:`~asyncload.storage.local`, with :mod:`~asyncload.storage.mapped`), any fsspec
-  filesystem (:mod:`~asyncload.storage.fsspec`) and obstore (:mod:`~asyncload.storage.obstore`,
+  filesystem (:mod:`~asyncload.storage.fsspec`), obstore (:mod:`~asyncload.storage.obstore`,
   planned by :mod:`~asyncload.storage.obstore_plan`, kept on its origin by
-  :mod:`~asyncload.storage.redirect_guard`);
+  :mod:`~asyncload.storage.redirect_guard`) and asyncload's own HTTP/1.1 range reader
+  (:mod:`~asyncload.storage.wire`, over :mod:`~asyncload.storage.wire_http`, signing with
+  :mod:`~asyncload.storage.sigv4`);
 - the error boundary (:mod:`~asyncload.storage.retrying`: timeout, retries, hedging), whose
   errors are classified and translated in one place (:mod:`~asyncload.storage.classify`);
 - the factory (:mod:`~asyncload.storage.factory`): :func:`open_storage` picks the store for a
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from asyncload.storage.fsspec import FsspecStorage, close_async_fs
     from asyncload.storage.obstore import ObstoreStorage
     from asyncload.storage.obstore_plan import StoreSpec, Unmappable, plan_store
+    from asyncload.storage.wire import WireStorage
 
 __all__ = [
     "BATCH_INLINE",
@@ -66,6 +69,7 @@ __all__ = [
     "StoreSpec",
     "Unmappable",
     "VersionPins",
+    "WireStorage",
     "call_with_retry",
     "classify",
     "close_async_fs",
@@ -85,6 +89,7 @@ _LAZY = {
     "StoreSpec": "asyncload.storage.obstore_plan",
     "Unmappable": "asyncload.storage.obstore_plan",
     "plan_store": "asyncload.storage.obstore_plan",
+    "WireStorage": "asyncload.storage.wire",
 }
 
 

@@ -202,6 +202,9 @@ class Storage:
 
     #: ``readinto`` writes straight into caller memory without an intermediate copy.
     supports_readinto = False
+    #: ``readinto`` (async, on the loop) receives a remote answer's body straight into caller
+    #: memory (the wire transport): a chunk that tiles its destination is read into it.
+    receives_into = False
     #: Whether a second, hedged request for a slow chunk can help.
     hedgeable = False
     #: ``size`` and ``fingerprint`` finish without awaiting anything (a local file's

@@ -335,6 +335,8 @@ def unreachable(exc: BaseException) -> tuple[str, str] | None:
                 return outer or f"{host}:{port}", why
         elif isinstance(e, ConnectionRefusedError):
             why = "connection refused"
+        elif type(e).__name__ == "gaierror":  # socket's (the wire transport's connect)
+            why = "host name not found"
         if why:
             m = _URL_HOST.search(text)
             return (f"{m.group(1)}://{m.group(2)}" if m else outer or "the endpoint"), why

@@ -4,9 +4,10 @@ checkpoint and its directory.
 
 Local files are always there (:mod:`asyncload.storage.local`); the optional backends are
 imported only when a checkpoint needs them, as torchsnapshot's ``storage_plugin.py`` does:
-obstore (:mod:`asyncload.storage.obstore`) for ``s3://``, ``gs://``, ``gcs://`` and
-``http(s)://``, fsspec (:mod:`asyncload.storage.fsspec`) for those when obstore cannot serve
-them and for every other protocol.
+the wire transport (:mod:`asyncload.storage.wire`) for ``s3://``, ``gs://``, ``gcs://`` and
+``http(s)://``, obstore (:mod:`asyncload.storage.obstore`) for those when it cannot serve them
+(credentials from another host, GCS OAuth), fsspec (:mod:`asyncload.storage.fsspec`) when
+neither can and for every other protocol.
 """
 
 from __future__ import annotations
@@ -60,15 +61,17 @@ def open_storage(
     """A Storage for a local path, ``PathLike``, ``file://`` URL or any fsspec URL.
 
     ``transport`` (``LoadOptions.transport``) picks the client for ``s3://``, ``gs://``,
-    ``gcs://`` and ``http(s)://``: ``"obstore"``, ``"fsspec"``, or ``"auto"`` (obstore
-    when it is installed and the URL and ``storage_options`` map onto it, else fsspec;
-    why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
+    ``gcs://`` and ``http(s)://``: ``"wire"`` (asyncload's own HTTP/1.1 range reader,
+    :mod:`asyncload.storage.wire`), ``"obstore"``, ``"fsspec"``, or ``"auto"`` (wire where
+    the URL and ``storage_options`` map onto it, else obstore when it is installed and they
+    map onto it, else fsspec; why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
     (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload.storage.mapped`.
     ``max_listing_size`` (``LoadOptions.max_metadata_size``): the most bytes of an HTTP
     directory listing.
 
     Raised: :class:`StorageReadError` for ``transport="obstore"`` when obstore is not
-    installed or cannot honour an option (the message names it).
+    installed or cannot honour an option, for ``transport="wire"`` when it cannot honour an
+    option (the message names it).
     """
     if is_local(checkpoint):
         return LocalStorage(
@@ -78,7 +81,20 @@ def open_storage(
     protocol = s.split("://", 1)[0]
     options = storage_options or {}
     made = None
-    if transport != "fsspec":
+    if transport in ("wire", "auto"):
+        made = _wire_storage(s, protocol, options, executor, max_listing_size)
+        if isinstance(made, Storage):
+            return made
+        if made is not None and transport == "auto":
+            log.debug("reading %s through obstore, not wire: %s", redact_url(s), made)
+            made = _obstore_storage(s, protocol, options, executor, max_listing_size)
+        elif made is not None:
+            raise StorageReadError(
+                f"{redact_url(s)} cannot be read with LoadOptions.transport='wire': {made} "
+                "(use transport='obstore' or 'fsspec', or 'auto' to choose by itself)",
+                path=redact_url(s),
+            )
+    elif transport != "fsspec":
         made = _obstore_storage(s, protocol, options, executor, max_listing_size)
     if isinstance(made, Storage):
         return made
@@ -125,6 +141,33 @@ def _obstore_storage(
         return _fsspec_storage(url, urlsplit(url).scheme, options, executor, max_listing_size)
 
     return ObstoreStorage(url, spec, lister=lister)
+
+
+def _wire_storage(
+    url: str,
+    protocol: str,
+    options: Mapping[str, Any],
+    executor: concurrent.futures.Executor,
+    max_listing_size: int | None,
+) -> Storage | str | None:
+    """The wire transport's store for ``url``; why it cannot serve it (an option or a source
+    of credentials it does not handle); or ``None`` for a protocol it is not used for. Its
+    HTTP directory listings go through fsspec."""
+    from asyncload.storage.obstore_plan import OBSTORE_PROTOCOLS, Unmappable
+
+    if protocol.lower() not in OBSTORE_PROTOCOLS:
+        return None
+    from asyncload.storage.wire import WireStorage, plan_wire
+
+    try:
+        spec = plan_wire(url, options)
+    except Unmappable as exc:
+        return str(exc)
+
+    def lister() -> Storage:
+        return _fsspec_storage(url, urlsplit(url).scheme, options, executor, max_listing_size)
+
+    return WireStorage(url, spec, lister=lister, max_listing_size=max_listing_size)
 
 
 def _fsspec_storage(

@@ -152,8 +152,12 @@ def obstore_available() -> bool:
     return True
 
 
-def plan_store(url: str, storage_options: Mapping[str, Any]) -> StoreSpec:
-    """The obstore store for checkpoint ``url`` with fsspec-style ``storage_options``.
+def plan_store(
+    url: str, storage_options: Mapping[str, Any], *, for_obstore: bool = True
+) -> StoreSpec:
+    """The obstore store for checkpoint ``url`` with fsspec-style ``storage_options``
+    (``for_obstore=False``: the mapping only, for the wire transport, which a fork does not
+    hurt).
 
     Raised: :class:`Unmappable` naming the option (or environment variable) that obstore
     cannot honour as the fsspec filesystem would."""
@@ -161,7 +165,7 @@ def plan_store(url: str, storage_options: Mapping[str, Any]) -> StoreSpec:
     protocol = parts.scheme.lower()
     if protocol not in OBSTORE_PROTOCOLS:
         raise Unmappable(f"obstore is not used for {protocol}:// URLs")
-    if forked_after_use():
+    if for_obstore and forked_after_use():
         raise Unmappable(
             "this process was forked from one that used obstore, whose runtime threads a fork does "
             "not copy"

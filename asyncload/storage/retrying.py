@@ -201,6 +201,7 @@ async def call_with_retry(
     on_throttle: Callable[[], None] | None = None,
     timed: bool = True,
     culprit: Callable[[], tuple[str, tuple[int, int]] | None] | None = None,
+    data: bool = False,
 ) -> T:
     """Run ``op`` (one storage call about ``byte_range`` of ``url``; ``None``: the whole
     file) with the load's timeout, retry and hedge policy (module docstring), measured on
@@ -255,6 +256,10 @@ async def call_with_retry(
             )
             await asyncio.sleep(delay)
         else:
+            if data:  # a read of the checkpoint's data: LoadStats.time_to_first_byte
+                stats.first_data(
+                    request.first_byte if request.first_byte is not None else clock.now()
+                )
             now = time.monotonic()
             elapsed = now - t0
             if byte_range is not None and timed:
@@ -353,6 +358,10 @@ class RetryingStorage:
         return self.raw.supports_readinto
 
     @property
+    def receives_into(self) -> bool:
+        return self.raw.receives_into
+
+    @property
     def hedgeable(self) -> bool:
         return self.raw.hedgeable
 
@@ -368,6 +377,7 @@ class RetryingStorage:
         hedge: bool = False,
         timed: bool = True,
         culprit: Callable[[], tuple[str, tuple[int, int]] | None] | None = None,
+        data: bool = False,
     ) -> T:
         return await call_with_retry(
             op,
@@ -380,6 +390,7 @@ class RetryingStorage:
             on_throttle=self.on_throttle,
             timed=timed,
             culprit=culprit,
+            data=data,
         )
 
     async def read(
@@ -391,7 +402,7 @@ class RetryingStorage:
             return memoryview(b"")
         raw = self.raw
         data = await self._call(
-            lambda: raw.read(name, start, end), name, (start, end), hedge=hedge
+            lambda: raw.read(name, start, end), name, (start, end), hedge=hedge, data=counted
         )
         if counted:
             self.stats.add(bytes_read=end - start)
@@ -413,7 +424,9 @@ class RetryingStorage:
         request where the store can (obstore), a size and a read otherwise. Counted in
         ``bytes_read``."""
         raw = self.raw
-        data, size = await self._call(lambda: raw.read_prefix(name, n), name, (0, n), hedge=True)
+        data, size = await self._call(
+            lambda: raw.read_prefix(name, n), name, (0, n), hedge=True, data=True
+        )
         self.stats.add(bytes_read=len(data))
         return data, int(size)
 
@@ -438,11 +451,18 @@ class RetryingStorage:
                     then()
 
             await self._call(
-                lambda: loop.run_in_executor(self.executor, job), name, (start, start + n)
+                lambda: loop.run_in_executor(self.executor, job),
+                name,
+                (start, start + n),
+                data=True,
             )
         else:
             await self._call(
-                lambda: raw.readinto(name, start, buffers), name, (start, start + n), hedge=True
+                lambda: raw.readinto(name, start, buffers),
+                name,
+                (start, start + n),
+                hedge=True,
+                data=True,
             )
             if then is not None:
                 then()
@@ -482,7 +502,7 @@ class RetryingStorage:
                 await loop.run_in_executor(self.executor, job, reads[i:])
 
         span = _group_span([(name, start, end) for name, start, end, _ in reads])
-        await self._call(attempt, reads[0][0], span)
+        await self._call(attempt, reads[0][0], span, data=True)
         self.stats.add(bytes_read=sum(r[2] - r[1] for r in reads))
 
     async def readinto_shared(
@@ -574,7 +594,12 @@ class RetryingStorage:
                     taken.clear()
 
         await self._call(
-            attempt, reads[0][0], _group_span(ends), timed=False, culprit=lambda: culprit[0]
+            attempt,
+            reads[0][0],
+            _group_span(ends),
+            timed=False,
+            culprit=lambda: culprit[0],
+            data=True,
         )
         if refused:
             raise refused[0]

@@ -62,7 +62,7 @@ def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
 def test_a_closed_endpoint_says_could_not_connect_after_two_attempts(transport: str) -> None:
     port = free_port()  # nothing listens there
     endpoint = f"http://127.0.0.1:{port}"
@@ -87,7 +87,7 @@ def test_a_closed_endpoint_says_could_not_connect_after_two_attempts(transport: 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
 def test_cli_closed_endpoint_one_sentence(transport: str) -> None:
     endpoint = f"http://127.0.0.1:{free_port()}"
     res = _cli(

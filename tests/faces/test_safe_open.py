@@ -408,7 +408,7 @@ def test_http_matches_safetensors_and_reads_only_the_slice(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
 def test_s3_matches_safetensors(
     tmp_path: Path, s3_server: Any, bucket_name: str, transport: str
 ) -> None:

@@ -62,7 +62,7 @@ def _large(entry) -> bool:
     return hi + 1 - lo >= 32 << 10
 
 
-@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_data_is_read_while_later_records_are_still_probed(
     request, backend, transport, one_file, bucket_name, fault_proxy, caplog

@@ -253,7 +253,7 @@ DATA = {"path": ".distcp", "range_only": True, "data_only": True}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["obstore", "fsspec"])
+@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stalled_gets_are_hedged_under_the_derived_floor(
     request, backend, transport, many_chunks, bucket_name, fault_proxy

@@ -279,13 +279,15 @@ def test_no_credentials_with_instance_metadata_disabled_falls_back(monkeypatch, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_auto_picks_obstore_for_the_servers_options_and_fsspec_on_request(
+def test_auto_picks_wire_for_the_servers_options_and_obstore_or_fsspec_on_request(
     request, backend, executor
 ) -> None:
+    from asyncload.storage.wire import WireStorage
+
     server = request.getfixturevalue(f"{backend}_server")
     url = server.url("bucket", "ckpt") if backend == "http" else f"{server.protocol}://bucket/ckpt"
     opts = server.storage_options()
-    assert type(open_storage_(url, opts, executor)) is ObstoreStorage
+    assert type(open_storage_(url, opts, executor)) is WireStorage
     assert type(open_storage_(url, opts, executor, transport="obstore")) is ObstoreStorage
     assert type(open_storage_(url, opts, executor, transport="fsspec")) is FsspecStorage
 
@@ -404,6 +406,7 @@ async def test_sizes_in_one_listing_pin_versions(
         f"{server.protocol}://{bucket_name}/ckpt",
         server.storage_options(proxy.endpoint_url),
         executor,
+        transport="obstore",
     )
     try:
         assert await raw.sizes([*names, "missing"]) == {n: i + 1 for i, n in enumerate(names)}
@@ -435,6 +438,7 @@ async def test_a_size_asked_while_the_listing_is_out_takes_the_first_answer(
         f"{server.protocol}://{bucket_name}/ckpt",
         server.storage_options(proxy.endpoint_url),
         executor,
+        transport="obstore",
     )
     assert isinstance(raw, ObstoreStorage)
     try:
@@ -471,6 +475,7 @@ async def test_a_size_asked_while_the_listing_is_stalled_is_the_heads_answer(
         f"{server.protocol}://{bucket_name}/ckpt",
         server.storage_options(proxy.endpoint_url),
         executor,
+        transport="obstore",
     )
     try:
         raw.prefetch_sizes()
@@ -713,9 +718,10 @@ def test_a_process_that_exits_right_after_concurrent_reads_exits_cleanly(http_se
 
 
 @pytest.mark.slow
-def test_a_fork_of_a_process_that_used_obstore_falls_back_to_fsspec(http_server, executor) -> None:
+def test_a_fork_of_a_process_that_used_obstore_reads_without_it(http_server, executor) -> None:
     """obstore's runtime threads are not copied by ``fork``: a forked child's reads would hang
-    until they time out, so there "auto" picks fsspec and "obstore" says why it cannot."""
+    until they time out, so there "auto" picks another transport (wire, which a fork does not
+    hurt) and "obstore" says why it cannot."""
     import os
 
     http_server.put_object("forked", "c/f.bin", DATA)
@@ -747,5 +753,5 @@ def test_a_fork_of_a_process_that_used_obstore_falls_back_to_fsspec(http_server,
         report = f.read().decode()
     os.waitpid(pid, 0)
     kind, ok, refused = report.split("|", 2)
-    assert (kind, ok) == ("FsspecStorage", "True")
+    assert (kind, ok) == ("WireStorage", "True")
     assert "forked" in refused and "transport='fsspec'" in refused

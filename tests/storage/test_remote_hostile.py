@@ -112,18 +112,19 @@ def test_a_redirect_to_another_host_is_refused_and_nothing_is_sent_there(
     assert other_host.requests == []
 
 
+@pytest.mark.parametrize("via", ["fsspec", "wire"])
 @pytest.mark.parametrize("backend", ["http", "s3", "gcs"])
-def test_a_redirect_to_another_port_is_refused_on_fsspec(
-    request, backend, ckpt, bucket_name, fault_proxy
+def test_a_redirect_to_another_port_is_refused_on_fsspec_and_wire(
+    request, backend, ckpt, bucket_name, fault_proxy, via
 ):
-    """fsspec refuses a redirect to another origin whatever differs (obstore: another host
-    only, docs/remote.md)."""
+    """fsspec and wire refuse a redirect to another origin whatever differs (obstore: another
+    host only, docs/remote.md)."""
     r = make_remote(request, backend, ckpt[0], bucket_name, fault_proxy)
     other = fault_proxy(
         request.getfixturevalue(f"{backend}_server")
     )  # the same server, another port
     code = 302 if backend == "http" else 307
-    err, _ = _load_redirected(r, "fsspec", other.endpoint_url, code)
+    err, _ = _load_redirected(r, via, other.endpoint_url, code)
     msg = str(err)
     assert (
         f"answered HTTP {code} with a redirect to another origin, {other.endpoint_url} " in msg

@@ -14,7 +14,13 @@ import pytest
 
 import asyncload
 import asyncload.storage
-from asyncload.storage import FsspecStorage, LocalStorage, ObstoreStorage, open_storage
+from asyncload.storage import (
+    FsspecStorage,
+    LocalStorage,
+    ObstoreStorage,
+    WireStorage,
+    open_storage,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,7 +70,7 @@ def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
 @pytest.mark.asyncio
 async def test_the_factory_picks_the_store(tmp_path, http_server, executor) -> None:
     """A local path or ``file://`` URL: local files; ``s3://``, ``gs://`` and ``http(s)://``:
-    obstore unless ``transport="fsspec"`` (its HTTP directory listings through fsspec); every
+    wire unless another transport is asked for (HTTP directory listings through fsspec); every
     other protocol: fsspec."""
     (tmp_path / "a").write_bytes(b"1")
     local = open_storage(tmp_path, None, executor)
@@ -74,7 +80,12 @@ async def test_the_factory_picks_the_store(tmp_path, http_server, executor) -> N
     http_server.put_object("iface", "c/a.bin", b"12")
     http_server.put_object("iface", "c/b.bin", b"345")
     url = http_server.url("iface", "c")
-    for transport, cls in (("auto", ObstoreStorage), ("fsspec", FsspecStorage)):
+    for transport, cls in (
+        ("auto", WireStorage),
+        ("wire", WireStorage),
+        ("obstore", ObstoreStorage),
+        ("fsspec", FsspecStorage),
+    ):
         store = open_storage(url, {}, executor, transport=transport)
         try:
             assert type(store) is cls

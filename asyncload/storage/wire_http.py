@@ -1,0 +1,496 @@
+"""HTTP/1.1 for the wire transport (:mod:`asyncload.storage.wire`): keep-alive connections
+per origin (:class:`Pool`) and an asyncio ``BufferedProtocol`` (:class:`Connection`) whose
+``get_buffer`` hands out a view of the caller's memory while a body is read into it, so that a
+range's bytes go from the socket (or the TLS layer) straight into the destination, once.
+
+What a connection holds at any time::
+
+    idle --send()--> head --headers in--> body --read_into() / read() / discard()--> idle
+      \\________________ any error, cancel, or a body not read to its end: aborted ____/
+
+Only as many bytes as the answer's framing says are asked of the socket while a body lands in
+caller memory (``get_buffer`` offers exactly what is left), so a body longer than promised is
+never read into it. Bytes past the head that arrived with it are copied once (at most one
+receive's worth). Raw errors only (:class:`HTTPStatusError`, ``ConnectionError``,
+:class:`asyncload.storage.base.ShortReadError`); the error boundary
+(:mod:`asyncload.storage.retrying`) classifies and translates them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import ssl as _ssl
+from collections.abc import Sequence
+
+from asyncload.storage.base import ShortReadError
+
+__all__ = [
+    "BodyTooLongError",
+    "Connection",
+    "HTTPStatusError",
+    "NotFoundError",
+    "Pool",
+    "Response",
+]
+
+#: The most bytes of a response head (status line and headers).
+MAX_HEAD = 64 << 10
+#: The most bytes of an error answer's body kept for its message (a longer one is dropped with
+#: its connection).
+MAX_ERROR_BODY = 64 << 10
+_SCRATCH = 256 << 10
+_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
+_MESSAGE = re.compile(rb"<Message>([^<]{1,300})</Message>")
+
+
+class HTTPStatusError(OSError):
+    """An answer with an error status (4xx, 5xx, or a redirect that was not followed): its
+    status, headers and the S3 error code of its body, in the shape
+    :mod:`asyncload.storage.classify` reads (``status``, ``headers``, ``response``)."""
+
+    def __init__(self, url: str, status: int, reason: str, headers: dict[str, str], body: bytes):
+        m = _CODE.search(body)
+        code = m.group(1).decode("utf-8", "replace") if m else None
+        said = _MESSAGE.search(body)
+        detail = f" ({code}: {said.group(1).decode('utf-8', 'replace')})" if code and said else ""
+        if code and not detail:
+            detail = f" ({code})"
+        super().__init__(f"{url}: HTTP {status} {reason}{detail}")
+        self.url, self.status, self.headers = url, status, headers
+        self.response = {
+            "Error": {"Code": code} if code else {},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": headers},
+        }
+
+
+class NotFoundError(HTTPStatusError, FileNotFoundError):
+    """A 404."""
+
+
+class BodyTooLongError(OSError):
+    """A body longer than the caller allows (``limit``); read no further."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the body is longer than {limit} bytes")
+        self.limit = limit
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One HTTP/1.1 connection. Mutable state: the transport, the bytes received and not yet
+    taken (``_inbox``), the caller memory a body lands in (``_sinks``, ``_si``, ``_pos``), the
+    waiter of the coroutine reading, and whether it ended (``_lost``)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._scratch = bytearray(_SCRATCH)
+        self._inbox = bytearray()
+        self._sinks: Sequence[memoryview] | None = None
+        self._si = 0
+        self._pos = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._lost: BaseException | None = None
+        self._eof = False
+        self._paused = False
+        #: the connection can carry another request once this one's body is read
+        self.reusable = True
+        #: requests sent on it (a stale keep-alive connection is retried once, if it was reused)
+        self.uses = 0
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost or self._eof else "open"
+        return f"<Connection {state} uses={self.uses} inbox={len(self._inbox)}>"
+
+    # protocol callbacks (the loop calls these)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview | bytearray:
+        sinks = self._sinks
+        if sinks is not None and self._si < len(sinks):
+            return sinks[self._si][self._pos :]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        sinks = self._sinks
+        if sinks is not None and self._si < len(sinks):
+            self._pos += nbytes
+            if self._pos >= len(sinks[self._si]):
+                self._si, self._pos = self._si + 1, 0
+                while self._si < len(sinks) and not len(sinks[self._si]):
+                    self._si += 1
+                if self._si >= len(sinks):
+                    self._wake()
+            return
+        self._inbox += memoryview(self._scratch)[:nbytes]
+        if len(self._inbox) > 4 * _SCRATCH and self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self.reusable = False
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = exc or ConnectionResetError("the connection was closed")
+        self.reusable = False
+        self._wake()
+
+    # helpers of the coroutines
+    @property
+    def closed(self) -> bool:
+        return self._lost is not None or self._eof
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _ended(self) -> BaseException:
+        return self._lost or ConnectionResetError("the server closed the connection")
+
+    def abort(self) -> None:
+        """Drop the connection now (its body unread, or after an error or a cancel)."""
+        self.reusable = False
+        self._sinks = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    def send(self, data: bytes) -> None:
+        if self.transport is None or self.closed:
+            raise self._ended()
+        self.uses += 1
+        self.transport.write(data)
+
+    async def read_head(self) -> tuple[int, str, dict[str, str]]:
+        """The status, reason and headers (lower-case names) of the next answer that is not
+        an interim 1xx."""
+        while True:
+            end = self._inbox.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._inbox) > MAX_HEAD:
+                    raise ConnectionError(f"an answer's head is longer than {MAX_HEAD} bytes")
+                if self.closed:
+                    raise self._ended()
+                await self._wait()
+                continue
+            head = bytes(self._inbox[:end]).decode("latin-1")
+            del self._inbox[: end + 4]
+            lines = head.split("\r\n")
+            parts = lines[0].split(" ", 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+                raise ConnectionError(f"not an HTTP/1.1 answer: {lines[0][:80]!r}")
+            status = int(parts[1])
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                name, sep, value = line.partition(":")
+                if sep:
+                    headers[name.strip().lower()] = value.strip()
+            if 100 <= status < 200:
+                continue
+            if parts[0] == "HTTP/1.0" or "close" in headers.get("connection", "").lower():
+                self.reusable = False
+            return status, parts[2] if len(parts) > 2 else "", headers
+
+    async def read_exactly_into(self, views: Sequence[memoryview], n: int) -> int:
+        """Land the next ``n`` body bytes in ``views`` (``n`` at most their total length);
+        the bytes got (fewer: the connection ended)."""
+        rest: list[memoryview] = []
+        left = n
+        for v in views:
+            if left <= 0:
+                break
+            rest.append(v[:left])
+            left -= len(rest[-1])
+        got = 0
+        while self._inbox and rest:  # bytes that came with the head: copied once
+            v = rest[0]
+            take = min(len(v), len(self._inbox))
+            v[:take] = self._inbox[:take]
+            del self._inbox[:take]
+            got += take
+            if take == len(v):
+                rest.pop(0)
+            else:
+                rest[0] = v[take:]
+        rest = [v for v in rest if len(v)]
+        if not rest:
+            return got
+        self._sinks, self._si, self._pos = rest, 0, 0
+        try:
+            while self._si < len(rest) and not self.closed:
+                await self._wait()
+            landed = sum(len(v) for v in rest[: self._si]) + (
+                self._pos if self._si < len(rest) else 0
+            )
+        finally:
+            self._sinks = None
+        return got + landed
+
+    async def read_some(self, limit: int) -> bytes:
+        """At most ``limit`` bytes of what has arrived (waiting for some); ``b""`` at the end."""
+        while not self._inbox:
+            if self.closed:
+                return b""
+            await self._wait()
+        out = bytes(self._inbox[:limit])
+        del self._inbox[:limit]
+        return out
+
+    async def read_line(self, limit: int = 4096) -> bytes:
+        while True:
+            end = self._inbox.find(b"\r\n")
+            if end >= 0:
+                line = bytes(self._inbox[:end])
+                del self._inbox[: end + 2]
+                return line
+            if len(self._inbox) > limit:
+                raise ConnectionError("a chunk header is too long")
+            if self.closed:
+                raise self._ended()
+            await self._wait()
+
+
+class Response:
+    """An answer whose head is in and whose body is still on the connection: read it with
+    :meth:`read_into` or :meth:`read`, or drop it with :meth:`discard` / :meth:`close`; then
+    the connection goes back to its pool (when the body was read to its end) or is closed."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        conn: Connection,
+        method: str,
+        status: int,
+        reason: str,
+        headers: dict[str, str],
+        url: str,
+    ) -> None:
+        self.pool, self.conn, self.status, self.reason = pool, conn, status, reason
+        self.headers, self.url = headers, url
+        length = headers.get("content-length")
+        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        self.length: int | None = int(length) if length and length.isdigit() else None
+        if method == "HEAD" or status in (204, 304) or status < 200:
+            self.chunked, self.length = False, 0
+        if self.length is None and not self.chunked:
+            conn.reusable = False  # the body ends when the connection does
+        self._done = self.length == 0
+
+    def _finish(self) -> None:
+        self._done = True
+        conn, self.conn = self.conn, None  # type: ignore[assignment]
+        if conn is not None:
+            self.pool.release(conn)
+
+    def close(self) -> None:
+        """Drop the answer: its connection is closed unless its body was read."""
+        conn, self.conn = self.conn, None  # type: ignore[assignment]
+        if conn is None:
+            return
+        if self._done:
+            self.pool.release(conn)
+        else:
+            conn.abort()
+
+    async def read_into(self, views: Sequence[memoryview], n: int) -> int:
+        """Land the body, which must be ``n`` bytes, in ``views``: the bytes that landed
+        (fewer than ``n``: the connection ended early; the answer is closed)."""
+        conn = self.conn
+        try:
+            if self.chunked:  # rare for a range: decoded, then copied once
+                data = await self.read(n)
+                pos = 0
+                for v in views:
+                    take = min(len(v), len(data) - pos)
+                    v[:take] = memoryview(data)[pos : pos + take]
+                    pos += take
+                return len(data)
+            got = await conn.read_exactly_into(views, n)
+        except BaseException:
+            self.close()
+            raise
+        if got == n and self.length == n:
+            self._finish()
+        else:
+            self.close()
+        return got
+
+    async def read(self, limit: int) -> bytearray:
+        """The whole body, at most ``limit`` bytes.
+
+        Raised: :class:`BodyTooLongError` past ``limit`` (the answer is closed)."""
+        out = bytearray()
+        try:
+            if self.chunked:
+                await self._read_chunked(out, limit)
+            elif self.length is not None:
+                if self.length > limit:
+                    raise BodyTooLongError(limit)
+                out = bytearray(self.length)
+                got = await self.conn.read_exactly_into([memoryview(out)], self.length)
+                if got < self.length:
+                    raise ShortReadError(self.url, 0, self.length, got)
+            else:
+                while piece := await self.conn.read_some(1 << 20):
+                    out += piece
+                    if len(out) > limit:
+                        raise BodyTooLongError(limit)
+        except BaseException:
+            self.close()
+            raise
+        if self.length is None and not self.chunked:
+            self.close()
+        else:
+            self._finish()
+        return out
+
+    async def _read_chunked(self, out: bytearray, limit: int) -> None:
+        conn = self.conn
+        while True:
+            line = await conn.read_line()
+            size_text = line.split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise ConnectionError(f"a bad chunk size {size_text[:20]!r}") from None
+            if size == 0:
+                while await conn.read_line():  # trailers, up to the empty line
+                    pass
+                return
+            if len(out) + size > limit:
+                raise BodyTooLongError(limit)
+            start = len(out)
+            out.extend(bytes(size))
+            got = await conn.read_exactly_into([memoryview(out)[start:]], size)
+            if got < size:
+                raise ShortReadError(self.url, start, start + size, got)
+            if await conn.read_line() != b"":
+                raise ConnectionError("a chunk is not followed by CRLF")
+
+    async def error(self) -> HTTPStatusError:
+        """The error this answer is (its body read for the message, at most
+        :data:`MAX_ERROR_BODY` bytes)."""
+        try:
+            body = bytes(await self.read(MAX_ERROR_BODY))
+        except (OSError, asyncio.IncompleteReadError):
+            body = b""
+        cls = NotFoundError if self.status == 404 else HTTPStatusError
+        return cls(self.url, self.status, self.reason, self.headers, body)
+
+
+class Pool:
+    """Keep-alive connections to one origin (``scheme``, ``host``, ``port``); TLS through the
+    loop's ``ssl`` with ``ssl_context``. Mutable state: the idle connections (most recent
+    last) and whether it is closed."""
+
+    def __init__(
+        self,
+        scheme: str,
+        host: str,
+        port: int,
+        ssl_context: _ssl.SSLContext | None,
+        *,
+        max_idle: int = 256,
+    ) -> None:
+        self.scheme, self.host, self.port = scheme, host, port
+        self.ssl = ssl_context if scheme == "https" else None
+        self.max_idle = max_idle
+        self._idle: list[Connection] = []
+        self._closed = False
+        #: connections opened (for tests and stats)
+        self.opened = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<Pool {self.scheme}://{self.host}:{self.port} idle={len(self._idle)} "
+            f"opened={self.opened}>"
+        )
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.scheme == "https" else 80
+        return host if self.port == default else f"{host}:{self.port}"
+
+    async def _connect(self) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(
+                Connection,
+                self.host,
+                self.port,
+                ssl=self.ssl,
+                server_hostname=self.host if self.ssl is not None else None,
+            )
+        except (ConnectionRefusedError, socket.gaierror) as exc:  # named with the endpoint
+            where = f"{self.scheme}://{self.host_header}"
+            raise type(exc)(exc.errno, f"could not connect to {where} ({exc.strerror})") from exc
+        self.opened += 1
+        sock = conn.transport.get_extra_info("socket") if conn.transport else None
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        if (
+            self._closed
+            or not conn.reusable
+            or conn.closed
+            or conn._inbox  # bytes past the answer: not to be taken for the next one
+            or len(self._idle) >= self.max_idle
+        ):
+            conn.abort()
+            return
+        self._idle.append(conn)
+
+    async def request(
+        self, method: str, target: str, headers: dict[str, str], url: str
+    ) -> Response:
+        """Send ``method target`` with ``headers`` on an idle connection (one the server has
+        closed is dropped) or a new one, and wait for the answer's head."""
+        if self._closed:
+            raise ConnectionError("the connection pool is closed")
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host_header}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        conn = None
+        while self._idle and conn is None:  # one the server closed while idle is dropped
+            conn = self._idle.pop()
+            if conn.closed:
+                conn.abort()
+                conn = None
+        if conn is None:
+            conn = await self._connect()
+        try:
+            conn.send(data)
+            status, reason, head = await conn.read_head()
+        except BaseException:
+            # a reset or cancel, even of a reused connection: asyncload's retry policy is the
+            # only one (nothing is re-sent here)
+            conn.abort()
+            raise
+        return Response(self, conn, method, status, reason, head, url)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.abort()
