@@ -14,14 +14,27 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import vllm  # noqa: F401  (fails the vLLM run when vLLM is missing)
 
 from asyncload.testing import TEST_ENV
+
+with warnings.catch_warnings():
+    # vLLM's model loader compiles ops at import, which imports torch's inductor, which defines
+    # TorchScript modules: torch's own deprecation, once per process (and torch's FutureWarnings)
+    warnings.filterwarnings(
+        "ignore", r"`torch.jit.script_method` is deprecated", DeprecationWarning
+    )
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    # fails the vLLM run when vLLM is missing
+    import vllm.config.load
+    import vllm.model_executor.model_loader
+    import vllm.model_executor.model_loader.weight_utils
+    import vllm.plugins  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 
