@@ -151,3 +151,30 @@ def test_multiprocess_mode_through_the_entry_point(
         if "EngineCore" in line and "AsyncLoadModelLoader" in line and "Registered" in line
     ]
     assert registered, got["log"][-3000:]
+
+
+def test_example_runs() -> None:
+    """examples/vllm_load.py as it is: vLLM's safetensors and asyncload, the same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import VLLM_ENV
+
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, str(repo / "examples" / "vllm_load.py")],
+        cwd=repo,
+        env={**os.environ, **VLLM_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = {
+        line.split(":", 1)[0]: line.split(":", 1)[1].strip()
+        for line in res.stdout.splitlines()
+        if line.startswith(("safetensors:", "asyncload:"))
+    }
+    assert lines["safetensors"] == lines["asyncload"] != "", res.stdout[-3000:]

@@ -28,7 +28,6 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
-from asyncload.formats.safetensors import HEADER_PROBE
 from asyncload.integrations.vllm import register
 from asyncload.testing import S3Server
 
@@ -37,6 +36,8 @@ pytestmark = pytest.mark.timeout(120)
 EXPERTS = 6
 EP_SIZE, EP_RANK = 3, 1  # rank 1 of 3 holds experts 2 and 3
 PROJECTIONS = ("w1", "w2")
+#: The first bytes of a file a load reads to find a safetensors header (at most).
+HEADER_PROBE = 64 * 1024
 
 
 def _loader(extra: dict[str, Any] | None = None) -> Any:
