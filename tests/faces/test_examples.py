@@ -15,7 +15,10 @@ import pytest
 from asyncload.testing import TEST_ENV
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if p.name != "demo.py")
+# vllm_load.py needs vLLM: tests/vllm/test_vllm_generate.py runs it in .venv-vllm
+EXAMPLES = sorted(
+    p for p in (REPO / "examples").glob("*.py") if p.name not in ("demo.py", "vllm_load.py")
+)
 
 
 def _env(tmp: Path) -> dict[str, str]:

@@ -1,0 +1,178 @@
+"""The vLLM model loader of ``load_format="asyncload"`` (registered by
+:func:`asyncload.integrations.vllm.register`; importing this module imports vLLM).
+
+:class:`AsyncLoadModelLoader` is vLLM's ``DefaultModelLoader`` with two methods replaced:
+``_get_weights_iterator`` (where vLLM opens the safetensors files of one weight source) reads
+through :func:`asyncload.iter_tensors`'s stream, and ``download_model`` checks that the weights
+are there instead of downloading them. Everything else is vLLM's: ``load_weights`` (the model's
+own weight loaders, the strict check that every parameter was loaded), the expert-parallel
+filter (``_init_ep_weight_filter`` sets ``local_expert_ids``) and the model's
+``is_unused_checkpoint_weight``. Both filters become the stream's ``keys=`` predicate, so the
+tensors they drop are never read (vLLM's own loader drops unused weights by whole shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+import time
+from collections.abc import Callable, Generator, Iterator
+
+import torch
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+from asyncload._errors import AsyncLoadError, redact_url
+from asyncload._read import read_state_dict
+from asyncload._stats import LoadStats
+from asyncload._stream import CheckpointStream, _astream, sync_iter
+from asyncload.integrations._vllm_config import LOAD_FORMAT, parse_extra_config
+
+__all__ = ["AsyncLoadModelLoader", "weight_filter"]
+
+log = logging.getLogger("asyncload.integrations.vllm")
+
+
+def weight_filter(
+    local_expert_ids: set[int] | None, is_unused_weight: Callable[[str], bool] | None
+) -> Callable[[str], bool] | None:
+    """The ``keys=`` predicate of one weight source: a checkpoint name is read unless vLLM's
+    expert-parallel filter skips it (an expert of another rank, ``should_skip_weight``) or the
+    model does not load it (``is_unused_checkpoint_weight``). ``None``: every name."""
+    if local_expert_ids is None and is_unused_weight is None:
+        return None
+
+    def wanted(name: str) -> bool:
+        if should_skip_weight(name, local_expert_ids):
+            return False
+        return is_unused_weight is None or not is_unused_weight(name)
+
+    return wanted
+
+
+class AsyncLoadModelLoader(DefaultModelLoader):
+    """vLLM's ``DefaultModelLoader`` reading the weights through asyncload (see the module
+    docstring and :mod:`asyncload.integrations.vllm` for ``model_loader_extra_config``).
+
+    ``load_stats``: the :class:`~asyncload.LoadStats` of each weight source read, in order.
+    """
+
+    #: vLLM's (a class attribute there): when the first weight was asked for.
+    counter_before_loading_weights: float = 0.0
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        self.extra = parse_extra_config(load_config.model_loader_extra_config)
+        # vLLM's own extra-config keys (multithread loading) do not apply: none passed on
+        super().__init__(dataclasses.replace(load_config, model_loader_extra_config={}))
+        self.load_stats: list[LoadStats] = []
+        #: vLLM's ``model`` of the load in progress: the source that ``url`` replaces.
+        self._model: str | None = None
+
+    # --- where the weights are -------------------------------------------------------------
+
+    def _url(self, model_or_path: str, subfolder: str | None) -> tuple[str, str]:
+        """The weights' URL of a source, and what to call it in an error."""
+        if self.extra.url is not None and model_or_path == self._model:
+            base, what = self.extra.url, 'model_loader_extra_config["url"]'
+        else:
+            if not os.path.isdir(model_or_path):
+                raise ValueError(
+                    f"load_format={LOAD_FORMAT!r} reads a local directory or a URL; "
+                    f"{model_or_path!r} is not a local directory: download it first, or "
+                    'give the URL of its safetensors files in model_loader_extra_config["url"]'
+                )
+            base, what = model_or_path, "the model directory"
+        if subfolder:
+            base = base.rstrip("/") + "/" + subfolder
+        return base, what
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: check that the weights' metadata can be read (no tensor data
+        is read)."""
+        self._model = model_config.model
+        url, what = self._url(model_config.model, None)
+        try:
+            read_state_dict(
+                url,
+                device="meta",
+                options=self.extra.options,
+                storage_options=self.extra.storage_options,
+            )
+        except AsyncLoadError as exc:
+            _naming(exc, what, url)
+            raise
+
+    # --- the weights ---------------------------------------------------------------------
+
+    def get_all_weights(
+        self, model_config: ModelConfig, model: torch.nn.Module
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        self._model = model_config.model
+        self.load_stats = []
+        yield from super().get_all_weights(model_config, model)
+
+    def _get_weights_iterator(
+        self, source: DefaultModelLoader.Source
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        url, what = self._url(source.model_or_path, source.subfolder)
+        keys = weight_filter(self.local_expert_ids, source.is_unused_weight)
+        if source.allow_patterns_overrides is not None:
+            urls = self._matching_files(url, what, source.allow_patterns_overrides)
+        else:
+            urls = [url]
+        if self.counter_before_loading_weights == 0.0:
+            self.counter_before_loading_weights = time.perf_counter()
+        prefix = source.prefix
+        return (
+            (prefix + name, tensor)
+            for one in urls
+            for name, tensor in self._tensors(one, what, keys)
+        )
+
+    @staticmethod
+    def _matching_files(url: str, what: str, patterns: list[str]) -> list[str]:
+        """The model's own file patterns (``allow_patterns_overrides``): local directories."""
+        if not os.path.isdir(url):
+            raise ValueError(
+                f"this model loads only the files matching {patterns} of {what}; "
+                f"load_format={LOAD_FORMAT!r} selects files by pattern in a local directory only, "
+                f"and {redact_url(url)} is not one"
+            )
+        for pattern in patterns:  # the first pattern that matches, as vLLM's loader
+            found = sorted(glob.glob(os.path.join(url, pattern)))
+            if found:
+                return found
+        raise ValueError(f"no file of {what} ({url}) matches {patterns}")
+
+    def _stream(self, url: str, keys: Callable[[str], bool] | None) -> CheckpointStream:
+        return CheckpointStream(
+            url,
+            keys=keys,
+            options=self.extra.options,
+            storage_options=self.extra.storage_options,
+        )
+
+    def _tensors(
+        self, url: str, what: str, keys: Callable[[str], bool] | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        stream = self._stream(url, keys)
+        try:
+            yield from sync_iter(_astream(stream), self.extra.options)
+        except AsyncLoadError as exc:
+            _naming(exc, what, url)
+            raise
+        self.load_stats.append(stream.stats)
+
+
+def _naming(exc: AsyncLoadError, what: str, url: str) -> None:
+    """Start ``exc``'s message with where the weights were configured (the same exception:
+    class, attributes and cause unchanged)."""
+    head = f"load_format={LOAD_FORMAT!r}, {what} = {redact_url(url)!r}: "
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (head + exc.args[0], *exc.args[1:])
+    else:
+        exc.args = (head + str(exc),)

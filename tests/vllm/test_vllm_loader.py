@@ -1,0 +1,209 @@
+"""The loader of ``load_format="asyncload"`` without starting vLLM's engine: the entry point,
+configuration errors, and vLLM's expert-parallel filter turned into asyncload's ``keys=``.
+
+Expert parallelism needs more than one rank (``ep_size = dp x pcp x tp``), which vLLM's CPU
+build cannot run on this machine's two cores in test time; the filter is tested here as vLLM
+applies it: the loader's ``local_expert_ids`` set by vLLM's own ``compute_local_expert_ids``,
+the tensors it yields compared, bit for bit, with those of vLLM's own
+``safetensors_weights_iterator(..., local_expert_ids=...)``, and the byte ranges requested from
+an S3 server checked against the skipped experts' bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids
+from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+from asyncload.integrations.vllm import register
+from asyncload.testing import S3Server
+
+pytestmark = pytest.mark.timeout(120)
+
+EXPERTS = 6
+EP_SIZE, EP_RANK = 3, 1  # rank 1 of 3 holds experts 2 and 3
+PROJECTIONS = ("w1", "w2")
+#: The first bytes of a file a load reads to find a safetensors header (at most).
+HEADER_PROBE = 64 * 1024
+
+
+def _loader(extra: dict[str, Any] | None = None) -> Any:
+    register()
+    return get_model_loader(
+        LoadConfig(load_format="asyncload", model_loader_extra_config=extra or {})
+    )
+
+
+def test_entry_point_registers_the_loader() -> None:
+    (ep,) = [
+        e
+        for e in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if e.name == "asyncload"
+    ]
+    assert ep.value == "asyncload.integrations.vllm:register"
+    assert ep.load() is register
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM process does
+    from asyncload.integrations._vllm_loader import AsyncLoadModelLoader
+
+    loader = get_model_loader(LoadConfig(load_format="asyncload"))
+    assert type(loader) is AsyncLoadModelLoader
+
+
+def test_importing_the_plugin_module_imports_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys, asyncload.integrations.vllm as m; "
+        "print(sorted(n for n in ('vllm', 'torch') if n in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"URL": "s3://b/m"}, ["model_loader_extra_config['URL']", "unknown key", "url"]),
+        ({"enable_multithread_load": True}, ["['enable_multithread_load']", "unknown key"]),
+        (
+            {"options": {"chunksize": 1}},
+            ["model_loader_extra_config['options']['chunksize']", "chunk_size"],
+        ),
+        ({"options": {"concurrency": 0}}, ["model_loader_extra_config['options']", "concurrency"]),
+        ({"options": [1]}, ["model_loader_extra_config['options'] must be a dict"]),
+        (
+            {"storage_options": "x"},
+            ["model_loader_extra_config['storage_options'] must be a dict"],
+        ),
+        ({"url": ""}, ["model_loader_extra_config['url'] = ''"]),
+    ],
+)
+def test_bad_extra_config_names_the_key(extra: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        _loader(extra)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_options_reach_load_options() -> None:
+    loader = _loader({"options": {"concurrency": 3, "timeout": 7.5, "transport": "fsspec"}})
+    assert (loader.extra.options.concurrency, loader.extra.options.timeout) == (3, 7.5)
+    assert loader.extra.options.transport == "fsspec"
+
+
+# --- the expert-parallel filter ----------------------------------------------------------
+
+
+def _moe_checkpoint(directory: Path) -> Path:
+    """A Mixtral-like safetensors file: embeddings, a router, 6 experts of 2 weights each (and
+    a per-expert scale, which vLLM's filter never skips), a norm. Expert weights of 1 MiB and
+    more, as real ones: a gap smaller than ``min_chunk_size`` (1 MiB) between two tensors a rank
+    reads may be read through, as in any load."""
+    g = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(256, 128, generator=g),  # 128 KiB, first
+        "model.layers.0.block_sparse_moe.gate.weight": torch.randn(EXPERTS, 128, generator=g),
+        "model.norm.weight": torch.randn(128, generator=g),
+    }
+    for e in range(EXPERTS):
+        for w in PROJECTIONS:
+            name = f"model.layers.0.block_sparse_moe.experts.{e}.{w}"
+            tensors[f"{name}.weight"] = torch.randn(256, 1056, generator=g)  # 1.03 MiB
+            tensors[f"{name}.weight_scale"] = torch.rand(1, generator=g)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "model.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def _weights(loader: Any, model_dir: Path) -> dict[str, torch.Tensor]:
+    """What the loader gives a model's ``load_weights`` (vLLM's ``get_all_weights``)."""
+    model_config = SimpleNamespace(model=str(model_dir), revision=None)
+    return dict(loader.get_all_weights(model_config, torch.nn.Module()))
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def _skipped_ranges(path: Path, local: set[int]) -> list[tuple[int, int]]:
+    """Absolute half-open byte ranges of the expert weights another rank holds."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__" or not name.endswith(".weight") or ".experts." not in name:
+            continue
+        if int(name.split(".experts.")[1].split(".")[0]) not in local:
+            b, e = info["data_offsets"]
+            out.append((8 + n + b, 8 + n + e))
+    return out
+
+
+def test_expert_filter_local(tmp_path: Path) -> None:
+    path = _moe_checkpoint(tmp_path / "moe")
+    local = compute_local_expert_ids(EXPERTS, EP_SIZE, EP_RANK)
+    assert local == {2, 3}
+    want = dict(safetensors_weights_iterator([str(path)], False, local_expert_ids=local))
+    loader = _loader()
+    loader.local_expert_ids = local  # what vLLM's _init_ep_weight_filter sets under EP
+    got = _weights(loader, path.parent)
+    _same(got, want)
+    skipped = _skipped_ranges(path, local)
+    assert len(skipped) == len(PROJECTIONS) * (EXPERTS - 2)
+    (stats,) = loader.load_stats
+    assert stats.bytes_assembled == sum(t.numel() * t.element_size() for t in want.values())
+    # nothing of the skipped experts read: the file less their bytes, and the header probe
+    # (its first HEADER_PROBE bytes, read again as tensor data), at most
+    unskipped = path.stat().st_size - sum(e - b for b, e in skipped)
+    assert stats.bytes_read <= unskipped + HEADER_PROBE
+    # every expert, without the filter
+    loader.local_expert_ids = None
+    assert (
+        sum(".experts." in k for k in _weights(loader, path.parent))
+        == EXPERTS * len(PROJECTIONS) * 2
+    )
+
+
+def test_expert_filter_reads_only_local_experts_from_s3(
+    tmp_path: Path, s3_server: S3Server, fault_proxy: Any
+) -> None:
+    path = _moe_checkpoint(tmp_path / "moe")
+    url = s3_server.upload_dir(path.parent, "vllm-moe", "moe")
+    proxy = fault_proxy(s3_server)
+    local = compute_local_expert_ids(EXPERTS, EP_SIZE, EP_RANK)
+    want = dict(safetensors_weights_iterator([str(path)], False, local_expert_ids=local))
+    loader = _loader(
+        {"url": url, "storage_options": s3_server.storage_options(proxy.endpoint_url)}
+    )
+    loader.local_expert_ids = local
+    _same(_weights(loader, path.parent), want)
+    ranges = []
+    for entry in proxy.log:
+        if entry.method == "GET" and entry.path.endswith("model.safetensors"):
+            assert entry.range is not None, entry  # never the whole object
+            first, last = entry.range.removeprefix("bytes=").split("-")
+            ranges.append((int(first), int(last) + 1))
+    assert ranges
+    for b, e in _skipped_ranges(path, local):
+        for rb, re_ in ranges:
+            assert re_ <= b or rb >= e, f"read {rb}-{re_} overlaps a skipped expert {b}-{e}"
