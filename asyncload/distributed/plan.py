@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from asyncload._errors import AsyncLoadError
-from asyncload.engine.chunks import Chunk
+from asyncload.engine.chunks import Chunk, Piece
 
-__all__ = ["Transfer", "balance_units", "plan_transfers", "split_units"]
+#: ``Chunk`` and ``Piece``: the engine's reads this plan takes in (named here for the wing's
+#: tests).
+__all__ = ["Chunk", "Piece", "Transfer", "balance_units", "plan_transfers", "split_units"]
 
 
 @dataclass(frozen=True)
