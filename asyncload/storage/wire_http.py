@@ -85,6 +85,10 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._scratch = bytearray(_SCRATCH)
+        #: what get_buffer hands out when no body is being received: a view, never the
+        #: bytearray itself, since asyncio's TLS layer fills ``buf[offset:]`` after its first
+        #: record, and a slice of a bytearray is a copy (those bytes would be lost)
+        self._scratch_view = memoryview(self._scratch)
         self._inbox = bytearray()
         self._sinks: Sequence[memoryview] | None = None
         self._si = 0
@@ -110,7 +114,7 @@ class Connection(asyncio.BufferedProtocol):
         sinks = self._sinks
         if sinks is not None and self._si < len(sinks):
             return sinks[self._si][self._pos :]
-        return self._scratch
+        return self._scratch_view
 
     def buffer_updated(self, nbytes: int) -> None:
         sinks = self._sinks
@@ -123,7 +127,7 @@ class Connection(asyncio.BufferedProtocol):
                 if self._si >= len(sinks):
                     self._wake()
             return
-        self._inbox += memoryview(self._scratch)[:nbytes]
+        self._inbox += self._scratch_view[:nbytes]
         if len(self._inbox) > 4 * _SCRATCH and self.transport is not None and not self._paused:
             self._paused = True
             self.transport.pause_reading()

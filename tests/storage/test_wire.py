@@ -176,11 +176,8 @@ def test_a_cancel_stops_every_write_and_closes_the_connection(
     assert wait_closed(port) == []
 
 
-def test_tls_through_the_loops_ssl(request, blob, bucket_name, fault_proxy, tmp_path, monkeypatch):
-    """HTTPS to a TLS front of the HTTP Range server, its self-signed certificate trusted
-    through ``SSL_CERT_FILE``; an untrusted certificate is a TLS error, not retried."""
-    path, raw = blob
-    r = make_remote(request, "http", path, bucket_name, fault_proxy)
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
@@ -188,6 +185,60 @@ def test_tls_through_the_loops_ssl(request, blob, bucket_name, fault_proxy, tmp_
          "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
+    return cert, key
+
+
+def test_tls_records_received_before_the_body_is_asked_for_all_land(tmp_path):
+    """An answer that arrives whole over TLS before the reader asks for its body: asyncio's
+    TLS layer decrypts several records into one buffer from ``get_buffer`` (the records
+    after the first into ``buf[offset:]``), and every byte of each must reach the body."""
+    from asyncload.storage.wire_http import Connection
+
+    cert, key = _self_signed(tmp_path)
+    body = torch.randint(0, 256, (512 << 10,), dtype=torch.uint8).numpy().tobytes()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    async def go() -> None:
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(cert, key)
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)  # head and body at once: many TLS records back to back
+            await writer.drain()
+            await reader.read()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
+        port = server.sockets[0].getsockname()[1]
+        client_ctx = ssl.create_default_context(cafile=str(cert))
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(
+            Connection, "127.0.0.1", port, ssl=client_ctx, server_hostname="127.0.0.1"
+        )
+        try:
+            conn.send(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            while len(conn._inbox) < len(answer):  # all of it in before the head is read
+                assert not conn.closed
+                await asyncio.sleep(0.005)
+            status, _, headers = await conn.read_head()
+            assert (status, headers["content-length"]) == (200, str(len(body)))
+            got = bytearray(len(body))
+            assert await conn.read_exactly_into([memoryview(got)], len(body)) == len(body)
+            assert bytes(got) == body
+        finally:
+            conn.abort()
+            server.close()
+
+    asyncio.run(go())
+
+
+def test_tls_through_the_loops_ssl(request, blob, bucket_name, fault_proxy, tmp_path, monkeypatch):
+    """HTTPS to a TLS front of the HTTP Range server, its self-signed certificate trusted
+    through ``SSL_CERT_FILE``; an untrusted certificate is a TLS error, not retried."""
+    path, raw = blob
+    r = make_remote(request, "http", path, bucket_name, fault_proxy)
+    cert, key = _self_signed(tmp_path)
     upstream = r.proxy.endpoint_url.rsplit(":", 1)[1]
 
     async def go() -> None:
