@@ -13,9 +13,10 @@ translates them once (:mod:`asyncload.storage.classify`), with the path, range a
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -24,6 +25,7 @@ from asyncload._errors import redact_url
 __all__ = [
     "REQUEST",
     "CrossOriginRedirectError",
+    "ListedStore",
     "ListingTooLargeError",
     "NotRegularFileError",
     "ObjectChangedError",
@@ -336,3 +338,143 @@ class VersionPins(Storage):
     def pinned(self, name: str) -> str | None:
         """The version of file ``name`` this storage first saw, if the store reports one."""
         return self._versions.get(name)
+
+
+#: One file of a directory listing: its name relative to the root, its size and its version
+#: (as :meth:`VersionPins._see` takes it; None when the store gives none).
+Listed = tuple[str, int, str | None]
+
+
+class ListedStore(VersionPins):
+    """A remote store that answers sizes from a listing of the checkpoint's directory (S3,
+    GCS) and lists an HTTP directory through another store (an HTML index page: the
+    factory's fsspec store, made on first use by ``lister``). The object stores (obstore,
+    wire) share it; each gives :meth:`_head` (one file's size, by a request) and
+    :meth:`_list` (every file directly under the root), and has ``spec.kind``
+    (``"s3"``, ``"gcs"`` or ``"http"``).
+
+    :meth:`prefetch_sizes` starts the listing beside the ``.metadata`` read; :meth:`size`
+    answers from it once it is back (or from a HEAD, whichever comes first), and a file
+    directly under the root that it lacks is answered missing once, without a HEAD (the
+    format probe's "is there an index?" of a Hugging Face directory)."""
+
+    spec: Any
+
+    def __init__(self, root: str, *, lister: Callable[[], Storage] | None = None) -> None:
+        super().__init__(root)
+        #: file name -> its size, as a HEAD, a whole GET or a listing gave it (the version
+        #: those answers carried is pinned: a later answer of another version fails the load)
+        self._sizes: dict[str, int] = {}
+        #: makes the store that lists an HTTP directory (an HTML index page), on first use
+        self._make_lister = lister
+        self._lister: Storage | None = None
+        #: the listing :meth:`prefetch_sizes` started, and the sizes it gave that :meth:`size`
+        #: has not yet answered from (once each: a later ``size`` asks the store again)
+        self._listing: asyncio.Future[list[Listed]] | None = None
+        self._listed: dict[str, int] = {}
+        #: the names of that listing, once it is back
+        self._listed_names: frozenset[str] | None = None
+
+    async def _head(self, name: str) -> int:
+        """The size of file ``name``, by a request (its version pinned)."""
+        raise NotImplementedError
+
+    async def _list(self) -> list[Listed]:
+        """Every file directly under the root (S3, GCS)."""
+        raise NotImplementedError
+
+    async def size(self, name: str) -> int:
+        self._take_listing_if_back()
+        listing = self._listing
+        if listing is not None and "/" not in name:
+            # the listing beside the .metadata GET is still on its way (it and the GET go out
+            # together and come back about together): the answer is whichever comes first,
+            # it or a HEAD, so a name it lacks (is there an index?) costs no extra round trip
+            head = asyncio.ensure_future(self._head(name))
+            try:
+                pending: set[asyncio.Future[Any]] = {head, listing}
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                self._take_listing_if_back()
+                if head.done() or self._listed_names is None:  # the HEAD first, or no listing
+                    return await head
+            finally:  # the listing answers (or this call is cancelled): the HEAD is not needed
+                if not head.done():
+                    head.cancel()
+                    await asyncio.gather(head, return_exceptions=True)
+        if name in self._listed:  # the listing beside the .metadata GET gave it: answers once
+            return self._listed.pop(name)
+        names = self._listed_names
+        if names is not None and "/" not in name and name not in names:
+            # the listing lacks it: missing, without a round trip; once (the name joins the
+            # set): a later size asks the store
+            self._listed_names = names | {name}
+            raise FileNotFoundError(f"{self.url(name)} is not in the listing of {self.url('')}")
+        return await self._head(name)
+
+    def prefetch_sizes(self) -> None:
+        """Start listing the checkpoint's directory now (S3, GCS), while ``.metadata`` is
+        read: :meth:`sizes` takes the files' sizes from it if it has finished by then."""
+        if self.spec.kind != "http" and self._listing is None:
+            self._listing = asyncio.ensure_future(self._list())
+
+    async def sizes(self, names: Sequence[str]) -> dict[str, int]:
+        """The sizes this load has already seen (a HEAD, a whole GET, a listing started by
+        :meth:`prefetch_sizes` that has finished: no request), and one listing of the
+        checkpoint's directory instead of a HEAD per file for the others (S3, GCS; 4 files
+        or more)."""
+        if not self._take_listing_if_back() and self._listing is not None:
+            # not back yet (a large directory): never wait for it
+            listing, self._listing = self._listing, None
+            listing.cancel()
+            await asyncio.gather(listing, return_exceptions=True)
+        out = {n: self._sizes[n] for n in names if n in self._sizes}
+        wanted = set(names) - set(out)
+        if len(wanted) < 4 or self.spec.kind == "http":
+            return out
+        self._take_listing(await self._list(), wanted)
+        out.update((n, self._sizes[n]) for n in wanted if n in self._sizes)
+        return out
+
+    def _take_listing_if_back(self) -> bool:
+        """Take the sizes and versions of every file of the listing :meth:`prefetch_sizes`
+        started, if it is back (a failed one, e.g. without permission to list, is dropped)."""
+        listing = self._listing
+        if listing is None or not listing.done():
+            return False
+        self._listing = None
+        if listing.cancelled() or listing.exception() is not None:
+            return False
+        for path, size, _ in listing.result():
+            self._listed[path] = size
+        self._listed_names = frozenset(self._listed)
+        self._take_listing(listing.result(), None)
+        return True
+
+    def _take_listing(self, entries: list[Listed], wanted: set[str] | None) -> None:
+        for path, size, version in entries:
+            if wanted is None or path in wanted:
+                self._sizes[path] = size
+                self._see(path, version)
+
+    async def listdir(self) -> list[str]:
+        if self.spec.kind == "http":  # an HTML index page: the lister parses its links
+            if self._lister is None:
+                if self._make_lister is None:
+                    return []
+                self._lister = self._make_lister()
+            return await self._lister.listdir()
+        try:
+            entries = await self._list()
+        except FileNotFoundError:
+            return []
+        return sorted(p for p, _, _ in entries if "/" not in p)
+
+    async def _close_listing(self) -> None:
+        """Cancel a listing still on its way and close the HTTP lister (part of ``aclose``)."""
+        listing, self._listing = self._listing, None
+        if listing is not None:
+            listing.cancel()
+            await asyncio.gather(listing, return_exceptions=True)
+        lister, self._lister = self._lister, None
+        if lister is not None:
+            await lister.aclose()

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncload.storage.base import (
     CrossOriginRedirectError,
+    Listed,
+    ListedStore,
     ObjectChangedError,
     RangeIgnoredError,
     RangeMismatchError,
     ShortReadError,
     Storage,
-    VersionPins,
     first_byte,
     origin_of,
 )
@@ -77,7 +78,7 @@ def _etag(value: Any) -> str | None:
     return str(value).strip().removeprefix("W/").strip('"')
 
 
-class ObstoreStorage(VersionPins):
+class ObstoreStorage(ListedStore):
     """S3, GCS or HTTP(S) through one obstore store (one connection pool per storage,
     dropped by :meth:`aclose`).
 
@@ -97,25 +98,11 @@ class ObstoreStorage(VersionPins):
         *,
         lister: Callable[[], Storage] | None = None,
     ) -> None:
-        super().__init__(root)
+        super().__init__(root, lister=lister)
         self.spec = spec
         self._store: Any = None
         #: file name -> the strong ETag to send as ``If-Match``
         self._conditions: dict[str, str] = {}
-        #: makes the store that lists an HTTP directory (an HTML index page), on first use
-        self._make_lister = lister
-        self._lister: Storage | None = None
-        #: file name -> its size, as a HEAD, a whole GET or a listing gave it (the version
-        #: those answers carried is pinned: a later answer of another version fails the load)
-        self._sizes: dict[str, int] = {}
-        #: the listing :meth:`prefetch_sizes` started, and the sizes it gave that :meth:`size`
-        #: has not yet answered from (once each: a later ``size`` asks the store again)
-        self._listing: asyncio.Future[list[Any]] | None = None
-        self._listed: dict[str, int] = {}
-        #: the names of that listing, once it is back; a file directly under the root that it
-        #: lacks is answered missing once, without a HEAD (the format probe's "is there an
-        #: index?" of a Hugging Face directory)
-        self._listed_names: frozenset[str] | None = None
         #: refuses the store's requests to other hosts (built with the store)
         self._guard: RedirectGuard | None = None
 
@@ -296,34 +283,6 @@ class ObstoreStorage(VersionPins):
             raise ShortReadError(self.url(name), 0, want, len(data))
         return memoryview(data), size
 
-    async def size(self, name: str) -> int:
-        self._take_listing_if_back()
-        listing = self._listing
-        if listing is not None and "/" not in name:
-            # the listing beside the .metadata GET is still on its way (it and the GET go out
-            # together and come back about together): the answer is whichever comes first,
-            # it or a HEAD, so a name it lacks (is there an index?) costs no extra round trip
-            head = asyncio.ensure_future(self._head(name))
-            try:
-                pending: set[asyncio.Future[Any]] = {head, listing}
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                self._take_listing_if_back()
-                if head.done() or self._listed_names is None:  # the HEAD first, or no listing
-                    return await head
-            finally:  # the listing answers (or this call is cancelled): the HEAD is not needed
-                if not head.done():
-                    head.cancel()
-                    await asyncio.gather(head, return_exceptions=True)
-        if name in self._listed:  # the listing beside the .metadata GET gave it: answers once
-            return self._listed.pop(name)
-        names = self._listed_names
-        if names is not None and "/" not in name and name not in names:
-            # the listing lacks it: missing, without a round trip; once (the name joins the
-            # set): a later size asks the store
-            self._listed_names = names | {name}
-            raise FileNotFoundError(f"{self.url(name)} is not in the listing of {self.url('')}")
-        return await self._head(name)
-
     async def _head(self, name: str) -> int:
         import obstore
 
@@ -338,85 +297,18 @@ class ObstoreStorage(VersionPins):
         size = self._sizes[name] = int(meta["size"])
         return size
 
-    async def _list(self) -> list[Any]:
+    async def _list(self) -> list[Listed]:
         import obstore
 
         listing = await obstore.list_with_delimiter_async(self._get_store())
-        return list(listing["objects"])
-
-    def prefetch_sizes(self) -> None:
-        """Start listing the checkpoint's directory now (S3, GCS), while ``.metadata`` is
-        read: :meth:`sizes` takes the files' sizes from it if it has finished by then."""
-        if self.spec.kind != "http" and self._listing is None:
-            self._listing = asyncio.ensure_future(self._list())
-
-    async def sizes(self, names: Sequence[str]) -> dict[str, int]:
-        """The sizes this load has already seen (a HEAD, a whole GET, a listing started by
-        :meth:`prefetch_sizes` that has finished: no request), and one listing of the
-        checkpoint's directory instead of a HEAD per file for the others (S3, GCS; 4 files
-        or more)."""
-        if not self._take_listing_if_back() and self._listing is not None:
-            listing, self._listing = (
-                self._listing,
-                None,
-            )  # not back yet (a large directory): never wait for it
-            listing.cancel()
-            await asyncio.gather(listing, return_exceptions=True)
-        out = {n: self._sizes[n] for n in names if n in self._sizes}
-        wanted = set(names) - set(out)
-        if len(wanted) < 4 or self.spec.kind == "http":
-            return out
-        self._take_listing(await self._list(), wanted)
-        out.update((n, self._sizes[n]) for n in wanted if n in self._sizes)
-        return out
-
-    def _take_listing_if_back(self) -> bool:
-        """Take the sizes and versions of every file of the listing :meth:`prefetch_sizes`
-        started, if it is back (a failed one, e.g. without permission to list, is dropped)."""
-        listing = self._listing
-        if listing is None or not listing.done():
-            return False
-        self._listing = None
-        if listing.cancelled() or listing.exception() is not None:
-            return False
-        for meta in listing.result():
-            self._listed[str(meta["path"])] = int(meta["size"])
-        self._listed_names = frozenset(self._listed)
-        self._take_listing(listing.result(), None)
-        return True
-
-    def _take_listing(self, metas: list[Any], wanted: set[str] | None) -> None:
-        for meta in metas:
-            path = str(meta["path"])
-            if wanted is None or path in wanted:
-                self._sizes[path] = int(meta["size"])
-                self._see(path, self._version_of(meta))
-
-    async def listdir(self) -> list[str]:
-        if self.spec.kind == "http":  # an HTML index page: the lister parses its links
-            if self._lister is None:
-                if self._make_lister is None:
-                    return []
-                self._lister = self._make_lister()
-            return await self._lister.listdir()
-        try:
-            metas = await self._list()
-        except FileNotFoundError:
-            return []
-        return sorted(str(m["path"]) for m in metas if "/" not in str(m["path"]))
+        return [(str(m["path"]), int(m["size"]), self._version_of(m)) for m in listing["objects"]]
 
     async def aclose(self) -> None:
         """Drop the store (its connection pool closes with it) and the HTTP lister. Safe to call
         twice."""
-        listing, self._listing = self._listing, None
-        if listing is not None:
-            listing.cancel()
-            await asyncio.gather(listing, return_exceptions=True)
+        await self._close_listing()
         self._store = None
         guard, self._guard = self._guard, None
         if guard is not None:
             await guard.aclose()
-        lister, self._lister = self._lister, None
-        if lister is not None:
-            await lister.aclose()
         await asyncio.sleep(0)

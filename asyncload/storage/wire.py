@@ -24,7 +24,6 @@ credentials (OAuth), requester-pays buckets. ``transport="auto"`` then uses obst
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import ssl
@@ -35,13 +34,14 @@ from urllib.parse import quote, urlencode, urljoin, urlsplit
 
 from asyncload.storage.base import (
     CrossOriginRedirectError,
+    Listed,
+    ListedStore,
     ListingTooLargeError,
     ObjectChangedError,
     RangeIgnoredError,
     RangeMismatchError,
     ShortReadError,
     Storage,
-    VersionPins,
     first_byte,
     origin_of,
     parse_content_range,
@@ -184,7 +184,7 @@ def _etag(value: str | None) -> str | None:
     return value.strip().removeprefix("W/").strip('"') or None
 
 
-class WireStorage(VersionPins):
+class WireStorage(ListedStore):
     """S3, GCS or HTTP(S) through asyncload's own HTTP/1.1 client (one connection pool per
     origin, dropped by :meth:`aclose`). Versions are pinned as :class:`ObstoreStorage` pins
     them (S3: ETag; GCS: generation; HTTP: ETag, else Last-Modified). HTTP directory listings
@@ -202,7 +202,7 @@ class WireStorage(VersionPins):
         lister: Callable[[], Storage] | None = None,
         max_listing_size: int | None = None,
     ) -> None:
-        super().__init__(root)
+        super().__init__(root, lister=lister)
         self.spec = spec
         self._origin = origin_of(spec.object_url("x"))
         #: origin -> its pool (the checkpoint's only: nothing else is ever asked)
@@ -210,13 +210,7 @@ class WireStorage(VersionPins):
         self._ssl: ssl.SSLContext | None = None
         #: file name -> the condition header to send (``If-Match`` with a strong ETag)
         self._conditions: dict[str, str] = {}
-        self._sizes: dict[str, int] = {}
-        self._make_lister = lister
-        self._lister: Storage | None = None
         self._max_listing = max_listing_size or LISTING_LIMIT
-        self._listing: asyncio.Future[list[tuple[str, int, str | None]]] | None = None
-        self._listed: dict[str, int] = {}
-        self._listed_names: frozenset[str] | None = None
 
     def __repr__(self) -> str:
         return f"<WireStorage {self.url('')} pools={list(self._pools.values())}>"
@@ -431,35 +425,11 @@ class WireStorage(VersionPins):
         size = self._sizes[name] = int(length)
         return size
 
-    async def size(self, name: str) -> int:
-        self._take_listing_if_back()
-        listing = self._listing
-        if listing is not None and "/" not in name:
-            # the listing beside the .metadata GET is on its way: whichever answers first
-            head = asyncio.ensure_future(self._head(name))
-            try:
-                pending: set[asyncio.Future[Any]] = {head, listing}
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                self._take_listing_if_back()
-                if head.done() or self._listed_names is None:
-                    return await head
-            finally:
-                if not head.done():
-                    head.cancel()
-                    await asyncio.gather(head, return_exceptions=True)
-        if name in self._listed:
-            return self._listed.pop(name)
-        names = self._listed_names
-        if names is not None and "/" not in name and name not in names:
-            self._listed_names = names | {name}
-            raise FileNotFoundError(f"{self.url(name)} is not in the listing of {self.url('')}")
-        return await self._head(name)
-
     # listings
-    async def _list(self) -> list[tuple[str, int, str | None]]:
+    async def _list(self) -> list[Listed]:
         """``(name, size, version)`` of every file directly under the root (S3, GCS), all
         pages together at most the listing limit."""
-        out: list[tuple[str, int, str | None]] = []
+        out: list[Listed] = []
         token: str | None = None
         left = self._max_listing
         prefix = f"{self.spec.prefix}/" if self.spec.prefix else ""
@@ -481,74 +451,15 @@ class WireStorage(VersionPins):
             if not token:
                 return out
 
-    def prefetch_sizes(self) -> None:
-        """Start listing the checkpoint's directory now (S3, GCS), while ``.metadata`` is
-        read."""
-        if self.spec.kind != "http" and self._listing is None:
-            self._listing = asyncio.ensure_future(self._list())
-
-    async def sizes(self, names: Sequence[str]) -> dict[str, int]:
-        if not self._take_listing_if_back() and self._listing is not None:
-            listing, self._listing = self._listing, None
-            listing.cancel()
-            await asyncio.gather(listing, return_exceptions=True)
-        out = {n: self._sizes[n] for n in names if n in self._sizes}
-        wanted = set(names) - set(out)
-        if len(wanted) < 4 or self.spec.kind == "http":
-            return out
-        self._take_listing(await self._list(), wanted)
-        out.update((n, self._sizes[n]) for n in wanted if n in self._sizes)
-        return out
-
-    def _take_listing_if_back(self) -> bool:
-        listing = self._listing
-        if listing is None or not listing.done():
-            return False
-        self._listing = None
-        if listing.cancelled() or listing.exception() is not None:
-            return False
-        for path, size, _ in listing.result():
-            self._listed[path] = size
-        self._listed_names = frozenset(self._listed)
-        self._take_listing(listing.result(), None)
-        return True
-
-    def _take_listing(
-        self, entries: list[tuple[str, int, str | None]], wanted: set[str] | None
-    ) -> None:
-        for path, size, version in entries:
-            if wanted is None or path in wanted:
-                self._sizes[path] = size
-                self._see(path, version)
-
-    async def listdir(self) -> list[str]:
-        if self.spec.kind == "http":  # an HTML index page: the lister parses its links
-            if self._lister is None:
-                if self._make_lister is None:
-                    return []
-                self._lister = self._make_lister()
-            return await self._lister.listdir()
-        try:
-            entries = await self._list()
-        except FileNotFoundError:
-            return []
-        return sorted(p for p, _, _ in entries if "/" not in p)
-
     async def aclose(self) -> None:
         """Close every connection and the HTTP lister. Safe to call twice."""
-        listing, self._listing = self._listing, None
-        if listing is not None:
-            listing.cancel()
-            await asyncio.gather(listing, return_exceptions=True)
+        await self._close_listing()
         pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             await pool.aclose()
-        lister, self._lister = self._lister, None
-        if lister is not None:
-            await lister.aclose()
 
 
-def _s3_page(body: bytes, prefix: str) -> tuple[list[tuple[str, int, str | None]], str | None]:
+def _s3_page(body: bytes, prefix: str) -> tuple[list[Listed], str | None]:
     """One ListObjectsV2 page: its files (names relative to the root) and the next token."""
     import xml.etree.ElementTree as ET
 
@@ -569,7 +480,7 @@ def _s3_page(body: bytes, prefix: str) -> tuple[list[tuple[str, int, str | None]
     return out, token
 
 
-def _gcs_page(body: bytes, prefix: str) -> tuple[list[tuple[str, int, str | None]], str | None]:
+def _gcs_page(body: bytes, prefix: str) -> tuple[list[Listed], str | None]:
     """One page of the GCS JSON API's object list."""
     try:
         doc = json.loads(body)
