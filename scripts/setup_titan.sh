@@ -15,13 +15,12 @@ if [ ! -x .venv-titan/bin/python ]; then
   "$PY" -m venv .venv-titan
 fi
 . .venv-titan/bin/activate
-stamp=$(cat pyproject.toml scripts/setup_titan.sh scripts/_venv.sh | sha256sum | cut -d' ' -f1)
-if [ "$(cat .venv-titan/.built-from 2>/dev/null)" = "$stamp" ] \
-  && python -c "import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, obstore, pytest_asyncio" >/dev/null 2>&1; then
+imports="import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, obstore, pytest_asyncio"
+. scripts/_venv.sh
+if venv_current .venv-titan scripts/setup_titan.sh "$imports"; then
   exit 0
 fi
 
-. scripts/_venv.sh
 install_torch
 # torch stays the build installed above whatever torchtitan's dependencies ask for
 constraints=$(mktemp)
@@ -33,5 +32,5 @@ echo "torch==2.13.0" >"$constraints"
 # build it is only imported, never run)
 PYTHONWARNINGS="ignore:Editable installation" pip_install -c "$constraints" \
   -e ".[test]" "torchtitan==0.3.0" "torch-checkpointing==0.1.1" "triton==3.8.0"
-python -c "import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, obstore, pytest_asyncio" >/dev/null
-echo "$stamp" >.venv-titan/.built-from
+python -c "$imports" >/dev/null
+venv_stamp .venv-titan scripts/setup_titan.sh

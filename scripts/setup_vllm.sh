@@ -21,13 +21,11 @@ if [ ! -x .venv-vllm/bin/python ]; then
 fi
 . .venv-vllm/bin/activate
 imports="import asyncload, vllm, transformers, tokenizers, moto, pytest_asyncio"
-stamp=$(cat pyproject.toml scripts/setup_vllm.sh scripts/_venv.sh | sha256sum | cut -d' ' -f1)
-if [ "$(cat .venv-vllm/.built-from 2>/dev/null)" = "$stamp" ] \
-  && python -c "$imports" >/dev/null 2>&1; then
+. scripts/_venv.sh
+if venv_current .venv-vllm scripts/setup_vllm.sh "$imports"; then
   exit 0
 fi
 
-. scripts/_venv.sh
 install_torch
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
@@ -39,4 +37,4 @@ PYTHONWARNINGS="ignore:Editable installation" pip_install -c "$constraints" \
   "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "safetensors>=0.4"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 python -c "$imports" >/dev/null
-echo "$stamp" >.venv-vllm/.built-from
+venv_stamp .venv-vllm scripts/setup_vllm.sh
