@@ -17,6 +17,7 @@ import http.server
 import json
 import logging
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -495,3 +496,50 @@ def test_a_token_endpoint_that_refuses_is_a_credentials_error_naming_the_key(
     assert "invalid_grant" in msg and "PRIVATE KEY" not in msg, msg
     assert recorder.requests == []
     _untouched(dst)
+
+
+# ---------------------------------------------------------------------------------------------
+# What "auto" picks
+# ---------------------------------------------------------------------------------------------
+def test_auto_uses_wire_for_every_credential_source_and_obstore_without_the_clients(
+    aws_env, gcs_env, caplog, tmp_path
+):
+    """A profile, web identity, an instance role, GCS OAuth: "auto" reads through wire. Only
+    where botocore (google-auth) is not installed does it fall back to obstore, saying why; a
+    key pair and an anonymous GCS read never need them."""
+    from asyncload.storage import ObstoreStorage
+
+    (tmp_path / "config").write_text("[profile dev]\nregion = us-east-1\n")
+    aws_env.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    (tmp_path / "sa.json").write_text(json.dumps({"type": "service_account"}))
+    s3 = {"endpoint_url": "http://127.0.0.1:1"}
+    gcs = {"endpoint_url": "http://127.0.0.1:1", "token": str(tmp_path / "sa.json")}
+    cases = [
+        ("s3://b/ckpt", {**s3, "profile": "dev"}, "the AWS profile 'dev'"),
+        ("s3://b/ckpt", {**s3, "requester_pays": True}, "botocore's credential chain"),
+        ("gs://b/ckpt", gcs, f"the key file '{tmp_path / 'sa.json'}'"),
+        ("gs://b/ckpt", {**gcs, "token": "google_default"}, "application default credentials"),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        for url, opts, source in cases:
+            storage = open_storage(url, opts, executor)
+            assert type(storage) is WireStorage, (url, opts)
+            assert source in repr(storage.spec.auth), repr(storage.spec.auth)
+        keyed = open_storage("s3://b/ckpt", {**s3, "key": "k", "secret": "s"}, executor)
+        assert type(keyed) is WireStorage and keyed.spec.signer is not None
+        aws_env.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))
+        aws_env.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/r")
+        assert type(open_storage("s3://b/ckpt", s3, executor)) is WireStorage
+        # without the clients that fetch them (the s3 and gcs extras), obstore fetches them
+        aws_env.setitem(sys.modules, "botocore.session", None)
+        aws_env.setitem(sys.modules, "google.auth.transport.requests", None)
+        for url, opts in (("s3://b/ckpt", s3), ("gs://b/ckpt", gcs)):
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="asyncload.storage"):
+                storage = open_storage(url, opts, executor)
+            assert type(storage) is ObstoreStorage, url
+            why = [r.getMessage() for r in caplog.records if "not wire" in r.getMessage()]
+            assert why and ("botocore" in why[0] or "google-auth" in why[0]), why
+        assert type(keyed) is WireStorage
+        anon = open_storage("gs://b/ckpt", {**gcs, "token": "anon"}, executor)
+        assert type(anon) is WireStorage and anon.spec.auth is None
