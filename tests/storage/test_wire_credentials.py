@@ -10,6 +10,7 @@ credentials of every source, and the other server receives nothing.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import datetime
 import http.client
@@ -269,6 +270,19 @@ def test_instance_role_credentials_come_from_the_metadata_service(
     assert tokens and set(tokens) == {"imds-session-token-for-s3-1"}
     auths = {h["authorization"] for _, _, h, _ in recorder.requests}
     assert all("Credential=ASIAIMDS000000000001/" in a for a in auths), auths
+
+    async def signed_read() -> list[str]:  # what a store with fetched credentials shows
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            storage = open_storage(url, opts, executor)
+            try:
+                await storage.read_prefix(".metadata", 16)
+                return [repr(storage), repr(storage.spec), repr(storage.spec.auth)]
+            finally:
+                await storage.aclose()
+
+    shown = asyncio.run(signed_read())
+    assert imds.fetches == 2 and "the instance metadata service" in shown[2], shown
+    assert not any(imds.secret in r or "imds-session-token" in r for r in shown), shown
 
 
 def test_credentials_about_to_expire_are_refreshed_during_the_load(
@@ -566,3 +580,27 @@ def test_obstore_refuses_a_redirect_to_another_port_of_the_same_host(
     # today the other port gets the listing and .metadata GETs with x-amz-security-token,
     # x-amz-date and Referer (object_store drops only Authorization)
     assert other.requests == []
+
+
+def test_requester_pays_is_signed_as_botocore_signs_it():
+    """s3fs' ``requester_pays=True``: ``x-amz-request-payer: requester``, signed (botocore's
+    signature of the same request, with its ``RequestPayer`` header, is ours)."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    from asyncload.storage.sigv4 import SigV4
+
+    for token in (None, "session/token+="):
+        req = AWSRequest(
+            method="GET",
+            url="http://127.0.0.1:9000/bkt/ckpt/.metadata",
+            headers={"x-amz-request-payer": "requester"},
+        )
+        S3SigV4Auth(Credentials("AKID", "SECRET/KEY", token), "s3", "us-east-1").add_auth(req)
+        when = datetime.datetime.strptime(req.headers["X-Amz-Date"], "%Y%m%dT%H%M%SZ")
+        ours = SigV4("AKID", "SECRET/KEY", "us-east-1", token, request_payer=True).sign(
+            "GET", "127.0.0.1:9000", "/bkt/ckpt/.metadata", now=when.replace(tzinfo=datetime.UTC)
+        )
+        assert ours["x-amz-request-payer"] == "requester"
+        assert ours["authorization"] == req.headers["Authorization"]
