@@ -239,13 +239,14 @@ def _aws_source(profile: str | None) -> str:
 
 class GoogleToken(RequestAuth):
     """An OAuth access token from google-auth for GCS, as gcsfs' ``token=``: a key file's
-    path, its dict, ``"google_default"`` or ``"cloud"`` (application default credentials),
-    or ``None`` (application default credentials, else anonymous, as gcsfs falls back)."""
+    path, its dict, a google-auth credentials object, ``"google_default"`` or ``"cloud"``
+    (application default credentials), or ``None`` (application default credentials, else
+    anonymous, as gcsfs falls back)."""
 
     def __init__(
         self,
         store: str,
-        token: str | Mapping[str, Any] | None,
+        token: Any,
         *,
         scopes: tuple[str, ...] = (GCS_READ_SCOPE,),
         executor: concurrent.futures.Executor | None = None,
@@ -256,8 +257,10 @@ class GoogleToken(RequestAuth):
             self.source = "Google application default credentials"
         elif isinstance(token, str):
             self.source = f"the key file {token!r}"
+        elif isinstance(token, Mapping):
+            self.source = "the key given as token="
         else:
-            self.source = "the service account key given as token="
+            self.source = "the google-auth credentials given as token="
         #: google-auth's credentials once loaded; None with ``_anonymous`` set: none found
         self._creds: Any = None
         self._anonymous = False
@@ -299,6 +302,8 @@ class GoogleToken(RequestAuth):
                 self._anonymous = True
                 return None
             return creds
+        if not isinstance(token, (str, Mapping)):
+            return token  # a google-auth credentials object
         if isinstance(token, str):
             with open(os.path.expanduser(token), encoding="utf-8") as f:
                 info = json.load(f)

@@ -387,7 +387,8 @@ def _gcs_spec(
     (``"anon"``, ``None``/``"google_default"``/``"cloud"``, a key file's path, a service
     account dict), ``project`` and ``access`` (not used by object reads). ``for_obstore=False``
     (the wire transport, which makes OAuth tokens with google-auth): the token is kept in
-    ``source`` as given, and any form google-auth loads is allowed."""
+    ``source`` as given; a user key's dict, a google-auth credentials object and application
+    default credentials of any kind are allowed too."""
     config: dict[str, Any] = {}
     client: dict[str, Any] = {}
     if any(_env(n) for n in _PROXY_ENV):
@@ -414,11 +415,13 @@ def _gcs_spec(
         token is None and endpoint is not None and endpoint == _norm_host(emulator)
     ):
         config["skip_signature"] = True
-    elif not for_obstore and (token is None or isinstance(token, (str, Mapping))):
-        pass  # google-auth reads it (a key file of any kind it knows, a dict, ADC)
     elif token in (None, "google_default", "cloud"):
         adc = _env("GOOGLE_APPLICATION_CREDENTIALS")
-        if adc is not None and _key_type(adc) not in ("service_account", "authorized_user"):
+        if (
+            for_obstore
+            and adc is not None
+            and _key_type(adc) not in ("service_account", "authorized_user")
+        ):
             raise Unmappable(
                 "GOOGLE_APPLICATION_CREDENTIALS is not a service account or user key file"
             )
@@ -432,6 +435,11 @@ def _gcs_spec(
             raise Unmappable(f"token={token!r} is neither a service account nor a user key file")
     elif isinstance(token, Mapping) and token.get("type") == "service_account":
         config["service_account_key"] = json.dumps(dict(token))
+    elif not for_obstore and (
+        (isinstance(token, Mapping) and token.get("type") == "authorized_user")
+        or (not isinstance(token, (str, Mapping)) and hasattr(token, "refresh"))
+    ):
+        pass  # google-auth makes its tokens: a user key's dict, a credentials object
     else:
         raise Unmappable(f"token of type {type(token).__name__} has no obstore equivalent")
     if endpoint is not None:

@@ -133,7 +133,12 @@ def plan_wire(
     (``executor``: where credentials from another host are fetched and refreshed).
 
     Raised: :class:`asyncload.storage.obstore_plan.Unmappable` naming what it cannot honour."""
-    from asyncload.storage import credentials as creds
+    from asyncload.storage.credentials import (
+        AwsChain,
+        GoogleToken,
+        botocore_available,
+        google_auth_available,
+    )
     from asyncload.storage.obstore_plan import Unmappable, plan_store
 
     spec = plan_store(url, storage_options, for_obstore=False)
@@ -149,15 +154,15 @@ def plan_wire(
             verify=verify,
         )
     cfg = spec.config
-    auth: creds.RequestAuth | None = None
+    auth: RequestAuth | None = None
     if spec.kind == "gcs":
         if not cfg.get("skip_signature"):
-            if not creds.google_auth_available():
+            if not google_auth_available():
                 raise Unmappable(
                     "GCS credentials (OAuth tokens) need google-auth, which is not installed "
                     "(pip install asyncload[gcs]; token='anon' for a public bucket)"
                 )
-            auth = creds.GoogleToken(url, spec.source.get("token"), executor=executor)
+            auth = GoogleToken(url, spec.source.get("token"), executor=executor)
         base = cfg.get("base_url") or "https://storage.googleapis.com"
         return WireSpec(
             "gcs", base, spec.bucket, spec.prefix or "", auth=auth, cadata=cadata, verify=verify
@@ -179,16 +184,14 @@ def plan_wire(
         profile = spec.source.get("profile")
         if key and secret and not profile:
             signer = SigV4(str(key), str(secret), region, token, request_payer=payer)
-        elif not creds.botocore_available():
+        elif not botocore_available():
             raise Unmappable(
                 "credentials that come from another host (a profile, an instance role, web "
                 "identity, a container endpoint) need botocore, which is not installed (pip "
                 "install asyncload[s3]), or pass key/secret"
             )
         else:
-            auth = creds.AwsChain(
-                url, region, profile=profile, request_payer=payer, executor=executor
-            )
+            auth = AwsChain(url, region, profile=profile, request_payer=payer, executor=executor)
     return WireSpec(
         "s3",
         str(endpoint),

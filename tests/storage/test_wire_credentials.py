@@ -365,7 +365,7 @@ def gcs_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-@pytest.mark.parametrize("form", ["path", "dict"])
+@pytest.mark.parametrize("form", ["path", "dict", "credentials"])
 def test_gcs_oauth_bearer_from_a_service_account_reaches_the_store(
     gcs_server, bucket_name, ckpt, servers, gcs_env, tmp_path, form
 ):
@@ -376,6 +376,12 @@ def test_gcs_oauth_bearer_from_a_service_account_reaches_the_store(
     (tmp_path / "sa.json").write_text(json.dumps(info))
     recorder = servers(_forward(gcs_server.endpoint_url))
     token: Any = str(tmp_path / "sa.json") if form == "path" else info
+    if form == "credentials":  # gcsfs' token=<google.auth credentials>
+        from google.oauth2 import service_account
+
+        token = service_account.Credentials.from_service_account_info(
+            info, scopes=["https://www.googleapis.com/auth/devstorage.read_only"]
+        )
     opts = {"endpoint_url": recorder.endpoint_url, "token": token, "project": "test"}
     _assert_wire(url, opts)
     assert_bitwise_equal(_load(url, opts, sd), sd)
