@@ -610,3 +610,32 @@ def test_requester_pays_is_signed_as_botocore_signs_it():
         )
         assert ours["x-amz-request-payer"] == "requester"
         assert ours["authorization"] == req.headers["Authorization"]
+
+
+def test_a_profile_with_a_credential_process_signs_the_requests(
+    s3_server, bucket_name, ckpt, servers, aws_env, tmp_path
+):
+    """s3fs' ``profile=``: botocore runs the profile's ``credential_process`` (as for SSO or
+    an assumed role, the profile says where credentials come from); its session token signs
+    every request."""
+    import shlex
+
+    path, sd = ckpt
+    url = s3_server.upload_dir(path, bucket_name, "ckpt")
+    doc = {
+        "Version": 1,
+        "AccessKeyId": "ASIAPROCESS000000001",
+        "SecretAccessKey": "process-secret-0123456789abcdefghijklmno",
+        "SessionToken": "process-session-token",
+        "Expiration": _expiry(3600),
+    }
+    (tmp_path / "process.py").write_text(f"print({json.dumps(doc)!r})\n")
+    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(tmp_path / 'process.py'))}"
+    (tmp_path / "config").write_text(f"[profile dev]\ncredential_process = {command}\n")
+    aws_env.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    recorder = servers(_forward(s3_server.endpoint_url))
+    opts = {"endpoint_url": recorder.endpoint_url, "profile": "dev"}
+    _assert_wire(url, opts)
+    assert_bitwise_equal(_load(url, opts, sd), sd)
+    tokens = _s3_tokens(recorder)
+    assert tokens and set(tokens) == {"process-session-token"}
