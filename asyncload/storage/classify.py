@@ -93,6 +93,7 @@ _CREDENTIAL_ERRORS = {
     "UnauthorizedSSOTokenError",
     "TokenRetrievalError",
     "RefreshWithMFAUnsupportedError",
+    "CredentialSourceError",  # asyncload.storage.credentials (a source that gave none)
 }
 #: Client-side exceptions of a configuration no retry can fix (region, endpoint, URL, parameters).
 _CONFIG_ERRORS = {

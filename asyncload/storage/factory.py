@@ -5,9 +5,10 @@ checkpoint and its directory.
 Local files are always there (:mod:`asyncload.storage.local`); the optional backends are
 imported only when a checkpoint needs them, as torchsnapshot's ``storage_plugin.py`` does:
 the wire transport (:mod:`asyncload.storage.wire`) for ``s3://``, ``gs://``, ``gcs://`` and
-``http(s)://``, obstore (:mod:`asyncload.storage.obstore`) for those when it cannot serve them
-(credentials from another host, GCS OAuth), fsspec (:mod:`asyncload.storage.fsspec`) when
-neither can and for every other protocol.
+``http(s)://`` (credentials from another host through botocore's chain or google-auth,
+:mod:`asyncload.storage.credentials`), obstore (:mod:`asyncload.storage.obstore`) for those when
+it cannot serve them (botocore or google-auth not installed), fsspec
+(:mod:`asyncload.storage.fsspec`) when neither can and for every other protocol.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse, urlsplit
@@ -137,10 +138,7 @@ def _obstore_storage(
         return str(exc)
     from asyncload.storage.obstore import ObstoreStorage
 
-    def lister() -> Storage:
-        return _fsspec_storage(url, urlsplit(url).scheme, options, executor, max_listing_size)
-
-    return ObstoreStorage(url, spec, lister=lister)
+    return ObstoreStorage(url, spec, lister=_lister(url, options, executor, max_listing_size))
 
 
 def _wire_storage(
@@ -160,14 +158,25 @@ def _wire_storage(
     from asyncload.storage.wire import WireStorage, plan_wire
 
     try:
-        spec = plan_wire(url, options)
+        spec = plan_wire(url, options, executor)
     except Unmappable as exc:
         return str(exc)
+    lister = _lister(url, options, executor, max_listing_size)
+    return WireStorage(url, spec, lister=lister, max_listing_size=max_listing_size)
+
+
+def _lister(
+    url: str,
+    options: Mapping[str, Any],
+    executor: concurrent.futures.Executor,
+    max_listing_size: int | None,
+) -> Callable[[], Storage]:
+    """What makes the store of an HTTP directory listing (fsspec's), when one is needed."""
 
     def lister() -> Storage:
         return _fsspec_storage(url, urlsplit(url).scheme, options, executor, max_listing_size)
 
-    return WireStorage(url, spec, lister=lister, max_listing_size=max_listing_size)
+    return lister
 
 
 def _fsspec_storage(

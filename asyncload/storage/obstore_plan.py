@@ -85,6 +85,10 @@ class StoreSpec:
     #: refused (:class:`RedirectGuard`): a store whose credentials come from another host (an
     #: instance role, web identity, a token endpoint) has ``None``
     origin_hosts: tuple[str, ...] | None = None
+    #: where the wire transport gets credentials that no key names (never in ``repr``):
+    #: ``{"profile": name}`` for S3 (botocore's chain), ``{"token": token}`` for GCS
+    #: (google-auth); made with ``for_obstore=False`` only
+    source: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def build(self, guard: RedirectGuard | None = None) -> Any:
         from obstore.store import GCSStore, HTTPStore, S3Store
@@ -185,7 +189,9 @@ def plan_store(
         )
     if not bucket:
         raise Unmappable(f"the URL {redact_url(url)!r} names no bucket")
-    return _s3_spec(bucket, prefix, opts) if protocol == "s3" else _gcs_spec(bucket, prefix, opts)
+    if protocol == "s3":
+        return _s3_spec(bucket, prefix, opts, for_obstore)
+    return _gcs_spec(bucket, prefix, opts, for_obstore)
 
 
 def _env(*names: str) -> str | None:
@@ -214,16 +220,23 @@ def _seconds(name: str, value: Any) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
 
 
-def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec:
+def _s3_spec(
+    bucket: str, prefix: str | None, opts: dict[str, Any], for_obstore: bool = True
+) -> StoreSpec:
     """s3fs's options: ``endpoint_url``, ``key``, ``secret``, ``token``, ``anon``,
-    ``requester_pays``, ``client_kwargs`` (``endpoint_url``, ``region_name``,
+    ``requester_pays``, ``profile``, ``client_kwargs`` (``endpoint_url``, ``region_name``,
     ``aws_access_key_id``...), ``config_kwargs`` (pool size, retries, timeouts, addressing
-    style, unsigned); the ``AWS_*`` environment as botocore reads it."""
+    style, unsigned); the ``AWS_*`` environment as botocore reads it. ``for_obstore=False``
+    (the wire transport, which resolves botocore's chain itself): a profile, ``AWS_PROFILE``
+    and ``~/.aws`` are allowed, the profile kept in ``source``."""
     ck = dict(opts.pop("client_kwargs", None) or {})
     cfg = dict(opts.pop("config_kwargs", None) or {})
     config: dict[str, Any] = {}
     client: dict[str, Any] = {}
     max_retries = 0
+    source: dict[str, Any] = {}
+    if not for_obstore and opts.get("profile") is not None:
+        source["profile"] = str(opts.pop("profile"))
     for name in ("profile", "session"):
         if opts.get(name) is not None:
             raise Unmappable(
@@ -259,7 +272,7 @@ def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec
         )
     elif verify not in (None, True):
         raise Unmappable(f"client_kwargs verify={verify!r} has no obstore equivalent")
-    if _env("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+    if for_obstore and _env("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
         raise Unmappable(
             "AWS_PROFILE (credentials from a botocore profile) has no obstore equivalent"
         )
@@ -309,7 +322,7 @@ def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec
         config.update(access_key_id=key, secret_access_key=secret)
         if token:
             config["session_token"] = token
-    elif not (
+    elif for_obstore and not (
         (_env("AWS_ACCESS_KEY_ID") and _env("AWS_SECRET_ACCESS_KEY"))
         or _env("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
         or _env("AWS_CONTAINER_CREDENTIALS_FULL_URI")
@@ -354,6 +367,7 @@ def _s3_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec
         client_options=client,
         max_retries=max_retries,
         origin_hosts=hosts,
+        source=source,
     )
 
 
@@ -366,10 +380,15 @@ def _read_pem(path: str) -> str:
         raise Unmappable(f"the CA bundle {path!r} cannot be read: {exc}") from None
 
 
-def _gcs_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpec:
+def _gcs_spec(
+    bucket: str, prefix: str | None, opts: dict[str, Any], for_obstore: bool = True
+) -> StoreSpec:
     """gcsfs's options: ``endpoint_url`` (or ``STORAGE_EMULATOR_HOST``), ``token``
     (``"anon"``, ``None``/``"google_default"``/``"cloud"``, a key file's path, a service
-    account dict), ``project`` and ``access`` (not used by object reads)."""
+    account dict), ``project`` and ``access`` (not used by object reads). ``for_obstore=False``
+    (the wire transport, which makes OAuth tokens with google-auth): the token is kept in
+    ``source`` as given; a user key's dict, a google-auth credentials object and application
+    default credentials of any kind are allowed too."""
     config: dict[str, Any] = {}
     client: dict[str, Any] = {}
     if any(_env(n) for n in _PROXY_ENV):
@@ -391,13 +410,18 @@ def _gcs_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpe
     if opts.pop("version_aware", False):
         raise Unmappable("storage_options version_aware has no obstore equivalent")
     _leftover("storage_options", opts)
+    source: dict[str, Any] = {"token": token}
     if token == "anon" or (
         token is None and endpoint is not None and endpoint == _norm_host(emulator)
     ):
         config["skip_signature"] = True
     elif token in (None, "google_default", "cloud"):
         adc = _env("GOOGLE_APPLICATION_CREDENTIALS")
-        if adc is not None and _key_type(adc) not in ("service_account", "authorized_user"):
+        if (
+            for_obstore
+            and adc is not None
+            and _key_type(adc) not in ("service_account", "authorized_user")
+        ):
             raise Unmappable(
                 "GOOGLE_APPLICATION_CREDENTIALS is not a service account or user key file"
             )
@@ -411,6 +435,11 @@ def _gcs_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpe
             raise Unmappable(f"token={token!r} is neither a service account nor a user key file")
     elif isinstance(token, Mapping) and token.get("type") == "service_account":
         config["service_account_key"] = json.dumps(dict(token))
+    elif not for_obstore and (
+        (isinstance(token, Mapping) and token.get("type") == "authorized_user")
+        or (not isinstance(token, (str, Mapping)) and hasattr(token, "refresh"))
+    ):
+        pass  # google-auth makes its tokens: a user key's dict, a credentials object
     else:
         raise Unmappable(f"token of type {type(token).__name__} has no obstore equivalent")
     if endpoint is not None:
@@ -418,7 +447,13 @@ def _gcs_spec(bucket: str, prefix: str | None, opts: dict[str, Any]) -> StoreSpe
         _allow_http(endpoint, client)
     hosts = _hosts(endpoint) if endpoint is not None and config.get("skip_signature") else None
     return StoreSpec(
-        "gcs", bucket, prefix, config=config, client_options=client, origin_hosts=hosts
+        "gcs",
+        bucket,
+        prefix,
+        config=config,
+        client_options=client,
+        origin_hosts=hosts,
+        source=source,
     )
 
 

@@ -28,8 +28,14 @@ class RedirectGuard:
     origin's (``proxy_url`` with ``proxy_excludes``): a request to another host reaches only
     this process, which notes where it was going, answers 403 and closes. Nothing is
     forwarded. :meth:`refusal` then turns the store's error into
-    :class:`asyncload.storage.base.CrossOriginRedirectError`. A redirect to another port of the
-    same host is not caught this way (``proxy_excludes`` names hosts): see docs/remote.md.
+    :class:`asyncload.storage.base.CrossOriginRedirectError`.
+
+    Not caught this way: a redirect to another port of the same host (``proxy_excludes`` names
+    hosts, not ports: object_store follows it, with the session token, and uses the answer), and
+    any redirect of a store whose credentials come from another host (no guard: its credential
+    requests must reach those hosts). The wire transport, which ``transport="auto"`` picks for
+    every store it can sign for (all of them, with botocore and google-auth installed), refuses
+    both; see docs/remote.md, Redirects.
     """
 
     def __init__(self) -> None:

@@ -1,8 +1,8 @@
 """AWS Signature Version 4 for the wire transport's S3 requests (:mod:`asyncload.storage.wire`):
 the ``Authorization`` header of a GET or HEAD without a body, as botocore signs it.
 
-Only what a read needs: the host, the date, the payload hash (of an empty body) and a session
-token are signed; ``Range`` and ``If-Match`` ride unsigned (S3 accepts them so). The path must
+Only what a read needs: the host, the date, the payload hash (of an empty body), a session
+token and a requester-pays acknowledgement (``x-amz-request-payer``) are signed; ``Range`` and ``If-Match`` ride unsigned (S3 accepts them so). The path must
 arrive already URI-encoded, as it is sent (S3 does not encode it twice).
 """
 
@@ -43,13 +43,16 @@ def _unquote(s: str) -> str:
 
 @dataclass(frozen=True)
 class SigV4:
-    """Static credentials (never in ``repr``) and where they sign (region, service)."""
+    """Static credentials (never in ``repr``) and where they sign (region, service);
+    ``request_payer``: the requester pays (``x-amz-request-payer: requester``, s3fs'
+    ``requester_pays``)."""
 
     access_key: str = field(repr=False)
     secret_key: str = field(repr=False)
     region: str
     token: str | None = field(default=None, repr=False)
     service: str = "s3"
+    request_payer: bool = False
 
     def sign(
         self,
@@ -73,6 +76,8 @@ class SigV4:
         }
         if self.token:
             headers["x-amz-security-token"] = self.token
+        if self.request_payer:
+            headers["x-amz-request-payer"] = "requester"
         names = sorted(headers)
         canonical = "\n".join(
             [

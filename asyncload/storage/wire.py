@@ -1,6 +1,7 @@
 """The wire transport (``LoadOptions.transport="wire"``): asyncload's own HTTP/1.1 range reader
-for ``s3://`` (SigV4, :mod:`asyncload.storage.sigv4`), ``gs://`` / ``gcs://`` (anonymous) and
-``http(s)://``, over keep-alive connections per origin (:mod:`asyncload.storage.wire_http`).
+for ``s3://`` (SigV4, :mod:`asyncload.storage.sigv4`), ``gs://`` / ``gcs://`` (anonymous, or
+an OAuth bearer) and ``http(s)://``, over keep-alive connections per origin
+(:mod:`asyncload.storage.wire_http`).
 
 A range's body is received straight into the destination's memory (:meth:`WireStorage.readinto`:
 ``BufferedProtocol.get_buffer`` hands out a view of it), so a remote byte lands once, as a local
@@ -16,14 +17,17 @@ message. Timeouts, retries and hedging are the error boundary's
 (:mod:`asyncload.storage.classify`).
 
 :func:`plan_wire` maps the fsspec-style ``storage_options`` (through
-:func:`asyncload.storage.obstore_plan.plan_store`, which refuses what it cannot honour) and
-raises :class:`asyncload.storage.obstore_plan.Unmappable` for what this transport does not do:
-credentials that come from another host (an instance role, web identity, a token endpoint), GCS
-credentials (OAuth), requester-pays buckets. ``transport="auto"`` then uses obstore.
+:func:`asyncload.storage.obstore_plan.plan_store`, which refuses what it cannot honour).
+Credentials that come from another host (botocore's chain: a profile, SSO, web identity, a
+container endpoint, an instance role; GCS OAuth through google-auth) are fetched and refreshed
+by :mod:`asyncload.storage.credentials`; without botocore (or google-auth) installed
+:class:`asyncload.storage.obstore_plan.Unmappable` is raised, and ``transport="auto"`` then
+uses obstore.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import ssl
@@ -46,6 +50,7 @@ from asyncload.storage.base import (
     origin_of,
     parse_content_range,
 )
+from asyncload.storage.credentials import RequestAuth
 from asyncload.storage.sigv4 import SigV4
 from asyncload.storage.wire_http import BodyTooLongError, Pool, Response
 
@@ -63,8 +68,8 @@ LISTING_LIMIT = 64 << 20
 class WireSpec:
     """Where a checkpoint's files are and how requests for them are made: ``kind`` (``"s3"``,
     ``"gcs"``, ``"http"``), the origin's base URL (an endpoint, or the checkpoint's URL for
-    HTTP), bucket and prefix, and (never in ``repr``) the caller's headers, the signer and the
-    CA certificates."""
+    HTTP), bucket and prefix, and (never in ``repr``) the caller's headers, the signer (static
+    keys) or the credentials fetched from elsewhere (``auth``), and the CA certificates."""
 
     kind: str
     base: str
@@ -73,6 +78,7 @@ class WireSpec:
     virtual: bool = False
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     signer: SigV4 | None = field(default=None, repr=False)
+    auth: RequestAuth | None = field(default=None, repr=False)
     cadata: str | None = field(default=None, repr=False)
     verify: bool = True
 
@@ -118,10 +124,21 @@ class WireSpec:
         return ctx
 
 
-def plan_wire(url: str, storage_options: Mapping[str, Any]) -> WireSpec:
-    """The wire transport's plan for checkpoint ``url`` with fsspec-style ``storage_options``.
+def plan_wire(
+    url: str,
+    storage_options: Mapping[str, Any],
+    executor: concurrent.futures.Executor | None = None,
+) -> WireSpec:
+    """The wire transport's plan for checkpoint ``url`` with fsspec-style ``storage_options``
+    (``executor``: where credentials from another host are fetched and refreshed).
 
     Raised: :class:`asyncload.storage.obstore_plan.Unmappable` naming what it cannot honour."""
+    from asyncload.storage.credentials import (
+        AwsChain,
+        GoogleToken,
+        botocore_available,
+        google_auth_available,
+    )
     from asyncload.storage.obstore_plan import Unmappable, plan_store
 
     spec = plan_store(url, storage_options, for_obstore=False)
@@ -137,16 +154,20 @@ def plan_wire(url: str, storage_options: Mapping[str, Any]) -> WireSpec:
             verify=verify,
         )
     cfg = spec.config
+    auth: RequestAuth | None = None
     if spec.kind == "gcs":
         if not cfg.get("skip_signature"):
-            raise Unmappable(
-                "GCS credentials (OAuth tokens) are not made by the wire transport: use "
-                "token='anon' for a public bucket or an emulator"
-            )
+            if not google_auth_available():
+                raise Unmappable(
+                    "GCS credentials (OAuth tokens) need google-auth, which is not installed "
+                    "(pip install asyncload[gcs]; token='anon' for a public bucket)"
+                )
+            auth = GoogleToken(url, spec.source.get("token"), executor=executor)
         base = cfg.get("base_url") or "https://storage.googleapis.com"
-        return WireSpec("gcs", base, spec.bucket, spec.prefix or "", cadata=cadata, verify=verify)
-    if cfg.get("request_payer"):
-        raise Unmappable("requester_pays is not signed by the wire transport")
+        return WireSpec(
+            "gcs", base, spec.bucket, spec.prefix or "", auth=auth, cadata=cadata, verify=verify
+        )
+    payer = bool(cfg.get("request_payer"))
     region = str(cfg.get("region") or "us-east-1")
     endpoint = cfg.get("endpoint")
     virtual = bool(cfg.get("virtual_hosted_style_request"))
@@ -160,12 +181,17 @@ def plan_wire(url: str, storage_options: Mapping[str, Any]) -> WireSpec:
         token = cfg.get("session_token") or (
             None if cfg.get("access_key_id") else os.environ.get("AWS_SESSION_TOKEN")
         )
-        if not (key and secret):
+        profile = spec.source.get("profile")
+        if key and secret and not profile:
+            signer = SigV4(str(key), str(secret), region, token, request_payer=payer)
+        elif not botocore_available():
             raise Unmappable(
-                "credentials that come from another host (an instance role, web identity, a "
-                "container endpoint) are not fetched by the wire transport: pass key/secret"
+                "credentials that come from another host (a profile, an instance role, web "
+                "identity, a container endpoint) need botocore, which is not installed (pip "
+                "install asyncload[s3]), or pass key/secret"
             )
-        signer = SigV4(str(key), str(secret), region, token)
+        else:
+            auth = AwsChain(url, region, profile=profile, request_payer=payer, executor=executor)
     return WireSpec(
         "s3",
         str(endpoint),
@@ -173,6 +199,7 @@ def plan_wire(url: str, storage_options: Mapping[str, Any]) -> WireSpec:
         spec.prefix or "",
         virtual=virtual,
         signer=signer,
+        auth=auth,
         cadata=cadata,
         verify=verify,
     )
@@ -228,14 +255,17 @@ class WireStorage(ListedStore):
             pool = self._pools[origin] = Pool(scheme, p.hostname or "", port, self._ssl)
         return pool
 
-    def _headers(self, method: str, url: str, extra: Mapping[str, str]) -> dict[str, str]:
+    async def _headers(self, method: str, url: str, extra: Mapping[str, str]) -> dict[str, str]:
         headers = dict(self.spec.headers)
         headers.update(extra)
-        signer = self.spec.signer
+        signer, auth = self.spec.signer, self.spec.auth
+        p = urlsplit(url)
         if signer is not None:
-            p = urlsplit(url)
             pool = self._pool(url)
             headers.update(signer.sign(method, pool.host_header, p.path or "/", p.query))
+        elif auth is not None:  # credentials from another host, refreshed off the loop
+            host = self._pool(url).host_header
+            headers.update(await auth.headers(method, host, p.path or "/", p.query))
         return headers
 
     async def _send(self, method: str, name: str, url: str, extra: Mapping[str, str]) -> Response:
@@ -246,9 +276,8 @@ class WireStorage(ListedStore):
                 raise AssertionError("a request outside the origin")  # pragma: no cover
             p = urlsplit(url)
             target = (p.path or "/") + (f"?{p.query}" if p.query else "")
-            resp = await self._pool(url).request(
-                method, target, self._headers(method, url, extra), self.url(name)
-            )
+            headers = await self._headers(method, url, extra)
+            resp = await self._pool(url).request(method, target, headers, self.url(name))
             location = resp.headers.get("location")
             if resp.status not in (301, 302, 303, 307, 308) or not location:
                 return resp

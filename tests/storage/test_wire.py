@@ -313,10 +313,10 @@ def test_wire_refuses_what_it_cannot_sign(tmp_path, monkeypatch):
                 transport="wire",
             )  # fmt: skip
         assert "transport='wire'" in str(info.value) and "pw" not in str(info.value)
-        with pytest.raises(StorageReadError, match="GCS credentials"):
+        with pytest.raises(StorageReadError, match="requester_pays"):
             open_storage(
-                "gs://bucket/ckpt", {"endpoint_url": "http://127.0.0.1:1"}, executor,
-                transport="wire",
+                "gs://bucket/ckpt", {"endpoint_url": "http://127.0.0.1:1", "requester_pays": True},
+                executor, transport="wire",
             )  # fmt: skip
     assert LoadOptions(transport="wire").transport == "wire"
     with pytest.raises(ValueError, match="wire"):
@@ -342,24 +342,3 @@ def test_time_to_first_byte_is_reported(request, bucket_name, fault_proxy, tmp_p
     )
     assert all(torch.equal(dest[k], sd[k]) for k in sd)
     assert 0.02 <= stats.time_to_first_byte <= stats.seconds, stats
-
-
-def test_auto_uses_obstore_where_credentials_come_from_another_host(caplog, monkeypatch, tmp_path):
-    """S3 credentials from web identity (another host's token service): wire does not fetch
-    them, so "auto" reads through obstore and says why; a key pair stays on wire."""
-    import logging
-
-    from asyncload.storage import ObstoreStorage
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))
-    monkeypatch.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/r")
-    opts = {"endpoint_url": "http://127.0.0.1:1"}
-    with concurrent.futures.ThreadPoolExecutor(1) as executor:
-        with caplog.at_level(logging.DEBUG, logger="asyncload.storage"):
-            storage = open_storage("s3://b/ckpt", opts, executor)
-        assert type(storage) is ObstoreStorage
-        assert any("not wire" in r.getMessage() for r in caplog.records)
-        keyed = open_storage("s3://b/ckpt", {**opts, "key": "k", "secret": "s"}, executor)
-        assert type(keyed) is WireStorage
