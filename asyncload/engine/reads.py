@@ -537,58 +537,32 @@ async def _aread_streamed(
     """One pipeline run for probes, small records and data: the chunks of ``first``
     (probes and small records) go out first, then each large record's data as soon as
     its own probes have landed (planned on the loop as they do), not after every
-    record's probes. Neighbouring records of one file whose data fits one chunk
-    (:func:`_neighbours`) are planned together, once all their probes have landed, and read
-    by one request (:func:`_joined`). (A function of the module, not a method: one run of
-    ``self``'s reads.)"""
+    record's probes. (A function of the module, not a method: one run of ``self``'s reads.)"""
     loop = asyncio.get_running_loop()
     chunking = options.chunk_policy
     ready: asyncio.Queue[list[Chunk] | BaseException] = asyncio.Queue()
     planning: set[asyncio.Task[None]] = set()
     waiting: dict[int, int] = {}
     measured = [False]
-    large = list({id(r): r for r in probe_of.values()}.values())
-    gap = reads.join_gap(chunking.min_chunk_size)
-    # what the over-read bound leaves for the bytes between joined records (None: no bound)
-    spare = reads.gap_allowance(self._recorder.stats.bytes_read, [])
-    if spare is not None:
-        spare -= sum(c.nbytes for c in first) + sum(expected_storage(r) or 0 for r in large)
-    groups = (
-        [[r] for r in large]
-        if options.verify
-        else _neighbours(large, chunking.chunk_size, gap, spare)
-    )
-    group_of = {id(r): g for g in groups for r in g}
-    unplanned = {id(g): len(g) for g in groups}
-    limit = min(chunking.chunk_size + gap, pipeline.budget.capacity)
 
-    async def plan(group: list[Record]) -> None:
+    async def plan(rec: Record) -> None:
         try:
             if not measured[0]:
                 measured[0] = True
                 reads.measure(self._recorder)
-            pieces: list[Piece] = []
-            for rec in group:
-                from_probes: list[tuple[memoryview, memoryview]] = []
-                pieces += await self._record_pieces(
-                    rec, storage, options, None, reads, trackers, from_probes, [], shared=False
-                )
-                self._copy_from_probes(from_probes)
-            one = _joined(pieces, chunking.chunk_size, limit, gap) if len(group) > 1 else None
-            ready.put_nowait(
-                [one] if one is not None else self._data_chunks(pieces, chunking, reads, None)
+            from_probes: list[tuple[memoryview, memoryview]] = []
+            pieces = await self._record_pieces(
+                rec, storage, options, None, reads, trackers, from_probes, [], shared=False
             )
+            self._copy_from_probes(from_probes)
+            ready.put_nowait(self._data_chunks(pieces, chunking, reads, None))
         except Exception as exc:
             ready.put_nowait(exc)
 
     def landed(rec: Record) -> None:
         waiting[id(rec)] -= 1
         if waiting[id(rec)] == 0:
-            group = group_of[id(rec)]
-            unplanned[id(group)] -= 1
-            if unplanned[id(group)]:
-                return  # its neighbours' probes are still out
-            task = asyncio.ensure_future(plan(group))
+            task = asyncio.ensure_future(plan(rec))
             planning.add(task)
             task.add_done_callback(planning.discard)
 
@@ -615,7 +589,7 @@ async def _aread_streamed(
                 for d in take(ready.get_nowait()):
                     yield d
             yield c
-        while planned[0] < len(groups):
+        while planned[0] < n_large:
             for d in take(await ready.get()):
                 yield d
 
@@ -625,66 +599,3 @@ async def _aread_streamed(
         for task in list(planning):
             task.cancel()
         await asyncio.gather(*planning, return_exceptions=True)
-
-
-def _neighbours(
-    large: list[Record], chunk_size: int, gap: int, spare: int | None
-) -> list[list[Record]]:
-    """Large records in groups of neighbours of one file (in file order) whose tensors
-    together fit one chunk (``chunk_size``), each at most ``gap`` bytes after the last, the
-    bytes between them (at most the whole records' extent minus their tensors) within
-    ``spare`` (what the over-read bound leaves; ``None``: no bound). A checkpoint of 8 MiB
-    tensors is then read 16 MiB per request, as a safetensors file is, instead of twice as
-    many requests of half the size."""
-    groups: list[list[Record]] = []
-    held = 0
-    for rec in sorted(large, key=lambda r: (r.name, r.offset)):
-        size = expected_storage(rec)
-        last = groups[-1][-1] if groups else None
-        between = (rec.offset - last.end) + (rec.length - size) if last and size else 0
-        if (
-            size is not None
-            and last is not None
-            and last.name == rec.name
-            and 0 <= rec.offset - last.end <= gap
-            and held + size <= chunk_size
-            and (spare is None or between <= spare)
-        ):
-            groups[-1].append(rec)
-            held += size
-            if spare is not None:
-                spare -= between
-        else:
-            groups.append([rec])
-            held = size or chunk_size
-    return groups
-
-
-def _joined(pieces: list[Piece], chunk_size: int, limit: int, gap: int) -> Chunk | None:
-    """Neighbouring records' data pieces as one request that lands straight in their
-    destinations (``tiles_into``): the bytes between them (the records' zip headers, a
-    small record read already) are received into scratch memory and dropped. ``None``
-    where that cannot be: a piece not read straight into a destination, more than
-    ``chunk_size`` bytes of destinations, a gap over ``gap`` or a span over ``limit``."""
-    ps = sorted(pieces, key=lambda p: p.start)
-    if not ps or sum(p.nbytes for p in ps) > chunk_size or ps[-1].end - ps[0].start > limit:
-        return None
-    segments: list[Piece] = []
-    pos = ps[0].start
-    for p in ps:
-        if (
-            p.name != ps[0].name
-            or p.into is None
-            or p.deliver is not None
-            or p.tracker is not None
-            or p.pinned
-            or p.start < pos
-            or p.start - pos > gap
-        ):
-            return None
-        if p.start > pos:  # read and dropped: not payload
-            scratch = memoryview(bytearray(p.start - pos))
-            segments.append(Piece(p.name, pos, p.start, into=scratch, payload=False))
-        segments.append(p)
-        pos = p.end
-    return Chunk(ps[0].name, ps[0].start, pos, segments)
