@@ -27,10 +27,14 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
 from asyncload._errors import AsyncLoadError, redact_url
+from asyncload._loop import loop_thread, run_sync
 from asyncload._read import read_state_dict
 from asyncload._stats import LoadStats
 from asyncload._stream import CheckpointStream, _astream, sync_iter
 from asyncload.integrations._vllm_config import LOAD_FORMAT, parse_extra_config
+from asyncload.integrations._vllm_mapped import map_weights
+from asyncload.storage import is_local, local_root
+from asyncload.storage.mapped import mapped_copies_available
 
 __all__ = ["AsyncLoadModelLoader", "weight_filter"]
 
@@ -159,13 +163,58 @@ class AsyncLoadModelLoader(DefaultModelLoader):
     def _tensors(
         self, url: str, what: str, keys: Callable[[str], bool] | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        stream = self._stream(url, keys)
+        options = self.extra.options
         try:
-            yield from sync_iter(_astream(stream), self.extra.options)
+            if options.local_mapped_copies and is_local(url):
+                views = self._mapped(url, keys)
+                if views is not None:
+                    yield from views
+                    return
+            stream = self._stream(url, keys)
+            yield from sync_iter(_astream(stream), options)
         except AsyncLoadError as exc:
             _naming(exc, what, url)
             raise
         self.load_stats.append(stream.stats)
+
+    def _mapped(
+        self, url: str, keys: Callable[[str], bool] | None
+    ) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The selected tensors of local ``url`` as views of leased mappings of the page cache
+        (:mod:`._vllm_mapped`), after asyncload has read and checked the headers; ``None`` when
+        they cannot be (then the stream reads them)."""
+        if mapped_copies_available() is not None:
+            return None
+        options = self.extra.options
+        stream = self._stream(url, keys)
+        loop = loop_thread(options.use_uvloop, local=True)
+        try:
+            run_sync(stream.aopen(), loop)
+            stats = stream.session.live_stats()
+        finally:
+            run_sync(stream.aclose(), loop)
+        path = local_root(url)
+        root = path if os.path.isdir(path) else os.path.dirname(path)
+        assert stream.metadata is not None
+        views = map_weights(root, stream.metadata, stream.tensors, options.max_metadata_size)
+        if views is None:
+            return None
+        return self._counted(views, stats)
+
+    def _counted(
+        self, views: Iterator[tuple[str, torch.Tensor]], stats: LoadStats
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``views``, counted in ``stats`` (the bytes handed over are the bytes read)."""
+        t0 = time.perf_counter()
+        seconds = stats.seconds
+        for name, tensor in views:
+            n = tensor.numel() * tensor.element_size()
+            stats.bytes_assembled += n
+            stats.bytes_read += n
+            yield name, tensor
+            del tensor
+        stats.seconds = seconds + time.perf_counter() - t0
+        self.load_stats.append(stats)
 
 
 def _naming(exc: AsyncLoadError, what: str, url: str) -> None:
