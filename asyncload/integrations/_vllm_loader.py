@@ -13,6 +13,7 @@ tensors they drop are never read (vLLM's own loader drops unused weights by whol
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import glob
 import logging
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -28,9 +30,8 @@ from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
 from asyncload._errors import AsyncLoadError, redact_url
 from asyncload._loop import loop_thread, run_sync
-from asyncload._read import read_state_dict
 from asyncload._stats import LoadStats
-from asyncload._stream import CheckpointStream, _astream, sync_iter
+from asyncload._stream import CheckpointStream, _astream, select_keys, sync_iter
 from asyncload.integrations._vllm_config import LOAD_FORMAT, parse_extra_config
 from asyncload.integrations._vllm_mapped import map_weights
 from asyncload.storage import is_local, local_root
@@ -75,6 +76,8 @@ class AsyncLoadModelLoader(DefaultModelLoader):
         self.load_stats: list[LoadStats] = []
         #: vLLM's ``model`` of the load in progress: the source that ``url`` replaces.
         self._model: str | None = None
+        #: Streams ``download_model`` opened (remote URLs), by URL, until the weights take them.
+        self._opened: dict[str, _WeightStream] = {}
 
     # --- where the weights are -------------------------------------------------------------
 
@@ -95,20 +98,41 @@ class AsyncLoadModelLoader(DefaultModelLoader):
         return base, what
 
     def download_model(self, model_config: ModelConfig) -> None:
-        """Nothing to download: check that the weights' metadata can be read (no tensor data
-        is read)."""
+        """Nothing to download: check that the weights' headers can be read (no tensor data
+        is read), and that the files are as long as they claim. From a remote store the stream
+        stays open for the weights (the headers read once per process, the objects' versions
+        pinned by the same storage); a local one is closed (its headers cost nothing to read
+        again, and the weights' read then checks the files unchanged from there)."""
         self._model = model_config.model
         url, what = self._url(model_config.model, None)
+        stream = self._stream(url, None)
+        loop = self._loop()
         try:
-            read_state_dict(
-                url,
-                device="meta",
-                options=self.extra.options,
-                storage_options=self.extra.storage_options,
-            )
+            run_sync(stream.aopen(), loop)
         except AsyncLoadError as exc:
+            run_sync(stream.aclose(), loop)
             _naming(exc, what, url)
             raise
+        except BaseException:
+            run_sync(stream.aclose(), loop)
+            raise
+        if is_local(url):
+            run_sync(stream.aclose(), loop)
+            return
+        old = self._opened.pop(url, None)
+        self._opened[url] = stream
+        if old is not None:
+            run_sync(old.aclose(), loop)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The library loop the loader's streams run on (sync_iter's)."""
+        return loop_thread(self.extra.options.use_uvloop)
+
+    def close_opened(self) -> None:
+        """Close the streams ``download_model`` left open that no weights read took."""
+        opened, self._opened = self._opened, {}
+        for stream in opened.values():
+            run_sync(stream.aclose(), self._loop())
 
     # --- the weights ---------------------------------------------------------------------
 
@@ -117,7 +141,10 @@ class AsyncLoadModelLoader(DefaultModelLoader):
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         self._model = model_config.model
         self.load_stats = []
-        yield from super().get_all_weights(model_config, model)
+        try:
+            yield from super().get_all_weights(model_config, model)
+        finally:
+            self.close_opened()
 
     def _get_weights_iterator(
         self, source: DefaultModelLoader.Source
@@ -152,8 +179,14 @@ class AsyncLoadModelLoader(DefaultModelLoader):
                 return found
         raise ValueError(f"no file of {what} ({url}) matches {patterns}")
 
-    def _stream(self, url: str, keys: Callable[[str], bool] | None) -> CheckpointStream:
-        return CheckpointStream(
+    def _stream(self, url: str, keys: Callable[[str], bool] | None) -> _WeightStream:
+        """The stream of ``url``: the one ``download_model`` opened, its keys selected again
+        (no header read again), else a new one."""
+        stream = self._opened.pop(url, None)
+        if stream is not None:
+            stream.keys = keys
+            return stream
+        return _WeightStream(
             url,
             keys=keys,
             options=self.extra.options,
@@ -187,7 +220,7 @@ class AsyncLoadModelLoader(DefaultModelLoader):
             return None
         options = self.extra.options
         stream = self._stream(url, keys)
-        loop = loop_thread(options.use_uvloop, local=True)
+        loop = self._loop()
         try:
             run_sync(stream.aopen(), loop)
             stats = stream.session.live_stats()
@@ -215,6 +248,27 @@ class AsyncLoadModelLoader(DefaultModelLoader):
             del tensor
         stats.seconds = seconds + time.perf_counter() - t0
         self.load_stats.append(stats)
+
+
+class _WeightStream(CheckpointStream):
+    """A weight source's stream, which may be opened twice: by ``download_model`` (headers
+    read, claims checked), then by the weights' read, which selects its keys again from the
+    same metadata, on the same session (the same storage, the objects' versions pinned when
+    the headers were read), without reading the headers again."""
+
+    async def aopen(self, *, check: bool = True) -> Metadata:
+        md = self.metadata
+        if md is None:
+            return await super().aopen(check=check)
+        self.session.begin()  # this read's statistics and clock; the storage stays open
+        chosen = select_keys(md, self.keys, self.checkpoint)
+        sdm = md.state_dict_metadata
+        self.tensors = sorted(
+            (k for k in chosen if isinstance(sdm[k], TensorStorageMetadata)), key=self._where
+        )
+        self.objects = [k for k in chosen if not isinstance(sdm[k], TensorStorageMetadata)]
+        self._files_at_open = 0  # counted by the first open
+        return md  # every key's claims were checked by the first open
 
 
 def _naming(exc: AsyncLoadError, what: str, url: str) -> None:

@@ -28,6 +28,7 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
+from asyncload import AsyncLoadError
 from asyncload.integrations.vllm import register
 from asyncload.testing import S3Server
 
@@ -304,3 +305,53 @@ def test_local_damaged_header_is_a_typed_error(tmp_path: Path) -> None:
         _weights(_loader(), tmp_path / "m")
     assert "model-00002-of-00002.safetensors" in str(info.value)
     assert "the model directory" in str(info.value)
+
+
+def _header_reads(log: list[Any]) -> dict[str, int]:
+    """Requests for each safetensors file's first bytes (its header), by file."""
+    out: dict[str, int] = {}
+    for entry in log:
+        name = entry.path.rsplit("/", 1)[-1]
+        first = entry.range is None or entry.range.removeprefix("bytes=").startswith("0-")
+        if entry.method == "GET" and name.endswith(".safetensors") and first:
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def test_download_model_and_weights_read_the_headers_once(
+    tmp_path: Path, s3_server: S3Server, fault_proxy: Any
+) -> None:
+    """From S3, ``download_model``'s early check and the weights share one read of each
+    header (and of the index); without ``download_model`` the weights read them once too;
+    a missing shard still fails in ``download_model``, naming the configured key."""
+    want = _sharded_checkpoint(tmp_path / "m")
+    url = s3_server.upload_dir(tmp_path / "m", "vllm-once", "m")
+    proxy = fault_proxy(s3_server)
+    extra = {"url": url, "storage_options": s3_server.storage_options(proxy.endpoint_url)}
+    model_config = SimpleNamespace(model=str(tmp_path / "m"), revision=None)
+    files = {"model-00001-of-00002.safetensors": 1, "model-00002-of-00002.safetensors": 1}
+
+    loader = _loader(extra)
+    loader.download_model(model_config)
+    assert _header_reads(proxy.log) == files
+    _same(_weights(loader, tmp_path / "m"), want)
+    assert _header_reads(proxy.log) == files  # none read again
+    index = [e for e in proxy.log if e.path.endswith("model.safetensors.index.json")]
+    assert len([e for e in index if e.method == "GET"]) == 1
+    assert loader._opened == {}
+
+    proxy.reset_counters()
+    loader = _loader(extra)
+    _same(_weights(loader, tmp_path / "m"), want)
+    assert _header_reads(proxy.log) == files
+
+    broken = s3_server.upload_dir(tmp_path / "m", "vllm-once", "broken")
+    s3_server.client().delete_object(
+        Bucket="vllm-once", Key="broken/model-00002-of-00002.safetensors"
+    )
+    loader = _loader({**extra, "url": broken})
+    with pytest.raises(AsyncLoadError) as info:
+        loader.download_model(model_config)
+    assert 'model_loader_extra_config["url"]' in str(info.value)
+    assert "model-00002-of-00002.safetensors" in str(info.value)
+    assert loader._opened == {}
