@@ -221,8 +221,8 @@ class AsyncLoadModelLoader(DefaultModelLoader):
         options = self.extra.options
         stream = self._stream(url, keys)
         loop = self._loop()
-        try:
-            run_sync(stream.aopen(), loop)
+        try:  # the claims are checked against each mapped file (its header, parsed again)
+            run_sync(stream.aopen(check=False), loop)
             stats = stream.session.live_stats()
         finally:
             run_sync(stream.aclose(), loop)

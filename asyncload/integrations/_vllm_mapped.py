@@ -83,21 +83,22 @@ def _same_place(a: TensorLocation, b: TensorLocation) -> bool:
 
 
 def _in_page_cache(fd: int, size: int) -> bool:
-    """Whether every page of the file is in the page cache, after reading it through once
-    when some are not (into a small reused buffer: a disk error here is an ``OSError``, never
-    a ``SIGBUS`` later)."""
+    """Whether every page of the file is in the page cache, after reading through once the
+    windows that are not (into a small reused buffer: a disk error here is an ``OSError``,
+    never a ``SIGBUS`` later)."""
     libc = mapped._get_libc()
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    if libc.cached_pages(fd, 0, size) == pages:
-        return True
-    buf = bytearray(_POPULATE)
+    buf: bytearray | None = None
     try:
         for at in range(0, size, _POPULATE):
-            os.preadv(fd, [buf], at)
+            n = min(_POPULATE, size - at)
+            if libc.cached_pages(fd, at, n) != (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE:
+                buf = buf if buf is not None else bytearray(_POPULATE)
+                os.preadv(fd, [memoryview(buf)[:n]], at)
     except OSError as exc:
         log.debug("reading fd %d into the page cache failed: %s", fd, exc)
         return False
-    return libc.cached_pages(fd, 0, size) == pages
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    return buf is None or libc.cached_pages(fd, 0, size) == pages
 
 
 def _map_file(
