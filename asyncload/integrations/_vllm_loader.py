@@ -106,7 +106,7 @@ class AsyncLoadModelLoader(DefaultModelLoader):
         self._model = model_config.model
         url, what = self._url(model_config.model, None)
         stream = self._stream(url, None)
-        loop = self._loop()
+        loop = self._loop(url)
         try:
             run_sync(stream.aopen(), loop)
         except AsyncLoadError as exc:
@@ -124,15 +124,16 @@ class AsyncLoadModelLoader(DefaultModelLoader):
         if old is not None:
             run_sync(old.aclose(), loop)
 
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        """The library loop the loader's streams run on (sync_iter's)."""
-        return loop_thread(self.extra.options.use_uvloop)
+    def _loop(self, url: str) -> asyncio.AbstractEventLoop:
+        """The library loop a stream of ``url`` runs on: a remote one's, sync_iter's (the
+        weights read it there); a local one's closes where it opened (no uvloop imported)."""
+        return loop_thread(self.extra.options.use_uvloop, local=is_local(url))
 
     def close_opened(self) -> None:
         """Close the streams ``download_model`` left open that no weights read took."""
         opened, self._opened = self._opened, {}
-        for stream in opened.values():
-            run_sync(stream.aclose(), self._loop())
+        for url, stream in opened.items():
+            run_sync(stream.aclose(), self._loop(url))
 
     # --- the weights ---------------------------------------------------------------------
 
@@ -220,7 +221,7 @@ class AsyncLoadModelLoader(DefaultModelLoader):
             return None
         options = self.extra.options
         stream = self._stream(url, keys)
-        loop = self._loop()
+        loop = self._loop(url)
         try:  # the claims are checked against each mapped file (its header, parsed again)
             run_sync(stream.aopen(check=False), loop)
             stats = stream.session.live_stats()
