@@ -217,7 +217,8 @@ class _FileStore:
     options resolved once), the I/O threads, the statistics and clock, and the library loop
     it runs on (chosen once: the store's clients belong to it).
 
-    Mutable state, all of it: what is open (``_raw``, ``_boundary``, ``_executor``)."""
+    Mutable state, all of it: what is open (``_raw``, ``_boundary``, ``_executor``) and the
+    loop (``_loop``, ``_pid``)."""
 
     def __init__(
         self, parent: str, config: LoadConfig, storage_options: Mapping[str, Any] | None
@@ -230,12 +231,19 @@ class _FileStore:
         self._t0 = time.monotonic()
         self._recorder.started = self._t0
         self._loop = loop_thread(config.options.use_uvloop, local=is_local(parent))
+        self._pid = os.getpid()
         self._raw: Storage | None = None
         self._boundary: RetryingStorage | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the store's loop and wait (:func:`asyncload._loop.run_sync`)."""
+        """Run ``coro`` on the store's loop and wait (:func:`asyncload._loop.run_sync`); the
+        loop is chosen again in a forked child, or once it has stopped (as a session's)."""
+        if self._pid != os.getpid() or not self._loop.is_running():
+            self._loop = loop_thread(
+                self._config.options.use_uvloop, local=is_local(self.checkpoint)
+            )
+            self._pid = os.getpid()
         return run_sync(coro, self._loop)
 
     async def storage(self) -> RetryingStorage:

@@ -110,7 +110,11 @@ def _map_file(
     where the metadata did. A damaged header raises :class:`~asyncload.CheckpointFormatError`."""
     assert mapped._F_SETLEASE is not None and mapped._F_SETSIG is not None
     assert mapped._SIGNAL is not None  # mapped_copies_available() said so
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:  # the stream reads it, and names the error
+        log.debug("%s: not opened (%s): read, not mapped", path, exc)
+        return None
     try:
         # before the lease: letting one go resets the signal to SIGIO, which ends the process
         fcntl.fcntl(fd, mapped._F_SETSIG, mapped._SIGNAL)
