@@ -9,6 +9,11 @@ own weight loaders, the strict check that every parameter was loaded), the exper
 filter (``_init_ep_weight_filter`` sets ``local_expert_ids``) and the model's
 ``is_unused_checkpoint_weight``. Both filters become the stream's ``keys=`` predicate, so the
 tensors they drop are never read (vLLM's own loader drops unused weights by whole shard).
+
+Local files in the page cache are handed over as views of leased mappings after asyncload has
+read their headers (:mod:`._vllm_mapped`: vLLM copies each weight at once, and a tensor read
+into fresh memory paid its page faults on top of that copy). A remote source's stream, when
+``download_model`` opened it, is the one the weights read (its headers read once per process).
 """
 
 from __future__ import annotations
