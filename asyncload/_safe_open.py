@@ -9,11 +9,16 @@ over-read bound (``LoadOptions.max_over_read_ratio`` and ``min_chunk_size``, as 
 joins them), large ranges split at ``chunk_size`` and read concurrently, at most
 ``memory_budget`` bytes buffered.
 
-Every read goes through the file's :class:`~asyncload.engine.session.LoadSession` and its
-storage boundary (:class:`asyncload.storage.RetryingStorage`: timeouts, retries, hedging,
-the object's version pinned at first sight, typed errors naming the file, range and
-attempts), on the library's loop thread (:mod:`asyncload._loop`); a local file changed
-while it is read is a :class:`~asyncload.CheckpointChangedError`.
+Every read goes through the file's storage boundary (:class:`asyncload.storage.RetryingStorage`,
+made from the options resolved once, as a load's: timeouts, retries, hedging, the object's
+version pinned at first sight, typed errors naming the file, range and attempts), on the
+library's loop thread (:mod:`asyncload._loop`); a local file changed while it is read is a
+:class:`~asyncload.CheckpointChangedError`.
+
+What it imports is what it needs: the storage wing, the header parser
+(:mod:`asyncload.formats.safetensors_header`) and the engine's chunking, never
+``torch.distributed.checkpoint`` or a load's planning (a fresh process's first ``safe_open``
+paid 0.76 s for them).
 
 Indexing is torch's own: an index of ints, slices (any positive step), ``...`` and ``None``
 reads the box it touches (an index out of range raises torch's error before anything is
@@ -23,39 +28,46 @@ read); any other index (lists, tensors, booleans) reads the whole tensor and ind
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import logging
 import math
 import operator
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from itertools import product
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from asyncload._errors import StateDictMismatchError
+from asyncload._errors import StateDictMismatchError, redact_url
+from asyncload._latency import LoadClock
+from asyncload._loop import loop_thread, run_sync
 from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats
-from asyncload.engine.checks import check_unchanged
+from asyncload._stats import LoadStats, StatsRecorder
+from asyncload.engine.changes import check_unchanged
 from asyncload.engine.chunks import Chunk, Piece
-from asyncload.engine.config import resolve_config
+from asyncload.engine.config import LoadConfig, resolve_config
 from asyncload.engine.cost import ReadBudget
 from asyncload.engine.keys import closest_keys
 from asyncload.engine.meter import Meter
 from asyncload.engine.plan import make_chunks
-from asyncload.engine.session import LoadSession
-from asyncload.formats.base import TensorLocation, split_file_url
 from asyncload.formats.buffers import memory_of
-from asyncload.formats.safetensors import (
+from asyncload.formats.location import TensorLocation, split_file_url
+from asyncload.formats.safetensors_header import (
     HEADER_PROBE,
     SAFETENSORS_DTYPES,
     SafetensorsHeader,
     aread_header,
 )
-from asyncload.storage import BATCH_INLINE, RetryingStorage, is_local
+from asyncload.storage import BATCH_INLINE, RetryingStorage, Storage, is_local, open_storage
 
 __all__ = ["SafetensorsFile", "SafetensorsSlice", "TensorNotFoundError", "safe_open"]
+
+log = logging.getLogger("asyncload.safe_open")
+T = TypeVar("T")
 
 #: ``framework=`` values that mean torch tensors (safetensors' own spellings).
 _TORCH = ("pt", "torch", "pytorch")
@@ -199,11 +211,102 @@ def box_runs(
         yield start + elem * itemsize, run
 
 
-class _Reader:
-    """The async core of one open file: its session (storage, threads, statistics), its
-    header, and the reads of boxes of its tensors. Runs on the session's loop."""
+class _FileStore:
+    """The store of one open file, as a load's session holds it (without a load's planning):
+    the storage at ``parent`` behind the retrying boundary, both made from ``config`` (the
+    options resolved once), the I/O threads, the statistics and clock, and the library loop
+    it runs on (chosen once: the store's clients belong to it).
 
-    def __init__(self, session: LoadSession, name: str, options: LoadOptions) -> None:
+    Mutable state, all of it: what is open (``_raw``, ``_boundary``, ``_executor``) and the
+    loop (``_loop``, ``_pid``)."""
+
+    def __init__(
+        self, parent: str, config: LoadConfig, storage_options: Mapping[str, Any] | None
+    ) -> None:
+        self.checkpoint = parent
+        self._config = config
+        self._storage_options = dict(storage_options or {})
+        self._recorder = StatsRecorder()
+        self._clock = LoadClock(time.monotonic)
+        self._t0 = time.monotonic()
+        self._recorder.started = self._t0
+        self._loop = loop_thread(config.options.use_uvloop, local=is_local(parent))
+        self._pid = os.getpid()
+        self._raw: Storage | None = None
+        self._boundary: RetryingStorage | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the store's loop and wait (:func:`asyncload._loop.run_sync`); the
+        loop is chosen again in a forked child, or once it has stopped (as a session's)."""
+        if self._pid != os.getpid() or not self._loop.is_running():
+            self._loop = loop_thread(
+                self._config.options.use_uvloop, local=is_local(self.checkpoint)
+            )
+            self._pid = os.getpid()
+        return run_sync(coro, self._loop)
+
+    async def storage(self) -> RetryingStorage:
+        """The storage behind the retrying boundary (opened on first use)."""
+        if self._boundary is None:
+            options = self._config.options
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self._config.io_threads, thread_name_prefix="asyncload-io"
+                )
+            self._raw = open_storage(
+                self.checkpoint,
+                self._storage_options,
+                self._executor,
+                transport=options.transport,
+                mapped_copies=options.local_mapped_copies,
+                max_listing_size=options.max_metadata_size,
+            )
+            self._boundary = RetryingStorage(
+                self._raw,
+                retry=self._config.retry,
+                hedge=self._config.hedge,
+                stats=self._recorder,
+                executor=self._executor,
+                clock=self._clock,
+            )
+        return self._boundary
+
+    def live_stats(self) -> LoadStats:
+        snap = self._recorder.snapshot()
+        snap.seconds = time.monotonic() - self._t0
+        return snap
+
+    async def _aclose_storage(self) -> None:
+        raw, self._raw, self._boundary = self._raw, None, None
+        if raw is not None:
+            await raw.aclose()
+
+    def close(self) -> None:
+        """Close the storage (on the loop), then stop the I/O threads (here: a read still
+        running ends first)."""
+        try:
+            if self._raw is not None:
+                self.run(self._aclose_storage())
+        finally:
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
+
+    def close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            log.debug(
+                "closing the storage of %s failed", redact_url(self.checkpoint), exc_info=True
+            )
+
+
+class _Reader:
+    """The async core of one open file: its store (storage, threads, statistics), its
+    header, and the reads of boxes of its tensors. Runs on the store's loop."""
+
+    def __init__(self, session: _FileStore, name: str, options: LoadOptions) -> None:
         self.session = session
         self.name = name
         self.options = options
@@ -393,8 +496,7 @@ class SafetensorsFile:
         config = resolve_config(options)
         self.url = url
         parent, name = split_file_url(url)
-        self._session = LoadSession(parent, config=config, storage_options=storage_options)
-        self._session.begin()
+        self._session = _FileStore(parent, config, storage_options)
         self._reader = _Reader(self._session, name, config.options)
         self._closed = False
         try:

@@ -10,7 +10,8 @@ safetensors file, the way vLLM's and transformers' sharded loaders read it:
   ``--latency`` seconds per request): download the whole file first (fsspec), then safetensors'
   ``safe_open`` on it, vs ``asyncload.safe_open(url)`` reading only the slices' bytes.
 
-Each contender runs in a fresh process per round (imports outside the clock), contenders
+Each contender runs in a fresh process per round (imports outside the clock: torch,
+safetensors, and ``from asyncload import safe_open``, whose time is printed apart), contenders
 interleaved; the page cache is warmed by reading the file once before the local rounds. Prints
 seconds (median), bytes read, and the ratios.
 """
@@ -36,8 +37,10 @@ def _child(contender: str, where: str, ranks: int) -> dict[str, float]:
     import torch  # noqa: F401
     from safetensors import safe_open as st_open
 
-    import asyncload
+    t = time.perf_counter()
+    from asyncload import safe_open as al_open  # the face's own imports, timed apart
 
+    face_import = time.perf_counter() - t
     t0 = time.perf_counter()
     total = 0
     read = 0
@@ -59,13 +62,18 @@ def _child(contender: str, where: str, ranks: int) -> dict[str, float]:
         else:
             read = total  # a memory map touches the slices' pages
     else:
-        with asyncload.safe_open(where, framework="pt") as f:
+        with al_open(where, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118
                 s = f.get_slice(name)
                 rows = s.get_shape()[0] // ranks
                 total += s[0:rows].nbytes
             read = f.stats.bytes_read
-    return {"seconds": time.perf_counter() - t0, "bytes": total, "read": read}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "bytes": total,
+        "read": read,
+        "import": face_import if contender.startswith("asyncload") else 0.0,
+    }
 
 
 def _run(contender: str, where: str, ranks: int) -> dict[str, float]:
@@ -84,6 +92,7 @@ def _report(results: dict[str, list[dict[str, float]]], base: str) -> None:
         print(
             f"  {c:22s} {med[c]:7.3f} s (median of {len(rs)})  read {rs[0]['read'] / 2**20:8.1f} MiB"
             f"  slices {rs[0]['bytes'] / 2**20:7.1f} MiB  {med[base] / med[c]:5.2f}x vs {base}"
+            f"  (+ {statistics.median(r['import'] for r in rs):.3f} s importing the face)"
         )
 
 

@@ -6,7 +6,7 @@
 
 Needs vLLM (``bash scripts/setup_vllm.sh`` builds ``.venv-vllm``). Models: ``tiny`` (4 layers,
 hidden 256, ~10 MiB) and ``medium`` (8 layers, hidden 1024, vocab 8192, ~460 MiB), random
-Llamas with a tokenizer trained on the spot (tests/vllm/_model.py), saved by
+Llamas with a tokenizer trained on the spot (asyncload/testing/tiny_llama.py), saved by
 ``save_pretrained`` in shards of at most 64 MB. Contenders, each in a fresh process per round,
 interleaved:
 
@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
@@ -122,8 +121,7 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=0.01)
     ap.add_argument("--no-s3", action="store_true")
     args = ap.parse_args()
-    sys.path.insert(0, str(HERE.parent / "tests" / "vllm"))
-    from _model import save_tiny_llama
+    from asyncload.testing.tiny_llama import save_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_llama(Path(tmp) / "model", max_shard_size="64MB", **SIZES[args.size])

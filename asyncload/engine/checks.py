@@ -23,7 +23,6 @@ from torch.distributed.checkpoint import ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from asyncload._errors import (
-    CheckpointChangedError,
     CheckpointFormatError,
     CheckpointNotFoundError,
 )
@@ -31,6 +30,7 @@ from asyncload._options import LoadOptions
 from asyncload._paths import check_relative_path
 from asyncload._stats import StatsRecorder
 from asyncload.engine import transforms as _transforms
+from asyncload.engine.changes import check_unchanged
 from asyncload.engine.chunks import Piece
 from asyncload.engine.crc import CrcTracker
 from asyncload.engine.records import Record, expected_storage
@@ -148,24 +148,6 @@ def check_written(
             f"{checkpoint}: the load wrote {written} of the {total} destination bytes it planned "
             f"(keys {keys[:8]}{' ...' if len(keys) > 8 else ''}): the destination is incomplete"
         )
-
-
-async def check_unchanged(storage: RetryingStorage, fingerprints: dict[str, object]) -> None:
-    """Raise if a file of the checkpoint was rewritten or replaced while this load read
-    it (a save in progress into the same directory): the bytes may be torn."""
-    names = list(fingerprints)
-    now = await asyncio.gather(*(storage.fingerprint(n) for n in names), return_exceptions=True)
-    for name, fp in zip(names, now):
-        if fp != fingerprints[name]:
-            raise CheckpointChangedError(
-                f"{storage.url(name)} changed while it was being read: a save is writing into "
-                "this checkpoint "
-                "(or replaced it); the destination holds a mix, load again once the save has "
-                "finished",
-                path=storage.url(name),
-                seen=repr(fingerprints[name]),
-                now=None if isinstance(fp, BaseException) else repr(fp),
-            )
 
 
 async def check_files(

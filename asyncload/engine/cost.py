@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING, Any
 
 from asyncload._options import ChunkPolicy, LoadOptions
 from asyncload._stats import StatsRecorder
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.plan import break_even_gap, make_chunks
-from asyncload.engine.records import Record, needed
-from asyncload.formats.torchsave import HEAD_PROBE, TAIL_PROBE
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from asyncload.engine.records import Record
+
+# records and torchsave (torch.distributed.checkpoint) are imported where a load's records
+# are priced: ReadBudget's gap rules alone (asyncload.safe_open's) need neither
 
 __all__ = ["ForeignBytes", "ReadBudget", "unit_chunks"]
 
@@ -52,11 +56,16 @@ class ReadBudget:
     def for_load(
         cls, options: LoadOptions, remote: bool, records: list[Record], read_before: int
     ) -> ReadBudget:
+        from asyncload.engine.records import needed
+
         ratio = None if options.verify else options.max_over_read_ratio
         return cls(ratio, remote, sum(needed(r) for r in records if not r.transforms), read_before)
 
     def whole_records(self, records: list[Record], small: int) -> set[int]:
         """ids of the records phase A reads whole (the others with tensors are probed)."""
+        from asyncload.engine.records import needed
+        from asyncload.formats.torchsave import HEAD_PROBE, TAIL_PROBE
+
         whole: set[int] = set()
         candidates: list[tuple[int, Record]] = []
         spare = self.limit - sum(needed(r) for r in records if not r.transforms)

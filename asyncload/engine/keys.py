@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["MISSING_SHOWN", "alias_groups", "closest_keys", "missing_keys_message", "same_bits"]
 
@@ -116,12 +116,15 @@ def closest_keys(
         return {}
     by_stripped: dict[str, str] = {}
     by_shape: dict[Any, list[str]] = {}
+    # DCP's class if DCP is imported; if not, no saved entry is one (safe_open's keys: None)
+    dcp_md = sys.modules.get("torch.distributed.checkpoint.metadata")
+    tensor_md: Any = getattr(dcp_md, "TensorStorageMetadata", ())
     for k in candidates:
         head, dot, rest = k.partition(".")
         if dot and head and rest and rest not in by_stripped:
             by_stripped[rest] = k
         smd = saved[k]
-        shape = smd.size if isinstance(smd, TensorStorageMetadata) else None
+        shape = smd.size if isinstance(smd, tensor_md) else None
         same = by_shape.get(shape)
         if same is None:
             by_shape[shape] = [k]

@@ -30,21 +30,60 @@ but all of those found sit under one prefix (``model.``, ``module.``, ``state_di
 the planner loads from under that prefix (:func:`rebase`).
 """
 
-from asyncload.formats.archive import ByteWindow, parse_archive
-from asyncload.formats.base import (
-    HF_INDEX,
-    HF_SINGLE,
-    Fetcher,
-    FormatEntry,
-    FormatMetadata,
-    KnownTensor,
-    rebase,
-    split_file_url,
-)
-from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata
-from asyncload.formats.probe import aprobe_fallback, aprobe_first
-from asyncload.formats.safetensors import BlobTensor, mark_dcp_safetensors
-from asyncload.formats.torchsave import KnownObject, object_bytes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncload.formats.archive import ByteWindow, parse_archive
+    from asyncload.formats.base import (
+        HF_INDEX,
+        HF_SINGLE,
+        Fetcher,
+        FormatEntry,
+        FormatMetadata,
+        KnownTensor,
+        rebase,
+        split_file_url,
+    )
+    from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata
+    from asyncload.formats.probe import aprobe_fallback, aprobe_first
+    from asyncload.formats.safetensors import BlobTensor, mark_dcp_safetensors
+    from asyncload.formats.torchsave import KnownObject, object_bytes
+
+#: The wing's names, imported on first use (PEP 562): a module that needs one format
+#: (``asyncload.safe_open``: :mod:`.safetensors_header`, :mod:`.location`) imports only it.
+_LAZY = {
+    "ByteWindow": "archive",
+    "parse_archive": "archive",
+    "HF_INDEX": "base",
+    "HF_SINGLE": "base",
+    "Fetcher": "base",
+    "FormatEntry": "base",
+    "FormatMetadata": "base",
+    "KnownTensor": "base",
+    "rebase": "base",
+    "split_file_url": "location",
+    "KNOWN_DCP_VERSIONS": "dcp",
+    "decode_metadata": "dcp",
+    "aprobe_fallback": "probe",
+    "aprobe_first": "probe",
+    "BlobTensor": "safetensors",
+    "mark_dcp_safetensors": "safetensors",
+    "KnownObject": "torchsave",
+    "object_bytes": "torchsave",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncload.formats' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"asyncload.formats.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "HF_INDEX",

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import os
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from asyncload._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
 from asyncload._options import LoadOptions
-from asyncload.storage import RetryingStorage, is_local, local_root
+from asyncload.formats.location import TensorLocation, split_file_url
+from asyncload.storage import RetryingStorage
 
 __all__ = [
     "HF_INDEX",
@@ -43,51 +41,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("asyncload.formats")
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    """Where a saved tensor's elements are: the format-independent answer of every format module."""
-
-    #: File name relative to the checkpoint root.
-    name: str
-    #: Absolute byte offset, in that file, of storage element 0.
-    data_start: int
-    #: Bytes of the storage.
-    storage_nbytes: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    #: In elements.
-    storage_offset: int = 0
-    #: CRC-32 of the storage's bytes, where the format stores one.
-    crc32: int | None = None
-    #: Human description for messages, e.g. ``"record 'layers.0.w' at [4096, 8192) of
-    #: __0_0.distcp"``.
-    where: str = ""
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    def check(self) -> None:
-        """Raise CheckpointFormatError unless every element lies inside the storage."""
-        if (
-            any(s < 0 for s in self.size)
-            or any(s < 0 for s in self.stride)
-            or self.storage_offset < 0
-        ):
-            raise CheckpointFormatError(f"{self.where}: negative size, stride or offset")
-        if math.prod(self.size) == 0:
-            return
-        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
-        if (last + 1) * self.itemsize > self.storage_nbytes:
-            raise CheckpointFormatError(
-                f"{self.where}: tensor of size {list(self.size)} and stride {list(self.stride)} at "
-                f"offset "
-                f"{self.storage_offset} needs {(last + 1) * self.itemsize} bytes, its storage has "
-                f"{self.storage_nbytes}"
-            )
 
 
 class FormatEntry:
@@ -151,24 +104,6 @@ class FormatMetadata(Metadata):
     #: file order: the exact structure a loaded state dict is rebuilt into
     #: (:func:`asyncload.formats.torchsave.nest_saved`).
     templates: list[Any] = field(default_factory=list)
-
-
-def split_file_url(checkpoint: str | os.PathLike[str]) -> tuple[str, str]:
-    """``(parent, file name)`` of a file checkpoint: a local path, ``file://`` or fsspec URL.
-
-    The parent is what storage opens; the name is read relative to it.
-    """
-    if is_local(checkpoint):
-        path = os.path.abspath(local_root(checkpoint))
-        parent, name = os.path.split(path)
-        return parent, name
-    s = str(checkpoint)
-    proto, rest = s.split("://", 1)
-    rest = rest.split("?", 1)[0].split("#", 1)[0]
-    if "/" in rest.rstrip("/"):
-        head, name = rest.rstrip("/").rsplit("/", 1)
-        return f"{proto}://{head}", name
-    return f"{proto}://", rest.rstrip("/")
 
 
 class Fetcher:

@@ -28,11 +28,11 @@ from asyncload.formats.safetensors import (
     HEADER_PROBE,
     SafetensorsHeader,
     _asafetensors_files,
-    _no_duplicates,
     _safetensors_metadata,
     aread_header,
     looks_like_safetensors,
 )
+from asyncload.formats.safetensors_header import _no_duplicates
 from asyncload.formats.torch_checkpointing import (
     METADATA_FILE,
     adirectory_metadata,

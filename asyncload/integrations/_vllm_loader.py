@@ -9,10 +9,16 @@ own weight loaders, the strict check that every parameter was loaded), the exper
 filter (``_init_ep_weight_filter`` sets ``local_expert_ids``) and the model's
 ``is_unused_checkpoint_weight``. Both filters become the stream's ``keys=`` predicate, so the
 tensors they drop are never read (vLLM's own loader drops unused weights by whole shard).
+
+Local files in the page cache are handed over as views of leased mappings after asyncload has
+read their headers (:mod:`._vllm_mapped`: vLLM copies each weight at once, and a tensor read
+into fresh memory paid its page faults on top of that copy). A remote source's stream, when
+``download_model`` opened it, is the one the weights read (its headers read once per process).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import glob
 import logging
@@ -21,16 +27,20 @@ import time
 from collections.abc import Callable, Generator, Iterator
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
 from asyncload._errors import AsyncLoadError, redact_url
-from asyncload._read import read_state_dict
+from asyncload._loop import loop_thread, run_sync
 from asyncload._stats import LoadStats
-from asyncload._stream import CheckpointStream, _astream, sync_iter
+from asyncload._stream import CheckpointStream, _astream, select_keys, sync_iter
 from asyncload.integrations._vllm_config import LOAD_FORMAT, parse_extra_config
+from asyncload.integrations._vllm_mapped import map_weights
+from asyncload.storage import is_local, local_root
+from asyncload.storage.mapped import mapped_copies_available
 
 __all__ = ["AsyncLoadModelLoader", "weight_filter"]
 
@@ -71,6 +81,8 @@ class AsyncLoadModelLoader(DefaultModelLoader):
         self.load_stats: list[LoadStats] = []
         #: vLLM's ``model`` of the load in progress: the source that ``url`` replaces.
         self._model: str | None = None
+        #: Streams ``download_model`` opened (remote URLs), by URL, until the weights take them.
+        self._opened: dict[str, _WeightStream] = {}
 
     # --- where the weights are -------------------------------------------------------------
 
@@ -91,20 +103,42 @@ class AsyncLoadModelLoader(DefaultModelLoader):
         return base, what
 
     def download_model(self, model_config: ModelConfig) -> None:
-        """Nothing to download: check that the weights' metadata can be read (no tensor data
-        is read)."""
+        """Nothing to download: check that the weights' headers can be read (no tensor data
+        is read), and that the files are as long as they claim. From a remote store the stream
+        stays open for the weights (the headers read once per process, the objects' versions
+        pinned by the same storage); a local one is closed (its headers cost nothing to read
+        again, and the weights' read then checks the files unchanged from there)."""
         self._model = model_config.model
         url, what = self._url(model_config.model, None)
+        stream = self._stream(url, None)
+        loop = self._loop(url)
         try:
-            read_state_dict(
-                url,
-                device="meta",
-                options=self.extra.options,
-                storage_options=self.extra.storage_options,
-            )
+            run_sync(stream.aopen(), loop)
         except AsyncLoadError as exc:
+            run_sync(stream.aclose(), loop)
             _naming(exc, what, url)
             raise
+        except BaseException:
+            run_sync(stream.aclose(), loop)
+            raise
+        if is_local(url):
+            run_sync(stream.aclose(), loop)
+            return
+        old = self._opened.pop(url, None)
+        self._opened[url] = stream
+        if old is not None:
+            run_sync(old.aclose(), loop)
+
+    def _loop(self, url: str) -> asyncio.AbstractEventLoop:
+        """The library loop a stream of ``url`` runs on: a remote one's, sync_iter's (the
+        weights read it there); a local one's closes where it opened (no uvloop imported)."""
+        return loop_thread(self.extra.options.use_uvloop, local=is_local(url))
+
+    def close_opened(self) -> None:
+        """Close the streams ``download_model`` left open that no weights read took."""
+        opened, self._opened = self._opened, {}
+        for url, stream in opened.items():
+            run_sync(stream.aclose(), self._loop(url))
 
     # --- the weights ---------------------------------------------------------------------
 
@@ -113,7 +147,10 @@ class AsyncLoadModelLoader(DefaultModelLoader):
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         self._model = model_config.model
         self.load_stats = []
-        yield from super().get_all_weights(model_config, model)
+        try:
+            yield from super().get_all_weights(model_config, model)
+        finally:
+            self.close_opened()
 
     def _get_weights_iterator(
         self, source: DefaultModelLoader.Source
@@ -148,8 +185,14 @@ class AsyncLoadModelLoader(DefaultModelLoader):
                 return found
         raise ValueError(f"no file of {what} ({url}) matches {patterns}")
 
-    def _stream(self, url: str, keys: Callable[[str], bool] | None) -> CheckpointStream:
-        return CheckpointStream(
+    def _stream(self, url: str, keys: Callable[[str], bool] | None) -> _WeightStream:
+        """The stream of ``url``: the one ``download_model`` opened, its keys selected again
+        (no header read again), else a new one."""
+        stream = self._opened.pop(url, None)
+        if stream is not None:
+            stream.keys = keys
+            return stream
+        return _WeightStream(
             url,
             keys=keys,
             options=self.extra.options,
@@ -159,13 +202,79 @@ class AsyncLoadModelLoader(DefaultModelLoader):
     def _tensors(
         self, url: str, what: str, keys: Callable[[str], bool] | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        stream = self._stream(url, keys)
+        options = self.extra.options
         try:
-            yield from sync_iter(_astream(stream), self.extra.options)
+            if options.local_mapped_copies and is_local(url):
+                views = self._mapped(url, keys)
+                if views is not None:
+                    yield from views
+                    return
+            stream = self._stream(url, keys)
+            yield from sync_iter(_astream(stream), options)
         except AsyncLoadError as exc:
             _naming(exc, what, url)
             raise
         self.load_stats.append(stream.stats)
+
+    def _mapped(
+        self, url: str, keys: Callable[[str], bool] | None
+    ) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The selected tensors of local ``url`` as views of leased mappings of the page cache
+        (:mod:`._vllm_mapped`), after asyncload has read and checked the headers; ``None`` when
+        they cannot be (then the stream reads them)."""
+        if mapped_copies_available() is not None:
+            return None
+        options = self.extra.options
+        stream = self._stream(url, keys)
+        loop = self._loop(url)
+        try:  # the claims are checked against each mapped file (its header, parsed again)
+            run_sync(stream.aopen(check=False), loop)
+            stats = stream.session.live_stats()
+        finally:
+            run_sync(stream.aclose(), loop)
+        path = local_root(url)
+        root = path if os.path.isdir(path) else os.path.dirname(path)
+        assert stream.metadata is not None
+        views = map_weights(root, stream.metadata, stream.tensors, options.max_metadata_size)
+        if views is None:
+            return None
+        return self._counted(views, stats)
+
+    def _counted(
+        self, views: Iterator[tuple[str, torch.Tensor]], stats: LoadStats
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``views``, counted in ``stats`` (the bytes handed over are the bytes read)."""
+        t0 = time.perf_counter()
+        seconds = stats.seconds
+        for name, tensor in views:
+            n = tensor.numel() * tensor.element_size()
+            stats.bytes_assembled += n
+            stats.bytes_read += n
+            yield name, tensor
+            del tensor
+        stats.seconds = seconds + time.perf_counter() - t0
+        self.load_stats.append(stats)
+
+
+class _WeightStream(CheckpointStream):
+    """A weight source's stream, which may be opened twice: by ``download_model`` (headers
+    read, claims checked), then by the weights' read, which selects its keys again from the
+    same metadata, on the same session (the same storage, the objects' versions pinned when
+    the headers were read), without reading the headers again."""
+
+    async def aopen(self, *, check: bool = True) -> Metadata:
+        md = self.metadata
+        if md is None:
+            return await super().aopen(check=check)
+        self.session.begin()  # this read's statistics and clock; the storage stays open
+        chosen = select_keys(md, self.keys, self.checkpoint)
+        sdm = md.state_dict_metadata
+        self.tensors = sorted(
+            (k for k in chosen if isinstance(sdm[k], TensorStorageMetadata)), key=self._where
+        )
+        self.objects = [k for k in chosen if not isinstance(sdm[k], TensorStorageMetadata)]
+        self._files_at_open = 0  # counted by the first open
+        return md  # every key's claims were checked by the first open
 
 
 def _naming(exc: AsyncLoadError, what: str, url: str) -> None:

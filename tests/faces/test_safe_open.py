@@ -465,3 +465,32 @@ def test_threads_share_one_open_file(tmp_path: Path) -> None:
         same(part, w[r * 8 : (r + 1) * 8, r : r + 16], f"rank {r}")
     for t in tensors:
         same(t, torch.arange(48), "b")
+
+
+@pytest.mark.timeout(120)
+def test_safe_open_imports_only_what_it_needs(tmp_path: Path) -> None:
+    """In a fresh process, ``asyncload.safe_open`` (open, a slice, a whole tensor, a missing
+    key) imports neither ``torch.distributed.checkpoint`` nor a load's planning, nor the
+    formats it does not read (its first call paid 0.76 s for them)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(12.0).reshape(3, 4)}, str(path))
+    code = f"""
+import sys, torch, asyncload
+with asyncload.safe_open({str(path)!r}) as f:
+    assert torch.equal(f.get_slice("w")[1:], torch.arange(4.0, 12.0).reshape(2, 4))
+    assert torch.equal(f.get_tensor("w"), torch.arange(12.0).reshape(3, 4))
+    try:
+        f.get_tensor("v")
+    except KeyError:
+        pass
+banned = ("torch.distributed.checkpoint", "asyncload.engine.session", "asyncload.engine.records",
+          "asyncload.formats.base", "asyncload.formats.torchsave", "asyncload.decoding")
+print(sorted(m for m in sys.modules if m.startswith(banned)))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=100
+    ).stdout
+    assert out.strip() == "[]"

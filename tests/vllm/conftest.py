@@ -104,7 +104,7 @@ def run_vllm(specs: list[dict[str, Any]], *, multiprocess: bool = False) -> list
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama, one ``model.safetensors``."""
-    from _model import save_tiny_llama
+    from asyncload.testing.tiny_llama import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("llama") / "single")
 
@@ -112,6 +112,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same weights in shards of at most 3 MB with ``model.safetensors.index.json``."""
-    from _model import save_tiny_llama
+    from asyncload.testing.tiny_llama import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("llama") / "sharded", max_shard_size="3MB")

@@ -28,6 +28,7 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
+from asyncload import AsyncLoadError
 from asyncload.integrations.vllm import register
 from asyncload.testing import S3Server
 
@@ -141,7 +142,9 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-        assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+        assert torch.equal(
+            got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+        ), name
 
 
 def _skipped_ranges(path: Path, local: set[int]) -> list[tuple[int, int]]:
@@ -207,3 +210,148 @@ def test_expert_filter_reads_only_local_experts_from_s3(
     for b, e in _skipped_ranges(path, local):
         for rb, re_ in ranges:
             assert re_ <= b or rb >= e, f"read {rb}-{re_} overlaps a skipped expert {b}-{e}"
+
+
+# --- local files: views of leased mappings --------------------------------------------------
+
+
+def _open_for_writing(path: Path) -> bool:
+    """Whether another opener could write ``path`` now: ``False`` while a read lease on it is
+    held (a non-blocking open for writing then fails with ``EWOULDBLOCK``, and asks the holder
+    to let go)."""
+    import errno
+    import os
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except BlockingIOError as exc:
+        assert exc.errno == errno.EWOULDBLOCK
+        return False
+    os.close(fd)
+    return True
+
+
+def _sharded_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """Two safetensors files with ``model.safetensors.index.json``, every dtype vLLM loads."""
+    g = torch.Generator().manual_seed(1)
+    first = {
+        "a.weight": torch.randn(64, 32, generator=g),
+        "a.bias": torch.randn(32, generator=g).to(torch.bfloat16),
+        "empty": torch.empty(0, 4),
+    }
+    second = {
+        "b.weight": torch.randn(16, 16, generator=g).to(torch.float16),
+        "b.ids": torch.arange(10, dtype=torch.int64),
+        "scalar": torch.tensor(3.5),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(first, str(directory / "model-00001-of-00002.safetensors"))
+    save_file(second, str(directory / "model-00002-of-00002.safetensors"))
+    weight_map = dict.fromkeys(first, "model-00001-of-00002.safetensors")
+    weight_map |= dict.fromkeys(second, "model-00002-of-00002.safetensors")
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return {**first, **second}
+
+
+@pytest.mark.skipif(
+    __import__("asyncload.storage.mapped", fromlist=["x"]).mapped_copies_available() is not None,
+    reason="no leases or cachestat here: local weights are always read",
+)
+def test_local_weights_are_views_of_leased_mappings(tmp_path: Path) -> None:
+    import gc
+
+    want = _sharded_checkpoint(tmp_path / "m")
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    snapshot = [f.read_bytes() for f in files]
+    loader = _loader()
+    got = _weights(loader, tmp_path / "m")
+    _same(got, want)
+    # mapped, under a lease: a writer must wait while the views are alive
+    assert not any(_open_for_writing(f) for f in files)
+    got["a.weight"].add_(1.0)  # a private mapping: the file is never written
+    (stats,) = loader.load_stats
+    assert stats.bytes_assembled == sum(t.numel() * t.element_size() for t in want.values())
+    del got
+    gc.collect()
+    assert all(_open_for_writing(f) for f in files)  # the views are gone: so is the lease
+    assert [f.read_bytes() for f in files] == snapshot
+
+
+def test_local_weights_read_without_mappings(tmp_path: Path) -> None:
+    """``local_mapped_copies=False``, and a file open for writing (no lease): read, same bytes,
+    no lease left behind."""
+    want = _sharded_checkpoint(tmp_path / "m")
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    got = _weights(_loader({"options": {"local_mapped_copies": False}}), tmp_path / "m")
+    _same(got, want)
+    assert all(_open_for_writing(f) for f in files)
+    with open(files[1], "r+b"):  # a writer holds it: no lease is granted
+        got = _weights(_loader(), tmp_path / "m")
+        _same(got, want)
+    assert all(_open_for_writing(f) for f in files)
+
+
+def test_local_damaged_header_is_a_typed_error(tmp_path: Path) -> None:
+    from asyncload import CheckpointFormatError
+
+    _sharded_checkpoint(tmp_path / "m")
+    path = tmp_path / "m" / "model-00002-of-00002.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[0:8] = struct.pack("<Q", len(raw) + 10)  # a header longer than the file
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointFormatError) as info:
+        _weights(_loader(), tmp_path / "m")
+    assert "model-00002-of-00002.safetensors" in str(info.value)
+    assert "the model directory" in str(info.value)
+
+
+def _header_reads(log: list[Any]) -> dict[str, int]:
+    """Requests for each safetensors file's first bytes (its header), by file."""
+    out: dict[str, int] = {}
+    for entry in log:
+        name = entry.path.rsplit("/", 1)[-1]
+        first = entry.range is None or entry.range.removeprefix("bytes=").startswith("0-")
+        if entry.method == "GET" and name.endswith(".safetensors") and first:
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def test_download_model_and_weights_read_the_headers_once(
+    tmp_path: Path, s3_server: S3Server, fault_proxy: Any
+) -> None:
+    """From S3, ``download_model``'s early check and the weights share one read of each
+    header (and of the index); without ``download_model`` the weights read them once too;
+    a missing shard still fails in ``download_model``, naming the configured key."""
+    want = _sharded_checkpoint(tmp_path / "m")
+    url = s3_server.upload_dir(tmp_path / "m", "vllm-once", "m")
+    proxy = fault_proxy(s3_server)
+    extra = {"url": url, "storage_options": s3_server.storage_options(proxy.endpoint_url)}
+    model_config = SimpleNamespace(model=str(tmp_path / "m"), revision=None)
+    files = {"model-00001-of-00002.safetensors": 1, "model-00002-of-00002.safetensors": 1}
+
+    loader = _loader(extra)
+    loader.download_model(model_config)
+    assert _header_reads(proxy.log) == files
+    _same(_weights(loader, tmp_path / "m"), want)
+    assert _header_reads(proxy.log) == files  # none read again
+    index = [e for e in proxy.log if e.path.endswith("model.safetensors.index.json")]
+    assert len([e for e in index if e.method == "GET"]) == 1
+    assert loader._opened == {}
+
+    proxy.reset_counters()
+    loader = _loader(extra)
+    _same(_weights(loader, tmp_path / "m"), want)
+    assert _header_reads(proxy.log) == files
+
+    broken = s3_server.upload_dir(tmp_path / "m", "vllm-once", "broken")
+    s3_server.client().delete_object(
+        Bucket="vllm-once", Key="broken/model-00002-of-00002.safetensors"
+    )
+    loader = _loader({**extra, "url": broken})
+    with pytest.raises(AsyncLoadError) as info:
+        loader.download_model(model_config)
+    assert 'model_loader_extra_config["url"]' in str(info.value)
+    assert "model-00002-of-00002.safetensors" in str(info.value)
+    assert loader._opened == {}

@@ -1,15 +1,18 @@
-"""A tiny random Llama and a tokenizer trained here, saved as Hugging Face directories (no hub).
+"""A tiny random Llama and a tokenizer trained here, saved as Hugging Face directories (no hub):
+what ``tests/vllm`` and ``benchmarks/bench_vllm.py`` load through vLLM.
 
 :func:`save_tiny_llama` writes ``config.json``, ``generation_config.json``, the tokenizer files
 and the weights: one ``model.safetensors``, or (``max_shard_size``) shards and
 ``model.safetensors.index.json``. Same seed, same weights: the sharded and the single-file
-directories hold the same tensors.
+directories hold the same tensors. Needs ``transformers`` and ``tokenizers`` (imported when
+called; importing this module imports neither, nor vLLM).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,7 +70,7 @@ def save_tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -77,7 +80,7 @@ def save_tiny_llama(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     for f in directory.iterdir():  # save_pretrained writes shards 0600
         os.chmod(f, 0o644)
