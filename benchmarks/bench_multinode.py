@@ -105,9 +105,9 @@ def worker(args: argparse.Namespace) -> None:
             sd = dest()
             dist.barrier()
             rx0 = rx_bytes()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             stats = asyncload.load(sd, args.url, options=options, planner=planner)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             if kind == "sharded":
                 ShardedLoadPlanner.wait_for_background_sends(60)
             dist.barrier()
@@ -120,6 +120,7 @@ def worker(args: argparse.Namespace) -> None:
                     "node": int(os.environ["GROUP_RANK"]),
                     "local": local,
                     "wall": wall,
+                    "cpu": cpu,
                     "rx": rx,
                     "bytes_read": stats.bytes_read,
                     "from_other_nodes": stats.bytes_from_other_nodes,
@@ -197,6 +198,7 @@ def summarize(
                 "wall": wall,
                 "bound": bound,
                 "ratio": bound / wall,
+                "cpu": sum(r["cpu"] for r in rs),
                 "storage_mib": sum(r["bytes_read"] for r in rs) / MiB,
                 "link_rx_mib": sum(per_node_rx.values()) / MiB,
                 "max_node_rx_mib": max(per_node_rx.values()) / MiB,
@@ -271,12 +273,13 @@ def main() -> None:
     )
     print(
         f"{'layout':<11}{'round':>6} {'contender':<10}{'wall s':>8}{'bound s':>9}{'bound/wall':>11}"
-        f"{'storage MiB':>12}{'node rx MiB':>12}{'max node rx':>12}{'from nodes':>11}{'bad':>5}"
+        f"{'cpu s':>7}{'storage MiB':>12}{'node rx MiB':>12}{'max node rx':>12}{'from nodes':>11}"
+        f"{'bad':>5}"
     )
     for r in all_rows:
         print(
             f"{r['layout']:<11}{r['round']:>6} {r['kind']:<10}{r['wall']:>8.2f}{r['bound']:>9.2f}"
-            f"{r['ratio']:>11.2f}{r['storage_mib']:>12.1f}{r['link_rx_mib']:>12.1f}"
+            f"{r['ratio']:>11.2f}{r['cpu']:>7.2f}{r['storage_mib']:>12.1f}{r['link_rx_mib']:>12.1f}"
             f"{r['max_node_rx_mib']:>12.1f}{r['other_nodes_mib']:>11.1f}{r['bad']:>5}"
         )
     with open("/proc/loadavg") as f:
