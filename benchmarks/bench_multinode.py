@@ -7,8 +7,8 @@ node as torchrun would (``ip netns exec nK unshare --uts torchrun --nnodes N --n
 
 Layouts: ``replicated`` (every rank loads the whole checkpoint) and ``sharded`` (FSDP-like:
 every tensor ``Shard(0)`` over all ranks, DTensors on a CPU mesh). Contenders:
-``PipelinedLoadPlanner`` and ``ShardedLoadPlanner()`` (node-aware), run alternately in the
-same processes, ``--rounds`` rounds. Per load: wall seconds (the slowest rank, from a barrier),
+``PipelinedLoadPlanner``, ``ShardedLoadPlanner()`` (node-aware) and, with ``--contenders
+...,static``, ``ShardedLoadPlanner(adaptive=False)``, run alternately in the same processes, ``--rounds`` rounds. Per load: wall seconds (the slowest rank, from a barrier),
 the bound (every node must take in what it needs from outside the node through its link,
 and the storage host, on a link of ``--storage-mbit``, by default nodes x the nodes' rate,
 must send the checkpoint at least once: ``max(max over nodes of bytes the node needs /
@@ -63,6 +63,11 @@ def worker(args: argparse.Namespace) -> None:
     import asyncload
     from asyncload import LoadOptions, PipelinedLoadPlanner, ShardedLoadPlanner
 
+    if os.environ.get("BENCH_DEBUG"):  # the sharing wing's timings, on stderr
+        import logging
+
+        logging.basicConfig(format="%(relativeCreated)d %(message)s")
+        logging.getLogger("asyncload.sharded").setLevel(logging.DEBUG)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_RANK"])
@@ -101,14 +106,20 @@ def worker(args: argparse.Namespace) -> None:
     out = []
     for rnd in range(args.rounds):
         for kind in args.contenders.split(","):
-            planner = ShardedLoadPlanner() if kind == "sharded" else PipelinedLoadPlanner()
+            planner = (
+                ShardedLoadPlanner()
+                if kind == "sharded"
+                else ShardedLoadPlanner(adaptive=False)
+                if kind == "static"
+                else PipelinedLoadPlanner()
+            )
             sd = dest()
             dist.barrier()
             rx0 = rx_bytes()
             t0, c0 = time.perf_counter(), time.process_time()
             stats = asyncload.load(sd, args.url, options=options, planner=planner)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if kind == "sharded":
+            if kind != "pipelined":
                 ShardedLoadPlanner.wait_for_background_sends(60)
             dist.barrier()
             rx = rx_bytes() - rx0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -54,11 +55,14 @@ from asyncload.engine.pipeline import Pipeline, _aiter
 
 __all__ = ["RING_SLOTS", "plan_windows", "run_node_phase"]
 
-#: Windows the ring holds at once: one being handed over while the next is fetched.
-RING_SLOTS = 2
+log = logging.getLogger("asyncload.sharded")
+
+#: Windows the ring holds at once: some being handed over while the next are fetched.
+RING_SLOTS = 4
 #: A phase is cut into at least this many windows when the budget allows (else the node
 #: would fetch all of a small phase before its ranks copy anything).
 MIN_WINDOWS = 8
+MIN_SLOT = 1 << 20
 #: Bytes of the ring's head per rank of the node (two counters, padded to a cache line).
 _HEAD = 64
 _PAGE = 4096
@@ -82,12 +86,13 @@ def plan_windows(sizes: Sequence[int], slot: int) -> list[int]:
 
 
 def ring_geometry(total: int, budget: int, unit: int) -> tuple[int, int]:
-    """``(block, slot)`` bytes for a phase whose node needs ``total`` bytes: blocks of
-    ``BLOCK_UNITS`` work units, at most a slot; slots of ``budget / RING_SLOTS`` at most, and
-    small enough for ``MIN_WINDOWS`` windows where blocks allow."""
+    """``(block, slot)`` bytes for a phase whose node needs ``total`` bytes: slots of
+    ``budget / RING_SLOTS`` at most, small enough for ``MIN_WINDOWS`` windows (not under
+    ``MIN_SLOT`` where the budget allows); blocks of ``BLOCK_UNITS`` work units, at most a
+    quarter of a slot (every rank of a node and every node has blocks in each window)."""
     cap = max(1, budget // RING_SLOTS)
-    block = max(1, min(BLOCK_UNITS * unit, cap))
-    slot = min(cap, max(block, -(-total // MIN_WINDOWS)))
+    slot = min(cap, max(MIN_SLOT, -(-total // MIN_WINDOWS)))
+    block = max(1, min(BLOCK_UNITS * unit, slot // 4))
     return block, slot
 
 
@@ -117,6 +122,8 @@ class _Ring:
         self.released = 0
         self._changed = asyncio.Event()
         self._waiting = 0
+        #: Seconds spent waiting: for windows to land (hand-over), for slots (fetch), claiming.
+        self.times = {"landed": 0.0, "slot": 0.0, "claims": 0.0}
 
     def offset(self, window: int) -> int:
         return self.head + (window % RING_SLOTS) * self.slot
@@ -140,11 +147,15 @@ class _Ring:
 
     async def wait_landed(self, window: int) -> None:
         """Until every rank of the node has landed its blocks of ``window``."""
+        t0 = time.monotonic()
         await self._wait(lambda: self.landed > window)
+        self.times["landed"] += time.monotonic() - t0
 
     async def wait_released(self, window: int) -> None:
         """Until every rank of the node has released ``window``."""
+        t0 = time.monotonic()
         await self._wait(lambda: self.released > window)
+        self.times["slot"] += time.monotonic() - t0
 
     async def _wait(self, ok: Callable[[], bool]) -> None:
         """Until ``ok()`` (a test of the node's counters); :meth:`poll` moves them."""
@@ -320,6 +331,7 @@ async def run_node_phase(
         hand = _FromRing(pipeline, share, parts, tag_base, len(mine))
         hand.ring, hand.progress, hand.pieces = ring, progress, pieces
         progress.update()
+        t0 = time.monotonic()
         async with asyncio.TaskGroup() as tg:
             poller = tg.create_task(ring.poll(lambda: share.doing))
             try:
@@ -331,6 +343,12 @@ async def run_node_phase(
                     inner.create_task(hand.run(mine))
             finally:
                 poller.cancel()
+        log.debug(
+            "rank %d, %s: %d windows of %d bytes, %d blocks of %d bytes for its node in %.3f s; "
+            "waited %.3f s for windows to land, %.3f s for free slots, %.3f s claiming",
+            rank, what, windows, slot, len(blocks), block, time.monotonic() - t0,
+            ring.times["landed"], ring.times["slot"], ring.times["claims"],
+        )  # fmt: skip
     finally:
         files.unlink()
         files.close()
@@ -408,6 +426,23 @@ async def _drive(
         stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
         landed(w)
 
+    async def claim(b: NodeBlock, view: memoryview, w: int) -> None:
+        """Claim ``b`` for this node (a read slot held): read and send it, or receive it."""
+        key = f"{prefix}{b.seq}"
+        t0 = time.monotonic()
+        got = await loop.run_in_executor(None, store.compare_set, key, "", str(rank))
+        ring.times["claims"] += time.monotonic() - t0
+        winner = int(got.decode())
+        if winner == rank:
+            monitor._written.append(key)
+            await read_send(b, view, w)
+            return
+        slots.release()
+        progress.send_left[w] -= 1
+        progress.update()
+        await receive(b, view, winner, w)
+
+    loop = asyncio.get_running_loop()
     try:
         async with asyncio.TaskGroup() as tg:
             for w in range(progress.windows):
@@ -434,19 +469,14 @@ async def _drive(
                         await slots.acquire()
                         tg.create_task(read_only(b, view, w))
                         continue
-                    if adaptive:
+                    if adaptive:  # claimed off the loop, several at once
                         await slots.acquire()
-                        got = store.compare_set(f"{prefix}{b.seq}", "", str(rank)).decode()
-                        winner = int(got)
-                        if winner == rank:
-                            monitor._written.append(f"{prefix}{b.seq}")
-                        else:
-                            slots.release()
-                    else:
-                        winner = b.fetcher(b.owner)
-                        if winner == rank:
-                            await slots.acquire()
+                        progress.send_left[w] += 1  # until the claim tells
+                        tg.create_task(claim(b, view, w))
+                        continue
+                    winner = b.fetcher(b.owner)
                     if winner == rank:
+                        await slots.acquire()
                         progress.send_left[w] += 1
                         tg.create_task(read_send(b, view, w))
                     else:
