@@ -426,8 +426,8 @@ async def _drive(
         stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
         landed(w)
 
-    async def claim(b: NodeBlock, view: memoryview, w: int) -> None:
-        """Claim ``b`` for this node (a read slot held): read and send it, or receive it."""
+    async def ask(b: NodeBlock) -> int:
+        """Claim ``b`` for this node (off the loop): the rank that read it, or reads it."""
         key = f"{prefix}{b.seq}"
         t0 = time.monotonic()
         got = await loop.run_in_executor(None, store.compare_set, key, "", str(rank))
@@ -435,33 +435,40 @@ async def _drive(
         winner = int(got.decode())
         if winner == rank:
             monitor._written.append(key)
-            await read_send(b, view, w)
-            return
-        slots.release()
-        progress.send_left[w] -= 1
-        progress.update()
-        await receive(b, view, winner, w)
+        return winner
+
+    def in_order(w: int) -> list[NodeBlock]:
+        """Window ``w``'s blocks of this rank: its node's planned ones first, then the
+        others' from the back (round-robin over their owners)."""
+        todo = per_window[w]
+        front = [b for b in todo if b.owner == node or len(b.nodes) == 1]
+        queues: dict[int, list[NodeBlock]] = {}
+        for b in todo:
+            if not (b.owner == node or len(b.nodes) == 1):
+                queues.setdefault(b.owner, []).append(b)
+        back: list[NodeBlock] = []
+        rest = [list(reversed(q)) for _, q in sorted(queues.items())]
+        while any(rest):
+            for q in rest:
+                if q:
+                    back.append(q.pop(0))
+        return front + back
 
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.TaskGroup() as tg:
             for w in range(progress.windows):
+                todo = in_order(w)
+                claims: dict[int, asyncio.Task[int]] = {}
+                if adaptive:  # claimed before the slot frees, several at once, in order
+                    for b in todo:
+                        if len(b.nodes) > 1:
+                            progress.send_left[w] += 1  # until the claim tells
+                            claims[b.seq] = tg.create_task(ask(b))
                 if w >= RING_SLOTS and ring.released <= w - RING_SLOTS:
                     share.monitor.progress(f"{share.doing}: waiting for a free window")
                     await ring.wait_released(w - RING_SLOTS)
-                todo = per_window[w]
-                front = [b for b in todo if b.owner == node or len(b.nodes) == 1]
-                queues: dict[int, list[NodeBlock]] = {}
                 for b in todo:
-                    if not (b.owner == node or len(b.nodes) == 1):
-                        queues.setdefault(b.owner, []).append(b)
-                back: list[NodeBlock] = []
-                rest = [list(reversed(q)) for _, q in sorted(queues.items())]
-                while any(rest):
-                    for q in rest:
-                        if q:
-                            back.append(q.pop(0))
-                for b in front + back:
                     _, at = places[b.seq]
                     files.reserve("ring", at, at + b.nbytes)
                     view = data[at : at + b.nbytes]
@@ -469,15 +476,17 @@ async def _drive(
                         await slots.acquire()
                         tg.create_task(read_only(b, view, w))
                         continue
-                    if adaptive:  # claimed off the loop, several at once
-                        await slots.acquire()
-                        progress.send_left[w] += 1  # until the claim tells
-                        tg.create_task(claim(b, view, w))
-                        continue
-                    winner = b.fetcher(b.owner)
+                    if adaptive:
+                        winner = await claims.pop(b.seq)
+                        if winner != rank:
+                            progress.send_left[w] -= 1
+                            progress.update()
+                    else:
+                        winner = b.fetcher(b.owner)
+                        if winner == rank:
+                            progress.send_left[w] += 1
                     if winner == rank:
                         await slots.acquire()
-                        progress.send_left[w] += 1
                         tg.create_task(read_send(b, view, w))
                     else:
                         tg.create_task(receive(b, view, winner, w))
