@@ -236,6 +236,9 @@ def main() -> None:
     ap.add_argument(
         "--storage-mbit", type=float, help="the storage host's link (default: nodes x rate)"
     )
+    ap.add_argument(
+        "--queue-ms", type=float, default=50.0, help="a link's longest queue (tc tbf latency)"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--contenders", default="sharded,pipelined")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -260,7 +263,12 @@ def main() -> None:
     dcp.save(sd, checkpoint_id=os.path.join(root, "ck"), no_dist=True)
     size = sum(t.numel() * t.element_size() for t in sd.values())
     all_rows: list[dict[str, Any]] = []
-    with hosts(args.nodes, rate_mbit=args.rate_mbit, storage_rate_mbit=args.storage_mbit) as net:
+    with hosts(
+        args.nodes,
+        rate_mbit=args.rate_mbit,
+        storage_rate_mbit=args.storage_mbit,
+        queue_ms=args.queue_ms,
+    ) as net:
         st = net.addr("storage")
         serve = [sys.executable, "-P", str(ROOT / "asyncload/testing/_serve.py"),
                  "--http-range-server", "--root", root, "--port", str(HTTP_PORT)]  # fmt: skip
@@ -280,7 +288,8 @@ def main() -> None:
                 p.wait()
     print(
         f"{args.nodes} nodes x {args.per_node} ranks, {size / MiB:.0f} MiB checkpoint, "
-        f"links {args.rate_mbit:g} Mbit/s each, the storage host's {args.storage_mbit:g} Mbit/s"
+        f"links {args.rate_mbit:g} Mbit/s each (queues {args.queue_ms:g} ms), the storage host's "
+        f"{args.storage_mbit:g} Mbit/s"
     )
     print(
         f"{'layout':<11}{'round':>6} {'contender':<10}{'wall s':>8}{'bound s':>9}{'bound/wall':>11}"

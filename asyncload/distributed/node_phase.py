@@ -59,9 +59,10 @@ log = logging.getLogger("asyncload.sharded")
 
 #: Windows the ring holds at once: some being handed over while the next are fetched.
 RING_SLOTS = 4
-#: A phase is cut into at least this many windows when the budget allows (else the node
-#: would fetch all of a small phase before its ranks copy anything).
-MIN_WINDOWS = 8
+#: A phase is cut into at least this many windows (else the node would fetch all of a
+#: small phase before its ranks copy anything); as many as the ring holds, so a phase that
+#: fits in the budget is fetched without waiting for slots.
+MIN_WINDOWS = RING_SLOTS
 MIN_SLOT = 1 << 20
 #: Bytes of the ring's head per rank of the node (two counters, padded to a cache line).
 _HEAD = 64
@@ -89,10 +90,10 @@ def ring_geometry(total: int, budget: int, unit: int) -> tuple[int, int]:
     """``(block, slot)`` bytes for a phase whose node needs ``total`` bytes: slots of
     ``budget / RING_SLOTS`` at most, small enough for ``MIN_WINDOWS`` windows (not under
     ``MIN_SLOT`` where the budget allows); blocks of ``BLOCK_UNITS`` work units, at most a
-    quarter of a slot (every rank of a node and every node has blocks in each window)."""
+    an eighth of a slot (every rank of a node and every node has blocks in each window)."""
     cap = max(1, budget // RING_SLOTS)
     slot = min(cap, max(MIN_SLOT, -(-total // MIN_WINDOWS)))
-    block = max(1, min(BLOCK_UNITS * unit, slot // 4))
+    block = max(1, min(BLOCK_UNITS * unit, slot // 8))
     return block, slot
 
 

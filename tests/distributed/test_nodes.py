@@ -330,4 +330,4 @@ def test_windows_and_ring_geometry() -> None:
                                 (1 << 20, 64 << 10, 1 << 20), (100, 64 << 10, 16)]:  # fmt: skip
         block, slot = ring_geometry(total, budget, unit)
         assert 0 < block <= slot and RING_SLOTS * slot <= budget, (total, budget, unit)
-    assert ring_geometry(32 << 20, 512 << 20, 1 << 20) == (1 << 20, 4 << 20)
+    assert ring_geometry(32 << 20, 512 << 20, 1 << 20) == (1 << 20, 8 << 20)
