@@ -89,7 +89,7 @@ def plan_windows(sizes: Sequence[int], slot: int) -> list[int]:
 def ring_geometry(total: int, budget: int, unit: int) -> tuple[int, int]:
     """``(block, slot)`` bytes for a phase whose node needs ``total`` bytes: slots of
     ``budget / RING_SLOTS`` at most, small enough for ``MIN_WINDOWS`` windows (not under
-    ``MIN_SLOT`` where the budget allows); blocks of ``BLOCK_UNITS`` work units, at most a
+    ``MIN_SLOT`` where the budget allows); blocks of ``BLOCK_UNITS`` work units, at most
     an eighth of a slot (every rank of a node and every node has blocks in each window)."""
     cap = max(1, budget // RING_SLOTS)
     slot = min(cap, max(MIN_SLOT, -(-total // MIN_WINDOWS)))
@@ -427,8 +427,9 @@ async def _drive(
         stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
         landed(w)
 
-    async def ask(b: NodeBlock) -> int:
-        """Claim ``b`` for this node (off the loop): the rank that read it, or reads it."""
+    async def claim(b: NodeBlock, view: memoryview, w: int) -> None:
+        """Claim ``b`` for this node, off the loop (a read slot held: a block is claimed
+        when this rank is ready to read it): read and send it, or receive it."""
         key = f"{prefix}{b.seq}"
         t0 = time.monotonic()
         got = await loop.run_in_executor(None, store.compare_set, key, "", str(rank))
@@ -436,7 +437,12 @@ async def _drive(
         winner = int(got.decode())
         if winner == rank:
             monitor._written.append(key)
-        return winner
+            await read_send(b, view, w)
+            return
+        slots.release()
+        progress.send_left[w] -= 1
+        progress.update()
+        await receive(b, view, winner, w)
 
     def in_order(w: int) -> list[NodeBlock]:
         """Window ``w``'s blocks of this rank: its node's planned ones first, then the
@@ -460,12 +466,6 @@ async def _drive(
         async with asyncio.TaskGroup() as tg:
             for w in range(progress.windows):
                 todo = in_order(w)
-                claims: dict[int, asyncio.Task[int]] = {}
-                if adaptive:  # claimed before the slot frees, several at once, in order
-                    for b in todo:
-                        if len(b.nodes) > 1:
-                            progress.send_left[w] += 1  # until the claim tells
-                            claims[b.seq] = tg.create_task(ask(b))
                 if w >= RING_SLOTS and ring.released <= w - RING_SLOTS:
                     share.monitor.progress(f"{share.doing}: waiting for a free window")
                     await ring.wait_released(w - RING_SLOTS)
@@ -477,17 +477,15 @@ async def _drive(
                         await slots.acquire()
                         tg.create_task(read_only(b, view, w))
                         continue
-                    if adaptive:
-                        winner = await claims.pop(b.seq)
-                        if winner != rank:
-                            progress.send_left[w] -= 1
-                            progress.update()
-                    else:
-                        winner = b.fetcher(b.owner)
-                        if winner == rank:
-                            progress.send_left[w] += 1
+                    if adaptive:  # claimed off the loop, several at once
+                        await slots.acquire()
+                        progress.send_left[w] += 1  # until the claim tells
+                        tg.create_task(claim(b, view, w))
+                        continue
+                    winner = b.fetcher(b.owner)
                     if winner == rank:
                         await slots.acquire()
+                        progress.send_left[w] += 1
                         tg.create_task(read_send(b, view, w))
                     else:
                         tg.create_task(receive(b, view, winner, w))
