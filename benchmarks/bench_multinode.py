@@ -7,8 +7,8 @@ node as torchrun would (``ip netns exec nK unshare --uts torchrun --nnodes N --n
 
 Layouts: ``replicated`` (every rank loads the whole checkpoint) and ``sharded`` (FSDP-like:
 every tensor ``Shard(0)`` over all ranks, DTensors on a CPU mesh). Contenders:
-``PipelinedLoadPlanner`` and ``ShardedLoadPlanner()`` (node-aware), run alternately in the
-same processes, ``--rounds`` rounds. Per load: wall seconds (the slowest rank, from a barrier),
+``PipelinedLoadPlanner``, ``ShardedLoadPlanner()`` (node-aware) and, with ``--contenders
+...,static``, ``ShardedLoadPlanner(adaptive=False)``, run alternately in the same processes, ``--rounds`` rounds. Per load: wall seconds (the slowest rank, from a barrier),
 the bound (every node must take in what it needs from outside the node through its link,
 and the storage host, on a link of ``--storage-mbit``, by default nodes x the nodes' rate,
 must send the checkpoint at least once: ``max(max over nodes of bytes the node needs /
@@ -63,6 +63,11 @@ def worker(args: argparse.Namespace) -> None:
     import asyncload
     from asyncload import LoadOptions, PipelinedLoadPlanner, ShardedLoadPlanner
 
+    if os.environ.get("BENCH_DEBUG"):  # the sharing wing's timings, on stderr
+        import logging
+
+        logging.basicConfig(format="%(relativeCreated)d %(message)s")
+        logging.getLogger("asyncload.sharded").setLevel(logging.DEBUG)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_RANK"])
@@ -101,14 +106,20 @@ def worker(args: argparse.Namespace) -> None:
     out = []
     for rnd in range(args.rounds):
         for kind in args.contenders.split(","):
-            planner = ShardedLoadPlanner() if kind == "sharded" else PipelinedLoadPlanner()
+            planner = (
+                ShardedLoadPlanner()
+                if kind == "sharded"
+                else ShardedLoadPlanner(adaptive=False)
+                if kind == "static"
+                else PipelinedLoadPlanner()
+            )
             sd = dest()
             dist.barrier()
             rx0 = rx_bytes()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             stats = asyncload.load(sd, args.url, options=options, planner=planner)
-            wall = time.perf_counter() - t0
-            if kind == "sharded":
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if kind != "pipelined":
                 ShardedLoadPlanner.wait_for_background_sends(60)
             dist.barrier()
             rx = rx_bytes() - rx0
@@ -120,6 +131,7 @@ def worker(args: argparse.Namespace) -> None:
                     "node": int(os.environ["GROUP_RANK"]),
                     "local": local,
                     "wall": wall,
+                    "cpu": cpu,
                     "rx": rx,
                     "bytes_read": stats.bytes_read,
                     "from_other_nodes": stats.bytes_from_other_nodes,
@@ -197,6 +209,7 @@ def summarize(
                 "wall": wall,
                 "bound": bound,
                 "ratio": bound / wall,
+                "cpu": sum(r["cpu"] for r in rs),
                 "storage_mib": sum(r["bytes_read"] for r in rs) / MiB,
                 "link_rx_mib": sum(per_node_rx.values()) / MiB,
                 "max_node_rx_mib": max(per_node_rx.values()) / MiB,
@@ -223,6 +236,9 @@ def main() -> None:
     ap.add_argument(
         "--storage-mbit", type=float, help="the storage host's link (default: nodes x rate)"
     )
+    ap.add_argument(
+        "--queue-ms", type=float, default=50.0, help="a link's longest queue (tc tbf latency)"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--contenders", default="sharded,pipelined")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -247,7 +263,12 @@ def main() -> None:
     dcp.save(sd, checkpoint_id=os.path.join(root, "ck"), no_dist=True)
     size = sum(t.numel() * t.element_size() for t in sd.values())
     all_rows: list[dict[str, Any]] = []
-    with hosts(args.nodes, rate_mbit=args.rate_mbit, storage_rate_mbit=args.storage_mbit) as net:
+    with hosts(
+        args.nodes,
+        rate_mbit=args.rate_mbit,
+        storage_rate_mbit=args.storage_mbit,
+        queue_ms=args.queue_ms,
+    ) as net:
         st = net.addr("storage")
         serve = [sys.executable, "-P", str(ROOT / "asyncload/testing/_serve.py"),
                  "--http-range-server", "--root", root, "--port", str(HTTP_PORT)]  # fmt: skip
@@ -267,16 +288,18 @@ def main() -> None:
                 p.wait()
     print(
         f"{args.nodes} nodes x {args.per_node} ranks, {size / MiB:.0f} MiB checkpoint, "
-        f"links {args.rate_mbit:g} Mbit/s each, the storage host's {args.storage_mbit:g} Mbit/s"
+        f"links {args.rate_mbit:g} Mbit/s each (queues {args.queue_ms:g} ms), the storage host's "
+        f"{args.storage_mbit:g} Mbit/s"
     )
     print(
         f"{'layout':<11}{'round':>6} {'contender':<10}{'wall s':>8}{'bound s':>9}{'bound/wall':>11}"
-        f"{'storage MiB':>12}{'node rx MiB':>12}{'max node rx':>12}{'from nodes':>11}{'bad':>5}"
+        f"{'cpu s':>7}{'storage MiB':>12}{'node rx MiB':>12}{'max node rx':>12}{'from nodes':>11}"
+        f"{'bad':>5}"
     )
     for r in all_rows:
         print(
             f"{r['layout']:<11}{r['round']:>6} {r['kind']:<10}{r['wall']:>8.2f}{r['bound']:>9.2f}"
-            f"{r['ratio']:>11.2f}{r['storage_mib']:>12.1f}{r['link_rx_mib']:>12.1f}"
+            f"{r['ratio']:>11.2f}{r['cpu']:>7.2f}{r['storage_mib']:>12.1f}{r['link_rx_mib']:>12.1f}"
             f"{r['max_node_rx_mib']:>12.1f}{r['other_nodes_mib']:>11.1f}{r['bad']:>5}"
         )
     with open("/proc/loadavg") as f:

@@ -1,48 +1,39 @@
 """Node-aware sharing: ranks grouped into nodes (hosts), every byte entering each node once.
 
 When the ranks of a ``ShardedLoadPlanner`` load sit on two or more nodes and some node holds
-two or more of them, a read phase runs in two stages instead of rank-to-rank sharing:
+two or more of them, a read phase runs node by node instead of rank to rank: the union of
+what a node's ranks need is cut into *blocks* (each at most a few work units); every block a
+node needs is fetched for it by one of its ranks (its *fetcher*, rotating over the node's
+ranks block by block) into the node's shared memory (``/dev/shm``). A block that several
+nodes need is read from storage by one of them: the first fetcher to get to it claims it for
+its node with one ``compare_set`` in the group's store (each node starts with its planned
+blocks and then takes over other nodes' blocks from the back, as adaptive sharing does
+between ranks), reads it and sends it (gloo, point to point) to the fetcher of every other
+node that needs it. Claim traffic is one store operation per block and node that needs it:
+it grows with nodes, not ranks x units. The node's ranks copy their chunks out of shared
+memory (nothing crosses the process group inside a node), window by window while the next
+window is fetched: :mod:`asyncload.distributed.node_phase` runs a phase.
 
-1. **fetch**: the union of what a node's ranks need is cut into *blocks* (each at most a few
-   work units); every block a node needs is fetched for it by one of its ranks (its
-   *fetcher*, rotating over the node's ranks block by block), into a file
-   in shared memory (``/dev/shm``) at the block's file offset. A block that several nodes
-   need is read from storage by one of them: the first fetcher to get to it claims it for
-   its node with one ``compare_set`` in the group's store (each node starts with its planned
-   queue and then takes over other nodes' blocks from the back, as adaptive sharing does
-   between ranks), reads it and sends it (gloo, point to point) to the fetcher of every
-   other node that needs it. Claim traffic is one store operation per block and node that
-   needs it: it grows with nodes, not ranks x units;
-2. **hand-over**: after a monitored barrier, each rank assembles its chunks from its node's
-   shared-memory files (a memory copy; nothing crosses the process group inside a node).
-
-:func:`plan_blocks` is the pure plan (the same on every rank); :func:`run_node_phase` runs one
-phase on this rank; :class:`NodeFiles` owns the shared-memory files (removed on every exit
-path: after the barrier every rank has them mapped, so each unlinks them; an error unlinks
-them too, and interpreter exit removes any left behind).
+:func:`plan_blocks` is the pure plan (the same on every rank of a node); :class:`NodeFiles`
+owns the shared-memory files (removed on every exit path: once every rank of the node has
+them mapped, each unlinks them; an error unlinks them too, and interpreter exit removes any
+left behind).
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import hashlib
 import mmap
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from asyncload._errors import AsyncLoadError
-from asyncload.distributed.plan import _Part
-from asyncload.distributed.shared import Share, _SharedPipeline
-from asyncload.engine.assembly import copy_bytes
-from asyncload.engine.chunks import Chunk
-from asyncload.engine.pipeline import Pipeline
 
 __all__ = ["NodeBlock", "NodeFiles", "node_layout", "plan_blocks"]
 
@@ -298,177 +289,3 @@ class NodeFiles:
 
 def _token(gathered_token: str, phase: int, node: int) -> str:
     return hashlib.sha256(f"{gathered_token}/{phase}/{node}".encode()).hexdigest()[:20]
-
-
-# --- one phase on this rank -------------------------------------------------------------------
-
-
-class _FromNode(_SharedPipeline):
-    """The hand-over: every chunk's bytes copied from the node's shared-memory files."""
-
-    files: NodeFiles
-
-    async def _read_part(self, chunk: Chunk, part: _Part, view: memoryview) -> None:
-        src = self.files.view(chunk.name, part.start, part.end)
-        try:
-            copy_bytes(view, src)
-        finally:
-            src.release()
-
-
-def _overlap(ranges: list[tuple[int, int]], a: int, b: int) -> int:
-    return sum(max(0, min(b, e) - max(a, s)) for s, e in ranges)
-
-
-async def run_node_phase(
-    share: Share,
-    pipeline: Pipeline,
-    mine: Sequence[Chunk],
-    needs: Sequence[Any],
-    nodes: list[list[int]],
-    token: str,
-    phase: int,
-    tag_base: int,
-    unit: int,
-    adaptive: bool,
-    what: str,
-) -> None:
-    """Run one read phase of node-aware sharing on this rank (see the module's docstring):
-    fetch this rank's blocks into the node's files, then assemble its chunks from them."""
-    rank = share.rank
-    monitor = share.monitor
-    node = next(k for k, ranks in enumerate(nodes) if rank in ranks)
-    block = max(unit, BLOCK_UNITS * unit)
-    blocks = plan_blocks(needs, nodes, block, node)
-    sizes: dict[str, int] = {}
-    for b in blocks:
-        if node in b.nodes:
-            sizes[b.name] = max(sizes.get(b.name, 0), b.end)
-    files = NodeFiles(_token(token, phase, node), sizes)
-    try:
-        await _fetch(share, pipeline, files, blocks, node, tag_base, adaptive, phase)
-        await monitor.abarrier(
-            f"node-fetch-{phase}", f"waiting for the other ranks to fetch {what} for their nodes"
-        )
-        files.unlink()  # every rank of the node has mapped them
-        mine_needs = {
-            f: [(int(lo), int(hi)) for lo, hi in arr.tolist()]
-            for f, arr in _rank_arrays(needs[rank]).items()
-        }
-        own = sum(
-            _overlap(mine_needs.get(b.name, []), b.start, b.end)
-            for b in blocks
-            if node in b.nodes and b.fetcher(node) != rank
-        )
-        pipeline.stats.add(bytes_from_own_node=own)
-        parts = {id(c): [_Part(c.start, c.end, "read")] for c in mine}
-        hand = _FromNode(pipeline, share, parts, tag_base, len(mine))
-        hand.files = files
-        await hand.run(mine)
-    finally:
-        files.unlink()
-        files.close()
-
-
-async def _fetch(
-    share: Share,
-    pipeline: Pipeline,
-    files: NodeFiles,
-    blocks: list[NodeBlock],
-    node: int,
-    tag_base: int,
-    adaptive: bool,
-    phase: int,
-) -> None:
-    """Fetch the blocks this rank fetches for its node: its node's planned blocks first,
-    then the others' from the back (round-robin over their owners); a block several nodes
-    need is claimed for the node (one ``compare_set``), read and sent to the other nodes'
-    fetchers, or received from the claimant."""
-    rank = share.rank
-    monitor = share.monitor
-    stats = pipeline.stats
-    todo = [b for b in blocks if node in b.nodes and b.fetcher(node) == rank]
-    front = [b for b in todo if b.owner == node or len(b.nodes) == 1]
-    queues: dict[int, list[NodeBlock]] = {}
-    for b in todo:
-        if not (b.owner == node or len(b.nodes) == 1):
-            queues.setdefault(b.owner, []).append(b)
-    back: list[NodeBlock] = []
-    rest = [list(reversed(q)) for _, q in sorted(queues.items())]
-    while any(rest):
-        for q in rest:
-            if q:
-                back.append(q.pop(0))
-    order = front + back
-    slots = asyncio.Semaphore(max(2, min(16, pipeline.options.initial_concurrency)))
-    prefix = f"nb/{phase}/"
-    store = monitor.store
-
-    async def read(b: NodeBlock, view: memoryview) -> None:
-        t0 = time.monotonic()
-        await pipeline.storage.readinto(b.name, b.start, [view])
-        stats.add(chunks=1, storage_wait_seconds=time.monotonic() - t0)
-
-    async def send(b: NodeBlock, view: memoryview, peers: list[int]) -> None:
-        await share.transport.exchange(
-            "send",
-            peers,
-            tag_base + b.seq,
-            b.seq,
-            view,
-            files,
-            monitor,
-            f"sending bytes [{b.start}, {b.end}) of {b.name} to rank(s) {peers}",
-        )
-        stats.add(bytes_sent=b.nbytes * len(peers))
-
-    async def receive(b: NodeBlock, view: memoryview, src: int) -> None:
-        await share.transport.exchange(
-            "recv",
-            [src],
-            tag_base + b.seq,
-            b.seq,
-            view,
-            files,
-            monitor,
-            f"waiting for bytes [{b.start}, {b.end}) of {b.name} from rank {src}",
-        )
-        stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
-
-    for b in order:  # every block this rank writes, allocated up front
-        files.reserve(b.name, b.start, b.end)
-    async with asyncio.TaskGroup() as tg:
-        for b in order:
-            view = files.view(b.name, b.start, b.end)
-            if len(b.nodes) == 1:
-                await slots.acquire()
-                task = tg.create_task(read(b, view))
-                task.add_done_callback(lambda _t: slots.release())
-                continue
-            if adaptive:
-                await slots.acquire()
-                got = store.compare_set(f"{prefix}{b.seq}", "", str(rank)).decode()
-                winner = int(got)
-                if winner == rank:
-                    monitor._written.append(f"{prefix}{b.seq}")
-                else:
-                    slots.release()
-            else:
-                winner = b.fetcher(b.owner)
-                if winner == rank:
-                    await slots.acquire()
-            if winner == rank:
-
-                async def read_send(b: NodeBlock = b, view: memoryview = view) -> None:
-                    try:
-                        await read(b, view)
-                    finally:
-                        slots.release()
-                    if b.owner != node:
-                        stats.add(bytes_taken_over=b.nbytes)
-                    await send(b, view, [f for k, f in zip(b.nodes, b.fetchers) if k != node])
-
-                tg.create_task(read_send())
-            else:
-                tg.create_task(receive(b, view, winner))
-            monitor.progress(f"{share.doing}: fetching blocks for its node")

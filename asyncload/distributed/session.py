@@ -49,7 +49,8 @@ from asyncload.distributed.adaptive import _AdaptivePipeline
 from asyncload.distributed.claims import Claims, _unit_keys
 from asyncload.distributed.identity import _check_identities, _check_same_ending, file_identities
 from asyncload.distributed.monitor import Monitor
-from asyncload.distributed.nodes import node_layout, run_node_phase
+from asyncload.distributed.node_phase import run_node_phase
+from asyncload.distributed.nodes import node_layout
 from asyncload.distributed.plan import (
     _advertise,
     _check_transfers,

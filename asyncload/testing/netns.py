@@ -93,11 +93,11 @@ class Net:
         return subprocess.Popen(self.argv(host, argv), **kw)  # type: ignore[call-overload]
 
 
-def _tbf(ns: str, dev: str, rate_mbit: float) -> None:
+def _tbf(ns: str, dev: str, rate_mbit: float, queue_ms: float = 50.0) -> None:
     burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 / 250))  # about 4 ms at the rate
     _ip(
         "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-        "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms",
+        "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", f"{queue_ms:g}ms",
     )  # fmt: skip
 
 
@@ -108,10 +108,13 @@ def hosts(
     rate_mbit: float | None = None,
     storage: bool = True,
     storage_rate_mbit: float | None = None,
+    queue_ms: float = 50.0,
 ) -> Iterator[Net]:
     """``n`` hosts (``n0``...) and, with ``storage``, a ``storage`` host, each with a link of
     ``rate_mbit`` (None: uncapped; the storage host's ``storage_rate_mbit``, by default
-    ``rate_mbit``) to one bridge. Deleted on exit, whatever happens."""
+    ``rate_mbit``) to one bridge; ``queue_ms``: the most a packet waits in a link's queue
+    (``tc tbf latency``: a link busy both ways delays the ACKs of what it receives behind
+    what it sends by up to this). Deleted on exit, whatever happens."""
     prefix = f"al{os.getpid() % 100000}x{id(object()) % 1000}"
     net = Net(prefix, rate_mbit)
     names = [f"n{i}" for i in range(n)] + (["storage"] if storage else [])
@@ -142,8 +145,8 @@ def hosts(
             _ip("-n", ns, "link", "set", "eth0", "up")
             rate = storage_rate_mbit if h == "storage" and storage_rate_mbit else rate_mbit
             if rate is not None:
-                _tbf(ns, "eth0", rate)  # the host's sends
-                _tbf(sw, port, rate)  # what it receives
+                _tbf(ns, "eth0", rate, queue_ms)  # the host's sends
+                _tbf(sw, port, rate, queue_ms)  # what it receives
             net.names.append(h)
             net._addr[h] = addr
         yield net

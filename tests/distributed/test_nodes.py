@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from test_distributed import big_model, same_bits, tensor_bytes
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
+from asyncload.distributed.node_phase import RING_SLOTS, plan_windows, ring_geometry
 from asyncload.distributed.nodes import NodeFiles, node_layout, plan_blocks, shm_dir
 from asyncload.distributed.plan import _pack
 
@@ -125,6 +127,98 @@ def w_partial(rank: int, world: int, url: str) -> Any:
     }
 
 
+def w_ring(rank: int, world: int, url: str, options: LoadOptions, adaptive: bool) -> Any:
+    full = big_model()
+    sd = {k: torch.zeros_like(v) for k, v in full.items()}
+    planner = ShardedLoadPlanner(
+        node_id=f"node{rank // 2}", sharing="always", adaptive=adaptive, wait_for_peers=True
+    )
+    stats = asyncload.load(sd, url, options=options, planner=planner)
+    return {
+        "bad": [k for k in full if not same_bits(sd[k], full[k])],
+        "stats": {f: getattr(stats, f) for f in (*FIELDS, "node_shared_memory_bytes")},
+    }
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "static"])
+def test_node_shared_memory_stays_within_the_budget(tmp_path: Path, adaptive: bool) -> None:
+    """A checkpoint 16x ``memory_budget`` on 2 simulated nodes of 2: each node stages its
+    bytes in a ring of windows in shared memory that never holds more than the budget (the
+    ring's size, ``LoadStats.node_shared_memory_bytes``, is all a node maps), yet every rank
+    loads every byte bit for bit, the checkpoint enters each node once, and nothing is left
+    in ``/dev/shm``."""
+    before = _left_in_shm()
+    path = str(tmp_path / "ck")
+    dcp.save({k: v.clone() for k, v in big_model().items()}, checkpoint_id=path, no_dist=True)
+    total = tensor_bytes(big_model())
+    budget = 128 * KiB
+    options = LoadOptions(chunk_size=32 * KiB, min_chunk_size=8 * KiB, memory_budget=budget)
+    assert total >= 16 * budget
+    values = all_ok(run_ranks(w_ring, 4, path, options, adaptive, timeout=90))
+    for rank, v in enumerate(values):
+        assert v["bad"] == [], rank
+        st = v["stats"]
+        assert st["bytes_assembled"] == total
+        assert 0 < st["node_shared_memory_bytes"] <= budget, (rank, st)
+    stats = [v["stats"] for v in values]
+    assert total <= sum(s["bytes_read"] for s in stats) <= 1.05 * total
+    for node in (0, 1):
+        mine = stats[2 * node : 2 * node + 2]
+        intake = sum(s["bytes_read"] + s["bytes_from_other_nodes"] for s in mine)
+        assert total <= intake <= 1.05 * total, (node, intake)
+    assert _left_in_shm() <= before
+
+
+def w_node_fails(rank: int, world: int, url: str, mode: str, victim: int) -> Any:
+    full = big_model()
+    sd = {k: torch.zeros_like(v) for k, v in full.items()}
+
+    def progress(done: int, total: int) -> None:
+        if rank == victim and done >= total // 3:
+            if mode == "raise":
+                raise RuntimeError(f"injected failure on rank {rank}")
+            if mode == "stall":
+                time.sleep(3600)
+            if mode == "die":
+                os._exit(3)
+
+    options = LoadOptions(
+        chunk_size=32 * KiB,
+        min_chunk_size=8 * KiB,
+        memory_budget=128 * KiB,
+        collective_timeout=4.0,
+        concurrency=4,
+    )
+    planner = ShardedLoadPlanner(node_id=f"node{rank // 2}", sharing="always", wait_for_peers=True)
+    asyncload.load(sd, url, options=options, planner=planner, progress=progress)
+    return {"bad": [k for k in full if not same_bits(sd[k], full[k])]}
+
+
+@pytest.mark.parametrize("mode", ["raise", "die", "stall"])
+def test_a_failing_rank_on_the_node_path_fails_every_rank(tmp_path: Path, mode: str) -> None:
+    """Rank 1 (node 0, its peer rank 0 waits on its windows) raises, exits or hangs once a
+    third of its bytes landed: every other rank raises DistributedLoadError naming it within
+    ``collective_timeout`` (4 s) plus a little, never a hang; no shared memory left."""
+    before = _left_in_shm()
+    path = str(tmp_path / "ck")
+    dcp.save({k: v.clone() for k, v in big_model().items()}, checkpoint_id=path, no_dist=True)
+    results = run_ranks(
+        w_node_fails, 4, path, mode, 1, timeout=40, may_hang=set() if mode == "raise" else {1}
+    )
+    if mode == "raise":
+        assert results[1].status == "error" and results[1].error_type == "RuntimeError"
+    for r in (results[0], results[2], results[3]):
+        assert r.status == "error" and r.error_type == "DistributedLoadError", (
+            r.rank,
+            r.status,
+            r.message,
+            r.traceback,
+        )
+        assert r.attrs["rank"] == 1, r.message
+        assert r.seconds < 25
+    assert _left_in_shm() <= before
+
+
 # --- the pure parts ---------------------------------------------------------------------------
 
 
@@ -224,3 +318,16 @@ def test_node_files_are_removed_on_every_path() -> None:
     with pytest.raises(OSError):
         NodeFiles("x/../../no/such/dir", {"a": 10})
     assert _left_in_shm() <= before
+
+
+def test_windows_and_ring_geometry() -> None:
+    """Windows take blocks in order up to a slot; the ring (``RING_SLOTS`` slots) is within
+    the budget; a small phase is cut into several windows, a block never exceeds a slot."""
+    assert plan_windows([4, 4, 4, 4, 4], 8) == [0, 0, 1, 1, 2]
+    assert plan_windows([3, 6, 2, 8], 8) == [0, 1, 1, 2]
+    assert plan_windows([], 8) == []
+    for total, budget, unit in [(10 << 20, 512 << 10, 64 << 10), (1 << 30, 512 << 20, 8 << 20),
+                                (1 << 20, 64 << 10, 1 << 20), (100, 64 << 10, 16)]:  # fmt: skip
+        block, slot = ring_geometry(total, budget, unit)
+        assert 0 < block <= slot and RING_SLOTS * slot <= budget, (total, budget, unit)
+    assert ring_geometry(32 << 20, 512 << 20, 1 << 20) == (1 << 20, 8 << 20)
