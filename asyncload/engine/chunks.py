@@ -56,6 +56,10 @@ class Chunk:
     end: int
     segments: list[Piece]
     trackers: Sequence[Any] = field(default_factory=tuple)
+    #: Called on the event loop once the chunk's bytes are in place (a record read by
+    #: guessing where its tensor starts counts its chunks in). A chunk that has one is
+    #: read on its own, never grouped with others.
+    landed: Callable[[], None] | None = None
 
     @property
     def nbytes(self) -> int:

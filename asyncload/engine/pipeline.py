@@ -189,6 +189,8 @@ class Pipeline:
 
     async def _one(self, chunk: Chunk) -> None:
         await self._read_and_assemble(chunk)
+        if chunk.landed is not None:
+            chunk.landed()
 
     async def _read_and_assemble(self, chunk: Chunk) -> None:
         if isinstance(chunk, _Batch):
@@ -450,6 +452,10 @@ def _group(
         cur, size = [], 0
 
     for c in chunks:
+        if c.landed is not None:  # counted in on its own (Chunk.landed)
+            flush()
+            out.append(c)
+            continue
         if not c.needs_pinned and (
             c.nbytes <= _BATCH_CHUNK
             or (c.nbytes <= staged_limit and (c.trackers or not c.tiles_into()))

@@ -12,12 +12,10 @@ records of other formats were located already (:mod:`asyncload.formats`). The ch
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -49,11 +47,9 @@ from asyncload.engine.records import (
     Record,
     dense,
     expected_storage,
-    probes,
-    store,
-    then,
     trim_probed,
 )
+from asyncload.engine.streamed import aread_streamed, probe_pieces
 from asyncload.formats.torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
@@ -149,7 +145,7 @@ class RecordReads:
         assembled_before = self._recorder.stats.bytes_assembled
         await check_files(storage, records, self._fingerprints, self._recorder)
         # A remote load of plain DCP records, each needed whole (one process loading its
-        # checkpoint): each record's data is read as soon as its own probes land (_aread_streamed).
+        # checkpoint): each record's data is read as soon as its own probes land (:mod:`asyncload.engine.streamed`).
         streamed = run_chunks is None and stager is None and storage.hedgeable and dense(records)
         located = [] if streamed else await self._locate(storage, records, options)
         t_checked = time.monotonic()
@@ -175,7 +171,6 @@ class RecordReads:
             return run_chunks is not None and bool(rec.tensor_items) and not rec.byte_items
 
         large: list[Record] = []
-        probe_of: dict[int, Record] = {}  # id of a probe piece -> its record
         for rec in records:
             if rec.entry is not None or rec.transforms:
                 # located already (safetensors, torch.save files), or read and decoded whole
@@ -200,16 +195,12 @@ class RecordReads:
                 (deferred if shared_tensor_record(rec) else pieces).append(whole_piece)
             else:
                 large.append(rec)
-                head, tail = probes(rec)
-                for lo, hi in (head, tail):
-                    probe = Piece(rec.name, lo, hi, deliver=store(rec.window, lo))
-                    probe_of[id(probe)] = rec
-                    pieces.append(probe)
+                if streamed:  # probed (or read by a guess) as they go out: engine.streamed
+                    continue
+                pieces.extend(probe_pieces(rec))
         chunks = unit_chunks(pieces, chunking, reads)
         if streamed:
-            await _aread_streamed(
-                self, pipeline, storage, options, chunks, probe_of, len(large), reads, trackers
-            )
+            await aread_streamed(self, pipeline, storage, options, chunks, large, reads, trackers)
             check_written(records, assembled_before, total, self._recorder, self.checkpoint)
             log.debug(
                 "read %d records streamed (each record's data once its probes landed): %.4f s",
@@ -521,81 +512,3 @@ class RecordReads:
                 )
             )
         await _transforms.aread_transformed(pipeline, reads)
-
-
-async def _aread_streamed(
-    self: RecordReads,
-    pipeline: Pipeline,
-    storage: RetryingStorage,
-    options: LoadOptions,
-    first: list[Chunk],
-    probe_of: dict[int, Record],
-    n_large: int,
-    reads: ReadBudget,
-    trackers: list[tuple[CrcTracker, Record]],
-) -> None:
-    """One pipeline run for probes, small records and data: the chunks of ``first``
-    (probes and small records) go out first, then each large record's data as soon as
-    its own probes have landed (planned on the loop as they do), not after every
-    record's probes. (A function of the module, not a method: one run of ``self``'s reads.)"""
-    loop = asyncio.get_running_loop()
-    chunking = options.chunk_policy
-    ready: asyncio.Queue[list[Chunk] | BaseException] = asyncio.Queue()
-    planning: set[asyncio.Task[None]] = set()
-    waiting: dict[int, int] = {}
-    measured = [False]
-
-    async def plan(rec: Record) -> None:
-        try:
-            if not measured[0]:
-                measured[0] = True
-                reads.measure(self._recorder)
-            from_probes: list[tuple[memoryview, memoryview]] = []
-            pieces = await self._record_pieces(
-                rec, storage, options, None, reads, trackers, from_probes, [], shared=False
-            )
-            self._copy_from_probes(from_probes)
-            ready.put_nowait(self._data_chunks(pieces, chunking, reads, None))
-        except Exception as exc:
-            ready.put_nowait(exc)
-
-    def landed(rec: Record) -> None:
-        waiting[id(rec)] -= 1
-        if waiting[id(rec)] == 0:
-            task = asyncio.ensure_future(plan(rec))
-            planning.add(task)
-            task.add_done_callback(planning.discard)
-
-    for c in first:
-        for seg in c.segments:
-            owner = probe_of.get(id(seg))
-            if owner is not None:
-                waiting[id(owner)] = waiting.get(id(owner), 0) + 1
-                seg.deliver = then(seg.deliver, loop, functools.partial(landed, owner))
-
-    planned = [0]
-
-    def take(got: list[Chunk] | BaseException) -> list[Chunk]:
-        if isinstance(got, BaseException):
-            raise got
-        planned[0] += 1
-        return got
-
-    async def source() -> AsyncIterator[Chunk]:
-        for c in first:
-            # the data of records whose probes have landed goes before the remaining
-            # probes: the link fills with data as soon as there is some to read
-            while not ready.empty():
-                for d in take(ready.get_nowait()):
-                    yield d
-            yield c
-        while planned[0] < n_large:
-            for d in take(await ready.get()):
-                yield d
-
-    try:
-        await pipeline.run_stream(source())
-    finally:
-        for task in list(planning):
-            task.cancel()
-        await asyncio.gather(*planning, return_exceptions=True)
