@@ -10,7 +10,8 @@ scratch, the tensor into its destination, the tail into scratch. Once every requ
 has landed, its headers are parsed and checked like a probed record's; where they put the
 tensor elsewhere than guessed (another pickle length, other strides), it is read again where
 they say (the load never returns before that), so a wrong guess costs one more read, never a
-wrong byte, and damaged headers are the same typed error a probed record gives. Half the
+wrong byte, and damaged headers are the same typed error a probed record gives. A small
+record right after a guessed one (read whole) joins its last request. Half the
 requests of a DCP load (issue 30: a round of probes per record was what kept it behind
 ``curl --parallel``).
 """
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from asyncload._options import LoadOptions
+from asyncload.engine.assembly import assemble
 from asyncload.engine.checks import check_against_metadata
 from asyncload.engine.chunks import Chunk, Piece, TensorLocation
 from asyncload.engine.cost import ReadBudget, unit_chunks
@@ -119,6 +121,36 @@ def _cut(segments: list[Piece], limit: int) -> list[list[Piece]]:
             groups[-1].append(p)
             room -= p.nbytes
     return [g for g in groups if g]
+
+
+def _joinable(guessed: Chunk, small: Chunk, limit: int) -> bool:
+    """``small`` (small records read whole) starts where the last request of a guessed
+    record ends, and both fit one request."""
+    return (
+        guessed.landed is not None
+        and small.landed is None
+        and not small.trackers
+        and small.name == guessed.name
+        and small.start == guessed.end
+        and guessed.nbytes + small.nbytes <= limit
+    )
+
+
+def _join(guessed: Chunk, small: Chunk) -> Chunk:
+    """One request for both: ``small``'s bytes received into scratch and handed to its
+    pieces (their deliveries count their own bytes) once the request has landed."""
+    buf = bytearray(small.nbytes)
+    after = guessed.landed
+    assert after is not None
+
+    def landed() -> None:
+        assemble(small, memoryview(buf))
+        after()
+
+    scratch = Piece(small.name, small.start, small.end, into=memoryview(buf), payload=False)
+    return Chunk(
+        guessed.name, guessed.start, small.end, [*guessed.segments, scratch], landed=landed
+    )
 
 
 async def aread_streamed(
@@ -314,14 +346,19 @@ async def aread_streamed(
     async def source() -> AsyncIterator[Chunk]:
         i = 0
         for c in first:  # small records and large ones in file order
+            pending: Chunk | None = c
             while i < len(large) and (large[i].name, large[i].offset) < (c.name, c.start):
-                for d in await one(large[i]):
-                    yield d
+                got = await one(large[i])
                 i += 1
+                if pending is not None and got and _joinable(got[-1], pending, ecs):
+                    got[-1], pending = _join(got[-1], pending), None
+                for d in got:
+                    yield d
             while not ready.empty():
                 for d in take(ready.get_nowait()):
                     yield d
-            yield c
+            if pending is not None:
+                yield pending
         for rec in large[i:]:
             for d in await one(rec):
                 yield d
