@@ -244,16 +244,16 @@ class Monitor:
     # --- this rank's progress record --------------------------------------------------------
 
     def count_bytes(self, done: int, total: int | None) -> None:
-        """``done`` of this rank's ``total`` destination bytes are in (progress; the record
-        is written at most every ``_PROGRESS_INTERVAL`` seconds, and once all are in)."""
+        """``done`` of this rank's ``total`` destination bytes are in (progress). The record
+        is written by the reporter thread (:meth:`start_reporting`), off the caller's thread,
+        and here once all are in."""
         now = time.monotonic()
         with self._lock:
             self._bytes = (done, total)
             self._rate.add(done, now)
             self._own_progress_at = now
-        complete = total is not None and done >= total
-        if complete or now - self._record_at >= _PROGRESS_INTERVAL:
-            self.publish(force=complete)
+        if total is not None and done >= total:
+            self.publish(force=True)
 
     def start_reporting(self, in_flight: Callable[[], InFlight | None]) -> None:
         """Keep this rank's progress record current, with the requests ``in_flight()``
