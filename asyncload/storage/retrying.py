@@ -83,12 +83,14 @@ class _Request:
     """One request to the store (an attempt's original or its hedged duplicate): when it
     started and when its answer began. Stores tell through :func:`asyncload.storage.base.first_byte`."""
 
-    __slots__ = ("clock", "first_byte", "started")
+    __slots__ = ("clock", "first_byte", "key", "started")
 
     def __init__(self, clock: LoadClock) -> None:
         self.clock = clock
         self.started = clock.now()
         self.first_byte: float | None = None
+        #: Its key in the load's :class:`InFlight` (when the attempt is tracked).
+        self.key = -1
 
     def answered(self) -> None:
         if self.first_byte is None:
@@ -124,7 +126,7 @@ async def _attempt(
     started = clock.now()
     first = _Request(clock)
     requests: dict[asyncio.Future[Any], _Request] = {}
-    keys: dict[asyncio.Future[Any], int] = {}  # in ``track``'s registry
+    registry = track[0] if track is not None else None
 
     def start(req: _Request, hedge: bool = False) -> asyncio.Future[Any]:
         token = REQUEST.set(
@@ -136,7 +138,7 @@ async def _attempt(
             REQUEST.reset(token)
         requests[fut] = req
         if track is not None:
-            keys[fut] = track[0].add(track[1], track[2], track[3], hedge)
+            req.key = track[0].add(track[1], track[2], track[3], hedge)
         return fut
 
     pending: set[asyncio.Future[Any]] = {start(first)}
@@ -185,8 +187,8 @@ async def _attempt(
                 pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
             )
             for t in done:
-                if track is not None:
-                    track[0].remove(keys.pop(t))
+                if registry is not None:
+                    registry.remove(requests[t].key)
                 if t.exception() is None:
                     return t.result(), requests[t]
                 last_exc = t.exception()
@@ -195,9 +197,9 @@ async def _attempt(
     finally:
         if pending:
             await _cancel_and_wait(pending)  # type: ignore[arg-type]
-        if track is not None:
-            for key in keys.values():
-                track[0].remove(key)
+        if registry is not None:
+            for req in requests.values():
+                registry.remove(req.key)  # again for those removed above: harmless
 
 
 def _hedge_done(clock: LoadClock) -> None:
