@@ -180,7 +180,6 @@ def w_late(rank: int, world: int, urls: tuple[str, str], flags: str, kind: str) 
         "lines": lines,
         "records": records,
         "progress": handle.progress,
-        "rate_ok": all(p.rate >= 0 for p in records),
     }
 
 
@@ -217,7 +216,6 @@ def test_ranks_waiting_on_a_held_read_name_its_rank_file_and_range(
         mine = v["records"][res.rank]
         assert mine.age == 0.0
         assert all(p.age is not None and p.age >= 0 for p in v["records"])
-        assert v["rate_ok"]
     for r in others:
         named = [line for line in results[r].value["lines"] if held in line]
         assert named, (r, held, results[r].value["lines"])
@@ -302,7 +300,6 @@ def test_a_single_rank_load_shows_this_rank_alone(tmp_path: Path) -> None:
     total = tensor_bytes(full)
     assert (only.rank, only.bytes_done, only.bytes_total) == (0, total, total)
     assert only.in_flight == () and only.status == "done" and only.age == 0.0
-    assert only.rate > 0
     assert handle.progress == (total, total)  # the tuple it always was
     assert all(same_bits(sd[k], full[k]) for k in full)
 
