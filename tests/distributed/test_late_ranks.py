@@ -18,6 +18,7 @@ Multi-rank tests run on gloo process groups of 3 processes (``tests/_dist.py``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -141,10 +142,11 @@ def _read(path: Path, start: int, stop: int) -> bytes:
         return f.read(stop - start)
 
 
-def _catch_late_lines(rank: int, flags: str) -> list[str]:
-    """WARNING lines of ``asyncload.monitor`` on this rank; once one names the held
-    request, ``flags/logged-<rank>`` says so."""
+def _catch_late_lines(rank: int, flags: str) -> tuple[list[str], list[float]]:
+    """WARNING lines of ``asyncload.monitor`` on this rank and when each was logged; once one
+    names the held request, ``flags/logged-<rank>`` says so."""
     lines: list[str] = []
+    times: list[float] = []
 
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -152,6 +154,7 @@ def _catch_late_lines(rank: int, flags: str) -> list[str]:
                 return
             text = record.getMessage()
             lines.append(text)
+            times.append(record.created)
             held = Path(flags) / "held.txt"
             if held.exists() and held.read_text() in text:
                 (Path(flags) / f"logged-{rank}").touch()
@@ -159,11 +162,11 @@ def _catch_late_lines(rank: int, flags: str) -> list[str]:
     monitor_log = logging.getLogger("asyncload.monitor")
     monitor_log.addHandler(Catch())
     monitor_log.setLevel(logging.WARNING)
-    return lines
+    return lines, times
 
 
 def w_late(rank: int, world: int, urls: tuple[str, str], flags: str, kind: str) -> dict[str, Any]:
-    lines = _catch_late_lines(rank, flags)
+    lines, times = _catch_late_lines(rank, flags)
     full = big_model()
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     planner = (
@@ -178,6 +181,7 @@ def w_late(rank: int, world: int, urls: tuple[str, str], flags: str, kind: str) 
     return {
         "bad": [k for k in full if not same_bits(sd[k], full[k])],
         "lines": lines,
+        "times": times,
         "records": records,
         "progress": handle.progress,
     }
@@ -226,6 +230,9 @@ def test_ranks_waiting_on_a_held_read_name_its_rank_file_and_range(
         assert f"rank {SLOW}: " in line
         assert f"{held} for " in line and " s (attempt 1)" in line.split(held, 1)[1]
         assert "LoadOptions.late_rank_log_after=0.2" in line
+        # repeated while the wait lasts, at most every late_rank_log_after seconds
+        times = results[r].value["times"]
+        assert all(b - a >= 0.2 - 0.01 for a, b in itertools.pairwise(times)), times
 
 
 def w_records_are_visible_while_loading(
