@@ -35,6 +35,8 @@ if typing.TYPE_CHECKING:
         wait_for_background_sends,
     )
     from asyncload._stream import aiter_tensors, iter_tensors
+    from asyncload.distributed.lateness import RankProgress
+    from asyncload.storage.in_flight import InFlightRequest
 
 #: The faces, imported on first use (PEP 562): ``import asyncload`` stays cheap (no
 #: ``torch.distributed.checkpoint``, no engine), and the first ``asyncload.load`` (or
@@ -54,6 +56,8 @@ _LAZY = {
     "wait_for_background_sends": "asyncload._sharded_planner",
     "aiter_tensors": "asyncload._stream",
     "iter_tensors": "asyncload._stream",
+    "RankProgress": "asyncload.distributed.lateness",
+    "InFlightRequest": "asyncload.storage.in_flight",
 }
 
 
@@ -80,6 +84,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChunkTimeoutError",
     "DistributedLoadError",
+    "InFlightRequest",
     "LoadCancelledError",
     "LoadHandle",
     "LoadOptions",
@@ -87,6 +92,7 @@ __all__ = [
     "LoadStats",
     "PipelinedLoadPlanner",
     "PipelinedReader",
+    "RankProgress",
     "ShardedLoadPlanner",
     "StateDictMismatchError",
     "StorageReadError",

@@ -19,10 +19,11 @@ from asyncload._errors import LoadCancelledError, LoadReentryError
 from asyncload._loop import on_library_loop
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats, _fmt_bytes
+from asyncload.distributed.lateness import SHOWN_IN_FLIGHT, RankProgress, Rate
 from asyncload.distributed.monitor import Monitor
 from asyncload.engine.config import resolve_config
 from asyncload.engine.driver import load_steps, run_async, run_sync
-from asyncload.engine.session import LoadSession
+from asyncload.engine.session import LoadSession, in_flight
 
 __all__ = ["LoadHandle", "aload", "load", "start_load"]
 
@@ -65,7 +66,11 @@ def _prepare(
     config = resolve_config(options, planner)
     monitor: Monitor | None = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        monitor = Monitor(process_group, config.collective_timeout)
+        monitor = Monitor(
+            process_group,
+            config.collective_timeout,
+            late_after=config.options.late_rank_log_after,
+        )
         progress = _reporting_to(monitor, progress)
     session = LoadSession(
         checkpoint,
@@ -78,6 +83,7 @@ def _prepare(
     )
     if monitor is not None:
         monitor.cancelled = session.cancelled  # a cancelled load stops waiting on the others
+        monitor.start_reporting(lambda: in_flight(session))
     if planner is None:
         planner = PipelinedLoadPlanner(
             options=config.options, allow_partial_load=allow_partial_load
@@ -90,6 +96,7 @@ def _reporting_to(monitor: Monitor, user: ProgressCallback | None) -> ProgressCa
     then ``user``."""
 
     def on_progress(done: int, total: int) -> None:
+        monitor.count_bytes(done, total)
         monitor.progress(f"reading data: {_fmt_bytes(done)} of {_fmt_bytes(total)}")
         if user is not None:
             user(done, total)
@@ -202,8 +209,9 @@ class LoadHandle:
     ``done()`` says whether it finished; ``cancel()`` stops it; ``progress`` is
     ``(bytes_done, bytes_total)`` so far, ``bytes_total`` ``None`` while it is not known yet
     (``(0, None)`` until the metadata is read and the plan made);
-    ``statistics()`` a live :class:`LoadStats` snapshot. ``repr(handle)`` shows the checkpoint,
-    the state (running, done, failed, cancelled) and the progress.
+    ``statistics()`` a live :class:`LoadStats` snapshot; ``rank_progress()`` every rank's
+    progress (bytes, rate, the storage requests in flight). ``repr(handle)`` shows the
+    checkpoint, the state (running, done, failed, cancelled) and the progress.
     """
 
     def __init__(
@@ -219,6 +227,13 @@ class LoadHandle:
         #: Orders cancel() against the load's end: once cancel() returned True, result() raises.
         self._ending = threading.Lock()
         self.progress: tuple[int, int | None] = (0, None)
+        #: This rank's rate (single-rank loads; a multi-rank load's monitor keeps its own).
+        self._rate = Rate()
+
+    def _landed(self, done: int, total: int) -> None:
+        """Progress of this load (the library's threads)."""
+        self.progress = (done, total)
+        self._rate.add(done)
 
     def result(self, timeout: float | None = None) -> LoadStats:
         if not self._future.done() and on_library_loop():
@@ -249,6 +264,34 @@ class LoadHandle:
         ``seconds`` counts from the start of the load. The final stats once it is done."""
         return self._session.live_stats()
 
+    def rank_progress(self) -> list[RankProgress]:
+        """Every rank's progress in this load, by rank: a list of :class:`RankProgress`
+        (bytes done and in all, rate over the last 10 s, the oldest storage requests in
+        flight with their files, byte ranges, attempts and seconds, status, the record's
+        age). A multi-rank load reads the other ranks' records from the process group's store
+        (written at most twice a second, when they change; one round trip); a single-rank load
+        returns this rank's alone. Callable from any thread, during the load and after it
+        (until the next load on the group, or the group, ends); raises
+        :class:`DistributedLoadError` when the store is gone (docs/distributed.md#watching-a-multi-rank-load)."""
+        monitor = self._session.monitor
+        if isinstance(monitor, Monitor):
+            return monitor.rank_progress()
+        done, total = self.progress
+        registry = in_flight(self._session)
+        requests = tuple(registry.oldest(SHOWN_IN_FLIGHT)) if registry is not None else ()
+        group = self._session.group
+        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        return [RankProgress(rank, done, total, self._rate.rate(), requests, self._state(), 0.0)]
+
+    def _state(self) -> str:
+        if not self._future.done():
+            return "cancelling" if self._cancelled else "running"
+        if self._future.exception() is None:
+            return "done"
+        if isinstance(self._future.exception(), LoadCancelledError):
+            return "cancelled"
+        return f"failed: {type(self._future.exception()).__name__}"
+
     def cancel(self) -> bool:
         """Ask the load to stop; returns False if it had already finished. After True,
         ``result()`` raises :class:`LoadCancelledError` (even if the reads had just
@@ -274,14 +317,7 @@ class LoadHandle:
 
     def __repr__(self) -> str:
         done, total = self.progress
-        if not self._future.done():
-            state = "cancelling" if self._cancelled else "running"
-        elif self._future.exception() is None:
-            state = "done"
-        elif isinstance(self._future.exception(), LoadCancelledError):
-            state = "cancelled"
-        else:
-            state = f"failed: {type(self._future.exception()).__name__}"
+        state = self._state()
         of = f" of {_fmt_bytes(total)}" if total is not None else " (total not known yet)"
         return f"<LoadHandle {self._session.checkpoint} {state}, {_fmt_bytes(done)}{of}>"
 
@@ -306,7 +342,7 @@ def start_load(
 
     def on_progress(done: int, total: int) -> None:
         if box:
-            box[0].progress = (done, total)
+            box[0]._landed(done, total)
         if progress is not None:
             progress(done, total)
 

@@ -197,6 +197,12 @@ class LoadOptions:
     #: Applies to every object decode (DCP objects, torch.save files), never to ``.metadata``.
     #: Stored as a tuple; any iterable is accepted.
     safe_globals: tuple[type | Callable[..., Any] | str, ...] = ()
+    #: Multi-rank loads: a rank that has waited this many seconds on other ranks (at a
+    #: barrier, for a peer's bytes) without progress of its own logs a WARNING
+    #: (``asyncload.monitor``) naming the slowest of them, with the files and byte ranges
+    #: they have in flight and for how long; again at most this often while the wait lasts.
+    #: ``None`` = never (docs/distributed.md#watching-a-multi-rank-load).
+    late_rank_log_after: float | None = 60.0
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, want: str) -> None:
@@ -238,6 +244,14 @@ class LoadOptions:
             or math.isinf(ct)
         ):
             bad("collective_timeout", ct, "expected a positive number of seconds or None")
+        la = self.late_rank_log_after
+        if la is not None and (
+            isinstance(la, bool)
+            or not isinstance(la, (int, float))
+            or not la > 0
+            or math.isinf(la)
+        ):
+            bad("late_rank_log_after", la, "expected a positive number of seconds or None")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             bad("retries", self.retries, "expected an int >= 0")
         for name in ("backoff", "max_backoff", "hedge_min_delay"):

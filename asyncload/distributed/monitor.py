@@ -8,7 +8,10 @@ rank that raises posts its error there at once and every other rank raises
 every rank raises an error naming it and its last status. Collectives themselves
 (gather/scatter of plans, all_gather of needs) are only entered once a monitored
 barrier has seen every rank arrive, so they cannot hang on a rank that has already
-failed. Used by the multi-rank driver (:mod:`asyncload.engine.driver`) and by byte sharing
+failed. While it runs, each rank also keeps a progress record there (bytes, rate, the storage
+requests it has in flight: :mod:`asyncload.distributed.lateness`), which ``LoadHandle.rank_progress()``
+reads, and a rank that has waited ``LoadOptions.late_rank_log_after`` seconds on others logs
+a WARNING naming the slowest of them. Used by the multi-rank driver (:mod:`asyncload.engine.driver`) and by byte sharing
 (:mod:`asyncload.distributed.session`).
 """
 
@@ -18,12 +21,22 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from asyncload._errors import DistributedLoadError
+from asyncload.distributed.lateness import (
+    SHOWN_IN_FLIGHT,
+    RankProgress,
+    Rate,
+    decode,
+    encode,
+    late_message,
+)
+from asyncload.storage.in_flight import InFlight
 
 __all__ = ["Monitor"]
 
@@ -35,8 +48,12 @@ _WATCH_INTERVAL = 0.1
 _MAX_POLL = 0.05
 #: Seconds between stall checks and heartbeats while waiting on another rank.
 _BEAT_INTERVAL = 1.0
-#: Status updates during reading are written at most this often.
+#: Status updates during reading are written at most this often; so are progress records
+#: (and only when they changed).
 _PROGRESS_INTERVAL = 0.5
+#: A progress record that showed bytes moving is written again after this many seconds even
+#: when nothing else changed (a rank that stops shows its rate fall to 0).
+_RATE_REFRESH = 2.0
 
 
 def _group_store(group: Any) -> Any:
@@ -131,10 +148,14 @@ class Monitor:
     phase changes and, while r waits on others, once a second); ``at/<barrier>/<r>``:
     ``arrived`` or, when r was given up on, ``aborted`` (set with compare-and-set so a
     rank cannot arrive after the others left without it); ``abort``: the first failure,
-    ``"<rank>|<doing>|<message>"``, which every rank raises.
+    ``"<rank>|<doing>|<message>"``, which every rank raises; ``pg/<r>``: rank r's progress
+    record (:func:`~asyncload.distributed.lateness.encode`; not a sign of life: a rank whose
+    reads hang keeps it current, and stall detection reads only ``st/<r>``).
+
+    ``late_after``: ``LoadOptions.late_rank_log_after`` (:meth:`idle_peer` logs late ranks).
     """
 
-    def __init__(self, group: Any, timeout: float | None) -> None:
+    def __init__(self, group: Any, timeout: float | None, late_after: float | None = 60.0) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -150,6 +171,18 @@ class Monitor:
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._status_cache: dict[int, tuple[bytes, float]] = {}
         self._written: list[str] = []
+        # this rank's progress record (guarded by _lock; written under _record_lock)
+        self.late_after = late_after
+        self._bytes: tuple[int, int | None] = (0, None)
+        self._rate = Rate()
+        self._own_progress_at = time.monotonic()
+        self._late_logged_at: float | None = None
+        self._in_flight: Callable[[], InFlight | None] | None = None
+        self._record_lock = threading.Lock()
+        self._record_state: tuple[Any, ...] | None = None
+        self._record_at = 0.0
+        self._record_rate = 0.0
+        self._reporting: threading.Event | None = None
         #: Set from another thread to stop waiting (LoadHandle.cancel).
         self.cancelled: threading.Event | None = None
         #: Set by a sharing session that lets this rank return before the others finish
@@ -184,6 +217,7 @@ class Monitor:
         with self._lock:
             self._counter += 1
             self._text = text
+            self._own_progress_at = time.monotonic()
             self._write_status()
 
     @property
@@ -196,7 +230,8 @@ class Monitor:
             self._counter += 1
             if detail is not None:
                 self._text = detail
-            if time.monotonic() - self._last_write >= _PROGRESS_INTERVAL:
+            now = self._own_progress_at = time.monotonic()
+            if now - self._last_write >= _PROGRESS_INTERVAL:
                 self._write_status()
 
     def beat(self) -> None:
@@ -206,11 +241,125 @@ class Monitor:
                 self._counter += 1
                 self._write_status()
 
+    # --- this rank's progress record --------------------------------------------------------
+
+    def count_bytes(self, done: int, total: int | None) -> None:
+        """``done`` of this rank's ``total`` destination bytes are in (progress). The record
+        is written by the reporter thread (:meth:`start_reporting`), off the caller's thread,
+        and here once all are in."""
+        now = time.monotonic()
+        with self._lock:
+            self._bytes = (done, total)
+            self._rate.add(done, now)
+            self._own_progress_at = now
+        if total is not None and done >= total:
+            self.publish(force=True)
+
+    def start_reporting(self, in_flight: Callable[[], InFlight | None]) -> None:
+        """Keep this rank's progress record current, with the requests ``in_flight()``
+        holds, from a thread of its own (``asyncload-progress-<rank>``: a rank whose reads or
+        event loop hang still shows what it waits for) until :meth:`finish` or :meth:`fail`."""
+        self._in_flight = in_flight
+        if self._reporting is not None:
+            return
+        stop = self._reporting = threading.Event()
+        threading.Thread(
+            target=_report,
+            args=(weakref.ref(self), stop),
+            name=f"asyncload-progress-{self.rank}",
+            daemon=True,
+        ).start()
+
+    def _stop_reporting(self) -> None:
+        if self._reporting is not None:
+            self._reporting.set()
+        self.publish(force=True)
+
+    def publish(self, force: bool = False) -> None:
+        """Write this rank's progress record when it changed since the last one (bytes, the
+        requests in flight, a rate still falling), or when ``force``."""
+        source = self._in_flight
+        registry = source() if source is not None else None
+        now = time.monotonic()
+        with self._lock:
+            done, total = self._bytes
+            rate = self._rate.rate(now)
+        state = (done, total, registry.keys() if registry is not None else None)
+        key = f"pg/{self.rank}"
+        with self._record_lock:
+            refresh = self._record_rate > 0 and now - self._record_at >= _RATE_REFRESH
+            if not force and state == self._record_state and not refresh:
+                return
+            requests = registry.oldest(SHOWN_IN_FLIGHT) if registry is not None else []
+            try:
+                self.store.set(key, encode(done, total, rate, requests))
+            except Exception:
+                log.debug("could not write the progress record", exc_info=True)
+                return
+            self._record_state, self._record_at, self._record_rate = state, now, rate
+            if key not in self._written:
+                self._written.append(key)
+
+    def own_progress(self) -> RankProgress:
+        """This rank's progress now (not through the store)."""
+        source = self._in_flight
+        registry = source() if source is not None else None
+        with self._lock:
+            done, total = self._bytes
+            rate = self._rate.rate()
+            text = self._text
+        requests = tuple(registry.oldest(SHOWN_IN_FLIGHT)) if registry is not None else ()
+        return RankProgress(self.rank, done, total, rate, requests, text, 0.0)
+
+    def records(self, ranks: Sequence[int]) -> list[RankProgress]:
+        """The progress of ``ranks`` as their records in the store say (one round trip when
+        every rank has written one)."""
+        keys = [f"st/{r}" for r in ranks] + [f"pg/{r}" for r in ranks]
+        if not keys:
+            return []
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+        else:
+            values = [self.store.get(k) if self.store.check([k]) else b"" for k in keys]
+        n = len(ranks)
+        return [
+            decode(
+                r, values[n + i] or None, values[i].decode("utf-8", "replace").partition("|")[2]
+            )
+            for i, r in enumerate(ranks)
+        ]
+
+    def rank_progress(self) -> list[RankProgress]:
+        """Every rank's progress, by rank (this one's as it is now, the others' as their last
+        records say)."""
+        others = self.records([r for r in range(self.world) if r != self.rank])
+        return sorted([*others, self.own_progress()], key=lambda p: p.rank)
+
+    def _check_late(self, peers: Sequence[int]) -> None:
+        """Log (WARNING) the slowest of ``peers`` when this rank has waited on them, without
+        progress of its own, for ``late_after`` seconds; again at most that often."""
+        after = self.late_after
+        if after is None or not peers:
+            return
+        now = time.monotonic()
+        waited = now - self._own_progress_at
+        logged = self._late_logged_at
+        if waited < after or (logged is not None and now - logged < after):
+            return
+        self._late_logged_at = now
+        try:
+            records = self.records(list(peers))
+        except Exception:
+            log.debug("could not read the other ranks' progress records", exc_info=True)
+            return
+        log.warning("%s", late_message(self.rank, waited, self._text, after, records))
+
     # --- failures -------------------------------------------------------------------------
 
     def fail(self, exc: BaseException, doing: str) -> None:
         """Post this rank's failure (or a peer's that this rank found, such as a broken
         connection) so that every other rank raises at once."""
+        self._stop_reporting()
         if getattr(exc, "_asyncload_posted", False):
             return  # read from the store, or posted when it was raised
         if (
@@ -268,7 +417,9 @@ class Monitor:
 
     def idle_peer(self, peers: Sequence[int]) -> tuple[int, float, str] | None:
         """A peer whose status has not changed for ``timeout`` seconds, with its idle time and
-        status."""
+        status. Logs the slowest of ``peers`` when this rank has waited on them long enough
+        (``late_after``)."""
+        self._check_late(peers)
         if self.timeout is None:
             return None
         now = time.monotonic()
@@ -368,6 +519,7 @@ class Monitor:
         session set :attr:`returns_early`, this rank waits for nobody: it raises any failure
         known by now, marks itself done (so peers stop waiting on its status) and calls
         :attr:`after_return`, which hands the bytes it still owes peers to the background."""
+        self._stop_reporting()
         if not self.returns_early:
             self.barrier("done", doing)
             if self.world > 1:
@@ -410,3 +562,16 @@ class Monitor:
         while True:
             await asyncio.sleep(_WATCH_INTERVAL)
             self.check()
+
+
+def _report(ref: weakref.ReferenceType[Monitor], stop: threading.Event) -> None:
+    """The reporter thread of :meth:`Monitor.start_reporting` (holds the monitor weakly)."""
+    while not stop.wait(_PROGRESS_INTERVAL):
+        monitor = ref()
+        if monitor is None:
+            return
+        try:
+            monitor.publish()
+        except Exception:  # pragma: no cover - publish logs its own store errors
+            log.debug("progress reporter failed", exc_info=True)
+        del monitor

@@ -111,7 +111,7 @@ def open_share(
         return None
     monitor = load_session.monitor
     if monitor is None or monitor.group is not group:
-        monitor = Monitor(group, collective_timeout)
+        monitor = Monitor(group, collective_timeout, options.late_rank_log_after)
     policy = sharing_policy(
         options,
         transport=_transport_kind(group)[0],

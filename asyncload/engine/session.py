@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -71,7 +71,10 @@ from asyncload.engine.records import (
 )
 from asyncload.storage import RetryingStorage, Storage, is_local, local_root, open_storage
 
-__all__ = ["LoadSession", "decode_object"]
+if TYPE_CHECKING:
+    from asyncload.storage.in_flight import InFlight
+
+__all__ = ["LoadSession", "decode_object", "in_flight"]
 
 log = logging.getLogger("asyncload.session")
 T = TypeVar("T")
@@ -579,6 +582,13 @@ class LoadSession:
         stager, self._stager = self._stager, None
         if stager is not None:
             await asyncio.to_thread(stager.finish_sync)
+
+
+def in_flight(session: LoadSession) -> InFlight | None:
+    """The storage requests of ``session``'s load in progress that have not ended (``None``
+    before its storage is opened)."""
+    boundary = session._boundary
+    return boundary.in_flight if boundary is not None else None
 
 
 class _IOThreads(concurrent.futures.ThreadPoolExecutor):

@@ -59,6 +59,7 @@ from asyncload._options import HedgePolicy, LoadOptions, RetryPolicy
 from asyncload._stats import StatsRecorder
 from asyncload.storage.base import REQUEST, Storage
 from asyncload.storage.classify import classify, translate
+from asyncload.storage.in_flight import InFlight
 
 __all__ = [
     "BATCH_INLINE",
@@ -69,6 +70,10 @@ __all__ = [
 log = logging.getLogger("asyncload.retry")
 T = TypeVar("T")
 
+#: What an attempt's requests are entered under in the load's :class:`InFlight`: the
+#: registry, the file name, the byte range and the attempt's number.
+_Track = tuple[InFlight, str, "tuple[int, int] | None", int]
+
 #: Bytes of a :meth:`RetryingStorage.read_batch` read on the loop thread where the store
 #: can without waiting (a local file's cached pages: ``Storage.readinto_cached``).
 BATCH_INLINE = 1 << 20
@@ -78,12 +83,14 @@ class _Request:
     """One request to the store (an attempt's original or its hedged duplicate): when it
     started and when its answer began. Stores tell through :func:`asyncload.storage.base.first_byte`."""
 
-    __slots__ = ("clock", "first_byte", "started")
+    __slots__ = ("clock", "first_byte", "key", "started")
 
     def __init__(self, clock: LoadClock) -> None:
         self.clock = clock
         self.started = clock.now()
         self.first_byte: float | None = None
+        #: Its key in the load's :class:`InFlight` (when the attempt is tracked).
+        self.key = -1
 
     def answered(self) -> None:
         if self.first_byte is None:
@@ -108,17 +115,20 @@ async def _attempt(
     stats: StatsRecorder,
     clock: LoadClock,
     nbytes: int,
+    track: _Track | None = None,
 ) -> tuple[T, _Request]:
     """One attempt, with at most one hedged duplicate; the first success wins (returned
-    with its request: when it started, when its answer began).
+    with its request: when it started, when its answer began). Each request is in
+    ``track``'s registry from its start until it ends or is cancelled.
 
     Raises ``asyncio.TimeoutError`` when ``limit`` seconds pass without progress (see the
     module docstring), or the error of the last request to fail."""
     started = clock.now()
     first = _Request(clock)
     requests: dict[asyncio.Future[Any], _Request] = {}
+    registry = track[0] if track is not None else None
 
-    def start(req: _Request) -> asyncio.Future[Any]:
+    def start(req: _Request, hedge: bool = False) -> asyncio.Future[Any]:
         token = REQUEST.set(
             req
         )  # the request's task copies it: the store's first_byte() reaches req
@@ -127,6 +137,8 @@ async def _attempt(
         finally:
             REQUEST.reset(token)
         requests[fut] = req
+        if track is not None:
+            req.key = track[0].add(track[1], track[2], track[3], hedge)
         return fut
 
     pending: set[asyncio.Future[Any]] = {start(first)}
@@ -159,7 +171,7 @@ async def _attempt(
                             after,
                             "no answer yet" if first.first_byte is None else "answer begun",
                         )
-                        dup = start(_Request(clock))
+                        dup = start(_Request(clock), hedge=True)
                         dup.add_done_callback(lambda _f: _hedge_done(clock))
                         pending.add(dup)
                         continue
@@ -175,6 +187,8 @@ async def _attempt(
                 pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
             )
             for t in done:
+                if registry is not None:
+                    registry.remove(requests[t].key)
                 if t.exception() is None:
                     return t.result(), requests[t]
                 last_exc = t.exception()
@@ -183,6 +197,9 @@ async def _attempt(
     finally:
         if pending:
             await _cancel_and_wait(pending)  # type: ignore[arg-type]
+        if registry is not None:
+            for req in requests.values():
+                registry.remove(req.key)  # again for those removed above: harmless
 
 
 def _hedge_done(clock: LoadClock) -> None:
@@ -202,6 +219,7 @@ async def call_with_retry(
     timed: bool = True,
     culprit: Callable[[], tuple[str, tuple[int, int]] | None] | None = None,
     data: bool = False,
+    in_flight: tuple[InFlight, str] | None = None,
 ) -> T:
     """Run ``op`` (one storage call about ``byte_range`` of ``url``; ``None``: the whole
     file) with the load's timeout, retry and hedge policy (module docstring), measured on
@@ -213,14 +231,15 @@ async def call_with_retry(
     A call of many reads: ``timed=False``, ``op`` records their latencies itself (the call
     only counts as progress); ``culprit()``, the URL and byte range its error names instead
     of ``url`` and ``byte_range`` (the read that failed, or those in flight when the attempt
-    timed out).
+    timed out). ``in_flight``: the registry and file name its requests are entered under.
     """
     attempts = retry.attempts
     nbytes = max(0, byte_range[1] - byte_range[0]) if byte_range else 0
     for attempt in range(1, attempts + 1):
         t0 = time.monotonic()
         try:
-            result, request = await _attempt(op, retry.timeout, hedge, stats, clock, nbytes)
+            track = None if in_flight is None else (*in_flight, byte_range, attempt)
+            result, request = await _attempt(op, retry.timeout, hedge, stats, clock, nbytes, track)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -305,6 +324,7 @@ class RetryingStorage:
         executor: concurrent.futures.Executor,
         clock: LoadClock | None = None,
         on_throttle: Callable[[], None] | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self.raw = storage
         self.retry = retry
@@ -316,6 +336,8 @@ class RetryingStorage:
         self.clock = clock if clock is not None else LoadClock()
         #: Called when the store asks to slow down (``concurrency="auto"`` backs off).
         self.on_throttle = on_throttle
+        #: The requests of this load not ended yet (shared with :meth:`with_throttle`'s copies).
+        self.in_flight = in_flight if in_flight is not None else InFlight(storage.url)
 
     @classmethod
     def for_options(
@@ -347,6 +369,7 @@ class RetryingStorage:
             executor=self.executor,
             clock=self.clock,
             on_throttle=on_throttle,
+            in_flight=self.in_flight,
         )
 
     @property
@@ -378,6 +401,7 @@ class RetryingStorage:
         timed: bool = True,
         culprit: Callable[[], tuple[str, tuple[int, int]] | None] | None = None,
         data: bool = False,
+        tracked: bool = True,
     ) -> T:
         return await call_with_retry(
             op,
@@ -391,6 +415,7 @@ class RetryingStorage:
             timed=timed,
             culprit=culprit,
             data=data,
+            in_flight=(self.in_flight, name) if tracked else None,
         )
 
     async def read(
@@ -535,6 +560,8 @@ class RetryingStorage:
         ]  # what the last failed attempt's error is about
         readinto, monotonic = raw.readinto_sync, time.monotonic
         ends = [(name, start, start + n) for (name, start, _), n in zip(reads, sizes)]
+        in_flight = self.in_flight
+        tries = [0]  # the attempt in progress (each read is in ``in_flight`` on its own)
 
         def about(ids: list[int]) -> tuple[str, tuple[int, int]] | None:
             """The file of the first of ``ids`` and the span of those of that file."""
@@ -547,6 +574,8 @@ class RetryingStorage:
             stop = False
             taken: set[int] = set()  # popped by this attempt's threads, not landed yet
             failed: list[int] = []  # the read whose error ended this attempt
+            tries[0] += 1
+            number = tries[0]
 
             def job() -> None:
                 while True:
@@ -557,12 +586,15 @@ class RetryingStorage:
                         taken.add(i)
                     name, start, buffers = reads[i]
                     t0 = monotonic()
+                    key = in_flight.add(name, (start, ends[i][2]), number)
                     try:
                         readinto(name, start, buffers)
                     except BaseException:
                         with lock:
                             failed.append(i)
                         raise
+                    finally:
+                        in_flight.remove(key)
                     seconds = monotonic() - t0
                     with lock:
                         if stop:  # the attempt has ended: the read went back to the queue
@@ -600,6 +632,7 @@ class RetryingStorage:
             timed=False,
             culprit=lambda: culprit[0],
             data=True,
+            tracked=False,
         )
         if refused:
             raise refused[0]
