@@ -106,7 +106,7 @@ def test_after_the_first_record_each_is_one_request(
     first, *later = sorted((recs[f"w{i}"] for i in range(6)), key=lambda x: x[0])
     # the first large record: its head and tail probes, then its tensor
     assert len(_within(ranges, first)) == 3, _within(ranges, first)
-    ends = {lo: hi for lo, hi in recs.values()}
+    ends = dict(recs.values())
     for rec in later:
         # each later one: one request for the whole record and the small record right
         # after it (read whole, as small records are), nothing else touches either
