@@ -102,27 +102,28 @@ def w_side(
     layout: str,
     loads: int,
     options: LoadOptions,
-    side_group: str | None = "auto",
-    fake: bool = False,
-    slow: tuple[int, float] | None = None,
-    wait_for_peers: bool = False,
-    own_group: bool = False,
-    static_too: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """``loads`` loads in a row with ``ShardedLoadPlanner(ordered=True)`` (the load's group
     treated as order-matched, as NCCL's is). ``layout``: ``replicated`` (plain tensors saved
     by one process) or ``sharded`` (the ranks save DTensors ``Shard(0)`` with ``dcp.save``
-    here, then load them replicated: every rank needs every byte). ``fake``: destinations on
-    the fake device (the CUDA staging path); ``slow=(rank, s)``: that rank's progress
-    callback sleeps ``s`` at every chunk (a busy host); ``own_group``: pass a gloo group made
-    here as ``side_group``; ``static_too``: one more load with ``side_group=None`` (the
-    static plan on the load's group) at the end."""
+    here, then load them replicated: every rank needs every byte). ``extra``:
+    ``side_group`` (default ``"auto"``); ``fake``: destinations on the fake device (the CUDA
+    staging path); ``slow=(rank, s)``: that rank's progress callback sleeps ``s`` at every
+    chunk (a busy host); ``own_group``: pass a gloo group made here as ``side_group``;
+    ``static_too``: one more load with ``side_group=None`` (the static plan on the load's
+    group) at the end; ``ranks_per_node``: simulated nodes (``node_id``)."""
+    extra = extra or {}
+    side_group = extra.get("side_group", "auto")
+    fake, slow = extra.get("fake", False), extra.get("slow")
+    static_too = extra.get("static_too", False)
+    per_node = extra.get("ranks_per_node")
     full = big_model()
     mesh = _mesh((world,)) if layout == "sharded" else None
     if layout == "sharded":
         dcp.save(_dtensors(full, mesh, "S0", zeros=False), checkpoint_id=path)
     group: Any = side_group
-    if own_group:
+    if extra.get("own_group"):
         group = dist.new_group(list(range(world)), backend="gloo")
     seen = _spy()
     out: list[dict[str, Any]] = []
@@ -141,7 +142,8 @@ def w_side(
             ordered=True,
             unit_size=16 * KiB,
             side_group=group if n < loads else None,
-            wait_for_peers=wait_for_peers,
+            wait_for_peers=extra.get("wait_for_peers", False),
+            node_id=None if per_node is None else f"node{rank // per_node}",
         )
         before = _snapshot(seen)
         device: dict[str, int] = {}
@@ -161,7 +163,7 @@ def w_side(
         out.append(
             {
                 "bad": [k for k in full if not same_bits(got[k], full[k])],
-                "stats": stats_dict(stats),
+                "stats": {**stats_dict(stats), "own_node": stats.bytes_from_own_node},
                 "sharing_group": stats.sharing_group,
                 "unit": stats.sharing_unit_size,
                 "moved": _moved(seen, before),
@@ -184,7 +186,7 @@ def _check(
         assert v["bad"] == [], (rank, n)
         st = v["stats"]
         assert st["bytes_assembled"] == total
-        assert st["bytes_read"] + st["bytes_received"] >= total, (rank, st)
+        assert st["bytes_read"] + st["bytes_received"] + st["own_node"] >= total, (rank, st)
         assert v["sharing_group"].startswith("side: "), v["sharing_group"]
         assert v["unit"] == 16 * KiB
         moved = v["moved"]
@@ -232,20 +234,7 @@ def test_a_checkpoint_saved_sharded_by_the_ranks(tmp_path: Path) -> None:
     the static plan reads (one more load, ``side_group=None``)."""
     total = tensor_bytes(big_model())
     values = all_ok(
-        run_ranks(
-            w_side,
-            3,
-            str(tmp_path / "ck"),
-            "sharded",
-            1,
-            OPTIONS,
-            "auto",
-            False,
-            None,
-            False,
-            False,
-            True,
-        )
+        run_ranks(w_side, 3, str(tmp_path / "ck"), "sharded", 1, OPTIONS, {"static_too": True})
     )
     static = [v[1] for v in values]
     assert all(s["bad"] == [] and s["sharing_group"].startswith("main: ") for s in static)
@@ -259,7 +248,7 @@ def test_cuda_destinations_get_one_host_to_device_copy(tmp_path: Path) -> None:
     save_single(tmp_path / "ck", big_model())
     total = tensor_bytes(big_model())
     values = all_ok(
-        run_ranks(w_side, 2, str(tmp_path / "ck"), "replicated", 1, OPTIONS, "auto", True)
+        run_ranks(w_side, 2, str(tmp_path / "ck"), "replicated", 1, OPTIONS, {"fake": True})
     )
     _check(values, 0, total)
     for v in values:
@@ -272,7 +261,9 @@ def test_without_a_side_group_the_group_shares_statically(tmp_path: Path) -> Non
     over the load's own group, no group made, no units."""
     save_single(tmp_path / "ck", big_model())
     total = tensor_bytes(big_model())
-    values = all_ok(run_ranks(w_side, 2, str(tmp_path / "ck"), "replicated", 1, OPTIONS, None))
+    values = all_ok(
+        run_ranks(w_side, 2, str(tmp_path / "ck"), "replicated", 1, OPTIONS, {"side_group": None})
+    )
     for v in values:
         load = v[0]
         assert load["bad"] == []
@@ -296,11 +287,7 @@ def test_a_side_group_of_the_users_own(tmp_path: Path) -> None:
             "replicated",
             1,
             OPTIONS,
-            None,
-            False,
-            None,
-            False,
-            True,
+            {"side_group": None, "own_group": True},
         )
     )
     _check(values, 0, total)
@@ -323,9 +310,7 @@ def test_a_slow_host_takes_fewer_units_over_the_side_group(tmp_path: Path) -> No
             "replicated",
             1,
             OPTIONS,
-            "auto",
-            False,
-            (2, 0.03),
+            {"slow": (2, 0.03)},
             timeout=90,
         )
     )
@@ -334,6 +319,34 @@ def test_a_slow_host_takes_fewer_units_over_the_side_group(tmp_path: Path) -> No
     assert once[2] < total / 4, once
     assert once[2] < sum(once[r] for r in (0, 1, 3)) / 3, once
     assert sum(v[0]["stats"]["bytes_taken_over"] for v in values) > 0
+
+
+def test_node_aware_sharing_over_the_side_group(tmp_path: Path) -> None:
+    """4 ranks as 2 simulated nodes of 2 (``node_id``): every byte enters each node once,
+    the bytes between nodes over the side group, bit for bit."""
+    save_single(tmp_path / "ck", big_model())
+    total = tensor_bytes(big_model())
+    values = all_ok(
+        run_ranks(
+            w_side,
+            4,
+            str(tmp_path / "ck"),
+            "replicated",
+            1,
+            OPTIONS,
+            {"ranks_per_node": 2, "wait_for_peers": True},
+            timeout=90,
+        )
+    )
+    _check(values, 0, total)
+    intake = []
+    for node in (0, 1):
+        mine = [values[r][0]["stats"] for r in (2 * node, 2 * node + 1)]
+        # every byte enters the node once: from storage or from the other node (over the side
+        # group: _check); each rank took from its node peer what it did not fetch itself
+        intake.append(sum(s["bytes_read"] + s["bytes_received"] for s in mine))
+        assert all(s["own_node"] > 0 for s in mine), mine
+    assert intake[0] == intake[1] and total <= intake[0] <= 1.05 * total, intake
 
 
 # --- failures ------------------------------------------------------------------------------------
