@@ -21,9 +21,11 @@ import asyncio
 import logging
 import threading
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from asyncload._errors import AsyncLoadError, DistributedLoadError
 from asyncload.distributed.monitor import Monitor
@@ -101,14 +103,24 @@ def side_group_name(side: Any) -> str:
     )
 
 
+def _ops_timeout(side: Any) -> None:
+    """Operations on the side group wait as long as torch's default for gloo (30 min; the
+    monitor bounds the waits of a load), not the creation's bound."""
+    try:
+        dist.distributed_c10d._set_pg_timeout(default_pg_timeout, side)
+    except (AttributeError, ValueError, RuntimeError):  # pragma: no cover - other torch versions
+        log.debug("could not reset the side group's timeout", exc_info=True)
+
+
 async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
     """Make a gloo group of ``group``'s ranks (every rank of ``group`` calls this at the same
     point, in the same order: ``dist.new_group`` is a collective) and cache it for later
     loads on ``group``. Bounded like every wait on another rank: a monitored barrier first (so
     that no rank enters while another has failed), then the creation on a daemon thread of
     its own while this rank watches the others through ``monitor`` (a rank without progress
-    for ``collective_timeout`` ends the wait with ``DistributedLoadError``; the caller also
-    watches for a failure posted by any rank; the thread is left to gloo's own timeout).
+    for ``collective_timeout``, or a creation that takes longer than that, ends the wait with
+    ``DistributedLoadError``; the caller also watches for a failure posted by any rank; the
+    thread is left to gloo's own timeout).
 
     Raised: ``DistributedLoadError`` when torch cannot make the group."""
     doing = "making the gloo side group for adaptive sharing"
@@ -120,6 +132,9 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
     local = len(ranks) < dist.get_world_size()
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
+    # the rendezvous waits on the group's store, whose client connection the monitor shares:
+    # gloo's own wait must end within the bound, or it would hold the monitor up too
+    bound = None if monitor.timeout is None else timedelta(seconds=monitor.timeout)
 
     def settle(value: Any, exc: BaseException | None) -> None:
         if fut.done():
@@ -136,9 +151,12 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
             value = dist.new_group(
                 ranks,
                 backend="gloo",
+                timeout=bound,
                 use_local_synchronization=local,
                 group_desc="asyncload_side_group",
             )
+            if bound is not None:
+                _ops_timeout(value)
         except BaseException as exc:
             err = exc
         try:
@@ -150,12 +168,25 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
     threading.Thread(target=run, name="asyncload-side-group", daemon=True).start()
     others = [r for r in range(monitor.world) if r != monitor.rank]
     try:
-        side = await monitor.wait_on(fut, others, doing)
+        # every rank arrived at the barrier: a creation that takes longer than a rank may go
+        # without progress is stuck in gloo's rendezvous (a connection between two ranks that
+        # cannot be made), which the ranks' heartbeats would otherwise hide
+        side = await asyncio.wait_for(monitor.wait_on(fut, others, doing), monitor.timeout)
+    except TimeoutError as exc:
+        raise DistributedLoadError(
+            f"rank {monitor.rank} could not make the gloo side group of the ranks {ranks} within "
+            f"LoadOptions.collective_timeout={monitor.timeout} s, although every rank had "
+            "arrived to make it: gloo could not connect the ranks (check GLOO_SOCKET_IFNAME and "
+            "that the ranks reach each other over TCP); pass ShardedLoadPlanner(side_group=None) "
+            "to share statically over the load's group instead",
+            rank=monitor.rank,
+            doing=doing,
+        ) from exc
     except (RuntimeError, ValueError) as exc:
         if isinstance(exc, DistributedLoadError):
             raise
         raise DistributedLoadError(
-            f"rank {monitor.rank} could not make a gloo group of the ranks {ranks} to share "
+            f"rank {monitor.rank} could not make the gloo side group of the ranks {ranks} to share "
             f"bytes adaptively ({type(exc).__name__}: {exc}); pass "
             "ShardedLoadPlanner(side_group=None) to share statically over the load's group, or "
             "a gloo group of your own",

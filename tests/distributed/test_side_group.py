@@ -399,6 +399,41 @@ def test_a_failure_on_one_rank_fails_every_rank(tmp_path: Path, mode: str) -> No
             assert "RuntimeError: injected failure on rank 1" in r.message
 
 
+def w_stuck_creation(rank: int, world: int, path: str, victim: int) -> None:
+    """``victim``'s part of ``dist.new_group`` never returns (as when gloo cannot connect two
+    ranks): the others wait in the group's rendezvous for it."""
+    if rank == victim:
+        real = dist.new_group
+
+        def stuck(*args: Any, **kw: Any) -> Any:
+            if kw.get("backend") == "gloo":
+                time.sleep(3600)
+            return real(*args, **kw)
+
+        dist.new_group = stuck  # type: ignore[assignment]
+    sd = {k: torch.zeros_like(v) for k, v in big_model().items()}
+    planner = ShardedLoadPlanner(sharing="always", ordered=True, unit_size=16 * KiB)
+    asyncload.load(sd, path, options=OPTIONS.replace(collective_timeout=3.0), planner=planner)
+
+
+def test_a_side_group_that_cannot_be_made_fails_every_rank_in_bounded_time(
+    tmp_path: Path,
+) -> None:
+    """Every rank arrived, but the group's creation never completes on rank 1: every rank
+    raises DistributedLoadError within about collective_timeout (3 s), none waits for gloo's
+    own timeout."""
+    save_single(tmp_path / "ck", big_model())
+    results = run_ranks(w_stuck_creation, 3, str(tmp_path / "ck"), 1, timeout=40)
+    for r in results:
+        assert r.status == "error" and r.error_type == "DistributedLoadError", (
+            r.rank,
+            r.status,
+            r.message,
+        )
+        assert "gloo" in r.message and "side group" in r.message, r.message
+        assert r.seconds < 20, r.seconds
+
+
 def w_bad_side_group(rank: int, world: int, path: str) -> None:
     """A gloo group of the load's ranks in another order: refused on every rank."""
     side = dist.new_group(list(reversed(range(world))), backend="gloo", sort_ranks=False)
