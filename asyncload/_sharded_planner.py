@@ -10,10 +10,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from torch.distributed import ProcessGroup
+
 from asyncload._dcp import PipelinedLoadPlanner
 from asyncload._options import LoadOptions
 from asyncload.distributed.plan import Transfer, plan_transfers
-from asyncload.distributed.policy import SHARING_MODES
+from asyncload.distributed.policy import SHARING_MODES, SIDE_GROUP_AUTO
 from asyncload.distributed.sends import BackgroundSends, wait_for_background_sends
 from asyncload.distributed.session import _ShareSession, open_share
 from asyncload.engine.session import LoadSession
@@ -40,9 +42,10 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     (needed by backends that match sends to receives by order, not by tag: ``None`` turns it
     on for NCCL only).
 
-    ``adaptive`` (default ``None``: on, except with ``ordered`` or NCCL, which need the
-    fixed order, and for a subclass that overrides :meth:`plan_transfers`, whose owners are
-    kept): hand out the shared ranges as ranks get to them instead of fixing their
+    ``adaptive`` (default ``None``: on, except for a subclass that overrides
+    :meth:`plan_transfers`, whose owners are kept; with ``ordered`` or NCCL the bytes then
+    travel over a gloo side group, see ``side_group``, or, with ``side_group=None``, it is
+    off: they need the fixed order): hand out the shared ranges as ranks get to them instead of fixing their
     owners before reading. Shared ranges are cut into work units of at most ``unit_size``
     bytes (default: chosen per read phase from the latency and rate measured so far, as
     chunks are: 4 x latency x rate, from 256 KiB to ``chunk_size`` and at most an eighth of
@@ -54,8 +57,11 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     :class:`LoadOptions`, ``hedge=True``) reads it from storage itself and the first copy
     wins. ``adaptive=False``: the static plan (owners fixed before reading).
 
-    ``wait_for_peers`` (default ``False``; adaptive sharing only): whether a rank waits at
-    the end of the load until every rank has finished. By default a rank returns as soon
+    ``wait_for_peers`` (default ``None``: ``False``, except where the bytes travel over a
+    side group asyncload made because the load's group is NCCL: ``True`` there, so that an
+    NCCL job ends its load as it always has, with no sends left behind; adaptive sharing
+    only): whether a rank waits at the end of the load until every rank has finished.
+    Without waiting a rank returns as soon
     as its own destinations are complete and every failure known by then has been raised,
     so that a slow consumer (a busy GPU, a slow host) falls behind alone. Bytes it still
     owes slower peers are sent from private copies (never from the destinations, which the
@@ -82,6 +88,17 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
     ``plan_transfers`` override always shares. ``"always"`` / ``"never"`` override the model.
     ``LoadStats.sharing_decision`` (``"share"`` or ``"read"``) and ``sharing_reason`` say
     what was decided and why.
+    ``side_group`` (default ``"auto"``): the group that carries the shared bytes when the
+    load's process group matches sends to receives by order (NCCL, or ``ordered=True``), which
+    adaptive sharing cannot use. ``"auto"``: a gloo group of the same ranks, made by every rank
+    at once before the first read phase that shares (``dist.new_group(ranks,
+    backend="gloo")``, bounded like every other wait) and kept for every later load on that
+    process group; the bytes travel in host memory and are copied to CUDA destinations once,
+    through the staging path. ``None``: no side group; such a group shares statically, in
+    one agreed order (as before). A ``ProcessGroup`` of your own (gloo, the load's ranks in
+    the same order): it carries the bytes, whatever the load's group. ``adaptive=False``
+    keeps the static plan on the load's group. ``LoadStats.sharing_group`` says which group
+    carried the bytes and why.
     Other keyword arguments are those of :class:`PipelinedLoadPlanner`.
     """
 
@@ -93,9 +110,10 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         ordered: bool | None = None,
         adaptive: bool | None = None,
         unit_size: int | None = None,
-        wait_for_peers: bool = False,
+        wait_for_peers: bool | None = None,
         node_id: str | None = None,
         sharing: str = "auto",
+        side_group: Any = SIDE_GROUP_AUTO,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -104,9 +122,19 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
                 f"ShardedLoadPlanner(sharing={sharing!r}) is invalid: expected one of "
                 + ", ".join(map(repr, SHARING_MODES))
             )
-        if not isinstance(wait_for_peers, bool):
+        if not (
+            side_group is None
+            or side_group == SIDE_GROUP_AUTO
+            or isinstance(side_group, ProcessGroup)
+        ):
             raise ValueError(
-                f"ShardedLoadPlanner(wait_for_peers={wait_for_peers!r}) is invalid: expected a bool"
+                f"ShardedLoadPlanner(side_group={side_group!r}) is invalid: expected "
+                f"{SIDE_GROUP_AUTO!r}, None or a gloo ProcessGroup of the load's ranks"
+            )
+        if wait_for_peers is not None and not isinstance(wait_for_peers, bool):
+            raise ValueError(
+                f"ShardedLoadPlanner(wait_for_peers={wait_for_peers!r}) is invalid: expected a "
+                "bool or None"
             )
         if adaptive is not None and not isinstance(adaptive, bool):
             raise ValueError(
@@ -129,6 +157,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         self.wait_for_peers = wait_for_peers
         self.node_id = node_id
         self.sharing = sharing
+        self.side_group = side_group
         #: The last load's sends that may outlive it (``wait_for_peers=False``), or None.
         self.background_sends: BackgroundSends | None = None
         if collective_timeout is not _UNSET:
@@ -186,6 +215,7 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
             custom_plan=self.plan_transfers if self._custom_plan() else None,
             node_id=self.node_id,
             sharing=self.sharing,
+            side_group=self.side_group,
         )
         if share is not None:
             self.background_sends = share.sends

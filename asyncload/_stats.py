@@ -106,6 +106,11 @@ class LoadStats:
     #: held in the largest read phase, at most ``memory_budget`` (the node's ranks copy one
     #: window out while the next is fetched into the other).
     node_shared_memory_bytes: int = 0
+    #: ShardedLoadPlanner, when bytes were shared: the group that carried them and why:
+    #: ``"main: ..."`` (the load's process group) or ``"side: ..."`` (a gloo group of the same
+    #: ranks, for a load whose group matches sends by order, such as NCCL:
+    #: ``ShardedLoadPlanner(side_group=...)``); ``""`` when no byte was shared.
+    sharing_group: str = ""
 
     @property
     def throughput(self) -> float:

@@ -44,6 +44,9 @@ Every rank hashes what it loaded; all variants must agree (checked, printed ``ok
 Run:  python benchmarks/bench_distributed.py                       # speeds: 28 MiB, 8 MiB/s per rank
       python benchmarks/bench_distributed.py --scenario layouts       # http at 50 MiB/s, 64 MiB, 4 ranks
       python benchmarks/bench_distributed.py --scenario layouts --store local --size-mib 256
+      python benchmarks/bench_distributed.py --contenders ordered,side,sharded \
+          --settings equal,slowlink --rounds 3   # NCCL's order matching simulated (ordered=True):
+          # static (side_group=None) against adaptive over the gloo side group (issue 29, item 7)
 """
 
 from __future__ import annotations
@@ -168,6 +171,10 @@ def _planner(how: str) -> Any:
         return asyncload.ShardedLoadPlanner(unit_size=int(unit) << 10 if unit else None, **kw)
     if how == "static":
         return asyncload.ShardedLoadPlanner(adaptive=False)
+    if how == "side":  # the group treated as NCCL's: adaptive over the gloo side group
+        return asyncload.ShardedLoadPlanner(ordered=True)
+    if how == "ordered":  # the group treated as NCCL's, no side group: static, ordered
+        return asyncload.ShardedLoadPlanner(ordered=True, side_group=None)
     if how == "always":  # sharing forced on (the cost model left out)
         return asyncload.ShardedLoadPlanner(sharing="always")
     return asyncload.PipelinedLoadPlanner()
@@ -367,6 +374,8 @@ NAMES = {
     "static": "asyncload static sharing",
     "sharded": "asyncload adaptive sharing",
     "always": "asyncload sharing='always'",
+    "side": "ordered=True, gloo side group",
+    "ordered": "ordered=True, side_group=None",
 }
 
 

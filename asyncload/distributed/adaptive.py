@@ -195,7 +195,9 @@ class _AdaptivePipeline(_SharedPipeline):
             self.stats.add(bytes_taken_over=unit.nbytes)
         to = [c for c in unit.consumers if c != rank and c not in left_out]
         if reserved and self.sends is not None:  # from a copy that may outlive the load
-            self.sends.post(self.session.group, to, self.tag_base + unit.index, bytearray(view))
+            self.sends.post(
+                self.session.transport.group, to, self.tag_base + unit.index, bytearray(view)
+            )
             self.stats.add(bytes_sent=unit.nbytes * len(to))
         elif (
             to and direct

@@ -22,6 +22,7 @@ from asyncload.engine.cost import (
 
 __all__ = [
     "SHARING_MODES",
+    "SIDE_GROUP_AUTO",
     "UNIT_SIZE",
     "PlanFn",
     "RankEstimate",
@@ -36,6 +37,10 @@ __all__ = [
 UNIT_SIZE = 256 << 10
 #: ``ShardedLoadPlanner(sharing=...)``: decide from the cost model, always share, never share.
 SHARING_MODES = ("auto", "always", "never")
+#: ``ShardedLoadPlanner(side_group=...)``: make a gloo side group of the load's ranks when the
+#: load's group matches sends by order (NCCL) and the sharing is adaptive
+#: (:mod:`asyncload.distributed.side_group`); ``None``: never; a group: that one.
+SIDE_GROUP_AUTO = "auto"
 
 #: A ``plan_transfers`` override: all ranks' needs -> (transfers, bytes each rank reads).
 PlanFn = Callable[[Sequence[Sequence[tuple[str, int, int]]]], tuple[list[Any], list[int]]]
@@ -73,6 +78,14 @@ class SharingPolicy:
     #: ``ShardedLoadPlanner(sharing=...)``: ``"auto"`` (:func:`decide_sharing`'s cost model),
     #: ``"always"`` or ``"never"``.
     sharing: str = "auto"
+    #: Which group carries the shared bytes: ``"main"`` (the load's process group) or
+    #: ``"side"`` (a gloo group of the same ranks: the user's, :attr:`side_group`, or made by
+    #: :func:`asyncload.distributed.side_group.make_side_group` when it is None).
+    carrier: str = "main"
+    #: The side group given as ``ShardedLoadPlanner(side_group=<group>)``, or None.
+    side_group: Any = None
+    #: ``LoadStats.sharing_group``: the carrier and why.
+    carrier_reason: str = ""
 
 
 def sharing_policy(
@@ -82,36 +95,79 @@ def sharing_policy(
     ordered: bool | None,
     adaptive: bool | None,
     unit_size: int | None,
-    wait_for_peers: bool,
+    wait_for_peers: bool | None,
     collective_timeout: float | None,
     custom_plan: PlanFn | None = None,
     send_budget: int | None = None,
     sharing: str = "auto",
+    side_group: Any = None,
+    backend: str = "",
 ) -> SharingPolicy:
     """The one place a sharded load's knobs are resolved (see ``ShardedLoadPlanner``).
 
+    ``transport``: the load's process group's (``"poll"``: NCCL); ``backend``: its name, for
+    the words of ``carrier_reason``. ``side_group``: ``"auto"`` (adaptive sharing on a group
+    that matches sends by order moves the bytes over a gloo side group of the same ranks),
+    ``None`` (never: such a group shares statically) or the user's own gloo group (it carries
+    the bytes, adaptively by default).
+
     Raised: ``AsyncLoadError`` for ``adaptive=True`` with ordered transfers (NCCL, or
-    ``ordered=True``), which cannot match units claimed in any order."""
-    is_ordered = transport == "poll" if ordered is None else ordered
+    ``ordered=True``) and no side group, which cannot match units claimed in any order."""
+    main_ordered = transport == "poll" if ordered is None else ordered
+    wants_adaptive = adaptive if adaptive is not None else custom_plan is None
+    on = f" ({backend})" if backend else ""
+    why_ordered = (
+        "ordered=True" if ordered else f"its backend{on} matches sends to receives by order"
+    )
+    side_given = None
+    if side_group is not None and not isinstance(side_group, str):
+        carrier, side_given = "side", side_group
+        reason = "side: the gloo group given as ShardedLoadPlanner(side_group=...)"
+    elif side_group == SIDE_GROUP_AUTO and main_ordered and wants_adaptive:
+        carrier = "side"
+        reason = (
+            f"side: the load's process group cannot share adaptively ({why_ordered}), so the "
+            "bytes travel over a gloo group of the same ranks (side_group='auto')"
+        )
+    elif main_ordered:
+        carrier = "main"
+        knob = "side_group=None" if side_group is None else "adaptive=False"
+        reason = f"main: static sharing in one agreed order ({why_ordered}; {knob})"
+    else:
+        carrier = "main"
+        reason = f"main: the load's process group{on} matches sends to receives by tag"
+    made_side = carrier == "side" and side_given is None
+    if carrier == "side":  # gloo: tags match in any order, waits on a thread
+        transport, is_ordered = "thread", False
+    else:
+        is_ordered = main_ordered
     if adaptive is None:  # a custom plan keeps its owners unless adaptive=True was asked for
         adaptive = False if custom_plan is not None else not is_ordered
     if adaptive and is_ordered:
         raise AsyncLoadError(
             "ShardedLoadPlanner(adaptive=True) cannot run with ordered transfers (ordered=True, "
-            "or NCCL): pass adaptive=False"
+            "or NCCL) without a side group: pass adaptive=False, or side_group='auto' (a gloo "
+            "group of the same ranks carries the bytes)"
         )
     return SharingPolicy(
         transport=transport,
         ordered=is_ordered,
         adaptive=adaptive,
         unit_size=unit_size,
-        returns_early=adaptive and not wait_for_peers and transport == "thread",
+        # wait_for_peers=None: a side group asyncload made (the job's group is NCCL) waits,
+        # so that an NCCL job's load ends as it did before the side group: no sends left
+        returns_early=adaptive
+        and transport == "thread"
+        and not (wait_for_peers if wait_for_peers is not None else made_side),
         collective_timeout=collective_timeout,
         custom_plan=custom_plan,
         hedge=dataclasses.replace(options.hedge_policy, derived=False),
         claim_slots=max(2, min(16, options.initial_concurrency // 2)),
         send_budget=options.memory_budget if send_budget is None else send_budget,
         sharing=sharing,
+        carrier=carrier,
+        side_group=side_given,
+        carrier_reason=reason,
     )
 
 

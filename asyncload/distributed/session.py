@@ -37,7 +37,7 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,12 @@ from asyncload.distributed.policy import (
 )
 from asyncload.distributed.sends import BackgroundSends
 from asyncload.distributed.shared import _SharedPipeline
+from asyncload.distributed.side_group import (
+    cached_side_group,
+    check_side_group,
+    make_side_group,
+    side_group_name,
+)
 from asyncload.distributed.transport import _nullcontext, _Transport, _transport_kind
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.pipeline import Pipeline
@@ -78,6 +84,8 @@ from asyncload.engine.session import LoadSession
 __all__ = ["open_share"]
 
 log = logging.getLogger("asyncload.sharded")
+
+_T = TypeVar("_T")
 
 #: Point-to-point tags: ``(load sequence % _TAG_LOADS) * _TAG_SPAN + transfer index``.
 _TAG_SPAN = 2_000_000
@@ -93,17 +101,22 @@ def open_share(
     ordered: bool | None,
     adaptive: bool | None,
     unit_size: int | None,
-    wait_for_peers: bool,
+    wait_for_peers: bool | None,
     custom_plan: PlanFn | None,
     node_id: str | None = None,
     sharing: str = "auto",
+    side_group: Any = None,
 ) -> _ShareSession | None:
     """A share session that takes over this rank's reads of ``load_session``, or None when
     there is nobody to share with (no process group, or a group of one). The group is
     ``process_group``, else the one the load session was made with; so is its monitor.
     ``node_id``: this rank's node (default: its host name), for node-aware sharing.
+    ``side_group``: ``"auto"``, None or a gloo group of the same ranks, the group that
+    carries the shared bytes when the load's group matches sends by order
+    (:func:`sharing_policy`, :mod:`asyncload.distributed.side_group`).
 
-    Raised: ``AsyncLoadError`` for knobs that cannot run together (:func:`sharing_policy`)."""
+    Raised: ``AsyncLoadError`` for knobs that cannot run together (:func:`sharing_policy`)
+    and for a ``side_group`` that cannot carry the group's bytes (:func:`check_side_group`)."""
     group = process_group if process_group is not None else load_session.group
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -112,6 +125,8 @@ def open_share(
     monitor = load_session.monitor
     if monitor is None or monitor.group is not group:
         monitor = Monitor(group, collective_timeout, options.late_rank_log_after)
+    if side_group is not None and not isinstance(side_group, str):
+        check_side_group(side_group, group)
     policy = sharing_policy(
         options,
         transport=_transport_kind(group)[0],
@@ -123,6 +138,8 @@ def open_share(
         custom_plan=custom_plan,
         send_budget=load_session.config.memory.sends,
         sharing=sharing,
+        side_group=side_group,
+        backend=str(dist.get_backend(group)),
     )
     share = _ShareSession(group, monitor, policy, load_session)
     share.node_id = socket.gethostname() if node_id is None else str(node_id)
@@ -146,7 +163,17 @@ class _ShareSession:
         self.policy = policy
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.transport = _Transport(group, ordered=policy.ordered)
+        #: The device the load's group's collectives run on (its all-gathers of needs).
+        self.device = _transport_kind(group)[1]
+        #: Point-to-point sends and receives of shared bytes: over the load's group, or over
+        #: the side group (the user's now, or the one made or reused before the first read
+        #: phase that shares: :meth:`_side_ready`).
+        self.transport = _Transport(
+            group if policy.side_group is None else policy.side_group, ordered=policy.ordered
+        )
+        self._side: Any = policy.side_group
+        #: ``LoadStats.sharing_group`` once bytes are shared.
+        self._carrier = policy.carrier_reason
         self.phase = 0
         self.doing = "reading data"
         #: Per read phase, the bytes this rank was planned to read from storage.
@@ -184,6 +211,23 @@ class _ShareSession:
             self._identity = file_identities(md)
         return {f: self._identity.get(f, "") for f in sorted(set(files))}
 
+    async def _side_ready(self, names: Sequence[str], cached: Any, phase: int) -> None:
+        """Before the first read phase that shares bytes (every rank at once, having decided
+        alike): the gloo side group that carries them, the one made by an earlier load when
+        every rank still has it (``names``: each rank's, all-gathered; ``cached``: this
+        rank's), else a new one (:func:`make_side_group`, a collective)."""
+        if cached is not None and all(n == names[0] for n in names) and names[0]:
+            side, how = cached, "made by an earlier load on this group, reused"
+        else:
+            self._set_doing("making the gloo side group for adaptive sharing")
+            side = await _run_watched(
+                make_side_group(self.group, self.monitor, phase), self.monitor
+            )
+            how = "made for this load"
+        self._side = side
+        self.transport = _Transport(side, ordered=False)
+        self._carrier = f"{self.policy.carrier_reason}; the side group was {how}"
+
     async def run(self, pipeline: Pipeline, chunks: Sequence[Chunk]) -> None:
         phase = self.phase
         self.phase += 1
@@ -195,12 +239,18 @@ class _ShareSession:
         adv = _advertise(mine)
         needs = _needs(mine, adv)
         estimate = RankEstimate.measure(pipeline.storage, sum(e - s for _, s, e in needs))
+        # the side group this rank made for the load's group before (a later load reuses it
+        # when every rank has the same one; else every rank makes a new one)
+        cached = None
+        if self.policy.carrier == "side" and self._side is None:
+            cached = cached_side_group(self.group)
         payload = (
             self.identity(n for n, _, _ in needs),
             _pack(needs),
             self.sends is not None,
             estimate,
             (self.node_id, secrets.token_hex(8)),
+            side_group_name(cached) if cached is not None else "",
         )
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
@@ -208,7 +258,7 @@ class _ShareSession:
             f"needs-{phase}", f"waiting for the other ranks to plan reading {what}"
         )
         loop = asyncio.get_running_loop()
-        device = self.transport.device
+        device = self.device
         group = self.group
         world = self.world
 
@@ -243,6 +293,9 @@ class _ShareSession:
             await _run_watched(pipeline.run(chunks), self.monitor)
             return
         unit = decision.unit_size
+        if self._side is None and policy.carrier == "side":
+            await self._side_ready([g[5] for g in gathered], cached, phase)
+        pipeline.stats.set(sharing_group=self._carrier)
         nodes = node_layout([g[4][0] for g in gathered])
         if nodes is not None and policy.custom_plan is None and policy.transport == "thread":
             # several nodes: every byte enters each node once, handed over inside it through
@@ -317,14 +370,15 @@ class _ShareSession:
         )
 
 
-async def _run_watched(coro: Awaitable[None], monitor: Monitor) -> None:
-    """Run ``coro`` while watching for another rank's failure."""
+async def _run_watched(coro: Awaitable[_T], monitor: Monitor) -> _T:
+    """Run ``coro`` while watching for another rank's failure; its result."""
     try:
         async with asyncio.TaskGroup() as tg:
             watcher = tg.create_task(monitor.watch())
             try:
-                await coro
+                result = await coro
             finally:
                 watcher.cancel()
     except BaseExceptionGroup as group:
         raise first_error(group) from None
+    return result

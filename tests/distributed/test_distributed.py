@@ -155,7 +155,7 @@ def _make_planner(kind: str, **kw: Any) -> Any:
     if kind == "sharded":
         return ShardedLoadPlanner(sharing="always", **kw)
     if kind == "sharded-ordered":
-        return ShardedLoadPlanner(sharing="always", ordered=True, **kw)
+        return ShardedLoadPlanner(sharing="always", ordered=True, side_group=None, **kw)
     if kind == "sharded-static":
         return ShardedLoadPlanner(sharing="always", adaptive=False, **kw)
     if kind == "sharded-wait":
