@@ -49,12 +49,11 @@ from asyncload.engine.records import (
     expected_storage,
     trim_probed,
 )
-from asyncload.engine.streamed import aread_streamed, probe_pieces
+from asyncload.engine.streamed import aread_streamed, locate, probe_pieces
 from asyncload.formats.torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
     ByteWindow,
-    aparse_archive,
     parse_archive,
     tensor_location,
 )
@@ -281,27 +280,7 @@ class RecordReads:
         location, the rest of it being headers. ``shared``: reads planned by
         ShardedLoadPlanner, whose plan of who reads what counts every range."""
         chunking = options.chunk_policy
-        if rec.known is not None:
-            loc = rec.known
-        else:
-
-            async def fetch(lo: int, hi: int) -> bytes | memoryview:
-                data = await storage.read(
-                    rec.name, lo, hi
-                )  # not copied: may be a large zip directory
-                return data if isinstance(data, bytes) else memoryview(data)
-
-            layout = await aparse_archive(
-                rec.window,
-                rec.offset,
-                rec.length,
-                f"{storage.url(rec.name)} {rec.where}",
-                fetch,
-                max_pickle=options.max_metadata_size,
-                safe_globals=options.safe_globals,
-            )
-            loc = tensor_location(layout, rec.name)
-            check_against_metadata(rec, loc)
+        loc = rec.known if rec.known is not None else await locate(rec, storage, options)
         tracker = None
         if options.verify and loc.crc32 is not None:
             tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)

@@ -43,7 +43,7 @@ from asyncload.formats.torchsave import (
 )
 from asyncload.storage import RetryingStorage
 
-__all__ = ["aread_streamed", "probe_pieces"]
+__all__ = ["aread_streamed", "locate", "probe_pieces"]
 
 log = logging.getLogger("asyncload.session")
 
@@ -65,6 +65,28 @@ def probe_pieces(
             )
         )
     return out
+
+
+async def locate(rec: Record, storage: RetryingStorage, options: LoadOptions) -> TensorLocation:
+    """Where ``rec``'s tensor is, from its headers: the bytes its window holds (its probes),
+    more of them fetched where they fall short; checked against the metadata."""
+
+    async def fetch(lo: int, hi: int) -> bytes | memoryview:
+        data = await storage.read(rec.name, lo, hi)  # not copied: may be a large zip directory
+        return data if isinstance(data, bytes) else memoryview(data)
+
+    layout = await aparse_archive(
+        rec.window,
+        rec.offset,
+        rec.length,
+        f"{storage.url(rec.name)} {rec.where}",
+        fetch,
+        max_pickle=options.max_metadata_size,
+        safe_globals=options.safe_globals,
+    )
+    loc = tensor_location(layout, rec.name)
+    check_against_metadata(rec, loc)
+    return loc
 
 
 def guess_wait(storage: RetryingStorage) -> float:
@@ -281,22 +303,7 @@ async def aread_streamed(
             rec.window = ByteWindow()
             for lo, hi in probes(rec):
                 rec.window.add(lo, _gather(segments, lo, hi))
-
-            async def fetch(lo: int, hi: int) -> bytes | memoryview:
-                data = await storage.read(rec.name, lo, hi)
-                return data if isinstance(data, bytes) else memoryview(data)
-
-            layout = await aparse_archive(
-                rec.window,
-                rec.offset,
-                rec.length,
-                f"{storage.url(rec.name)} {rec.where}",
-                fetch,
-                max_pickle=options.max_metadata_size,
-                safe_globals=options.safe_globals,
-            )
-            loc = tensor_location(layout, rec.name)
-            check_against_metadata(rec, loc)
+            loc = await locate(rec, storage, options)
             if _same_place(loc, spot):
                 rec.window = ByteWindow()
                 self._recorder.add(bytes_assembled=n)
