@@ -4,7 +4,9 @@ Phase A reads header probes and small records (whole), phase B each large record
 data: its layout parsed from the probes, each destination's boxes planned (narrow reads
 within the over-read bound, :mod:`asyncload.engine.cost`), chunks read and assembled by the
 :class:`~asyncload.engine.pipeline.Pipeline`. A remote load of plain records streams the
-two phases (a record's data goes out as soon as its own probes land). Records saved with
+two phases (:mod:`asyncload.engine.streamed`: a record's data goes out as soon as its own
+probes land, and once one record's headers are known the later ones are read whole by a
+guess of where their tensor starts, checked against their headers). Records saved with
 stream transforms are fetched whole and decoded (:mod:`asyncload.engine.transforms`);
 records of other formats were located already (:mod:`asyncload.formats`). The checks
 (:mod:`asyncload.engine.checks`) run before any destination is touched and at the end.
