@@ -49,7 +49,7 @@ from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats, StatsRecorder
 from asyncload.engine.changes import check_unchanged
 from asyncload.engine.chunks import Chunk, Piece
-from asyncload.engine.config import LoadConfig, resolve_config
+from asyncload.engine.config import LoadConfig, open_boundary, resolve_config
 from asyncload.engine.cost import ReadBudget
 from asyncload.engine.keys import closest_keys
 from asyncload.engine.meter import Meter
@@ -62,7 +62,7 @@ from asyncload.formats.safetensors_header import (
     SafetensorsHeader,
     aread_header,
 )
-from asyncload.storage import BATCH_INLINE, RetryingStorage, Storage, is_local, open_storage
+from asyncload.storage import BATCH_INLINE, RetryingStorage, Storage, is_local
 
 __all__ = ["SafetensorsFile", "SafetensorsSlice", "TensorNotFoundError", "safe_open"]
 
@@ -249,27 +249,19 @@ class _FileStore:
     async def storage(self) -> RetryingStorage:
         """The storage behind the retrying boundary (opened on first use)."""
         if self._boundary is None:
-            options = self._config.options
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     self._config.io_threads, thread_name_prefix="asyncload-io"
                 )
-            self._raw = open_storage(
+            self._boundary = open_boundary(
+                self._config,
                 self.checkpoint,
                 self._storage_options,
                 self._executor,
-                transport=options.transport,
-                mapped_copies=options.local_mapped_copies,
-                max_listing_size=options.max_metadata_size,
+                self._recorder,
+                self._clock,
             )
-            self._boundary = RetryingStorage(
-                self._raw,
-                retry=self._config.retry,
-                hedge=self._config.hedge,
-                stats=self._recorder,
-                executor=self._executor,
-                clock=self._clock,
-            )
+            self._raw = self._boundary.raw
         return self._boundary
 
     def live_stats(self) -> LoadStats:

@@ -39,16 +39,22 @@ multi-rank load that returns before its peers ``reads`` and ``sends``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from asyncload._latency import LoadClock
 from asyncload._options import ChunkPolicy, HedgePolicy, LoadOptions, RetryPolicy
+from asyncload._stats import StatsRecorder
+from asyncload.storage import RetryingStorage, Storage, open_storage
 
 __all__ = [
     "CarriesOptions",
     "LoadConfig",
     "MemoryPlan",
+    "open_boundary",
     "planner_options",
     "resolve_config",
     "ring_geometry",
@@ -181,4 +187,37 @@ def resolve_config(options: LoadOptions | None = None, planner: Any = None) -> L
         staged=staged,
         io_threads=threads,
         collective_timeout=collective,
+    )
+
+
+def open_boundary(
+    config: LoadConfig,
+    root: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    executor: concurrent.futures.Executor,
+    stats: StatsRecorder,
+    clock: LoadClock,
+    raw: Storage | None = None,
+) -> RetryingStorage:
+    """The storage at ``root`` (``raw`` when it is open already) behind the retrying error
+    boundary, both made from ``config``: its transport, local mapped copies and listing
+    bound, its retry and hedge policies. A load's session and ``safe_open``'s store open
+    their storage here."""
+    options = config.options
+    if raw is None:
+        raw = open_storage(
+            root,
+            storage_options,
+            executor,
+            transport=options.transport,
+            mapped_copies=options.local_mapped_copies,
+            max_listing_size=options.max_metadata_size,
+        )
+    return RetryingStorage(
+        raw,
+        retry=config.retry,
+        hedge=config.hedge,
+        stats=stats,
+        executor=executor,
+        clock=clock,
     )

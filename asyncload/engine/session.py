@@ -57,7 +57,7 @@ from asyncload.engine import cuda as _cuda
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
-from asyncload.engine.config import LoadConfig, planner_options, resolve_config
+from asyncload.engine.config import LoadConfig, open_boundary, planner_options, resolve_config
 from asyncload.engine.pipeline import Pipeline
 from asyncload.engine.reads import RecordReads
 from asyncload.engine.records import (
@@ -69,7 +69,7 @@ from asyncload.engine.records import (
     refuse_a_dcp_file,
     torch_casts,
 )
-from asyncload.storage import RetryingStorage, Storage, is_local, local_root, open_storage
+from asyncload.storage import RetryingStorage, Storage, is_local, local_root
 
 if TYPE_CHECKING:
     from asyncload.storage.in_flight import InFlight
@@ -336,27 +336,17 @@ class LoadSession:
         boundary, with this load's config, statistics and clock."""
         boundary = self._boundary
         if boundary is None:
-            raw = self._raw
-            if raw is None:
-                root = self._storage_root if self._storage_root is not None else self.checkpoint
-                options = self._config.options
-                raw = self._raw = open_storage(
-                    root,
-                    self.storage_options,
-                    self.executor,
-                    transport=options.transport,
-                    mapped_copies=options.local_mapped_copies,
-                    max_listing_size=options.max_metadata_size,
-                )
-            config = self._config
-            boundary = self._boundary = RetryingStorage(
-                raw,
-                retry=config.retry,
-                hedge=config.hedge,
-                stats=self._recorder,
-                executor=self.executor,
-                clock=self._clock,
+            root = self._storage_root if self._storage_root is not None else self.checkpoint
+            boundary = self._boundary = open_boundary(
+                self._config,
+                root,
+                self.storage_options,
+                self.executor,
+                self._recorder,
+                self._clock,
+                raw=self._raw,
             )
+            self._raw = boundary.raw
         return boundary
 
     async def _open_root(self, root: str | None) -> RetryingStorage:
