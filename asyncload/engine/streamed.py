@@ -202,9 +202,8 @@ async def aread_streamed(
     # bytes before a record's tensor data, from the first record whose headers were parsed
     head_len: list[int | None] = [None]
     known = asyncio.Event()  # set once a probed record was planned (or failed to be)
-    guessing = (
-        GUESS and not options.verify
-    )  # verify=True: each tensor's bytes checked as they land
+    # verify=True: every record probed, each tensor's bytes checked as they land
+    guessing = GUESS and not options.verify
     guessed = [0, 0]  # records read by a guess, and those whose guess was wrong
 
     def spawn(coro: Awaitable[None]) -> None:
