@@ -179,7 +179,7 @@ def _join(guessed: Chunk, small: Chunk) -> Chunk:
 
 
 async def aread_streamed(
-    self: Any,
+    reads_of: Any,
     pipeline: Pipeline,
     storage: RetryingStorage,
     options: LoadOptions,
@@ -189,63 +189,119 @@ async def aread_streamed(
     trackers: list[tuple[CrcTracker, Record]],
 ) -> None:
     """Read ``first`` (the chunks of small records and objects) and the ``large`` records
-    (both in file order) in one pipeline run, as the module says: ``self``'s reads of one
-    load (:class:`~asyncload.engine.reads.RecordReads`: its planning of a record's data, its
+    (both in file order) in one pipeline run, as the module says. ``reads_of``: the load's
+    :class:`~asyncload.engine.reads.RecordReads` (its planning of a record's data, its
     counters)."""
-    loop = asyncio.get_running_loop()
-    chunking = options.chunk_policy
-    ecs = chunking.chunk_size
-    ready: asyncio.Queue[list[Chunk] | BaseException] = asyncio.Queue()
-    planning: set[asyncio.Task[None]] = set()
-    waiting: dict[int, int] = {}
-    measured = [False]
-    # bytes before a record's tensor data, from the first record whose headers were parsed
-    head_len: list[int | None] = [None]
-    known = asyncio.Event()  # set once a probed record was planned (or failed to be)
-    # verify=True: every record probed, each tensor's bytes checked as they land
-    guessing = GUESS and not options.verify
-    guessed = [0, 0]  # records read by a guess, and those whose guess was wrong
+    stream = _Stream(reads_of, storage, options, reads, trackers, len(large))
+    try:
+        await pipeline.run_stream(stream.source(first, large))
+    finally:
+        for task in list(stream.planning):
+            task.cancel()
+        await asyncio.gather(*stream.planning, return_exceptions=True)
+        if stream.guessed:
+            log.debug(
+                "%d records read by guessing where their tensor starts, %d guessed wrong, "
+                "read again",
+                stream.guessed,
+                stream.wrong,
+            )
 
-    def spawn(coro: Awaitable[None]) -> None:
+
+class _Stream:
+    """One run of :func:`aread_streamed`: what goes out next (:meth:`source`), and each
+    large record's data planned once its probes have landed (:meth:`plan`) or its guess
+    checked once it has landed (:meth:`confirm`); both hand their chunks (or their error)
+    to ``ready``. Runs on the load's loop.
+
+    Mutable state: ``ready``, ``planning`` (tasks planning or confirming), ``waiting``
+    (probes not landed, per record), ``head_len`` (bytes before a record's tensor, from the
+    first record whose headers were parsed), ``known`` (set once a probed record was planned
+    or failed to be), ``probed`` / ``waited`` (a record was probed; the wait for the first
+    headers is over), ``planned`` (large records whose outcome was taken from ``ready``),
+    ``guessed`` / ``wrong`` (records read by a guess; those guessed wrong), ``measured``
+    (the budget's latency and rate taken, at the first record planned)."""
+
+    def __init__(
+        self,
+        reads_of: Any,
+        storage: RetryingStorage,
+        options: LoadOptions,
+        reads: ReadBudget,
+        trackers: list[tuple[CrcTracker, Record]],
+        n_large: int,
+    ) -> None:
+        self.reads_of = reads_of
+        self.storage = storage
+        self.options = options
+        self.chunking = options.chunk_policy
+        self.reads = reads
+        self.trackers = trackers
+        self.n_large = n_large
+        self.loop = asyncio.get_running_loop()
+        # verify=True: every record probed, each tensor's bytes checked as they land
+        self.guessing = GUESS and not options.verify
+        self.ready: asyncio.Queue[list[Chunk] | BaseException] = asyncio.Queue()
+        self.planning: set[asyncio.Task[None]] = set()
+        self.waiting: dict[int, int] = {}
+        self.head_len: int | None = None
+        self.known = asyncio.Event()
+        self.probed = self.waited = self.measured = False
+        self.planned = 0
+        self.guessed = self.wrong = 0
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
-        planning.add(task)
-        task.add_done_callback(planning.discard)
+        self.planning.add(task)
+        task.add_done_callback(self.planning.discard)
 
-    async def plan(rec: Record) -> None:
+    async def plan(self, rec: Record) -> None:
+        """``rec``'s data chunks, planned from its probes' bytes, into ``ready``."""
+        r = self.reads_of
         try:
-            if not measured[0]:
-                measured[0] = True
-                reads.measure(self._recorder)
+            if not self.measured:  # the latency and rate seen so far, once
+                self.measured = True
+                self.reads.measure(r._recorder)
             from_probes: list[tuple[memoryview, memoryview]] = []
             located: list[tuple[Record, Any]] = []
-            pieces = await self._record_pieces(
-                rec, storage, options, None, reads, trackers, from_probes, located, shared=False
+            pieces = await r._record_pieces(
+                rec,
+                self.storage,
+                self.options,
+                None,
+                self.reads,
+                self.trackers,
+                from_probes,
+                located,
+                shared=False,
             )
-            if head_len[0] is None and located:
-                head_len[0] = located[0][1].data_start - rec.offset
-            self._copy_from_probes(from_probes)
-            ready.put_nowait(self._data_chunks(pieces, chunking, reads, None))
+            if self.head_len is None and located:
+                self.head_len = located[0][1].data_start - rec.offset
+            r._copy_from_probes(from_probes)
+            self.ready.put_nowait(r._data_chunks(pieces, self.chunking, self.reads, None))
         except Exception as exc:
-            ready.put_nowait(exc)
+            self.ready.put_nowait(exc)
         finally:
-            known.set()
+            self.known.set()
 
-    def landed(rec: Record) -> None:
-        waiting[id(rec)] -= 1
-        if waiting[id(rec)] == 0:
-            spawn(plan(rec))
+    def _landed(self, rec: Record) -> None:
+        self.waiting[id(rec)] -= 1
+        if self.waiting[id(rec)] == 0:
+            self._spawn(self.plan(rec))
 
-    def probe(rec: Record) -> list[Chunk]:
-        pieces = probe_pieces(rec, functools.partial(landed, rec), loop)
-        waiting[id(rec)] = len(pieces)
-        return unit_chunks(pieces, chunking, reads)
+    def probe(self, rec: Record) -> list[Chunk]:
+        """``rec``'s head and tail probes; its data planned once both have landed."""
+        pieces = probe_pieces(rec, functools.partial(self._landed, rec), self.loop)
+        self.waiting[id(rec)] = len(pieces)
+        self.probed = True
+        return unit_chunks(pieces, self.chunking, self.reads)
 
-    def guess(rec: Record) -> list[Chunk] | None:
+    def guess(self, rec: Record) -> list[Chunk] | None:
         """``rec`` read by the guess of where its tensor starts, or ``None`` where no guess
         can be made or its tensor does not go straight into its destination."""
-        g = head_len[0]
+        g = self.head_len
         n = expected_storage(rec)
-        if not guessing or g is None or n is None or n <= 0 or rec.dtype is None:
+        if not self.guessing or g is None or n is None or n <= 0 or rec.dtype is None:
             return None
         tail = rec.length - g - n
         if not (0 < g <= HEAD_PROBE) or not (0 < tail <= TAIL_PROBE):
@@ -254,9 +310,16 @@ async def aread_streamed(
         spot = TensorLocation(
             rec.name, rec.offset + g, n, rec.dtype, size, _contiguous(size), 0, None, rec.where
         )
+        ecs = self.chunking.chunk_size
         try:
-            planned = self._plan_items(
-                rec, spot, options, ecs, chunking.min_chunk_size, None, max_gap=reads.max_gap
+            planned = self.reads_of._plan_items(
+                rec,
+                spot,
+                self.options,
+                ecs,
+                self.chunking.min_chunk_size,
+                None,
+                max_gap=self.reads.max_gap,
             )
         except Exception:  # the probed path raises it, with the record's own headers
             return None
@@ -275,11 +338,10 @@ async def aread_streamed(
             pos = p.end
         if pos != spot.data_start + n:
             return None
-        head_buf, tail_buf = bytearray(g), bytearray(tail)
         segments = [
-            Piece(rec.name, rec.offset, spot.data_start, into=memoryview(head_buf)),
+            Piece(rec.name, rec.offset, spot.data_start, into=memoryview(bytearray(g))),
             *pieces,
-            Piece(rec.name, pos, rec.end, into=memoryview(tail_buf)),
+            Piece(rec.name, pos, rec.end, into=memoryview(bytearray(tail))),
         ]
         for p in segments:
             p.payload = False  # counted once the headers confirm the guess
@@ -289,28 +351,31 @@ async def aread_streamed(
         def one_landed() -> None:
             left[0] -= 1
             if left[0] == 0:
-                spawn(confirm(rec, spot, segments, n))
+                self._spawn(self.confirm(rec, spot, segments, n))
 
-        guessed[0] += 1
+        self.guessed += 1
         return [Chunk(rec.name, g[0].start, g[-1].end, g, landed=one_landed) for g in groups]
 
-    async def confirm(rec: Record, spot: TensorLocation, segments: list[Piece], n: int) -> None:
+    async def confirm(
+        self, rec: Record, spot: TensorLocation, segments: list[Piece], n: int
+    ) -> None:
         """A guessed record's headers parsed and checked; its tensor read again where they
         put it elsewhere. ``segments``: the record's bytes as they landed, in order: they are
         the file's bytes whatever the guess, so the probes' ranges are taken from them."""
+        r = self.reads_of
         try:
             rec.window = ByteWindow()
             for lo, hi in probes(rec):
                 rec.window.add(lo, _gather(segments, lo, hi))
-            loc = await locate(rec, storage, options)
+            loc = await locate(rec, self.storage, self.options)
             if _same_place(loc, spot):
                 rec.window = ByteWindow()
-                self._recorder.add(bytes_assembled=n)
-                if self._report is not None:
-                    self._report(n)
-                ready.put_nowait([])
+                r._recorder.add(bytes_assembled=n)
+                if r._report is not None:
+                    r._report(n)
+                self.ready.put_nowait([])
                 return
-            guessed[1] += 1
+            self.wrong += 1
             log.debug(
                 "%s: the tensor is at %d (strides %s), not at the guessed %d (%s): read again",
                 rec.where,
@@ -320,73 +385,59 @@ async def aread_streamed(
                 list(spot.stride),
             )
         except Exception as exc:
-            ready.put_nowait(exc)
+            self.ready.put_nowait(exc)
             return
-        await plan(rec)  # planned from the probes' bytes, as a probed record is
+        await self.plan(rec)  # planned from the probes' bytes, as a probed record is
 
-    planned = [0]
-
-    def take(got: list[Chunk] | BaseException) -> list[Chunk]:
+    def _take(self, got: list[Chunk] | BaseException) -> list[Chunk]:
         if isinstance(got, BaseException):
             raise got
-        planned[0] += 1
+        self.planned += 1
         return got
 
-    state = {"probed": False, "waited": False}
+    def _drain(self) -> list[Chunk]:
+        """The data planned since last asked (records whose probes have landed go before
+        the remaining ones: the link fills with data as soon as there is some to read)."""
+        out: list[Chunk] = []
+        while not self.ready.empty():
+            out.extend(self._take(self.ready.get_nowait()))
+        return out
 
-    async def one(rec: Record) -> list[Chunk]:
-        """What goes out for ``rec``: the data planned since (records whose probes have
-        landed go before the remaining ones: the link fills with data as soon as there is
-        some to read), then ``rec`` guessed or probed."""
-        if guessing and state["probed"] and not state["waited"] and head_len[0] is None:
+    async def one(self, rec: Record) -> list[Chunk]:
+        """What goes out for ``rec``: the data planned since, then ``rec`` guessed or
+        probed."""
+        if self.guessing and self.probed and not self.waited and self.head_len is None:
             # one round trip: the first probed record's headers. Bounded: where its probes
             # stall, the next records are probed, and their answers are the history that
             # hedges the stalled ones
-            state["waited"] = True
+            self.waited = True
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(known.wait(), guess_wait(storage))
-        out: list[Chunk] = []
-        while not ready.empty():
-            out.extend(take(ready.get_nowait()))
-        chunks = guess(rec)
-        if chunks is None:
-            chunks = probe(rec)
-            state["probed"] = True
-        return out + chunks
+                await asyncio.wait_for(self.known.wait(), guess_wait(self.storage))
+        out = self._drain()
+        chunks = self.guess(rec)
+        return out + (chunks if chunks is not None else self.probe(rec))
 
-    async def source() -> AsyncIterator[Chunk]:
+    async def source(self, first: list[Chunk], large: list[Record]) -> AsyncIterator[Chunk]:
+        """The chunks of ``first`` and of the ``large`` records, in file order, then the
+        data planned after the last record went out."""
+        ecs = self.chunking.chunk_size
         i = 0
-        for c in first:  # small records and large ones in file order
+        for c in first:
             pending: Chunk | None = c
             while i < len(large) and (large[i].name, large[i].offset) < (c.name, c.start):
-                got = await one(large[i])
+                got = await self.one(large[i])
                 i += 1
                 if pending is not None and got and _joinable(got[-1], pending, ecs):
                     got[-1], pending = _join(got[-1], pending), None
                 for d in got:
                     yield d
-            while not ready.empty():
-                for d in take(ready.get_nowait()):
-                    yield d
+            for d in self._drain():
+                yield d
             if pending is not None:
                 yield pending
         for rec in large[i:]:
-            for d in await one(rec):
+            for d in await self.one(rec):
                 yield d
-        while planned[0] < len(large):
-            for d in take(await ready.get()):
+        while self.planned < self.n_large:
+            for d in self._take(await self.ready.get()):
                 yield d
-
-    try:
-        await pipeline.run_stream(source())
-    finally:
-        for task in list(planning):
-            task.cancel()
-        await asyncio.gather(*planning, return_exceptions=True)
-        if guessed[0]:
-            log.debug(
-                "%d records read by guessing where their tensor starts, %d guessed wrong, "
-                "read again",
-                guessed[0],
-                guessed[1],
-            )
