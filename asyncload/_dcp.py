@@ -99,11 +99,15 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         #: Tied keys the checkpoint holds too: (the key they are tied to, a scratch tensor their
         #: saved values are read into, items left to compare against what the other key loaded).
         self._tie_checks: dict[str, list[Any]] = {}
+        #: The state dict ``asyncload.load`` checked before its first request (the same one
+        #: ``set_up_planner`` gets next: not read twice).
+        self._destinations_checked: Any = None
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        check_destinations(state_dict)  # before torch's set-up, which fails on a meta tensor
+        if state_dict is not self._destinations_checked:  # (by asyncload.load, just before)
+            check_destinations(state_dict)  # before torch's set-up, which fails on a meta tensor
         if metadata is not None:
             # before torch's set-up, which replaces values it does not know (a numpy array)
             # by None in the caller's own dict

@@ -178,8 +178,14 @@ async def check_files(
                 status=404,
             ) from exc
 
-    sizes = await asyncio.gather(*(size_of(n) for n in ends))
-    fps = await asyncio.gather(*(storage.fingerprint(n) for n in ends))
+    unlisted = [n for n in ends if n not in listed]
+    listed.update(zip(unlisted, await asyncio.gather(*(size_of(n) for n in unlisted))))
+    sizes = [listed[n] for n in ends]
+    fps = (
+        await asyncio.gather(*(storage.fingerprint(n) for n in ends))
+        if storage.fingerprints
+        else []
+    )
     for n, fp in zip(ends, fps):
         if fp is not None:
             fingerprints.setdefault(n, fp)

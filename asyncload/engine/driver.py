@@ -148,6 +148,8 @@ def load_steps(
         for k in keys
     }
     check_destinations(stateful)  # before any I/O: memory that cannot be written, meta, sparse
+    if hasattr(planner, "_destinations_checked"):  # asyncload's planners: not again
+        planner._destinations_checked = stateful
     log.debug(
         "loading %s into %d keys on %d rank(s)",
         redact_url(str(session.checkpoint)),

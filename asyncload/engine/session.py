@@ -76,7 +76,17 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadSession", "decode_object", "in_flight"]
 
+#: Seconds after ``.metadata`` and the listing were asked for that the decoders' tables are
+#: built, while both are on the wire (as :data:`asyncload.storage.wire.WARM_AFTER`).
+_WARM_AFTER = 0.002
+
 log = logging.getLogger("asyncload.session")
+
+
+def _warm() -> None:
+    formats.warm_decoders()
+
+
 T = TypeVar("T")
 
 ProgressCallback = Callable[[int, int], None]
@@ -415,10 +425,11 @@ class LoadSession:
         if rank is None:
             if self._storage_root is not None:
                 await self._open_root(None)  # back to the checkpoint itself
-            found = await formats.aprobe_first(self.checkpoint, self._open_root, options)
-            if found is not None:
-                return found
-            await self._open_root(None)  # probing may have opened the directory of a would-be file
+            if formats.may_be_a_file(self.checkpoint):  # else: the probing formats not imported
+                found = await formats.aprobe_first(self.checkpoint, self._open_root, options)
+                if found is not None:
+                    return found
+                await self._open_root(None)  # probing may have opened a would-be file's directory
         storage = await self.storage()
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         url = storage.url(name)
@@ -429,6 +440,8 @@ class LoadSession:
                 if rank is None:
                     # the data files' sizes, listed while .metadata is read
                     storage.prefetch_sizes()
+                    # the decoders' tables built while both are on the wire
+                    asyncio.get_running_loop().call_later(_WARM_AFTER, _warm)
                 raw, size = await first
             else:
                 size = await storage.size(name)

@@ -1,12 +1,16 @@
 """A remote load of plain DCP records, streamed: :func:`aread_streamed`.
 
-One pipeline run reads the small records and, in file order among them, each large record:
-probed (its head and tail read; its data read once they have landed and said where the
-tensor starts) until one record's headers are known, then read by a guess. ``torch.save``
-writes the same headers before every tensor, so a record whose tensor goes straight into its
-destination is read by requests of at most ``chunk_size`` covering the whole record, without
-probes: its header bytes, guessed to be as long as the known record's, are received into
-scratch, the tensor into its destination, the tail into scratch. Once every request of it
+One pipeline run reads the small records and, in file order among them, each large record,
+read by a guess of where its tensor starts. ``torch.save`` writes the same headers before
+every tensor, so a record whose tensor goes straight into its destination is read by
+requests of at most ``chunk_size`` covering the whole record, without probes: its header
+bytes, guessed to be as long as the known record's, are received into scratch, the tensor
+into its destination, the tail into scratch. Before any record's headers are known, the
+guess is what this process's own ``torch.save`` writes (``own_head_len``): the first large
+record is read by it and probed too (its head and tail: its headers, parsed a round trip
+later, are what later records are guessed by), and up to ``SPECULATE`` records go out by it
+without waiting; where no guess can be made a record is probed and its data read once the
+probes have landed and said where the tensor starts. Once every request of it
 has landed, its headers are parsed and checked like a probed record's; where they put the
 tensor elsewhere than guessed (another pickle length, other strides), it is read again where
 they say (the load never returns before that), so a wrong guess costs one more read, never a
@@ -34,6 +38,7 @@ from asyncload.engine.cost import ReadBudget, unit_chunks
 from asyncload.engine.crc import CrcTracker
 from asyncload.engine.pipeline import Pipeline
 from asyncload.engine.records import Record, expected_storage, probes, store, then
+from asyncload.formats.archive import own_head_len
 from asyncload.formats.torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
@@ -49,6 +54,11 @@ log = logging.getLogger("asyncload.session")
 
 #: Records after the first read by a guess (the tests compare with probing every record).
 GUESS = True
+#: Large records read by the prior guess (the header length this process's ``torch.save``
+#: writes) before any record's headers are known: the first one (probed too: its headers
+#: are what the later guesses go by) and the next ones. A checkpoint whose headers differ
+#: (another torch) reads at most these again.
+SPECULATE = 4
 
 
 def probe_pieces(
@@ -249,6 +259,12 @@ class _Stream:
         self.probed = self.waited = self.measured = False
         self.planned = 0
         self.guessed = self.wrong = 0
+        #: bytes before a record's tensor as this process's torch.save writes them: the
+        #: guess before any record's headers are known (up to SPECULATE records)
+        self.prior = own_head_len() if self.guessing else None
+        self.speculated = 0
+        #: the copy of the first record its probes land in (:meth:`learn`)
+        self.twin: Record | None = None
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -296,10 +312,39 @@ class _Stream:
         self.probed = True
         return unit_chunks(pieces, self.chunking, self.reads)
 
-    def guess(self, rec: Record) -> list[Chunk] | None:
-        """``rec`` read by the guess of where its tensor starts, or ``None`` where no guess
-        can be made or its tensor does not go straight into its destination."""
-        g = self.head_len
+    def learn(self, rec: Record) -> list[Chunk]:
+        """The head and tail probes of ``rec``, a record read by the prior guess: once both
+        have landed, its parsed headers give ``head_len`` (what later records are guessed
+        by); nothing is planned from them (the guessed read is checked as any is)."""
+        twin = self.twin = dataclasses.replace(rec, window=ByteWindow())
+        pieces = probe_pieces(twin, self._probe_landed, self.loop)
+        self.waiting[id(twin)] = len(pieces)
+        self.probed = True
+        return unit_chunks(pieces, self.chunking, self.reads)
+
+    def _probe_landed(self) -> None:
+        twin = self.twin
+        assert twin is not None
+        self.waiting[id(twin)] -= 1
+        if self.waiting[id(twin)] == 0:
+            self._spawn(self._learned(twin))
+
+    async def _learned(self, twin: Record) -> None:
+        try:
+            loc = await locate(twin, self.storage, self.options)
+            if self.head_len is None:
+                self.head_len = loc.data_start - twin.offset
+        except Exception:  # the guessed read of the same bytes raises it, when checked
+            log.debug("%s: headers not parsed from its probes", twin.where, exc_info=True)
+        finally:
+            self.known.set()
+
+    def guess(self, rec: Record, g: int | None = None) -> list[Chunk] | None:
+        """``rec`` read by the guess of where its tensor starts (``g`` bytes in; by default
+        as far in as the known record's), or ``None`` where no guess can be made or its
+        tensor does not go straight into its destination."""
+        if g is None:
+            g = self.head_len
         n = expected_storage(rec)
         if not self.guessing or g is None or n is None or n <= 0 or rec.dtype is None:
             return None
@@ -347,14 +392,31 @@ class _Stream:
             p.payload = False  # counted once the headers confirm the guess
         groups = _cut(segments, ecs)
         left = [len(groups)]
+        report = self.reads_of._report
+        lo, hi = spot.data_start, spot.data_start + n
 
-        def one_landed() -> None:
+        def one_landed(tensor_bytes: int) -> None:
+            # progress as the bytes land (a large record is not one jump at its end); a
+            # wrong guess's bytes are reported again by its second read (the total clamps)
+            if report is not None and tensor_bytes:
+                report(tensor_bytes)
             left[0] -= 1
             if left[0] == 0:
                 self._spawn(self.confirm(rec, spot, segments, n))
 
         self.guessed += 1
-        return [Chunk(rec.name, g[0].start, g[-1].end, g, landed=one_landed) for g in groups]
+        return [
+            Chunk(
+                rec.name,
+                g[0].start,
+                g[-1].end,
+                g,
+                landed=functools.partial(
+                    one_landed, sum(max(0, min(p.end, hi) - max(p.start, lo)) for p in g)
+                ),
+            )
+            for g in groups
+        ]
 
     async def confirm(
         self, rec: Record, spot: TensorLocation, segments: list[Piece], n: int
@@ -370,9 +432,7 @@ class _Stream:
             loc = await locate(rec, self.storage, self.options)
             if _same_place(loc, spot):
                 rec.window = ByteWindow()
-                r._recorder.add(bytes_assembled=n)
-                if r._report is not None:
-                    r._report(n)
+                r._recorder.add(bytes_assembled=n)  # progress was reported as they landed
                 self.ready.put_nowait([])
                 return
             self.wrong += 1
@@ -405,7 +465,16 @@ class _Stream:
 
     async def one(self, rec: Record) -> list[Chunk]:
         """What goes out for ``rec``: the data planned since, then ``rec`` guessed or
-        probed."""
+        probed. Before any record's headers are known: the first record read by the prior
+        guess and probed (:meth:`learn`), up to SPECULATE records by the prior, then a
+        bounded wait for the first headers."""
+        if self.guessing and self.head_len is None and self.prior is not None:
+            first = not self.probed
+            if first or (0 < self.speculated < SPECULATE and not self.known.is_set()):
+                chunks = self.guess(rec, self.prior)
+                if chunks is not None:
+                    self.speculated += 1
+                    return self._drain() + (self.learn(rec) if first else []) + chunks
         if self.guessing and self.probed and not self.waited and self.head_len is None:
             # one round trip: the first probed record's headers. Bounded: where its probes
             # stall, the next records are probed, and their answers are the history that

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
         rebase,
         split_file_url,
     )
-    from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata
+    from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata, warm_decoders
+    from asyncload.formats.location import may_be_a_file
     from asyncload.formats.probe import aprobe_fallback, aprobe_first
     from asyncload.formats.safetensors import BlobTensor, mark_dcp_safetensors
     from asyncload.formats.torchsave import KnownObject, object_bytes
@@ -65,8 +66,10 @@ _LAZY = {
     "KnownTensor": "base",
     "rebase": "base",
     "split_file_url": "location",
+    "may_be_a_file": "location",
     "KNOWN_DCP_VERSIONS": "dcp",
     "decode_metadata": "dcp",
+    "warm_decoders": "dcp",
     "aprobe_fallback": "probe",
     "aprobe_first": "probe",
     "BlobTensor": "safetensors",
@@ -100,8 +103,10 @@ __all__ = [
     "aprobe_first",
     "decode_metadata",
     "mark_dcp_safetensors",
+    "may_be_a_file",
     "object_bytes",
     "parse_archive",
     "rebase",
     "split_file_url",
+    "warm_decoders",
 ]

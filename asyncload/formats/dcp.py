@@ -10,14 +10,25 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from asyncload._errors import CheckpointFormatError
 from asyncload._paths import short_repr
-from asyncload.decoding.allowlist import check_metadata, safe_loads
+from asyncload.decoding.allowlist import check_metadata, record_globals, safe_loads
 from asyncload.decoding.work import WorkBudget
 from asyncload.formats.safetensors import mark_dcp_safetensors
 
-__all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata"]
+__all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata", "warm_decoders"]
 
 #: DCP metadata versions this reader understands (``None``: written before versions existed).
 KNOWN_DCP_VERSIONS = (None, "1.0.0")
+
+
+def warm_decoders() -> None:
+    """Build the allow-lists ``.metadata`` and the records are decoded with (1-2 ms of a
+    process's first load), ahead of the bytes: a remote load calls it while its first
+    requests are on the wire; and the header length its ``torch.save`` writes, the guess
+    of :mod:`asyncload.engine.streamed` before any record's headers are known."""
+    from asyncload.formats.archive import own_head_len
+
+    record_globals()
+    own_head_len()
 
 
 def decode_metadata(

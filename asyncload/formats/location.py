@@ -15,7 +15,30 @@ import torch
 from asyncload._errors import CheckpointFormatError
 from asyncload.storage import is_local, local_root
 
-__all__ = ["TensorLocation", "split_file_url"]
+__all__ = ["TensorLocation", "may_be_a_file", "split_file_url"]
+
+#: Names whose URL is taken for a file first (before looking for ``.metadata`` under it).
+_FILE_SUFFIXES = (
+    ".safetensors",
+    ".json",
+    ".pt",
+    ".pth",
+    ".bin",
+    ".ckpt",
+    ".tar",
+    ".pkl",
+    ".pickle",
+)
+
+
+def may_be_a_file(checkpoint: str | os.PathLike[str]) -> bool:
+    """Whether :func:`~asyncload.formats.probe.aprobe_first` can find a file checkpoint at
+    ``checkpoint`` (a local file; a URL whose name ends in a file suffix): where not, a load
+    goes to ``.metadata`` without importing the probing formats (its first request sooner)."""
+    if is_local(checkpoint):
+        return os.path.isfile(local_root(checkpoint))
+    s = str(checkpoint)
+    return not s.endswith("/") and s.split("?", 1)[0].lower().endswith(_FILE_SUFFIXES)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from asyncload.formats.base import (
     OpenRoot,
     split_file_url,
 )
+from asyncload.formats.location import may_be_a_file
 from asyncload.formats.safetensors import (
     HEADER_PROBE,
     SafetensorsHeader,
@@ -40,23 +41,9 @@ from asyncload.formats.torch_checkpointing import (
     item_file_hint,
 )
 from asyncload.formats.torchsave import HEAD_PROBE, _atorchsave_files
-from asyncload.storage import RetryingStorage, is_local, local_root
+from asyncload.storage import RetryingStorage, is_local
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
-
-
-#: Names whose URL is taken for a file first (before looking for ``.metadata`` under it).
-_FILE_SUFFIXES = (
-    ".safetensors",
-    ".json",
-    ".pt",
-    ".pth",
-    ".bin",
-    ".ckpt",
-    ".tar",
-    ".pkl",
-    ".pickle",
-)
 
 
 #: Legacy torch.save files start with the pickled magic number 0x1950a86a20f9469cfc6c.
@@ -68,20 +55,17 @@ async def aprobe_first(
 ) -> FormatMetadata | None:
     """Before looking for ``.metadata``: a checkpoint that is a file (a local file, or a URL
     whose name ends in ``.safetensors``, ``.json``, ``.pt``, ``.bin`` ...). ``None`` otherwise."""
+    if not may_be_a_file(checkpoint):  # one stat where local: cheaper than a hop
+        return None
     if is_local(checkpoint):
-        if not os.path.isfile(local_root(checkpoint)):  # noqa: ASYNC240 - one stat, cheaper than a hop
-            return None
         parent, name = split_file_url(checkpoint)
         fetcher = Fetcher(await open_root(parent), options)
         size = await fetcher.size(name)
         if size is None:
             raise CheckpointFormatError(f"{checkpoint} is an empty file, not a checkpoint")
         return await _afile(fetcher, name, size, str(checkpoint))
-    s = str(checkpoint)
-    if s.endswith("/") or not s.split("?", 1)[0].lower().endswith(_FILE_SUFFIXES):
-        return None
     parent, name = split_file_url(checkpoint)
-    return await _aremote_file(Fetcher(await open_root(parent), options), name, s)
+    return await _aremote_file(Fetcher(await open_root(parent), options), name, str(checkpoint))
 
 
 async def aprobe_fallback(

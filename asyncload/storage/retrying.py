@@ -679,8 +679,16 @@ class RetryingStorage:
             )
             return {}
 
+    @property
+    def fingerprints(self) -> bool:
+        """Whether the store can give :meth:`fingerprint`s (the remote stores pin versions
+        on every read instead)."""
+        return type(self.raw).fingerprint is not Storage.fingerprint
+
     async def fingerprint(self, name: str) -> object | None:
         raw = self.raw
+        if not self.fingerprints:
+            return None
         return await self._stat(lambda: raw.fingerprint(name), name)
 
     async def listdir(self) -> list[str]:

@@ -27,10 +27,12 @@ uses obstore.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
 import ssl
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -455,6 +457,14 @@ class WireStorage(ListedStore):
         return size
 
     # listings
+    def prefetch_sizes(self) -> None:
+        """Start the listing (:meth:`ListedStore.prefetch_sizes`); an S3 listing's XML parser
+        is imported while it is on the wire (3-4 ms of a fresh process's first load, after
+        the answer otherwise)."""
+        super().prefetch_sizes()
+        if self.spec.kind == "s3" and "xml.etree.ElementTree" not in sys.modules:
+            asyncio.get_running_loop().call_later(WARM_AFTER, _import_xml)
+
     async def _list(self) -> list[Listed]:
         """``(name, size, version)`` of every file directly under the root (S3, GCS), all
         pages together at most the listing limit."""
@@ -486,6 +496,16 @@ class WireStorage(ListedStore):
         pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             await pool.aclose()
+
+
+#: Seconds after the first requests are started that work their answers will need is done
+#: while they are on the wire (their connections take a loop iteration or two on loopback,
+#: their answers at least a round trip).
+WARM_AFTER = 0.002
+
+
+def _import_xml() -> None:
+    import xml.etree.ElementTree  # noqa: F401
 
 
 def _s3_page(body: bytes, prefix: str) -> tuple[list[Listed], str | None]:

@@ -119,7 +119,7 @@ def test_short_stall_is_a_timeout_retried(request, backend, ckpt, bucket_name, f
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_body_always_cut_short_fails_and_is_never_assembled(
-    request, backend, ckpt, bucket_name, fault_proxy
+    request, backend, ckpt, bucket_name, fault_proxy, transport
 ):
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
@@ -131,9 +131,14 @@ def test_body_always_cut_short_fails_and_is_never_assembled(
         )
     err = ei.value
     assert err.attempts == 2 and ".distcp" in err.path and err.byte_range is not None
-    # no tensor got the 100 bytes that did arrive: every destination is still all zeros
-    for t in (dst["w"], dst["emb"], dst["layers"]["0"]["q"], dst["c"]):
-        assert not t.view(torch.uint8).any()
+    if transport != "wire":
+        # a body is copied into its destination only once it is whole: no tensor got the
+        # 100 bytes that did arrive, every destination is still all zeros. The wire
+        # transport receives a body straight into its destination (a large record is read
+        # by a guess from the first request on), so the first bytes of a cut-short body
+        # may be there: a failed load leaves the destination partly written (docs/errors.md)
+        for t in (dst["w"], dst["emb"], dst["layers"]["0"]["q"], dst["c"]):
+            assert not t.view(torch.uint8).any()
     assert wait_closed(r.proxy.port) == []
 
 
