@@ -165,7 +165,8 @@ class BarrierWait:
 
     State: ``_ev`` (the event count last seen), ``_watcher`` (its rank) and
     ``_watcher_seen`` (its status and since when), ``_arrived`` (ranks the watcher has seen
-    arrive; arrivals are never undone), ``_beat_at`` (the last beat)."""
+    arrive; arrivals are never undone), ``_beat_at`` (the last beat), ``_digest_posted``
+    (the watcher's digest exists)."""
 
     def __init__(self, host: _Host, name: str, doing: str) -> None:
         self.host = host
@@ -179,6 +180,7 @@ class BarrierWait:
         self._watcher_seen: tuple[bytes, float] | None = None
         self._arrived: set[int] = {host.rank}
         self._beat_at = time.monotonic()
+        self._digest_posted = False
 
     def __repr__(self) -> str:
         return (
@@ -315,8 +317,10 @@ class BarrierWait:
         if waited is None:
             return
         key = f"late/{self.name}"
-        if not host.store.check([key]):
-            return  # not posted yet: at the next beat
+        if not self._digest_posted:  # once there, it stays (a get would wait for it)
+            if not host.store.check([key]):
+                return  # not posted yet: at the next beat
+            self._digest_posted = True
         line = digest_message(host.rank, waited, host.doing, host.late_after, host.store.get(key))
         host.logged_late(now)
         log.warning("%s", line)
