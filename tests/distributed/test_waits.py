@@ -14,6 +14,7 @@ groups of 4 processes (``tests/_dist.py``).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
@@ -104,7 +105,7 @@ def w_barrier_with_a_late_rank(
     rank: int, world: int, flags_dir: str, beats: int
 ) -> dict[str, Any]:
     """Rank world-1 arrives at the barrier only once every other rank has beaten ``beats``
-    times there and logged a late-rank line."""
+    times there and logged a late-rank line, and the watcher has seen them all arrive."""
     flags = Path(flags_dir)
     lines = _catch_lines(rank, flags)
     m = Monitor(None, 60.0, 0.2)
@@ -127,6 +128,12 @@ def w_barrier_with_a_late_rank(
         m.publish(force=True)
         others = range(late)
         _wait_for([flags / f"beats-{r}" for r in others] + [flags / f"logged-{r}" for r in others])
+        # and until the watcher has seen every other rank arrive (its digest names this one)
+        end = time.monotonic() + CUT_OFF
+        while time.monotonic() < end:
+            if m.store.check(["late/b"]) and json.loads(m.store.get("late/b"))["n"] == 1:
+                break
+            time.sleep(0.01)
         start = len(counting.ops)
         m.barrier("b", "arriving late")
         return {"ops": counting.ops[start:], "lines": lines, "watcher": -1}
