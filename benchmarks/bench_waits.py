@@ -200,6 +200,7 @@ class Waiter:
             self.wait = BarrierWait(self.m, self.name, DOING)
             self.wait.arrive()
             self.max_delay = self.wait.max_delay
+            self.delay = self.wait.first_delay
         else:
             self.keys = self.m._arrive(self.name)
             self.state = {"stall": time.monotonic()}
@@ -287,8 +288,8 @@ def _client(port: int, jobs: Any, out: Any, before_path: str, start: Any, go: An
                     done[i] = True
                     last = time.time()
                 else:
+                    due[i] = time.monotonic() + w.delay  # as Monitor.barrier sleeps
                     w.delay = min(w.max_delay, w.delay * 2)
-                    due[i] = time.monotonic() + w.delay
             out.put(("done", last, [t.trace for t in tallies]))
 
 

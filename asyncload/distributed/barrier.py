@@ -46,6 +46,7 @@ __all__ = [
     "POLLS_PER_SECOND",
     "BarrierWait",
     "arrive",
+    "first_poll",
     "poll_interval",
     "present",
 ]
@@ -73,6 +74,13 @@ CHUNK = 64
 def poll_interval(world: int) -> float:
     """The longest sleep between two polls of a rank in a group of ``world``."""
     return max(MAX_POLL, world / POLLS_PER_SECOND)
+
+
+def first_poll(world: int) -> float:
+    """The first sleep of a rank at a barrier (then doubled up to :func:`poll_interval`):
+    0.5 ms up to 64 ranks, longer in larger groups, whose arrivals alone keep the store busy
+    for longer than a few fast polls would wait."""
+    return min(poll_interval(world), 0.0005 * max(1.0, world / 64))
 
 
 def beat_interval(world: int) -> float:
@@ -174,6 +182,7 @@ class BarrierWait:
         self.doing = doing
         self.done = False
         self.max_delay = poll_interval(host.world)
+        self.first_delay = first_poll(host.world)
         self._beat_every = beat_interval(host.world)
         self._ev = 0
         self._watcher = -1

@@ -483,7 +483,7 @@ class Monitor:
         self.status(doing)
         wait = BarrierWait(self, name, doing)
         wait.arrive()
-        delay = 0.0005
+        delay = wait.first_delay
         while not wait.poll():
             time.sleep(delay)
             delay = min(wait.max_delay, delay * 2)
@@ -494,7 +494,7 @@ class Monitor:
         self.status(doing)
         wait = BarrierWait(self, name, doing)
         wait.arrive()
-        delay = 0.0005
+        delay = wait.first_delay
         while not wait.poll():
             await asyncio.sleep(delay)
             delay = min(wait.max_delay, delay * 2)
