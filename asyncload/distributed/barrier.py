@@ -46,9 +46,11 @@ __all__ = [
     "POLLS_PER_SECOND",
     "BarrierWait",
     "arrive",
+    "beat_interval",
     "first_poll",
     "poll_interval",
     "present",
+    "read_present",
 ]
 
 log = logging.getLogger("asyncload.monitor")
@@ -278,12 +280,7 @@ class BarrierWait:
             )
             for i, r in enumerate(missing)
         ]
-        try:
-            host.store.set(f"late/{self.name}", digest(records))
-        except DistributedLoadError:
-            raise
-        except Exception:  # pragma: no cover - the guarded store raises DistributedLoadError
-            log.debug("could not post the late ranks", exc_info=True)
+        host.store.set(f"late/{self.name}", digest(records))
         waited = host.late_wait(now)
         if waited is not None:
             host.logged_late(now)
