@@ -27,6 +27,8 @@ __all__ = [
     "RankProgress",
     "Rate",
     "decode",
+    "digest",
+    "digest_message",
     "encode",
     "late_message",
     "slowest_first",
@@ -179,19 +181,101 @@ def late_message(
     """The WARNING of ``rank``, which has waited ``waited`` seconds (while ``doing``) on the
     ranks of ``records``: the slowest of them, with what they have in flight. URLs redacted."""
     ranked = slowest_first(records)
-    ranks = [p.rank for p in records]
+    return _line(
+        rank, waited, doing, late_after, len(records), sorted(p.rank for p in records), ranked
+    )
+
+
+def _line(
+    rank: int,
+    waited: float,
+    doing: str,
+    late_after: float,
+    count: int,
+    ranks: Sequence[int],
+    ranked: Sequence[RankProgress],
+) -> str:
+    """The late-rank line: ``count`` ranks waited on, the first of them by rank (at least 9
+    of them when there are more than 8), the slowest first (at least :data:`SHOWN_RANKS`)."""
     who = (
         f"rank {ranks[0]}"
-        if len(ranks) == 1
-        else f"{len(ranks)} ranks ({', '.join(map(str, sorted(ranks)[:8]))}"
-        + (", ...)" if len(ranks) > 8 else ")")
+        if count == 1
+        else f"{count} ranks ({', '.join(map(str, ranks[:8]))}" + (", ...)" if count > 8 else ")")
     )
     shown = ranked[:SHOWN_RANKS]
-    slowest = "slowest: " if len(ranked) > 1 else ""
-    more = f" (and {len(ranked) - len(shown)} more)" if len(ranked) > len(shown) else ""
+    slowest = "slowest: " if count > 1 else ""
+    more = f" (and {count - len(shown)} more)" if count > len(shown) else ""
     return redact_text(
         f"rank {rank} has waited {waited:.1f} s for {who} while {doing or 'waiting'} "
         f"(LoadOptions.late_rank_log_after={late_after}); {slowest}"
         + " | ".join(p.describe() for p in shown)
         + more
     )
+
+
+def digest(records: Sequence[RankProgress]) -> str:
+    """What a late-rank line needs of ``records`` (the ranks a barrier waits for), as the
+    barrier's watcher posts it for every waiter (:mod:`asyncload.distributed.barrier`): their
+    count, the first 9 by rank, and the :data:`SHOWN_RANKS` slowest, with the wall time of
+    writing (a reader counts the ages and the requests' seconds on to its now)."""
+    shown = slowest_first(records)[:SHOWN_RANKS]
+    return json.dumps(
+        {
+            "w": round(time.time(), 3),
+            "n": len(records),
+            "r": sorted(p.rank for p in records)[:9],
+            "s": [
+                [
+                    p.rank,
+                    p.bytes_done,
+                    p.bytes_total,
+                    round(p.rate, 1),
+                    p.status,
+                    None if p.age is None else round(p.age, 3),
+                    [
+                        [
+                            r.path,
+                            list(r.byte_range) if r.byte_range else None,
+                            r.attempt,
+                            round(r.seconds, 3),
+                            int(r.hedge),
+                        ]
+                        for r in p.in_flight
+                    ],
+                ]
+                for p in shown
+            ],
+        },
+        separators=(",", ":"),
+    )
+
+
+def digest_message(
+    rank: int, waited: float, doing: str, late_after: float, posted: bytes | str
+) -> str:
+    """:func:`late_message` from a :func:`digest` (ages counted on to now): the same line
+    as from the records themselves."""
+    value = json.loads(posted)
+    later = max(0.0, time.time() - float(value["w"]))
+    shown = [
+        RankProgress(
+            int(r),
+            int(done),
+            None if total is None else int(total),
+            float(rate),
+            tuple(
+                InFlightRequest(
+                    str(path),
+                    (int(rng[0]), int(rng[1])) if rng else None,
+                    int(attempt),
+                    float(s) + later,
+                    bool(h),
+                )
+                for path, rng, attempt, s, h in flights
+            ),
+            str(status),
+            None if age is None else float(age) + later,
+        )
+        for r, done, total, rate, status, age, flights in value["s"]
+    ]
+    return _line(rank, waited, doing, late_after, int(value["n"]), value["r"], shown)

@@ -11,7 +11,10 @@ barrier has seen every rank arrive, so they cannot hang on a rank that has alrea
 failed. While it runs, each rank also keeps a progress record there (bytes, rate, the storage
 requests it has in flight: :mod:`asyncload.distributed.lateness`), which ``LoadHandle.rank_progress()``
 reads, and a rank that has waited ``LoadOptions.late_rank_log_after`` seconds on others logs
-a WARNING naming the slowest of them. Used by the multi-rank driver (:mod:`asyncload.engine.driver`) and by byte sharing
+a WARNING naming the slowest of them. Barriers are waited at through
+:mod:`asyncload.distributed.barrier` (one watcher per barrier reads the missing ranks' keys;
+the others poll one key), so that their traffic grows with the ranks, not ranks squared.
+Used by the multi-rank driver (:mod:`asyncload.engine.driver`) and by byte sharing
 (:mod:`asyncload.distributed.session`).
 """
 
@@ -28,6 +31,14 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncload._errors import DistributedLoadError
+from asyncload.distributed.barrier import (
+    BEAT_INTERVAL,
+    BarrierWait,
+    arrive,
+    poll_interval,
+    present,
+    read_present,
+)
 from asyncload.distributed.lateness import (
     SHOWN_IN_FLIGHT,
     RankProgress,
@@ -44,10 +55,8 @@ log = logging.getLogger("asyncload.monitor")
 
 #: Seconds between checks for another rank's failure while reading.
 _WATCH_INTERVAL = 0.1
-#: Longest sleep between polls of a barrier.
-_MAX_POLL = 0.05
 #: Seconds between stall checks and heartbeats while waiting on another rank.
-_BEAT_INTERVAL = 1.0
+_BEAT_INTERVAL = BEAT_INTERVAL
 #: Status updates during reading are written at most this often; so are progress records
 #: (and only when they changed).
 _PROGRESS_INTERVAL = 0.5
@@ -140,6 +149,9 @@ class _GuardedStore:
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", key)
 
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
 
 class Monitor:
     """One load's view of the other ranks, through a few keys in the group's store.
@@ -153,6 +165,7 @@ class Monitor:
     reads hang keeps it current, and stall detection reads only ``st/<r>``).
 
     ``late_after``: ``LoadOptions.late_rank_log_after`` (:meth:`idle_peer` logs late ranks).
+    The barriers' own keys and their watcher: :mod:`asyncload.distributed.barrier`.
     """
 
     def __init__(self, group: Any, timeout: float | None, late_after: float | None = 60.0) -> None:
@@ -315,12 +328,7 @@ class Monitor:
         """The progress of ``ranks`` as their records in the store say (one round trip when
         every rank has written one)."""
         keys = [f"st/{r}" for r in ranks] + [f"pg/{r}" for r in ranks]
-        if not keys:
-            return []
-        if self.store.check(keys):
-            values = self.store.multi_get(keys)
-        else:
-            values = [self.store.get(k) if self.store.check([k]) else b"" for k in keys]
+        values = read_present(self.store, keys)
         n = len(ranks)
         return [
             decode(
@@ -335,24 +343,40 @@ class Monitor:
         others = self.records([r for r in range(self.world) if r != self.rank])
         return sorted([*others, self.own_progress()], key=lambda p: p.rank)
 
-    def _check_late(self, peers: Sequence[int]) -> None:
-        """Log (WARNING) the slowest of ``peers`` when this rank has waited on them, without
-        progress of its own, for ``late_after`` seconds; again at most that often."""
+    @property
+    def reports(self) -> bool:
+        """Whether this rank keeps a progress record (:meth:`start_reporting`)."""
+        return self._reporting is not None
+
+    def late_wait(self, now: float) -> float | None:
+        """Seconds this rank has waited without progress of its own, when a late-rank line
+        is due (``late_after`` waited, and as long since the last line); else None."""
         after = self.late_after
-        if after is None or not peers:
-            return
-        now = time.monotonic()
+        if after is None:
+            return None
         waited = now - self._own_progress_at
         logged = self._late_logged_at
         if waited < after or (logged is not None and now - logged < after):
-            return
+            return None
+        return waited
+
+    def logged_late(self, now: float) -> None:
         self._late_logged_at = now
+
+    def _check_late(self, peers: Sequence[int]) -> None:
+        """Log (WARNING) the slowest of ``peers`` when this rank has waited on them, without
+        progress of its own, for ``late_after`` seconds; again at most that often."""
+        now = time.monotonic()
+        waited = self.late_wait(now)
+        if waited is None or not peers or self.late_after is None:
+            return
+        self.logged_late(now)
         try:
             records = self.records(list(peers))
         except Exception:
             log.debug("could not read the other ranks' progress records", exc_info=True)
             return
-        log.warning("%s", late_message(self.rank, waited, self._text, after, records))
+        log.warning("%s", late_message(self.rank, waited, self._text, self.late_after, records))
 
     # --- failures -------------------------------------------------------------------------
 
@@ -375,13 +399,19 @@ class Monitor:
                 else f"{type(exc).__name__}: {exc}"
             )
             value = f"{self.rank}|{doing}|rank {self.rank} failed while {doing}: {kind}"
-        self._written.append("abort")
         try:
-            self.store.compare_set("abort", "", value[:4000])
+            self.post_abort(value[:4000])
             exc._asyncload_posted = True  # type: ignore[attr-defined]
         except Exception:
             log.warning("could not post this rank's failure to the other ranks", exc_info=True)
         self.status(f"failed while {doing}")
+
+    def post_abort(self, value: str) -> None:
+        """Post a failure, ``"<rank>|<doing>|<message>"``, unless one is posted already, and
+        move the event count that waiting ranks poll (:mod:`asyncload.distributed.barrier`)."""
+        self._written.extend(["abort", "ev"])
+        self.store.compare_set("abort", "", value)
+        self.store.add("ev", 1)
 
     def check(self) -> None:
         """Raise DistributedLoadError if any rank failed or was given up on."""
@@ -396,24 +426,17 @@ class Monitor:
             got = self.store.compare_set(f"at/{barrier}/{rank}", "", "aborted")
             if got == b"arrived":
                 return
-        self._written.append("abort")
         what = status or "it had not started the load"
         message = (
             f"rank {rank} made no progress for {idle:.1f} s (LoadOptions.collective_timeout="
             f"{self.timeout}); its last status: {what}; rank {self.rank} gave up on it while "
             f"{doing}"
         )
-        self.store.compare_set("abort", "", f"{rank}|{what}|{message}")
+        self.post_abort(f"{rank}|{what}|{message}")
         self.check()
         raise DistributedLoadError(
             message, rank=rank, doing=what
         )  # pragma: no cover - check() raised
-
-    def _status_of(self, rank: int) -> bytes:
-        key = f"st/{rank}"
-        if not self.store.check([key]):
-            return b""
-        return self.store.get(key)
 
     def idle_peer(self, peers: Sequence[int]) -> tuple[int, float, str] | None:
         """A peer whose status has not changed for ``timeout`` seconds, with its idle time and
@@ -423,13 +446,16 @@ class Monitor:
         if self.timeout is None:
             return None
         now = time.monotonic()
-        for r in peers:
-            cached = self._status_cache.get(r)
-            if cached is not None and now - cached[1] < 0.5 * _BEAT_INTERVAL:
-                value = cached[0]
-            else:
-                value = self._status_of(r)
+        stale = [
+            r
+            for r in peers
+            if (c := self._status_cache.get(r)) is None or now - c[1] >= 0.5 * _BEAT_INTERVAL
+        ]
+        if stale:  # one round trip for all of them (two when one has written no status yet)
+            for r, value in zip(stale, read_present(self.store, [f"st/{r}" for r in stale])):
                 self._status_cache[r] = (value, now)
+        for r in peers:
+            value = self._status_cache[r][0]
             seen = self._seen.get(r)
             if seen is None or seen[0] != value:
                 self._seen[r] = (value, now)
@@ -440,42 +466,6 @@ class Monitor:
         return None
 
     # --- barriers -------------------------------------------------------------------------
-
-    def _arrive(self, name: str) -> list[str]:
-        key = f"at/{name}/{self.rank}"
-        got = self.store.compare_set(key, "", "arrived")
-        self._written.append(key)
-        if got != b"arrived":
-            self.check()
-            raise DistributedLoadError(
-                f"rank {self.rank} arrived at {name!r} after the other ranks gave up on it",
-                rank=self.rank,
-                doing=name,
-            )
-        return [f"at/{name}/{r}" for r in range(self.world)]
-
-    def _poll(self, name: str, keys: list[str], doing: str, state: dict[str, float]) -> bool:
-        if self.cancelled is not None and self.cancelled.is_set():
-            raise asyncio.CancelledError()
-        self.check()
-        if self.store.check(keys):
-            values = self.store.multi_get(keys)
-            if all(v == b"arrived" for v in values):
-                return True
-            self.check()
-            raise DistributedLoadError(
-                f"the ranks gave up at {name!r}"
-            )  # pragma: no cover - abort is set first
-        now = time.monotonic()
-        if now - state.get("stall", 0.0) >= _BEAT_INTERVAL:
-            state["stall"] = now
-            self.beat()
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            idle = self.idle_peer(missing)
-            if idle is not None:
-                rank, seconds, status = idle
-                self._give_up(rank, name, seconds, status, doing)
-        return False
 
     def _passed(self) -> None:
         """After the first barrier every rank has finished the previous load: drop its keys."""
@@ -491,23 +481,23 @@ class Monitor:
     def barrier(self, name: str, doing: str) -> None:
         """Wait (caller's thread) until every rank arrives; raise on a failure or a stall."""
         self.status(doing)
-        keys = self._arrive(name)
-        state: dict[str, float] = {"stall": time.monotonic()}
-        delay = 0.0005
-        while not self._poll(name, keys, doing, state):
+        wait = BarrierWait(self, name, doing)
+        wait.arrive()
+        delay = wait.first_delay
+        while not wait.poll():
             time.sleep(delay)
-            delay = min(_MAX_POLL, delay * 2)
+            delay = min(wait.max_delay, delay * 2)
         self._passed()
 
     async def abarrier(self, name: str, doing: str) -> None:
         """:meth:`barrier` for the event loop."""
         self.status(doing)
-        keys = self._arrive(name)
-        state: dict[str, float] = {"stall": time.monotonic()}
-        delay = 0.0005
-        while not self._poll(name, keys, doing, state):
+        wait = BarrierWait(self, name, doing)
+        wait.arrive()
+        delay = wait.first_delay
+        while not wait.poll():
             await asyncio.sleep(delay)
-            delay = min(_MAX_POLL, delay * 2)
+            delay = min(wait.max_delay, delay * 2)
         self._passed()
 
     def finish(self, doing: str) -> None:
@@ -527,11 +517,7 @@ class Monitor:
             self.all_finished.set()
             return
         self.check()
-        key = f"at/done/{self.rank}"
-        got = self.store.compare_set(key, "", "arrived")
-        self._written.append(key)
-        if got != b"arrived":  # pragma: no cover - only a barrier's waiters give up on a rank
-            self.check()
+        arrive(self, "done")  # counted: all_done() reads one key
         if self.after_return is not None:
             self.after_return()
         else:
@@ -543,7 +529,17 @@ class Monitor:
 
     def finished_ranks(self) -> list[int]:
         keys = [f"at/done/{r}" for r in range(self.world)]
-        return [r for r, k in enumerate(keys) if self.store.check([k])]
+        return [r for r, f in enumerate(present(self.store, keys)) if f]
+
+    def unfinished_ranks(self) -> list[int]:
+        """The ranks that have not finished their part of the load (a few store operations
+        when few have not: :func:`~asyncload.distributed.barrier.present`)."""
+        keys = [f"at/done/{r}" for r in range(self.world)]
+        return [r for r, f in enumerate(present(self.store, keys)) if not f]
+
+    def all_done(self) -> bool:
+        """Whether every rank has finished its part of the load (one store operation)."""
+        return int(self.store.add("n/done", 0)) >= self.world
 
     async def wait_on(self, fut: asyncio.Future[Any], peers: Sequence[int], doing: str) -> Any:
         """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls."""
@@ -559,8 +555,9 @@ class Monitor:
 
     async def watch(self) -> None:
         """Raise as soon as any rank posts a failure (runs beside the reads)."""
+        interval = max(_WATCH_INTERVAL, poll_interval(self.world))
         while True:
-            await asyncio.sleep(_WATCH_INTERVAL)
+            await asyncio.sleep(interval)
             self.check()
 
 

@@ -267,13 +267,12 @@ class BackgroundSends:
 
     def _drain(self) -> None:
         m = self.monitor
-        keys = [f"at/done/{r}" for r in range(m.world)]
         delay = 0.005
         checked = 0.0
         try:
             while True:
                 peers = self.pending_peers()
-                if not peers and (m.all_finished.is_set() or m.store.check(keys)):
+                if not peers and (m.all_finished.is_set() or m.all_done()):
                     m.all_finished.set()
                     return
                 if m.store.check(["abort"]):
@@ -293,7 +292,7 @@ class BackgroundSends:
                 now = time.monotonic()
                 if now - checked >= _BEAT:
                     checked = now
-                    waiting = peers or [r for r, k in enumerate(keys) if not m.store.check([k])]
+                    waiting = peers or m.unfinished_ranks()
                     idle = m.idle_peer(waiting)
                     if idle is not None:
                         rank, seconds, status = idle
@@ -303,7 +302,7 @@ class BackgroundSends:
                             f"{status or 'none'}; rank {self.rank} gave up on it "
                             "after its own load had returned"
                         )
-                        m.store.compare_set("abort", "", f"{rank}|{status}|{message}")
+                        m.post_abort(f"{rank}|{status}|{message}")
                         log.warning("rank %d: %s", self.rank, message)
                         self._stop(DistributedLoadError(message, rank=rank, doing=status))
                         return
