@@ -208,7 +208,7 @@ def _sample(net: Any, path: str, stop: Any) -> None:
                         "TcpExtTCPLossProbes",
                         "TcpExtTCPSpuriousRTOs",
                         "TcpExtTCPFastRetrans",
-                    ),  # fmt: skip
+                    ),
                     "ss": sh(ns, "ss", "-tin"),
                 }
             f.write(json.dumps(rec) + "\n")

@@ -52,7 +52,7 @@ HORIZON = 1.0
 #: ... but at least this many blocks (one landing while the next one's claim travels).
 MIN_AHEAD = 2
 #: A look at an undecided block backs off from the first to the second, seconds.
-_PROBE_MIN, _PROBE_MAX = 0.02, 0.25
+_PROBE_MIN, _PROBE_MAX = 0.02, 0.5
 #: The value of a look (``compare_set`` with an expected value no claim has).
 _UNSET = "?"
 
