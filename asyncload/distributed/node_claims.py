@@ -29,7 +29,8 @@ Every byte is still read once: a block is read only by the rank whose ``compare_
 key, and every other node's fetcher receives it from that rank once the key is set. No wait
 is unbounded: a block's owner reaches it once the blocks numbered before it are done (the
 windows' order), and a rank's look at an undecided block backs off to :data:`_PROBE_MAX`
-seconds, beating while it waits, as the other waits of a load do.
+seconds, beating while it waits and giving up on an owner that makes no progress for
+``collective_timeout``, as the other waits of a load do.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ HORIZON = 1.0
 MIN_AHEAD = 2
 #: A look at an undecided block backs off from the first to the second, seconds.
 _PROBE_MIN, _PROBE_MAX = 0.02, 0.5
+#: Seconds between beats (and stall checks of the owner looked at) while looking.
+_CHECK = 1.0
 #: The value of a look (``compare_set`` with an expected value no claim has).
 _UNSET = "?"
 
@@ -81,10 +84,12 @@ class NodeClaims:
         lost: Callable[[int], None],
         written: list[str],
         beat: Callable[[], None],
+        check_idle: Callable[[list[int]], None],
         times: dict[str, float],
     ) -> None:
         self.rank, self.node, self.store, self.prefix = rank, node, store, prefix
         self.ring, self.slots, self.written, self.beat = ring, slots, written, beat
+        self.check_idle = check_idle
         self._read_send, self._receive, self._lost = read_send, receive, lost
         self.times = times
         self.own: deque[tuple[NodeBlock, memoryview, int]] = deque()
@@ -198,6 +203,7 @@ class NodeClaims:
 
     async def _others_blocks(self, tg: asyncio.TaskGroup) -> None:
         probe = _PROBE_MIN
+        checked = time.monotonic()
         while True:
             moved = False
             if self.others and self._may_take_over():
@@ -233,7 +239,11 @@ class NodeClaims:
                 probe = _PROBE_MIN
                 continue
             if self.others:  # another node's claim, or this node's ranks: look again soon
-                self.beat()
+                now = time.monotonic()
+                if now - checked >= _CHECK:  # beat; give up on a block's owner that stalls
+                    checked = now
+                    self.beat()
+                    self.check_idle([self.others[0][0].fetcher(self.others[0][0].owner)])
                 await asyncio.sleep(probe)
                 probe = min(_PROBE_MAX, probe * 2)
             else:

@@ -472,6 +472,11 @@ async def _drive(
                     back.append(q.pop(0))
         return front + back
 
+    def check_idle(peers: list[int]) -> None:
+        idle = monitor.idle_peer(peers)
+        if idle is not None:
+            monitor._give_up(idle[0], None, idle[1], idle[2], share.doing)
+
     def lost(w: int) -> None:  # a block of window w this rank will not send
         progress.send_left[w] -= 1
         progress.update()
@@ -482,7 +487,7 @@ async def _drive(
                 claims = NodeClaims(
                     rank=rank, node=node, store=store, prefix=prefix, ring=ring, slots=slots,
                     read_send=read_send, receive=receive, lost=lost, written=monitor._written,
-                    beat=monitor.beat, times=ring.times,
+                    beat=monitor.beat, check_idle=check_idle, times=ring.times,
                 )  # fmt: skip
                 claims_task = tg.create_task(claims.run(tg))
             for w in range(progress.windows):
