@@ -13,10 +13,12 @@ block, read the whole checkpoint and forwarded it (0.55x the link bound instead 
 
 Here, per rank and read phase (:class:`NodeClaims`):
 
-- **own blocks** (its node is the planned owner) are claimed in order, each just before it
-  is read, with at most a *horizon* of bytes claimed and not landed (:data:`HORIZON` seconds
-  at this rank's measured rate, at least :data:`MIN_AHEAD` blocks): a slow node holds few
-  blocks at a time, so what it has not reached is left for the others to take;
+- **own blocks** (its node is the planned owner) are claimed in order, :data:`CLAIM_AHEAD`
+  blocks before their reads can start (a claim's round trip, slow on a busy link, overlaps
+  the reads in flight), and read with at most a *horizon* of bytes in flight
+  (:data:`HORIZON` seconds at this rank's measured rate, at least :data:`MIN_AHEAD` blocks):
+  a slow node holds few blocks at a time, so what it has not reached is left for the
+  others to take;
 - **the others' blocks**: while its node still has own blocks to claim, the rank only looks
   at the claim of the first undecided one (``compare_set(key, "?", "?")``, which never
   writes: the claimant, or ``"?"``), and posts the receive once it is decided; once every
@@ -44,7 +46,7 @@ from typing import Any
 
 from asyncload.distributed.nodes import NodeBlock
 
-__all__ = ["HORIZON", "MIN_AHEAD", "NodeClaims"]
+__all__ = ["CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "NodeClaims"]
 
 log = logging.getLogger("asyncload.sharded")
 
@@ -52,8 +54,10 @@ log = logging.getLogger("asyncload.sharded")
 HORIZON = 1.0
 #: ... but at least this many blocks (one landing while the next one's claim travels).
 MIN_AHEAD = 2
+#: Own blocks claimed before a read can start (their claims overlap the reads in flight).
+CLAIM_AHEAD = 2
 #: A look at an undecided block backs off from the first to the second, seconds.
-_PROBE_MIN, _PROBE_MAX = 0.02, 0.5
+_PROBE_MIN, _PROBE_MAX = 0.05, 0.5
 #: Seconds between beats (and stall checks of the owner looked at) while looking.
 _CHECK = 1.0
 #: The value of a look (``compare_set`` with an expected value no claim has).
@@ -93,6 +97,9 @@ class NodeClaims:
         self._read_send, self._receive, self._lost = read_send, receive, lost
         self.times = times
         self.own: deque[tuple[NodeBlock, memoryview, int]] = deque()
+        #: Own blocks claimed by this rank, their reads not started yet.
+        self.ready: deque[tuple[NodeBlock, memoryview, int]] = deque()
+        self._claiming = 0  # bytes of own blocks whose claim is on its way
         self.others: list[tuple[NodeBlock, memoryview, int]] = []
         self.own_left = 0  # own blocks added and not claimed yet
         self.driven = 0
@@ -190,13 +197,27 @@ class NodeClaims:
             inner.create_task(self._others_blocks(tg))
 
     async def _own_blocks(self, tg: asyncio.TaskGroup) -> None:
+        """Own blocks: claimed up to :data:`CLAIM_AHEAD` blocks before their reads can start
+        (a claim's round trip, on a busy link, overlaps the reads in flight), read as the
+        horizon allows."""
         while True:
-            while self.own and self._room(self.own[0][0].nbytes):
-                b, view, w = self.own.popleft()
+            while self.ready and self._room(self.ready[0][0].nbytes):
+                b, view, w = self.ready.popleft()
                 await self.slots.acquire()
-                self._claimed(b)
-                tg.create_task(self._own(b, view, w))
-            if self.closed and not self.own:
+                self.ahead += b.nbytes
+                self._start()
+                tg.create_task(self._read_send(b, view, w))
+            while (
+                self.own
+                and self._claiming + sum(x[0].nbytes for x in self.ready)
+                < CLAIM_AHEAD * self.largest
+            ):
+                b, view, w = self.own.popleft()
+                self.own_left -= 1
+                self._claiming += b.nbytes
+                self.ring.publish_claims(self.own_left, self.driven)
+                tg.create_task(self._claim_own(b, view, w))
+            if self.closed and not self.own and not self.ready and not self._claiming:
                 return
             self._wake.clear()
             await self._wake.wait()
@@ -250,29 +271,19 @@ class NodeClaims:
                 self._others_wake.clear()
                 await self._others_wake.wait()
 
-    def _claimed(self, b: NodeBlock) -> None:
-        self.own_left -= 1
-        self.ahead += b.nbytes
-        self._start()
-        self.ring.publish_claims(self.own_left, self.driven)
-
     def _start(self) -> None:
         if self.started is None:
             self.started = time.monotonic()
 
-    async def _own(self, b: NodeBlock, view: memoryview, w: int) -> None:
-        """Claim an own block (a slot held) and read and send it, or, taken over by another
-        node, receive it."""
+    async def _claim_own(self, b: NodeBlock, view: memoryview, w: int) -> None:
+        """Claim an own block: ready to read, or, taken over by another node, received."""
         try:
             got = int(await self._op(b, str(self.rank), ""))
-        except BaseException:
-            self.slots.release()
-            raise
+        finally:
+            self._claiming -= b.nbytes
+            self._wake.set()
         if got == self.rank:
-            await self._read_send(b, view, w)
+            self.ready.append((b, view, w))
             return
-        self.ahead -= b.nbytes
-        self.slots.release()
         self._lost(w)
-        self._wake.set()
         await self._receive(b, view, got, w)
