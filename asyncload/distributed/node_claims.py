@@ -19,13 +19,14 @@ Here, per rank and read phase (:class:`NodeClaims`):
   (:data:`HORIZON` seconds at this rank's measured rate, at least :data:`MIN_AHEAD` blocks):
   a slow node holds few blocks at a time, so what it has not reached is left for the
   others to take;
-- **the others' blocks**: while its node still has own blocks to claim, the rank only looks
-  at the claim of the first undecided one (``compare_set(key, "?", "?")``, which never
-  writes: the claimant, or ``"?"``), and posts the receive once it is decided; once every
-  rank of its node has claimed its own blocks of the windows driven so far (counters at the
-  head of the node's ring), it claims the others' undecided blocks from the back (work
-  stealing: reading and sending the ones it wins, receiving the others). Nodes of equal
-  speed then meet near the end of each other's queues and claim little more than their own.
+- **the others' blocks**: while its node still has own blocks to claim, the rank only
+  looks at the claim of the first undecided block of each owner (``compare_set(key, "?",
+  "?")``, which never writes: the claimant, or ``"?"``), and posts the receive once it is
+  decided; once every rank of its node has claimed its own blocks of the windows driven so
+  far (counters at the head of the node's ring), it claims the others' undecided blocks
+  from the back (work stealing: reading and sending the ones it wins, receiving the
+  others). Nodes of equal speed then meet near the end of each other's queues and claim
+  little more than their own.
 
 Every byte is still read once: a block is read only by the rank whose ``compare_set`` set its
 key, and every other node's fetcher receives it from that rank once the key is set. No wait
@@ -247,13 +248,21 @@ class NodeClaims:
                         tg.create_task(self._receive(b, view, got, w))
                     moved = True
             elif self.others:
-                b, view, w = self.others[0]
-                got_s = await self._op(b, _UNSET, _UNSET)
-                if got_s != _UNSET:
-                    self.others.pop(0)
-                    self._lost(w)
-                    tg.create_task(self._receive(b, view, int(got_s), w))
-                    moved = True
+                # a look at the first undecided block of each owner (an owner claims its
+                # blocks in order)
+                seen: set[int] = set()
+                for item in list(self.others):
+                    b, view, w = item
+                    owner = b.fetcher(b.owner)
+                    if owner in seen:
+                        continue
+                    seen.add(owner)
+                    got_s = await self._op(b, _UNSET, _UNSET)
+                    if got_s != _UNSET:
+                        self.others.remove(item)
+                        self._lost(w)
+                        tg.create_task(self._receive(b, view, int(got_s), w))
+                        moved = True
             if self.closed and not self.others:
                 return
             if moved:
