@@ -95,8 +95,9 @@ def test_a_slow_node_reads_less_from_storage(proxied: Any, adaptive: bool) -> No
     assert total <= sum(read) <= 1.05 * total, read
     if adaptive:
         assert read[1] < 0.3 * total, read  # the plan gave it half
-        assert stats[0]["bytes_taken_over"] + stats[1]["bytes_taken_over"] > 0.2 * total
-        assert stats[2]["bytes_taken_over"] + stats[3]["bytes_taken_over"] == 0
+        taken = [stats[0]["bytes_taken_over"] + stats[1]["bytes_taken_over"]]
+        taken.append(stats[2]["bytes_taken_over"] + stats[3]["bytes_taken_over"])
+        assert taken[0] > 0.2 * total and taken[1] < 0.05 * total, taken
     else:
         assert 0.45 * total <= read[1] <= 0.55 * total, read
     for node in (0, 1):
