@@ -13,10 +13,9 @@ block, read the whole checkpoint and forwarded it (0.55x the link bound instead 
 
 Here, per rank and read phase (:class:`NodeClaims`):
 
-- **own blocks** (its node is the planned owner) are claimed in order, ahead of their reads
-  by :data:`CLAIM_AHEAD` blocks or by what the rank reads in twice its slowest recent store
-  round trip (a claim's round trip, slow on a busy link, overlaps the reads in flight), and
-  read with at most a *horizon* of bytes in flight
+- **own blocks** (its node is the planned owner) are claimed in order, :data:`CLAIM_AHEAD`
+  blocks before their reads can start (a claim's round trip, slow on a busy link, overlaps
+  the reads in flight), and read with at most a *horizon* of bytes in flight
   (:data:`HORIZON` seconds at this rank's measured rate, at least :data:`MIN_AHEAD` blocks):
   a slow node holds few blocks at a time, so what it has not reached is left for the
   others to take;
@@ -56,8 +55,7 @@ log = logging.getLogger("asyncload.sharded")
 HORIZON = 1.0
 #: ... but at least this many blocks (one landing while the next one's claim travels).
 MIN_AHEAD = 2
-#: Own blocks claimed before a read can start (their claims overlap the reads in flight), at
-#: least; more where a store round trip takes longer (:meth:`NodeClaims._claim_ahead`).
+#: Own blocks claimed before a read can start (their claims overlap the reads in flight).
 CLAIM_AHEAD = 2
 #: A look at an undecided block backs off from the first to the second, seconds.
 _PROBE_MIN, _PROBE_MAX = 0.05, 0.5
@@ -103,8 +101,6 @@ class NodeClaims:
         #: Own blocks claimed by this rank, their reads not started yet.
         self.ready: deque[tuple[NodeBlock, memoryview, int]] = deque()
         self._claiming = 0  # bytes of own blocks whose claim is on its way
-        #: Seconds of this rank's recent store round trips (claims and looks).
-        self._latencies: deque[float] = deque(maxlen=8)
         self.others: list[tuple[NodeBlock, memoryview, int]] = []
         self.own_left = 0  # own blocks added and not claimed yet
         self.driven = 0
@@ -160,16 +156,6 @@ class NodeClaims:
         busy = time.monotonic() - self.started
         return self.landed_bytes / busy if busy > 0 else None
 
-    def _claim_ahead(self) -> float:
-        """Bytes of own blocks to have claimed (or claiming) before their reads can start:
-        :data:`CLAIM_AHEAD` blocks, or what this rank reads in twice the slowest of its
-        recent store round trips (a claim crossing a busy link can wait for a
-        retransmission), whichever is more."""
-        rate = self._rate()
-        if not rate or not self._latencies:
-            return CLAIM_AHEAD * self.largest
-        return max(CLAIM_AHEAD * self.largest, 2.0 * max(self._latencies) * rate)
-
     def landed(self, nbytes: int) -> None:
         """A block this rank read has landed (its bytes count for the rate)."""
         self.ahead -= nbytes
@@ -186,7 +172,6 @@ class NodeClaims:
         dt = time.monotonic() - t0
         self.times["claims"] += dt
         self.ops += 1
-        self._latencies.append(dt)
         value = got.decode()
         if value == desired and expected == "":
             self.written.append(key)
@@ -225,7 +210,8 @@ class NodeClaims:
                 tg.create_task(self._read_send(b, view, w))
             while (
                 self.own
-                and self._claiming + sum(x[0].nbytes for x in self.ready) < self._claim_ahead()
+                and self._claiming + sum(x[0].nbytes for x in self.ready)
+                < CLAIM_AHEAD * self.largest
             ):
                 b, view, w = self.own.popleft()
                 self.own_left -= 1
