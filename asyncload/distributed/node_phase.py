@@ -7,9 +7,9 @@ order: file, then offset) are cut into *windows* of at most ``slot`` bytes. The 
 <= memory_budget`` whatever the checkpoint's size. Every rank of the node runs, side by side:
 
 - the **fetch** (:func:`_drive`): window by window, once the window's slot is free, the blocks
-  it fetches for its node in that window (a block several nodes need: claimed for the node,
-  read and sent to the other nodes' fetchers, or received from the claimant; adaptive
-  between nodes, own blocks first then the others' from the back, within the window);
+  it fetches for its node in that window (a block several nodes need: read and sent to the
+  other nodes' fetchers, or received from the one that read it; adaptive between nodes by
+  work stealing, :mod:`asyncload.distributed.node_claims`);
 - the **hand-over** (:class:`_FromRing`): its chunks dispatched in file order, each chunk's
   bytes copied from the ring window by window, as soon as every rank of the node has landed
   its blocks of that window. While its ranks copy window ``w``, the node fetches ``w + 1``.
@@ -382,11 +382,11 @@ async def _drive(
     adaptive: bool,
     phase: int,
 ) -> None:
-    """Fetch, window by window as slots free up, the blocks this rank fetches for its node:
-    in each window its node's planned blocks first, then the others' from the back
-    (round-robin over their owners); a block several nodes need is claimed for the node (one
-    ``compare_set``), read and sent to the other nodes' fetchers, or received from the
-    claimant."""
+    """Fetch, window by window as slots free up, the blocks this rank fetches for its node.
+    A block several nodes need is read and sent to the other nodes' fetchers, or received
+    from the one that read it: adaptive, as :class:`NodeClaims` decides (work stealing from
+    the planned split); static, by the planned owner node's fetcher (in each window its
+    node's planned blocks first, then the others' receives)."""
     rank = share.rank
     monitor = share.monitor
     stats = pipeline.stats
