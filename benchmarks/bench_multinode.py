@@ -63,13 +63,16 @@ def worker(args: argparse.Namespace) -> None:
     import asyncload
     from asyncload import LoadOptions, PipelinedLoadPlanner, ShardedLoadPlanner
 
-    if os.environ.get("BENCH_DEBUG"):  # the sharing wing's timings, on stderr
+    trace = os.environ.get("BENCH_TRACE")
+    if os.environ.get("BENCH_DEBUG") or trace:  # the sharing wing's timings
         import logging
 
-        logging.basicConfig(format="%(relativeCreated)d %(message)s")
+        logging.basicConfig(format="%(created).4f %(threadName)s %(message)s")
         logging.getLogger("asyncload.sharded").setLevel(logging.DEBUG)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if trace:
+        _trace_store(os.path.join(trace, f"rank{rank}.log"))
     local = int(os.environ["LOCAL_RANK"])
     full = model(args.size_mib)
     mesh = None
@@ -116,9 +119,13 @@ def worker(args: argparse.Namespace) -> None:
             sd = dest()
             dist.barrier()
             rx0 = rx_bytes()
+            if trace:
+                logging.getLogger("asyncload.sharded").debug("trace start %d %s", rnd, kind)
             t0, c0 = time.perf_counter(), time.process_time()
             stats = asyncload.load(sd, args.url, options=options, planner=planner)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if trace:
+                logging.getLogger("asyncload.sharded").debug("trace end %d %s", rnd, kind)
             if kind != "pipelined":
                 ShardedLoadPlanner.wait_for_background_sends(60)
             dist.barrier()
@@ -145,6 +152,69 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _trace_store(path: str) -> None:
+    """``--trace``: every store operation of the load (its thread, key, start, seconds) and
+    the sharing wing's debug lines, into ``path``."""
+    import logging
+    import threading
+
+    from asyncload.distributed import monitor
+
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(created).4f %(threadName)s %(message)s"))
+    logging.getLogger("asyncload.sharded").addHandler(handler)
+    logging.getLogger("asyncload.sharded").propagate = False
+    out = logging.getLogger("asyncload.sharded")
+    inner = monitor._GuardedStore._call
+
+    def timed(self: Any, name: str, *a: Any) -> Any:
+        t0 = time.time()
+        try:
+            return inner(self, name, *a)
+        finally:
+            key = a[0] if a and isinstance(a[0], str) else str(a[0][:2]) if a else ""
+            out.debug(
+                "trace store op=%s key=%s thread=%s t0=%.4f dt=%.4f",
+                name, key, threading.current_thread().name, t0, time.time() - t0,
+            )  # fmt: skip
+
+    monitor._GuardedStore._call = timed  # type: ignore[method-assign]
+
+
+def _sample(net: Any, path: str, stop: Any) -> None:
+    """``--trace``: every 0.5 s, each link's qdisc counters (both ways), each node's TCP
+    counters (retransmits, timeouts) and its connections' ``ss -ti``, into ``path``."""
+    import subprocess
+
+    def sh(ns: str, *argv: str) -> str:
+        return subprocess.run(
+            ["ip", "netns", "exec", ns, *argv], capture_output=True, text=True
+        ).stdout
+
+    sw = f"{net.prefix}-sw"
+    with open(path, "w") as f:
+        while not stop.wait(0.5):
+            rec: dict[str, Any] = {"t": time.time(), "sw": sh(sw, "tc", "-s", "qdisc", "show")}
+            for h in net.names:
+                ns = net.ns(h)
+                rec[h] = {
+                    "qdisc": sh(ns, "tc", "-s", "qdisc", "show", "dev", "eth0"),
+                    "nstat": sh(
+                        ns,
+                        "nstat",
+                        "-asz",
+                        "TcpRetransSegs",
+                        "TcpExtTCPTimeouts",
+                        "TcpExtTCPLossProbes",
+                        "TcpExtTCPSpuriousRTOs",
+                        "TcpExtTCPFastRetrans",
+                    ),
+                    "ss": sh(ns, "ss", "-tin"),
+                }
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+
 # --- the orchestrator ------------------------------------------------------------------------------
 
 
@@ -155,6 +225,9 @@ def needed_per_node(size: int, layout: str, nodes: int) -> int:
 def run_layout(args: argparse.Namespace, net: Any, url: str, layout: str) -> list[dict[str, Any]]:
     results = tempfile.mkdtemp(prefix="asyncload-multinode-")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if args.trace:
+        env["BENCH_TRACE"] = os.path.join(args.trace, layout)
+        os.makedirs(env["BENCH_TRACE"], exist_ok=True)
     env.pop("MASTER_ADDR", None)
     procs = []
     for k in range(args.nodes):
@@ -244,6 +317,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--check", action="store_true", help="exit 1 unless every load was exact")
     ap.add_argument("--json", help="write the summary rows here")
+    ap.add_argument(
+        "--trace",
+        help="a directory: each rank's store operations, claims and reads (timestamps), and "
+        "every 0.5 s the links' qdisc counters, TCP retransmits and ss -ti",
+    )
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -276,6 +354,16 @@ def main() -> None:
                f"{st}:{FWD_PORT}", f"127.0.0.1:{HTTP_PORT}"]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         servers = [net.popen("storage", serve, env=env), net.popen("storage", fwd, env=env)]
+        stop = None
+        if args.trace:
+            import threading
+
+            os.makedirs(args.trace, exist_ok=True)
+            stop = threading.Event()
+            sampler = threading.Thread(
+                target=_sample, args=(net, os.path.join(args.trace, "net.jsonl"), stop)
+            )
+            sampler.start()
         try:
             time.sleep(2.0)
             url = f"http://{st}:{FWD_PORT}/ck"
@@ -283,6 +371,9 @@ def main() -> None:
                 rows = run_layout(args, net, url, layout)
                 all_rows.extend(summarize(rows, layout, args, size))
         finally:
+            if stop is not None:
+                stop.set()
+                sampler.join()
             for p in servers:
                 p.terminate()
                 p.wait()

@@ -7,9 +7,9 @@ order: file, then offset) are cut into *windows* of at most ``slot`` bytes. The 
 <= memory_budget`` whatever the checkpoint's size. Every rank of the node runs, side by side:
 
 - the **fetch** (:func:`_drive`): window by window, once the window's slot is free, the blocks
-  it fetches for its node in that window (a block several nodes need: claimed for the node,
-  read and sent to the other nodes' fetchers, or received from the claimant; adaptive
-  between nodes, own blocks first then the others' from the back, within the window);
+  it fetches for its node in that window (a block several nodes need: read and sent to the
+  other nodes' fetchers, or received from the one that read it; adaptive between nodes by
+  work stealing, :mod:`asyncload.distributed.node_claims`);
 - the **hand-over** (:class:`_FromRing`): its chunks dispatched in file order, each chunk's
   bytes copied from the ring window by window, as soon as every rank of the node has landed
   its blocks of that window. While its ranks copy window ``w``, the node fetches ``w + 1``.
@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncload.distributed.node_claims import NodeClaims
 from asyncload.distributed.nodes import (
     BLOCK_UNITS,
     NodeBlock,
@@ -132,6 +133,19 @@ class _Ring:
     def publish(self, landed: int, released: int) -> None:
         struct.pack_into("<qq", self.map, self.local * _HEAD, landed, released)
         self.refresh()
+
+    def publish_claims(self, own_left: int, driven: int) -> None:
+        """This rank's own blocks not claimed yet and windows handed to its claims."""
+        struct.pack_into("<qq", self.map, self.local * _HEAD + 16, own_left, driven)
+
+    def node_done_claiming(self, driven: int) -> bool:
+        """Every rank of the node has claimed its own blocks of the windows it handed over,
+        and handed over at least ``driven`` windows."""
+        for i in range(self.count):
+            own_left, their = struct.unpack_from("<qq", self.map, i * _HEAD + 16)
+            if own_left or their < driven:
+                return False
+        return True
 
     def refresh(self) -> bool:
         """Read every rank's counters; wake the waiters if the node's moved."""
@@ -368,11 +382,11 @@ async def _drive(
     adaptive: bool,
     phase: int,
 ) -> None:
-    """Fetch, window by window as slots free up, the blocks this rank fetches for its node:
-    in each window its node's planned blocks first, then the others' from the back
-    (round-robin over their owners); a block several nodes need is claimed for the node (one
-    ``compare_set``), read and sent to the other nodes' fetchers, or received from the
-    claimant."""
+    """Fetch, window by window as slots free up, the blocks this rank fetches for its node.
+    A block several nodes need is read and sent to the other nodes' fetchers, or received
+    from the one that read it: adaptive, as :class:`NodeClaims` decides (work stealing from
+    the planned split); static, by the planned owner node's fetcher (in each window its
+    node's planned blocks first, then the others' receives)."""
     rank = share.rank
     monitor = share.monitor
     stats = pipeline.stats
@@ -385,15 +399,22 @@ async def _drive(
     slots = asyncio.Semaphore(max(2, min(16, pipeline.options.initial_concurrency)))
     prefix = f"nb/{phase}/"
     store = monitor.store
+    claims: NodeClaims | None = None
 
     def landed(w: int) -> None:
         progress.fetch_left[w] -= 1
         progress.update()
 
+    tracing = log.isEnabledFor(logging.DEBUG)
+
     async def read(b: NodeBlock, view: memoryview) -> None:
         t0 = time.monotonic()
         await pipeline.storage.readinto(b.name, b.start, [view])
-        stats.add(chunks=1, storage_wait_seconds=time.monotonic() - t0)
+        t1 = time.monotonic()
+        stats.add(chunks=1, storage_wait_seconds=t1 - t0)
+        if tracing:
+            log.debug("trace read rank=%d seq=%d bytes=%d t0=%.4f dt=%.4f",
+                      rank, b.seq, b.nbytes, time.time() - (t1 - t0), t1 - t0)  # fmt: skip
 
     async def read_only(b: NodeBlock, view: memoryview, w: int) -> None:
         try:
@@ -407,6 +428,8 @@ async def _drive(
             await read(b, view)
         finally:
             slots.release()
+        if claims is not None:
+            claims.landed(b.nbytes)
         landed(w)
         if b.owner != node:
             stats.add(bytes_taken_over=b.nbytes)
@@ -420,29 +443,17 @@ async def _drive(
         progress.update()
 
     async def receive(b: NodeBlock, view: memoryview, src: int, w: int) -> None:
+        t0 = time.monotonic()
         await share.transport.exchange(
             "recv", [src], tag_base + b.seq, b.seq, view, files, monitor,
             f"waiting for bytes [{b.start}, {b.end}) of {b.name} from rank {src}",
         )  # fmt: skip
+        if tracing:
+            dt = time.monotonic() - t0
+            log.debug("trace recv rank=%d seq=%d src=%d t0=%.4f dt=%.4f",
+                      rank, b.seq, src, time.time() - dt, dt)  # fmt: skip
         stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
         landed(w)
-
-    async def claim(b: NodeBlock, view: memoryview, w: int) -> None:
-        """Claim ``b`` for this node, off the loop (a read slot held: a block is claimed
-        when this rank is ready to read it): read and send it, or receive it."""
-        key = f"{prefix}{b.seq}"
-        t0 = time.monotonic()
-        got = await loop.run_in_executor(None, store.compare_set, key, "", str(rank))
-        ring.times["claims"] += time.monotonic() - t0
-        winner = int(got.decode())
-        if winner == rank:
-            monitor._written.append(key)
-            await read_send(b, view, w)
-            return
-        slots.release()
-        progress.send_left[w] -= 1
-        progress.update()
-        await receive(b, view, winner, w)
 
     def in_order(w: int) -> list[NodeBlock]:
         """Window ``w``'s blocks of this rank: its node's planned ones first, then the
@@ -461,11 +472,26 @@ async def _drive(
                     back.append(q.pop(0))
         return front + back
 
-    loop = asyncio.get_running_loop()
+    def check_idle(peers: list[int]) -> None:
+        idle = monitor.idle_peer(peers)
+        if idle is not None:
+            monitor._give_up(idle[0], None, idle[1], idle[2], share.doing)
+
+    def lost(w: int) -> None:  # a block of window w this rank will not send
+        progress.send_left[w] -= 1
+        progress.update()
+
     try:
         async with asyncio.TaskGroup() as tg:
+            if adaptive:
+                claims = NodeClaims(
+                    rank=rank, node=node, store=store, prefix=prefix, ring=ring, slots=slots,
+                    read_send=read_send, receive=receive, lost=lost, written=monitor._written,
+                    beat=monitor.beat, check_idle=check_idle, times=ring.times,
+                )  # fmt: skip
+                claims_task = tg.create_task(claims.run(tg))
             for w in range(progress.windows):
-                todo = in_order(w)
+                todo = per_window[w] if claims is not None else in_order(w)
                 if w >= RING_SLOTS and ring.released <= w - RING_SLOTS:
                     share.monitor.progress(f"{share.doing}: waiting for a free window")
                     await ring.wait_released(w - RING_SLOTS)
@@ -477,10 +503,9 @@ async def _drive(
                         await slots.acquire()
                         tg.create_task(read_only(b, view, w))
                         continue
-                    if adaptive:  # claimed off the loop, several at once
-                        await slots.acquire()
+                    if claims is not None:  # decided by the claims (work stealing)
                         progress.send_left[w] += 1  # until the claim tells
-                        tg.create_task(claim(b, view, w))
+                        claims.add(b, view, w)
                         continue
                     winner = b.fetcher(b.owner)
                     if winner == rank:
@@ -492,6 +517,15 @@ async def _drive(
                     monitor.progress(f"{share.doing}: fetching blocks for its node")
                 progress.driven = w + 1
                 progress.update()
+                if claims is not None:
+                    claims.drove(w + 1)
+            if claims is not None:
+                claims.close()
+                await claims_task
+                log.debug(
+                    "rank %d: %d store operations for claims, %d blocks taken over",
+                    rank, claims.ops, claims.stolen,
+                )  # fmt: skip
     finally:
         try:
             data.release()
