@@ -158,6 +158,29 @@ def _cut(segments: list[Piece], limit: int) -> list[list[Piece]]:
     return [g for g in groups if g]
 
 
+def _split(segments: list[Piece], *at: int) -> list[list[Piece]]:
+    """Contiguous pieces split at the file offsets ``at`` (ascending): the pieces before the
+    first, between each two, after the last (each part keeps its slice of the destination)."""
+    parts: list[list[Piece]] = [[]]
+    cuts = list(at)
+    for p in segments:
+        while True:
+            while cuts and p.start >= cuts[0]:
+                cuts.pop(0)
+                parts.append([])
+            if not (cuts and cuts[0] < p.end):
+                break
+            assert p.into is not None  # every piece of a guessed record has a place
+            k = cuts[0] - p.start
+            parts[-1].append(dataclasses.replace(p, end=cuts[0], into=p.into[:k]))
+            p = dataclasses.replace(p, start=cuts[0], into=p.into[k:])
+        parts[-1].append(p)
+    while cuts:
+        cuts.pop(0)
+        parts.append([])
+    return parts
+
+
 def _joinable(guessed: Chunk, small: Chunk, limit: int) -> bool:
     """``small`` (small records read whole) starts where the last request of a guessed
     record ends, and both fit one request."""
@@ -263,8 +286,6 @@ class _Stream:
         #: guess before any record's headers are known (up to SPECULATE records)
         self.prior = own_head_len() if self.guessing else None
         self.speculated = 0
-        #: the copy of the first record its probes land in (:meth:`learn`)
-        self.twin: Record | None = None
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -312,23 +333,6 @@ class _Stream:
         self.probed = True
         return unit_chunks(pieces, self.chunking, self.reads)
 
-    def learn(self, rec: Record) -> list[Chunk]:
-        """The head and tail probes of ``rec``, a record read by the prior guess: once both
-        have landed, its parsed headers give ``head_len`` (what later records are guessed
-        by); nothing is planned from them (the guessed read is checked as any is)."""
-        twin = self.twin = dataclasses.replace(rec, window=ByteWindow())
-        pieces = probe_pieces(twin, self._probe_landed, self.loop)
-        self.waiting[id(twin)] = len(pieces)
-        self.probed = True
-        return unit_chunks(pieces, self.chunking, self.reads)
-
-    def _probe_landed(self) -> None:
-        twin = self.twin
-        assert twin is not None
-        self.waiting[id(twin)] -= 1
-        if self.waiting[id(twin)] == 0:
-            self._spawn(self._learned(twin))
-
     async def _learned(self, twin: Record) -> None:
         try:
             loc = await locate(twin, self.storage, self.options)
@@ -339,10 +343,14 @@ class _Stream:
         finally:
             self.known.set()
 
-    def guess(self, rec: Record, g: int | None = None) -> list[Chunk] | None:
+    def guess(self, rec: Record, g: int | None = None, learn: bool = False) -> list[Chunk] | None:
         """``rec`` read by the guess of where its tensor starts (``g`` bytes in; by default
         as far in as the known record's), or ``None`` where no guess can be made or its
-        tensor does not go straight into its destination."""
+        tensor does not go straight into its destination. ``learn``: its first and last
+        requests are its head and tail probes' ranges, and once both have landed its
+        headers are parsed from their bytes (:meth:`_learned`: what later records are
+        guessed by), a round trip in, while the rest of it is on the wire: no byte read
+        twice."""
         if g is None:
             g = self.head_len
         n = expected_storage(rec)
@@ -390,16 +398,33 @@ class _Stream:
         ]
         for p in segments:
             p.payload = False  # counted once the headers confirm the guess
-        groups = _cut(segments, ecs)
+        ranges = probes(rec)
+        if learn and ranges[0][1] <= ranges[1][0]:
+            parts = [_cut(part, ecs) for part in _split(segments, ranges[0][1], ranges[1][0])]
+            groups = [g for part in parts for g in part]
+            probing = set(range(len(parts[0]))) | set(
+                range(len(groups) - len(parts[2]), len(groups))
+            )
+            twin = dataclasses.replace(rec, window=ByteWindow())
+            self.waiting[id(twin)] = len(probing)
+            self.probed = True
+        else:
+            groups, probing, twin = _cut(segments, ecs), set(), None
         left = [len(groups)]
         report = self.reads_of._report
         lo, hi = spot.data_start, spot.data_start + n
 
-        def one_landed(tensor_bytes: int) -> None:
+        def one_landed(index: int, tensor_bytes: int) -> None:
             # progress as the bytes land (a large record is not one jump at its end); a
             # wrong guess's bytes are reported again by its second read (the total clamps)
             if report is not None and tensor_bytes:
                 report(tensor_bytes)
+            if twin is not None and index in probing:
+                self.waiting[id(twin)] -= 1
+                if self.waiting[id(twin)] == 0:
+                    for a, b in ranges:
+                        twin.window.add(a, _gather(segments, a, b))
+                    self._spawn(self._learned(twin))
             left[0] -= 1
             if left[0] == 0:
                 self._spawn(self.confirm(rec, spot, segments, n))
@@ -412,10 +437,10 @@ class _Stream:
                 g[-1].end,
                 g,
                 landed=functools.partial(
-                    one_landed, sum(max(0, min(p.end, hi) - max(p.start, lo)) for p in g)
+                    one_landed, i, sum(max(0, min(p.end, hi) - max(p.start, lo)) for p in g)
                 ),
             )
-            for g in groups
+            for i, g in enumerate(groups)
         ]
 
     async def confirm(
@@ -471,10 +496,10 @@ class _Stream:
         if self.guessing and self.head_len is None and self.prior is not None:
             first = not self.probed
             if first or (0 < self.speculated < SPECULATE and not self.known.is_set()):
-                chunks = self.guess(rec, self.prior)
+                chunks = self.guess(rec, self.prior, learn=first)
                 if chunks is not None:
                     self.speculated += 1
-                    return self._drain() + (self.learn(rec) if first else []) + chunks
+                    return self._drain() + chunks
         if self.guessing and self.probed and not self.waited and self.head_len is None:
             # one round trip: the first probed record's headers. Bounded: where its probes
             # stall, the next records are probed, and their answers are the history that

@@ -105,14 +105,14 @@ def test_after_the_first_record_each_is_one_request(
     ranges = _ranges(r.proxy.log)
     first, *later = sorted((recs[f"w{i}"] for i in range(6)), key=lambda x: x[0])
     ends = dict(recs.values())
-    # the first large record: its head and tail probes (its headers, for the later guesses)
-    # and, at once, one request for it and the small record after it, read by the header
-    # length this process's torch.save writes
-    head, tail = (first[0], first[0] + 4096), (first[1] - 4096, first[1])
-    whole = (first[0], ends[first[1]])
-    assert sorted(_touching(ranges, first)) == sorted([head, tail, whole]), _touching(
-        ranges, first
-    )
+    # the first large record, read at once by the header length this process's torch.save
+    # writes: its first and last requests are its head and tail probes' ranges (its
+    # headers, for the later guesses; the small record after it joins the last), the rest
+    # between them; no byte read twice
+    head = (first[0], first[0] + 4096)
+    body = (first[0] + 4096, first[1] - 4096)
+    tail = (first[1] - 4096, ends[first[1]])
+    assert sorted(_touching(ranges, first)) == [head, body, tail], _touching(ranges, first)
     for rec in later:
         # each later one: one request for the whole record and the small record right
         # after it (read whole, as small records are), nothing else touches either
@@ -203,6 +203,7 @@ def test_a_checkpoint_whose_headers_differ_reads_only_the_speculated_records_aga
     ranges = _ranges(r.proxy.log)
     large = sorted((recs[f"w{i}"] for i in range(8)), key=lambda x: x[0])
     ends = dict(recs.values())
+    # the first: head, body and tail requests (3), then its tensor again
     again = [rec for rec in large if len(_within(ranges, rec)) > (2 if rec == large[0] else 0)]
     assert large[0] in again and 1 <= len(again) <= 3, again
     for rec in large[len(again) :]:
