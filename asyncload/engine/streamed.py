@@ -7,9 +7,9 @@ requests of at most ``chunk_size`` covering the whole record, without probes: it
 bytes, guessed to be as long as the known record's, are received into scratch, the tensor
 into its destination, the tail into scratch. Before any record's headers are known, the
 guess is what this process's own ``torch.save`` writes (``own_head_len``): the first large
-record is read by it and probed too (its head and tail: its headers, parsed a round trip
-later, are what later records are guessed by), and up to ``SPECULATE`` records go out by it
-without waiting; where no guess can be made a record is probed and its data read once the
+record is read by it, its first and last requests cut at its head and tail probes' ranges
+(its headers, parsed from them a round trip in, are what later records are guessed by), and
+up to ``SPECULATE`` records go out by it without waiting; where no guess can be made a record is probed and its data read once the
 probes have landed and said where the tensor starts. Once every request of it
 has landed, its headers are parsed and checked like a probed record's; where they put the
 tensor elsewhere than guessed (another pickle length, other strides), it is read again where
@@ -55,8 +55,8 @@ log = logging.getLogger("asyncload.session")
 #: Records after the first read by a guess (the tests compare with probing every record).
 GUESS = True
 #: Large records read by the prior guess (the header length this process's ``torch.save``
-#: writes) before any record's headers are known: the first one (probed too: its headers
-#: are what the later guesses go by) and the next ones. A checkpoint whose headers differ
+#: writes) before any record's headers are known: the first one (its headers, parsed from
+#: its first and last requests, are what the later guesses go by) and the next ones. A checkpoint whose headers differ
 #: (another torch) reads at most these again.
 SPECULATE = 4
 
@@ -339,7 +339,7 @@ class _Stream:
             if self.head_len is None:
                 self.head_len = loc.data_start - twin.offset
         except Exception:  # the guessed read of the same bytes raises it, when checked
-            log.debug("%s: headers not parsed from its probes", twin.where, exc_info=True)
+            log.debug("%s: headers not parsed from its first bytes", twin.where, exc_info=True)
         finally:
             self.known.set()
 
@@ -406,11 +406,10 @@ class _Stream:
                 range(len(groups) - len(parts[2]), len(groups))
             )
             twin = dataclasses.replace(rec, window=ByteWindow())
-            self.waiting[id(twin)] = len(probing)
             self.probed = True
         else:
             groups, probing, twin = _cut(segments, ecs), set(), None
-        left = [len(groups)]
+        left, unlearned = [len(groups)], [len(probing)]
         report = self.reads_of._report
         lo, hi = spot.data_start, spot.data_start + n
 
@@ -420,8 +419,8 @@ class _Stream:
             if report is not None and tensor_bytes:
                 report(tensor_bytes)
             if twin is not None and index in probing:
-                self.waiting[id(twin)] -= 1
-                if self.waiting[id(twin)] == 0:
+                unlearned[0] -= 1
+                if unlearned[0] == 0:
                     for a, b in ranges:
                         twin.window.add(a, _gather(segments, a, b))
                     self._spawn(self._learned(twin))

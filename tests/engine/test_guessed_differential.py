@@ -45,7 +45,7 @@ def saved(tmp_path_factory):
 
 
 def _mutate(raw: bytes, recs, rng: random.Random) -> bytes:
-    lo, hi = rng.choice(recs)  # a record read by a guess (the first: probed too)
+    lo, hi = rng.choice(recs)  # a record read by a guess (the first too)
     where = rng.choice(["head", "tail"])
     a, b = (lo, lo + 704) if where == "head" else (hi - 900, hi)
     buf = bytearray(raw)
@@ -116,8 +116,8 @@ def test_undamaged_loads_bit_exact_by_guess(saved, caplog):
         assert torch.equal(got[k], v), k
     msgs = [r.getMessage() for r in caplog.records if "read by guessing" in r.getMessage()]
     # all seven large records guessed (the first by the header length this process's
-    # torch.save writes, probed too), two of them wrongly (the transposed one, the longer
-    # pickle)
+    # torch.save writes; its headers parsed from its first and last requests), two of them
+    # wrongly (the transposed one, the longer pickle)
     assert msgs == [
         "7 records read by guessing where their tensor starts, 2 guessed wrong, read again"
     ]

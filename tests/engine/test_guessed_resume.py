@@ -80,7 +80,7 @@ def test_a_job_resumes_from_s3_through_guessed_records(
 
     guessed = [r.getMessage() for r in caplog.records if "read by guessing" in r.getMessage()]
     # 2 weights, their AdamW exp_avg and exp_avg_sq: 6 records of 512 KiB, every one read by
-    # a guess (the first probed too)
+    # a guess (the first by this process's torch.save header length)
     assert guessed and guessed[0].startswith("6 records read by guessing"), guessed
     assert guessed[0].endswith("0 guessed wrong, read again")
     for a, b, c in zip(ours, theirs, original, strict=True):
