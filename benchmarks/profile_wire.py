@@ -39,10 +39,10 @@ from asyncload.storage import wire_http
 T0 = [0.0]
 events = []
 orig_request = wire_http.Pool.request
-async def request(self, method, target, headers, url):
+async def request(self, method, target, headers, url, sent=None):
     t = time.perf_counter() - T0[0]
     try:
-        return await orig_request(self, method, target, headers, url)
+        return await orig_request(self, method, target, headers, url, sent)
     finally:
         events.append(("REQ", method, target[:80], headers.get("Range"), t, time.perf_counter() - T0[0]))
 wire_http.Pool.request = request

@@ -76,10 +76,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadSession", "decode_object", "in_flight"]
 
-#: Seconds after ``.metadata`` and the listing were asked for that the decoders' tables are
-#: built, while both are on the wire (as :data:`asyncload.storage.wire.WARM_AFTER`).
-_WARM_AFTER = 0.002
-
 log = logging.getLogger("asyncload.session")
 
 
@@ -439,9 +435,10 @@ class LoadSession:
                 first = asyncio.ensure_future(storage.read_object(name, options.max_metadata_size))
                 if rank is None:
                     # the data files' sizes, listed while .metadata is read
-                    storage.prefetch_sizes()
-                    # the decoders' tables built while both are on the wire
-                    asyncio.get_running_loop().call_later(_WARM_AFTER, _warm)
+                    listing = storage.prefetch_sizes()
+                    # the decoders' tables built while both are on the wire, once both
+                    # have left: before, their sending would wait for it
+                    storage.when_sent(1 + listing, _warm)
                 raw, size = await first
             else:
                 size = await storage.size(name)

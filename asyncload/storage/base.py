@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -280,6 +280,15 @@ class Storage:
         """Names of the plain files directly under the root, sorted."""
         return []
 
+    def requests_sent(self) -> int | None:
+        """How many requests this store has written to the network so far, or ``None`` where
+        it cannot tell (a client that sends on threads of its own, a local file)."""
+        return None
+
+    def warm(self) -> None:
+        """Work that the answers of the requests on the wire will need, done while they are
+        on it (the wire transport: an S3 listing's XML parser). Here nothing."""
+
     async def aclose(self) -> None:
         """Close files and sessions. Safe to call twice."""
 
@@ -411,29 +420,42 @@ class ListedStore(VersionPins):
             raise FileNotFoundError(f"{self.url(name)} is not in the listing of {self.url('')}")
         return await self._head(name)
 
-    def prefetch_sizes(self) -> None:
+    def prefetch_sizes(self) -> bool:
         """Start listing the checkpoint's directory now (S3, GCS), while ``.metadata`` is
-        read: :meth:`sizes` takes the files' sizes from it if it has finished by then."""
+        read: :meth:`sizes` takes the files' sizes from it if it has finished by then.
+        Whether a listing was started."""
         if self.spec.kind != "http" and self._listing is None:
             self._listing = asyncio.ensure_future(self._list())
+            return True
+        return False
 
     async def sizes(self, names: Sequence[str]) -> dict[str, int]:
         """The sizes this load has already seen (a HEAD, a whole GET, a listing started by
         :meth:`prefetch_sizes` that has finished: no request), and one listing of the
         checkpoint's directory instead of a HEAD per file for the others (S3, GCS; 4 files
         or more)."""
-        if not self._take_listing_if_back() and self._listing is not None:
-            # not back yet (a large directory): never wait for it
-            listing, self._listing = self._listing, None
-            listing.cancel()
-            await asyncio.gather(listing, return_exceptions=True)
+        listing = self._listing
+        if not self._take_listing_if_back() and listing is not None:
+            if self._listable([n for n in names if n not in self._sizes]):
+                # a listing is needed anyway: the one on its way is the sooner
+                await asyncio.wait({listing})
+                self._take_listing_if_back()  # (a failed one is dropped, and listed again)
+            else:  # a HEAD each is sooner than a large directory's listing: never wait for it
+                self._listing = None
+                listing.cancel()
+                await asyncio.gather(listing, return_exceptions=True)
         out = {n: self._sizes[n] for n in names if n in self._sizes}
         wanted = set(names) - set(out)
-        if len(wanted) < 4 or self.spec.kind == "http":
+        if not self._listable(wanted):
             return out
         self._take_listing(await self._list(), wanted)
         out.update((n, self._sizes[n]) for n in wanted if n in self._sizes)
         return out
+
+    def _listable(self, wanted: Collection[str]) -> bool:
+        """Whether the sizes of ``wanted`` are asked of a listing (S3, GCS; 4 files or more)
+        rather than of a HEAD each."""
+        return len(wanted) >= 4 and self.spec.kind != "http"
 
     def _take_listing_if_back(self) -> bool:
         """Take the sizes and versions of every file of the listing :meth:`prefetch_sizes`

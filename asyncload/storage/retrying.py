@@ -77,6 +77,13 @@ _Track = tuple[InFlight, str, "tuple[int, int] | None", int]
 #: Bytes of a :meth:`RetryingStorage.read_batch` read on the loop thread where the store
 #: can without waiting (a local file's cached pages: ``Storage.readinto_cached``).
 BATCH_INLINE = 1 << 20
+#: :meth:`RetryingStorage.when_sent`: seconds after which work for the wait runs where the
+#: store cannot say when its requests left (their connections take a loop iteration or two
+#: on loopback, their answers at least a round trip); how often a store that can say is
+#: asked; the longest it is waited for.
+WARM_AFTER = 0.002
+WARM_POLL = 0.0002
+WARM_WAIT = 0.05
 
 
 class _Request:
@@ -659,12 +666,39 @@ class RetryingStorage:
         raw = self.raw
         return int(await self._stat(lambda: raw.size(name), name))
 
-    def prefetch_sizes(self) -> None:
+    def prefetch_sizes(self) -> bool:
         """Let the store start listing the checkpoint's files now, where it can (a hint:
-        :meth:`sizes` uses the listing if it is back in time, nothing waits for it)."""
+        :meth:`sizes` uses the listing if it is back in time, nothing waits for it). Whether
+        a listing was started."""
         prefetch = getattr(self.raw, "prefetch_sizes", None)
-        if prefetch is not None:
-            prefetch()
+        return bool(prefetch()) if prefetch is not None else False
+
+    def when_sent(self, requests: int, work: Callable[[], None]) -> None:
+        """Run ``work`` (and the store's own :meth:`~Storage.warm`) on the loop while the
+        load's first requests are on the wire: once ``requests`` more of them have been
+        written, so that it never holds one of them back; where the store cannot tell (its
+        client sends on threads of its own), ``WARM_AFTER`` seconds from now."""
+        loop = asyncio.get_running_loop()
+        raw = self.raw
+        start = raw.requests_sent()
+
+        def run() -> None:
+            raw.warm()
+            work()
+
+        if start is None:
+            loop.call_later(WARM_AFTER, run)
+            return
+        deadline = loop.time() + WARM_WAIT
+
+        def check() -> None:
+            sent = raw.requests_sent()
+            if sent is not None and sent < start + requests and loop.time() < deadline:
+                loop.call_later(WARM_POLL, check)
+            else:
+                run()
+
+        loop.call_soon(check)
 
     async def sizes(self, names: Sequence[str]) -> dict[str, int]:
         """Sizes of several files in one listing where the store can (an optimisation: the

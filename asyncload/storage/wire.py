@@ -27,7 +27,6 @@ uses obstore.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import os
@@ -240,6 +239,8 @@ class WireStorage(ListedStore):
         #: file name -> the condition header to send (``If-Match`` with a strong ETag)
         self._conditions: dict[str, str] = {}
         self._max_listing = max_listing_size or LISTING_LIMIT
+        #: requests written to a connection so far (:meth:`requests_sent`)
+        self._sent = 0
 
     def __repr__(self) -> str:
         return f"<WireStorage {self.url('')} pools={list(self._pools.values())}>"
@@ -279,7 +280,9 @@ class WireStorage(ListedStore):
             p = urlsplit(url)
             target = (p.path or "/") + (f"?{p.query}" if p.query else "")
             headers = await self._headers(method, url, extra)
-            resp = await self._pool(url).request(method, target, headers, self.url(name))
+            resp = await self._pool(url).request(
+                method, target, headers, self.url(name), self._count_sent
+            )
             location = resp.headers.get("location")
             if resp.status not in (301, 302, 303, 307, 308) or not location:
                 return resp
@@ -291,6 +294,12 @@ class WireStorage(ListedStore):
                 )
             url = nxt
         raise ConnectionError(f"{self.url(name)}: more than {MAX_REDIRECTS} redirects")
+
+    def _count_sent(self) -> None:
+        self._sent += 1
+
+    def requests_sent(self) -> int:
+        return self._sent
 
     def _version(self, headers: Mapping[str, str]) -> str | None:
         if self.spec.kind == "gcs":
@@ -457,13 +466,15 @@ class WireStorage(ListedStore):
         return size
 
     # listings
-    def prefetch_sizes(self) -> None:
-        """Start the listing (:meth:`ListedStore.prefetch_sizes`); an S3 listing's XML parser
-        is imported while it is on the wire (3-4 ms of a fresh process's first load, after
-        the answer otherwise)."""
-        super().prefetch_sizes()
-        if self.spec.kind == "s3" and "xml.etree.ElementTree" not in sys.modules:
-            asyncio.get_running_loop().call_later(WARM_AFTER, _import_xml)
+    def warm(self) -> None:
+        """An S3 listing's XML parser imported while the listing is on the wire (3-4 ms of a
+        fresh process's first load, after its answer otherwise)."""
+        if (
+            self.spec.kind == "s3"
+            and self._listing is not None
+            and "xml.etree.ElementTree" not in sys.modules
+        ):
+            import xml.etree.ElementTree  # noqa: F401
 
     async def _list(self) -> list[Listed]:
         """``(name, size, version)`` of every file directly under the root (S3, GCS), all
@@ -496,16 +507,6 @@ class WireStorage(ListedStore):
         pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             await pool.aclose()
-
-
-#: Seconds after the first requests are started that work their answers will need is done
-#: while they are on the wire (their connections take a loop iteration or two on loopback,
-#: their answers at least a round trip).
-WARM_AFTER = 0.002
-
-
-def _import_xml() -> None:
-    import xml.etree.ElementTree  # noqa: F401
 
 
 def _s3_page(body: bytes, prefix: str) -> tuple[list[Listed], str | None]:

@@ -22,7 +22,7 @@ import asyncio
 import re
 import socket
 import ssl as _ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from asyncload.storage.base import ShortReadError
 
@@ -466,10 +466,16 @@ class Pool:
         self._idle.append(conn)
 
     async def request(
-        self, method: str, target: str, headers: dict[str, str], url: str
+        self,
+        method: str,
+        target: str,
+        headers: dict[str, str],
+        url: str,
+        sent: Callable[[], None] | None = None,
     ) -> Response:
         """Send ``method target`` with ``headers`` on an idle connection (one the server has
-        closed is dropped) or a new one, and wait for the answer's head."""
+        closed is dropped) or a new one (``sent`` called once it is written), and wait for the
+        answer's head."""
         if self._closed:
             raise ConnectionError("the connection pool is closed")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host_header}"]
@@ -485,6 +491,8 @@ class Pool:
             conn = await self._connect()
         try:
             conn.send(data)
+            if sent is not None:
+                sent()
             status, reason, head = await conn.read_head()
         except BaseException:
             # a reset or cancel, even of a reused connection: asyncload's retry policy is the

@@ -7,6 +7,8 @@ filled. Bytes compared bit for bit; requests counted, never timed.
 
 from __future__ import annotations
 
+import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from _remote import make_remote
 
 import asyncload
 from asyncload import LoadOptions
+from asyncload.testing import delay
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,3 +77,60 @@ def test_first_data_request_follows_the_listing_and_metadata_only(
     assert stats.time_to_first_byte > 0
     # and every data file is asked for by ranged GETs only: no HEAD, no unranged GET
     assert all(e.range for e in log if e.path.endswith(".distcp")), log
+
+
+def test_the_decoders_tables_are_built_once_the_first_requests_have_left(
+    request, saved, bucket_name, fault_proxy, monkeypatch
+):
+    """The decoders' tables (a few ms of a fresh process) are built while the listing and
+    the ``.metadata`` GET are on the wire, never before both have left: here each request's
+    headers take 10 ms to make (as credentials fetched off the loop can), far longer than a
+    timer of a few ms; counted, never timed."""
+    from asyncload.engine import session as session_mod
+    from asyncload.storage import wire, wire_http
+
+    path, sd = saved
+    r = make_remote(request, "s3", path, bucket_name, fault_proxy)
+    started: list[str] = []
+    seen_at_warm: list[list[str]] = []
+    slow_headers = wire.WireStorage._headers
+
+    async def headers(self, method, url, extra):
+        await asyncio.sleep(0.01)
+        return await slow_headers(self, method, url, extra)
+
+    real_request = wire_http.Pool.request
+
+    async def counted(self, method, target, headers, url, *args, **kw):
+        started.append(target)
+        return await real_request(self, method, target, headers, url, *args, **kw)
+
+    real_warm = session_mod._warm
+
+    def warm():
+        seen_at_warm.append(list(started))
+        real_warm()
+
+    monkeypatch.setattr(wire.WireStorage, "_headers", headers)
+    monkeypatch.setattr(wire_http.Pool, "request", counted)
+    monkeypatch.setattr(session_mod, "_warm", warm)
+    _load(r, sd)
+    assert len(seen_at_warm) == 1
+    sent = seen_at_warm[0]
+    assert len(sent) == 2, sent
+    assert sum("list-type=2" in t for t in sent) == 1, sent
+    assert sum(t.endswith("/.metadata") for t in sent) == 1, sent
+
+
+def test_the_files_sizes_wait_for_the_listing_on_its_way(request, saved, bucket_name, fault_proxy):
+    """The listing that left beside ``.metadata`` and answers later than it (a large
+    directory) is waited for when the sizes of 4 files or more are checked, not asked for
+    again; one file's size is a HEAD's, sooner than a slow listing."""
+    path, sd = saved
+    files = len(list(path.glob("*.distcp")))
+    r = make_remote(request, "s3", path, bucket_name, fault_proxy)
+    r.proxy.add_rule(delay(0.3), method="GET", path=re.compile(r"list-type=2"), times=1)
+    _load(r, sd)
+    log = r.proxy.log
+    assert sum("list-type=2" in e.query for e in log) == 1, log
+    assert sum(e.method == "HEAD" for e in log) == (1 if files == 1 else 0), log
