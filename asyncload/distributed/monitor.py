@@ -553,6 +553,33 @@ class Monitor:
                 rank, seconds, status = idle
                 self._give_up(rank, None, seconds, status, doing)
 
+    async def await_together(self, fut: asyncio.Future[Any], name: str, doing: str) -> Any:
+        """Await ``fut``, this rank's part of a collective that every rank runs at once (on a
+        thread of its own), then wait until every rank's part is done (barrier ``name``);
+        its result. Waiting, this rank polls one key and beats; the barrier's watcher watches
+        every rank whose part is not done and gives up on one without progress for
+        ``timeout`` (:class:`~asyncload.distributed.barrier.BarrierWait`): O(W) store
+        operations per beat for the group, where each rank watching every other one
+        (:meth:`wait_on`) costs O(W x W). A failure posted by any rank ends the wait on every
+        rank. Raises what ``fut`` raises."""
+        wait = BarrierWait(self, name, doing)
+        wait.enter()
+        delay = wait.first_delay
+        result: Any = None
+        arrived = False
+        while True:
+            if not arrived and fut.done():
+                result = fut.result()
+                wait.arrive()
+                arrived, delay = True, wait.first_delay
+            if wait.poll():
+                return result
+            if arrived:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.wait({fut}, timeout=delay)
+            delay = min(wait.max_delay, delay * 2)
+
     async def watch(self) -> None:
         """Raise as soon as any rank posts a failure (runs beside the reads)."""
         interval = max(_WATCH_INTERVAL, poll_interval(self.world))
