@@ -180,7 +180,7 @@ class BarrierWait:
 
     State: ``_ev`` (the event count last seen), ``_watcher`` (its rank) and
     ``_watcher_seen`` (its status and since when), ``_arrived`` (other ranks the watcher has
-    seen arrive; arrivals are never undone), ``_beat_at`` (the last beat), ``_digest_posted``
+    seen arrive; arrivals are never undone), ``_here`` (1 once this rank arrived), ``_beat_at`` (the last beat), ``_digest_posted``
     (the watcher's digest exists)."""
 
     def __init__(self, host: _Host, name: str, doing: str) -> None:
@@ -195,6 +195,7 @@ class BarrierWait:
         self._watcher = -1
         self._watcher_seen: tuple[bytes, float] | None = None
         self._arrived: set[int] = set()
+        self._here = 0
         self._beat_at = time.monotonic()
         self._digest_posted = False
 
@@ -208,6 +209,7 @@ class BarrierWait:
         """Arrive (and wait from now on, unless this is the last arrival)."""
         host, store = self.host, self.host.store
         entered = self._watcher >= 0
+        self._here = 1
         if arrive(host, self.name) >= host.world:
             self.done = True
             return
@@ -260,6 +262,15 @@ class BarrierWait:
     def _missing(self) -> list[int]:
         host = self.host
         unknown = [r for r in range(host.world) if r not in self._arrived and r != host.rank]
+        # arrivals are counted: when none is new, or all are, one operation tells which
+        # (a group waiting before it arrives (enter) has all its ranks missing at first,
+        # where checking each key costs two operations a key)
+        new = int(host.store.add(f"n/{self.name}", 0)) - len(self._arrived) - self._here
+        if new <= 0:
+            return unknown
+        if new >= len(unknown):
+            self._arrived.update(unknown)
+            return []
         found = present(host.store, [f"at/{self.name}/{r}" for r in unknown])
         self._arrived.update(r for r, f in zip(unknown, found) if f)
         return [r for r, f in zip(unknown, found) if not f]
