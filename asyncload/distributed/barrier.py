@@ -218,6 +218,13 @@ class BarrierWait:
         self._join()
         self.done = int(store.add(f"n/{self.name}", 0)) >= host.world
 
+    def arrived_before(self) -> None:
+        """Wait from now on, this rank having arrived already (with :func:`arrive`, as a
+        rank whose load returns before the others' does at "done")."""
+        self._here = 1
+        self._join()
+        self.done = int(self.host.store.add(f"n/{self.name}", 0)) >= self.host.world
+
     def enter(self) -> None:
         """Wait before arriving: this rank's part is not done yet (it arrives with
         :meth:`arrive` when it is); until then it polls, beats and watches (when elected) like

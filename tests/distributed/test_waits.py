@@ -638,3 +638,66 @@ def test_the_side_groups_creation_waits_at_o1_keys_per_beat(tmp_path: Path) -> N
         if res.rank != world - 1:
             waited = [op for op in ops if op == ("set", (f"st/{res.rank}",))]
             assert len(waited) >= beats + 2, len(waited)
+
+
+# --- ranks whose load returned before the others' (wait_for_peers=False) ----------------------------
+
+
+def w_returned_early(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Ranks 0-2 return from their load at once (nothing left to send); rank 3 stalls
+    (``stall``) or fails (``fail``) while still loading."""
+    from asyncload.distributed.sends import BackgroundSends
+
+    m = Monitor(None, 3.0, None)
+    counting = Counting(m.store._store)
+    m.store._store = counting
+    if rank == 3:
+        m.status("reading data: stalled by the test")
+        if mode == "fail":
+            time.sleep(1.5)  # the others wait at "done"
+            m.fail(RuntimeError("injected failure"), "reading data")
+            raise RuntimeError("injected failure")
+        time.sleep(3600)
+    sends = BackgroundSends(m, 1 << 20)
+    m.returns_early = True
+    m.after_return = sends.after_return
+    m.finish("finishing its load")
+    drained = sends.wait(CUT_OFF)
+    err = sends.error
+    return {
+        "drained": drained,
+        "error": type(err).__name__,
+        "rank": getattr(err, "rank", None),
+        "message": str(err),
+        "ops": list(counting.ops),
+        "watcher": int(m.store.get("wa/done")),
+    }
+
+
+@pytest.mark.parametrize("mode", ["stall", "fail"])
+def test_ranks_that_returned_wait_for_the_others_at_o1_keys(mode: str) -> None:
+    """Ranks that returned before the others (their sends landed) wait at "done" as at a
+    barrier: one that does not watch reads no other rank's keys but the watcher's status
+    (before: every one checked every rank's "done" key and read the statuses of those still
+    loading, every beat); the watcher gives up on the stalled rank, and a failure posted by
+    the rank still loading reaches every one of them."""
+    results = run_ranks(w_returned_early, 4, mode, timeout=60, may_hang={3})
+    if mode == "fail":
+        assert results[3].status == "error" and results[3].error_type == "RuntimeError"
+    watchers = {r.value["watcher"] for r in results[:3]}
+    assert len(watchers) == 1, watchers
+    (watcher,) = watchers
+    for res in results[:3]:
+        assert res.ok, (res.rank, res.status, res.message, res.traceback)
+        v = res.value
+        assert v["drained"] and v["error"] == "DistributedLoadError", v["message"]
+        assert v["rank"] == 3, v["message"]
+        if mode == "stall":
+            assert v["message"].startswith("rank 3 made no progress for "), v["message"]
+            assert "its last status: reading data: stalled by the test" in v["message"]
+        else:
+            assert v["message"] == (
+                "rank 3 failed while reading data: RuntimeError: injected failure"
+            )
+        if res.rank != watcher:
+            _non_watcher_bound(res.rank, watcher, "done", v["ops"], 0)
