@@ -36,7 +36,6 @@ from asyncload.distributed.barrier import (
     BarrierWait,
     arrive,
     poll_interval,
-    present,
     read_present,
 )
 from asyncload.distributed.lateness import (
@@ -517,7 +516,7 @@ class Monitor:
             self.all_finished.set()
             return
         self.check()
-        arrive(self, "done")  # counted: all_done() reads one key
+        arrive(self, "done")  # counted: the others' wait at "done" reads the count
         if self.after_return is not None:
             self.after_return()
         else:
@@ -526,20 +525,6 @@ class Monitor:
     def finished(self, rank: int) -> bool:
         """Whether ``rank`` has finished its part of the load (returned early or passed "done")."""
         return bool(self.store.check([f"at/done/{rank}"]))
-
-    def finished_ranks(self) -> list[int]:
-        keys = [f"at/done/{r}" for r in range(self.world)]
-        return [r for r, f in enumerate(present(self.store, keys)) if f]
-
-    def unfinished_ranks(self) -> list[int]:
-        """The ranks that have not finished their part of the load (a few store operations
-        when few have not: :func:`~asyncload.distributed.barrier.present`)."""
-        keys = [f"at/done/{r}" for r in range(self.world)]
-        return [r for r, f in enumerate(present(self.store, keys)) if not f]
-
-    def all_done(self) -> bool:
-        """Whether every rank has finished its part of the load (one store operation)."""
-        return int(self.store.add("n/done", 0)) >= self.world
 
     async def wait_on(self, fut: asyncio.Future[Any], peers: Sequence[int], doing: str) -> Any:
         """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls."""
