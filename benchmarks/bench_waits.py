@@ -866,8 +866,8 @@ def main() -> None:
         for (part, scheme, world), r in results.items():
             if part == wait:
                 print(
-                    f"| {world:,} | {scheme} | {r['per_rank_ops']:.1f} | {r['per_rank_keys']:,.0f} "
-                    f"| {r['watcher_ops']:.1f} | {r['group_ops']:,.0f} | {r['group_keys']:,.0f} | "
+                    f"| {world:,} | {scheme} | {r['per_rank_ops']:.1f} | "
+                    f"{r['per_rank_keys']:,.0f} | {r['watcher_ops']:.1f} | {r['group_ops']:,.0f} | {r['group_keys']:,.0f} | "
                     f"{tilde(r['projected'])}{r['load']:.3f} |"
                 )
     if "late" in parts:

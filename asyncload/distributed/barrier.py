@@ -178,10 +178,13 @@ class BarrierWait:
     """One rank's wait at one barrier: :meth:`arrive`, then :meth:`poll` until it returns
     True (it raises when a rank failed, was given up on, or the load was cancelled).
 
+    A rank may wait before it arrives: :meth:`enter`, polls, then :meth:`arrive` once its
+    part is done; or after it arrived without waiting (:func:`arrive`): :meth:`arrived_before`.
+
     State: ``_ev`` (the event count last seen), ``_watcher`` (its rank) and
     ``_watcher_seen`` (its status and since when), ``_arrived`` (other ranks the watcher has
-    seen arrive; arrivals are never undone), ``_here`` (1 once this rank arrived), ``_beat_at`` (the last beat), ``_digest_posted``
-    (the watcher's digest exists)."""
+    seen arrive; arrivals are never undone), ``_here`` (1 once this rank arrived),
+    ``_beat_at`` (the last beat), ``_digest_posted`` (the watcher's digest exists)."""
 
     def __init__(self, host: _Host, name: str, doing: str) -> None:
         self.host = host

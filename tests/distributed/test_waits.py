@@ -339,7 +339,7 @@ def test_the_digest_line_is_the_records_line() -> None:
     assert digest_message(*args, digest(one)) == late_message(*args, one)
 
 
-# --- waiting on a collective that runs on a thread (the gloo side group's creation) ---------------
+# --- waiting on a collective that runs on a thread (the gloo side group's creation) --------------
 
 
 def _non_watcher_bound(
@@ -640,7 +640,7 @@ def test_the_side_groups_creation_waits_at_o1_keys_per_beat(tmp_path: Path) -> N
             assert len(waited) >= beats + 2, len(waited)
 
 
-# --- ranks whose load returned before the others' (wait_for_peers=False) ----------------------------
+# --- ranks whose load returned before the others' (wait_for_peers=False) -------------------------
 
 
 def w_returned_early(rank: int, world: int, mode: str) -> dict[str, Any]:
