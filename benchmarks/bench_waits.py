@@ -30,9 +30,24 @@ Scenarios, for each group size W (``--ranks``):
   the digest. Operations, keys, and the store seconds of the burst (replayed).
 * ``rank_progress``: ``LoadHandle.rank_progress()`` called on one rank, and on every rank at
   once: operations, keys, store seconds (replayed).
+* ``returned``: ranks whose load returned before the others' (``wait_for_peers=False``,
+  every send landed: :mod:`asyncload.distributed.sends`) waiting for rank W-1, still
+  loading: ``before``, the drain of ``sends.py`` before the ``sidewait`` branch (each poll
+  ``abort`` and the count of ``done``; each beat a check of every rank's ``done`` key and the
+  statuses of those missing); ``after``, a wait at "done" as at a barrier. As ``side``.
+* ``side``: the wait of the gloo side group's creation (``make_side_group``), every rank's
+  part still running (``dist.new_group`` on its thread: the whole group waits at once). Both
+  schemes run this checkout's monitor: ``before``, the wait of ``side_group.py`` before the
+  ``sidewait`` branch (``Monitor.wait_on`` with every other rank: each beat, a heartbeat and
+  every other rank's status, and the late check reading every other rank's record);
+  ``after``, ``Monitor.await_together`` (a barrier waited at before arriving: one watcher
+  reads the ranks' status and records, every other rank polls one key). Simulated ranks as in
+  ``barrier`` (a sample above ``--full``); store operations per rank per second over
+  ``--window`` seconds, and the group's traffic replayed and scaled ("store load").
 
 Run:  python benchmarks/bench_waits.py                          # ~5 min on 2 cores
       python benchmarks/bench_waits.py --ranks 64,256 --schemes after
+      python benchmarks/bench_waits.py --ranks 1024,8192 --parts side,returned
 """
 
 from __future__ import annotations
@@ -56,6 +71,7 @@ import torch.distributed as dist
 
 BEFORE_COMMIT = "a507923"
 DOING = "waiting for the other ranks to finish reading"
+SIDE_DOING = "making the gloo side group for adaptive sharing"
 
 
 def loadavg() -> str:
@@ -291,6 +307,141 @@ def _client(port: int, jobs: Any, out: Any, before_path: str, start: Any, go: An
                     due[i] = time.monotonic() + w.delay  # as Monitor.barrier sleeps
                     w.delay = min(w.max_delay, w.delay * 2)
             out.put(("done", last, [t.trace for t in tallies]))
+        elif kind == "side":
+            _, scheme, seq, world, ranks, window = job
+            out.put(("window", _side_wait(scheme, base, seq, world, ranks, window, go, out)))
+        elif kind == "returned":
+            _, scheme, seq, world, ranks, window = job
+            out.put(("window", _returned_wait(scheme, base, seq, world, ranks, window, go, out)))
+
+
+def _returned_wait(
+    scheme: str,
+    base: Any,
+    seq: int,
+    world: int,
+    ranks: list[int],
+    window: float,
+    go: Any,
+    out: Any,
+) -> list[tuple[bool, int, int, list[tuple[Any, ...]]]]:
+    """Simulated ranks whose load returned (``wait_for_peers=False``, every send landed),
+    waiting for rank W-1 to finish, for ``window`` seconds: ``before``, as the drain of
+    ``sends.py`` did before the ``sidewait`` branch (each poll: ``abort`` and the count of
+    ``done``; each beat: which ranks have not finished (a check of every ``done`` key, halved
+    where one is missing), then their statuses); ``after``, as it does now
+    (``BarrierWait.arrived_before``, then polls)."""
+    from asyncload.distributed.barrier import BarrierWait, present
+
+    mod = scheme_module("after", "")
+    mons, tallies, waits = [], [], []
+    for r in ranks:
+        m, t = make_monitor(mod, base, seq, r, world)
+        m.status("finished its load")
+        mons.append(m)
+        tallies.append(t)
+    if scheme == "after":
+        for m in mons:  # the first to wait watches
+            w = BarrierWait(m, "done", "waiting, its load returned, for the others")
+            w.arrived_before()
+            waits.append(w)
+    out.put("arrived")
+    go.wait()
+    for t in tallies:
+        t.reset()
+    t0 = time.monotonic()
+    delays = [w.first_delay for w in waits] if waits else [0.005] * len(mons)
+    due = [t0] * len(mons)
+    checked = [t0 - 1.0] * len(mons)  # the steady state: a beat is due
+    keys = [f"at/done/{r}" for r in range(world)]
+    while True:
+        now = time.monotonic()
+        if now - t0 >= window:
+            break
+        i = min(range(len(mons)), key=lambda j: due[j])
+        if due[i] > now:
+            time.sleep(min(due[i] - now, t0 + window - now))
+            continue
+        m = mons[i]
+        if scheme == "after":
+            waits[i].poll()
+            longest = waits[i].max_delay
+        else:  # the body of the drain's loop before
+            m.store.add("n/done", 0)
+            m.store.check(["abort"])
+            if now - checked[i] >= 1.0:
+                checked[i] = now
+                waiting = [r for r, f in enumerate(present(m.store, keys)) if not f]
+                m.idle_peer(waiting)
+            longest = 0.05
+        due[i] = time.monotonic() + delays[i]
+        delays[i] = min(longest, delays[i] * 2)
+    watching = [scheme == "after" and w._watcher == w.host.rank for w in waits] or [False] * len(
+        mons
+    )
+    return [(w, t.ops, t.keys, t.trace) for w, t in zip(watching, tallies)]
+
+
+def _side_wait(
+    scheme: str,
+    base: Any,
+    seq: int,
+    world: int,
+    ranks: list[int],
+    window: float,
+    go: Any,
+    out: Any,
+) -> list[tuple[bool, int, int, list[tuple[Any, ...]]]]:
+    """Simulated ranks waiting on their part of the side group's creation for ``window``
+    seconds (no part ends): ``before``, as ``Monitor.wait_on(fut, others)`` does (a beat a
+    second: heartbeat, then every other rank's status; the late check); ``after``, as
+    ``Monitor.await_together`` does (``BarrierWait.enter``, then polls)."""
+    from asyncload.distributed.barrier import BarrierWait
+
+    mod = scheme_module("after", "")
+    mons, tallies, waits = [], [], []
+    for r in ranks:
+        m, t = make_monitor(mod, base, seq, r, world)
+        m._reporting = object()  # it keeps a progress record (a load under asyncload.load)
+        m.status(SIDE_DOING)
+        mons.append(m)
+        tallies.append(t)
+    if scheme == "after":
+        for m in mons:  # the first to enter watches
+            w = BarrierWait(m, "s", SIDE_DOING)
+            w.enter()
+            waits.append(w)
+    out.put("arrived")
+    go.wait()
+    for t in tallies:
+        t.reset()
+    t0 = time.monotonic()
+    if scheme == "after":
+        delays = [w.first_delay for w in waits]
+        due = [t0] * len(waits)
+    else:  # the steady state: the wait has lasted a beat already
+        due = [t0] * len(mons)
+    others = [[p for p in range(world) if p != m.rank] for m in mons]
+    while True:
+        now = time.monotonic()
+        if now - t0 >= window:
+            break
+        i = min(range(len(mons)), key=lambda j: due[j])
+        if due[i] > now:
+            time.sleep(min(due[i] - now, t0 + window - now))
+            continue
+        if scheme == "after":
+            waits[i].poll()
+            due[i] = time.monotonic() + delays[i]
+            delays[i] = min(waits[i].max_delay, delays[i] * 2)
+        else:  # the body of Monitor.wait_on's loop, once a beat
+            mons[i].beat()
+            mons[i].idle_peer(others[i])
+            due[i] += mod._BEAT_INTERVAL
+    watching = [scheme == "after" and w._watcher == w.host.rank for w in waits] or [False] * len(
+        mons
+    )
+    return [(w, t.ops, t.keys, t.trace) for w, t in zip(watching, tallies)]
 
 
 class Clients:
@@ -427,6 +578,64 @@ def barrier_scenario(
         "projected": projected,
         "done": measured if full else projected_done,
         "done_measured": full,
+        "simulated": len(sim),
+    }
+
+
+def side_scenario(
+    scheme: str,
+    world: int,
+    seq: int,
+    server: Any,
+    clients: Clients,
+    args: Any,
+    kind: str = "side",
+) -> dict[str, Any]:
+    """``side``: every rank waits on its part of the side group's creation (none ends in the
+    window). ``returned``: ranks 0 .. W-2 returned from their load (every send landed) and
+    wait for rank W-1, still loading."""
+    waiting = world if kind == "side" else world - 1
+    sim = (
+        list(range(waiting))
+        if waiting <= args.full
+        else sorted({0, *range(1, waiting, max(1, (waiting - 1) // (args.sample - 1)))})[
+            : args.sample
+        ]
+    )
+    keys = dist.PrefixStore(f"asyncload/{seq}/", server)  # the monitors' prefix
+    for r in range(world):  # every rank's status and record exist, as during a load
+        keys.set(f"st/{r}", f"1|{SIDE_DOING}")
+        keys.set(f"pg/{r}", record(1 << 30, 2 << 30))
+    if kind == "returned":  # ranks 0 .. W-2 arrived at "done" (and the first of them watches)
+        for r in range(waiting):
+            keys.set(f"at/done/{r}", "arrived")
+        keys.add("n/done", waiting)
+    n = len(clients.jobs)
+    go = clients.go
+    go.clear()
+    for k, q in enumerate(clients.jobs):
+        q.put((kind, scheme, seq, world, sim[k::n], args.window))
+    for _ in clients.jobs:
+        assert clients.out.get(timeout=600) == "arrived"
+    go.set()
+    windows = [clients.out.get(timeout=900) for _ in clients.jobs]
+    rows = [row for w in windows for row in w[1]]
+    watcher = [r for r in rows if r[0]]
+    plain = [r for r in rows if not r[0]]
+    per = sum(r[1] for r in plain) / len(plain) / args.window
+    per_keys = sum(r[2] for r in plain) / len(plain) / args.window
+    watch_ops = sum(r[1] for r in watcher) / args.window
+    others = waiting - len(watcher)
+    parts = [(r[3], others / len(plain)) for r in plain] + [(r[3], 1.0) for r in watcher]
+    ops, keys, store_s, projected = scaled_replay(clients, f"asyncload/{seq}/", parts, args)
+    return {
+        "per_rank_ops": per,
+        "per_rank_keys": per_keys,
+        "watcher_ops": watch_ops,
+        "group_ops": ops / args.window,
+        "group_keys": keys / args.window,
+        "load": store_s / args.window,
+        "projected": projected,
         "simulated": len(sim),
     }
 
@@ -594,6 +803,30 @@ def main() -> None:
                         )
                         if world == ranks[0]:
                             print(f"       line: {res['line'][:400]}", flush=True)
+                if "side" in parts:
+                    seq += 1
+                    res = side_scenario(scheme, world, seq, server, clients, args)
+                    results[("side", scheme, world)] = res
+                    print(
+                        f"{world:>5} {scheme:>6} side group's creation: {res['per_rank_ops']:.1f} "
+                        f"ops/s per waiting rank ({res['per_rank_keys']:.0f} keys), watcher "
+                        f"{res['watcher_ops']:.1f} ops/s; group {res['group_ops']:,.0f} ops/s, "
+                        f"{res['group_keys']:,.0f} keys/s; store load {tilde(res['projected'])}"
+                        f"{res['load']:.3f} ({res['simulated']} simulated)",
+                        flush=True,
+                    )
+                if "returned" in parts:
+                    seq += 1
+                    res = side_scenario(scheme, world, seq, server, clients, args, "returned")
+                    results[("returned", scheme, world)] = res
+                    print(
+                        f"{world:>5} {scheme:>6} returned ranks: {res['per_rank_ops']:.1f} "
+                        f"ops/s per waiting rank ({res['per_rank_keys']:.0f} keys), watcher "
+                        f"{res['watcher_ops']:.1f} ops/s; group {res['group_ops']:,.0f} ops/s, "
+                        f"{res['group_keys']:,.0f} keys/s; store load {tilde(res['projected'])}"
+                        f"{res['load']:.3f} ({res['simulated']} simulated)",
+                        flush=True,
+                    )
                 if "progress" in parts:
                     seq += 1
                     res = progress_scenario(scheme, world, seq, server, clients, args, mod)
@@ -621,6 +854,22 @@ def main() -> None:
                 f"{r['group_keys']:,.0f} | {tilde(r['projected'])}{r['load']:.3f} | "
                 f"{'' if r['done_measured'] else '~'}{r['done']:.3f} |"
             )
+    for wait in ("side", "returned"):
+        if wait not in parts:
+            continue
+        what = "side group's creation" if wait == "side" else "ranks that returned"
+        print(
+            f"\n| ranks | scheme | {what}: ops/s per waiting rank | keys/s per "
+            "rank | watcher ops/s | group ops/s | group keys/s | store load |"
+        )
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for (part, scheme, world), r in results.items():
+            if part == wait:
+                print(
+                    f"| {world:,} | {scheme} | {r['per_rank_ops']:.1f} | "
+                    f"{r['per_rank_keys']:,.0f} | {r['watcher_ops']:.1f} | {r['group_ops']:,.0f} | {r['group_keys']:,.0f} | "
+                    f"{tilde(r['projected'])}{r['load']:.3f} |"
+                )
     if "late" in parts:
         print("\n| ranks | ranks late | scheme | ops | keys | store s |")
         print("| ---: | ---: | --- | ---: | ---: | ---: |")

@@ -28,6 +28,11 @@ missing ranks' statuses and progress records in one round trip. So W waiting ran
 O(W) operations per beat, where every rank reading every rank's keys cost O(W x W). Polls
 slow down with the group (:func:`poll_interval`) so that the group's polls stay under
 :data:`POLLS_PER_SECOND` together.
+
+A rank may also wait before it arrives (:meth:`BarrierWait.enter`, then
+:meth:`BarrierWait.arrive` once its part is done): so every rank waits on a collective that
+runs on a thread of its own (:meth:`Monitor.await_together`: the making of the gloo side
+group), the watcher watching every rank whose part is not done, at the same O(W) cost.
 """
 
 from __future__ import annotations
@@ -173,10 +178,13 @@ class BarrierWait:
     """One rank's wait at one barrier: :meth:`arrive`, then :meth:`poll` until it returns
     True (it raises when a rank failed, was given up on, or the load was cancelled).
 
+    A rank may wait before it arrives: :meth:`enter`, polls, then :meth:`arrive` once its
+    part is done; or after it arrived without waiting (:func:`arrive`): :meth:`arrived_before`.
+
     State: ``_ev`` (the event count last seen), ``_watcher`` (its rank) and
-    ``_watcher_seen`` (its status and since when), ``_arrived`` (ranks the watcher has seen
-    arrive; arrivals are never undone), ``_beat_at`` (the last beat), ``_digest_posted``
-    (the watcher's digest exists)."""
+    ``_watcher_seen`` (its status and since when), ``_arrived`` (other ranks the watcher has
+    seen arrive; arrivals are never undone), ``_here`` (1 once this rank arrived),
+    ``_beat_at`` (the last beat), ``_digest_posted`` (the watcher's digest exists)."""
 
     def __init__(self, host: _Host, name: str, doing: str) -> None:
         self.host = host
@@ -189,7 +197,8 @@ class BarrierWait:
         self._ev = 0
         self._watcher = -1
         self._watcher_seen: tuple[bytes, float] | None = None
-        self._arrived: set[int] = {host.rank}
+        self._arrived: set[int] = set()
+        self._here = 0
         self._beat_at = time.monotonic()
         self._digest_posted = False
 
@@ -200,15 +209,37 @@ class BarrierWait:
         )
 
     def arrive(self) -> None:
+        """Arrive (and wait from now on, unless this is the last arrival)."""
         host, store = self.host, self.host.store
+        entered = self._watcher >= 0
+        self._here = 1
         if arrive(host, self.name) >= host.world:
             self.done = True
             return
+        if entered:  # waited before arriving (enter): the last arrival moves ev
+            return
+        self._join()
+        self.done = int(store.add(f"n/{self.name}", 0)) >= host.world
+
+    def arrived_before(self) -> None:
+        """Wait from now on, this rank having arrived already (with :func:`arrive`, as a
+        rank whose load returns before the others' does at "done")."""
+        self._here = 1
+        self._join()
+        self.done = int(self.host.store.add(f"n/{self.name}", 0)) >= self.host.world
+
+    def enter(self) -> None:
+        """Wait before arriving: this rank's part is not done yet (it arrives with
+        :meth:`arrive` when it is); until then it polls, beats and watches (when elected) like
+        a rank that arrived, and the watcher watches every other rank that has not arrived."""
+        self._join()
+
+    def _join(self) -> None:
+        host, store = self.host, self.host.store
         self._watcher = int(store.compare_set(f"wa/{self.name}", "", str(host.rank)))
         # ev is read before the count: an arrival or failure after that read moves it again
         self._ev = int(store.add("ev", 0))
         host.check()
-        self.done = int(store.add(f"n/{self.name}", 0)) >= host.world
 
     def poll(self) -> bool:
         """One poll (one store operation unless something happened or a beat is due)."""
@@ -240,7 +271,16 @@ class BarrierWait:
 
     def _missing(self) -> list[int]:
         host = self.host
-        unknown = [r for r in range(host.world) if r not in self._arrived]
+        unknown = [r for r in range(host.world) if r not in self._arrived and r != host.rank]
+        # arrivals are counted: when none is new, or all are, one operation tells which
+        # (a group waiting before it arrives (enter) has all its ranks missing at first,
+        # where checking each key costs two operations a key)
+        new = int(host.store.add(f"n/{self.name}", 0)) - len(self._arrived) - self._here
+        if new <= 0:
+            return unknown
+        if new >= len(unknown):
+            self._arrived.update(unknown)
+            return []
         found = present(host.store, [f"at/{self.name}/{r}" for r in unknown])
         self._arrived.update(r for r, f in zip(unknown, found) if f)
         return [r for r, f in zip(unknown, found) if not f]
@@ -312,6 +352,11 @@ class BarrierWait:
             now - seen[1],
             got.decode(),
         )
+        # a watcher that had not arrived (it waited before arriving: enter) is watched from
+        # now on as idle since this rank last saw its status move (one that arrived is not)
+        known = host._seen.get(self._watcher)
+        if known is None or known[0] != seen[0]:
+            host._seen[self._watcher] = seen
         self._watcher, self._watcher_seen = int(got), None
 
     def _log_late(self, now: float) -> None:

@@ -36,7 +36,6 @@ from asyncload.distributed.barrier import (
     BarrierWait,
     arrive,
     poll_interval,
-    present,
     read_present,
 )
 from asyncload.distributed.lateness import (
@@ -517,7 +516,7 @@ class Monitor:
             self.all_finished.set()
             return
         self.check()
-        arrive(self, "done")  # counted: all_done() reads one key
+        arrive(self, "done")  # counted: the others' wait at "done" reads the count
         if self.after_return is not None:
             self.after_return()
         else:
@@ -526,20 +525,6 @@ class Monitor:
     def finished(self, rank: int) -> bool:
         """Whether ``rank`` has finished its part of the load (returned early or passed "done")."""
         return bool(self.store.check([f"at/done/{rank}"]))
-
-    def finished_ranks(self) -> list[int]:
-        keys = [f"at/done/{r}" for r in range(self.world)]
-        return [r for r, f in enumerate(present(self.store, keys)) if f]
-
-    def unfinished_ranks(self) -> list[int]:
-        """The ranks that have not finished their part of the load (a few store operations
-        when few have not: :func:`~asyncload.distributed.barrier.present`)."""
-        keys = [f"at/done/{r}" for r in range(self.world)]
-        return [r for r, f in enumerate(present(self.store, keys)) if not f]
-
-    def all_done(self) -> bool:
-        """Whether every rank has finished its part of the load (one store operation)."""
-        return int(self.store.add("n/done", 0)) >= self.world
 
     async def wait_on(self, fut: asyncio.Future[Any], peers: Sequence[int], doing: str) -> Any:
         """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls."""
@@ -552,6 +537,33 @@ class Monitor:
             if idle is not None:
                 rank, seconds, status = idle
                 self._give_up(rank, None, seconds, status, doing)
+
+    async def await_together(self, fut: asyncio.Future[Any], name: str, doing: str) -> Any:
+        """Await ``fut``, this rank's part of a collective that every rank runs at once (on a
+        thread of its own), then wait until every rank's part is done (barrier ``name``);
+        its result. Waiting, this rank polls one key and beats; the barrier's watcher watches
+        every rank whose part is not done and gives up on one without progress for
+        ``timeout`` (:class:`~asyncload.distributed.barrier.BarrierWait`): O(W) store
+        operations per beat for the group, where each rank watching every other one
+        (:meth:`wait_on`) costs O(W x W). A failure posted by any rank ends the wait on every
+        rank. Raises what ``fut`` raises."""
+        wait = BarrierWait(self, name, doing)
+        wait.enter()
+        delay = wait.first_delay
+        result: Any = None
+        arrived = False
+        while True:
+            if not arrived and fut.done():
+                result = fut.result()
+                wait.arrive()
+                arrived, delay = True, wait.first_delay
+            if wait.poll():
+                return result
+            if arrived:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.wait({fut}, timeout=delay)
+            delay = min(wait.max_delay, delay * 2)
 
     async def watch(self) -> None:
         """Raise as soon as any rank posts a failure (runs beside the reads)."""

@@ -5,6 +5,7 @@ process), :func:`wait_for_background_sends` and the wait at interpreter exit."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from asyncload._errors import DistributedLoadError
 from asyncload._stats import _fmt_bytes
+from asyncload.distributed.barrier import BarrierWait, poll_interval
 from asyncload.distributed.monitor import Monitor
 from asyncload.engine.meter import Meter, MeterStatistics
 
@@ -33,6 +35,8 @@ _BEAT = 1.0
 #: Seconds interpreter exit waits at most for background sends (also when collective_timeout
 #: is None).
 _EXIT_WAIT = 300.0
+#: What a rank whose load returned and whose sends all landed does (its wait at "done").
+_DONE_DOING = "waiting, its load returned, for the other ranks to finish theirs"
 #: Bytes held in send copies by every load of this process together, at most the budget of
 #: the load that reserves (one memory_budget); its lock, because copies are given back by
 #: the threads that see their sends land.
@@ -266,50 +270,58 @@ class BackgroundSends:
         threading.Thread(target=self._drain, name="asyncload-share-drain", daemon=True).start()
 
     def _drain(self) -> None:
+        """After the load returned: while sends are pending, beat (receivers see this rank
+        alive), watch their receivers and poll one key for a failure (``ev``); once none is
+        pending, wait at "done" with the other ranks that returned (:class:`BarrierWait`,
+        arrived already: one key a poll; the barrier's watcher alone reads the ranks still
+        loading and gives up on one without progress), so that the group's traffic grows with
+        the ranks, not ranks squared."""
         m = self.monitor
         delay = 0.005
+        longest = poll_interval(m.world)
         checked = 0.0
+        ev = -1
+        done: BarrierWait | None = None
         try:
             while True:
                 peers = self.pending_peers()
-                if not peers and (m.all_finished.is_set() or m.all_done()):
-                    m.all_finished.set()
-                    return
-                if m.store.check(["abort"]):
-                    err = (
-                        m.store.get("abort")
-                        .decode("utf-8", "replace")
-                        .partition("|")[2]
-                        .partition("|")[2]
-                    )
-                    log.warning(
-                        "rank %d, after its load returned: another rank failed: %s", self.rank, err
-                    )
-                    self._stop(DistributedLoadError(err))
-                    return
-                if peers:
-                    m.beat()  # receivers waiting on this rank see it alive
-                now = time.monotonic()
-                if now - checked >= _BEAT:
-                    checked = now
-                    waiting = peers or m.unfinished_ranks()
-                    idle = m.idle_peer(waiting)
-                    if idle is not None:
-                        rank, seconds, status = idle
-                        message = (
-                            f"rank {rank} made no progress for {seconds:.1f} s "
-                            f"(LoadOptions.collective_timeout={m.timeout}); its last status: "
-                            f"{status or 'none'}; rank {self.rank} gave up on it "
-                            "after its own load had returned"
-                        )
-                        m.post_abort(f"{rank}|{status}|{message}")
-                        log.warning("rank %d: %s", self.rank, message)
-                        self._stop(DistributedLoadError(message, rank=rank, doing=status))
+                if not peers:
+                    if done is None:
+                        done = BarrierWait(m, "done", _DONE_DOING)
+                        done.arrived_before()
+                        longest = done.max_delay
+                    if m.all_finished.is_set() or done.poll():
+                        m.all_finished.set()
                         return
+                else:
+                    seen = int(m.store.add("ev", 0))  # moved by every failure posted
+                    if seen != ev:
+                        ev = seen
+                        m.check()
+                    m.beat()  # receivers waiting on this rank see it alive
+                    now = time.monotonic()
+                    if now - checked >= _BEAT:
+                        checked = now
+                        idle = m.idle_peer(peers)
+                        if idle is not None:
+                            rank, seconds, status = idle
+                            message = (
+                                f"rank {rank} made no progress for {seconds:.1f} s "
+                                f"(LoadOptions.collective_timeout={m.timeout}); its last status: "
+                                f"{status or 'none'}; rank {self.rank} gave up on it "
+                                "after its own load had returned"
+                            )
+                            m.post_abort(f"{rank}|{status}|{message}")
+                            log.warning("rank %d: %s", self.rank, message)
+                            self._stop(DistributedLoadError(message, rank=rank, doing=status))
+                            return
                 time.sleep(delay)
-                delay = min(0.05, delay * 2)
-        except Exception as exc:  # the store is gone (its host exited): nothing left to coordinate
-            log.debug("rank %d: background sends stop watching: %s", self.rank, exc)
+                delay = min(longest, delay * 2)
+        except (Exception, asyncio.CancelledError) as exc:
+            if getattr(exc, "_asyncload_posted", False):  # a rank failed or was given up on
+                log.warning("rank %d, after its load returned: %s", self.rank, exc)
+            else:  # the store is gone (its host exited): nothing left to coordinate
+                log.debug("rank %d: background sends stop watching: %s", self.rank, exc)
             self._stop(exc)
         finally:
             self._drained.set()

@@ -220,9 +220,8 @@ class _ShareSession:
             side, how = cached, "made by an earlier load on this group, reused"
         else:
             self._set_doing("making the gloo side group for adaptive sharing")
-            side = await _run_watched(
-                make_side_group(self.group, self.monitor, phase), self.monitor
-            )
+            # its waits poll the failures themselves (a watch beside them would poll again)
+            side = await make_side_group(self.group, self.monitor, phase)
             how = "made for this load"
         self._side = side
         self.transport = _Transport(side, ordered=False)

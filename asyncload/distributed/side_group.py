@@ -8,7 +8,9 @@ point-to-point operations match by tag, in any order (``ShardedLoadPlanner(side_
   per process group and process, reused by every later load on it);
 - :func:`make_side_group`: makes it, on every rank of the group at once (``dist.new_group``
   is a collective): after a monitored barrier, on a thread of its own, the wait bounded by
-  the load's monitor like every other wait on another rank.
+  the load's monitor like every other wait on another rank, at the cost of a barrier's wait
+  (one watcher reads the ranks whose part is not done, every other rank polls one key:
+  :meth:`~asyncload.distributed.monitor.Monitor.await_together`).
 
 The bytes stay in host memory: received into the request's staging memory, then copied once
 to the device by the CUDA staging path (:mod:`asyncload.engine.cuda`), as any chunk read from
@@ -117,10 +119,12 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
     point, in the same order: ``dist.new_group`` is a collective) and cache it for later
     loads on ``group``. Bounded like every wait on another rank: a monitored barrier first (so
     that no rank enters while another has failed), then the creation on a daemon thread of
-    its own while this rank watches the others through ``monitor`` (a rank without progress
-    for ``collective_timeout``, or a creation that takes longer than that, ends the wait with
-    ``DistributedLoadError``; the caller also watches for a failure posted by any rank; the
-    thread is left to gloo's own timeout).
+    its own while the ranks wait for each other through ``monitor``
+    (:meth:`~asyncload.distributed.monitor.Monitor.await_together`: one watcher reads the
+    ranks whose part is not done, every other rank polls one key; a failure posted by any rank
+    ends the wait on every rank; a creation not done within ``collective_timeout`` ends it
+    with ``DistributedLoadError``, on every rank: the thread is left to gloo's own timeout,
+    the same bound). Every rank returns once every rank has the group.
 
     Raised: ``DistributedLoadError`` when torch cannot make the group."""
     doing = "making the gloo side group for adaptive sharing"
@@ -133,7 +137,10 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
     # the rendezvous waits on the group's store, whose client connection the monitor shares:
-    # gloo's own wait must end within the bound, or it would hold the monitor up too
+    # gloo's own wait must end within the bound, or it would hold the monitor up too (a rank
+    # whose rendezvous waits for a rank that has not entered it cannot beat meanwhile: so the
+    # bound, not a stall verdict, ends a creation that waits for a rank, and it comes before
+    # any verdict could, which would name a rank that only waits in gloo's rendezvous)
     bound = None if monitor.timeout is None else timedelta(seconds=monitor.timeout)
 
     def settle(value: Any, exc: BaseException | None) -> None:
@@ -166,12 +173,13 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
 
     monitor.status(doing)
     threading.Thread(target=run, name="asyncload-side-group", daemon=True).start()
-    others = [r for r in range(monitor.world) if r != monitor.rank]
     try:
         # every rank arrived at the barrier: a creation that takes longer than a rank may go
         # without progress is stuck in gloo's rendezvous (a connection between two ranks that
         # cannot be made), which the ranks' heartbeats would otherwise hide
-        side = await asyncio.wait_for(monitor.wait_on(fut, others, doing), monitor.timeout)
+        side = await asyncio.wait_for(
+            monitor.await_together(fut, f"side-group-made-{phase}", doing), monitor.timeout
+        )
     except TimeoutError as exc:
         raise DistributedLoadError(
             f"rank {monitor.rank} could not make the gloo side group of the ranks {ranks} within "
