@@ -39,6 +39,7 @@ seconds, beating while it waits and giving up on an owner that makes no progress
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -47,7 +48,7 @@ from typing import Any
 
 from asyncload.distributed.nodes import NodeBlock
 
-__all__ = ["CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "NodeClaims"]
+__all__ = ["CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "STEAL_AHEAD", "NodeClaims"]
 
 log = logging.getLogger("asyncload.sharded")
 
@@ -57,6 +58,9 @@ HORIZON = 1.0
 MIN_AHEAD = 2
 #: Own blocks claimed before a read can start (their claims overlap the reads in flight).
 CLAIM_AHEAD = 2
+#: A rank takes over another node's block only with fewer than this many blocks of its own
+#: reads in flight (its link about to idle).
+STEAL_AHEAD = 2
 #: A look at an undecided block backs off from the first to the second, seconds.
 _PROBE_MIN, _PROBE_MAX = 0.05, 0.5
 #: Seconds between beats (and stall checks of the owner looked at) while looking.
@@ -161,6 +165,7 @@ class NodeClaims:
         self.ahead -= nbytes
         self.landed_bytes += nbytes
         self._wake.set()
+        self._others_wake.set()
 
     # --- the store ---------------------------------------------------------------------------
 
@@ -187,8 +192,29 @@ class NodeClaims:
 
     def _may_take_over(self) -> bool:
         """Every rank of this node has claimed its own blocks of the windows handed over so
-        far, and has handed over at least as many windows as this rank."""
-        return not self.own_left and self.ring.node_done_claiming(self.driven)
+        far, and has handed over at least as many windows as this rank; and this rank's own
+        reads are about done (none waiting to start, at most :data:`STEAL_AHEAD` blocks'
+        bytes less one in flight): it takes over only what it can start now, not what the
+        owner, as fast, would reach first (a block taken over costs the thief's link the
+        bytes it sends to every other node that needs it)."""
+        return (
+            not self.own_left
+            and not self.ready
+            and not self._claiming
+            and self.ahead <= (STEAL_AHEAD - 1) * self.largest
+            and self.ring.node_done_claiming(self.driven)
+        )
+
+    def _victim(self) -> int:
+        """The index in :attr:`others` of the block to take over: the last one of the owner
+        with the most undecided blocks left (the one furthest behind)."""
+        left: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, (b, _, _) in enumerate(self.others):
+            left[b.owner] = left.get(b.owner, 0) + b.nbytes
+            last[b.owner] = i
+        owner = max(left, key=lambda o: (left[o], -o))
+        return last[owner]
 
     async def run(self, tg: asyncio.TaskGroup) -> None:
         """Decide every block handed over (until :meth:`close` and none is left): own blocks
@@ -229,8 +255,9 @@ class NodeClaims:
         while True:
             moved = False
             if self.others and self._may_take_over():
-                if self._room(self.others[-1][0].nbytes):
-                    b, view, w = self.others.pop()  # from the back
+                i = self._victim()
+                if self._room(self.others[i][0].nbytes):
+                    b, view, w = self.others.pop(i)  # from the back
                     await self.slots.acquire()
                     try:
                         got = int(await self._op(b, str(self.rank), ""))
@@ -274,7 +301,10 @@ class NodeClaims:
                     checked = now
                     self.beat()
                     self.check_idle([self.others[0][0].fetcher(self.others[0][0].owner)])
-                await asyncio.sleep(probe)
+                # until the next look, or until a read of its own lands (it may take over)
+                self._others_wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._others_wake.wait(), probe)
                 probe = min(_PROBE_MAX, probe * 2)
             else:
                 self._others_wake.clear()
