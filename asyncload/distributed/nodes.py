@@ -135,8 +135,8 @@ def plan_blocks(
     its ranks' needed ranges (``needs[r]``: ``(file, start, end)`` tuples, or the packed form
     of the all-gather), cut at every node's boundaries and into blocks of at most
     ``block_size`` bytes, numbered in file order. A block's fetcher in each node that needs
-    it rotates over the node's ranks (by the block's place in its piece and the piece's
-    place in the file); its planned owner node is, among the nodes that need it, the one with the fewest
+    it rotates over the node's ranks (the blocks a node is planned to read in the file, and
+    those it receives, each kind in its own turn); its planned owner node is, among the nodes that need it, the one with the fewest
     planned bytes in the file so far (lowest first on ties). Both depend only on the file, so with
     ``node`` only the blocks that node needs are made (the others only counted, for the
     numbering): what a rank plans is proportional to its node's files."""
@@ -158,8 +158,13 @@ def plan_blocks(
         )
         active: set[int] = set()
         planned: dict[int, int] = {}
+        # per node, blocks it reads (as the owner) and blocks it receives so far in the file:
+        # each kind rotates over the node's ranks on its own (reads from the first rank up,
+        # receives from the last down), so every rank reads its share and fetches within a
+        # block or so of the others (one rotation over both gave all of a node's reads to
+        # one rank when the owners alternate over an even number of nodes)
+        turns: dict[tuple[int, bool], int] = {}
         i = 0
-        piece = 0
         while i < len(events):
             pos = events[i][0]
             while i < len(events) and events[i][0] == pos:  # every change at this offset
@@ -183,11 +188,15 @@ def plan_blocks(
                     if planned.get(n, 0) < planned.get(owner, 0):
                         owner = n
                 planned[owner] = planned.get(owner, 0) + (b - a)
+                picks = []
+                for n in members:
+                    t = turns.get((n, n == owner), 0)
+                    turns[(n, n == owner)] = t + 1
+                    r = t % len(nodes[n])  # reads from its first rank, receives its last
+                    picks.append(nodes[n][r if n == owner else -1 - r])
                 if make:
-                    fetchers = tuple(nodes[n][(j + piece) % len(nodes[n])] for n in members)
-                    blocks.append(NodeBlock(base, name, a, b, members, fetchers, owner))
+                    blocks.append(NodeBlock(base, name, a, b, members, tuple(picks), owner))
                 base += 1
-            piece += 1
     return blocks
 
 
