@@ -114,6 +114,7 @@ class NodeClaims:
         self.started: float | None = None
         self.largest = 1
         self.stolen = 0  # blocks of other nodes this rank won
+        self.stealing = False  # its own reads were about done once: it may take over
         self.ops = 0
         self._wake = asyncio.Event()  # own blocks: one added, landed, or the end
         self._others_wake = asyncio.Event()  # others' blocks: one added, or the end
@@ -193,17 +194,20 @@ class NodeClaims:
     def _may_take_over(self) -> bool:
         """Every rank of this node has claimed its own blocks of the windows handed over so
         far, and has handed over at least as many windows as this rank; and this rank's own
-        reads are about done (none waiting to start, at most :data:`STEAL_AHEAD` blocks'
-        bytes less one in flight): it takes over only what it can start now, not what the
-        owner, as fast, would reach first (a block taken over costs the thief's link the
-        bytes it sends to every other node that needs it)."""
-        return (
-            not self.own_left
-            and not self.ready
-            and not self._claiming
-            and self.ahead <= (STEAL_AHEAD - 1) * self.largest
-            and self.ring.node_done_claiming(self.driven)
-        )
+        reads were about done once (none waiting to start, fewer than :data:`STEAL_AHEAD`
+        blocks in flight): it starts taking over only when it would idle, not while the
+        owner, as fast, would reach its blocks first (a block taken over costs the thief's
+        link the bytes it sends to every other node that needs it); from then on, as much as
+        its horizon allows (a slow owner loses its tail quickly)."""
+        if self.own_left or not self.ring.node_done_claiming(self.driven):
+            return False
+        if not self.stealing:  # the first time: only once its own reads are about done
+            self.stealing = (
+                not self.ready
+                and not self._claiming
+                and self.ahead <= (STEAL_AHEAD - 1) * self.largest
+            )
+        return self.stealing
 
     def _victim(self) -> int:
         """The index in :attr:`others` of the block to take over: the last one of the owner
