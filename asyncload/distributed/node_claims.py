@@ -48,7 +48,7 @@ from typing import Any
 
 from asyncload.distributed.nodes import NodeBlock
 
-__all__ = ["CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "STEAL_AHEAD", "NodeClaims"]
+__all__ = ["BEHIND", "CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "STEAL_AHEAD", "NodeClaims"]
 
 log = logging.getLogger("asyncload.sharded")
 
@@ -58,9 +58,12 @@ HORIZON = 1.0
 MIN_AHEAD = 2
 #: Own blocks claimed before a read can start (their claims overlap the reads in flight).
 CLAIM_AHEAD = 2
-#: A rank takes over another node's block only with fewer than this many blocks of its own
-#: reads in flight (its link about to idle).
+#: A rank starts taking over other nodes' blocks once fewer than this many blocks of its
+#: own reads are pending (its link about to idle) ...
 STEAL_AHEAD = 2
+#: ... or while an owner has this many blocks more undecided (of those the rank fetches)
+#: than twice the rank's own work left: that owner is behind.
+BEHIND = 4
 #: A look at an undecided block backs off from the first to the second, seconds.
 _PROBE_MIN, _PROBE_MAX = 0.05, 0.5
 #: Seconds between beats (and stall checks of the owner looked at) while looking.
@@ -193,30 +196,36 @@ class NodeClaims:
 
     def _may_take_over(self) -> bool:
         """Every rank of this node has claimed its own blocks of the windows handed over so
-        far, and has handed over at least as many windows as this rank; and this rank's own
-        reads were about done once (none waiting to start, fewer than :data:`STEAL_AHEAD`
-        blocks in flight): it starts taking over only when it would idle, not while the
-        owner, as fast, would reach its blocks first (a block taken over costs the thief's
-        link the bytes it sends to every other node that needs it); from then on, as much as
-        its horizon allows (a slow owner loses its tail quickly)."""
-        if self.own_left or not self.ring.node_done_claiming(self.driven):
-            return False
-        if not self.stealing:  # the first time: only once its own reads are about done
-            self.stealing = (
-                not self.ready
-                and not self._claiming
-                and self.ahead <= (STEAL_AHEAD - 1) * self.largest
-            )
-        return self.stealing
+        far, and has handed over at least as many windows as this rank, and this rank's own
+        reads were about done once (fewer than :data:`STEAL_AHEAD` blocks pending; from then
+        on as much as its horizon allows); or, whatever its own state, an owner is behind:
+        :data:`BEHIND` blocks more undecided (of those this rank fetches) than twice its own
+        work left. Not while an owner as fast would reach its blocks first: a block taken
+        over costs the thief's link the bytes it sends to every other node that needs it."""
+        pending = self.ahead + self._claiming + sum(x[0].nbytes for x in self.ready)
+        if (
+            not self.own_left
+            and self.ring.node_done_claiming(self.driven)
+            and (self.stealing or pending <= (STEAL_AHEAD - 1) * self.largest)
+        ):
+            self.stealing = True  # its own reads were about done once
+            return True
+        mine = pending + self.own_left * self.largest  # its own work left, about
+        return max(self._left().values(), default=0) >= 2 * mine + BEHIND * self.largest
+
+    def _left(self) -> dict[int, int]:
+        """Per owner node, the bytes of its blocks this rank fetches still undecided (as far
+        as this rank knows)."""
+        left: dict[int, int] = {}
+        for b, _, _ in self.others:
+            left[b.owner] = left.get(b.owner, 0) + b.nbytes
+        return left
 
     def _victim(self) -> int:
         """The index in :attr:`others` of the block to take over: the last one of the owner
         with the most undecided blocks left (the one furthest behind)."""
-        left: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for i, (b, _, _) in enumerate(self.others):
-            left[b.owner] = left.get(b.owner, 0) + b.nbytes
-            last[b.owner] = i
+        left = self._left()
+        last = {b.owner: i for i, (b, _, _) in enumerate(self.others)}
         owner = max(left, key=lambda o: (left[o], -o))
         return last[owner]
 
