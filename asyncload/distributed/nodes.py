@@ -163,7 +163,8 @@ def plan_blocks(
         # receives from the last down), so every rank reads its share and fetches within a
         # block or so of the others (one rotation over both gave all of a node's reads to
         # one rank when the owners alternate over an even number of nodes)
-        turns: dict[tuple[int, bool], int] = {}
+        reads: dict[int, int] = {}  # blocks the node reads, so far in the file
+        recvs: dict[int, int] = {}  # blocks it receives, before the current piece
         i = 0
         while i < len(events):
             pos = events[i][0]
@@ -180,6 +181,7 @@ def plan_blocks(
             count = -(-(end - pos) // block_size)
             members = tuple(sorted(active))
             make = node is None or node in active  # else only numbered and balanced
+            owned: dict[int, int] = {}  # blocks each member reads in this piece so far
             for j in range(count):
                 a = pos + j * block_size
                 b = min(end, a + block_size)
@@ -188,15 +190,19 @@ def plan_blocks(
                     if planned.get(n, 0) < planned.get(owner, 0):
                         owner = n
                 planned[owner] = planned.get(owner, 0) + (b - a)
-                picks = []
-                for n in members:
-                    t = turns.get((n, n == owner), 0)
-                    turns[(n, n == owner)] = t + 1
-                    r = t % len(nodes[n])  # reads from its first rank, receives its last
-                    picks.append(nodes[n][r if n == owner else -1 - r])
-                if make:
-                    blocks.append(NodeBlock(base, name, a, b, members, tuple(picks), owner))
+                if make:  # reads from a node's first rank up, receives from its last down
+                    picks = tuple(
+                        nodes[n][reads.get(n, 0) % len(nodes[n])]
+                        if n == owner
+                        else nodes[n][-1 - (recvs.get(n, 0) + j - owned.get(n, 0)) % len(nodes[n])]
+                        for n in members
+                    )
+                    blocks.append(NodeBlock(base, name, a, b, members, picks, owner))
+                reads[owner] = reads.get(owner, 0) + 1
+                owned[owner] = owned.get(owner, 0) + 1
                 base += 1
+            for n in members:
+                recvs[n] = recvs.get(n, 0) + count - owned.get(n, 0)
     return blocks
 
 
