@@ -39,6 +39,7 @@ seconds, beating while it waits and giving up on an owner that makes no progress
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -47,7 +48,7 @@ from typing import Any
 
 from asyncload.distributed.nodes import NodeBlock
 
-__all__ = ["CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "NodeClaims"]
+__all__ = ["BEHIND", "CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "STEAL_AHEAD", "NodeClaims"]
 
 log = logging.getLogger("asyncload.sharded")
 
@@ -57,6 +58,12 @@ HORIZON = 1.0
 MIN_AHEAD = 2
 #: Own blocks claimed before a read can start (their claims overlap the reads in flight).
 CLAIM_AHEAD = 2
+#: A rank starts taking over other nodes' blocks once fewer than this many blocks of its
+#: own reads are pending (its link about to idle) ...
+STEAL_AHEAD = 2
+#: ... or while an owner has this many blocks more undecided (of those the rank fetches)
+#: than twice the rank's own work left: that owner is behind.
+BEHIND = 4
 #: A look at an undecided block backs off from the first to the second, seconds.
 _PROBE_MIN, _PROBE_MAX = 0.05, 0.5
 #: Seconds between beats (and stall checks of the owner looked at) while looking.
@@ -110,6 +117,7 @@ class NodeClaims:
         self.started: float | None = None
         self.largest = 1
         self.stolen = 0  # blocks of other nodes this rank won
+        self.stealing = False  # its own reads were about done once: it may take over
         self.ops = 0
         self._wake = asyncio.Event()  # own blocks: one added, landed, or the end
         self._others_wake = asyncio.Event()  # others' blocks: one added, or the end
@@ -161,6 +169,7 @@ class NodeClaims:
         self.ahead -= nbytes
         self.landed_bytes += nbytes
         self._wake.set()
+        self._others_wake.set()
 
     # --- the store ---------------------------------------------------------------------------
 
@@ -187,8 +196,38 @@ class NodeClaims:
 
     def _may_take_over(self) -> bool:
         """Every rank of this node has claimed its own blocks of the windows handed over so
-        far, and has handed over at least as many windows as this rank."""
-        return not self.own_left and self.ring.node_done_claiming(self.driven)
+        far, and has handed over at least as many windows as this rank, and this rank's own
+        reads were about done once (fewer than :data:`STEAL_AHEAD` blocks pending; from then
+        on as much as its horizon allows); or, whatever its own state, an owner is behind:
+        :data:`BEHIND` blocks more undecided (of those this rank fetches) than twice its own
+        work left. Not while an owner as fast would reach its blocks first: a block taken
+        over costs the thief's link the bytes it sends to every other node that needs it."""
+        pending = self.ahead + self._claiming + sum(x[0].nbytes for x in self.ready)
+        if (
+            not self.own_left
+            and self.ring.node_done_claiming(self.driven)
+            and (self.stealing or pending <= (STEAL_AHEAD - 1) * self.largest)
+        ):
+            self.stealing = True  # its own reads were about done once
+            return True
+        mine = pending + self.own_left * self.largest  # its own work left, about
+        return max(self._left().values(), default=0) >= 2 * mine + BEHIND * self.largest
+
+    def _left(self) -> dict[int, int]:
+        """Per owner node, the bytes of its blocks this rank fetches still undecided (as far
+        as this rank knows)."""
+        left: dict[int, int] = {}
+        for b, _, _ in self.others:
+            left[b.owner] = left.get(b.owner, 0) + b.nbytes
+        return left
+
+    def _victim(self) -> int:
+        """The index in :attr:`others` of the block to take over: the last one of the owner
+        with the most undecided blocks left (the one furthest behind)."""
+        left = self._left()
+        last = {b.owner: i for i, (b, _, _) in enumerate(self.others)}
+        owner = max(left, key=lambda o: (left[o], -o))
+        return last[owner]
 
     async def run(self, tg: asyncio.TaskGroup) -> None:
         """Decide every block handed over (until :meth:`close` and none is left): own blocks
@@ -229,8 +268,9 @@ class NodeClaims:
         while True:
             moved = False
             if self.others and self._may_take_over():
-                if self._room(self.others[-1][0].nbytes):
-                    b, view, w = self.others.pop()  # from the back
+                i = self._victim()
+                if self._room(self.others[i][0].nbytes):
+                    b, view, w = self.others.pop(i)  # from the back
                     await self.slots.acquire()
                     try:
                         got = int(await self._op(b, str(self.rank), ""))
@@ -274,7 +314,10 @@ class NodeClaims:
                     checked = now
                     self.beat()
                     self.check_idle([self.others[0][0].fetcher(self.others[0][0].owner)])
-                await asyncio.sleep(probe)
+                # until the next look, or until a read of its own lands (it may take over)
+                self._others_wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._others_wake.wait(), probe)
                 probe = min(_PROBE_MAX, probe * 2)
             else:
                 self._others_wake.clear()

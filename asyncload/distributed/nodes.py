@@ -135,8 +135,8 @@ def plan_blocks(
     its ranks' needed ranges (``needs[r]``: ``(file, start, end)`` tuples, or the packed form
     of the all-gather), cut at every node's boundaries and into blocks of at most
     ``block_size`` bytes, numbered in file order. A block's fetcher in each node that needs
-    it rotates over the node's ranks (by the block's place in its piece and the piece's
-    place in the file); its planned owner node is, among the nodes that need it, the one with the fewest
+    it rotates over the node's ranks (the blocks a node is planned to read in the file, and
+    those it receives, each kind in its own turn); its planned owner node is, among the nodes that need it, the one with the fewest
     planned bytes in the file so far (lowest first on ties). Both depend only on the file, so with
     ``node`` only the blocks that node needs are made (the others only counted, for the
     numbering): what a rank plans is proportional to its node's files."""
@@ -158,8 +158,14 @@ def plan_blocks(
         )
         active: set[int] = set()
         planned: dict[int, int] = {}
+        # per node, blocks it reads (as the owner) and blocks it receives so far in the file:
+        # each kind rotates over the node's ranks on its own (reads from the first rank up,
+        # receives from the last down), so every rank reads its share and fetches within a
+        # block or so of the others (one rotation over both gave all of a node's reads to
+        # one rank when the owners alternate over an even number of nodes)
+        reads: dict[int, int] = {}  # blocks the node reads, so far in the file
+        recvs: dict[int, int] = {}  # blocks it receives, before the current piece
         i = 0
-        piece = 0
         while i < len(events):
             pos = events[i][0]
             while i < len(events) and events[i][0] == pos:  # every change at this offset
@@ -175,6 +181,7 @@ def plan_blocks(
             count = -(-(end - pos) // block_size)
             members = tuple(sorted(active))
             make = node is None or node in active  # else only numbered and balanced
+            owned: dict[int, int] = {}  # blocks each member reads in this piece so far
             for j in range(count):
                 a = pos + j * block_size
                 b = min(end, a + block_size)
@@ -183,11 +190,19 @@ def plan_blocks(
                     if planned.get(n, 0) < planned.get(owner, 0):
                         owner = n
                 planned[owner] = planned.get(owner, 0) + (b - a)
-                if make:
-                    fetchers = tuple(nodes[n][(j + piece) % len(nodes[n])] for n in members)
-                    blocks.append(NodeBlock(base, name, a, b, members, fetchers, owner))
+                if make:  # reads from a node's first rank up, receives from its last down
+                    picks = tuple(
+                        nodes[n][reads.get(n, 0) % len(nodes[n])]
+                        if n == owner
+                        else nodes[n][-1 - (recvs.get(n, 0) + j - owned.get(n, 0)) % len(nodes[n])]
+                        for n in members
+                    )
+                    blocks.append(NodeBlock(base, name, a, b, members, picks, owner))
+                reads[owner] = reads.get(owner, 0) + 1
+                owned[owner] = owned.get(owner, 0) + 1
                 base += 1
-            piece += 1
+            for n in members:
+                recvs[n] = recvs.get(n, 0) + count - owned.get(n, 0)
     return blocks
 
 

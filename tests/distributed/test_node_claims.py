@@ -10,6 +10,7 @@ checks what it loaded bit for bit; byte counters are asserted as bounds, never t
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,3 +120,158 @@ def test_a_look_at_a_claim_never_writes() -> None:
     assert s.compare_set("7", "", "3") == b"3"
     assert s.compare_set("7", "?", "?") == b"3"
     assert s.compare_set("7", "", "1") == b"3"
+
+
+# --- one rank's claims against a store in memory (no processes): store operations counted ---
+
+
+class _Store:
+    """``compare_set`` as TCPStore does it (a key not set: set by an expected ``""``, else the
+    expected value returned), each operation recorded."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.ops: list[tuple[str, str, str]] = []
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self.ops.append((key, expected, desired))
+        cur = self.values.get(key)
+        if cur is None:
+            if expected == "":
+                self.values[key] = desired
+                return desired.encode()
+            return expected.encode()
+        if cur == expected:
+            self.values[key] = desired
+        return self.values[key].encode()
+
+    def claims(self) -> list[int]:
+        """The blocks claimed (in order), as their numbers."""
+        return [int(k.rsplit("/", 1)[1]) for k, e, _ in self.ops if e == ""]
+
+
+class _Ring:
+    def publish_claims(self, own_left: int, driven: int) -> None:
+        pass
+
+    def node_done_claiming(self, driven: int) -> bool:
+        return True  # a node of one rank
+
+
+async def _until(cond: Any) -> None:
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+def _blocks(owner_of: dict[int, int]) -> list[Any]:
+    """Blocks of 64 bytes that node 0 (rank 0) and one other node (its rank 10 + node) need:
+    block number -> planned owner node."""
+    from asyncload.distributed.nodes import NodeBlock
+
+    out = []
+    for s, o in sorted(owner_of.items()):
+        other = o if o else 1
+        out.append(NodeBlock(s, "f", s * 64, (s + 1) * 64, (0, other), (0, 10 + other), o))
+    return out
+
+
+def _claims(store: _Store, reads: list[int], receives: list[tuple[int, int]],
+            gates: dict[int, Any] | None) -> Any:  # fmt: skip
+    from asyncload.distributed.node_claims import NodeClaims
+
+    slots = asyncio.Semaphore(16)
+    claims: Any = None
+
+    async def read_send(b: Any, view: memoryview, w: int) -> None:
+        reads.append(b.seq)
+        if gates is not None:
+            await gates.setdefault(b.seq, asyncio.Event()).wait()
+        slots.release()
+        claims.landed(b.nbytes)
+
+    async def receive(b: Any, view: memoryview, src: int, w: int) -> None:
+        receives.append((b.seq, src))
+
+    claims = NodeClaims(
+        rank=0, node=0, store=store, prefix="nb/0/", ring=_Ring(), slots=slots,
+        read_send=read_send, receive=receive, lost=lambda w: None, written=[],
+        beat=lambda: None, check_idle=lambda peers: None, times={"claims": 0.0},
+    )  # fmt: skip
+    return claims
+
+
+def test_no_take_over_while_its_own_reads_are_in_flight(monkeypatch: Any) -> None:
+    """A rank whose node has claimed all its own blocks takes over another node's only once
+    its own reads are about done (fewer than ``STEAL_AHEAD`` blocks in flight): before, it
+    only looks (a node as fast as the owner would otherwise take the owner's last blocks,
+    and send them to every other node through its own link). Then it takes them over from
+    the back; every block claimed exactly once. Fails on the code that took over as soon as
+    its own blocks were claimed (a claim of block 7 while blocks 0-1 were still read). The
+    horizon at its floor (``MIN_AHEAD`` blocks in flight, not a measured rate): what starts
+    when does not depend on time."""
+    from asyncload.distributed import node_claims
+
+    assert node_claims.STEAL_AHEAD == 2 and node_claims.MIN_AHEAD == 2
+    monkeypatch.setattr(node_claims, "HORIZON", 0.0)
+    store, reads, receives = _Store(), [], []
+    gates: dict[int, Any] = {}
+    view = memoryview(bytearray(64))
+
+    def release(seq: int) -> None:
+        gates.setdefault(seq, asyncio.Event()).set()
+
+    async def main() -> None:
+        claims = _claims(store, reads, receives, gates)
+        for b in _blocks({0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1}):
+            claims.add(b, view, 0)
+        claims.drove(1)
+        claims.close()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(claims.run(tg))
+            # own blocks claimed (two claims at a time: in either order), two read at once
+            await _until(lambda: sorted(store.claims()) == [0, 1, 2, 3] and len(reads) == 2)
+            looks = lambda: sum(1 for k, e, _ in store.ops if e == "?")
+            await _until(lambda: looks() >= 3)
+            assert sorted(store.claims()) == [0, 1, 2, 3]  # node 1's blocks: looked at only
+            assert {k for k, e, _ in store.ops if e == "?"} == {"nb/0/4"}
+            release(reads[0])  # one landed: one of its own starts
+            await _until(lambda: len(reads) == 3)
+            assert sorted(store.claims()) == [0, 1, 2, 3]
+            release(reads[1])
+            release(reads[2])
+            await _until(lambda: 7 in store.claims())  # one own read left: takes over
+            assert store.claims()[4] == 7, store.claims()
+            for s in range(8):
+                release(s)
+
+    asyncio.run(main())
+    assert sorted(store.claims()) == list(range(8))  # each block claimed once
+    assert sorted(reads) == list(range(8)) and receives == []
+    assert all(v == "0" for v in store.values.values())
+
+
+def test_takes_over_from_the_owner_furthest_behind() -> None:
+    """With nothing of its own to read, a rank takes over the last undecided block of the
+    owner with the most bytes left: owner 2 (4 blocks) before owner 1 (2 blocks), the lowest
+    owner on a tie; a block another node claimed first is received from its
+    claimant, one store operation each."""
+    store, reads, receives = _Store(), [], []
+    store.values["nb/0/4"] = "11"  # node 1's rank 11 claimed block 4 already
+    view = memoryview(bytearray(64))
+
+    async def main() -> None:
+        claims = _claims(store, reads, receives, None)
+        for b in _blocks({4: 1, 5: 1, 6: 2, 7: 2, 8: 2, 9: 2}):
+            claims.add(b, view, 0)
+        claims.drove(1)
+        claims.close()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(claims.run(tg))
+
+    asyncio.run(main())
+    assert store.claims() == [9, 8, 5, 7, 4, 6], store.claims()
+    assert len(store.ops) == 6  # no look: every block decided by one claim
+    assert sorted(reads) == [5, 6, 7, 8, 9] and receives == [(4, 11)]

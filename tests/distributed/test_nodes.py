@@ -301,6 +301,24 @@ def test_plan_blocks_balances_a_replicated_file() -> None:
         assert sum(b.nbytes for b in blocks if r in b.fetchers) == 320
 
 
+@pytest.mark.parametrize("count", [2, 4])
+def test_plan_blocks_spreads_a_nodes_reads_over_its_ranks(count: int) -> None:
+    """``count`` nodes of 2 ranks, one replicated file of 8 blocks per node: the owners
+    alternate over the nodes, and each node's reads (the blocks it owns) and its receives
+    are each spread evenly over its ranks. Fails on the rotation by block position alone,
+    which gave all of a node's reads to one of its ranks."""
+    n = 8 * count
+    nodes = [[2 * k, 2 * k + 1] for k in range(count)]
+    blocks = plan_blocks([[("f", 0, n * 64)] for _ in range(2 * count)], nodes, 64)
+    assert len(blocks) == n
+    for k, ranks in enumerate(nodes):
+        for r in ranks:
+            reads = [b for b in blocks if b.owner == k and b.fetcher(k) == r]
+            receives = [b for b in blocks if b.owner != k and b.fetcher(k) == r]
+            assert len(reads) == 4, (k, r, len(reads))
+            assert len(receives) == 4 * (count - 1), (k, r, len(receives))
+
+
 def test_node_files_are_removed_on_every_path() -> None:
     before = _left_in_shm()
     files = NodeFiles("test-unlink", {"a": 4096, "b": 0, "c": 10})
