@@ -74,15 +74,21 @@ def proxied(tmp_path: Path) -> Iterator[tuple[Any, list[Any]]]:
 
 @pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "static"])
 def test_a_slow_node_reads_less_from_storage(proxied: Any, adaptive: bool) -> None:
-    """Node 1's ranks wait 0.3 s for every data request. Adaptive: node 0 claims its own
+    """Node 1's ranks wait 1.5 s for every ranged request. Adaptive: node 0 claims its own
     blocks, then takes over node 1's from the back, so node 1 reads well under the half the
     plan gave it (static: the planned half); either way every block is read from storage
-    once, each node takes in the checkpoint once, and every rank loads it bit for bit."""
+    once, each node takes in the checkpoint once, and every rank loads it bit for bit.
+
+    Before any of its reads lands, a rank of node 1 holds at most ``MIN_AHEAD`` blocks in
+    flight and ``CLAIM_AHEAD`` claimed: 8 of the 32 blocks for the node, about 0.27 of the
+    bytes with the headers. The delay is long enough that node 0 takes over every other
+    block of node 1 before one lands, even on a loaded 2-core machine (at 0.3 s, node 1's
+    second round came in under load: 0.40 of the bytes, 2 runs in 6 with two busy loops)."""
     from asyncload.testing import delay
 
     server, proxies = proxied
     for p in proxies[2:]:
-        p.add_rule(delay(0.3), data_only=True, times=None)
+        p.add_rule(delay(1.5), range_only=True, times=None)
     urls = [server.url("ck", endpoint_url=p.endpoint_url) for p in proxies]
     before = _left_in_shm()
     total = tensor_bytes(big_model())
@@ -95,7 +101,7 @@ def test_a_slow_node_reads_less_from_storage(proxied: Any, adaptive: bool) -> No
     read.append(stats[2]["bytes_read"] + stats[3]["bytes_read"])
     assert total <= sum(read) <= 1.05 * total, read
     if adaptive:
-        assert read[1] < 0.3 * total, read  # the plan gave it half
+        assert read[1] < 0.3 * total, (read, stats)  # the plan gave it half
         taken = [stats[0]["bytes_taken_over"] + stats[1]["bytes_taken_over"]]
         taken.append(stats[2]["bytes_taken_over"] + stats[3]["bytes_taken_over"])
         assert taken[0] > 0.2 * total and taken[1] < 0.05 * total, taken
