@@ -1,6 +1,7 @@
 """Moving bytes between ranks: :class:`_Transport`, point-to-point sends and receives of
-byte ranges over the process group, and the waits on their works (a thread for gloo, whose
-works complete only inside ``wait()``; polling for NCCL)."""
+byte ranges over the process group (with gloo also receives from any source, matched by tag),
+and the waits on their works (a thread for gloo, whose works complete only inside ``wait()``;
+polling for NCCL)."""
 
 from __future__ import annotations
 
