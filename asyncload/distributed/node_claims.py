@@ -19,26 +19,17 @@ Here, per rank and read phase (:class:`NodeClaims`):
   (:data:`HORIZON` seconds at this rank's measured rate, at least :data:`MIN_AHEAD` blocks):
   a slow node holds few blocks at a time, so what it has not reached is left for the
   others to take;
-- **the others' blocks**: with gloo, the rank posts the receives of each owner's first
-  :data:`POST_AHEAD` blocks (of those it fetches, not landed) at once, from *any* source
-  (the block's tag names it; the sender's rank comes with the bytes): no store operation,
-  and the receive is posted before the block lands at its reader (before, a look through
-  rank 0's node's busy links decided it first, 30-270 ms each on 4 nodes, and a third of
-  the receives were posted after their block had landed). It never takes over a block it
-  posted a receive for (receives from the front, take-overs from the back), so a posted
-  receive is never abandoned. Of the blocks behind them, while its node still has own
-  blocks to claim, the rank only looks at the claim of the first undecided block of each
-  owner (``compare_set(key, "?", "?")``, which never writes: the claimant, or ``"?"``),
-  and posts the receive once it is decided, or once one of that owner's posted receives
-  lands (then from any source; with NCCL transfers, looks only); once every rank of its node has claimed its own blocks of the windows driven so
+- **the others' blocks**: while its node still has own blocks to claim, the rank only
+  looks at the claim of the first undecided block of each owner (``compare_set(key, "?",
+  "?")``, which never writes: the claimant, or ``"?"``), and posts the receive once it is
+  decided; once every rank of its node has claimed its own blocks of the windows driven so
   far (counters at the head of the node's ring), it claims the others' undecided blocks
   from the back (work stealing: reading and sending the ones it wins, receiving the
   others). Nodes of equal speed then meet near the end of each other's queues and claim
   little more than their own.
 
 Every byte is still read once: a block is read only by the rank whose ``compare_set`` set its
-key, and every other node's fetcher receives it from that rank (by its source, or by its tag
-from any source). No wait
+key, and every other node's fetcher receives it from that rank once the key is set. No wait
 is unbounded: a block's owner reaches it once the blocks numbered before it are done (the
 windows' order), and a rank's look at an undecided block backs off to :data:`_PROBE_MAX`
 seconds, beating while it waits and giving up on an owner that makes no progress for
@@ -57,15 +48,7 @@ from typing import Any
 
 from asyncload.distributed.nodes import NodeBlock
 
-__all__ = [
-    "BEHIND",
-    "CLAIM_AHEAD",
-    "HORIZON",
-    "MIN_AHEAD",
-    "POST_AHEAD",
-    "STEAL_AHEAD",
-    "NodeClaims",
-]
+__all__ = ["BEHIND", "CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "STEAL_AHEAD", "NodeClaims"]
 
 log = logging.getLogger("asyncload.sharded")
 
@@ -81,9 +64,6 @@ STEAL_AHEAD = 2
 #: ... or while an owner has this many blocks more undecided (of those the rank fetches)
 #: than twice the rank's own work left: that owner is behind.
 BEHIND = 4
-#: Receives from any source a rank keeps posted per owner node (gloo): what an owner's rank
-#: holds at the horizon's floor, claimed and in flight. Those blocks it never takes over.
-POST_AHEAD = CLAIM_AHEAD + MIN_AHEAD
 #: A look at an undecided block backs off from the first to the second, seconds.
 _PROBE_MIN, _PROBE_MAX = 0.05, 0.5
 #: Seconds between beats (and stall checks of the owner looked at) while looking.
@@ -113,7 +93,6 @@ class NodeClaims:
         slots: asyncio.Semaphore,
         read_send: _Task,
         receive: _Task,
-        receive_any: _Task | None,
         lost: Callable[[int], None],
         written: list[str],
         beat: Callable[[], None],
@@ -124,9 +103,6 @@ class NodeClaims:
         self.ring, self.slots, self.written, self.beat = ring, slots, written, beat
         self.check_idle = check_idle
         self._read_send, self._receive, self._lost = read_send, receive, lost
-        self._receive_any = receive_any
-        #: Per owner node, receives from any source posted and not landed.
-        self.posted: dict[int, int] = {}
         self.times = times
         self.own: deque[tuple[NodeBlock, memoryview, int]] = deque()
         #: Own blocks claimed by this rank, their reads not started yet.
@@ -290,8 +266,6 @@ class NodeClaims:
         probe = _PROBE_MIN
         checked = time.monotonic()
         while True:
-            if self._post(tg):  # (the looks keep their back-off)
-                continue
             moved = False
             if self.others and self._may_take_over():
                 i = self._victim()
@@ -348,35 +322,6 @@ class NodeClaims:
             else:
                 self._others_wake.clear()
                 await self._others_wake.wait()
-
-    def _post(self, tg: asyncio.TaskGroup) -> bool:
-        """Post receives from any source (gloo: the block's tag names it) for the first
-        undecided blocks of each owner, up to :data:`POST_AHEAD` per owner not landed: no
-        look needed to learn who reads them, the sender's rank comes with the bytes. This
-        rank never takes those over (it takes over from the back)."""
-        if self._receive_any is None:
-            return False
-        moved = False
-        i = 0
-        while i < len(self.others):
-            b, view, w = self.others[i]
-            if self.posted.get(b.owner, 0) >= POST_AHEAD:
-                i += 1
-                continue
-            del self.others[i]
-            self.posted[b.owner] = self.posted.get(b.owner, 0) + 1
-            self._lost(w)
-            tg.create_task(self._posted_receive(b, view, w))
-            moved = True
-        return moved
-
-    async def _posted_receive(self, b: NodeBlock, view: memoryview, w: int) -> None:
-        assert self._receive_any is not None
-        try:
-            await self._receive_any(b, view, w)
-        finally:
-            self.posted[b.owner] -= 1
-            self._others_wake.set()  # the owner's next block may be posted
 
     def _start(self) -> None:
         if self.started is None:

@@ -455,25 +455,6 @@ async def _drive(
         stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
         landed(w)
 
-    async def receive_any(b: NodeBlock, view: memoryview, w: int) -> None:
-        """Another node's block, from whichever rank reads it (its planned owner's fetcher,
-        or one that took it over): the rank watched for a stall is the planned one (it
-        learns of a take-over at its own claim, and then watches the thief)."""
-        t0 = time.monotonic()
-        planned = b.fetcher(b.owner)
-        src = await share.transport.receive_any(
-            tag_base + b.seq, view, files, monitor, planned,
-            [f for k, f in zip(b.nodes, b.fetchers) if k != node],
-            f"waiting for bytes [{b.start}, {b.end}) of {b.name} from node {b.owner} "
-            f"(rank {planned}, or the rank that took them over)",
-        )  # fmt: skip
-        if tracing:
-            dt = time.monotonic() - t0
-            log.debug("trace recv rank=%d seq=%d src=%d t0=%.4f dt=%.4f",
-                      rank, b.seq, src, time.time() - dt, dt)  # fmt: skip
-        stats.add(bytes_received=b.nbytes, bytes_from_other_nodes=b.nbytes)
-        landed(w)
-
     def in_order(w: int) -> list[NodeBlock]:
         """Window ``w``'s blocks of this rank: its node's planned ones first, then the
         others' from the back (round-robin over their owners)."""
@@ -500,15 +481,12 @@ async def _drive(
         progress.send_left[w] -= 1
         progress.update()
 
-    # gloo matches a receive from any source by its tag (NCCL needs the source)
-    any_source = share.transport.kind == "thread" and not share.transport.ordered
     try:
         async with asyncio.TaskGroup() as tg:
             if adaptive:
                 claims = NodeClaims(
                     rank=rank, node=node, store=store, prefix=prefix, ring=ring, slots=slots,
                     read_send=read_send, receive=receive, lost=lost, written=monitor._written,
-                    receive_any=receive_any if any_source else None,
                     beat=monitor.beat, check_idle=check_idle, times=ring.times,
                 )  # fmt: skip
                 claims_task = tg.create_task(claims.run(tg))

@@ -1,15 +1,13 @@
 """Moving bytes between ranks: :class:`_Transport`, point-to-point sends and receives of
-byte ranges over the process group (with gloo also receives from any source, matched by tag),
-and the waits on their works (a thread for gloo, whose works complete only inside ``wait()``;
-polling for NCCL)."""
+byte ranges over the process group, and the waits on their works (a thread for gloo, whose
+works complete only inside ``wait()``; polling for NCCL)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,69 +150,18 @@ class _Transport:
                 current, cause = peers[exc.index], exc.cause
             elif current is None and len(peers) == 1:
                 current = peers[0]
-            _raise_lost(exc, cause, current, peers, monitor, doing)
-
-    async def receive_any(
-        self,
-        tag: int,
-        view: memoryview,
-        keep: Any,
-        monitor: Monitor,
-        watch: int,
-        suspects: Sequence[int],
-        doing: str,
-    ) -> int:
-        """Receive ``view`` from whichever rank sends it with ``tag`` (gloo only: a receive
-        from any source, matched by its tag alone), waiting as :meth:`exchange` does but
-        watching ``watch`` (the rank expected to send it, or to know who does) for a stall;
-        the sender's rank in the group. The receive is never abandoned while the load runs:
-        a caller posts it only for bytes some rank will send it (the thread that waits holds
-        ``keep`` and the buffer until it completes). gloo does not say which peer a failed
-        receive from any source lost: the one of ``suspects`` (the ranks that may send it)
-        that makes no progress for ``collective_timeout`` is named, or the one whose failure
-        another rank posts first."""
-        if self.kind != "thread" or self.ordered:  # pragma: no cover - callers check
-            raise AsyncLoadError("a receive from any source needs unordered gloo transfers")
-        loop = asyncio.get_running_loop()
-        buf = torch.frombuffer(view, dtype=torch.uint8)
-        work = dist.irecv(buf, group=self.group, tag=tag)  # no source: any
-        if work is None:  # pragma: no cover - this rank is in its group
-            raise AsyncLoadError(f"rank {monitor.rank} is not in the group it receives on")
-        fut: asyncio.Future[None] = loop.create_future()
-        _wait_in_thread([work], ([buf], keep), loop, fut)
-        try:
-            await monitor.wait_on(fut, [watch], doing)
-        except _WorkFailed as exc:
-            if monitor.timeout is not None and isinstance(exc.cause, RuntimeError):
-                with contextlib.suppress(TimeoutError):  # raises naming the stalled one
-                    await asyncio.wait_for(
-                        monitor.wait_on(loop.create_future(), suspects, doing),
-                        2 * monitor.timeout + 2.0,
-                    )
-            _raise_lost(exc, exc.cause, None, suspects, monitor, doing)
-        return int(work._source_rank())  # as dist.recv does (source_rank() warns)
-
-
-def _raise_lost(
-    exc: BaseException,
-    cause: BaseException,
-    current: int | None,
-    peers: Sequence[int],
-    monitor: Monitor,
-    doing: str,
-) -> NoReturn:
-    """Raise what a failed exchange with ``peers`` (``current``: the one it was at) means:
-    a gloo/NCCL error (a peer gone) as :class:`DistributedLoadError`, else ``cause``."""
-    if isinstance(cause, RuntimeError) and not isinstance(cause, AsyncLoadError):
-        who = f"rank {current}" if current is not None else f"rank(s) {list(peers)}"
-        raise DistributedLoadError(
-            f"rank {monitor.rank} lost its connection to {who} while {doing}: {cause}",
-            rank=current,
-            doing=doing,
-        ) from cause
-    if cause is not exc:
-        raise cause from None
-    raise exc
+            if isinstance(cause, RuntimeError) and not isinstance(
+                cause, AsyncLoadError
+            ):  # gloo/NCCL: peer gone
+                who = f"rank {current}" if current is not None else f"rank(s) {list(peers)}"
+                raise DistributedLoadError(
+                    f"rank {monitor.rank} lost its connection to {who} while {doing}: {cause}",
+                    rank=current,
+                    doing=doing,
+                ) from cause
+            if cause is not exc:
+                raise cause from None
+            raise
 
 
 class _nullcontext:

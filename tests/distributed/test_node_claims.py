@@ -185,8 +185,7 @@ def _blocks(owner_of: dict[int, int]) -> list[Any]:
 
 
 def _claims(store: _Store, reads: list[int], receives: list[tuple[int, int]],
-            gates: dict[int, Any] | None, anys: list[int] | None = None,
-            any_gates: dict[int, Any] | None = None) -> Any:  # fmt: skip
+            gates: dict[int, Any] | None) -> Any:  # fmt: skip
     from asyncload.distributed.node_claims import NodeClaims
 
     slots = asyncio.Semaphore(16)
@@ -202,16 +201,9 @@ def _claims(store: _Store, reads: list[int], receives: list[tuple[int, int]],
     async def receive(b: Any, view: memoryview, src: int, w: int) -> None:
         receives.append((b.seq, src))
 
-    async def receive_any(b: Any, view: memoryview, w: int) -> None:
-        assert anys is not None
-        anys.append(b.seq)
-        if any_gates is not None:
-            await any_gates.setdefault(b.seq, asyncio.Event()).wait()
-
     claims = NodeClaims(
         rank=0, node=0, store=store, prefix="nb/0/", ring=_Ring(), slots=slots,
         read_send=read_send, receive=receive, lost=lambda w: None, written=[],
-        receive_any=None if anys is None else receive_any,
         beat=lambda: None, check_idle=lambda peers: None, times={"claims": 0.0},
     )  # fmt: skip
     return claims
@@ -289,75 +281,3 @@ def test_takes_over_from_the_owner_furthest_behind() -> None:
     assert store.claims() == [9, 8, 5, 7, 4, 6], store.claims()
     assert len(store.ops) == 6  # no look: every block decided by one claim
     assert sorted(reads) == [5, 6, 7, 8, 9] and receives == [(4, 11)]
-
-
-def test_receives_from_any_source_need_no_store_operation() -> None:
-    """With receives from any source (gloo), a rank posts the receives of another node's
-    first ``POST_AHEAD`` blocks per owner as they are handed over, without a look: no store
-    operation for them (before, one look or more each, through rank 0's node's links). The
-    blocks behind them, taken over from the back (nothing of its own to read), one claim
-    each; a block it posted a receive for is never claimed."""
-    from asyncload.distributed.node_claims import POST_AHEAD
-
-    assert POST_AHEAD == 4
-    store, reads, receives, anys = _Store(), [], [], []
-    any_gates: dict[int, Any] = {}
-    view = memoryview(bytearray(64))
-
-    async def main() -> None:
-        claims = _claims(store, reads, receives, None, anys, any_gates)
-        for b in _blocks({4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 2, 11: 2}):
-            claims.add(b, view, 0)
-        claims.drove(1)
-        claims.close()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(claims.run(tg))
-            await _until(lambda: len(store.ops) == 2)
-            assert sorted(anys) == [4, 5, 6, 7, 10, 11]
-            assert store.claims() == [9, 8], store.claims()  # from the back
-            for s in anys:
-                any_gates.setdefault(s, asyncio.Event()).set()
-
-    asyncio.run(main())
-    assert len(store.ops) == 2 and sorted(reads) == [8, 9] and receives == []
-
-
-def test_a_landed_receive_posts_the_owners_next_block() -> None:
-    """A rank whose own reads are in flight (it may not take over) keeps ``POST_AHEAD``
-    receives from any source posted per owner; the owner's blocks behind them it looks at
-    (as a rank without receives from any source does), until one of the posted receives
-    lands: then the next one is posted, not claimed, and the last one, once its own reads
-    landed, taken over."""
-    from asyncload.distributed import node_claims
-
-    store, reads, receives, anys = _Store(), [], [], []
-    gates: dict[int, Any] = {}
-    any_gates: dict[int, Any] = {}
-    view = memoryview(bytearray(64))
-
-    async def main() -> None:
-        claims = _claims(store, reads, receives, gates, anys, any_gates)
-        for b in _blocks({0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1}):
-            claims.add(b, view, 0)
-        claims.drove(1)
-        claims.close()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(claims.run(tg))
-            await _until(lambda: len(reads) == 2 and sorted(anys) == [4, 5, 6, 7])
-            await _until(lambda: any(k == "nb/0/8" for k, e, _ in store.ops))  # a look
-            assert 8 not in store.claims() and 9 not in store.claims()
-            any_gates.setdefault(4, asyncio.Event()).set()  # block 4 landed
-            await _until(lambda: 8 in anys)
-            assert 8 not in store.claims()
-            for s in range(4):
-                gates.setdefault(s, asyncio.Event()).set()
-            await _until(lambda: 9 in store.claims())
-            gates.setdefault(9, asyncio.Event()).set()
-            for s in anys:
-                any_gates.setdefault(s, asyncio.Event()).set()
-
-    assert node_claims.POST_AHEAD == 4
-    asyncio.run(main())
-    assert sorted(anys) == [4, 5, 6, 7, 8] and receives == []
-    assert sorted(reads) == [0, 1, 2, 3, 9]
-    assert {k for k, e, _ in store.ops if e == "?"} <= {"nb/0/8", "nb/0/9"}
