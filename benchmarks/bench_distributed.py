@@ -13,6 +13,11 @@ static sharing (``ShardedLoadPlanner(adaptive=False)``) and adaptive sharing (th
 default): wall time, bytes read / sent / received / taken over / hedged per rank, and the
 ratio of each setting's wall time to the all-equal one.
 
+``--settings ...,slowlat``: the ranks of ``--slow-ranks`` (default 1) get
+``--slow-latency-ms`` more one-way latency on every request, same bandwidth; with
+``--nodes-of N`` the ranks are simulated nodes of N (``ShardedLoadPlanner(node_id=...)``:
+node-aware sharing on one host), e.g. ``--nodes-of 2 --slow-ranks 2,3`` for a slow node.
+
 ``layouts``: the cases below, every rank behind one shared proxy.
 
 Cases of ``layouts`` (each in fresh processes: ``--world`` ranks of a gloo process group on 127.0.0.1):
@@ -162,15 +167,20 @@ class _SlowCommitPlanner:
         super().commit_tensor(read_item, tensor)  # type: ignore[misc]
 
 
-def _planner(how: str) -> Any:
+def _planner(how: str, rank: int = 0) -> Any:
     import asyncload
 
+    nodes_of = int(os.environ.get("BENCH_NODES_OF", "0"))
+    # --nodes-of N: ranks as simulated nodes of N (node-aware sharing on one host)
+    node: dict[str, Any] = {"node_id": f"node{rank // nodes_of}"} if nodes_of else {}
     if how == "sharded":
         unit = os.environ.get("BENCH_UNIT_KIB")
         kw = {"wait_for_peers": True} if os.environ.get("BENCH_WAIT_FOR_PEERS") else {}
-        return asyncload.ShardedLoadPlanner(unit_size=int(unit) << 10 if unit else None, **kw)
+        return asyncload.ShardedLoadPlanner(
+            unit_size=int(unit) << 10 if unit else None, **kw, **node
+        )
     if how == "static":
-        return asyncload.ShardedLoadPlanner(adaptive=False)
+        return asyncload.ShardedLoadPlanner(adaptive=False, **node)
     if how == "side":  # the group treated as NCCL's: adaptive over the gloo side group
         return asyncload.ShardedLoadPlanner(ordered=True)
     if how == "ordered":  # the group treated as NCCL's, no side group: static, ordered
@@ -265,7 +275,7 @@ def rank_main(
                     time.sleep((done - last[0]) / rate)
                     last[0] = done
 
-            planner = _planner(how)
+            planner = _planner(how, rank)
             stats = asyncload.load(
                 sd, url, planner=planner, storage_options=storage_options, progress=progress
             )
@@ -438,22 +448,33 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
         )
         print(header)
         print("-" * len(header))
+        slow_ranks = [int(r) for r in args.slow_ranks.split(",")]
         settings: list[tuple[str, int | None, tuple[int, float] | None]] = [
             ("all equal", None, None),
             ("rank 1 at 1/4 bandwidth", 1, None),
             ("rank 2 slow assembly", None, (2, args.slow_assembly_mib * MiB)),
+            (
+                f"rank(s) {args.slow_ranks} +{args.slow_latency_ms:g} ms",
+                slow_ranks[0],
+                None,
+            ),
         ]
         chosen = args.settings.split(",")
-        settings = [
-            st for st, key in zip(settings, ("equal", "slowlink", "slowasm")) if key in chosen
-        ]
+        keys = ("equal", "slowlink", "slowasm", "slowlat")
+        settings = [st for st, key in zip(settings, keys) if key in chosen]
         equal: dict[str, float] = {}
         digests: list[str] | None = None
         summary: list[str] = []
         runs: dict[tuple[str, str], list[tuple[float, int]]] = {}
         for setting, slow_link, slow_assembly in settings:
+            latency = setting.startswith("rank(s)")  # slowlat: more latency, same bandwidth
             for i, p in enumerate(proxies):
-                p.bandwidth = bw / 4 if i == slow_link else bw
+                p.bandwidth = bw / 4 if i == slow_link and not latency else bw
+                p.latency = (
+                    args.latency_ms + (args.slow_latency_ms if i in slow_ranks else 0.0)
+                    if latency
+                    else args.latency_ms
+                ) / 1000
             hows = args.contenders.split(",")
             rounds = [
                 hows[k % len(hows) :] + hows[: k % len(hows)] for k in range(args.rounds)
@@ -498,7 +519,7 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
                         f"{setting} / {how}: loaded tensors differ from the first case"
                     )
                 digests = got
-                if slow_link is not None and how in ("static", "sharded"):
+                if slow_link is not None and how in ("static", "sharded") and not latency:
                     summary.append(
                         f"{NAMES[how]}, one rank at 1/4 bandwidth: {wall / equal[how]:.2f}x its all-equal time, "
                         f"{total / ckpt_bytes:.2f}x the checkpoint read in total"
@@ -550,7 +571,25 @@ def main() -> None:
     ap.add_argument(
         "--settings",
         default="equal,slowlink,slowasm",
-        help="speeds: which settings (equal, slowlink, slowasm)",
+        help="speeds: which settings (equal, slowlink, slowasm, slowlat)",
+    )
+    ap.add_argument(
+        "--slow-ranks",
+        default="1",
+        help="speeds, slowlat: the ranks whose requests take --slow-latency-ms more (e.g. 2,3)",
+    )
+    ap.add_argument(
+        "--slow-latency-ms",
+        type=float,
+        default=150.0,
+        help="speeds, slowlat: one-way latency added for --slow-ranks (default 150)",
+    )
+    ap.add_argument(
+        "--nodes-of",
+        type=int,
+        default=0,
+        help="ShardedLoadPlanner(node_id=...): the ranks as simulated nodes of this many "
+        "(node-aware sharing on one host; default 0: one host)",
     )
     ap.add_argument(
         "--wait-for-peers",
@@ -590,6 +629,8 @@ def main() -> None:
         )  # read by the ranks (forkserver children inherit it)
     if args.wait_for_peers:
         os.environ["BENCH_WAIT_FOR_PEERS"] = "1"
+    if args.nodes_of:
+        os.environ["BENCH_NODES_OF"] = str(args.nodes_of)
 
     mp.get_context("forkserver").set_forkserver_preload(
         [
