@@ -449,32 +449,24 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
         print(header)
         print("-" * len(header))
         slow_ranks = [int(r) for r in args.slow_ranks.split(",")]
-        settings: list[tuple[str, int | None, tuple[int, float] | None]] = [
-            ("all equal", None, None),
-            ("rank 1 at 1/4 bandwidth", 1, None),
-            ("rank 2 slow assembly", None, (2, args.slow_assembly_mib * MiB)),
-            (
-                f"rank(s) {args.slow_ranks} +{args.slow_latency_ms:g} ms",
-                slow_ranks[0],
-                None,
-            ),
+        # (key, label, the rank at 1/4 bandwidth, the slow assembly's rank and rate)
+        settings: list[tuple[str, str, int | None, tuple[int, float] | None]] = [
+            ("equal", "all equal", None, None),
+            ("slowlink", "rank 1 at 1/4 bandwidth", 1, None),
+            ("slowasm", "rank 2 slow assembly", None, (2, args.slow_assembly_mib * MiB)),
+            ("slowlat", f"rank(s) {args.slow_ranks} +{args.slow_latency_ms:g} ms", None, None),
         ]
         chosen = args.settings.split(",")
-        keys = ("equal", "slowlink", "slowasm", "slowlat")
-        settings = [st for st, key in zip(settings, keys) if key in chosen]
+        settings = [st for st in settings if st[0] in chosen]
         equal: dict[str, float] = {}
         digests: list[str] | None = None
         summary: list[str] = []
         runs: dict[tuple[str, str], list[tuple[float, int]]] = {}
-        for setting, slow_link, slow_assembly in settings:
-            latency = setting.startswith("rank(s)")  # slowlat: more latency, same bandwidth
+        for key, setting, slow_link, slow_assembly in settings:
+            late = slow_ranks if key == "slowlat" else []  # more latency, same bandwidth
             for i, p in enumerate(proxies):
-                p.bandwidth = bw / 4 if i == slow_link and not latency else bw
-                p.latency = (
-                    args.latency_ms + (args.slow_latency_ms if i in slow_ranks else 0.0)
-                    if latency
-                    else args.latency_ms
-                ) / 1000
+                p.bandwidth = bw / 4 if i == slow_link else bw
+                p.latency = (args.latency_ms + (args.slow_latency_ms if i in late else 0.0)) / 1000
             hows = args.contenders.split(",")
             rounds = [
                 hows[k % len(hows) :] + hows[: k % len(hows)] for k in range(args.rounds)
@@ -490,12 +482,15 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
                     slow_assembly,
                 )
                 wall = max(r["seconds"] for r in res)
-                # the slow rank (the slow link's or the slow assembly's) and the others apart
+                # the slow rank (the slow link's, the slow assembly's or the first late one)
+                # and the others apart
                 slow_rank = (
                     slow_link
                     if slow_link is not None
                     else slow_assembly[0]
                     if slow_assembly
+                    else late[0]
+                    if late
                     else None
                 )
                 fast = max(r["seconds"] for i, r in enumerate(res) if i != slow_rank)
@@ -519,7 +514,7 @@ def speeds(args: argparse.Namespace, work: str, ckpt_bytes: int, files: int) -> 
                         f"{setting} / {how}: loaded tensors differ from the first case"
                     )
                 digests = got
-                if slow_link is not None and how in ("static", "sharded") and not latency:
+                if slow_link is not None and how in ("static", "sharded"):
                     summary.append(
                         f"{NAMES[how]}, one rank at 1/4 bandwidth: {wall / equal[how]:.2f}x its all-equal time, "
                         f"{total / ckpt_bytes:.2f}x the checkpoint read in total"

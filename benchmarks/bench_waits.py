@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -315,6 +316,66 @@ def _client(port: int, jobs: Any, out: Any, before_path: str, start: Any, go: An
             out.put(("window", _returned_wait(scheme, base, seq, world, ranks, window, go, out)))
 
 
+_Result = list[tuple[bool, int, int, list[tuple[Any, ...]]]]
+#: ``before(mons, mod, t0)``: the old scheme's step, ``step(i, now)`` -> when rank i acts next.
+_Before = Callable[[list[Any], Any, float], Callable[[int, float], float]]
+
+
+def _simulate(
+    scheme: str,
+    base: Any,
+    seq: int,
+    world: int,
+    ranks: list[int],
+    window: float,
+    go: Any,
+    out: Any,
+    *,
+    doing: str,
+    join: Callable[[Any], Any],
+    before: _Before,
+    reporting: bool = False,
+) -> _Result:
+    """Simulated ranks ``ranks`` waiting for ``window`` seconds, each at its own schedule:
+    ``after``, a :class:`BarrierWait` each (``join(monitor)`` makes it: entered or arrived
+    before), polled with its back-off; ``before``, the old scheme's step. Per rank: whether it
+    watches, its store operations, keys read and trace."""
+    mod = scheme_module("after", "")
+    mons, tallies = [], []
+    for r in ranks:
+        m, t = make_monitor(mod, base, seq, r, world)
+        if reporting:
+            m._reporting = object()  # it keeps a progress record (a load under asyncload.load)
+        m.status(doing)
+        mons.append(m)
+        tallies.append(t)
+    waits = [join(m) for m in mons] if scheme == "after" else []  # the first to join watches
+    out.put("arrived")
+    go.wait()
+    for t in tallies:
+        t.reset()
+    t0 = time.monotonic()
+    delays = [w.first_delay for w in waits]
+    due = [t0] * len(mons)
+    step = before(mons, mod, t0) if scheme != "after" else None
+    while True:
+        now = time.monotonic()
+        if now - t0 >= window:
+            break
+        i = min(range(len(mons)), key=lambda j: due[j])
+        if due[i] > now:
+            time.sleep(min(due[i] - now, t0 + window - now))
+            continue
+        if step is None:
+            waits[i].poll()
+            due[i] = time.monotonic() + delays[i]
+            delays[i] = min(waits[i].max_delay, delays[i] * 2)
+        else:
+            due[i] = step(i, now)
+    watching = [w._watcher == w.host.rank for w in waits] or [False] * len(mons)
+    return [(w, t.ops, t.keys, t.trace) for w, t in zip(watching, tallies)]
+
+
 def _returned_wait(
     scheme: str,
     base: Any,
@@ -324,7 +385,7 @@ def _returned_wait(
     window: float,
     go: Any,
     out: Any,
-) -> list[tuple[bool, int, int, list[tuple[Any, ...]]]]:
+) -> _Result:
     """Simulated ranks whose load returned (``wait_for_peers=False``, every send landed),
     waiting for rank W-1 to finish, for ``window`` seconds: ``before``, as the drain of
     ``sends.py`` did before the ``sidewait`` branch (each poll: ``abort`` and the count of
@@ -333,53 +394,43 @@ def _returned_wait(
     (``BarrierWait.arrived_before``, then polls)."""
     from asyncload.distributed.barrier import BarrierWait, present
 
-    mod = scheme_module("after", "")
-    mons, tallies, waits = [], [], []
-    for r in ranks:
-        m, t = make_monitor(mod, base, seq, r, world)
-        m.status("finished its load")
-        mons.append(m)
-        tallies.append(t)
-    if scheme == "after":
-        for m in mons:  # the first to wait watches
-            w = BarrierWait(m, "done", "waiting, its load returned, for the others")
-            w.arrived_before()
-            waits.append(w)
-    out.put("arrived")
-    go.wait()
-    for t in tallies:
-        t.reset()
-    t0 = time.monotonic()
-    delays = [w.first_delay for w in waits] if waits else [0.005] * len(mons)
-    due = [t0] * len(mons)
-    checked = [t0 - 1.0] * len(mons)  # the steady state: a beat is due
-    keys = [f"at/done/{r}" for r in range(world)]
-    while True:
-        now = time.monotonic()
-        if now - t0 >= window:
-            break
-        i = min(range(len(mons)), key=lambda j: due[j])
-        if due[i] > now:
-            time.sleep(min(due[i] - now, t0 + window - now))
-            continue
-        m = mons[i]
-        if scheme == "after":
-            waits[i].poll()
-            longest = waits[i].max_delay
-        else:  # the body of the drain's loop before
+    def join(m: Any) -> Any:
+        w = BarrierWait(m, "done", "waiting, its load returned, for the others")
+        w.arrived_before()
+        return w
+
+    def before(mons: list[Any], mod: Any, t0: float) -> Callable[[int, float], float]:
+        delays = [0.005] * len(mons)
+        checked = [t0 - 1.0] * len(mons)  # the steady state: a beat is due
+        keys = [f"at/done/{r}" for r in range(world)]
+
+        def step(i: int, now: float) -> float:  # the body of the drain's loop before
+            m = mons[i]
             m.store.add("n/done", 0)
             m.store.check(["abort"])
             if now - checked[i] >= 1.0:
                 checked[i] = now
                 waiting = [r for r, f in enumerate(present(m.store, keys)) if not f]
                 m.idle_peer(waiting)
-            longest = 0.05
-        due[i] = time.monotonic() + delays[i]
-        delays[i] = min(longest, delays[i] * 2)
-    watching = [scheme == "after" and w._watcher == w.host.rank for w in waits] or [False] * len(
-        mons
+            due = time.monotonic() + delays[i]
+            delays[i] = min(0.05, delays[i] * 2)
+            return due
+
+        return step
+
+    return _simulate(
+        scheme,
+        base,
+        seq,
+        world,
+        ranks,
+        window,
+        go,
+        out,
+        doing="finished its load",
+        join=join,
+        before=before,
     )
-    return [(w, t.ops, t.keys, t.trace) for w, t in zip(watching, tallies)]
 
 
 def _side_wait(
@@ -391,57 +442,44 @@ def _side_wait(
     window: float,
     go: Any,
     out: Any,
-) -> list[tuple[bool, int, int, list[tuple[Any, ...]]]]:
+) -> _Result:
     """Simulated ranks waiting on their part of the side group's creation for ``window``
     seconds (no part ends): ``before``, as ``Monitor.wait_on(fut, others)`` does (a beat a
     second: heartbeat, then every other rank's status; the late check); ``after``, as
     ``Monitor.await_together`` does (``BarrierWait.enter``, then polls)."""
     from asyncload.distributed.barrier import BarrierWait
 
-    mod = scheme_module("after", "")
-    mons, tallies, waits = [], [], []
-    for r in ranks:
-        m, t = make_monitor(mod, base, seq, r, world)
-        m._reporting = object()  # it keeps a progress record (a load under asyncload.load)
-        m.status(SIDE_DOING)
-        mons.append(m)
-        tallies.append(t)
-    if scheme == "after":
-        for m in mons:  # the first to enter watches
-            w = BarrierWait(m, "s", SIDE_DOING)
-            w.enter()
-            waits.append(w)
-    out.put("arrived")
-    go.wait()
-    for t in tallies:
-        t.reset()
-    t0 = time.monotonic()
-    if scheme == "after":
-        delays = [w.first_delay for w in waits]
-        due = [t0] * len(waits)
-    else:  # the steady state: the wait has lasted a beat already
-        due = [t0] * len(mons)
-    others = [[p for p in range(world) if p != m.rank] for m in mons]
-    while True:
-        now = time.monotonic()
-        if now - t0 >= window:
-            break
-        i = min(range(len(mons)), key=lambda j: due[j])
-        if due[i] > now:
-            time.sleep(min(due[i] - now, t0 + window - now))
-            continue
-        if scheme == "after":
-            waits[i].poll()
-            due[i] = time.monotonic() + delays[i]
-            delays[i] = min(waits[i].max_delay, delays[i] * 2)
-        else:  # the body of Monitor.wait_on's loop, once a beat
+    def join(m: Any) -> Any:
+        w = BarrierWait(m, "s", SIDE_DOING)
+        w.enter()
+        return w
+
+    def before(mons: list[Any], mod: Any, t0: float) -> Callable[[int, float], float]:
+        others = [[p for p in range(world) if p != m.rank] for m in mons]
+        due = [t0] * len(mons)  # the steady state: the wait has lasted a beat already
+
+        def step(i: int, now: float) -> float:  # the body of Monitor.wait_on's loop, a beat
             mons[i].beat()
             mons[i].idle_peer(others[i])
             due[i] += mod._BEAT_INTERVAL
-    watching = [scheme == "after" and w._watcher == w.host.rank for w in waits] or [False] * len(
-        mons
+            return due[i]
+
+        return step
+
+    return _simulate(
+        scheme,
+        base,
+        seq,
+        world,
+        ranks,
+        window,
+        go,
+        out,
+        doing=SIDE_DOING,
+        join=join,
+        before=before,
+        reporting=True,
     )
-    return [(w, t.ops, t.keys, t.trace) for w, t in zip(watching, tallies)]
 
 
 class Clients:

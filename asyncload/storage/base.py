@@ -422,8 +422,8 @@ class ListedStore(VersionPins):
 
     def prefetch_sizes(self) -> bool:
         """Start listing the checkpoint's directory now (S3, GCS), while ``.metadata`` is
-        read: :meth:`sizes` takes the files' sizes from it if it has finished by then.
-        Whether a listing was started."""
+        read: :meth:`sizes` takes the files' sizes from it (waiting for it only where it
+        would list anyway: 4 files or more). Whether a listing was started."""
         if self.spec.kind != "http" and self._listing is None:
             self._listing = asyncio.ensure_future(self._list())
             return True

@@ -668,8 +668,8 @@ class RetryingStorage:
 
     def prefetch_sizes(self) -> bool:
         """Let the store start listing the checkpoint's files now, where it can (a hint:
-        :meth:`sizes` uses the listing if it is back in time, nothing waits for it). Whether
-        a listing was started."""
+        :meth:`sizes` uses the listing, and waits for it only where it would list anyway).
+        Whether a listing was started."""
         prefetch = getattr(self.raw, "prefetch_sizes", None)
         return bool(prefetch()) if prefetch is not None else False
 
