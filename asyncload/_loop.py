@@ -137,19 +137,26 @@ def run_sync(
     *,
     grace: float = 30.0,
     on_task: Any = None,
+    shield: bool = False,
 ) -> T:
     """Run ``coro`` on ``loop`` (another thread's) and wait for it.
 
     On KeyboardInterrupt (or any exception) while waiting, the task is cancelled and
-    given up to ``grace`` seconds to clean up (close files and sessions) before re-raising.
+    given up to ``grace`` seconds to clean up (close files and sessions) before re-raising;
+    ``shield``: not cancelled, given up to ``grace`` seconds to finish (a coroutine that
+    closes what the load opened). Wherever the interrupt lands, ``coro`` either never
+    starts (it is closed) or is cancelled (or finishes) before this returns.
     ``on_task(task)`` is called on the loop thread once the task exists (for cancellation).
     """
-    if asyncio._get_running_loop() is loop:
+    try:
+        if asyncio._get_running_loop() is loop:
+            raise _reentry_error()
+        refuse_on_library_loop(coro)
+        done = threading.Event()
+        box: dict[str, asyncio.Task[T]] = {}
+    except BaseException:
         coro.close()
-        raise _reentry_error()
-    refuse_on_library_loop(coro)
-    done = threading.Event()
-    box: dict[str, asyncio.Task[T]] = {}
+        raise
 
     def start() -> None:
         task = loop.create_task(coro)
@@ -158,23 +165,27 @@ def run_sync(
         if on_task is not None:
             on_task(task)
 
-    def cancel() -> None:
+    def give_up() -> None:
+        """Runs after ``start`` if ``start`` was queued (one queue, in order)."""
         task = box.get("task")
-        if task is not None:
+        if task is None:  # the interrupt came before ``start`` was queued: it never runs
+            done.set()
+            coro.close()
+        elif not shield:
             task.cancel()
 
-    loop.call_soon_threadsafe(start)
     try:
+        loop.call_soon_threadsafe(start)
         # a timed wait, so that a Ctrl-C the main thread did not receive itself (delivered to
         # another thread, or _thread.interrupt_main) is seen within 0.1 s
         while not done.wait(0.1):
             pass
         return box["task"].result()
     except BaseException:
-        if not done.is_set():
-            loop.call_soon_threadsafe(cancel)
-            try:
+        try:
+            if not done.is_set():
+                loop.call_soon_threadsafe(give_up)
                 done.wait(timeout=grace)
-            except BaseException:
-                pass
+        except BaseException:  # a second Ctrl-C: stop waiting
+            pass
         raise

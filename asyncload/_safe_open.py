@@ -236,15 +236,20 @@ class _FileStore:
         self._boundary: RetryingStorage | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the store's loop and wait (:func:`asyncload._loop.run_sync`); the
-        loop is chosen again in a forked child, or once it has stopped (as a session's)."""
-        if self._pid != os.getpid() or not self._loop.is_running():
-            self._loop = loop_thread(
-                self._config.options.use_uvloop, local=is_local(self.checkpoint)
-            )
-            self._pid = os.getpid()
-        return run_sync(coro, self._loop)
+    def run(self, coro: Coroutine[Any, Any, T], *, shield: bool = False) -> T:
+        """Run ``coro`` on the store's loop and wait (:func:`asyncload._loop.run_sync`; a
+        Ctrl-C does not cancel it when ``shield``); the loop is chosen again in a forked
+        child, or once it has stopped (as a session's)."""
+        try:
+            if self._pid != os.getpid() or not self._loop.is_running():
+                self._loop = loop_thread(
+                    self._config.options.use_uvloop, local=is_local(self.checkpoint)
+                )
+                self._pid = os.getpid()
+        except BaseException:
+            coro.close()
+            raise
+        return run_sync(coro, self._loop, shield=shield)
 
     async def storage(self) -> RetryingStorage:
         """The storage behind the retrying boundary (opened on first use)."""
@@ -278,8 +283,13 @@ class _FileStore:
         """Close the storage (on the loop), then stop the I/O threads (here: a read still
         running ends first)."""
         try:
-            if self._raw is not None:
-                self.run(self._aclose_storage())
+            try:
+                if self._raw is not None:
+                    self.run(self._aclose_storage(), shield=True)
+            except KeyboardInterrupt:  # it landed before the closing was handed to the loop
+                if self._raw is not None:
+                    self.run(self._aclose_storage(), shield=True)
+                raise
         finally:
             executor, self._executor = self._executor, None
             if executor is not None:

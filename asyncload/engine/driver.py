@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
@@ -77,22 +78,58 @@ Steps = Generator[Step, Any, T]
 
 
 def run_sync(steps: Steps[T], session: LoadSession) -> T:
-    """Drive ``steps`` from the calling thread: calls here, coroutines on the session's loop."""
+    """Drive ``steps`` from the calling thread: calls here, coroutines on the session's loop.
+
+    An exception raised here (a Ctrl-C lands on this thread at any line, the loop's own
+    included) goes into ``steps``, whose ``finally`` blocks then yield the steps that close
+    what is open; only an exception that ``steps`` itself raised (it has ended) leaves."""
+    try:
+        return _drive(steps, session, None)
+    except BaseException as exc:
+        if inspect.getgeneratorstate(steps) != inspect.GEN_SUSPENDED:
+            steps.close()  # never started (nothing is open), or ended
+            raise
+        return _drive(steps, session, exc)
+
+
+def _drive(steps: Steps[T], session: LoadSession, error: BaseException | None) -> T:
+    """:func:`run_sync`'s loop, from ``error`` thrown into ``steps`` (or none)."""
     value: Any = None
-    error: BaseException | None = None
     while True:
+        step: Step | None = None
         try:
-            step = steps.send(value) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        value = error = None
-        try:
+            try:
+                step = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            value = error = None
             if isinstance(step, Call):
                 value = step.fn(*step.args)
             else:
                 value = session.run(step.coro, cleanup=step.cleanup)
         except BaseException as exc:
-            error = exc
+            if inspect.getgeneratorstate(steps) == inspect.GEN_CLOSED:
+                raise
+            value, error = None, exc
+            if isinstance(step, Await):
+                _missed(step, session)
+
+
+def _missed(step: Await, session: LoadSession) -> None:
+    """A step that an interrupt kept from being handed to the loop (it came between the
+    step's arrival and :meth:`LoadSession.run`, which runs or closes what it is given): a
+    cleanup step runs all the same (its own error is logged: the interrupt goes on), any
+    other is closed unrun."""
+    coro = step.coro
+    if not inspect.iscoroutine(coro) or inspect.getcoroutinestate(coro) != inspect.CORO_CREATED:
+        return
+    if not step.cleanup:
+        coro.close()
+        return
+    try:
+        session.run(coro, cleanup=True)
+    except Exception:
+        log.warning("cleaning up after an interrupt failed", exc_info=True)
 
 
 async def run_async(steps: Steps[T], session: LoadSession) -> T:

@@ -254,8 +254,7 @@ class LoadSession:
         return self._t0 is not None
 
     def live_stats(self) -> LoadStats:
-        """The statistics so far (``seconds`` is the time since the load started); final once
-        done."""
+        """The statistics so far (``seconds``: since the load started); final once done."""
         if self.stats is not None:
             return self.stats
         snap = self._recorder.snapshot()
@@ -274,12 +273,13 @@ class LoadSession:
 
     def run(self, coro: Coroutine[Any, Any, T], *, cleanup: bool = False) -> T:
         """Run ``coro`` on the session's loop from another thread and wait (the sync faces).
-        A cancelled session runs nothing more but ``cleanup`` coroutines (closing)."""
+        A cancelled session runs nothing more but ``cleanup`` coroutines (closing: shielded)."""
         if self._cancelled.is_set() and not cleanup:
             coro.close()
             raise asyncio.CancelledError()
         refuse_on_library_loop(coro)
-        return run_sync(coro, self._library_loop(), on_task=None if cleanup else self._track_task)
+        track = None if cleanup else self._track_task
+        return run_sync(coro, self._library_loop(), on_task=track, shield=cleanup)
 
     def _library_loop(self) -> asyncio.AbstractEventLoop:
         """The library loop thread this session runs on: chosen once (its storage's clients
@@ -383,10 +383,14 @@ class LoadSession:
             )
 
     def close(self) -> None:
-        """Sync :meth:`aclose`."""
-        if self._raw is None and self._executor is None:
-            return
-        self.run(self.aclose(), cleanup=True)
+        """Sync :meth:`aclose`; a Ctrl-C that lands before it reached the loop: closed anyway."""
+        try:
+            if self._raw is not None or self._executor is not None:
+                self.run(self.aclose(), cleanup=True)
+        except KeyboardInterrupt:
+            if self._raw is not None or self._executor is not None:
+                self.run(self.aclose(), cleanup=True)
+            raise
 
     def close_quietly(self) -> None:
         try:

@@ -207,6 +207,9 @@ class LocalStorage(Storage):
         return sorted(n for n in names if os.path.isfile(os.path.join(root, n)))
 
     async def aclose(self) -> None:
+        self._close_fds()
+
+    def _close_fds(self) -> None:
         with self._lock:
             self._closed = True
             fds, self._fds = self._fds, {}
@@ -217,6 +220,14 @@ class LocalStorage(Storage):
                 os.close(fd)
             except OSError:  # pragma: no cover
                 pass
+
+    def __del__(self) -> None:
+        # as a file object closes itself when it is dropped: a storage that a Ctrl-C kept from
+        # being closed (it landed between a face's opening and its ``with``, say) keeps no
+        # file open once nothing refers to it; no read can be running then (a read holds it)
+        if getattr(self, "_fds", None):
+            log.debug("closing %d file(s) of a storage dropped unclosed", len(self._fds))
+            self._close_fds()
 
 
 def _check_regular(path: str, mode: int) -> None:

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,168 @@ def test_ctrl_c_at_any_point_leaves_nothing_behind(ckpt_128m: Path, where: str) 
         assert r["budget_used"] == [], where_
         assert r["tasks"] == 0, where_
         assert r.get("connections", []) == [], where_
+
+
+class _InterruptAtLine:
+    """A trace function (for the main thread) that raises KeyboardInterrupt once, before the
+    ``n``-th line run in the frames whose code ``traced`` accepts: a Ctrl-C landing there
+    (Python delivers one between lines, among other points). ``n=0``: never; ``seen``
+    counts the lines."""
+
+    def __init__(self, traced: Callable[[Any], bool], n: int) -> None:
+        self.traced, self.n, self.seen = traced, n, 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._line if event == "call" and self.traced(frame.f_code) else None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.seen += 1
+            if self.seen == self.n:
+                raise KeyboardInterrupt(f"{frame.f_code.co_name}, line {frame.f_lineno}")
+        return self._line
+
+
+def _interrupted(
+    run: Callable[[], Any], traced: Callable[[Any], bool], n: int
+) -> tuple[int, str | None]:
+    """``run()`` under :class:`_InterruptAtLine`: the lines it saw, and where the
+    KeyboardInterrupt was raised (``None``: ``run`` returned)."""
+    trace = _InterruptAtLine(traced, n)
+    sys.settrace(trace)
+    try:
+        run()
+        where = None
+    except KeyboardInterrupt as exc:
+        where = str(exc)
+    finally:
+        sys.settrace(None)
+    return trace.seen, where
+
+
+def _tasks_on_library_loops() -> int:
+    from asyncload import _loop
+
+    async def count() -> int:
+        return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
+
+    return sum(
+        asyncio.run_coroutine_threadsafe(count(), lt.loop).result(5)
+        for lt in list(_loop._threads.values())
+    )
+
+
+@pytest.mark.timeout(200)
+def test_a_ctrl_c_at_every_line_of_the_sync_driver_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread that calls ``asyncload.load`` drives the load (``engine/driver.py``): a
+    Ctrl-C can land on it at any line. Raised before each line in turn that the driver runs
+    (the steps, their loop, ``LoadSession.run`` and the wait on the loop thread), each time
+    in a new load: the load raises KeyboardInterrupt (or had finished: then bit-exact) and
+    leaves no open file, no task on the library's loop, no budget in use, no I/O thread;
+    the next load is bit-exact. CI once hit one such line (between queueing the task and
+    the ``try`` that cancels it): the task ran on unwatched, and ``.metadata`` stayed open."""
+    from asyncload import _loop
+    from asyncload.engine import driver
+    from asyncload.engine.session import LoadSession
+
+    want = {f"t{i}": torch.full((64, 64), float(i)) for i in range(4)}
+    path = make_checkpoint(tmp_path / "ckpt", want)
+    codes = {
+        _loop.run_sync.__code__,
+        driver.run_sync.__code__,
+        driver._drive.__code__,
+        driver.load_steps.__code__,
+        driver.read_steps.__code__,
+        LoadSession.run.__code__,
+    }
+    threads_before = live_threads("asyncload-io")
+    tasks_before = _tasks_on_library_loops()
+    meters: weakref.WeakSet[Meter] = weakref.WeakSet()  # the loads' budgets (a scan of every
+    init = Meter.__init__  # object, as _budgets_in_use does, takes 0.3 s here)
+
+    def recorded(self: Meter, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        meters.add(self)
+
+    monkeypatch.setattr(Meter, "__init__", recorded)
+
+    def load(n: int) -> tuple[int, str | None, dict[str, torch.Tensor]]:
+        dest = {k: torch.zeros(64, 64) for k in want}
+        return (*_interrupted(lambda: asyncload.load(dest, path), codes.__contains__, n), dest)
+
+    lines, where, dest = load(0)
+    assert where is None and all(torch.equal(dest[k], want[k]) for k in want)
+    assert lines > 100  # the trace sees the driver (179 lines in this version)
+    interrupted = 0
+    for n in range(1, lines + 1):
+        _, where, dest = load(n)
+        if where is None:  # fewer lines this time (a wait's loop ran fewer rounds)
+            assert all(torch.equal(dest[k], want[k]) for k in want), n
+        else:
+            interrupted += 1
+        assert open_fds_under(path) == [], where
+        assert _tasks_on_library_loops() == tasks_before, where
+        assert [m.used for m in meters if m.used] == [], where
+        deadline = time.monotonic() + 3
+        while asyncload_threads(ignore=threads_before) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asyncload_threads(ignore=threads_before) == [], where
+    assert interrupted >= lines - 5
+    assert len(meters) > 0 and _budgets_in_use() == []
+    _, where, dest = load(0)
+    assert where is None and all(torch.equal(dest[k], want[k]) for k in want)
+
+
+@pytest.mark.timeout(200)
+# a Ctrl-C that lands as a read's coroutine is handed over (entering ``_FileStore.run``)
+# leaves it unawaited: Python says so beside the KeyboardInterrupt; nothing is left open
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_a_ctrl_c_at_every_line_of_safe_open_leaves_nothing_behind(tmp_path: Path) -> None:
+    """``asyncload.safe_open`` runs on the calling thread but for its reads: a Ctrl-C raised
+    before each line in turn of ``asyncload/_safe_open.py`` and of the wait on the loop thread
+    (opening, ``get_tensor``, ``get_slice``, closing at the ``with``'s end), each time in a
+    new use: it raises KeyboardInterrupt (or the tensors came back bit-exact) and leaves no
+    open file and no task on the library's loop. A file that the interrupt kept from its
+    ``with`` (it landed in ``__enter__``) is closed once dropped, as Python's own files are."""
+    from safetensors.torch import save_file
+
+    from asyncload import _loop
+
+    want = {f"t{i}": torch.full((64, 64), float(i)) for i in range(4)}
+    save_file(want, str(tmp_path / "m.safetensors"))
+    tasks_before = _tasks_on_library_loops()
+
+    def traced(code: Any) -> bool:
+        return code.co_filename.endswith("_safe_open.py") or code is _loop.run_sync.__code__
+
+    def use(n: int) -> tuple[int, str | None, dict[str, torch.Tensor]]:
+        got: dict[str, torch.Tensor] = {}
+
+        def read() -> None:
+            with asyncload.safe_open(tmp_path / "m.safetensors", framework="pt") as f:
+                for k in f.keys():  # noqa: SIM118 - safe_open's API
+                    got[k] = f.get_tensor(k)
+                got["slice"] = f.get_slice("t1")[2:5, 7:9]
+
+        return (*_interrupted(read, traced, n), got)
+
+    use(0)  # the first use runs lines once per process (imports, caches)
+    lines, where, got = use(0)
+    assert where is None and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(got["slice"], want["t1"][2:5, 7:9])
+    assert lines > 200  # the trace sees safe_open (about 480 lines in this version)
+    interrupted = 0
+    for n in range(1, lines + 1):
+        _, where, got = use(n)
+        if where is None:
+            assert all(torch.equal(got[k], want[k]) for k in want), n
+        else:
+            interrupted += 1
+        assert open_fds_under(tmp_path) == [], where
+        assert _tasks_on_library_loops() == tasks_before, where
+    assert interrupted >= lines - 5
 
 
 @pytest.mark.timeout(60)
