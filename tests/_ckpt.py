@@ -249,16 +249,9 @@ def evict_pages(path: str | os.PathLike[str], start: int = 0, n: int = 0) -> boo
 
 def open_fds_under(directory: str | os.PathLike[str]) -> list[str]:
     """Paths under ``directory`` that this process holds open (from /proc/self/fd)."""
-    d = os.path.realpath(directory)
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target == d or target.startswith(d + os.sep):
-            out.append(target)
-    return out
+    from asyncload.testing.interrupts import open_files_under
+
+    return open_files_under(directory)
 
 
 def live_threads(prefix: str = "asyncload-") -> set[Any]:

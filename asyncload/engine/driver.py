@@ -82,14 +82,20 @@ def run_sync(steps: Steps[T], session: LoadSession) -> T:
 
     An exception raised here (a Ctrl-C lands on this thread at any line, the loop's own
     included) goes into ``steps``, whose ``finally`` blocks then yield the steps that close
-    what is open; only an exception that ``steps`` itself raised (it has ended) leaves."""
+    what is open; only an exception that ``steps`` itself raised (it has ended) leaves. If
+    an interrupt cut a ``finally`` block of the steps short, the session is closed here."""
     try:
-        return _drive(steps, session, None)
-    except BaseException as exc:
-        if inspect.getgeneratorstate(steps) != inspect.GEN_SUSPENDED:
-            steps.close()  # never started (nothing is open), or ended
-            raise
-        return _drive(steps, session, exc)
+        try:
+            return _drive(steps, session, None)
+        except BaseException as exc:
+            if inspect.getgeneratorstate(steps) != inspect.GEN_SUSPENDED:
+                steps.close()  # never started (nothing is open), or ended
+                raise
+            return _drive(steps, session, exc)
+    except BaseException:
+        if session.open:
+            session.close_quietly()
+        raise
 
 
 def _drive(steps: Steps[T], session: LoadSession, error: BaseException | None) -> T:

@@ -274,12 +274,15 @@ class LoadSession:
     def run(self, coro: Coroutine[Any, Any, T], *, cleanup: bool = False) -> T:
         """Run ``coro`` on the session's loop from another thread and wait (the sync faces).
         A cancelled session runs nothing more but ``cleanup`` coroutines (closing: shielded)."""
-        if self._cancelled.is_set() and not cleanup:
+        try:
+            if self._cancelled.is_set() and not cleanup:
+                raise asyncio.CancelledError()
+            refuse_on_library_loop(coro)  # before a loop thread is chosen (or started)
+            loop = self._library_loop()
+        except BaseException:  # a Ctrl-C included: the driver closes the session then
             coro.close()
-            raise asyncio.CancelledError()
-        refuse_on_library_loop(coro)
-        track = None if cleanup else self._track_task
-        return run_sync(coro, self._library_loop(), on_task=track, shield=cleanup)
+            raise
+        return run_sync(coro, loop, on_task=None if cleanup else self._track_task, shield=cleanup)
 
     def _library_loop(self) -> asyncio.AbstractEventLoop:
         """The library loop thread this session runs on: chosen once (its storage's clients
@@ -396,9 +399,7 @@ class LoadSession:
         try:
             self.close()
         except Exception:
-            log.debug(
-                "closing the storage of %s failed", redact_url(str(self.checkpoint)), exc_info=True
-            )
+            log.debug("closing %s failed", redact_url(str(self.checkpoint)), exc_info=True)
 
     # --- metadata ------------------------------------------------------------------------
 

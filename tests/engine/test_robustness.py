@@ -19,7 +19,6 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
 from asyncload.engine.meter import Meter
+from asyncload.testing.interrupts import dcp_load, interrupted, tasks_on_library_loops
 
 TESTS = Path(__file__).parents[1]  # the child scripts live beside conftest.py
 MiB = 1 << 20
@@ -104,66 +104,33 @@ def test_ctrl_c_at_any_point_leaves_nothing_behind(ckpt_128m: Path, where: str) 
         assert r.get("connections", []) == [], where_
 
 
-class _InterruptAtLine:
-    """A trace function (for the main thread) that raises KeyboardInterrupt once, before the
-    ``n``-th line run in the frames whose code ``traced`` accepts: a Ctrl-C landing there
-    (Python delivers one between lines, among other points). ``n=0``: never; ``seen``
-    counts the lines."""
-
-    def __init__(self, traced: Callable[[Any], bool], n: int) -> None:
-        self.traced, self.n, self.seen = traced, n, 0
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
-        return self._line if event == "call" and self.traced(frame.f_code) else None
-
-    def _line(self, frame: Any, event: str, arg: Any) -> Any:
-        if event == "line":
-            self.seen += 1
-            if self.seen == self.n:
-                raise KeyboardInterrupt(f"{frame.f_code.co_name}, line {frame.f_lineno}")
-        return self._line
-
-
-def _interrupted(
-    run: Callable[[], Any], traced: Callable[[Any], bool], n: int
-) -> tuple[int, str | None]:
-    """``run()`` under :class:`_InterruptAtLine`: the lines it saw, and where the
-    KeyboardInterrupt was raised (``None``: ``run`` returned)."""
-    trace = _InterruptAtLine(traced, n)
-    sys.settrace(trace)
-    try:
-        run()
-        where = None
-    except KeyboardInterrupt as exc:
-        where = str(exc)
-    finally:
-        sys.settrace(None)
-    return trace.seen, where
-
-
-def _tasks_on_library_loops() -> int:
-    from asyncload import _loop
-
-    async def count() -> int:
-        return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
-
-    return sum(
-        asyncio.run_coroutine_threadsafe(count(), lt.loop).result(5)
-        for lt in list(_loop._threads.values())
-    )
-
-
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "face",
+    [
+        "load",
+        # PipelinedReader's own calls hand the session a coroutine made before the call: a
+        # Ctrl-C on entering it leaves that coroutine unawaited (Python says so); nothing open
+        pytest.param(
+            "dcp.load",
+            marks=pytest.mark.filterwarnings(
+                "ignore:coroutine .* was never awaited:RuntimeWarning"
+            ),
+        ),
+    ],
+)
 def test_a_ctrl_c_at_every_line_of_the_sync_driver_leaves_nothing_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, face: str
 ) -> None:
-    """The thread that calls ``asyncload.load`` drives the load (``engine/driver.py``): a
-    Ctrl-C can land on it at any line. Raised before each line in turn that the driver runs
-    (the steps, their loop, ``LoadSession.run`` and the wait on the loop thread), each time
-    in a new load: the load raises KeyboardInterrupt (or had finished: then bit-exact) and
-    leaves no open file, no task on the library's loop, no budget in use, no I/O thread;
-    the next load is bit-exact. CI once hit one such line (between queueing the task and
-    the ``try`` that cancels it): the task ran on unwatched, and ``.metadata`` stayed open."""
+    """The thread that calls ``asyncload.load`` (or ``dcp.load`` with ``PipelinedReader``)
+    drives the load (``engine/driver.py``): a Ctrl-C can land on it at any line. Raised
+    before each line in turn that the driver runs (the steps, their loop,
+    ``LoadSession.run`` and the wait on the loop thread), each time in a new load: the load
+    raises KeyboardInterrupt (``dcp.load`` wraps it in its CheckpointException) or had
+    finished (then bit-exact), and leaves no open file, no task on the library's loop, no
+    budget in use, no I/O thread; the next load is bit-exact. CI once hit one such line
+    (between queueing the task and the ``try`` that cancels it): the task ran on unwatched,
+    and ``.metadata`` stayed open."""
     from asyncload import _loop
     from asyncload.engine import driver
     from asyncload.engine.session import LoadSession
@@ -179,7 +146,7 @@ def test_a_ctrl_c_at_every_line_of_the_sync_driver_leaves_nothing_behind(
         LoadSession.run.__code__,
     }
     threads_before = live_threads("asyncload-io")
-    tasks_before = _tasks_on_library_loops()
+    tasks_before = tasks_on_library_loops()
     meters: weakref.WeakSet[Meter] = weakref.WeakSet()  # the loads' budgets (a scan of every
     init = Meter.__init__  # object, as _budgets_in_use does, takes 0.3 s here)
 
@@ -191,26 +158,33 @@ def test_a_ctrl_c_at_every_line_of_the_sync_driver_leaves_nothing_behind(
 
     def load(n: int) -> tuple[int, str | None, dict[str, torch.Tensor]]:
         dest = {k: torch.zeros(64, 64) for k in want}
-        return (*_interrupted(lambda: asyncload.load(dest, path), codes.__contains__, n), dest)
+
+        def run() -> None:
+            if face == "load":
+                asyncload.load(dest, path)
+            else:
+                dcp_load(dest, path)
+
+        return (*interrupted(run, codes.__contains__, n), dest)
 
     lines, where, dest = load(0)
     assert where is None and all(torch.equal(dest[k], want[k]) for k in want)
     assert lines > 100  # the trace sees the driver (179 lines in this version)
-    interrupted = 0
+    stopped = 0
     for n in range(1, lines + 1):
         _, where, dest = load(n)
         if where is None:  # fewer lines this time (a wait's loop ran fewer rounds)
             assert all(torch.equal(dest[k], want[k]) for k in want), n
         else:
-            interrupted += 1
+            stopped += 1
         assert open_fds_under(path) == [], where
-        assert _tasks_on_library_loops() == tasks_before, where
+        assert tasks_on_library_loops() == tasks_before, where
         assert [m.used for m in meters if m.used] == [], where
         deadline = time.monotonic() + 3
         while asyncload_threads(ignore=threads_before) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert asyncload_threads(ignore=threads_before) == [], where
-    assert interrupted >= lines - 5
+    assert stopped >= lines - 5
     assert len(meters) > 0 and _budgets_in_use() == []
     _, where, dest = load(0)
     assert where is None and all(torch.equal(dest[k], want[k]) for k in want)
@@ -233,7 +207,7 @@ def test_a_ctrl_c_at_every_line_of_safe_open_leaves_nothing_behind(tmp_path: Pat
 
     want = {f"t{i}": torch.full((64, 64), float(i)) for i in range(4)}
     save_file(want, str(tmp_path / "m.safetensors"))
-    tasks_before = _tasks_on_library_loops()
+    tasks_before = tasks_on_library_loops()
 
     def traced(code: Any) -> bool:
         return code.co_filename.endswith("_safe_open.py") or code is _loop.run_sync.__code__
@@ -247,23 +221,23 @@ def test_a_ctrl_c_at_every_line_of_safe_open_leaves_nothing_behind(tmp_path: Pat
                     got[k] = f.get_tensor(k)
                 got["slice"] = f.get_slice("t1")[2:5, 7:9]
 
-        return (*_interrupted(read, traced, n), got)
+        return (*interrupted(read, traced, n), got)
 
     use(0)  # the first use runs lines once per process (imports, caches)
     lines, where, got = use(0)
     assert where is None and all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(got["slice"], want["t1"][2:5, 7:9])
     assert lines > 200  # the trace sees safe_open (about 480 lines in this version)
-    interrupted = 0
+    stopped = 0
     for n in range(1, lines + 1):
         _, where, got = use(n)
         if where is None:
             assert all(torch.equal(got[k], want[k]) for k in want), n
         else:
-            interrupted += 1
+            stopped += 1
         assert open_fds_under(tmp_path) == [], where
-        assert _tasks_on_library_loops() == tasks_before, where
-    assert interrupted >= lines - 5
+        assert tasks_on_library_loops() == tasks_before, where
+    assert stopped >= lines - 5
 
 
 @pytest.mark.timeout(60)
