@@ -186,6 +186,9 @@ def run_sync(
             if not done.is_set():
                 loop.call_soon_threadsafe(give_up)
                 done.wait(timeout=grace)
+            task = box.get("task")
+            if task is not None and task.done() and not task.cancelled():
+                task.exception()  # it ended as the interrupt came: its outcome is dropped, quietly
         except BaseException:  # a second Ctrl-C: stop waiting
             pass
         raise

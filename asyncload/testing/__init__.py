@@ -8,6 +8,8 @@
   delays, fails, resets, truncates, stalls or slows chosen requests.
 * :mod:`asyncload.testing.cuda` - :func:`fake_device` and its :class:`FakeCopier`: CPU
   tensors take the CUDA destinations' device path (pinned ring, side stream, events).
+* :mod:`asyncload.testing.interrupts` - :func:`interrupted`: a KeyboardInterrupt raised
+  before a chosen line (a trace function), to try a Ctrl-C at every line of a sync face.
 * :mod:`asyncload.testing.pytest_fixtures` - session fixtures ``s3_server``,
   ``gcs_server``, ``http_server`` and the ``fault_proxy`` factory
   (``from asyncload.testing.pytest_fixtures import *`` in a conftest).
