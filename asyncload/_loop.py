@@ -19,12 +19,18 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from asyncload._errors import LoadReentryError
 
-__all__ = ["loop_thread", "refuse_on_library_loop", "run_sync", "uvloop_available"]
+__all__ = [
+    "close_through_interrupt",
+    "loop_thread",
+    "refuse_on_library_loop",
+    "run_sync",
+    "uvloop_available",
+]
 
 log = logging.getLogger("asyncload.loop")
 T = TypeVar("T")
@@ -133,13 +139,14 @@ def on_library_loop() -> bool:
 
 def run_sync(
     coro: Coroutine[Any, Any, T],
-    loop: asyncio.AbstractEventLoop,
+    loop: asyncio.AbstractEventLoop | Callable[[], asyncio.AbstractEventLoop],
     *,
     grace: float = 30.0,
     on_task: Any = None,
     shield: bool = False,
 ) -> T:
-    """Run ``coro`` on ``loop`` (another thread's) and wait for it.
+    """Run ``coro`` on ``loop`` (another thread's; or the one a callable ``loop`` chooses,
+    called once the call is known not to come from a library loop) and wait for it.
 
     On KeyboardInterrupt (or any exception) while waiting, the task is cancelled and
     given up to ``grace`` seconds to clean up (close files and sessions) before re-raising;
@@ -149,9 +156,11 @@ def run_sync(
     ``on_task(task)`` is called on the loop thread once the task exists (for cancellation).
     """
     try:
+        refuse_on_library_loop(coro)
+        if callable(loop):
+            loop = loop()
         if asyncio._get_running_loop() is loop:
             raise _reentry_error()
-        refuse_on_library_loop(coro)
         done = threading.Event()
         box: dict[str, asyncio.Task[T]] = {}
     except BaseException:
@@ -191,4 +200,17 @@ def run_sync(
                 task.exception()  # it ended as the interrupt came: its outcome is dropped, quietly
         except BaseException:  # a second Ctrl-C: stop waiting
             pass
+        raise
+
+
+def close_through_interrupt(still_open: Callable[[], bool], close: Callable[[], None]) -> None:
+    """``close()`` if ``still_open()``; a Ctrl-C that lands before the closing reached the
+    loop (which then does not cancel it: ``run_sync(..., shield=True)``) closes all the same,
+    then goes on."""
+    try:
+        if still_open():
+            close()
+    except KeyboardInterrupt:
+        if still_open():
+            close()
         raise

@@ -44,7 +44,7 @@ import torch
 
 from asyncload._errors import StateDictMismatchError, redact_url
 from asyncload._latency import LoadClock
-from asyncload._loop import loop_thread, run_sync
+from asyncload._loop import close_through_interrupt, loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats, StatsRecorder
 from asyncload.engine.changes import check_unchanged
@@ -240,16 +240,15 @@ class _FileStore:
         """Run ``coro`` on the store's loop and wait (:func:`asyncload._loop.run_sync`; a
         Ctrl-C does not cancel it when ``shield``); the loop is chosen again in a forked
         child, or once it has stopped (as a session's)."""
-        try:
-            if self._pid != os.getpid() or not self._loop.is_running():
-                self._loop = loop_thread(
-                    self._config.options.use_uvloop, local=is_local(self.checkpoint)
-                )
-                self._pid = os.getpid()
-        except BaseException:
-            coro.close()
-            raise
-        return run_sync(coro, self._loop, shield=shield)
+        return run_sync(coro, self._current_loop, shield=shield)
+
+    def _current_loop(self) -> asyncio.AbstractEventLoop:
+        if self._pid != os.getpid() or not self._loop.is_running():
+            self._loop = loop_thread(
+                self._config.options.use_uvloop, local=is_local(self.checkpoint)
+            )
+            self._pid = os.getpid()
+        return self._loop
 
     async def storage(self) -> RetryingStorage:
         """The storage behind the retrying boundary (opened on first use)."""
@@ -283,13 +282,10 @@ class _FileStore:
         """Close the storage (on the loop), then stop the I/O threads (here: a read still
         running ends first)."""
         try:
-            try:
-                if self._raw is not None:
-                    self.run(self._aclose_storage(), shield=True)
-            except KeyboardInterrupt:  # it landed before the closing was handed to the loop
-                if self._raw is not None:
-                    self.run(self._aclose_storage(), shield=True)
-                raise
+            close_through_interrupt(
+                lambda: self._raw is not None,
+                lambda: self.run(self._aclose_storage(), shield=True),
+            )
         finally:
             executor, self._executor = self._executor, None
             if executor is not None:

@@ -12,10 +12,8 @@ HTTP through a proxy).
 from __future__ import annotations
 
 import _thread
-import asyncio
 import gc
 import json
-import os
 import signal
 import sys
 import threading
@@ -27,6 +25,7 @@ import torch
 import asyncload
 from asyncload import LoadOptions
 from asyncload.engine.meter import Meter
+from asyncload.testing.interrupts import open_files_under, tasks_on_library_loops
 
 # The faces (and torch.distributed.checkpoint) are imported on first use: here, before the
 # interrupts below, as `import asyncload` did; an import interrupted half-way (sympy's, under
@@ -60,14 +59,7 @@ def leftovers() -> dict[str, object]:
         if not threads or time.monotonic() > deadline:
             break
         time.sleep(0.01)
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(os.path.realpath(CKPT)):
-            fds.append(target)
+    fds = open_files_under(CKPT)
     conns = []
     if REMOTE:
         import psutil
@@ -89,15 +81,7 @@ def leftovers() -> dict[str, object]:
         warnings.simplefilter("ignore")
         meters = [b for b in gc.get_objects() if isinstance(b, Meter)]
         budgets = [b.used for b in meters if b.name == "read budget"]
-    from asyncload import _loop
-
-    tasks = 0
-    for lt in list(_loop._threads.values()):
-
-        async def count() -> int:
-            return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
-
-        tasks += asyncio.run_coroutine_threadsafe(count(), lt.loop).result(5)
+    tasks = tasks_on_library_loops()
     return {
         "threads": threads,
         "fds": fds,

@@ -50,7 +50,7 @@ from asyncload._errors import (
     redact_url,
 )
 from asyncload._latency import LoadClock
-from asyncload._loop import loop_thread, refuse_on_library_loop, run_sync
+from asyncload._loop import close_through_interrupt, loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats, StatsRecorder
 from asyncload.engine import cuda as _cuda
@@ -274,15 +274,11 @@ class LoadSession:
     def run(self, coro: Coroutine[Any, Any, T], *, cleanup: bool = False) -> T:
         """Run ``coro`` on the session's loop from another thread and wait (the sync faces).
         A cancelled session runs nothing more but ``cleanup`` coroutines (closing: shielded)."""
-        try:
-            if self._cancelled.is_set() and not cleanup:
-                raise asyncio.CancelledError()
-            refuse_on_library_loop(coro)  # before a loop thread is chosen (or started)
-            loop = self._library_loop()
-        except BaseException:  # a Ctrl-C included: the driver closes the session then
+        if self._cancelled.is_set() and not cleanup:
             coro.close()
-            raise
-        return run_sync(coro, loop, on_task=None if cleanup else self._track_task, shield=cleanup)
+            raise asyncio.CancelledError()
+        track = None if cleanup else self._track_task
+        return run_sync(coro, self._library_loop, on_task=track, shield=cleanup)
 
     def _library_loop(self) -> asyncio.AbstractEventLoop:
         """The library loop thread this session runs on: chosen once (its storage's clients
@@ -387,13 +383,7 @@ class LoadSession:
 
     def close(self) -> None:
         """Sync :meth:`aclose`; a Ctrl-C that lands before it reached the loop: closed anyway."""
-        try:
-            if self._raw is not None or self._executor is not None:
-                self.run(self.aclose(), cleanup=True)
-        except KeyboardInterrupt:
-            if self._raw is not None or self._executor is not None:
-                self.run(self.aclose(), cleanup=True)
-            raise
+        close_through_interrupt(lambda: self.open, lambda: self.run(self.aclose(), cleanup=True))
 
     def close_quietly(self) -> None:
         try:
