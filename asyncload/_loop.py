@@ -27,6 +27,7 @@ from asyncload._errors import LoadReentryError
 __all__ = [
     "close_through_interrupt",
     "loop_thread",
+    "on_thread",
     "refuse_on_library_loop",
     "run_sync",
     "uvloop_available",
@@ -214,3 +215,34 @@ def close_through_interrupt(still_open: Callable[[], bool], close: Callable[[], 
         if still_open():
             close()
         raise
+
+
+def on_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """``fn()`` on a daemon thread of its own (a blocking call that may never return: a
+    collective waiting for a rank that died is left to its own timeout); its outcome as a
+    future of the running loop, set once it returns or raises (never after the loop closed)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
+
+    def run() -> None:
+        value: Any = None
+        err: BaseException | None = None
+        try:
+            value = fn()
+        except BaseException as exc:
+            err = exc
+        try:
+            loop.call_soon_threadsafe(settle, value, err)
+        except RuntimeError:  # the loop is gone: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut

@@ -203,6 +203,14 @@ class LoadOptions:
     #: they have in flight and for how long; again at most this often while the wait lasts.
     #: ``None`` = never (docs/distributed.md#watching-a-multi-rank-load).
     late_rank_log_after: float | None = 60.0
+    #: Multi-rank loads (``asyncload.load``/``aload``/``start_load``): ``.metadata`` is read
+    #: by the group's rank 0 alone and its bytes are broadcast over the process group, with
+    #: its listing of the data files (one request of each for the whole job instead of one
+    #: per rank; every rank decodes the bytes with the allow-list). ``"auto"``: for a remote checkpoint (S3, GCS, HTTP...) that names a
+    #: directory, on a group with a CPU backend (gloo); ``True``: also for a local one (a
+    #: shared file system); ``False``: every rank reads its own. A rank whose checkpoint URL
+    #: differs from rank 0's reads its own (docs/distributed.md#metadata-read-once).
+    share_metadata: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, want: str) -> None:
@@ -236,6 +244,8 @@ class LoadOptions:
             or math.isinf(self.timeout)
         ):
             bad("timeout", self.timeout, "expected a positive number of seconds or None")
+        if not isinstance(self.share_metadata, bool) and self.share_metadata != "auto":
+            bad("share_metadata", self.share_metadata, "expected True, False or 'auto'")
         ct = self.collective_timeout
         if ct is not None and (
             isinstance(ct, bool)

@@ -102,6 +102,10 @@ class LoadStats:
     #: included, the ``.metadata`` file left out): when the answer to the first such read began
     #: (remote stores that tell: obstore, wire) or the read ended (the others). 0.0: none read.
     time_to_first_byte: float = 0.0
+    #: Multi-rank loads: ``.metadata`` was read once, by the group's rank 0, and its bytes
+    #: broadcast to the other ranks (``LoadOptions.share_metadata``); False on a rank that
+    #: read its own.
+    metadata_shared: bool = False
     #: Node-aware sharing: bytes of shared memory (``/dev/shm``) the node's ring of windows
     #: held in the largest read phase, at most ``memory_budget`` (the node's ranks copy one
     #: window out while the next is fetched into the other).

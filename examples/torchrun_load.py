@@ -46,7 +46,9 @@ def rank_main(checkpoint: str) -> None:
         if dist.get_rank() == 0:
             print(stats)
         print(
-            f"rank {dist.get_rank()}: read {stats.bytes_read} bytes, received {stats.bytes_received}",
+            f"rank {dist.get_rank()}: read {stats.bytes_read} bytes, received {stats.bytes_received}"
+            # a remote checkpoint: rank 0 read .metadata and sent its bytes (docs/distributed.md)
+            f"; .metadata from rank 0: {stats.metadata_shared}",
             flush=True,
         )
         # a rank returns once its own tensors are complete; what it still owes slower ranks

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from asyncload._errors import AsyncLoadError, DistributedLoadError
+from asyncload._loop import on_thread
 from asyncload.distributed.monitor import Monitor
 
 __all__ = ["cached_side_group", "check_side_group", "group_ranks", "make_side_group"]
@@ -134,8 +135,6 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
     # a group of the whole world: the plain collective, entered by every process; a subgroup:
     # only its members enter (torch's local synchronisation, hashed group name)
     local = len(ranks) < dist.get_world_size()
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
     # the rendezvous waits on the group's store, whose client connection the monitor shares:
     # gloo's own wait must end within the bound, or it would hold the monitor up too (a rank
     # whose rendezvous waits for a rank that has not entered it cannot beat meanwhile: so the
@@ -143,36 +142,20 @@ async def make_side_group(group: Any, monitor: Monitor, phase: int) -> Any:
     # any verdict could, which would name a rank that only waits in gloo's rendezvous)
     bound = None if monitor.timeout is None else timedelta(seconds=monitor.timeout)
 
-    def settle(value: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(value)
-        else:
-            fut.set_exception(exc)
-
-    def run() -> None:
-        value: Any = None
-        err: BaseException | None = None
-        try:
-            value = dist.new_group(
-                ranks,
-                backend="gloo",
-                timeout=bound,
-                use_local_synchronization=local,
-                group_desc="asyncload_side_group",
-            )
-            if bound is not None:
-                _ops_timeout(value)
-        except BaseException as exc:
-            err = exc
-        try:
-            loop.call_soon_threadsafe(settle, value, err)
-        except RuntimeError:  # the loop is gone: nobody waits any more
-            pass
+    def make() -> Any:
+        value = dist.new_group(
+            ranks,
+            backend="gloo",
+            timeout=bound,
+            use_local_synchronization=local,
+            group_desc="asyncload_side_group",
+        )
+        if bound is not None:
+            _ops_timeout(value)
+        return value
 
     monitor.status(doing)
-    threading.Thread(target=run, name="asyncload-side-group", daemon=True).start()
+    fut = on_thread(make, "asyncload-side-group")
     try:
         # every rank arrived at the barrier: a creation that takes longer than a rank may go
         # without progress is stuck in gloo's rendezvous (a connection between two ranks that

@@ -41,12 +41,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from asyncload._errors import (
     CheckpointFormatError,
-    CheckpointNotFoundError,
     DistributedLoadError,
     redact_url,
 )
 from asyncload._stats import LoadStats
 from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
+from asyncload.engine.metadata_read import (
+    aread_metadata_like_dcp,
+    aread_metadata_once,
+    shares_metadata,
+)
 from asyncload.engine.session import LoadSession
 
 __all__ = ["Await", "Call", "load_steps", "read_steps", "run_async", "run_sync"]
@@ -238,34 +242,6 @@ def _is_stateful(value: Any) -> bool:
     return type(value) not in PLAIN_TENSOR_TYPES and isinstance(value, Stateful)
 
 
-async def aread_metadata_like_dcp(session: LoadSession, rank: int) -> tuple[Metadata, bool]:
-    """``.metadata``, or (as ``dcp.load`` falls back when it is absent) this rank's own
-    ``__{rank}.metadata``, which ``dcp.save(..., use_collectives=False)`` writes instead;
-    whether the global one was read. Only a missing ``.metadata`` falls back: a damaged one
-    is reported as it is."""
-    try:
-        return await session.aread_metadata(), True
-    except CheckpointNotFoundError as missing:
-        if session.checkpoint_missing:
-            raise
-        try:
-            md = await session.aread_metadata(rank=rank)
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{missing}; nor is there the rank-local {exc.path or f'__{rank}.metadata'} that "
-                "dcp.save(..., use_collectives=False) writes for each rank.",
-                path=missing.path,
-                status=missing.status,
-            ) from missing.__cause__  # the client's first error; this message says both
-        log.debug(
-            "%s has no .metadata: rank %d reads its rank-local __%d.metadata",
-            redact_url(str(session.checkpoint)),
-            rank,
-            rank,
-        )
-        return md, False
-
-
 def read_steps(
     session: LoadSession, metadata: Metadata, plan: LoadPlan, planner: LoadPlanner
 ) -> Steps[None]:
@@ -308,7 +284,10 @@ def _collective_steps(
     doing = "reading the checkpoint metadata"
     try:
         monitor.status(doing)
-        metadata, _ = yield Await(aread_metadata_like_dcp(session, dist_w.rank))
+        if shares_metadata(session, dist_w.get_world_size()):  # read by rank 0 alone
+            metadata = yield Await(aread_metadata_once(session, dist_w.rank))
+        else:
+            metadata, _ = yield Await(aread_metadata_like_dcp(session, dist_w.rank))
         yield Call(planner.set_up_planner, state_dict, metadata, dist_w.is_coordinator)
         _check_storage_table(session, metadata)
         doing = "making its local plan"

@@ -393,16 +393,23 @@ class LoadSession:
 
     # --- metadata ------------------------------------------------------------------------
 
-    async def aread_metadata(self, rank: int | None = None) -> Metadata:
+    async def aread_metadata(
+        self,
+        rank: int | None = None,
+        *,
+        on_bytes: Callable[[memoryview, str], Awaitable[None]] | None = None,
+    ) -> Metadata:
         """Read and decode ``.metadata`` (``__{rank}.metadata`` when ``rank`` is given) with
-        the allow-list; check its version and structure.
+        the allow-list; check its version and structure. ``on_bytes(raw, url)`` is awaited
+        with a global ``.metadata``'s bytes before they are decoded (a multi-rank load sends
+        them to the other ranks: :mod:`asyncload.engine.metadata_read`).
 
         A checkpoint that is not a DCP directory (safetensors, a torch.save file: see
         :mod:`asyncload.formats`) gets a synthesised ``Metadata`` instead. The first error of
         this load's metadata reads is kept in :attr:`metadata_error` until one succeeds.
         """
         try:
-            md = await self._aread_metadata(rank)
+            md = await self._aread_metadata(rank, on_bytes)
         except Exception as exc:
             if self.metadata_error is None:
                 self.metadata_error = exc
@@ -410,7 +417,9 @@ class LoadSession:
         self.metadata_error = None  # read (a rank-local one after a missing .metadata, say)
         return md
 
-    async def _aread_metadata(self, rank: int | None) -> Metadata:
+    async def _aread_metadata(
+        self, rank: int | None, on_bytes: Callable[[memoryview, str], Awaitable[None]] | None
+    ) -> Metadata:
         options = self._config.options
         refuse_a_dcp_file(self.checkpoint)
         if rank is None:
@@ -429,39 +438,12 @@ class LoadSession:
             if storage.supports_read_object:  # one GET: its answer gives the size and version
                 first = asyncio.ensure_future(storage.read_object(name, options.max_metadata_size))
                 if rank is None:
-                    # the data files' sizes, listed while .metadata is read
-                    listing = storage.prefetch_sizes()
-                    # the decoders' tables built while both are on the wire, once both
-                    # have left: before, their sending would wait for it
-                    storage.when_sent(1 + listing, _warm)
+                    self.start_listing(requests=1)  # the data files' sizes, while it is read
                 raw, size = await first
             else:
                 size = await storage.size(name)
         except CheckpointNotFoundError as exc:
-            local = is_local(self.checkpoint)
-            # one stat, on the error path
-            if local and not os.path.lexists(local_root(self.checkpoint)):  # noqa: ASYNC240
-                self.checkpoint_missing = True
-                raise CheckpointNotFoundError(
-                    f"the checkpoint {self.checkpoint} does not exist: no such file or directory "
-                    "(check the path)",
-                    path=str(self.checkpoint),
-                    status=404,
-                ) from None  # the .metadata it looked for adds nothing
-            if rank is None:
-                found = await formats.aprobe_fallback(
-                    self.checkpoint, storage, self._open_root, options
-                )
-                if found is not None:
-                    return found
-            raise CheckpointNotFoundError(
-                f"{url} does not exist: {self.checkpoint} is not a DCP checkpoint, or its save "
-                "did not finish "
-                "(DCP writes .metadata last); nor is it a safetensors or torch.save checkpoint "
-                f"({docs_ref('Formats')})",
-                path=url,
-                status=404,
-            ) from exc.__cause__ or exc  # the client's own error: the translated one says the same
+            return await _not_found(self, storage, exc, url, rank)
         if size > options.max_metadata_size:
             raise CheckpointFormatError(
                 f"{url} is {size} bytes, more than "
@@ -474,11 +456,37 @@ class LoadSession:
             self._fingerprints[name] = fp
         if raw is None:
             raw = await storage.read(name, 0, size, counted=False)
+        if on_bytes is not None and rank is None:
+            await on_bytes(raw, url)
+        return self.decode_metadata(raw, url)
+
+    def start_listing(self, requests: int = 0) -> None:
+        """List the data files' sizes now (S3, GCS), beside the ``.metadata`` read (its
+        ``requests`` already sent); the decoders' tables built once both have left."""
+        storage = self._boundary
+        if storage is not None:
+            listing = storage.prefetch_sizes()
+            storage.when_sent(requests + listing, _warm)
+
+    async def aopen_early(self) -> RetryingStorage:
+        """Open the checkpoint's storage now: a rank that waits for ``.metadata``'s bytes
+        (and the listing of the data files) from another rank
+        (:mod:`asyncload.engine.metadata_read`)."""
+        if self._storage_root is not None:
+            await self._open_root(None)
+        return await self.storage()
+
+    def decode_metadata(
+        self, raw: bytes | memoryview, url: str, *, shared: bool = False
+    ) -> Metadata:
+        """``.metadata``'s bytes (read from ``url``, or ``shared``: sent by another rank that
+        read them there) decoded with the allow-list, once per URL and bytes with a cache."""
+        self._recorder.set(metadata_shared=shared)
         cache, md = self.metadata_cache, None
         if cache is not None:
             md = cache.get((url, bytes(raw)))
         if md is None:
-            md = formats.decode_metadata(raw, url, max_size=options.max_metadata_size)
+            md = formats.decode_metadata(raw, url, max_size=self._config.options.max_metadata_size)
             if cache is not None:
                 cache.clear()  # the last one only
                 cache[(url, bytes(raw))] = md
@@ -577,6 +585,42 @@ class LoadSession:
         stager, self._stager = self._stager, None
         if stager is not None:
             await asyncio.to_thread(stager.finish_sync)
+
+
+async def _not_found(
+    session: LoadSession,
+    storage: RetryingStorage,
+    exc: CheckpointNotFoundError,
+    url: str,
+    rank: int | None,
+) -> Metadata:
+    """``.metadata`` (``__{rank}.metadata``) at ``url`` is missing: a local checkpoint that
+    does not exist, or another format found by the fallback probe; else the typed error."""
+    checkpoint = session.checkpoint
+    local = is_local(checkpoint)
+    # one stat, on the error path
+    if local and not os.path.lexists(local_root(checkpoint)):  # noqa: ASYNC240
+        session.checkpoint_missing = True
+        raise CheckpointNotFoundError(
+            f"the checkpoint {checkpoint} does not exist: no such file or directory "
+            "(check the path)",
+            path=str(checkpoint),
+            status=404,
+        ) from None  # the .metadata it looked for adds nothing
+    if rank is None:
+        found = await formats.aprobe_fallback(
+            checkpoint, storage, session._open_root, session.options
+        )
+        if found is not None:
+            return found
+    raise CheckpointNotFoundError(
+        f"{url} does not exist: {checkpoint} is not a DCP checkpoint, or its save "
+        "did not finish "
+        "(DCP writes .metadata last); nor is it a safetensors or torch.save checkpoint "
+        f"({docs_ref('Formats')})",
+        path=url,
+        status=404,
+    ) from exc.__cause__ or exc  # the client's own error: the translated one says the same
 
 
 def in_flight(session: LoadSession) -> InFlight | None:

@@ -383,6 +383,8 @@ class ListedStore(VersionPins):
         self._listed: dict[str, int] = {}
         #: the names of that listing, once it is back
         self._listed_names: frozenset[str] | None = None
+        #: that listing's entries, once taken (for :meth:`listing_for_peers`)
+        self._entries: list[Listed] | None = None
 
     async def _head(self, name: str) -> int:
         """The size of file ``name``, by a request (its version pinned)."""
@@ -466,10 +468,35 @@ class ListedStore(VersionPins):
         self._listing = None
         if listing.cancelled() or listing.exception() is not None:
             return False
+        self._entries = listing.result()
         for path, size, _ in listing.result():
             self._listed[path] = size
         self._listed_names = frozenset(self._listed)
         self._take_listing(listing.result(), None)
+        return True
+
+    async def listing_for_peers(self, wait: float | None) -> list[Listed] | None:
+        """The entries of the listing :meth:`prefetch_sizes` started, waiting up to
+        ``wait`` seconds for it (it is not cancelled); None without one, or when it failed
+        or is still on its way (another rank of the load lists for itself then)."""
+        listing = self._listing
+        if self._entries is not None or listing is None:
+            return self._entries
+        await asyncio.wait({listing}, timeout=wait)
+        if not listing.done() or listing.cancelled() or listing.exception() is not None:
+            return None
+        return list(listing.result())
+
+    def use_listing(self, entries: list[Listed]) -> bool:
+        """Take ``entries`` (another rank's listing of this directory, as :meth:`_list`
+        gives it) as the listing :meth:`prefetch_sizes` would start: sizes and versions come
+        from it, and this store lists nothing itself. Whether it took them (not where a
+        listing was started already, nor over plain HTTP)."""
+        if self._listing is not None or self._entries is not None or self.spec.kind == "http":
+            return False
+        done: asyncio.Future[list[Listed]] = asyncio.get_running_loop().create_future()
+        done.set_result(list(entries))
+        self._listing = done
         return True
 
     def _take_listing(self, entries: list[Listed], wanted: set[str] | None) -> None:

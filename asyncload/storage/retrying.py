@@ -57,7 +57,7 @@ from asyncload._errors import AsyncLoadError, CheckpointFormatError, redact_text
 from asyncload._latency import HEDGE_POLL, LoadClock, hedge_delay
 from asyncload._options import HedgePolicy, LoadOptions, RetryPolicy
 from asyncload._stats import StatsRecorder
-from asyncload.storage.base import REQUEST, Storage
+from asyncload.storage.base import REQUEST, Listed, Storage
 from asyncload.storage.classify import classify, translate
 from asyncload.storage.in_flight import InFlight
 
@@ -672,6 +672,18 @@ class RetryingStorage:
         Whether a listing was started."""
         prefetch = getattr(self.raw, "prefetch_sizes", None)
         return bool(prefetch()) if prefetch is not None else False
+
+    async def listing_for_peers(self, wait: float | None) -> list[Listed] | None:
+        """The store's listing of the checkpoint's files (:meth:`prefetch_sizes`), for the
+        other ranks of a load: waited for up to ``wait`` seconds; None where there is none."""
+        given = getattr(self.raw, "listing_for_peers", None)
+        return await given(wait) if given is not None else None
+
+    def use_listing(self, entries: list[Listed]) -> bool:
+        """Take another rank's listing of the checkpoint's files as this store's own (no
+        listing request of its own); whether the store could."""
+        use = getattr(self.raw, "use_listing", None)
+        return bool(use(entries)) if use is not None else False
 
     def when_sent(self, requests: int, work: Callable[[], None]) -> None:
         """Run ``work`` (and the store's own :meth:`~Storage.warm`) on the loop while the
