@@ -203,13 +203,14 @@ class LoadOptions:
     #: they have in flight and for how long; again at most this often while the wait lasts.
     #: ``None`` = never (docs/distributed.md#watching-a-multi-rank-load).
     late_rank_log_after: float | None = 60.0
-    #: Multi-rank loads (``asyncload.load``/``aload``/``start_load``): ``.metadata`` is read
-    #: by the group's rank 0 alone and its bytes are broadcast over the process group, with
-    #: its listing of the data files (one request of each for the whole job instead of one
-    #: per rank; every rank decodes the bytes with the allow-list). ``"auto"``: for a remote checkpoint (S3, GCS, HTTP...) that names a
-    #: directory, on a group with a CPU backend (gloo); ``True``: also for a local one (a
-    #: shared file system); ``False``: every rank reads its own. A rank whose checkpoint URL
-    #: differs from rank 0's reads its own (docs/distributed.md#metadata-read-once).
+    #: Multi-rank loads (``asyncload.load``/``aload``/``start_load``) on a group with a CPU
+    #: backend (gloo): ``.metadata`` is read by the group's rank 0 alone and its bytes are
+    #: broadcast, with its listing of the data files (one request of each for the job instead
+    #: of one per rank; every rank decodes the bytes with the allow-list). Each rank chooses
+    #: whether it uses them: ``"auto"`` for a remote checkpoint (S3, GCS, HTTP...) that names
+    #: a directory; ``True`` also for a local one (a shared file system); ``False`` never (it
+    #: reads its own). A rank whose checkpoint URL differs from rank 0's reads its own
+    #: (docs/distributed.md#metadata-read-once).
     share_metadata: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:

@@ -144,3 +144,52 @@ def loadavg() -> str:
     """The 1, 5 and 15 minute load averages, as /proc/loadavg gives them."""
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
+
+
+def spawn_ranks(
+    target: Callable[..., None],
+    world: int,
+    args: tuple[Any, ...],
+    timeout: float = 600.0,
+    what: str = "ranks",
+) -> list[dict[str, Any]]:
+    """Run ``target(rank, world, port, out, *args)`` in ``world`` fresh forkserver processes
+    (a gloo group on a free port of 127.0.0.1); each puts ``(rank, result)`` on ``out``, a
+    result with ``"error"`` for a failure. The results by rank; SystemExit when a rank failed
+    or did not answer within ``timeout`` seconds (leftover processes killed)."""
+    import queue
+    import socket
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    procs = [
+        ctx.Process(target=target, args=(r, world, port, out, *args), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, res = out.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {r}: {res['error']}" for r, res in results.items() if "error" in res]
+    if errors or len(results) < world:
+        missing = sorted(set(range(world)) - set(results))
+        why = errors or [f"ranks {missing} did not answer within {timeout} s"]
+        raise SystemExit(f"{what} failed:\n" + "\n".join(why))
+    return [results[r] for r in range(world)]

@@ -60,10 +60,8 @@ import argparse
 import datetime
 import hashlib
 import os
-import queue
 import resource
 import shutil
-import socket
 import tempfile
 import time
 import warnings
@@ -71,6 +69,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from _common import spawn_ranks
 
 MiB = 1 << 20
 
@@ -321,12 +320,6 @@ def rank_main(
 # --- the parent ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_case(
     case: str,
     url: str | list[str],
@@ -336,42 +329,9 @@ def run_case(
     storage_options: dict[str, Any],
     slow_assembly: tuple[int, float] | None = None,
 ) -> list[dict[str, Any]]:
-    ctx = mp.get_context("forkserver")
-    q = ctx.Queue()
-    port = _free_port()
     urls = [url] * world if isinstance(url, str) else url
-    procs = [
-        ctx.Process(
-            target=rank_main,
-            args=(r, world, port, q, case, urls, size_mib, storage_options, slow_assembly),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                rank, res = q.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    if len(results) < world:
-        raise SystemExit(
-            f"{case}: only {len(results)} of {world} ranks answered within {timeout} s"
-        )
-    errors = [f"rank {r}: {res['error']}" for r, res in results.items() if "error" in res]
-    if errors:
-        raise SystemExit(f"{case} failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world)]
+    args = (case, urls, size_mib, storage_options, slow_assembly)
+    return spawn_ranks(rank_main, world, args, timeout, what=case)
 
 
 def _mib(n: float) -> str:

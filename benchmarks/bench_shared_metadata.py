@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import queue
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import loadavg
+from _common import loadavg, spawn_ranks
 
 
 def model(keys: int, numel: int) -> dict[str, torch.Tensor]:
@@ -96,12 +94,6 @@ def rank_main(
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(
     url: str,
     storage_options: dict[str, Any],
@@ -111,37 +103,9 @@ def run(
     per_rank: int,
     share: bool,
 ) -> list[dict[str, Any]]:
-    ctx = mp.get_context("forkserver")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=rank_main,
-            args=(r, world, port, q, url, storage_options, keys, numel, per_rank, share),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + 600
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                rank, res = q.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    errors = [f"rank {r}: {res['error']}" for r, res in results.items() if "error" in res]
-    if errors or len(results) < world:
-        raise SystemExit("failed:\n" + "\n".join(errors or ["ranks missing"]))
-    return [results[r] for r in range(world)]
+    return spawn_ranks(
+        rank_main, world, (url, storage_options, keys, numel, per_rank, share), timeout=600
+    )
 
 
 def main() -> None:

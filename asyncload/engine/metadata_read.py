@@ -30,7 +30,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import torch
@@ -88,35 +88,47 @@ async def aread_metadata_like_dcp(
 
 
 def shares_metadata(session: LoadSession, world: int) -> bool:
-    """Whether a load on ``world`` ranks reads ``.metadata`` once for the group
-    (``LoadOptions.share_metadata``): ``"auto"`` for a remote directory, ``True`` for any
-    checkpoint, on a group whose backend carries CPU tensors (not NCCL alone)."""
-    choice = session.options.share_metadata
-    if world < 2 or choice is False:
+    """Whether a load on ``world`` ranks exchanges ``.metadata`` over the group: on a group
+    whose backend carries CPU tensors (not NCCL alone). The same on every rank of the group,
+    whatever each rank's URL and options: a rank that would not take part while another
+    waits for it would hold both at different barriers (each rank's own choice is
+    :func:`_wants_shared`)."""
+    if world < 2:
         return False
     backend = str(dist.get_backend(session.group)).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return False  # CPU bytes cannot cross an NCCL-only group: every rank reads its own
+    return not ("nccl" in backend and "gloo" not in backend)
+
+
+def _wants_shared(session: LoadSession) -> bool:
+    """This rank's ``LoadOptions.share_metadata``: ``"auto"`` for a remote directory,
+    ``True`` for any checkpoint, ``False`` never (it reads its own, and rank 0 sends none)."""
+    choice = session.options.share_metadata
     if choice == "auto":
         checkpoint = session.checkpoint
         return not is_local(checkpoint) and not formats.may_be_a_file(checkpoint)
-    return True
+    return bool(choice)
 
 
 async def aread_metadata_once(session: LoadSession, rank: int) -> Metadata:
-    """``.metadata`` for group rank ``rank`` of a load that shares it
-    (:func:`shares_metadata`): read by rank 0, broadcast, decoded by each rank."""
+    """``.metadata`` for group rank ``rank`` of a load that exchanges it
+    (:func:`shares_metadata`): read by rank 0, broadcast, decoded by each rank that wants it
+    (:func:`_wants_shared`); a rank that does not reads its own meanwhile."""
     monitor = session.monitor
     group = session.group
     src = 0 if group is None else dist.get_global_rank(group, 0)
+    wanted = _wants_shared(session)
     if rank == 0:
-        return await _read_and_send(session, monitor, src, group)
+        if wanted:
+            return await _read_and_send(session, monitor, src, group)
+        # "read it yourselves" at once
+        exchange = _exchange(session, src, group, _message(None, ""))
+        return await _beside_own_read(session, rank, exchange)
+    if not wanted:  # its own read, beside its part of the exchange
+        return await _beside_own_read(session, rank, _exchange(session, src, group, None))
     doing = "waiting for .metadata from rank 0"
     early = asyncio.ensure_future(session.aopen_early())
     try:
-        await monitor.abarrier("metadata", doing)
-        received = on_thread(lambda: _broadcast(None, src, group), _THREAD)
-        message = await monitor.await_together(received, "md-sent", doing)
+        message = await _exchange(session, src, group, None, doing)
     finally:
         await asyncio.gather(early, return_exceptions=True)
     storage = await early  # an error opening the storage is this rank's error
@@ -129,6 +141,45 @@ async def aread_metadata_once(session: LoadSession, rank: int) -> Metadata:
     if listing is None or not storage.use_listing(listing):
         session.start_listing()  # rank 0 had none to give: this rank lists for itself
     return session.decode_metadata(raw, url, shared=True)
+
+
+async def _exchange(
+    session: LoadSession,
+    src: int,
+    group: Any,
+    message: bytearray | None,
+    doing: str = "exchanging .metadata with the other ranks",
+) -> memoryview:
+    """This rank's part of the exchange: the monitored barrier, then the broadcast
+    (:func:`_broadcast_part`)."""
+    await session.monitor.abarrier("metadata", doing)
+    return await _broadcast_part(session, src, group, message, doing)
+
+
+async def _broadcast_part(
+    session: LoadSession, src: int, group: Any, message: bytearray | None, doing: str
+) -> memoryview:
+    """Rank 0's ``message`` (``None`` on the other ranks) broadcast on a thread of its own
+    while the ranks wait for each other through the monitor; the message, on every rank."""
+    fut = on_thread(lambda: _broadcast(message, src, group), _THREAD)
+    return await session.monitor.await_together(fut, "md-sent", doing)
+
+
+async def _beside_own_read(
+    session: LoadSession, rank: int, exchange: Coroutine[Any, Any, memoryview]
+) -> Metadata:
+    """A rank that reads its own ``.metadata`` (``share_metadata=False``, a local or file
+    checkpoint under ``"auto"``) while it takes part in the exchange; its read's error is
+    raised once the exchange is done, the exchange's (another rank failed) at once."""
+    own = asyncio.ensure_future(aread_metadata_like_dcp(session, rank))
+    try:
+        await exchange
+    except BaseException:
+        own.cancel()
+        await asyncio.gather(own, return_exceptions=True)
+        raise
+    md, _ = await own
+    return md
 
 
 async def _read_and_send(session: LoadSession, monitor: Any, src: int, group: Any) -> Metadata:
@@ -148,9 +199,7 @@ async def _read_and_send(session: LoadSession, monitor: Any, src: int, group: An
         if raw is not None:  # the data files' listing too, once back (its own bound)
             storage = await session.storage()
             listing = await storage.listing_for_peers(session.options.timeout)
-        message = _message(raw, url, listing)
-        fut = on_thread(lambda: _broadcast(message, src, group), _THREAD)
-        await monitor.await_together(fut, "md-sent", doing)
+        await _broadcast_part(session, src, group, _message(raw, url, listing), doing)
 
     failed: Exception | None = None
     md: Metadata | None = None

@@ -57,6 +57,10 @@ def _listings(proxy: Any) -> int:
     return sum(1 for e in proxy.log if e.method == "GET" and "prefix=" in e.query)
 
 
+def _data_gets_of(proxy: Any, name: str) -> int:
+    return sum(1 for e in proxy.log if e.method == "GET" and e.path.endswith("/" + name))
+
+
 def _data_gets(proxy: Any) -> int:
     return sum(1 for e in proxy.log if e.method == "GET" and e.path.endswith(".distcp"))
 
@@ -244,6 +248,78 @@ def test_aload_reads_it_once_too(request: Any, saved: Path, fault_proxy: Any) ->
     values = _all_bit_exact(run_ranks(w_aload, WORLD, urls[0], options, timeout=150))
     assert [_metadata_gets(p) for p in proxies] == [1, 0, 0]
     assert [v["shared"] for v in values] == [False, True, True]
+
+
+def w_mixed(
+    rank: int, world: int, urls: list[str], options: list[dict[str, Any]], shares: list[Any]
+) -> dict[str, Any]:
+    full = big_model()
+    sd = {k: torch.zeros_like(v) for k, v in full.items()}
+    stats = asyncload.load(
+        sd,
+        urls[rank],
+        storage_options=options[rank],
+        options=OPTIONS.replace(share_metadata=shares[rank], collective_timeout=60),
+    )
+    return {
+        "bad": [k for k in full if not same_bits(sd[k], full[k])],
+        "shared": stats.metadata_shared,
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["rank0-remote", "rank0-local", "options-differ"], ids=lambda c: c
+)
+def test_ranks_that_decide_differently_all_load(
+    request: Any, saved: Path, fault_proxy: Any, case: str
+) -> None:
+    """Whether a rank wants rank 0's bytes is its own choice (its URL, its options); every
+    rank takes part in the exchange all the same, so ranks that decide differently never
+    wait at different barriers (they did: a hang, until this test). Rank 0 on S3 and the
+    others on a local copy (``"auto"``: only rank 0 would share); rank 0 local and the
+    others on S3 (rank 0 says "read it yourselves" at once); all on S3, rank 0 with ``True``
+    and the others ``False``. All bit for bit."""
+    proxies, urls, options = _per_rank(request, "s3", saved, fault_proxy)
+    shares: list[Any] = ["auto"] * WORLD
+    if case == "rank0-remote":
+        urls = [urls[0]] + [str(saved)] * (WORLD - 1)
+        options = [options[0]] + [{}] * (WORLD - 1)
+        want = {"gets": [1, 0, 0], "shared": [False, False, False]}
+    elif case == "rank0-local":
+        urls = [str(saved), *urls[1:]]
+        options = [{}, *options[1:]]
+        want = {"gets": [0, 1, 1], "shared": [False, False, False]}
+    else:
+        shares = [True] + [False] * (WORLD - 1)
+        want = {"gets": [1, 1, 1], "shared": [False, False, False]}
+    values = _all_bit_exact(run_ranks(w_mixed, WORLD, urls, options, shares, timeout=150))
+    assert [_metadata_gets(p) for p in proxies] == want["gets"]
+    assert [v["shared"] for v in values] == want["shared"]
+
+
+@pytest.mark.parametrize("share", [True, "auto"])
+def test_a_safetensors_file_is_read_by_every_rank(
+    request: Any, tmp_path: Path, fault_proxy: Any, share: bool | str
+) -> None:
+    """No ``.metadata`` to share: with ``True`` rank 0 finds a safetensors file and says
+    "read it yourselves", and every rank probes the file itself; ``"auto"`` leaves a URL
+    that names a file to each rank from the start. Bit for bit either way."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "st").mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in big_model().items()}, tmp_path / "st" / "m.safetensors"
+    )
+    server = request.getfixturevalue("s3_server")
+    url = server.upload_dir(tmp_path / "st", f"shmd-{uuid.uuid4().hex[:12]}", "st")
+    proxies = [fault_proxy(server) for _ in range(WORLD)]
+    options = [server.storage_options(endpoint_url=p.endpoint_url) for p in proxies]
+    urls = [f"{url}/m.safetensors"] * WORLD
+    how = {"share": share}
+    values = _all_bit_exact(run_ranks(w_load, WORLD, urls, options, how, timeout=150))
+    assert [v["shared"] for v in values] == [False, False, False]
+    assert [_metadata_gets(p) for p in proxies] == [0, 0, 0]
+    assert all(_data_gets_of(p, "m.safetensors") > 0 for p in proxies)
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
