@@ -70,12 +70,18 @@ def tiny_llama(directory: Path) -> Path:
 
 
 def generate(model: str, load_format: str, extra: dict[str, object]) -> list[list[int]]:
+    import torch
+
     llm = LLM(
         model=model,
         load_format=load_format,
         model_loader_extra_config=extra,
         enforce_eager=True,
         max_model_len=256,
+        # the model's own dtype on a GPU; float32 on CPU: vLLM's CPU build died with SIGILL in
+        # its bfloat16 kernels (this config's dtype) on a CPU with AMX, before any weight
+        # was loaded by asyncload
+        dtype="auto" if torch.cuda.is_available() else "float32",
     )
     outs = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=8, temperature=0))
     tokens = [list(o.outputs[0].token_ids) for o in outs]
