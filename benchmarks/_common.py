@@ -146,6 +146,21 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
+def join_gloo(rank: int, world: int, port: int, timeout: float = 600.0) -> None:
+    """Join the gloo group of :func:`spawn_ranks` (in a rank's process)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
 def spawn_ranks(
     target: Callable[..., None],
     world: int,

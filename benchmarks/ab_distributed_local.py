@@ -43,9 +43,7 @@ def rank_main(rank: int, world: int, port: int, out: Any, path: str, tree: str, 
     try:
         if not asyncload.__file__ or not asyncload.__file__.startswith(tree):
             raise RuntimeError(f"imported {asyncload.__file__}, not the tree {tree}")
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+        C.join_gloo(rank, world, port)
         sd = {f"layers.{i}.w": torch.zeros(256, 256) for i in range(n)}
         dist.barrier()
         t0 = time.monotonic()
@@ -75,6 +73,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     trees = [os.path.abspath(args.a), os.path.abspath(args.b)]
+    if trees[0] == trees[1]:
+        ap.error("--a and --b name the same tree: copy one (git worktree add, git archive)")
     import torch.distributed.checkpoint as dcp
 
     print(f"load average before: {C.loadavg()}")

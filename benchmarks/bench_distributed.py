@@ -57,7 +57,6 @@ Run:  python benchmarks/bench_distributed.py                       # speeds: 28 
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import os
 import resource
@@ -69,7 +68,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from _common import spawn_ranks
+from _common import join_gloo, spawn_ranks
 
 MiB = 1 << 20
 
@@ -207,13 +206,7 @@ def rank_main(
     from asyncload import ShardedLoadPlanner  # noqa: F401 - the faces load on first use: not on the clock
 
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
+        join_gloo(rank, world, port)
         url = urls[rank]
         layout, _, how = case.partition(":")
         slow_rate = (

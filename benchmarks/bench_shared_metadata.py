@@ -23,7 +23,6 @@ Run:  python benchmarks/bench_shared_metadata.py                      # 4 ranks,
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import loadavg, spawn_ranks
+from _common import join_gloo, loadavg, spawn_ranks
 
 
 def model(keys: int, numel: int) -> dict[str, torch.Tensor]:
@@ -61,13 +60,7 @@ def rank_main(
     from asyncload import LoadOptions, ShardedLoadPlanner  # noqa: F401 - the faces: not on the clock
 
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
+        join_gloo(rank, world, port)
         mine = [f"layers.{i}.w" for i in range(rank, keys, world)][: per_rank or None]
         sd = {k: torch.zeros(numel) for k in mine}
         options = LoadOptions(share_metadata=share)

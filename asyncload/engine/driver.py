@@ -49,7 +49,7 @@ from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
 from asyncload.engine.metadata_read import (
     aread_metadata_like_dcp,
     aread_metadata_once,
-    shares_metadata,
+    exchanges_metadata,
 )
 from asyncload.engine.session import LoadSession
 
@@ -284,7 +284,7 @@ def _collective_steps(
     doing = "reading the checkpoint metadata"
     try:
         monitor.status(doing)
-        if shares_metadata(session, dist_w.get_world_size()):  # read by rank 0 alone
+        if exchanges_metadata(session, dist_w.get_world_size()):  # read by rank 0 alone
             metadata = yield Await(aread_metadata_once(session, dist_w.rank))
         else:
             metadata, _ = yield Await(aread_metadata_like_dcp(session, dist_w.rank))

@@ -44,7 +44,7 @@ from asyncload.engine.session import LoadSession
 from asyncload.storage import is_local
 from asyncload.storage.base import Listed
 
-__all__ = ["aread_metadata_like_dcp", "aread_metadata_once", "shares_metadata"]
+__all__ = ["aread_metadata_like_dcp", "aread_metadata_once", "exchanges_metadata"]
 
 log = logging.getLogger("asyncload.driver")
 
@@ -87,7 +87,7 @@ async def aread_metadata_like_dcp(
         return md, False
 
 
-def shares_metadata(session: LoadSession, world: int) -> bool:
+def exchanges_metadata(session: LoadSession, world: int) -> bool:
     """Whether a load on ``world`` ranks exchanges ``.metadata`` over the group: on a group
     whose backend carries CPU tensors (not NCCL alone). The same on every rank of the group,
     whatever each rank's URL and options: a rank that would not take part while another
@@ -111,7 +111,7 @@ def _wants_shared(session: LoadSession) -> bool:
 
 async def aread_metadata_once(session: LoadSession, rank: int) -> Metadata:
     """``.metadata`` for group rank ``rank`` of a load that exchanges it
-    (:func:`shares_metadata`): read by rank 0, broadcast, decoded by each rank that wants it
+    (:func:`exchanges_metadata`): read by rank 0, broadcast, decoded by each rank that wants it
     (:func:`_wants_shared`); a rank that does not reads its own meanwhile."""
     monitor = session.monitor
     group = session.group
@@ -140,7 +140,9 @@ async def aread_metadata_once(session: LoadSession, rank: int) -> Metadata:
     raw, listing = payload
     if listing is None or not storage.use_listing(listing):
         session.start_listing()  # rank 0 had none to give: this rank lists for itself
-    return session.decode_metadata(raw, url, shared=True)
+    md = session.decode_metadata(raw, url)
+    session.record(metadata_shared=True)
+    return md
 
 
 async def _exchange(

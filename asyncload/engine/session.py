@@ -249,6 +249,10 @@ class LoadSession:
         self.metadata_error = None
         self._fingerprints = {}
 
+    def record(self, **fields: Any) -> None:
+        """Set fields of this load's statistics: what a step decided (``metadata_shared``)."""
+        self._recorder.set(**fields)
+
     @property
     def started(self) -> bool:
         return self._t0 is not None
@@ -354,7 +358,7 @@ class LoadSession:
             self._raw = boundary.raw
         return boundary
 
-    async def _open_root(self, root: str | None) -> RetryingStorage:
+    async def open_root(self, root: str | None) -> RetryingStorage:
         """Storage at ``root`` instead (a file checkpoint is read relative to its directory)."""
         if self._raw is not None and self._storage_root == root:
             return await self.storage()
@@ -424,12 +428,12 @@ class LoadSession:
         refuse_a_dcp_file(self.checkpoint)
         if rank is None:
             if self._storage_root is not None:
-                await self._open_root(None)  # back to the checkpoint itself
+                await self.open_root(None)  # back to the checkpoint itself
             if formats.may_be_a_file(self.checkpoint):  # else: the probing formats not imported
-                found = await formats.aprobe_first(self.checkpoint, self._open_root, options)
+                found = await formats.aprobe_first(self.checkpoint, self.open_root, options)
                 if found is not None:
                     return found
-                await self._open_root(None)  # probing may have opened a would-be file's directory
+                await self.open_root(None)  # probing may have opened a would-be file's directory
         storage = await self.storage()
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         url = storage.url(name)
@@ -473,15 +477,12 @@ class LoadSession:
         (and the listing of the data files) from another rank
         (:mod:`asyncload.engine.metadata_read`)."""
         if self._storage_root is not None:
-            await self._open_root(None)
+            await self.open_root(None)
         return await self.storage()
 
-    def decode_metadata(
-        self, raw: bytes | memoryview, url: str, *, shared: bool = False
-    ) -> Metadata:
-        """``.metadata``'s bytes (read from ``url``, or ``shared``: sent by another rank that
-        read them there) decoded with the allow-list, once per URL and bytes with a cache."""
-        self._recorder.set(metadata_shared=shared)
+    def decode_metadata(self, raw: bytes | memoryview, url: str) -> Metadata:
+        """``.metadata``'s bytes (read from ``url``, here or by another rank) decoded with the
+        allow-list, once per URL and bytes with a cache."""
         cache, md = self.metadata_cache, None
         if cache is not None:
             md = cache.get((url, bytes(raw)))
@@ -609,7 +610,7 @@ async def _not_found(
         ) from None  # the .metadata it looked for adds nothing
     if rank is None:
         found = await formats.aprobe_fallback(
-            checkpoint, storage, session._open_root, session.options
+            checkpoint, storage, session.open_root, session.options
         )
         if found is not None:
             return found
