@@ -45,9 +45,18 @@ Scenarios, for each group size W (``--ranks``):
   ``barrier`` (a sample above ``--full``); store operations per rank per second over
   ``--window`` seconds, and the group's traffic replayed and scaled ("store load").
 
+* ``sends``: every rank waits in ``Monitor.wait_on`` for its send of one unit to every other
+  rank (static sharing of a replicated checkpoint), a beat a second: ``before`` without rank
+  0's digest of the idle ranks (each waiting rank reads every other rank's status a beat, and
+  on its late check every other rank's record), ``after`` with it
+  (:mod:`asyncload.distributed.idle_watch`: rank 0 reads every status once a beat and posts
+  the idle ranks; the others read that key; a late check reads at most 64 records). Both
+  run this checkout's monitor. As ``side``.
+
 Run:  python benchmarks/bench_waits.py                          # ~5 min on 2 cores
       python benchmarks/bench_waits.py --ranks 64,256 --schemes after
       python benchmarks/bench_waits.py --ranks 1024,8192 --parts side,returned
+      python benchmarks/bench_waits.py --ranks 64,256,1024,8192 --parts sends
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ import torch.distributed as dist
 BEFORE_COMMIT = "a507923"
 DOING = "waiting for the other ranks to finish reading"
 SIDE_DOING = "making the gloo side group for adaptive sharing"
+SENDS_DOING = "sending a unit to every other rank"
 
 
 def loadavg() -> str:
@@ -314,6 +324,9 @@ def _client(port: int, jobs: Any, out: Any, before_path: str, start: Any, go: An
         elif kind == "returned":
             _, scheme, seq, world, ranks, window = job
             out.put(("window", _returned_wait(scheme, base, seq, world, ranks, window, go, out)))
+        elif kind == "sends":
+            _, scheme, seq, world, ranks, window = job
+            out.put(("window", _sends_wait(scheme, base, seq, world, ranks, window, go, out)))
 
 
 _Result = list[tuple[bool, int, int, list[tuple[Any, ...]]]]
@@ -335,11 +348,13 @@ def _simulate(
     join: Callable[[Any], Any],
     before: _Before,
     reporting: bool = False,
+    after: _Before | None = None,
 ) -> _Result:
     """Simulated ranks ``ranks`` waiting for ``window`` seconds, each at its own schedule:
     ``after``, a :class:`BarrierWait` each (``join(monitor)`` makes it: entered or arrived
-    before), polled with its back-off; ``before``, the old scheme's step. Per rank: whether it
-    watches, its store operations, keys read and trace."""
+    before), polled with its back-off, or the ``after`` step when given (then rank 0 counts
+    as the watcher); ``before``, the old scheme's step. Per rank: whether it watches, its
+    store operations, keys read and trace."""
     mod = scheme_module("after", "")
     mons, tallies = [], []
     for r in ranks:
@@ -349,7 +364,8 @@ def _simulate(
         m.status(doing)
         mons.append(m)
         tallies.append(t)
-    waits = [join(m) for m in mons] if scheme == "after" else []  # the first to join watches
+    stepped = scheme != "after" or after is not None
+    waits = [] if stepped else [join(m) for m in mons]  # the first to join watches
     out.put("arrived")
     go.wait()
     for t in tallies:
@@ -357,7 +373,7 @@ def _simulate(
     t0 = time.monotonic()
     delays = [w.first_delay for w in waits]
     due = [t0] * len(mons)
-    step = before(mons, mod, t0) if scheme != "after" else None
+    step = None if not stepped else (before if scheme != "after" else after)(mons, mod, t0)  # type: ignore[operator]
     while True:
         now = time.monotonic()
         if now - t0 >= window:
@@ -372,7 +388,9 @@ def _simulate(
             delays[i] = min(waits[i].max_delay, delays[i] * 2)
         else:
             due[i] = step(i, now)
-    watching = [w._watcher == w.host.rank for w in waits] or [False] * len(mons)
+    watching = [w._watcher == w.host.rank for w in waits] or [
+        scheme == "after" and after is not None and m.rank == 0 for m in mons
+    ]
     return [(w, t.ops, t.keys, t.trace) for w, t in zip(watching, tallies)]
 
 
@@ -479,6 +497,68 @@ def _side_wait(
         join=join,
         before=before,
         reporting=True,
+    )
+
+
+def _sends_wait(
+    scheme: str,
+    base: Any,
+    seq: int,
+    world: int,
+    ranks: list[int],
+    window: float,
+    go: Any,
+    out: Any,
+) -> _Result:
+    """Simulated ranks each waiting in ``Monitor.wait_on`` for a send of one unit to every
+    other rank (static sharing of a replicated checkpoint), for ``window`` seconds, a beat a
+    second: a heartbeat, then ``idle_peer(every other rank)`` (and its late check).
+    ``before``: no digest (the code path before the idle watch, and where rank 0 posts
+    none): every other rank's status, and on the late check every other rank's record;
+    ``after``: rank 0 posts the idle ranks once a beat (its poster's reads and write are in
+    rank 0's trace) and each waiting rank reads that one key."""
+    from asyncload.distributed.idle_watch import IdlePoster, listed_after
+
+    def steps(use_digest: bool) -> _Before:
+        def make(mons: list[Any], mod: Any, t0: float) -> Callable[[int, float], float]:
+            others = [[p for p in range(world) if p != m.rank] for m in mons]
+            due = [t0] * len(mons)
+            posters: dict[int, Any] = {}
+            posted = [t0 - 3600.0]
+            for i, m in enumerate(mons):
+                if not use_digest:
+                    m._idle_view.read = lambda store, now: None
+                elif m.rank == 0:
+                    posters[i] = IdlePoster(m.store, world, listed_after(world, m.timeout))
+
+            def step(i: int, now: float) -> float:  # the body of Monitor.wait_on's loop
+                poster = posters.get(i)
+                if poster is not None and now - posted[0] >= poster.interval:
+                    posted[0] = now
+                    poster.post(now)
+                mons[i].beat()
+                mons[i].idle_peer(others[i])
+                due[i] += mod._BEAT_INTERVAL
+                return due[i]
+
+            return step
+
+        return make
+
+    return _simulate(
+        scheme,
+        base,
+        seq,
+        world,
+        ranks,
+        window,
+        go,
+        out,
+        doing=SENDS_DOING,
+        join=lambda m: None,
+        before=steps(False),
+        reporting=True,
+        after=steps(True),
     )
 
 
@@ -630,9 +710,10 @@ def side_scenario(
     kind: str = "side",
 ) -> dict[str, Any]:
     """``side``: every rank waits on its part of the side group's creation (none ends in the
-    window). ``returned``: ranks 0 .. W-2 returned from their load (every send landed) and
-    wait for rank W-1, still loading."""
-    waiting = world if kind == "side" else world - 1
+    window). ``sends``: every rank waits on its send of a unit to every other rank.
+    ``returned``: ranks 0 .. W-2 returned from their load (every send landed) and wait for
+    rank W-1, still loading."""
+    waiting = world - 1 if kind == "returned" else world
     sim = (
         list(range(waiting))
         if waiting <= args.full
@@ -644,6 +725,10 @@ def side_scenario(
     for r in range(world):  # every rank's status and record exist, as during a load
         keys.set(f"st/{r}", f"1|{SIDE_DOING}")
         keys.set(f"pg/{r}", record(1 << 30, 2 << 30))
+    if kind == "sends" and scheme == "after":  # rank 0 posted the digest as its watch began
+        from asyncload.distributed.idle_watch import IDLE_KEY, encode_idle
+
+        keys.set(IDLE_KEY, encode_idle(0, {}))
     if kind == "returned":  # ranks 0 .. W-2 arrived at "done" (and the first of them watches)
         for r in range(waiting):
             keys.set(f"at/done/{r}", "arrived")
@@ -853,6 +938,18 @@ def main() -> None:
                         f"{res['load']:.3f} ({res['simulated']} simulated)",
                         flush=True,
                     )
+                if "sends" in parts:
+                    seq += 1
+                    res = side_scenario(scheme, world, seq, server, clients, args, "sends")
+                    results[("sends", scheme, world)] = res
+                    print(
+                        f"{world:>5} {scheme:>6} sends to every rank: {res['per_rank_ops']:.1f} "
+                        f"ops/s per waiting rank ({res['per_rank_keys']:.0f} keys), rank 0 "
+                        f"{res['watcher_ops']:.1f} ops/s; group {res['group_ops']:,.0f} ops/s, "
+                        f"{res['group_keys']:,.0f} keys/s; store load {tilde(res['projected'])}"
+                        f"{res['load']:.3f} ({res['simulated']} simulated)",
+                        flush=True,
+                    )
                 if "returned" in parts:
                     seq += 1
                     res = side_scenario(scheme, world, seq, server, clients, args, "returned")
@@ -892,10 +989,14 @@ def main() -> None:
                 f"{r['group_keys']:,.0f} | {tilde(r['projected'])}{r['load']:.3f} | "
                 f"{'' if r['done_measured'] else '~'}{r['done']:.3f} |"
             )
-    for wait in ("side", "returned"):
+    for wait in ("side", "sends", "returned"):
         if wait not in parts:
             continue
-        what = "side group's creation" if wait == "side" else "ranks that returned"
+        what = {
+            "side": "side group's creation",
+            "sends": "sends to every rank",
+            "returned": "ranks that returned",
+        }[wait]
         print(
             f"\n| ranks | scheme | {what}: ops/s per waiting rank | keys/s per "
             "rank | watcher ops/s | group ops/s | group keys/s | store load |"

@@ -176,14 +176,19 @@ def slowest_first(records: Sequence[RankProgress]) -> list[RankProgress]:
 
 
 def late_message(
-    rank: int, waited: float, doing: str, late_after: float, records: Sequence[RankProgress]
+    rank: int,
+    waited: float,
+    doing: str,
+    late_after: float,
+    records: Sequence[RankProgress],
+    waited_on: Sequence[int] | None = None,
 ) -> str:
     """The WARNING of ``rank``, which has waited ``waited`` seconds (while ``doing``) on the
-    ranks of ``records``: the slowest of them, with what they have in flight. URLs redacted."""
+    ranks of ``records`` (or on ``waited_on``, of which ``records`` were read): the slowest
+    of them, with what they have in flight. URLs redacted."""
     ranked = slowest_first(records)
-    return _line(
-        rank, waited, doing, late_after, len(records), sorted(p.rank for p in records), ranked
-    )
+    ranks = sorted(waited_on if waited_on is not None else (p.rank for p in records))
+    return _line(rank, waited, doing, late_after, len(ranks), ranks, ranked)
 
 
 def _line(

@@ -5,7 +5,9 @@ A :class:`Monitor` keeps a few keys in the process group's store: each rank's st
 rank that raises posts its error there at once and every other rank raises
 :class:`DistributedLoadError` naming it; a rank that makes no progress for
 ``collective_timeout`` seconds is declared stalled by the first rank waiting on it, and
-every rank raises an error naming it and its last status. Collectives themselves
+every rank raises an error naming it and its last status (a rank waiting on many peers reads
+rank 0's digest of the idle ranks, one key, not each peer's status:
+:mod:`asyncload.distributed.idle_watch`). Collectives themselves
 (gather/scatter of plans, all_gather of needs) are only entered once a monitored
 barrier has seen every rank arrive, so they cannot hang on a rank that has already
 failed. While it runs, each rank also keeps a progress record there (bytes, rate, the storage
@@ -38,6 +40,7 @@ from asyncload.distributed.barrier import (
     poll_interval,
     read_present,
 )
+from asyncload.distributed.idle_watch import IDLE_KEY, IdlePoster, IdleView, listed_after
 from asyncload.distributed.lateness import (
     SHOWN_IN_FLIGHT,
     RankProgress,
@@ -56,6 +59,9 @@ log = logging.getLogger("asyncload.monitor")
 _WATCH_INTERVAL = 0.1
 #: Seconds between stall checks and heartbeats while waiting on another rank.
 _BEAT_INTERVAL = BEAT_INTERVAL
+#: A late-rank line reads the records of at most this many of the peers waited on (with
+#: more, those rank 0's digest lists as idle longest: :mod:`asyncload.distributed.idle_watch`).
+LATE_RECORDS = 64
 #: Status updates during reading are written at most this often; so are progress records
 #: (and only when they changed).
 _PROGRESS_INTERVAL = 0.5
@@ -195,6 +201,8 @@ class Monitor:
         self._record_at = 0.0
         self._record_rate = 0.0
         self._reporting: threading.Event | None = None
+        self._idle_poster: IdlePoster | None = None
+        self._idle_view = IdleView(self.world)
         #: Set from another thread to stop waiting (LoadHandle.cancel).
         self.cancelled: threading.Event | None = None
         #: Set by a sharing session that lets this rank return before the others finish
@@ -370,12 +378,18 @@ class Monitor:
         if waited is None or not peers or self.late_after is None:
             return
         self.logged_late(now)
+        read = list(peers)
+        if len(read) > LATE_RECORDS:  # many peers: those rank 0's digest lists idle longest
+            listed = self._idle_view.read(self.store, now) or {}
+            read = sorted(read, key=lambda r: -listed.get(r, 0.0))[:LATE_RECORDS]
         try:
-            records = self.records(list(peers))
+            records = self.records(read)
         except Exception:
             log.debug("could not read the other ranks' progress records", exc_info=True)
             return
-        log.warning("%s", late_message(self.rank, waited, self._text, self.late_after, records))
+        log.warning(
+            "%s", late_message(self.rank, waited, self._text, self.late_after, records, peers)
+        )
 
     # --- failures -------------------------------------------------------------------------
 
@@ -437,14 +451,38 @@ class Monitor:
             message, rank=rank, doing=what
         )  # pragma: no cover - check() raised
 
+    def start_idle_watch(self) -> None:
+        """On the group's rank 0: post the idle ranks once a beat until the load is over
+        (:mod:`asyncload.distributed.idle_watch`), for the ranks that wait on many peers."""
+        if self.rank != 0 or self.world < 2 or self._idle_poster is not None:
+            return
+        self._idle_poster = IdlePoster(
+            self.store, self.world, listed_after(self.world, self.timeout)
+        )
+        self._written.append(IDLE_KEY)
+        self._idle_poster.start(self)
+
+    def load_over(self) -> bool:
+        """Every rank has finished this load, or one failed (the idle watch stops)."""
+        if self.all_finished.is_set():
+            return True
+        store = self.store
+        return bool(store.check(["abort"])) or int(store.add("n/done", 0)) >= self.world
+
     def idle_peer(self, peers: Sequence[int]) -> tuple[int, float, str] | None:
         """A peer whose status has not changed for ``timeout`` seconds, with its idle time and
         status. Logs the slowest of ``peers`` when this rank has waited on them long enough
-        (``late_after``)."""
+        (``late_after``). Reads rank 0's digest of the idle ranks (one key) while it moves,
+        else the peers' statuses."""
         self._check_late(peers)
         if self.timeout is None:
             return None
         now = time.monotonic()
+        listed = self._idle_view.read(self.store, now)
+        if IDLE_KEY not in self._written:
+            self._written.append(IDLE_KEY)
+        if listed is not None:
+            return self._idle_listed(peers, listed)
         stale = [
             r
             for r in peers
@@ -463,6 +501,19 @@ class Monitor:
             if idle >= self.timeout:
                 return r, idle, value.decode("utf-8", "replace").partition("|")[2]
         return None
+
+    def _idle_listed(
+        self, peers: Sequence[int], listed: dict[int, float]
+    ) -> tuple[int, float, str] | None:
+        """The peer the digest lists as idle for ``timeout`` (the longest idle first), with
+        its status read now (one key)."""
+        assert self.timeout is not None
+        over = [(s, r) for r in peers if (s := listed.get(r, 0.0)) >= self.timeout]
+        if not over:
+            return None
+        seconds, rank = max(over)
+        value = read_present(self.store, [f"st/{rank}"])[0]
+        return rank, seconds, value.decode("utf-8", "replace").partition("|")[2]
 
     # --- barriers -------------------------------------------------------------------------
 
@@ -566,7 +617,9 @@ class Monitor:
             delay = min(wait.max_delay, delay * 2)
 
     async def watch(self) -> None:
-        """Raise as soon as any rank posts a failure (runs beside the reads)."""
+        """Raise as soon as any rank posts a failure (runs beside the reads and sends; on
+        rank 0 it starts the idle ranks' digest)."""
+        self.start_idle_watch()
         interval = max(_WATCH_INTERVAL, poll_interval(self.world))
         while True:
             await asyncio.sleep(interval)
