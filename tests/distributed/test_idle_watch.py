@@ -161,3 +161,36 @@ def test_a_stalled_peer_is_given_up_on_by_every_rank_waiting_on_it(
             assert ("compare_set", (IDLE_KEY,)) in v["ops"]
         elif not digest:  # every peer's status, one round trip a beat
             assert reads and all(len(keys) == world - 1 for keys in reads[:-1]), reads
+
+
+def w_real_load_with_a_stalled_rank(rank: int, world: int, path: str) -> Any:
+    """A 4-rank ``ShardedLoadPlanner(wait_for_peers=True)`` load of a replicated checkpoint
+    in which rank 2 stalls (``test_distributed.w_one_rank_fails``); each other rank returns
+    its error and the last digest rank 0 posted (read from the group's store)."""
+    from test_distributed import FAIL_OPTIONS, w_one_rank_fails
+
+    try:
+        w_one_rank_fails(rank, world, path, "sharded-wait", "load", "stall", 2, FAIL_OPTIONS)
+    except DistributedLoadError as exc:
+        store = dist.PrefixStore("asyncload/0/", dist.distributed_c10d._get_default_store())
+        value = store.get(IDLE_KEY) if store.check([IDLE_KEY]) else b""
+        return {"rank": exc.rank, "digest": decode_idle(value)[1] if value else None}
+    return {"rank": None}
+
+
+def test_a_real_load_gives_up_on_a_stalled_rank_through_the_digest(tmp_path: Path) -> None:
+    """Under a real sharing load, rank 0 posts the digest while the ranks share, and it
+    listed the stalled rank as idle for ``collective_timeout`` (4 s) by the time every other
+    rank raised naming it."""
+    from test_distributed import big_model, save_single
+
+    path = tmp_path / "replicated"
+    save_single(path, big_model())
+    results = run_ranks(w_real_load_with_a_stalled_rank, 4, str(path), timeout=40, may_hang={2})
+    assert results[2].status == "timed_out", results[2]
+    for res in (results[0], results[1], results[3]):
+        assert res.ok, (res.rank, res.status, res.message, res.traceback)
+        assert res.value["rank"] == 2, (res.rank, res.value)
+        digest = res.value["digest"]
+        assert digest is not None and digest.get(2, 0.0) >= 4.0, (res.rank, digest)
+        assert set(digest) == {2}, digest  # the others beat, or made progress
