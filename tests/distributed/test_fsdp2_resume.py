@@ -14,6 +14,9 @@ Each rank checks, bit for bit:
 - after ``set_state_dict`` and one more training step on the same batch, both models hold
   the same parameters.
 
+Also with an output head tied to the embedding (one parameter under two names, as Llama
+3.2 1B and Gemma have): it stays one parameter.
+
 The ``.metadata`` is read once for the group (rank 0's proxy log alone holds its GET).
 """
 
@@ -34,7 +37,28 @@ SAVED_ON = 2
 RESUMED_ON = 3
 
 
-def _model() -> torch.nn.Module:
+class _TiedLM(torch.nn.Module):
+    """An embedding, a block and an output head that shares the embedding's weight, as
+    Llama 3.2 1B, Gemma and GPT-2 do (one parameter under two names in the state dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 24)
+        self.block = torch.nn.Sequential(
+            torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 24)
+        )
+        self.norm = torch.nn.LayerNorm(24)
+        self.head = torch.nn.Linear(24, 40, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.head(self.norm(h + self.block(h)))
+
+
+def _model(tied: bool) -> torch.nn.Module:
+    if tied:
+        return _TiedLM()
     # dims 48, 40 and 24 do not divide by 3: FSDP2 pads the last rank's shard
     return torch.nn.Sequential(
         torch.nn.Embedding(40, 24),
@@ -45,16 +69,21 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _fsdp2(seed: int, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _fsdp2(
+    seed: int, world: int, tied: bool = False
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = _model()
+    model = _model(tied)
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
+    if tied:  # the tied weight stays in the root's unit, as torchtitan wraps it
+        fully_shard(model.block, mesh=mesh)
+    else:
+        for layer in model:
+            if any(p.requires_grad for p in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -84,10 +113,10 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
 
 
-def w_save(rank: int, world: int, path: str, full_path: str) -> None:
+def w_save(rank: int, world: int, path: str, full_path: str, tied: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    model, opt = _fsdp2(0, world)
+    model, opt = _fsdp2(0, world, tied)
     for step in range(2):
         _step(model, opt, rank, step)
     state = _state(model, opt)
@@ -141,14 +170,15 @@ def w_resume(
     url: str,
     options: list[dict[str, Any]],
     sharded: bool,
+    tied: bool,
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     import asyncload
 
-    theirs_model, theirs_opt = _fsdp2(1, world)
-    ours_model, ours_opt = _fsdp2(1, world)
+    theirs_model, theirs_opt = _fsdp2(1, world, tied)
+    ours_model, ours_opt = _fsdp2(1, world, tied)
     theirs, ours = _state(theirs_model, theirs_opt), _state(ours_model, ours_opt)
 
     dcp.load(theirs, checkpoint_id=path)
@@ -170,6 +200,8 @@ def w_resume(
 
     _step(theirs_model, theirs_opt, rank, 2)
     _step(ours_model, ours_opt, rank, 2)
+    if tied:  # still one parameter under two names after the load and the step
+        out["untied"] = ours_model.head.weight is not ours_model.embed.weight
     after = {n: p.to_local() for n, p in ours_model.named_parameters()}
     out["after_step"] = [
         n for n, p in theirs_model.named_parameters() if not same_bits(after[n], p.to_local())
@@ -183,12 +215,13 @@ def _ok(results: list[RankResult]) -> list[dict[str, Any]]:
     return [r.value for r in results]
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: Any) -> tuple[Path, Path]:
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def saved(request: Any, tmp_path_factory: Any) -> tuple[Path, Path, bool]:
+    tied = bool(request.param)
     root = tmp_path_factory.mktemp("fsdp2")
     path, full = root / "ck", root / "full.pt"
-    _ok(run_ranks(w_save, SAVED_ON, str(path), str(full), timeout=150))
-    return path, full
+    _ok(run_ranks(w_save, SAVED_ON, str(path), str(full), tied, timeout=150))
+    return path, full, tied
 
 
 def _metadata_gets(proxy: Any) -> int:
@@ -197,19 +230,22 @@ def _metadata_gets(proxy: Any) -> int:
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["pipelined", "sharded"])
 def test_fsdp2_resume_from_s3_on_more_ranks_matches_torch(
-    s3_server: Any, fault_proxy: Any, saved: tuple[Path, Path], sharded: bool
+    s3_server: Any, fault_proxy: Any, saved: tuple[Path, Path, bool], sharded: bool
 ) -> None:
-    path, full = saved
+    path, full, tied = saved
     url = s3_server.upload_dir(path, f"fsdp2-{uuid.uuid4().hex[:12]}", "ckpt")
     proxies = [fault_proxy(s3_server) for _ in range(RESUMED_ON)]
     options = [s3_server.storage_options(endpoint_url=p.endpoint_url) for p in proxies]
     values = _ok(
-        run_ranks(w_resume, RESUMED_ON, str(path), str(full), url, options, sharded, timeout=200)
+        run_ranks(
+            w_resume, RESUMED_ON, str(path), str(full), url, options, sharded, tied, timeout=200
+        )
     )
     for rank, v in enumerate(values):
         assert v["differ"] == [], (rank, v["differ"])
         assert v["not_saved"] == [], (rank, v["not_saved"])
         assert v["after_step"] == [], (rank, v["after_step"])
         assert v["trainer"] == [2, 2], (rank, v["trainer"])
+        assert not v.get("untied"), rank
     assert [v["shared"] for v in values] == [False, True, True]
     assert [_metadata_gets(p) for p in proxies] == [1, 0, 0]
