@@ -84,7 +84,6 @@ class IdlePoster:
         self.listed_after = listed_after
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._counter = 0
-        self.stop = threading.Event()
 
     def post(self, now: float) -> None:
         """One beat: read the statuses, post the digest."""
@@ -107,7 +106,7 @@ class IdlePoster:
         ).start()
 
     def _run(self, ref: weakref.ReferenceType[_Owner]) -> None:
-        while not self.stop.wait(0 if self._counter == 0 else self.interval):
+        while True:
             owner = ref()
             if owner is None:
                 return
@@ -120,6 +119,7 @@ class IdlePoster:
             except Exception:  # the store is gone (its host exited): the waiters see it too
                 log.debug("the idle ranks' digest could not be posted", exc_info=True)
                 return
+            time.sleep(self.interval)
 
 
 class IdleView:
