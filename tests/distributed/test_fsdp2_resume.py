@@ -249,3 +249,101 @@ def test_fsdp2_resume_from_s3_on_more_ranks_matches_torch(
         assert not v.get("untied"), rank
     assert [v["shared"] for v in values] == [False, True, True]
     assert [_metadata_gets(p) for p in proxies] == [1, 0, 0]
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(48, 32)
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+        self.out = torch.nn.Linear(32, 48)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        return self.out(h + self.down(torch.nn.functional.gelu(self.up(h))))
+
+
+def _parallel(seed: int, world: int, layout: str) -> tuple[torch.nn.Module, Any, Any]:
+    """``hsdp``: FSDP2 on a (replicate 2, shard world/2) mesh; ``tp-fsdp``: tensor parallel
+    (``up`` column-wise, ``down`` row-wise) on the inner dimension, FSDP2 on the outer, as
+    torchtitan composes them. AdamW and a LambdaLR scheduler."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(seed)
+    model = _MLP()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "inner"))
+    if layout == "tp-fsdp":
+        parallelize_module(
+            model, mesh["inner"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        )
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        for part in (model.emb, model.up, model.down):
+            fully_shard(part, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def _parallel_state(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "sched": sched.state_dict()}
+
+
+def w_parallel_layouts(
+    rank: int, world: int, path: str, saved_as: str, loaded_as: str, sharded: bool
+) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import asyncload
+
+    model, opt, sched = _parallel(0, world, saved_as)
+    for step in range(3):  # the same batch on both ranks of a tensor-parallel pair
+        g = torch.Generator().manual_seed(100 * step + rank // 2)
+        tokens = torch.randint(0, 48, (3, 5), generator=g)
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 48), tokens.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    dcp.save(_parallel_state(model, opt, sched), checkpoint_id=path)
+    dist.barrier()
+    theirs = _parallel_state(*_parallel(1, world, loaded_as))
+    ours = _parallel_state(*_parallel(1, world, loaded_as))
+    dcp.load(theirs, checkpoint_id=path)
+    planner = asyncload.ShardedLoadPlanner() if sharded else None
+    asyncload.load(ours, path, planner=planner)
+    return {
+        "differ": _differences(theirs, ours),
+        "sched": [ours["sched"]["last_epoch"], ours["sched"]["_last_lr"]],
+        "want": [sched.state_dict()["last_epoch"], sched.state_dict()["_last_lr"]],
+    }
+
+
+@pytest.mark.parametrize(
+    "saved_as, loaded_as, sharded",
+    [("hsdp", "tp-fsdp", False), ("tp-fsdp", "hsdp", True)],
+    ids=["hsdp-to-tp-fsdp-pipelined", "tp-fsdp-to-hsdp-sharded"],
+)
+def test_2d_layouts_from_torch_parallelism_reshard_like_torch(
+    tmp_path: Path, saved_as: str, loaded_as: str, sharded: bool
+) -> None:
+    """4 ranks save HSDP (FSDP2 on a 2 x 2 mesh) or tensor parallel + FSDP2 (as torchtitan
+    composes them) with AdamW and an LR scheduler, and load into the other layout: every
+    value equals what torch's ``dcp.load`` gives, bit for bit, the scheduler's state too."""
+    results = run_ranks(
+        w_parallel_layouts, 4, str(tmp_path / "ck"), saved_as, loaded_as, sharded, timeout=200
+    )
+    for rank, v in enumerate(_ok(results)):
+        assert v["differ"] == [], (rank, v["differ"])
+        assert v["sched"] == v["want"] and v["want"][0] == 3, (rank, v)
