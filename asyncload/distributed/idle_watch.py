@@ -5,17 +5,18 @@ status, ``st/<r>``, has not moved for ``collective_timeout``). Reading every pee
 once a beat on every waiting rank costs the group W x W keys a beat: under static sharing
 of a replicated checkpoint every owner sends each unit to every other rank, and at 8,192
 ranks that is 67 million keys a second, more than a store serves. Instead, the group's rank
-0 reads every rank's status once a beat (:class:`IdlePoster`, a thread of its own while the
-load shares bytes) and posts the ranks whose status has not moved for a beat or more, with
-for how long (key ``idle``: ``"<counter>|<rank>:<seconds>,..."``); a waiting rank reads that
-one key (:class:`IdleView`) and gives up on a peer it lists as idle for ``collective_timeout``.
-The group's traffic is W keys a beat at rank 0 and one key a beat per waiting rank.
+0 reads every rank's status once a beat (:class:`IdlePoster`, a thread of its own from the
+start of the load's sharing) and posts the ranks whose status has not moved for half of
+``collective_timeout`` or more (:func:`listed_after`), with for how long (key ``idle``:
+``"<counter>|<rank>:<seconds>,..."``); a waiting rank reads that one key (:class:`IdleView`)
+and gives up on a peer it lists as idle for ``collective_timeout``. The group's traffic is W
+keys a beat at rank 0 and one key a beat per waiting rank.
 
 A digest that stops moving (rank 0's thread is gone, or its process holds the GIL in a
 stuck call) is ignored after :data:`STALE_BEATS` of its beats, and the waiting ranks read
 their peers' statuses themselves again, as before: a stalled rank is still given up on, at
-most those beats later. The verdict is the same, :meth:`Monitor._give_up
-<asyncload.distributed.monitor.Monitor>`, within a beat of the digest's.
+most those beats and one ``collective_timeout`` later. The verdict is the same
+(``Monitor._give_up``: the same error on every rank).
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ class _Owner(Protocol):
 class IdlePoster:
     """Rank 0's side: every ``beat_interval(world)`` seconds, read every rank's status and
     post the ranks idle for ``listed_after`` seconds or more (:func:`listed_after`: half of
-    ``collective_timeout``, so that ranks that only beat slowly, as barrier waiters of a large
-    group do, keep the digest short). Runs on a daemon thread (it holds its monitor weakly) until the
-    monitor's ``load_over()`` says every rank finished the load, or one failed."""
+    ``collective_timeout``, so that ranks that only beat slowly, as barrier waiters of a
+    large group do, keep the digest short). Runs on a daemon thread (it holds its monitor
+    weakly) until the monitor's ``load_over()`` says every rank finished the load, or one
+    failed."""
 
     def __init__(self, store: Any, world: int, listed_after: float) -> None:
         self.store = store
