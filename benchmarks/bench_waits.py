@@ -318,15 +318,10 @@ def _client(port: int, jobs: Any, out: Any, before_path: str, start: Any, go: An
                     due[i] = time.monotonic() + w.delay  # as Monitor.barrier sleeps
                     w.delay = min(w.max_delay, w.delay * 2)
             out.put(("done", last, [t.trace for t in tallies]))
-        elif kind == "side":
+        elif kind in _WAITS:
             _, scheme, seq, world, ranks, window = job
-            out.put(("window", _side_wait(scheme, base, seq, world, ranks, window, go, out)))
-        elif kind == "returned":
-            _, scheme, seq, world, ranks, window = job
-            out.put(("window", _returned_wait(scheme, base, seq, world, ranks, window, go, out)))
-        elif kind == "sends":
-            _, scheme, seq, world, ranks, window = job
-            out.put(("window", _sends_wait(scheme, base, seq, world, ranks, window, go, out)))
+            wait = _WAITS[kind]
+            out.put(("window", wait(scheme, base, seq, world, ranks, window, go, out)))
 
 
 _Result = list[tuple[bool, int, int, list[tuple[Any, ...]]]]
@@ -364,8 +359,8 @@ def _simulate(
         m.status(doing)
         mons.append(m)
         tallies.append(t)
-    stepped = scheme != "after" or after is not None
-    waits = [] if stepped else [join(m) for m in mons]  # the first to join watches
+    chosen = before if scheme != "after" else after  # None: barrier waits
+    waits = [join(m) for m in mons] if chosen is None else []  # the first to join watches
     out.put("arrived")
     go.wait()
     for t in tallies:
@@ -373,7 +368,7 @@ def _simulate(
     t0 = time.monotonic()
     delays = [w.first_delay for w in waits]
     due = [t0] * len(mons)
-    step = None if not stepped else (before if scheme != "after" else after)(mons, mod, t0)  # type: ignore[operator]
+    step = chosen(mons, mod, t0) if chosen is not None else None
     while True:
         now = time.monotonic()
         if now - t0 >= window:
@@ -389,7 +384,7 @@ def _simulate(
         else:
             due[i] = step(i, now)
     watching = [w._watcher == w.host.rank for w in waits] or [
-        scheme == "after" and after is not None and m.rank == 0 for m in mons
+        chosen is after and m.rank == 0 for m in mons
     ]
     return [(w, t.ops, t.keys, t.trace) for w, t in zip(watching, tallies)]
 
@@ -560,6 +555,14 @@ def _sends_wait(
         reporting=True,
         after=steps(True),
     )
+
+
+#: The waits a client simulates by name (``side_scenario``'s kinds).
+_WAITS: dict[str, Callable[..., _Result]] = {
+    "side": _side_wait,
+    "returned": _returned_wait,
+    "sends": _sends_wait,
+}
 
 
 class Clients:

@@ -13,12 +13,11 @@ Run:  python benchmarks/probe_gloo_broadcast.py --world 8
 from __future__ import annotations
 
 import argparse
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import join_gloo, spawn_ranks
 
 
 def _wchar() -> int:
@@ -29,19 +28,20 @@ def _wchar() -> int:
     raise RuntimeError("no wchar in /proc/self/io")
 
 
-def _rank(rank: int, world: int, port: int, mib: int, out: Any) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    n = mib << 20
-    buf = torch.full((n,), 7 if rank == 0 else 0, dtype=torch.uint8)
-    dist.barrier()
-    before = _wchar()
-    dist.broadcast(buf, src=0)
-    sent = _wchar() - before
-    dist.barrier()
-    out.put((rank, sent / n, bool((buf == 7).all())))
-    dist.destroy_process_group()
+def _rank(rank: int, world: int, port: int, out: Any, mib: int) -> None:
+    try:
+        join_gloo(rank, world, port)
+        n = mib << 20
+        buf = torch.full((n,), 7 if rank == 0 else 0, dtype=torch.uint8)
+        dist.barrier()
+        before = _wchar()
+        dist.broadcast(buf, src=0)
+        sent = _wchar() - before
+        dist.barrier()
+        out.put((rank, {"copies": sent / n, "received": bool((buf == 7).all())}))
+        dist.destroy_process_group()
+    except Exception as exc:
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
 
 
 def main() -> None:
@@ -49,25 +49,12 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--mib", type=int, default=64)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, args.world, port, args.mib, out))
-        for r in range(args.world)
-    ]
-    for p in procs:
-        p.start()
-    rows = sorted(out.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(30)
+    rows = spawn_ranks(_rank, args.world, (args.mib,), timeout=300, what="the broadcast")
     print(f"{args.world} gloo ranks, a {args.mib} MiB broadcast from rank 0")
     print("| rank | copies sent | received |")
     print("| ---: | ---: | --- |")
-    for rank, copies, ok in rows:
-        print(f"| {rank} | {copies:.2f} | {ok} |")
+    for rank, row in enumerate(rows):
+        print(f"| {rank} | {row['copies']:.2f} | {row['received']} |")
 
 
 if __name__ == "__main__":

@@ -370,17 +370,20 @@ class Monitor:
     def logged_late(self, now: float) -> None:
         self._late_logged_at = now
 
-    def _check_late(self, peers: Sequence[int]) -> None:
+    def _check_late(
+        self, peers: Sequence[int], now: float, listed: dict[int, float] | None
+    ) -> None:
         """Log (WARNING) the slowest of ``peers`` when this rank has waited on them, without
-        progress of its own, for ``late_after`` seconds; again at most that often."""
-        now = time.monotonic()
+        progress of its own, for ``late_after`` seconds; again at most that often. ``listed``:
+        rank 0's digest of the idle ranks as this beat read it (None: none read)."""
         waited = self.late_wait(now)
         if waited is None or not peers or self.late_after is None:
             return
         self.logged_late(now)
         read = list(peers)
         if len(read) > LATE_RECORDS:  # many peers: those rank 0's digest lists idle longest
-            listed = self._idle_view.read(self.store, now) or {}
+            if listed is None:
+                listed = self._idle_view.read(self.store, now) or {}
             read = sorted(read, key=lambda r: -listed.get(r, 0.0))[:LATE_RECORDS]
         try:
             records = self.records(read)
@@ -474,13 +477,15 @@ class Monitor:
         status. Logs the slowest of ``peers`` when this rank has waited on them long enough
         (``late_after``). Reads rank 0's digest of the idle ranks (one key) while it moves,
         else the peers' statuses."""
-        self._check_late(peers)
+        now = time.monotonic()
+        listed = None
+        if self.timeout is not None:  # read once a beat, for the verdict and the late line
+            listed = self._idle_view.read(self.store, now)
+            if IDLE_KEY not in self._written:
+                self._written.append(IDLE_KEY)
+        self._check_late(peers, now, listed)
         if self.timeout is None:
             return None
-        now = time.monotonic()
-        listed = self._idle_view.read(self.store, now)
-        if IDLE_KEY not in self._written:
-            self._written.append(IDLE_KEY)
         if listed is not None:
             return self._idle_listed(peers, listed)
         stale = [
