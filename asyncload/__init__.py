@@ -1,8 +1,9 @@
 """asyncload: load PyTorch distributed checkpoints fast, from local disk or object storage.
 
-Public names live here; everything else is private: the ``asyncload._*`` modules and the
-wings (``engine/``, ``storage/``, ``distributed/``, ``formats/``, ``decoding/``), whose layout
-docs/pipeline.md draws.
+Public names live here, and in ``asyncload.distributed`` for the types only a load on several
+ranks meets (``DistributedLoadError``, ``RankProgress``...); everything else is private: the
+``asyncload._*`` modules and the wings' modules (``engine/``, ``storage/``, ``distributed/``,
+``formats/``, ``decoding/``), whose layout docs/pipeline.md draws.
 """
 
 import typing
@@ -13,7 +14,6 @@ from asyncload._errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     ChunkTimeoutError,
-    DistributedLoadError,
     LoadCancelledError,
     LoadReentryError,
     StateDictMismatchError,
@@ -29,14 +29,8 @@ if typing.TYPE_CHECKING:
     from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
     from asyncload._read import aread_state_dict, read_state_dict
     from asyncload._safe_open import safe_open
-    from asyncload._sharded_planner import (
-        BackgroundSends,
-        ShardedLoadPlanner,
-        wait_for_background_sends,
-    )
+    from asyncload._sharded_planner import ShardedLoadPlanner, wait_for_background_sends
     from asyncload._stream import aiter_tensors, iter_tensors
-    from asyncload.distributed.lateness import RankProgress
-    from asyncload.storage.in_flight import InFlightRequest
 
 #: The faces, imported on first use (PEP 562): ``import asyncload`` stays cheap (no
 #: ``torch.distributed.checkpoint``, no engine), and the first ``asyncload.load`` (or
@@ -51,22 +45,39 @@ _LAZY = {
     "aread_state_dict": "asyncload._read",
     "read_state_dict": "asyncload._read",
     "safe_open": "asyncload._safe_open",
-    "BackgroundSends": "asyncload._sharded_planner",
     "ShardedLoadPlanner": "asyncload._sharded_planner",
     "wait_for_background_sends": "asyncload._sharded_planner",
     "aiter_tensors": "asyncload._stream",
     "iter_tensors": "asyncload._stream",
-    "RankProgress": "asyncload.distributed.lateness",
-    "InFlightRequest": "asyncload.storage.in_flight",
+}
+
+#: Names that moved to :mod:`asyncload.distributed` (types a load on one rank never needs):
+#: still reachable here, with a ``DeprecationWarning`` naming their new place.
+_MOVED = {
+    "BackgroundSends": "asyncload.distributed",
+    "DistributedLoadError": "asyncload.distributed",
+    "InFlightRequest": "asyncload.distributed",
+    "RankProgress": "asyncload.distributed",
 }
 
 
 def __getattr__(name: str) -> object:
+    import importlib
+
+    moved = _MOVED.get(name)
+    if moved is not None:
+        import warnings
+
+        warnings.warn(
+            f"asyncload.{name} moved to {moved}.{name}: import it from there "
+            f"(from {moved} import {name}); the old name is deprecated",
+            DeprecationWarning,
+            stacklevel=2,  # the caller's line (importlib's frames are skipped)
+        )
+        return getattr(importlib.import_module(moved), name)  # not cached: warns each time
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'asyncload' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # once imported, a plain attribute
     return value
@@ -78,13 +89,10 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncLoadError",
-    "BackgroundSends",
     "CheckpointChangedError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "ChunkTimeoutError",
-    "DistributedLoadError",
-    "InFlightRequest",
     "LoadCancelledError",
     "LoadHandle",
     "LoadOptions",
@@ -92,7 +100,6 @@ __all__ = [
     "LoadStats",
     "PipelinedLoadPlanner",
     "PipelinedReader",
-    "RankProgress",
     "ShardedLoadPlanner",
     "StateDictMismatchError",
     "StorageReadError",

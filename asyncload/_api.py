@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.planner import LoadPlanner
 
+from asyncload._arguments import check_load_arguments
 from asyncload._dcp import PipelinedLoadPlanner
 from asyncload._errors import LoadCancelledError, LoadReentryError
 from asyncload._loop import on_library_loop
@@ -136,7 +137,13 @@ def load(
     when either says so: ``allow_partial_load=True`` here sets the planner's attribute of
     that name (torch's ``DefaultLoadPlanner`` has it), which it keeps; a planner made with
     ``allow_partial_load=True`` loads partially whatever is passed here.
+
+    Raised before anything is opened, naming the fix (docs/errors.md): ``TypeError`` for a
+    module as ``state_dict`` (pass ``model.state_dict()``), the two arguments swapped, a
+    :class:`LoadOptions` as ``storage_options`` (pass it as ``options=``); ``ValueError`` for a
+    URL scheme asyncload does not read or one that lost a slash (``s3:/bucket``).
     """
+    check_load_arguments(state_dict, checkpoint, options, storage_options, face="asyncload.load")
     _hint_aload_if_loop_running()
     session, planner = _prepare(
         checkpoint,
@@ -188,6 +195,7 @@ async def aload(
     run on it; planning, collectives and the planner's hooks run on a worker thread so the
     loop stays free. Cancelling it cancels the reads and returns once nothing of the load
     is left running (files and sessions closed)."""
+    check_load_arguments(state_dict, checkpoint, options, storage_options, face="asyncload.aload")
     session, planner = _prepare(
         checkpoint,
         options,
@@ -338,6 +346,9 @@ def start_load(
 
     Do not touch ``state_dict``'s tensors until ``handle.result()`` returns.
     """
+    check_load_arguments(
+        state_dict, checkpoint, options, storage_options, face="asyncload.start_load"
+    )
     box: list[LoadHandle] = []
 
     def on_progress(done: int, total: int) -> None:

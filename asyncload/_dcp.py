@@ -12,6 +12,7 @@ import dataclasses
 import io
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from asyncload._stats import LoadStats
 from asyncload.engine.config import resolve_config
 from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
 from asyncload.engine.driver import read_steps, run_sync
+from asyncload.engine.fills import Fills, optimizer_ids_to_names, place_entries, unplaced_message
 from asyncload.engine.intersect import _rekey_pre_2_4, local_load_plan
 from asyncload.engine.keys import (
     MISSING_SHOWN,
@@ -102,6 +104,10 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         #: The state dict ``asyncload.load`` checked before its first request (the same one
         #: ``set_up_planner`` gets next: not read twice).
         self._destinations_checked: Any = None
+        #: Checkpoint entries filled into the destination's empty containers, and those below
+        #: its containers that cannot be placed (set_up_planner).
+        self._fills = Fills()
+        self._keys_settled = False
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -113,13 +119,32 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             # by None in the caller's own dict
             _refuse_non_tensors(state_dict, metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        # a torch.save / safetensors file whose keys sit under a prefix ("model.", "module."):
-        # load the destination from there (docs/formats.md)
+        self._fills = Fills()
+        self._keys_settled = False
+
+    def _settle_keys(self) -> None:
+        """Match the destination's final keys to the checkpoint's, once per set-up: at the
+        start of ``create_local_plan``, so that a subclass that renames or drops keys in its
+        own ``set_up_planner`` (examples/custom_planner.py) is matched by the keys it chose."""
+        if self._keys_settled:
+            return
+        self._keys_settled = True
+        # a checkpoint whose keys sit under a prefix ("model.", "module."): load the
+        # destination from there (docs/formats.md)
         rebased = formats.rebase(self.metadata, list(self.state_dict.keys()))
         if rebased is not None:
             self.metadata = rebased
+        # checkpoint entries below the destination's containers: an empty one is filled, the
+        # others are refused below (asyncload.engine.fills)
+        self._fills = Fills()
+        if self.flatten_state_dict and self.metadata is not None:
+            named = optimizer_ids_to_names(self.metadata, self.original_state_dict)
+            if named is not None:
+                self.metadata = named
+            self._fills = place_entries(self.state_dict, self.original_state_dict, self.metadata)
 
     def create_local_plan(self) -> LoadPlan:
+        self._settle_keys()
         md = self.metadata
         if md is None:  # pragma: no cover - dcp always sets it up
             raise CheckpointFormatError("the planner was not set up with metadata")
@@ -134,8 +159,15 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             missing.sort()
             closest = closest_keys(missing[:MISSING_SHOWN], self.state_dict, saved)
             raise StateDictMismatchError(
-                missing_keys_message(missing, len(self.state_dict), closest)
+                f"{formats.source_of(md)}: "
+                + missing_keys_message(missing, len(self.state_dict), closest)
             )
+        source = formats.source_of(md)
+        unplaced = self._fills.unplaced
+        if unplaced:
+            if not self.allow_partial_load:
+                raise StateDictMismatchError(unplaced_message(unplaced, source))
+            warnings.warn(unplaced_message(unplaced, source), UserWarning, stacklevel=2)
         cast_ok = self.options.allow_dtype_cast
         for fqn, obj in self.state_dict.items():
             smd = saved.get(fqn)
@@ -143,22 +175,26 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
                 continue
             if isinstance(smd, TensorStorageMetadata) and not isinstance(obj, torch.Tensor):
                 raise StateDictMismatchError(
-                    f"key {fqn!r}: the checkpoint holds a tensor of shape {list(smd.size)}, the destination "
-                    f"holds a {type(obj).__name__}: a tensor is loaded in place, so the destination must be a "
+                    f"{source}, key {fqn!r}: the checkpoint holds a tensor of shape {list(smd.size)}, the "
+                    f"destination holds a {type(obj).__name__}: a tensor is loaded in place, so the destination must be a "
                     "torch.Tensor of that shape"
                 )
             if isinstance(obj, torch.Tensor):
                 if not isinstance(smd, TensorStorageMetadata):
                     raise StateDictMismatchError(
-                        f"key {fqn!r}: the destination is a tensor, the checkpoint holds an object"
+                        f"{source}, key {fqn!r}: the destination is a tensor, the checkpoint holds an object"
                     )
                 shape = list(obj.size())
                 if list(smd.size) != shape:
                     raise StateDictMismatchError(
-                        f"key {fqn!r}: the destination has shape {shape}, the checkpoint {list(smd.size)}"
+                        f"{source}, key {fqn!r}: the destination has shape {shape}, the checkpoint "
+                        f"{list(smd.size)}"
                     )
                 check_cast(
-                    smd.properties.dtype, obj.dtype, allow_cast=cast_ok, what=f"key {fqn!r}"
+                    smd.properties.dtype,
+                    obj.dtype,
+                    allow_cast=cast_ok,
+                    what=f"{source}, key {fqn!r}",
                 )
         self.unexpected_keys = sorted(k for k in saved if k not in self.state_dict)
         self.missing_keys = sorted(missing)
@@ -195,7 +231,7 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         if not same_bits(loaded, tensor):
             self._tie_checks.clear()
             raise StateDictMismatchError(
-                f"keys {fqn!r} and {twin!r} are one tensor in the destination (tied weights: the same memory), "
+                f"{formats.source_of(self.metadata)}: keys {fqn!r} and {twin!r} are one tensor in the destination (tied weights: the same memory), "
                 f"but the checkpoint holds different values for them (in the box at offsets "
                 f"{list(read_item.dest_offsets)}, lengths {list(read_item.lengths)}): the destination holds "
                 f"{twin!r}'s values; untie the two in the model (give one its own memory) to load both"
@@ -233,7 +269,8 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             got = planned.get(fqn, 0)
             if got != want:
                 raise CheckpointFormatError(
-                    f"key {fqn!r}: the checkpoint's chunks give {got} of the destination's {want} elements: "
+                    f"{formats.source_of(self.metadata)}, key {fqn!r}: the checkpoint's chunks give {got} of "
+                    f"the destination's {want} elements: "
                     "part of the tensor was not saved"
                 )
 
@@ -249,9 +286,8 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             if isinstance(exc, AsyncLoadError):  # pragma: no cover - ours pass through
                 raise
             raise StateDictMismatchError(
-                f"the destination does not match the checkpoint: {type(exc).__name__}: {exc}"[
-                    :2000
-                ]
+                f"{formats.source_of(self.metadata)}: the destination does not match the checkpoint: "
+                f"{type(exc).__name__}: {exc}"[:2000]
             ) from exc
 
     @property
@@ -278,7 +314,10 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
         from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
         from torch.distributed.checkpoint._traverse import set_element
 
-        if self.flatten_state_dict:
+        slot = self._fills.slots.get(read_item.dest_index.fqn)
+        if slot is not None:  # filled into an empty container of the destination
+            slot[0][slot[1]] = obj
+        elif self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
@@ -359,8 +398,8 @@ def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:
                 else f"{kind.__module__}.{kind.__qualname__}"
             )
             raise StateDictMismatchError(
-                f"key {fqn!r}: the checkpoint holds a tensor of shape {list(smd.size)}, the destination "
-                f"holds a {shown}: a tensor is loaded in place, so the destination must be a "
+                f"{formats.source_of(metadata)}, key {fqn!r}: the checkpoint holds a tensor of shape "
+                f"{list(smd.size)}, the destination holds a {shown}: a tensor is loaded in place, so the destination must be a "
                 "torch.Tensor of that shape"
             )
 

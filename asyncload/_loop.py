@@ -6,10 +6,10 @@ calling thread already runs an event loop: the caller blocks, our loop works.
 
 A local load runs on uvloop only when uvloop is imported already (by the program, or by an
 earlier remote load), on the standard loop otherwise: importing uvloop takes 2-4 ms, more
-than it saves in a load of local files (a fresh process's first 1 GiB load measured 5 ms
-faster without it), and a load must not import it lazily: a fork while another thread
-imports it leaves the child waiting forever for the import's lock. Remote loads run on
-uvloop (many small requests), importing it on their first use. docs/performance.md.
+than it saves in a load of local files (a fresh process's first 1 GiB load is faster
+without it), and a load must not import it lazily: a fork while another thread imports it
+leaves the child waiting forever for the import's lock. Remote loads run on uvloop (many
+small requests), importing it on their first use. docs/performance.md.
 """
 
 from __future__ import annotations

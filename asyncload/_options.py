@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 __all__ = ["ChunkPolicy", "GiB", "HedgePolicy", "KiB", "LoadOptions", "MiB", "RetryPolicy"]
 
@@ -126,7 +128,7 @@ class LoadOptions:
     #: Neighbouring reads smaller than this are coalesced into one request (gaps
     #: between them up to this size are read and thrown away). Not given: 1 MiB, or
     #: ``chunk_size`` when that is smaller (derived again when ``chunk_size`` is replaced).
-    min_chunk_size: int | None = None
+    min_chunk_size: int | None = _Derived(DEFAULT_MIN_CHUNK_SIZE)
     #: Seconds allowed for one attempt at one chunk; ``None`` = no limit.
     timeout: float | None = 30.0
     #: Multi-rank loads: seconds a rank may go without progress (no chunk read or shared,
@@ -143,7 +145,9 @@ class LoadOptions:
     concurrency: int | Literal["auto"] = 16
     #: Hard bound on bytes read but not yet assembled.
     memory_budget: int = 512 * MiB
-    #: Check the CRC-32 torch stores for each tensor record against the bytes read.
+    #: Check the CRC-32 torch stores for each tensor record against the bytes read. Off by
+    #: default (it costs more than 5% of a local load): a flipped byte inside tensor data is
+    #: then not caught; sizes, offsets and headers are always checked (docs/integrity.md).
     verify: bool = False
     #: Re-issue a chunk that is much slower than its peers (remote stores only).
     hedge: bool = True
@@ -154,7 +158,7 @@ class LoadOptions:
     #: Floor for the hedge delay, seconds (``4 x`` it before any comparable read finished).
     #: ``None`` (the default): derived from this load's measured first-byte latency and
     #: per-stream rate (``hedge_factor x`` the expected time of the chunk, at least 0.05 s;
-    #: 1 s before any history). A number keeps the fixed floor (0.5 was the default before).
+    #: 1 s before any history). A number is a fixed floor, in seconds.
     hedge_min_delay: float | None = None
     #: Allow lossy dtype conversions on load (fp32 into bf16, float into int: cast on copy).
     #: Lossless widening (bf16 into fp32, int8 into int32) loads without it (docs/errors.md).
@@ -178,10 +182,10 @@ class LoadOptions:
     max_metadata_size: int = 1 * GiB
     #: The client for ``s3://``, ``gs://``/``gcs://`` and ``http(s)://``: ``"wire"``
     #: (asyncload's own HTTP/1.1 range reader: bodies land straight in the destination),
-    #: ``"obstore"`` (Rust ``object_store``), ``"fsspec"`` (s3fs, gcsfs, aiohttp), or
-    #: ``"auto"``: wire when every ``storage_options`` entry maps onto it and its credentials
-    #: are static (or none), else obstore when it is installed and they map onto it, else
-    #: fsspec (docs/remote.md#transport). Other protocols always use fsspec.
+    #: ``"fsspec"`` (s3fs, gcsfs, aiohttp), or ``"auto"``: wire when every
+    #: ``storage_options`` entry maps onto it, else fsspec, which ``LoadStats.transport`` and
+    #: a log line report (docs/remote.md#transport). Other protocols always use fsspec.
+    #: ``"obstore"`` is deprecated: it warns and reads as ``"auto"``.
     transport: Literal["auto", "obstore", "fsspec", "wire"] = "auto"
     #: The most bytes a load reads per byte its destinations need, with ``verify=False``
     #: (header probes and gaps read through included): a rank that needs a slice of each
@@ -299,7 +303,16 @@ class LoadOptions:
         ):
             bad("max_over_read_ratio", r, "expected a finite number >= 1 or None (no bound)")
         if self.transport not in ("auto", "obstore", "fsspec", "wire"):
-            bad("transport", self.transport, 'expected "auto", "obstore", "fsspec" or "wire"')
+            bad("transport", self.transport, 'expected "auto", "wire" or "fsspec"')
+        if self.transport == "obstore":  # retired: warned here, in the caller's own code
+            warnings.warn(
+                'LoadOptions.transport="obstore" is deprecated: obstore is no longer used, and '
+                '"obstore" reads as "auto" does (wire for s3://, gs:// and http(s)://, fsspec '
+                'otherwise); pass transport="auto" (or "wire" / "fsspec")',
+                DeprecationWarning,
+                stacklevel=_caller_level(),
+            )
+            object.__setattr__(self, "transport", "auto")
         object.__setattr__(self, "safe_globals", _check_safe_globals(self.safe_globals))
         for name in (
             "verify",
@@ -355,3 +368,274 @@ class LoadOptions:
 
     def replace(self, **changes: object) -> LoadOptions:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside asyncload and dataclasses (the caller's
+    ``LoadOptions(...)`` or ``.replace(...)``), for a warning shown where it was asked for."""
+    import sys
+    import types
+
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the package
+    frame: types.FrameType | None = sys._getframe(2)  # level 1 is __post_init__
+    level = 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(here) or name == "<string>" or name == dataclasses.__file__):
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _suggest_fields(cls: type, init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` (a dataclass's ``__init__``) raising, for a keyword that is not a field of
+    ``cls``, a ``TypeError`` that names the closest field (``concurency`` -> ``concurrency``)
+    and lists them all. The signature stays the dataclass's (``__wrapped__``)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in names]
+        if unknown and not args:
+            import difflib
+
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, names, n=1, cutoff=0.6)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(
+                f"{cls.__name__} has no field {', '.join(hints)}; its fields are "
+                f"{', '.join(names)}"
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+LoadOptions.__init__ = _suggest_fields(LoadOptions, LoadOptions.__init__)  # type: ignore[method-assign]
+
+
+class FieldDoc(NamedTuple):
+    """One field: what it is, its unit (``"bytes"``, ``"seconds"``, ``"count"``, ...), and
+    when to change it (options; ``""`` for a counter)."""
+
+    meaning: str
+    unit: str
+    change: str = ""
+
+
+def _show(value: Any, unit: str) -> str:
+    if unit == "bytes" and isinstance(value, int) and not isinstance(value, bool) and value:
+        for size, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+            if value % size == 0:
+                return f"{int(value)} ({value // size} {name})"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return repr(int(value))
+    return repr(value)
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Any:
+    """The field's default as the signature shows it (its factory called)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _render(cls: type, base: str | None, docs: dict[str, FieldDoc], heading: str) -> str:
+    """``base`` (the class docstring) followed by a section ``heading``: every dataclass field
+    of ``cls`` with its meaning, unit, default and when to change it, in the fields' order."""
+    import textwrap
+
+    # indented as the class docstring's own lines, so that inspect.cleandoc keeps the layout
+    lines = [heading, "-" * len(heading)]
+    for f in dataclasses.fields(cls):
+        doc = docs.get(f.name)
+        type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", f.type)
+        lines.append(f"{f.name}: {type_name} = {_show(_default_of(f), doc.unit if doc else '')}")
+        if doc is None:
+            lines.append("    (undocumented)")
+            continue
+        text = [f"{doc.meaning} Unit: {doc.unit}."]
+        if doc.change:
+            text.append(f"When to change it: {doc.change}")
+        for t in text:
+            lines += textwrap.wrap(t, 88, initial_indent="    ", subsequent_indent="    ")
+    body = "\n".join("    " + line for line in lines)
+    return (base or "").rstrip() + "\n\n" + body + "\n"
+
+
+class FieldsDoc:
+    """A dataclass's ``__doc__``: its docstring followed by every field's meaning, unit,
+    default and when to change it (``docs``), rendered on the first read (by ``help()``), so
+    that ``import asyncload`` does not pay for it. A field without an entry in ``docs`` is
+    shown as undocumented (tests/engine/test_options.py and test_stats.py fail on it)."""
+
+    def __init__(self, base: str | None, docs: dict[str, FieldDoc], heading: str) -> None:
+        self._base, self.docs, self._heading = base, docs, heading
+        self._text: str | None = None
+
+    def __get__(self, obj: object, cls: type | None = None) -> str:
+        if self._text is None:
+            owner = cls if cls is not None else type(obj)
+            self._text = _render(owner, self._base, self.docs, self._heading)
+        return self._text
+
+
+OPTION_DOCS: dict[str, FieldDoc] = {
+    "chunk_size": FieldDoc(
+        "The largest single read request; larger byte ranges are split into reads of this size "
+        "that run concurrently. Clamped to memory_budget so one chunk always fits.",
+        "bytes",
+        "smaller (4-8 MiB) for a store with slow streams, so more reads run at once; larger "
+        "(64 MiB) for a fast local disk or a store that charges per request.",
+    ),
+    "min_chunk_size": FieldDoc(
+        "Neighbouring reads smaller than this are coalesced into one request (the gaps between "
+        "them, up to this size, are read and thrown away). Not given: 1 MiB, or chunk_size when "
+        "that is smaller (derived again when chunk_size is replaced).",
+        "bytes",
+        "larger on a store with high per-request latency and many small tensors; smaller when "
+        "the gaps between wanted tensors are large and bandwidth is dear.",
+    ),
+    "timeout": FieldDoc(
+        "Seconds allowed for one attempt at one chunk, extended while bytes keep arriving; "
+        "None = no limit.",
+        "seconds",
+        "longer on a slow link where a whole chunk cannot arrive in 30 s.",
+    ),
+    "collective_timeout": FieldDoc(
+        "Multi-rank loads: how long a rank may go without progress before the other ranks give "
+        "up on it and raise DistributedLoadError naming it; None = wait forever.",
+        "seconds",
+        "longer when ranks legitimately stall (a slow shared file system, a long first compile).",
+    ),
+    "retries": FieldDoc(
+        "Extra attempts at a chunk after its first failed one (0 = no retry).",
+        "count",
+        "higher for a flaky store; 0 to see the first failure at once.",
+    ),
+    "backoff": FieldDoc(
+        "First delay before a retry; doubles per attempt, with full jitter.",
+        "seconds",
+        "higher when a store throttles (HTTP 503 SlowDown) and retries come too fast.",
+    ),
+    "max_backoff": FieldDoc(
+        "Longest delay between two attempts.", "seconds", "with backoff, for a throttling store."
+    ),
+    "concurrency": FieldDoc(
+        'Reads in flight at once, or "auto" to let the pipeline find its level (8 to start, at '
+        "most 64).",
+        "count",
+        '"auto" or a higher number for a remote store far away (latency x bandwidth needs many '
+        "reads in flight); lower for a disk that slows down under parallel reads.",
+    ),
+    "memory_budget": FieldDoc(
+        "Hard bound on bytes read but not yet assembled into the destination (LoadStats."
+        "peak_buffered_bytes never exceeds it).",
+        "bytes",
+        "lower on a machine short of memory; higher when LoadStats shows waits for memory "
+        "budget (full) on a fast store.",
+    ),
+    "verify": FieldDoc(
+        "Check the CRC-32 torch stores for each tensor record (DCP's default .distcp files, "
+        "torch.save files) against the bytes read, every byte of such a record read "
+        "(LoadStats.verified_records counts them). Off, a flipped byte inside tensor data "
+        "loads as it is; sizes, offsets and headers are checked either way. safetensors "
+        "stores no checksum: nothing to check there (docs/integrity.md).",
+        "bool",
+        "True when the storage may hand back damaged bytes and a checksum pass is affordable "
+        "(30-50% more CPU on a local load here: docs/performance.md).",
+    ),
+    "hedge": FieldDoc(
+        "Re-issue a remote chunk that is much slower than its peers (one duplicate request; the "
+        "first answer wins).",
+        "bool",
+        "False where duplicate requests cost money or the store is local.",
+    ),
+    "hedge_factor": FieldDoc(
+        "A chunk becomes a straggler after max(floor, hedge_factor x p90 latency) of recent "
+        "comparable reads (docs/remote.md).",
+        "ratio (>= 1)",
+        "higher to hedge less often on a store whose latency varies widely.",
+    ),
+    "hedge_min_delay": FieldDoc(
+        "Floor for the hedge delay. None: derived from this load's measured first-byte latency "
+        "and per-stream rate (at least 0.05 s; 1 s before any history).",
+        "seconds",
+        "a number for a fixed floor (e.g. 0.5).",
+    ),
+    "allow_dtype_cast": FieldDoc(
+        "Allow lossy dtype conversions on load (fp32 into bf16, float into int: cast on copy). "
+        "Lossless widening loads without it.",
+        "bool",
+        "True when the destination's dtype differs on purpose (a bf16 model from an fp32 "
+        "checkpoint).",
+    ),
+    "strict_unexpected_keys": FieldDoc(
+        "Raise when the checkpoint holds keys the destination lacks (they are always listed in "
+        "LoadStats.unexpected_keys).",
+        "bool",
+        "True to catch a destination that lost layers by mistake.",
+    ),
+    "use_uvloop": FieldDoc(
+        "Run the event loop on uvloop when it is installed (remote loads import it on first use; "
+        "local loads only when the program has imported it).",
+        "bool",
+        "False to rule uvloop out while debugging the loop.",
+    ),
+    "io_threads": FieldDoc(
+        "Threads for local positional reads and assembly copies. None: from concurrency.",
+        "count",
+        "set it when local loads share the machine with other work and should use fewer cores.",
+    ),
+    "local_mapped_copies": FieldDoc(
+        "Copy a large local read that 4 KiB aliasing would slow down out of a short-lived "
+        "mapping of the file's cached pages (Linux 6.5+; falls back to preadv by itself).",
+        "bool",
+        "False to force preadv for every local read (docs/performance.md).",
+    ),
+    "max_metadata_size": FieldDoc(
+        "Largest .metadata file or format header accepted (a guard against hostile input).",
+        "bytes",
+        "higher only for a checkpoint with an enormous number of keys that is refused.",
+    ),
+    "transport": FieldDoc(
+        'The client for s3://, gs://, gcs:// and http(s)://: "wire" (asyncload\'s own HTTP/1.1 '
+        'range reader), "fsspec" (s3fs, gcsfs, aiohttp), "obstore" (deprecated), or "auto": wire '
+        "where every storage_options entry maps onto it (docs/remote.md#transport).",
+        "name",
+        '"fsspec" for a store or option only fsspec understands; leave "auto" otherwise.',
+    ),
+    "max_over_read_ratio": FieldDoc(
+        "The most bytes a load reads per byte its destinations need (gaps read through to save "
+        "requests count); None: no bound (docs/tuning.md).",
+        "ratio (>= 1)",
+        "lower when bandwidth is dear; None when requests are dearer than bytes.",
+    ),
+    "safe_globals": FieldDoc(
+        "Classes, functions or 'module.qualname' strings the user trusts in the checkpoint's "
+        "pickled objects beyond asyncload's allow-list, as torch.serialization.add_safe_globals "
+        "(their code runs).",
+        "tuple of globals",
+        "add the class an UnsafeCheckpointError names, once you trust the checkpoint.",
+    ),
+    "late_rank_log_after": FieldDoc(
+        "Multi-rank loads: after this long waiting on other ranks, a WARNING names the slowest "
+        "and what it has in flight; None = never.",
+        "seconds",
+        "lower to hear about stragglers sooner; None to silence it.",
+    ),
+    "share_metadata": FieldDoc(
+        "Multi-rank loads on a CPU (gloo) group: .metadata read by rank 0 alone and broadcast. "
+        '"auto": for a remote checkpoint; True: also a local one; False: every rank reads its own.',
+        'bool or "auto"',
+        "True on a shared file system that suffers from many ranks opening one file.",
+    ),
+}
+
+
+LoadOptions.__doc__ = FieldsDoc(  # type: ignore[assignment]
+    LoadOptions.__doc__, OPTION_DOCS, "Fields (meaning, unit, default, when to change it)"
+)

@@ -5,18 +5,21 @@ The library itself never draws anything: :func:`asyncload.load` only calls a
 (or a :class:`~asyncload.LoadHandle` polled from the main thread) into a tqdm
 bar on stderr showing bytes, throughput, ETA and retries. Bars switch themselves
 off when stderr is not a terminal (tqdm's ``disable=None``), so logs and pipes
-stay clean.
+stay clean. A terminal that reports no width (0 columns, as some CI consoles and
+serial terminals do), where a bar would draw nothing, gets one line of progress
+every ``line_interval`` seconds instead, and a last one when it closes.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["ByteProgress", "follow_handle"]
+__all__ = ["ByteProgress", "follow_handle", "terminal_width"]
 
 
 class ByteProgress:
@@ -24,7 +27,10 @@ class ByteProgress:
     (``unit="key"`` or any other word counts items instead of bytes.)
 
     ``enabled=None`` shows the bar only when ``file`` is a terminal; ``True``/``False``
-    force it. Use as a context manager or call :meth:`close`.
+    force it. On a terminal that reports no width (:func:`terminal_width` 0 or unknown) it
+    writes a line such as ``load: 42% 430.00 MiB of 1.00 GiB, 212.31 MiB/s`` at most every
+    ``line_interval`` seconds (and when it closes) instead of a bar. Use as a context manager
+    or call :meth:`close`.
     """
 
     def __init__(
@@ -36,8 +42,16 @@ class ByteProgress:
         enabled: bool | None = None,
         leave: bool = True,
         unit: str = "bytes",
+        line_interval: float = 5.0,
     ) -> None:
         self.desc = desc
+        self._unit = unit
+        self._line_interval = line_interval
+        self._started = time.monotonic()
+        self._last_line: float | None = None
+        self._last_done = 0
+        #: periodic lines instead of a bar (a terminal with no width)
+        self.lines = False
         self._file = file if file is not None else sys.stderr
         self._lock = threading.Lock()
         self._done = 0
@@ -48,7 +62,9 @@ class ByteProgress:
             isatty = getattr(self._file, "isatty", None)
             enabled = bool(isatty and isatty())
         self.enabled = enabled
-        if enabled:
+        if enabled and _is_tty(self._file) and not terminal_width(self._file):
+            self.lines = True
+        elif enabled:
             from tqdm import tqdm
 
             # "iB" with divisor 1024 reads KiB, MiB, GiB: the units of LoadStats
@@ -94,18 +110,69 @@ class ByteProgress:
                 self._retries = retries
                 if self._bar is not None:
                     self._bar.set_postfix_str(f"retries {retries}", refresh=False)
+            if self.lines:
+                now = time.monotonic()
+                if self._last_line is None or now - self._last_line >= self._line_interval:
+                    self._write_line(now)
+
+    def _write_line(self, now: float) -> None:
+        """One line of progress (lines mode), under the lock."""
+        from asyncload._stats import _fmt_bytes
+
+        self._last_line, self._last_done = now, self._done
+        if self._unit == "bytes":
+            fmt: Callable[[float], str] = _fmt_bytes
+        else:
+            unit = self._unit
+
+            def fmt(n: float) -> str:
+                return f"{n:.0f} {unit}" if n == 1 else f"{n:.0f} {unit}s"
+
+        elapsed = now - self._started
+        text = f"{self.desc}: "
+        if self._total:
+            text += f"{100 * self._done // self._total}% {fmt(self._done)} of {fmt(self._total)}"
+        else:
+            text += fmt(self._done)
+        if elapsed > 0:
+            text += f", {fmt(self._done / elapsed)}/s"
+        if self._retries:
+            text += f", {self._retries} {'retry' if self._retries == 1 else 'retries'}"
+        try:
+            self._file.write(text + "\n")
+            self._file.flush()
+        except (OSError, ValueError):  # the terminal went away: stop writing
+            self.lines = False
 
     def close(self) -> None:
         with self._lock:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+            if self.lines:
+                if self._last_done != self._done or self._last_line is None:
+                    self._write_line(time.monotonic())
+                self.lines = False
 
     def __enter__(self) -> ByteProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_tty(file: IO[str]) -> bool:
+    isatty = getattr(file, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def terminal_width(file: IO[str]) -> int:
+    """The columns of the terminal ``file`` writes to, as tqdm reads them: 0 when it reports
+    none or cannot tell."""
+    try:
+        return os.get_terminal_size(file.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def follow_handle(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from asyncload._arguments import check_source_arguments
 from asyncload._loop import loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats
@@ -99,6 +100,7 @@ def read_state_dict(
     What the metadata claims is checked against the files' sizes before anything is
     allocated: a forged ``.metadata`` is a :class:`CheckpointFormatError`, not an allocation.
     """
+    check_source_arguments(checkpoint, options, storage_options, face="asyncload.read_state_dict")
     coro = aread_state_dict(
         checkpoint,
         keys=keys,
@@ -123,6 +125,7 @@ async def aread_state_dict(
 ) -> dict[str, Any]:
     """:func:`read_state_dict` as a coroutine, on the caller's event loop (planning on a
     worker thread). Cancelling it stops the reads and returns once nothing is left running."""
+    check_source_arguments(checkpoint, options, storage_options, face="asyncload.aread_state_dict")
     stream = CheckpointStream(
         checkpoint,
         keys=keys,

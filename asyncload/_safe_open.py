@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncload._arguments import check_source_arguments
 from asyncload._errors import StateDictMismatchError, redact_url
 from asyncload._latency import LoadClock
 from asyncload._loop import close_through_interrupt, loop_thread, run_sync
@@ -69,6 +70,9 @@ __all__ = ["SafetensorsFile", "SafetensorsSlice", "TensorNotFoundError", "safe_o
 log = logging.getLogger("asyncload.safe_open")
 T = TypeVar("T")
 
+#: ``backend=`` values ``safetensors.safe_open`` (0.8) takes; asyncload reads the same way
+#: for both (ranged reads through its storage boundary), so the tensors are the same.
+_BACKENDS = ("mmap", "pread")
 #: ``framework=`` values that mean torch tensors (safetensors' own spellings).
 _TORCH = ("pt", "torch", "pytorch")
 #: The dtype names safetensors writes, by torch dtype (``get_dtype()``).
@@ -482,9 +486,16 @@ class SafetensorsFile:
         framework: str = "pt",
         device: str | int | torch.device = "cpu",
         *,
+        backend: str = "mmap",
         storage_options: Mapping[str, Any] | None = None,
         options: LoadOptions | None = None,
     ) -> None:
+        check_source_arguments(url, options, storage_options, face="asyncload.safe_open")
+        if backend not in _BACKENDS:
+            raise ValueError(
+                f"backend={backend!r} is invalid (expected one of: {', '.join(map(repr, _BACKENDS))}, "
+                "as safetensors.safe_open takes)"
+            )
         if framework not in _TORCH:
             raise ValueError(
                 f"framework={framework!r}: asyncload.safe_open gives torch tensors only "
@@ -601,6 +612,7 @@ def safe_open(
     framework: str = "pt",
     device: str | int | torch.device = "cpu",
     *,
+    backend: str = "mmap",
     storage_options: Mapping[str, Any] | None = None,
     options: LoadOptions | None = None,
 ) -> SafetensorsFile:
@@ -625,9 +637,21 @@ def safe_open(
     tensor). An unknown name is a :class:`TensorNotFoundError` (a ``KeyError`` and a
     :class:`~asyncload.StateDictMismatchError`) naming the closest key.
 
-    Raised: ``ValueError`` for a ``framework`` other than torch or a ``device`` other than
-    CPU or an available CUDA device.
+    ``backend`` (keyword-only, as in safetensors 0.8: ``"mmap"`` or ``"pread"``) is accepted
+    and has no effect: asyncload never maps the file, it reads each tensor's bytes with ranged
+    reads (``pread`` locally) through its storage boundary, so both give the same tensors,
+    bit for bit; so ``transformers``' ``from_pretrained``, which passes
+    ``backend="mmap"``, works with this ``safe_open`` in place of safetensors' (see
+    docs/formats.md). Another value is a ``ValueError``, as in safetensors.
+
+    Raised: ``ValueError`` for a ``framework`` other than torch, a ``device`` other than
+    CPU or an available CUDA device, or a ``backend`` safetensors does not know.
     """
     return SafetensorsFile(
-        url, framework, device, storage_options=storage_options, options=options
+        url,
+        framework,
+        device,
+        backend=backend,
+        storage_options=storage_options,
+        options=options,
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from asyncload._latency import percentile
+from asyncload._options import FieldDoc, FieldsDoc
 
 __all__ = ["LoadStats"]
 
@@ -64,6 +65,11 @@ class LoadStats:
     bytes_hedged: int = 0
     #: Keys present in the checkpoint but absent from the destination.
     unexpected_keys: list[str] = field(default_factory=list)
+    #: The top-level name the destination's keys were loaded from under (``"model"`` for a
+    #: ``{"model": ..., "optim": ...}`` checkpoint loaded into ``model.state_dict()``), or
+    #: ``""`` when the keys matched as they are (docs/formats.md). Keys outside that prefix
+    #: are not listed in ``unexpected_keys``.
+    key_prefix: str = ""
     #: Destination keys the checkpoint lacks, left as they were (``allow_partial_load=True``), sorted.
     missing_keys: list[str] = field(default_factory=list)
     #: Tied destination keys (the same memory as another key's tensor: same storage, offset,
@@ -115,14 +121,28 @@ class LoadStats:
     #: ranks, for a load whose group matches sends by order, such as NCCL:
     #: ``ShardedLoadPlanner(side_group=...)``); ``""`` when no byte was shared.
     sharing_group: str = ""
+    #: Wall-clock seconds the dispatcher waited for a free read slot (``concurrency`` reads
+    #: already in flight), beside ``budget_wait_seconds`` (waits on an exhausted budget only).
+    slot_wait_seconds: float = 0.0
+    #: The client that read a remote checkpoint and why where ``transport="auto"`` chose
+    #: (``"wire"``; ``"fsspec"``; ``"fsspec (wire cannot honour ...)"``); ``"local"`` for a
+    #: local one; ``""`` before the store is opened.
+    transport: str = ""
 
     @property
     def throughput(self) -> float:
         """Bytes assembled per second of wall time."""
         return self.bytes_assembled / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def mean_concurrency(self) -> float:
+        """Storage reads in flight on average over the load: ``storage_wait_seconds`` (summed
+        over concurrent reads) divided by the wall time ``seconds``."""
+        return self.storage_wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        """Every field plus ``throughput`` (bytes/s), as plain JSON-serialisable values."""
+        """Every field plus ``throughput`` (bytes/s) and ``mean_concurrency``, as plain
+        JSON-serialisable values."""
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -132,11 +152,13 @@ class LoadStats:
                 v = dict(v)
             out[f.name] = v
         out["throughput"] = self.throughput
+        out["mean_concurrency"] = self.mean_concurrency
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoadStats:
-        """The inverse of :meth:`to_dict` (unknown keys, such as ``throughput``, are ignored)."""
+        """The inverse of :meth:`to_dict` (unknown keys, such as ``throughput``, are ignored;
+        fields it lacks keep their defaults)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -155,8 +177,10 @@ class LoadStats:
                 f"p99 {_fmt_seconds(self.latency_p99)}, max {_fmt_seconds(self.latency_max)}."
             )
         parts.append(
-            f"Time summed over requests: {self.storage_wait_seconds:.3f} s waiting for storage, "
-            f"{self.assembly_seconds:.3f} s assembling; {self.budget_wait_seconds:.3f} s waiting for memory budget."
+            f"Time summed over concurrent requests: {self.storage_wait_seconds:.3f} s waiting for storage "
+            f"({self.mean_concurrency:.1f} in flight on average), {self.assembly_seconds:.3f} s assembling. "
+            f"Wall-clock waits before a read: {self.budget_wait_seconds:.3f} s for memory budget (full), "
+            f"{self.slot_wait_seconds:.3f} s for a read slot (concurrency limit)."
         )
         if self.retries or self.timeouts or self.hedges:
             causes = ", ".join(f"{k} {v}" for k, v in sorted(self.retries_by_cause.items()))
@@ -261,3 +285,137 @@ class StatsRecorder:
         s.latency_p99 = percentile(lat, 0.99, min_samples=1) or 0.0
         s.latency_max = lat[-1] if lat else 0.0
         return s
+
+
+STATS_DOCS: dict[str, FieldDoc] = {
+    "bytes_read": FieldDoc(
+        "Bytes storage delivered to the load (each successful read once; failed attempts, the "
+        "losing request of a hedge and the .metadata file not counted).",
+        "bytes",
+    ),
+    "bytes_assembled": FieldDoc("Bytes placed into the destination's tensors.", "bytes"),
+    "chunks": FieldDoc(
+        "Read requests that delivered data (retries and hedges not counted).", "count"
+    ),
+    "retries": FieldDoc("Attempts repeated after a failed one (retries_by_cause: why).", "count"),
+    "timeouts": FieldDoc("Attempts that ran out of LoadOptions.timeout.", "count"),
+    "hedges": FieldDoc("Duplicate requests sent for straggling chunks.", "count"),
+    "seconds": FieldDoc("Wall-clock time of the load, from the call to its return.", "seconds"),
+    "peak_buffered_bytes": FieldDoc(
+        "The most bytes held read-but-not-assembled at once (at most memory_budget).", "bytes"
+    ),
+    "verified_records": FieldDoc(
+        "Tensor records checked against their stored CRC-32 (verify=True).", "count"
+    ),
+    "files": FieldDoc(
+        "Files the load opened or fetched from: the data files and the metadata file.", "count"
+    ),
+    "bytes_received": FieldDoc(
+        "Bytes received from other ranks instead of read (ShardedLoadPlanner).", "bytes"
+    ),
+    "bytes_sent": FieldDoc("Bytes this rank sent to other ranks (ShardedLoadPlanner).", "bytes"),
+    "bytes_taken_over": FieldDoc(
+        "Adaptive sharing: bytes of shared ranges this rank read that the plan had given to "
+        "another rank (it got there first).",
+        "bytes",
+    ),
+    "bytes_hedged": FieldDoc(
+        "Adaptive sharing: bytes this rank read itself because a transfer from another rank was "
+        "late.",
+        "bytes",
+    ),
+    "unexpected_keys": FieldDoc(
+        "Checkpoint keys the destination lacks (not loaded).", "list of keys"
+    ),
+    "key_prefix": FieldDoc(
+        "The top-level name the destination's keys were loaded from under ('model' for a "
+        "{'model': ..., 'optim': ...} checkpoint loaded into model.state_dict()); '' when the "
+        "keys matched as they are.",
+        "key prefix",
+    ),
+    "missing_keys": FieldDoc(
+        "Destination keys the checkpoint lacks, left as they were (allow_partial_load=True), "
+        "sorted.",
+        "list of keys",
+    ),
+    "tied_keys": FieldDoc(
+        "Tied destination keys (the same memory as another key's tensor) -> the key whose load "
+        "filled them.",
+        "dict of keys",
+    ),
+    "retries_by_cause": FieldDoc(
+        "Retries by cause: timeout, status_503, connection, short_read ...", "dict of counts"
+    ),
+    "latency_p50": FieldDoc("Median latency of successful storage requests.", "seconds"),
+    "latency_p90": FieldDoc("90th percentile latency of storage requests.", "seconds"),
+    "latency_p99": FieldDoc("99th percentile latency of storage requests.", "seconds"),
+    "latency_max": FieldDoc("Slowest successful storage request.", "seconds"),
+    "storage_wait_seconds": FieldDoc(
+        "Time reads spent waiting for storage, SUMMED over concurrent reads: it exceeds the "
+        "wall time when reads overlap; divided by seconds it is mean_concurrency.",
+        "seconds (summed over reads)",
+    ),
+    "budget_wait_seconds": FieldDoc(
+        "Wall-clock time the dispatcher waited because the memory budget was full (the next "
+        "read did not fit memory_budget); 0 when the budget never ran out.",
+        "seconds (wall clock)",
+    ),
+    "assembly_seconds": FieldDoc(
+        "Time spent assembling read bytes into tensors (copies, checksums), SUMMED over reads.",
+        "seconds (summed over reads)",
+    ),
+    "peak_concurrency": FieldDoc(
+        "The most reads in flight at once (useful with concurrency='auto').", "count"
+    ),
+    "bytes_from_other_nodes": FieldDoc(
+        "Node-aware sharing: bytes this rank received from ranks on other nodes.", "bytes"
+    ),
+    "bytes_from_own_node": FieldDoc(
+        "Node-aware sharing: bytes of this rank's chunks another rank of its node fetched and "
+        "handed over through shared memory.",
+        "bytes",
+    ),
+    "sharing_decision": FieldDoc(
+        "ShardedLoadPlanner: 'share' (shared ranges read once and sent) or 'read' (every rank "
+        "read its own); '' without sharing.",
+        "name",
+    ),
+    "sharing_reason": FieldDoc(
+        "Why sharing_decision was taken (the cost model's figures, or the knob that decided).",
+        "text",
+    ),
+    "sharing_unit_size": FieldDoc("Adaptive sharing's work unit in the data phase.", "bytes"),
+    "time_to_first_byte": FieldDoc(
+        "From the call to the first byte of the data files (.metadata left out); 0.0: none read.",
+        "seconds",
+    ),
+    "metadata_shared": FieldDoc(
+        "Multi-rank loads: .metadata was read once by rank 0 and broadcast "
+        "(LoadOptions.share_metadata).",
+        "bool",
+    ),
+    "node_shared_memory_bytes": FieldDoc(
+        "Node-aware sharing: shared memory (/dev/shm) the node's ring of windows held, at most "
+        "memory_budget.",
+        "bytes",
+    ),
+    "sharing_group": FieldDoc(
+        "ShardedLoadPlanner, when bytes were shared: the group that carried them and why "
+        "('main: ...' or 'side: ...'); '' when none was.",
+        "text",
+    ),
+    "slot_wait_seconds": FieldDoc(
+        "Wall-clock time the dispatcher waited for a free read slot (concurrency reads already "
+        "in flight): the store, not the budget, set the pace.",
+        "seconds (wall clock)",
+    ),
+    "transport": FieldDoc(
+        "The client that read the checkpoint: 'wire', 'fsspec', or 'fsspec (wire cannot "
+        "honour ...)' where transport='auto' fell back and why; 'local' for local files.",
+        "text",
+    ),
+}
+
+LoadStats.__doc__ = FieldsDoc(  # type: ignore[assignment]
+    LoadStats.__doc__, STATS_DOCS, "Fields (meaning, unit, default)"
+)

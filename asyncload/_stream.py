@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from asyncload._arguments import check_source_arguments
 from asyncload._dcp import PipelinedLoadPlanner
 from asyncload._errors import StateDictMismatchError, redact_url
 from asyncload._loop import loop_thread, run_sync
@@ -421,6 +422,7 @@ def aiter_tensors(
     """:func:`iter_tensors` as an async iterator, on the caller's event loop. Cancelling the
     task that iterates, or ``aclose()`` (``contextlib.aclosing``), stops the reads and
     returns once files, sessions and threads are closed."""
+    check_source_arguments(checkpoint, options, storage_options, face="asyncload.aiter_tensors")
     stream = CheckpointStream(
         checkpoint,
         keys=keys,
@@ -459,6 +461,7 @@ def iter_tensors(
     early (``break``, ``close()``, an exception) stops the reads and closes files, sessions and
     threads.
     """
+    check_source_arguments(checkpoint, options, storage_options, face="asyncload.iter_tensors")
     agen = aiter_tensors(
         checkpoint,
         keys=keys,

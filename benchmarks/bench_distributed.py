@@ -696,4 +696,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _parts import run_part  # --part NAME: a folded-in part (benchmarks/README.md)
+
+    run_part(
+        __file__,
+        {"narrow": "_distributed_narrow.py", "shared-metadata": "_distributed_shared_metadata.py"},
+    )
     main()

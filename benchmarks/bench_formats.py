@@ -262,6 +262,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _parts import run_part  # --part NAME: a folded-in part (benchmarks/README.md)
+
+    run_part(
+        __file__,
+        {
+            "safe-open": "_formats_safe_open.py",
+            "torch-checkpointing": "_formats_torch_checkpointing.py",
+        },
+    )
     t0 = time.monotonic()
     main()
     print(f"\n(benchmark took {time.monotonic() - t0:.0f} s)")

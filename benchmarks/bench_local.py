@@ -30,6 +30,11 @@ round: cold raw reads into a touched
 destination-sized buffer (plain ``preadv``; with ``posix_fadvise`` SEQUENTIAL + WILLNEED;
 ``O_DIRECT`` into a page-aligned buffer), torch's ``dcp.load`` and ``asyncload.load``.
 
+``--verify`` adds ``verify=True`` (every tensor record's CRC-32 checked) beside
+``asyncload.load``, on the DCP checkpoint and on the same tensors saved in one ``torch.save``
+file, and prints the median of the per-round ratios: what checking the CRC-32s costs a whole
+local load at the page-cache bound (docs/performance.md, "What checking CRC-32 costs").
+
 ``--uvloop`` compares the event loops. A local load runs on uvloop only when the program has
 imported it (asyncload never imports it for one): with the flag this process imports uvloop
 before its warmed section, whose default contender then runs on uvloop, beside
@@ -228,6 +233,7 @@ def warm_section(
     file_bytes: int,
     shapes: dict[str, tuple[list[int], str]],
     opts: asyncload.LoadOptions,
+    pt_path: str | None = None,
 ) -> None:
     template = {k: torch.empty(s, dtype=getattr(torch, dt)) for k, (s, dt) in shapes.items()}
     dest = C.zeros_like(template)
@@ -250,6 +256,17 @@ def warm_section(
         competitors["asyncload.load verify=True"] = lambda: asyncload.load(
             dest, path, options=vopts
         )
+        if pt_path is not None:  # the same tensors in one torch.save file (records' CRC-32)
+            pt: str = pt_path
+            with open(pt, "rb") as f:  # warm the page cache
+                while f.read(64 << 20):
+                    pass
+            competitors["asyncload.load torch.save file"] = lambda: asyncload.load(
+                dest, pt, options=opts
+            )
+            competitors["asyncload.load torch.save verify=True"] = lambda: asyncload.load(
+                dest, pt, options=vopts
+            )
     if args.uvloop:
         import uvloop  # noqa: F401  # the default contender's local loads then run on it
 
@@ -263,12 +280,15 @@ def warm_section(
         )
     times: dict[str, list[float]] = {k: [] for k in competitors}
     peaks: dict[str, list[int]] = {k: [] for k in competitors}
+    cpu: dict[str, list[float]] = {k: [] for k in competitors}  # CPU seconds, all threads
     names = list(competitors)
     for r in range(args.rounds):
         for name in (
             names[r % len(names) :] + names[: r % len(names)]
         ):  # the order rotated each round
+            cpu0 = time.process_time()
             dt, peak = C.measure(competitors[name])
+            cpu[name].append(time.process_time() - cpu0)
             times[name].append(dt)
             peaks[name].append(peak)
     print(
@@ -297,8 +317,38 @@ def warm_section(
         "(x dest bound: the issue's bound, a destination-sized buffer read at the file's offsets; x into dests: "
         f"asyncload's own reads into the real destinations, replayed with plain preadv, {len(replay)} reads)"
     )
+    if args.verify:  # what checking every record's CRC-32 costs a whole local load
+        pairs = [("asyncload.load", "asyncload.load verify=True", "DCP")]
+        if pt_path is not None:
+            pairs.append(
+                (
+                    "asyncload.load torch.save file",
+                    "asyncload.load torch.save verify=True",
+                    "torch.save",
+                )
+            )
+        print(
+            f"\nverify's cost (crc32: {crc_impl()}; wall: the load's seconds, CPU: its process's)"
+        )
+        for off, on, what in pairs:
+            ratios = [b / a for a, b in zip(times[off], times[on])]
+            wall = C.median(ratios)
+            fastest = min(times[on]) / min(times[off])
+            cpu_ratio = C.median(cpu[on]) / C.median(cpu[off])
+            print(
+                f"  {what}: wall, median of per-round ratios {wall:.3f} ({(wall - 1) * 100:+.1f}%); "
+                f"fastest on / fastest off {fastest:.3f} ({(fastest - 1) * 100:+.1f}%); CPU "
+                f"{C.median(cpu[off]):.3f} s -> {C.median(cpu[on]):.3f} s ({(cpu_ratio - 1) * 100:+.1f}%)"
+            )
+            print(f"    per-round wall ratios: {', '.join(f'{r:.2f}' for r in ratios)}")
     st = asyncload.load(dest, path, options=opts)
     print(f"\nasyncload stats: {st}", flush=True)
+
+
+def crc_impl() -> str:
+    import asyncload.engine.crc as crc
+
+    return crc.CRC32_IMPL
 
 
 def run_rounds(
@@ -505,7 +555,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--budget-mib", type=int, default=512)
-    ap.add_argument("--verify", action="store_true", help="also time asyncload with verify=True")
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="also time asyncload with verify=True, on the DCP checkpoint and on the same "
+        "tensors in one torch.save file, and print verify's cost (per-round ratios)",
+    )
     ap.add_argument(
         "--uvloop",
         action="store_true",
@@ -538,6 +593,10 @@ def main() -> None:
         shapes = {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
         check_keys = [next(iter(sd)), list(sd)[len(sd) // 2], list(sd)[-1]]
         checks = {k: float(sd[k].double().sum()) for k in check_keys}
+        pt_path = None
+        if args.verify and not (args.fresh_only or args.cold_only):
+            pt_path = os.path.join(tmp, "ckpt.pt")
+            torch.save(sd, pt_path)
         del sd
         shapes_file = os.path.join(tmp, "shapes.json")
         with open(shapes_file, "w") as f:
@@ -555,7 +614,7 @@ def main() -> None:
             "memory_budget": args.budget_mib << 20,
         }
         if not (args.fresh_only or args.cold_only):
-            warm_section(args, path, files, total, file_bytes, shapes, opts)
+            warm_section(args, path, files, total, file_bytes, shapes, opts, pt_path)
             loadavg("after the warmed-process section")
         if args.cold or args.cold_only:
             os.sync()
@@ -577,4 +636,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _parts import run_part  # --part NAME: a folded-in part (benchmarks/README.md)
+
+    run_part(__file__, {"copy-paths": "_local_copy_paths.py"})
     main()

@@ -406,4 +406,7 @@ def plot(
 
 
 if __name__ == "__main__":
+    from _parts import run_part  # --part NAME: a folded-in part (benchmarks/README.md)
+
+    run_part(__file__, {"sweep": "_peers_sweep.py"})
     main()

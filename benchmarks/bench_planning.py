@@ -783,4 +783,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _parts import run_part  # --part NAME: a folded-in part (benchmarks/README.md)
+
+    run_part(__file__, {"claims": "_planning_claims.py", "metadata": "_planning_metadata.py"})
     main()

@@ -74,9 +74,20 @@ async def fsspec_client():
 
 async def obstore_client():
     import obstore
-    from asyncload.storage import plan_store
+    from obstore.store import from_url
     url, _, name = cfg["url"].rpartition("/")
-    store = plan_store(url, cfg["so"]).build()
+    so = cfg["so"]
+    if url.startswith("s3://"):
+        conf = {"endpoint": so["endpoint_url"], "access_key_id": so["key"],
+                "secret_access_key": so["secret"],
+                "region": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
+    elif url.startswith(("gs://", "gcs://")):
+        conf = {"base_url": so["endpoint_url"], "skip_signature": True}
+    else:
+        conf = {}
+    # asyncload no longer maps options onto obstore (retired in issue 41): built here
+    store = from_url(url, config=conf, client_options={"allow_http": True},
+                     retry_config={"max_retries": 0})
     async def get(lo, hi):
         r = await obstore.get_async(store, name, options={"range": (lo, hi)})
         return await r.bytes_async()

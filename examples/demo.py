@@ -56,6 +56,7 @@ import torch.distributed.checkpoint as dcp
 
 import asyncload
 from asyncload._progress import ByteProgress, follow_handle
+from asyncload._stats import _fmt_bytes, _plural
 
 # torch warns on every single-process dcp.save / dcp.load; this script calls them on purpose
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -232,8 +233,9 @@ class Row:
         )
 
     @property
-    def gib_s(self) -> float:
-        return self.nbytes / GiB / self.seconds if self.seconds > 0 else float("inf")
+    def rate(self) -> str:
+        """Bytes per second in the units of LoadStats' line (KiB, MiB, GiB: binary)."""
+        return _fmt_bytes(self.nbytes / self.seconds) + "/s" if self.seconds > 0 else "-"
 
 
 def run_torch(where: str, reader: Any, dest: dict[str, Any], total: int, name: str) -> Row:
@@ -247,12 +249,12 @@ def run_torch(where: str, reader: Any, dest: dict[str, Any], total: int, name: s
                 done[0] += tensor.numel() * tensor.element_size()
                 bar.update(done[0], total)
 
-        with PeakRSS() as rss:
+        with PeakRSS() as rss, Still(f"loading with {name}", bar=True):
             t0 = time.perf_counter()
             dcp.load(dest, storage_reader=reader, planner=Planner(), no_dist=True)
             seconds = time.perf_counter() - t0
     row = Row(where, name, seconds, total, rss.above)
-    say(f"  {where:<6} {name:<28} {seconds:7.3f} s  {row.gib_s:6.2f} GiB/s")
+    say(f"  {where:<6} {name:<28} {seconds:7.3f} s  {row.rate}")
     return row
 
 
@@ -263,13 +265,18 @@ def run_asyncload(
     total: int,
     storage_options: dict[str, Any] | None = None,
 ) -> Row:
-    with ByteProgress(f"{where:<6} asyncload", total=total) as bar, PeakRSS() as rss:
-        t0 = time.perf_counter()
+    with (
+        ByteProgress(f"{where:<6} asyncload", total=total) as bar,
+        PeakRSS() as rss,
+        Still("loading with asyncload", bar=True),
+    ):
         handle = asyncload.start_load(dest, url, storage_options=storage_options)
         stats = follow_handle(handle, bar)
-        seconds = time.perf_counter() - t0
-    row = Row(where, "asyncload", seconds, total, rss.above)
-    say(f"  {where:<6} {'asyncload':<28} {seconds:7.3f} s  {row.gib_s:6.2f} GiB/s")
+    # one time per load: the load's own clock (LoadStats.seconds, from the call to the end of
+    # the load), which its line below prints too; timing the wait from here would add up to
+    # one polling interval of follow_handle
+    row = Row(where, "asyncload", stats.seconds, stats.bytes_assembled, rss.above)
+    say(f"  {where:<6} {'asyncload':<28} {stats.seconds:7.3f} s  {row.rate}")
     say(f"         {stats}")
     return row
 
@@ -278,13 +285,57 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
+class Still:
+    """``with Still("saving"):`` says every ``every`` seconds that a step is still running, so
+    that no step is silent for long. Steps with a progress bar (``bar=True``) need it only
+    where no bar is drawn (stderr not a terminal)."""
+
+    def __init__(self, what: str, *, bar: bool = False, every: float = 10.0) -> None:
+        self.what, self.every = what, every
+        self.quiet = bar and sys.stderr.isatty()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.wait(self.every):
+            say(f"   ... still {self.what} ({time.monotonic() - t0:.0f} s)")
+
+    def __enter__(self) -> Still:
+        if not self.quiet:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def machine() -> str:
+    """The cores this process may use and the load average: the figures depend on both (a
+    busy or shared machine is slower, and its ratios move)."""
+    cores = os.cpu_count() or 0
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = cores
+    try:
+        one, five, fifteen = os.getloadavg()
+        load = f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min)"
+    except OSError:
+        load = "load average unknown"
+    return f"{usable} cores" + (f" (of {cores})" if usable != cores else "") + f", {load}"
+
+
 def fmt_size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def table(rows: list[Row]) -> str:
     lines = [
-        f"{'where':<7}{'reader':<30}{'seconds':>9}{'GiB/s':>8}{'vs torch':>10}{'peak RSS above destination':>29}"
+        f"{'where':<7}{'reader':<30}{'seconds':>9}{'rate':>14}{'vs torch':>10}{'peak RSS above destination':>29}"
     ]
     base: dict[str, float] = {}
     for r in rows:
@@ -292,7 +343,7 @@ def table(rows: list[Row]) -> str:
             base[r.where] = r.seconds
         ratio = base[r.where] / r.seconds if r.where in base and r.seconds > 0 else float("nan")
         lines.append(
-            f"{r.where:<7}{r.reader:<30}{r.seconds:>9.3f}{r.gib_s:>8.2f}{ratio:>9.2f}x{fmt_size(r.rss_above):>29}"
+            f"{r.where:<7}{r.reader:<30}{r.seconds:>9.3f}{r.rate:>14}{ratio:>9.2f}x{fmt_size(r.rss_above):>29}"
         )
     return "\n".join(lines)
 
@@ -316,22 +367,23 @@ def choose_server(kind: str, install: bool) -> str:
             f"   installing s3rver 3.7.1 with npm into {S3RVER_PREFIX} (once; --no-install to skip) ..."
         )
         try:
-            subprocess.run(
-                [
-                    "npm",
-                    "install",
-                    "--silent",
-                    "--no-audit",
-                    "--no-fund",
-                    "--prefix",
-                    str(S3RVER_PREFIX),
-                    "s3rver@3.7.1",
-                ],
-                check=True,
-                timeout=600,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
+            with Still("installing s3rver"):
+                subprocess.run(
+                    [
+                        "npm",
+                        "install",
+                        "--silent",
+                        "--no-audit",
+                        "--no-fund",
+                        "--prefix",
+                        str(S3RVER_PREFIX),
+                        "s3rver@3.7.1",
+                    ],
+                    check=True,
+                    timeout=600,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
             found = str(S3RVER_PREFIX / "node_modules" / ".bin" / "s3rver")
         except (OSError, subprocess.SubprocessError) as exc:
             say(f"   (npm could not install s3rver: {exc}; using moto)")
@@ -394,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    before = machine()
+    say(f"machine: {before}")
     tmp = Path(tempfile.mkdtemp(prefix="asyncload-demo-"))
     server: Any = None
     rows: list[Row] = []
@@ -406,13 +460,18 @@ def main(argv: list[str] | None = None) -> int:
             f"vocabulary {shape['vocab']} (bf16 matrices, fp32 norms and output head)"
         )
         t0 = time.perf_counter()
-        source = make_state_dict(shape)
+        with Still("making tensors"):
+            source = make_state_dict(shape)
         total = tensor_bytes(source)
         ckpt = tmp / "step-4000"
-        files = save_checkpoint(source, ckpt, file_mib * MiB)
+        say(
+            f"   made {fmt_size(total)} of tensors in {time.perf_counter() - t0:.1f} s; saving ..."
+        )
+        with Still("saving with dcp.save"):
+            files = save_checkpoint(source, ckpt, file_mib * MiB)
         stored = sum(f.stat().st_size for f in files)
         say(
-            f"   saved {fmt_size(total)} of tensors with dcp.save into {len(files) - 1} .distcp files "
+            f"   saved {fmt_size(total)} of tensors with dcp.save into {_plural(len(files) - 1, '.distcp file')} "
             f"({fmt_size(stored)}) in {time.perf_counter() - t0:.1f} s: {ckpt}"
         )
         del source  # every load below is checked against the first one instead
@@ -434,10 +493,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.no_remote:
             say("\n3. An S3-protocol server on 127.0.0.1")
-            server = start_server(kind)
+            with Still("starting the server"):
+                server = start_server(kind)
             say(f"   {type(server).__name__} (pid {server.pid}) at {server.endpoint_url}")
             t0 = time.perf_counter()
-            url = upload(server, files, ckpt, "demo", "run7/step-4000")
+            with Still("uploading", bar=True):
+                url = upload(server, files, ckpt, "demo", "run7/step-4000")
             say(f"   uploaded to {url} in {time.perf_counter() - t0:.1f} s")
             opts = server.storage_options()
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -457,9 +518,12 @@ def main(argv: list[str] | None = None) -> int:
 
         say("\n4. Results (every load checked bit for bit against the first)")
         say(table(rows))
+        say(f"machine: {before} before the run; now {machine().split(', ', 1)[1]}")
         say(
-            f"\n{fmt_size(total)} of tensors, {len(files) - 1} files; peak RSS is measured above the destination "
-            "tensors, which were allocated (and zero-filled) before each load."
+            f"\n{fmt_size(total)} of tensors, {_plural(len(files) - 1, 'file')}; peak RSS is measured above the destination "
+            "tensors, which were allocated (and zero-filled) before each load. Seconds: torch's "
+            "dcp.load timed around the call; asyncload's LoadStats.seconds (the call to the end "
+            "of the load), as its line above says."
         )
         return 0
     except KeyboardInterrupt:

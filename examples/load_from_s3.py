@@ -6,8 +6,8 @@
 
 With a URL, credentials come from the usual places (environment, ~/.aws); the state dict
 is allocated from the checkpoint's own metadata by ``asyncload.read_state_dict``. S3 is read
-through obstore by default (``LoadOptions.transport="auto"``; ``"fsspec"`` uses s3fs), the
-same ``storage_options`` either way. Without a URL, the script starts moto's S3 server on
+through asyncload's own HTTP client by default (``LoadOptions.transport="auto"``;
+``"fsspec"`` uses s3fs), the same ``storage_options`` either way. Without a URL, the script starts moto's S3 server on
 127.0.0.1, writes a small checkpoint with ``dcp.save``, uploads it, loads it back twice
 (into tensors you already have with ``asyncload.load``, and into new ones with
 ``read_state_dict``) and checks every tensor bit for bit. Set ASYNCLOAD_EXAMPLE_SMALL=1 for a

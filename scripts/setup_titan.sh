@@ -15,7 +15,7 @@ if [ ! -x .venv-titan/bin/python ]; then
   "$PY" -m venv .venv-titan
 fi
 . .venv-titan/bin/activate
-imports="import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, obstore, pytest_asyncio"
+imports="import asyncload, torchtitan.models.llama3, torch_checkpointing, moto, defusedxml, pytest_asyncio"
 . scripts/_venv.sh
 if venv_current .venv-titan scripts/setup_titan.sh "$imports"; then
   exit 0

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: set-up (scripts/setup.sh, scripts/setup_titan.sh, scripts/setup_vllm.sh),
+# The test command: set-up (scripts/setup.sh, scripts/setup_servers.sh: nginx, openssl and
+# s3rver for the conformance matrix, scripts/setup_titan.sh, scripts/setup_vllm.sh),
 # then the whole test suite in .venv, then tests/titan (needs torchtitan, whose pins clash
 # with .venv) in .venv-titan, then tests/vllm (needs vLLM's CPU build) in .venv-vllm. All
 # always run; exits with the first failed run's status (main, titan, vllm), else 0. Extra
@@ -8,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_servers.sh
 bash scripts/setup_titan.sh
 bash scripts/setup_vllm.sh
 export PYTHONUNBUFFERED=1

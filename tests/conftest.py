@@ -41,8 +41,9 @@ except ImportError:  # pragma: no cover - only while asyncload.testing is being 
     pass
 
 
-#: The clients a remote test runs with (``LoadOptions.transport``).
-TRANSPORTS = ["obstore", "fsspec", "wire"]
+#: The clients a remote test runs with (``LoadOptions.transport``; "obstore" is deprecated and
+#: reads as "auto" does, tests/storage/test_store_options.py).
+TRANSPORTS = ["fsspec", "wire"]
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -143,9 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--transport",
-        choices=("auto", "obstore", "fsspec", "wire"),
-        help="client for s3://, gs://, http(s):// (auto: wire where the options map, else "
-        "obstore, else fsspec)",
+        choices=("auto", "wire", "fsspec", "obstore"),
+        help="client for s3://, gs://, http(s):// (auto: wire, asyncload's own, where the "
+        "storage options map onto it, else fsspec; obstore is deprecated)",
     )
     g.add_argument(
         "--no-progress",
@@ -165,6 +165,32 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"asyncload {__version__}")
+    # the options for every command are taken before the command too (``asyncload -v inspect
+    # URL``), under their own names: :func:`_merge_globals` adds them to the command's own
+    g = parser.add_argument_group("options for every command (before or after COMMAND)")
+    g.add_argument(
+        "--storage-option",
+        "-o",
+        dest="global_storage_option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the storage client of a remote URL (repeatable)",
+    )
+    g.add_argument(
+        "-v",
+        "--verbose",
+        dest="global_verbose",
+        action="count",
+        default=0,
+        help="log the library's INFO lines (-vv: DEBUG) to stderr",
+    )
+    g.add_argument(
+        "--debug",
+        dest="global_debug",
+        action="store_true",
+        help="show tracebacks on errors (implies -vv)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -295,12 +321,22 @@ def _setup_logging(verbosity: int) -> Callable[[], None]:
     return undo
 
 
+def _merge_globals(args: argparse.Namespace) -> argparse.Namespace:
+    """The options for every command given before it (``asyncload -v -o k=v load URL``)
+    added to those given after it: counts summed, lists joined (before first), flags or-ed."""
+    args.verbose += args.global_verbose
+    args.storage_option = [*args.global_storage_option, *args.storage_option]
+    args.debug = args.debug or args.global_debug
+    del args.global_verbose, args.global_storage_option, args.global_debug
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see :data:`EXIT_CODES`)."""
     import signal
 
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = _merge_globals(parser.parse_args(argv))
     undo_logging = _setup_logging(2 if args.debug else args.verbose)
     # torch's dcp.load logs failures with tracebacks on the root logger; with no logging
     # configured Python would print them: the CLI says what failed in one sentence instead

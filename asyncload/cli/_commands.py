@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncload._errors import redact_url
+from asyncload._stats import _plural
 from asyncload.cli._args import EXIT_DAMAGED, EXIT_LOAD_ERROR, EXIT_OK, UsageError
 from asyncload.cli._output import (
     _bar,
@@ -42,11 +43,11 @@ def _cmd_inspect(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
             f"format       {info['format']} (no DCP metadata: asyncload reads the files directly)"
         )
     _print(
-        f"tensors      {info['tensors']} keys, {_fmt_bytes(info['tensor_bytes'])}"
+        f"tensors      {_plural(info['tensors'], 'key')}, {_fmt_bytes(info['tensor_bytes'])}"
         + (f" ({dtypes})" if dtypes else "")
     )
-    _print(f"objects      {info['objects']} keys")
-    data_files = f"{len(info['files'])} data file{'' if len(info['files']) == 1 else 's'}"
+    _print(f"objects      {_plural(info['objects'], 'key')}")
+    data_files = _plural(len(info["files"]), "data file")
     _print(
         f"files        {info['file_count']}"
         + (f" (.metadata and {data_files})" if info["file_count"] > len(info["files"]) else "")
@@ -82,8 +83,8 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
                 "checkpoint, not a DCP one"
             )
         _note(
-            f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({info['tensors']} tensors, "
-            f"{info['objects']} objects) from {redact_url(args.url)}"
+            f"asyncload: loading {_fmt_bytes(info['tensor_bytes'])} ({_plural(info['tensors'], 'tensor')}, "
+            f"{_plural(info['objects'], 'object')}) from {redact_url(args.url)}"
         )
         _run(stream, stream.acheck())  # before anything is allocated
         stream.touch = True  # zeros: both loads write into memory that is already touched
@@ -170,7 +171,9 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
             + (" Both results are identical bit for bit." if not differ else "")
         )
     if differ:
-        _note(f"asyncload: error: the two loads differ in {len(differ)} keys: {differ[:5]}")
+        _note(
+            f"asyncload: error: the two loads differ in {_plural(len(differ), 'key')}: {differ[:5]}"
+        )
         return EXIT_LOAD_ERROR
     return EXIT_OK
 
@@ -205,7 +208,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         if getattr(idx, "fqn", None) in {k["key"] for k in info["keys"] if k["kind"] == "tensor"}
     )
     _note(
-        f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {len(info['files'])} files of "
+        f"asyncload: verifying {_fmt_bytes(info['stored_bytes'])} in {_plural(len(info['files']), 'file')} of "
         f"{redact_url(args.url)}"
     )
     try:
@@ -253,7 +256,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
                 _print(f"DAMAGED  {_one_line(key)}: {_one_line(err)}")
             if not damaged:  # the damage is outside every single key's records (or transient)
                 _print(f"DAMAGED  {_one_line(redact_url(args.url))}: {_one_line(str(first))}")
-            _print(f"{max(1, len(damaged))} of {len(keys)} keys damaged.")
+            _print(f"{max(1, len(damaged))} of {_plural(len(keys), 'key')} damaged.")
         return EXIT_DAMAGED
     unchecked = max(0, tensor_records - stats.verified_records)
     if args.json:
@@ -273,10 +276,15 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
         )
     else:
         _print(
-            f"OK: {stats.verified_records} of {tensor_records} tensor records match their stored "
-            f"CRC-32"
-            + (f" ({unchecked} carry no checksum and were only parsed)" if unchecked else "")
-            + f"; {info['objects']} objects decoded; {_fmt_bytes(stats.bytes_read)} read in "
+            f"OK: {stats.verified_records} of {_plural(tensor_records, 'tensor record')} "
+            f"{'matches its' if tensor_records == 1 else 'match their'} stored CRC-32"
+            + (
+                f" ({unchecked} {'carries' if unchecked == 1 else 'carry'} no checksum and "
+                f"{'was' if unchecked == 1 else 'were'} only parsed)"
+                if unchecked
+                else ""
+            )
+            + f"; {_plural(info['objects'], 'object')} decoded; {_fmt_bytes(stats.bytes_read)} read in "
             f"{stats.seconds:.2f} s."
         )
     return EXIT_OK
@@ -305,7 +313,7 @@ def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         )
     if result.skipped_objects:
         _note(
-            f"asyncload: note: skipped {len(result.skipped_objects)} objects (safetensors holds "
+            f"asyncload: note: skipped {_plural(len(result.skipped_objects), 'object')} (safetensors holds "
             f"tensors only): "
             f"{result.skipped_objects[:10]}{' ...' if len(result.skipped_objects) > 10 else ''}"
         )
@@ -326,8 +334,8 @@ def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> i
         )
     else:
         _print(
-            f"wrote {result.tensors} tensors ({_fmt_bytes(result.total_size)}) into "
-            f"{len(result.files)} files in "
+            f"wrote {_plural(result.tensors, 'tensor')} ({_fmt_bytes(result.total_size)}) into "
+            f"{_plural(len(result.files), 'file')} in "
             f"{args.dst}: {', '.join(result.files[:4])}{' ...' if len(result.files) > 4 else ''}"
         )
         _print(str(result.stats))

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,12 +55,21 @@ from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
 from asyncload._paths import check_relative_path
 from asyncload.decoding.dcp_checks import check_metadata, check_planner_paths
 from asyncload.decoding.numpy_data import numpy_globals
+from asyncload.decoding.scan import (
+    _SCANNED,
+    UNREADABLE,
+    Scan,
+    failing_key_path,
+    refusal,
+    scan_pickle,
+)
 from asyncload.decoding.structure import _check_structure
 from asyncload.decoding.structure import _children as _children  # tests walk values with it
 from asyncload.decoding.structure import _flat_within as _flat_within  # and check this one
 from asyncload.decoding.tables import (
     _BUILD_RULES,
     _CALLABLE_CHECKS,
+    DcpTypes,
     StorageRef,
     TensorRef,
     _rebuild_parameter,
@@ -68,8 +78,10 @@ from asyncload.decoding.tables import (
     _storage_types,
     allow_build,
     allow_call,
+    dcp_classes,
     dcp_types,
     metadata_globals,
+    plain_globals,
     storage_persistent_load,
 )
 from asyncload.decoding.vm import PickleVM, short_repr
@@ -100,23 +112,56 @@ __all__ = [
 #: cannot write much deeper: it recurses, up to the interpreter's recursion limit).
 MAX_DEPTH = 1000
 
-_record_cache: dict[tuple[str, str], Any] | None = None
+_record_cache: _RecordNames | None = None
+
+
+_DCP_PACKAGE = "torch.distributed.checkpoint."
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+
+class _RecordNames(dict[tuple[str, str], Any]):
+    """The record allow-list. DCP's dataclasses (:func:`dcp_classes`) are looked up when a
+    pickle first names one: decoding a torch.save file imports no
+    ``torch.distributed.checkpoint`` (half a second of a fresh process) for names it never
+    uses."""
+
+    def __missing__(self, key: tuple[str, str]) -> Any:
+        if (
+            type(key) is tuple
+            and len(key) == 2
+            and type(key[0]) is str
+            and key[0].startswith(_DCP_PACKAGE)
+        ):
+            found = dcp_classes()
+            self.update(found)
+            if key in found:
+                return found[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[key]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
 
 
 def record_globals() -> Mapping[tuple[str, str], Any]:
     """The names a torch.save ``data.pkl`` may use (tensors become :class:`TensorRef`)."""
     global _record_cache
     if _record_cache is None:
-        _record_cache = {
-            **metadata_globals(),
-            **_storage_types(),
-            ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-            ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-            ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
-            ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-            ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-            **record_extensions(),
-        }
+        _record_cache = _RecordNames(
+            {
+                **plain_globals(),
+                **_storage_types(),
+                ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+                ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+                ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+                ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+                ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+                **record_extensions(),
+            }
+        )
     return _record_cache
 
 
@@ -152,6 +197,10 @@ class UserGlobals:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
+    def names(self) -> frozenset[str]:
+        """The ``"module.qualname"`` of every entry."""
+        return frozenset(self._by_name)
+
     def find(self, module: str, name: str) -> Any:
         """The object the pickle's ``module.name`` stands for, or KeyError."""
         entry = self._by_name[f"{module}.{name}"]
@@ -182,6 +231,38 @@ def user_globals(entries: tuple[Any, ...]) -> UserGlobals:
 # --- the policy -------------------------------------------------------------------
 
 
+class _NotAllowed(Exception):
+    """A name the policy does not resolve, while :class:`_Resolves` asks."""
+
+
+class _Resolves:
+    """``(module, name) in`` it: whether ``policy.find_class`` resolves the name without the
+    user's globals (which the scan leaves out by name) and without a refusal."""
+
+    def __init__(self, policy: _CheckpointPolicy, vm: PickleVM) -> None:
+        self._policy = policy
+        self._vm = vm
+
+    def __contains__(self, key: object) -> bool:
+        if type(key) is not tuple or len(key) != 2:
+            return False
+        policy = self._policy
+        policy._probing = True
+        try:
+            policy.find_class(self._vm, key[0], key[1])
+        except (_NotAllowed, UnsafeCheckpointError, CheckpointFormatError):
+            return False
+        finally:
+            policy._probing = False
+        return True
+
+
+def _one_value(vm: PickleVM) -> bool:
+    """Whether the pickle is one value of a state dict (a DCP object record, named
+    ``"object 'key' ..."`` by its reader), not a whole torch.save file."""
+    return vm.what.startswith("object ")
+
+
 class _CheckpointPolicy:
     """What a checkpoint's pickle may build (a :class:`~asyncload.decoding.vm.PicklePolicy`):
     the names in ``allowed``, the calls of :data:`_CALLABLE_CHECKS`, the DCP dataclasses,
@@ -203,11 +284,16 @@ class _CheckpointPolicy:
         persistent_load: Callable[[Any], Any] | None,
         user: UserGlobals | None = None,
     ) -> None:
-        self._dcp = dcp = dcp_types()
-        #: See :class:`~asyncload.decoding.vm.PicklePolicy`: the DCP dataclasses and their fields.
-        self.record_fields: Mapping[type, frozenset[str]] = dcp.fields
-        self.record_classes: frozenset[type] = dcp.classes
+        # DCP's dataclasses only once DCP is imported, or a pickle names one (find_class): a
+        # torch.save file's decode does not import torch.distributed.checkpoint for them
+        self._dcp: DcpTypes | None = None
+        self.record_fields: Mapping[type, frozenset[str]] = {}
+        self.record_classes: frozenset[type] = frozenset()
+        if _DCP_METADATA in sys.modules:
+            self._use_dcp()
         self._allowed = allowed
+        #: True while a refusal's scan asks which names this policy resolves (:meth:`_scan`).
+        self._probing = False
         self._persistent = persistent_load
         #: None: a strict decode (``.metadata``), where safe_globals do not apply.
         self._user = user
@@ -217,14 +303,32 @@ class _CheckpointPolicy:
         self._missing: str | None = None
         self.unsafe_advice = "Only load checkpoints you trust with torch's own reader."
 
+    def _use_dcp(self) -> None:
+        self._dcp = dcp = dcp_types()
+        #: See :class:`~asyncload.decoding.vm.PicklePolicy`: the DCP dataclasses and their fields.
+        self.record_fields = dcp.fields
+        self.record_classes = dcp.classes
+
     def find_class(self, vm: PickleVM, module: Any, name: Any) -> Any:
         try:
-            return self._allowed[(module, name)]
+            found = self._allowed[(module, name)]
         except (KeyError, TypeError):
             pass
+        else:
+            if self._dcp is None and type(module) is str and module.startswith(_DCP_PACKAGE):
+                self._use_dcp()
+            return found
+        if self._probing:
+            raise _NotAllowed
         mod = module[:100] if type(module) is str else short_repr(module)
         nm = name[:100] if type(name) is str else short_repr(name)
         if self._user is not None and type(module) is str and type(name) is str:
+            if (module, name) in UNREADABLE:  # whatever the user trusts: never a stand-in
+                scan = self._scan(vm)
+                raise UnsafeCheckpointError(
+                    f"{vm.what}: asks to import {mod}.{nm}, which rebuilds a tensor asyncload "
+                    f"does not read; nothing from it was executed. {refusal(scan, value=_one_value(vm))}"
+                )
             try:
                 obj = self._user.find(module, name)
             except KeyError:
@@ -238,17 +342,29 @@ class _CheckpointPolicy:
             else:
                 self._user_objs[id(obj)] = obj
                 return obj
-            self.unsafe_advice = (
-                f"If you trust the checkpoint's {mod}.{nm}, pass it in "
-                f'LoadOptions(safe_globals=["{mod}.{nm}"]) '
-                "(the class or function itself, or that string); otherwise load the checkpoint "
-                "only "
-                "with torch's own reader, and only if you trust it."
+            scan = self._scan(vm)
+            if scan.unreadable:
+                raise UnsafeCheckpointError(
+                    f"{vm.what}: holds tensors asyncload does not read; nothing from it was "
+                    f"executed. {refusal(scan, value=_one_value(vm))}"
+                )
+            value = _one_value(vm)
+            self.unsafe_advice = refusal(scan, value=value) + (
+                " (A safe_globals entry is the class or function itself, or its "
+                '"module.qualname" string.)'
+                if scan.needed and (value or scan.top == "dict")
+                else ""
             )
         raise vm.unsafe(
             f"asks to import {mod}.{nm}, which is not on asyncload's allow-list of checkpoint data "
             f"types"
         ) from None
+
+    def _scan(self, vm: PickleVM) -> Scan:
+        """The whole pickle, scanned with stand-ins (:func:`scan_pickle`) for the refusal; a
+        name counts as allowed where this policy (a subclass's too) resolves it."""
+        trusted = self._user.names() if self._user is not None else frozenset()
+        return scan_pickle(vm.data, vm.what, allowed=_Resolves(self, vm), trusted=trusted)
 
     def _user_obj(self, obj: Any) -> bool:
         return self._user_objs.get(id(obj)) is obj
@@ -352,6 +468,8 @@ class _CheckpointPolicy:
                 rule(vm, inst, state)
                 return
         dcp = self._dcp
+        if dcp is None:  # only DCP's dataclasses are left, and this pickle named none
+            raise vm.unsafe(f"asks to modify a {type(inst).__name__} object")
         if cls is dcp.tensor_props:
             ok = (
                 type(state) is tuple
@@ -434,7 +552,17 @@ def safe_loads(
         None if safe_globals is None else user_globals(safe_globals),
     )
     vm = PickleVM(bytes(data), policy, what, work)
-    obj = vm.run()
+    try:
+        obj = vm.run()
+    except (UnsafeCheckpointError, CheckpointFormatError) as exc:
+        # a record's refusal names the key it was building (the scan's own refusals name theirs)
+        msg = str(exc)
+        if safe_globals is None or vm.failed_at is None or _SCANNED in msg:
+            raise
+        path = failing_key_path(vm.data, vm.failed_at)
+        if not path or not msg.startswith(what):
+            raise
+        raise type(exc)(f"{what} (key {path!r}){msg[len(what) :]}") from None
     if check_structure or (expect is not None and not isinstance(obj, expect)):
         _check_structure(obj, what, max_depth, vm.work_limit, work)
     if expect is not None and not isinstance(obj, expect):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from asyncload.decoding.tables import StorageRef, TensorRef, dcp_types
+from asyncload.decoding.tables import StorageRef, TensorRef, loaded_dcp_types
 from asyncload.decoding.vm import check_structure as _walk_structure
 from asyncload.decoding.work import WorkBudget
 
@@ -50,7 +50,8 @@ def _children(o: Any) -> list[Any] | None:
         return list(o)
     if type(o) is slice:
         return [o.start, o.stop, o.step]
-    if type(o) in dcp_types().classes:
+    dcp = loaded_dcp_types()
+    if dcp is not None and type(o) in dcp.classes:
         return list(vars(o).values())
     fields = getattr(o, "__dict__", None)
     if type(fields) is dict and not isinstance(o, type):  # an object of a class the user trusts

@@ -45,7 +45,8 @@ def _get_layout(name: str) -> torch.layout:
     return value
 
 
-def _dcp_classes() -> dict[tuple[str, str], Any]:
+def dcp_classes() -> dict[tuple[str, str], Any]:
+    """DCP's metadata dataclasses by pickle name (imports ``torch.distributed.checkpoint``)."""
     from torch.distributed.checkpoint import filesystem, metadata
 
     out: dict[tuple[str, str], Any] = {}
@@ -96,13 +97,23 @@ for _mod in ("builtins", "__builtin__"):  # protocol 2 (torch.save) writes the P
     )
 
 _metadata_cache: dict[tuple[str, str], Any] | None = None
+_plain_cache: dict[tuple[str, str], Any] | None = None
+
+
+def plain_globals() -> Mapping[tuple[str, str], Any]:
+    """Plain data and torch's dtypes, layouts and memory formats: the names every checkpoint
+    pickle may use (no DCP class: nothing here imports ``torch.distributed.checkpoint``)."""
+    global _plain_cache
+    if _plain_cache is None:
+        _plain_cache = {**_PLAIN_DATA, **_torch_dtypes()}
+    return _plain_cache
 
 
 def metadata_globals() -> Mapping[tuple[str, str], Any]:
     """The names a DCP ``.metadata`` pickle may use."""
     global _metadata_cache
     if _metadata_cache is None:
-        _metadata_cache = {**_PLAIN_DATA, **_torch_dtypes(), **_dcp_classes()}
+        _metadata_cache = {**plain_globals(), **dcp_classes()}
     return _metadata_cache
 
 
@@ -472,12 +483,18 @@ class DcpTypes:
 _dcp_types: DcpTypes | None = None
 
 
+def loaded_dcp_types() -> DcpTypes | None:
+    """:func:`dcp_types` if a decode has needed them already, else ``None`` (then no decoded
+    value can hold a DCP dataclass: only a decode that named one made one)."""
+    return _dcp_types
+
+
 def dcp_types() -> DcpTypes:
     """DCP's metadata types, looked up on first use (importing ``torch.distributed.checkpoint``
     then, not when this module is imported); registers the enum's checked constructor."""
     global _dcp_types
     if _dcp_types is None:
-        classes = _dcp_classes()
+        classes = dcp_classes()
         enum_cls = classes.get(("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"))
         props = classes.get(("torch.distributed.checkpoint.metadata", "TensorProperties"))
         data = tuple(

@@ -215,8 +215,16 @@ class PickleVM:
         #: id(container) -> {hash: number of keys inserted with that hash}
         self._hash_counts: dict[int, dict[int, int]] = {}
         self._shape_type: Any = policy.shape_type if policy.shape_type is not None else _NO_TYPE
+        #: Where the decode stopped when the policy or a guard refused it: the offset just past
+        #: the opcode (and its argument) being run (a refusal may name the key it was building).
+        self.failed_at: int | None = None
 
     # -- for the policy --
+
+    @property
+    def data(self) -> bytes:
+        """The pickle being decoded (a refusal may scan it whole: :mod:`~asyncload.decoding.scan`)."""
+        return self._data
 
     def unsafe(self, msg: str) -> UnsafeCheckpointError:
         """The error for something the pickle may not do (``msg`` says what it asked)."""
@@ -815,6 +823,9 @@ class PickleVM:
                     raise self.bad("refers to out-of-band buffers")
                 else:
                     raise self.bad(f"unknown opcode {op:#04x} at offset {pos - 1}")
+        except (UnsafeCheckpointError, CheckpointFormatError):
+            self.failed_at = pos
+            raise
         except (IndexError, struct.error) as exc:
             if isinstance(exc, struct.error) or pos >= end:
                 raise self.bad(

@@ -194,6 +194,8 @@ class _AdaptivePipeline(_SharedPipeline):
         if unit.owner != rank:
             self.stats.add(bytes_taken_over=unit.nbytes)
         to = [c for c in unit.consumers if c != rank and c not in left_out]
+        if to:
+            self._post_digest(self.tag_base + unit.index, view)
         if reserved and self.sends is not None:  # from a copy that may outlive the load
             self.sends.post(
                 self.session.transport.group, to, self.tag_base + unit.index, bytearray(view)
@@ -259,6 +261,12 @@ class _AdaptivePipeline(_SharedPipeline):
             if failed is not None:
                 await self._sender_lost(chunk, unit, owner, view, failed)
                 return
+            self._check_digest(
+                self.tag_base + unit.index,
+                target,
+                owner,
+                f"bytes [{unit.start}, {unit.end}) of {unit.name}",
+            )
             if direct:
                 view[:] = target
         finally:

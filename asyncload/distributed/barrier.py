@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from asyncload._errors import DistributedLoadError
 from asyncload.distributed.lateness import decode, digest, digest_message, late_message
+from asyncload.distributed.values import fresh_of, parse_rank
 
 __all__ = [
     "BEAT_INTERVAL",
@@ -201,6 +202,9 @@ class BarrierWait:
         self._here = 0
         self._beat_at = time.monotonic()
         self._digest_posted = False
+        #: The watcher's view of each missing rank's progress stamp: (stamp, seen since, the
+        #: status value then).
+        self._fresh: dict[int, tuple[float, float, bytes]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -236,7 +240,8 @@ class BarrierWait:
 
     def _join(self) -> None:
         host, store = self.host, self.host.store
-        self._watcher = int(store.compare_set(f"wa/{self.name}", "", str(host.rank)))
+        key = f"wa/{self.name}"
+        self._watcher = self._rank_at(key, store.compare_set(key, "", str(host.rank)))
         # ev is read before the count: an arrival or failure after that read moves it again
         self._ev = int(store.add("ev", 0))
         host.check()
@@ -266,6 +271,13 @@ class BarrierWait:
                 self._mind_watcher(now)
                 self._log_late(now)
         return False
+
+    def _rank_at(self, key: str, value: bytes) -> int:
+        """The barrier's watcher as ``key`` holds it: a rank of the group, checked (a
+        watcher outside it would be waited on for ever)."""
+        host = self.host
+        name = getattr(host, "key_name", str)(key)
+        return parse_rank(name, value, range(host.world), what=f"the watcher of {self.name!r}")
 
     # --- the watcher's beat ---------------------------------------------------------------
 
@@ -302,6 +314,7 @@ class BarrierWait:
         statuses = values[:n]
         if host.timeout is not None:
             for r, value in zip(missing, statuses):
+                self._still(r, value, now)
                 seen = host._seen.get(r)
                 if seen is None or seen[0] != value:
                     host._seen[r] = (value, now)
@@ -327,6 +340,28 @@ class BarrierWait:
             log.warning(
                 "%s", late_message(host.rank, waited, host.doing, host.late_after, records)
             )
+
+    def _still(self, r: int, value: bytes, now: float) -> None:
+        """Give up on missing rank ``r`` when its progress stamp (``fresh``, which heartbeats
+        do not move) stood still for ``timeout``: alive, but neither working nor waiting on
+        anything that moves (a cycle of waits, or stuck while its heartbeat runs)."""
+        assert self.host.timeout is not None
+        f = fresh_of(value)
+        if f is None:
+            return
+        seen = self._fresh.get(r)
+        if seen is None or f > seen[0]:
+            self._fresh[r] = (f, now, value)
+            return
+        idle = now - seen[1]
+        # beating (else the stall rule, which fires first); one beat later than the stall
+        # rule, so that a silent rank is named by it
+        if idle >= self.host.timeout + 2 * BEAT_INTERVAL and value != seen[2]:
+            status = value.decode("utf-8", "replace").partition("|")[2]
+            self.host._give_up(
+                r, self.name, idle, f"{status} (alive, but no progress since "
+                f"{time.strftime('%H:%M:%S', time.gmtime(f))} UTC)", self.doing,
+            )  # fmt: skip
 
     # --- a waiter's beat ------------------------------------------------------------------
 
@@ -357,7 +392,7 @@ class BarrierWait:
         known = host._seen.get(self._watcher)
         if known is None or known[0] != seen[0]:
             host._seen[self._watcher] = seen
-        self._watcher, self._watcher_seen = int(got), None
+        self._watcher, self._watcher_seen = self._rank_at(f"wa/{self.name}", got), None
 
     def _log_late(self, now: float) -> None:
         """The late-rank line, from the watcher's digest (nothing before it posted one)."""

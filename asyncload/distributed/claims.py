@@ -18,6 +18,7 @@ from typing import Any
 from asyncload.distributed.plan import Transfer
 from asyncload.distributed.policy import SharingPolicy
 from asyncload.distributed.shared import Share
+from asyncload.distributed.values import bad_store_value, parse_rank
 from asyncload.engine.meter import Meter, MeterStatistics
 
 __all__ = ["ClaimSlots", "Claims"]
@@ -149,8 +150,9 @@ class Claims:
             skip = peers
         try:
             key = f"{self.prefix}{unit.index}"
-            got = share.monitor.store.compare_set(key, "", _mark(rank, skip, peers)).decode()
-            winner, left_out = _parse_claim(got, unit.consumers)
+            raw = share.monitor.store.compare_set(key, "", _mark(rank, skip, peers))
+            got = raw.decode("utf-8", "replace")
+            winner, left_out = _parse_claim(got, unit.consumers, share.monitor.key_name(key))
         except BaseException:
             self.unreserve(reserved)
             self.slots.release(unit.nbytes)
@@ -200,13 +202,26 @@ def _unit_keys(units: Sequence[Transfer], rank: int) -> dict[int, tuple[int, int
     return keys
 
 
-def _parse_claim(value: str, consumers: Sequence[int]) -> tuple[int, frozenset[int]]:
+def _parse_claim(
+    value: str, consumers: Sequence[int], key: str = ""
+) -> tuple[int, frozenset[int]]:
     """A claim's value: the claimant and the consumers that read the unit themselves
-    (``"3"``: none; ``"3!"``: all; ``"3!1,2"``: ranks 1 and 2)."""
+    (``"3"``: none; ``"3!"``: all; ``"3!1,2"``: ranks 1 and 2). Checked: the claimant is one
+    of the unit's ``consumers`` and so is every rank left out (not the claimant); anything
+    else is a :class:`DistributedLoadError` naming ``key`` (:mod:`~asyncload.distributed.values`)."""
+    what = f"the claim of a unit consumed by ranks {list(consumers)}"
     who, bang, rest = value.partition("!")
-    winner = int(who)
+    winner = parse_rank(key, who, consumers, what=what, writer="an unknown writer")
     if not bang:
         return winner, frozenset()
     if not rest:
         return winner, frozenset(c for c in consumers if c != winner)
-    return winner, frozenset(int(x) for x in rest.split(","))
+    left: set[int] = set()
+    for x in rest.split(","):
+        r = parse_rank(key, x, consumers, what=what, writer=f"rank {winner} (as the value says)")
+        if r == winner:
+            raise bad_store_value(
+                key, value, f"its claimant, rank {winner}, is also among those left out", what=what
+            )
+        left.add(r)
+    return winner, frozenset(left)

@@ -78,6 +78,44 @@ def _check_identities(identities: Sequence[dict[str, str]], rank: int) -> None:
         )
 
 
+#: Where the docs say which settings must match (errors point there).
+MUST_MATCH = "asyncload docs: Distributed > What must match across ranks"
+
+
+def _check_settings(settings: Sequence[Any]) -> None:
+    """Every rank shapes the shared plan and the rings from the same settings
+    (``settings[r]``: rank r's ``(name, value)`` pairs, :meth:`_ShareSession.settings`): a
+    difference raises DistributedLoadError on every rank (each runs this on the same
+    all-gathered values), naming the setting, the ranks and their values, before any byte
+    is shared."""
+    by_name: dict[str, dict[str, list[int]]] = {}
+    for r, pairs in enumerate(settings):
+        if not isinstance(pairs, (tuple, list)):
+            pairs = (("asyncload's sharing protocol", f"unknown ({type(pairs).__name__})"),)
+        for item in pairs:
+            name, value = item
+            by_name.setdefault(str(name), {}).setdefault(repr(value), []).append(r)
+    names = list(by_name)
+    for name in names:
+        groups = by_name[name]
+        missing = [r for r in range(len(settings)) if all(r not in rs for rs in groups.values())]
+        if missing:
+            groups = {**groups, "(not sent)": missing}
+        if len(groups) <= 1:
+            continue
+        ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+        odd = ordered[-1][1]
+        shown = "; ".join(f"rank(s) {rs}: {value}" for value, rs in ordered)
+        raise DistributedLoadError(
+            f"the ranks' settings disagree on {name} ({shown}): every rank of a sharded load "
+            "must shape the shared plan alike, or ranks would exchange different bytes under one "
+            f"name; give every rank the same LoadOptions and ShardedLoadPlanner settings "
+            f"({MUST_MATCH})",
+            rank=odd[0],
+            doing="comparing the ranks' planner settings",
+        )
+
+
 def _check_same_ending(early: Sequence[bool]) -> None:
     """Every rank ends the load the same way: returning before its peers, or waiting for
     all (a rank that waits would otherwise wait at the end for ranks that never come)."""

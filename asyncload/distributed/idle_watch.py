@@ -57,13 +57,18 @@ def encode_idle(counter: int, idle: dict[int, float]) -> str:
     return f"{counter}|" + ",".join(f"{r}:{s:.2f}" for r, s in sorted(idle.items()))
 
 
-def decode_idle(value: bytes) -> tuple[int, dict[int, float]]:
-    """``(counter, {rank: idle seconds})``; ValueError on a value that is not a digest."""
+def decode_idle(value: bytes, world: int | None = None) -> tuple[int, dict[int, float]]:
+    """``(counter, {rank: idle seconds})``; ValueError on a value that is not a digest (with
+    ``world``: also one naming a rank outside the group, or seconds that are not a finite
+    number of zero or more)."""
     counter_s, _, body = value.decode("ascii").partition("|")
     idle: dict[int, float] = {}
     for item in filter(None, body.split(",")):
         rank_s, _, seconds_s = item.partition(":")
-        idle[int(rank_s)] = float(seconds_s)
+        rank, seconds = int(rank_s), float(seconds_s)
+        if world is not None and not (0 <= rank < world and 0.0 <= seconds < float("inf")):
+            raise ValueError(f"rank {rank} idle {seconds} s: outside the group of {world}")
+        idle[rank] = seconds
     return int(counter_s), idle
 
 
@@ -129,6 +134,7 @@ class IdleView:
 
     def __init__(self, world: int) -> None:
         self.interval = beat_interval(world)
+        self.world = world
         self._counter = -1
         self._moved_at = 0.0
 
@@ -142,8 +148,11 @@ class IdleView:
         if not value:
             return None
         try:
-            counter, idle = decode_idle(value)
-        except ValueError:
+            counter, idle = decode_idle(value, self.world)
+        except (ValueError, UnicodeDecodeError):
+            # not a digest rank 0 wrote (or one naming ranks outside the group): nothing is
+            # taken from it, the peers' own statuses are read instead
+            log.debug("ignored a value of %r that is not a digest: %r", IDLE_KEY, value[:80])
             return None
         if counter != self._counter:
             self._counter, self._moved_at = counter, now

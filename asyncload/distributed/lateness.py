@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from asyncload._errors import redact_text
 from asyncload._stats import _fmt_bytes
+from asyncload.distributed.values import bad_store_value
 from asyncload.storage.in_flight import InFlightRequest
 
 __all__ = [
@@ -144,6 +145,18 @@ def decode(rank: int, record: bytes | None, status: str) -> RankProgress:
     and status; ages and the requests' seconds counted to now (wall clock)."""
     if not record:
         return RankProgress(rank, 0, None, 0.0, (), status, None)
+    try:
+        return _decode(rank, record, status)
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError) as exc:
+        raise bad_store_value(
+            f"pg/{rank}",
+            record,
+            f"not a progress record ({type(exc).__name__}: {exc})",
+            writer=f"rank {rank} (its progress record) or an unknown writer",
+        ) from None
+
+
+def _decode(rank: int, record: bytes, status: str) -> RankProgress:
     value = json.loads(record)
     age = max(0.0, time.time() - float(value["w"]))
     requests = tuple(
@@ -260,6 +273,20 @@ def digest_message(
 ) -> str:
     """:func:`late_message` from a :func:`digest` (ages counted on to now): the same line
     as from the records themselves."""
+    try:
+        return _digest_message(rank, waited, doing, late_after, posted)
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError) as exc:
+        raise bad_store_value(
+            "late/<barrier>",
+            posted,
+            f"not a digest of late ranks ({type(exc).__name__}: {exc})",
+            writer="the barrier's watcher or an unknown writer",
+        ) from None
+
+
+def _digest_message(
+    rank: int, waited: float, doing: str, late_after: float, posted: bytes | str
+) -> str:
     value = json.loads(posted)
     later = max(0.0, time.time() - float(value["w"]))
     shown = [

@@ -49,9 +49,10 @@ from asyncload.distributed.lateness import (
     encode,
     late_message,
 )
+from asyncload.distributed.values import fresh_of
 from asyncload.storage.in_flight import InFlight
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "PeerWait"]
 
 log = logging.getLogger("asyncload.monitor")
 
@@ -59,6 +60,9 @@ log = logging.getLogger("asyncload.monitor")
 _WATCH_INTERVAL = 0.1
 #: Seconds between stall checks and heartbeats while waiting on another rank.
 _BEAT_INTERVAL = BEAT_INTERVAL
+#: A wait's deadline (:class:`PeerWait`) is ``collective_timeout`` plus this: where a peer
+#: is silent (no heartbeat either), the stall check, which names it, ends the wait first.
+DEADLINE_SLACK = 2 * BEAT_INTERVAL
 #: A late-rank line reads the records of at most this many of the peers waited on (with
 #: more, those rank 0's digest lists as idle longest: :mod:`asyncload.distributed.idle_watch`).
 LATE_RECORDS = 64
@@ -103,6 +107,10 @@ def _next_seq(group: Any) -> tuple[str, int]:
     return name, n
 
 
+def _utc(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 10)} UTC"
+
+
 def _remote_error(value: bytes | str) -> DistributedLoadError:
     text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
     rank_s, _, rest = text.partition("|")
@@ -120,9 +128,14 @@ class _GuardedStore:
     """The group's store, with its failures (the rank hosting it exited, the connection
     broke) raised as DistributedLoadError."""
 
-    def __init__(self, store: Any, rank: int) -> None:
+    def __init__(self, store: Any, rank: int, prefix: str = "") -> None:
         self._store = store
         self._rank = rank
+        self._prefix = prefix
+
+    def key_name(self, key: str) -> str:
+        """``key`` as the group's store names it (in errors)."""
+        return self._prefix + key
 
     def _call(self, name: str, *args: Any) -> Any:
         try:
@@ -161,8 +174,10 @@ class _GuardedStore:
 class Monitor:
     """One load's view of the other ranks, through a few keys in the group's store.
 
-    ``st/<r>``: rank r's status, ``"<counter>|<text>"`` (the counter moves on progress,
-    phase changes and, while r waits on others, once a second); ``at/<barrier>/<r>``:
+    ``st/<r>``: rank r's status, ``"<counter>@<fresh>|<text>"`` (the counter moves on progress,
+    phase changes and, while r waits on others, once a second; ``fresh``, wall-clock seconds,
+    only on progress: r's own, or progress r saw on what it waits for (:class:`PeerWait`),
+    never on a heartbeat); ``at/<barrier>/<r>``:
     ``arrived`` or, when r was given up on, ``aborted`` (set with compare-and-set so a
     rank cannot arrive after the others left without it); ``abort``: the first failure,
     ``"<rank>|<doing>|<message>"``, which every rank raises; ``pg/<r>``: rank r's progress
@@ -180,10 +195,14 @@ class Monitor:
         self.timeout = timeout
         self.group_name, self.seq = _next_seq(group)
         self.store = _GuardedStore(
-            dist.PrefixStore(f"asyncload/{self.seq}/", _group_store(group)), self.rank
+            dist.PrefixStore(f"asyncload/{self.seq}/", _group_store(group)),
+            self.rank,
+            f"asyncload/{self.seq}/",
         )
         self._lock = threading.Lock()
         self._counter = 0
+        #: Wall-clock time of the freshest progress this rank knows of on its waits' chain.
+        self._fresh = time.time()
         self._text = ""
         self._last_write = 0.0
         self._seen: dict[int, tuple[bytes, float]] = {}
@@ -219,12 +238,16 @@ class Monitor:
             _previous[self.group_name] = self
         self.status("starting the load")
 
+    def key_name(self, key: str) -> str:
+        """``key`` of this load's part of the store as the group's store names it."""
+        return self.store.key_name(key)
+
     # --- this rank's status ---------------------------------------------------------------
 
     def _write_status(self) -> None:
         key = f"st/{self.rank}"
         try:
-            self.store.set(key, f"{self._counter}|{self._text}")
+            self.store.set(key, f"{self._counter}@{self._fresh:.3f}|{self._text}")
         except Exception:
             log.debug("could not write status", exc_info=True)
         self._last_write = time.monotonic()
@@ -237,6 +260,7 @@ class Monitor:
         with self._lock:
             self._counter += 1
             self._text = text
+            self._fresh = max(self._fresh, time.time())
             self._own_progress_at = time.monotonic()
             self._write_status()
 
@@ -250,9 +274,27 @@ class Monitor:
             self._counter += 1
             if detail is not None:
                 self._text = detail
+            self._fresh = max(self._fresh, time.time())
             now = self._own_progress_at = time.monotonic()
             if now - self._last_write >= _PROGRESS_INTERVAL:
                 self._write_status()
+
+    def relay(self, fresh: float) -> None:
+        """Progress seen (at ``fresh``, wall clock) on what this rank waits for: this rank's
+        own status carries it on (from its next write), so that ranks waiting on this one see
+        a chain of waits that ends in progress as progress, and a cycle of waits as none."""
+        with self._lock:
+            if fresh > self._fresh:
+                self._fresh = fresh
+
+    def peer_wait(
+        self,
+        peers: Sequence[int],
+        what: str,
+        blame: Callable[[], list[int]] | None = None,
+    ) -> PeerWait:
+        """A deadline for one wait of this rank on ``peers`` (:class:`PeerWait`)."""
+        return PeerWait(self, peers, what, blame)
 
     def beat(self) -> None:
         """A heartbeat while this rank waits on others: it is alive, not stalled."""
@@ -271,6 +313,7 @@ class Monitor:
         with self._lock:
             self._bytes = (done, total)
             self._rate.add(done, now)
+            self._fresh = max(self._fresh, time.time())
             self._own_progress_at = now
         if total is not None and done >= total:
             self.publish(force=True)
@@ -432,7 +475,10 @@ class Monitor:
     def check(self) -> None:
         """Raise DistributedLoadError if any rank failed or was given up on."""
         if self.store.check(["abort"]):
-            raise _remote_error(self.store.get("abort"))
+            err = _remote_error(self.store.get("abort"))
+            if err.rank is not None and not 0 <= err.rank < self.world:
+                err.rank = None  # a failure posted in the name of a rank outside the group
+            raise err
 
     def _give_up(
         self, rank: int, barrier: str | None, idle: float, status: str, doing: str
@@ -488,16 +534,7 @@ class Monitor:
             return None
         if listed is not None:
             return self._idle_listed(peers, listed)
-        stale = [
-            r
-            for r in peers
-            if (c := self._status_cache.get(r)) is None or now - c[1] >= 0.5 * _BEAT_INTERVAL
-        ]
-        if stale:  # one round trip for all of them (two when one has written no status yet)
-            for r, value in zip(stale, read_present(self.store, [f"st/{r}" for r in stale])):
-                self._status_cache[r] = (value, now)
-        for r in peers:
-            value = self._status_cache[r][0]
+        for r, value in zip(peers, self.statuses(peers, now)):
             seen = self._seen.get(r)
             if seen is None or seen[0] != value:
                 self._seen[r] = (value, now)
@@ -506,6 +543,19 @@ class Monitor:
             if idle >= self.timeout:
                 return r, idle, value.decode("utf-8", "replace").partition("|")[2]
         return None
+
+    def statuses(self, peers: Sequence[int], now: float) -> list[bytes]:
+        """The status values of ``peers``, read now unless read within half a beat (one round
+        trip for all of them; two when one has written no status yet)."""
+        stale = [
+            r
+            for r in peers
+            if (c := self._status_cache.get(r)) is None or now - c[1] >= 0.5 * _BEAT_INTERVAL
+        ]
+        if stale:
+            for r, value in zip(stale, read_present(self.store, [f"st/{r}" for r in stale])):
+                self._status_cache[r] = (value, now)
+        return [self._status_cache[r][0] for r in peers]
 
     def _idle_listed(
         self, peers: Sequence[int], listed: dict[int, float]
@@ -583,7 +633,10 @@ class Monitor:
         return bool(self.store.check([f"at/done/{rank}"]))
 
     async def wait_on(self, fut: asyncio.Future[Any], peers: Sequence[int], doing: str) -> Any:
-        """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls."""
+        """Await ``fut`` (an exchange with ``peers``); raise if one of them stalls, or makes
+        no progress on its way to this exchange for ``timeout`` while it still beats
+        (:class:`PeerWait`)."""
+        wait = self.peer_wait(peers, doing)
         while True:
             done, _ = await asyncio.wait({fut}, timeout=_BEAT_INTERVAL)
             if done:
@@ -593,6 +646,7 @@ class Monitor:
             if idle is not None:
                 rank, seconds, status = idle
                 self._give_up(rank, None, seconds, status, doing)
+            wait.check()
 
     async def await_together(self, fut: asyncio.Future[Any], name: str, doing: str) -> Any:
         """Await ``fut``, this rank's part of a collective that every rank runs at once (on a
@@ -629,6 +683,98 @@ class Monitor:
         while True:
             await asyncio.sleep(interval)
             self.check()
+
+
+class PeerWait:
+    """One wait of a rank on ``peers`` for ``what``, with a deadline measured from when the
+    wait began: when ``collective_timeout`` passes without progress on what it waits for,
+    the waiting rank posts a failure naming the rank it waits on (``blame()``, else the
+    first of ``peers``), what it waited for and since when, and every rank raises it.
+
+    Progress on what it waits for, which resets the deadline: :meth:`moved` (evidence the
+    caller has: a ring's counters moved, a send landed), or a peer's ``fresh`` stamp
+    (:func:`~asyncload.distributed.values.fresh_of`) rising past the wait's start and past
+    what this wait saw of it before: the peer made progress of its own, or saw progress on what
+    it waits for in turn (each wait relays it: :meth:`Monitor.relay`). A heartbeat moves no
+    stamp: ranks that keep beating while they wait on each other in a cycle stop relaying
+    once they have seen each other's last stamp, and the first deadline to pass ends the
+    load. The deadline is ``collective_timeout`` + :data:`DEADLINE_SLACK` after the last
+    progress; checked once a beat (:meth:`check`), so the error comes at most a beat and a
+    round trip after it. The peers' stamps are read (one round trip, shared with the stall
+    check's reads through the monitor's status cache) from ``timeout / 2`` after the wait
+    began, every ``max(beat, timeout / 4)``, and at the deadline: a shorter wait costs no
+    store operation (docs/distributed.md, "Every wait has a bound")."""
+
+    def __init__(
+        self,
+        monitor: Monitor,
+        peers: Sequence[int],
+        what: str,
+        blame: Callable[[], list[int]] | None = None,
+    ) -> None:
+        self.monitor = monitor
+        self.peers = list(peers)
+        self.what = what
+        self.blame = blame
+        self.began = time.time()
+        self._began_at = time.monotonic()
+        self.since = self._began_at
+        self._since_wall = self.began
+        self._base: dict[int, float] = {}
+        self._read_at = self._began_at
+
+    def moved(self) -> None:
+        """Progress on what this wait waits for: its deadline starts again."""
+        self.since = time.monotonic()
+        self._since_wall = time.time()
+
+    def check(self) -> None:
+        """Read the peers' stamps (from the monitor's status cache when fresh); raise
+        DistributedLoadError (posted for every rank) once the deadline passed."""
+        m = self.monitor
+        if m.timeout is None or not self.peers:
+            return
+        now = time.monotonic()
+        limit = m.timeout + DEADLINE_SLACK
+        due = now - self.since >= limit
+        if not due and (
+            now - self._began_at < m.timeout / 2
+            or now - self._read_at < max(_BEAT_INTERVAL, m.timeout / 4)
+        ):
+            return  # stamps read from half the timeout on, every quarter, and at the deadline
+        self._read_at = now
+        values = m.statuses(self.peers, now)
+        for r, value in zip(self.peers, values):
+            f = fresh_of(value)
+            if f is None:
+                continue
+            if f > self._base.get(r, self.began):  # progress since the wait began
+                self._base[r] = f
+                self.moved()
+                m.relay(f)
+        waited = now - self.since
+        if waited < limit:
+            return
+        named = self.blame() if self.blame is not None else []
+        named = [r for r in named if r in self.peers] or self.peers
+        rank = named[0]
+        status = values[self.peers.index(rank)].decode("utf-8", "replace").partition("|")[2]
+        what = status or "it had not started the load"
+        since = (
+            f"since {_utc(self.began)}"
+            if self._since_wall == self.began
+            else f"since {_utc(self.began)}, the last progress on it at {_utc(self._since_wall)}"
+        )
+        message = (
+            f"rank {m.rank} waited {now - self._began_at:.1f} s ({since}) for {self.what}: "
+            f"rank(s) {named} made no progress on it for {waited:.1f} s "
+            f"(LoadOptions.collective_timeout={m.timeout}) though still alive (ranks waiting on "
+            f"each other in a cycle, or a rank stuck while its heartbeat runs); rank {rank}'s "
+            f"last status: {what}"
+        )
+        m.post_abort(f"{rank}|{what}|{message}")
+        m.check()
+        raise DistributedLoadError(message, rank=rank, doing=what)  # pragma: no cover
 
 
 def _report(ref: weakref.ReferenceType[Monitor], stop: threading.Event) -> None:

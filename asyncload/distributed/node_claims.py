@@ -47,6 +47,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from asyncload.distributed.nodes import NodeBlock
+from asyncload.distributed.values import parse_rank
 
 __all__ = ["BEHIND", "CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "STEAL_AHEAD", "NodeClaims"]
 
@@ -98,7 +99,9 @@ class NodeClaims:
         beat: Callable[[], None],
         check_idle: Callable[[list[int]], None],
         times: dict[str, float],
+        key_name: Callable[[str], str] = str,
     ) -> None:
+        self.key_name = key_name  # a claim key as the group's store names it (in errors)
         self.rank, self.node, self.store, self.prefix = rank, node, store, prefix
         self.ring, self.slots, self.written, self.beat = ring, slots, written, beat
         self.check_idle = check_idle
@@ -181,7 +184,7 @@ class NodeClaims:
         dt = time.monotonic() - t0
         self.times["claims"] += dt
         self.ops += 1
-        value = got.decode()
+        value = got.decode("utf-8", "replace")
         if value == desired and expected == "":
             self.written.append(key)
         if self._tracing:
@@ -191,6 +194,16 @@ class NodeClaims:
                 time.time() - dt, dt,
             )  # fmt: skip
         return value
+
+    def _winner(self, b: NodeBlock, value: str) -> int:
+        """A claim's value: the fetcher of one of the nodes that need block ``b``
+        (:mod:`~asyncload.distributed.values`: anything else is a DistributedLoadError)."""
+        return parse_rank(
+            self.key_name(f"{self.prefix}{b.seq}"),
+            value,
+            sorted(b.fetchers),
+            what=f"the claim of block {b.seq}, bytes [{b.start}, {b.end}) of {b.name}",
+        )
 
     # --- deciding ----------------------------------------------------------------------------
 
@@ -273,7 +286,7 @@ class NodeClaims:
                     b, view, w = self.others.pop(i)  # from the back
                     await self.slots.acquire()
                     try:
-                        got = int(await self._op(b, str(self.rank), ""))
+                        got = self._winner(b, await self._op(b, str(self.rank), ""))
                     except BaseException:
                         self.slots.release()
                         raise
@@ -301,7 +314,7 @@ class NodeClaims:
                     if got_s != _UNSET:
                         self.others.remove(item)
                         self._lost(w)
-                        tg.create_task(self._receive(b, view, int(got_s), w))
+                        tg.create_task(self._receive(b, view, self._winner(b, got_s), w))
                         moved = True
             if self.closed and not self.others:
                 return
@@ -330,7 +343,7 @@ class NodeClaims:
     async def _claim_own(self, b: NodeBlock, view: memoryview, w: int) -> None:
         """Claim an own block: ready to read, or, taken over by another node, received."""
         try:
-            got = int(await self._op(b, str(self.rank), ""))
+            got = self._winner(b, await self._op(b, str(self.rank), ""))
         finally:
             self._claiming -= b.nbytes
             self._wake.set()

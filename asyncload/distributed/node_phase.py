@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncload._errors import DistributedLoadError
 from asyncload.distributed.node_claims import NodeClaims
 from asyncload.distributed.nodes import (
     BLOCK_UNITS,
@@ -49,7 +50,7 @@ from asyncload.distributed.nodes import (
     plan_blocks,
 )
 from asyncload.distributed.plan import _Part
-from asyncload.distributed.shared import Share, _SharedPipeline
+from asyncload.distributed.shared import Share, _SharedPipeline, check_digest, post_digest
 from asyncload.engine.assembly import copy_bytes
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.pipeline import Pipeline, _aiter
@@ -65,8 +66,11 @@ RING_SLOTS = 4
 #: fits in the budget is fetched without waiting for slots.
 MIN_WINDOWS = RING_SLOTS
 MIN_SLOT = 1 << 20
-#: Bytes of the ring's head per rank of the node (two counters, padded to a cache line).
+#: Bytes of the ring's head per rank of the node (two counters, two of its claims and its
+#: proof of sharing the node's memory, padded to a cache line).
 _HEAD = 64
+#: Where a rank's proof (8 bytes: :func:`_prove_node`) sits in its part of the head.
+_PROOF = 32
 _PAGE = 4096
 #: Shortest and longest sleep between polls of the node's counters.
 _POLL_MIN, _POLL_MAX = 0.0002, 0.004
@@ -119,6 +123,7 @@ class _Ring:
         self.head = head
         self.slot = slot
         self.monitor = monitor
+        self.ranks = list(peers)  # the node's ranks, by local index (group ranks)
         self.peers = peers  # the other ranks of the node (group ranks)
         self.landed = 0  # the node's: lowest over its ranks
         self.released = 0
@@ -126,6 +131,10 @@ class _Ring:
         self._waiting = 0
         #: Seconds spent waiting: for windows to land (hand-over), for slots (fetch), claiming.
         self.times = {"landed": 0.0, "slot": 0.0, "claims": 0.0}
+        #: What the waits on the node wait for (the latest one), and the node's ranks that
+        #: hold it (those whose counter is not past it).
+        self._what = ""
+        self._holding: Callable[[], list[int]] = list
 
     def offset(self, window: int) -> int:
         return self.head + (window % RING_SLOTS) * self.slot
@@ -163,14 +172,30 @@ class _Ring:
     async def wait_landed(self, window: int) -> None:
         """Until every rank of the node has landed its blocks of ``window``."""
         t0 = time.monotonic()
+        self._what = f"window {window} of its node's ring to land (rank(s) fetching into it)"
+        self._holding = lambda: self._behind(0, window)
         await self._wait(lambda: self.landed > window)
         self.times["landed"] += time.monotonic() - t0
 
     async def wait_released(self, window: int) -> None:
         """Until every rank of the node has released ``window``."""
         t0 = time.monotonic()
+        self._what = (
+            f"slot {window % RING_SLOTS} of its node's ring to be free (window {window} "
+            "released by every rank of the node)"
+        )
+        self._holding = lambda: self._behind(1, window)
         await self._wait(lambda: self.released > window)
         self.times["slot"] += time.monotonic() - t0
+
+    def _behind(self, field: int, window: int) -> list[int]:
+        """The node's ranks whose counter ``field`` (0: landed, 1: released) is not past
+        ``window``."""
+        out = []
+        for i in range(self.count):
+            if struct.unpack_from("<qq", self.map, i * _HEAD)[field] <= window:
+                out.append(self.ranks[i])
+        return out
 
     async def _wait(self, ok: Callable[[], bool]) -> None:
         """Until ``ok()`` (a test of the node's counters); :meth:`poll` moves them."""
@@ -183,20 +208,65 @@ class _Ring:
 
     async def poll(self, doing: Callable[[], str]) -> None:
         """Watch the node's counters (runs beside the phase); while a rank waits on them,
-        beat and check the node's other ranks for a stall, once a second."""
+        beat and check the node's other ranks for a stall, once a second, and bound the wait
+        (:class:`~asyncload.distributed.monitor.PeerWait`: the node's counters moving is
+        progress on it)."""
         delay = _POLL_MIN
         beat = time.monotonic()
+        wait = None
         while True:
             await asyncio.sleep(delay)
-            delay = _POLL_MIN if self.refresh() else min(_POLL_MAX, delay * 2)
+            moved = self.refresh()
+            delay = _POLL_MIN if moved else min(_POLL_MAX, delay * 2)
+            if not self._waiting:
+                wait = None
+            elif wait is None:
+                wait = self.monitor.peer_wait(self.peers, self._what, lambda: self._holding())
+            elif moved:
+                wait.moved()
             now = time.monotonic()
-            if self._waiting and now - beat >= _BEAT:
+            if wait is not None and now - beat >= _BEAT:
                 beat = now
                 self.monitor.beat()
                 idle = self.monitor.idle_peer(self.peers)
                 if idle is not None:
                     rank, seconds, status = idle
                     self.monitor._give_up(rank, None, seconds, status, doing())
+                wait.what = self._what
+                wait.check()
+
+
+def _proof_bytes(value: str) -> bytes:
+    """8 bytes of a rank's random value (hex) for its slot of the ring's head."""
+    return bytes.fromhex(value)[:8].ljust(8, b"\0")
+
+
+def _prove_node(
+    files: NodeFiles, ranks: Sequence[int], proofs: Sequence[str], node_id: str, rank: int
+) -> None:
+    """After the node's barrier: every rank of the node wrote its random value into its slot
+    of the ring's head before it, so each must be there now; a rank whose value is not there
+    does not share this rank's memory (another host, or a container with its own /dev/shm,
+    under the same ``node_id``): DistributedLoadError naming the node id, on each of them,
+    instead of waiting on ring counters nobody writes."""
+    ring = files.maps["ring"]
+    unseen = [
+        r
+        for i, r in enumerate(ranks)
+        if r != rank
+        and ring[i * _HEAD + _PROOF : i * _HEAD + _PROOF + 8] != _proof_bytes(proofs[r])
+    ]
+    if not unseen:
+        return
+    raise DistributedLoadError(
+        f"ranks {list(ranks)} say they run on node {node_id!r} but do not share its memory: "
+        f"rank {rank} does not see in {files.paths.get('ring', 'its ring')} what rank(s) "
+        f"{unseen} wrote into theirs (another host, or a container with its own /dev/shm, "
+        "under the same node id); give each host (each /dev/shm) its own "
+        "ShardedLoadPlanner(node_id=...)",
+        rank=unseen[0],
+        doing=f"proving that the ranks of node {node_id!r} share memory",
+    )
 
 
 class _Progress:
@@ -293,15 +363,24 @@ async def run_node_phase(
     unit: int,
     adaptive: bool,
     what: str,
+    proofs: Sequence[str] | None = None,
 ) -> None:
-    """Run one read phase of node-aware sharing on this rank (see the module's docstring)."""
+    """Run one read phase of node-aware sharing on this rank (see the module's docstring).
+    ``proofs``: per group rank, the random hex value it sent in the first all-gather; the
+    node's ranks prove with them that they share the ring (:func:`_prove_node`)."""
     rank = share.rank
     monitor = share.monitor
     node = next(k for k, ranks in enumerate(nodes) if rank in ranks)
     ranks = nodes[node]
     budget = pipeline.options.memory_budget
-    # blocks of a provisional size give the node's total; the real ones follow from it
-    total = sum(b.nbytes for b in plan_blocks(needs, nodes, 1 << 40, node))
+    # blocks of a provisional size give each node's total; the real ones follow from the
+    # largest, the same on every rank (block numbers name tags and claim keys across nodes:
+    # a node that sized its blocks from its own total would number them differently)
+    totals = [0] * len(nodes)
+    for b in plan_blocks(needs, nodes, 1 << 40):
+        for k in b.nodes:
+            totals[k] += b.nbytes
+    total = max(totals)
     block, slot = ring_geometry(total, budget, unit)
     blocks = plan_blocks(needs, nodes, block, node)
     window_of = plan_windows([b.nbytes for b in blocks], slot)
@@ -317,9 +396,16 @@ async def run_node_phase(
     ring_bytes = min(windows, RING_SLOTS) * slot
     files = NodeFiles(_token(token, phase, node), {"ring": head + ring_bytes})
     try:
+        local = ranks.index(rank)
+        if proofs is not None:  # this rank's value, in its slot of the head, for its node peers
+            files.maps["ring"][local * _HEAD + _PROOF : local * _HEAD + _PROOF + 8] = _proof_bytes(
+                proofs[rank]
+            )
         await monitor.abarrier(
             f"node-open-{phase}", "waiting for the other ranks to open their node's ring"
         )
+        if proofs is not None:
+            _prove_node(files, ranks, proofs, share.node_id, rank)
         files.unlink()  # every rank of the node has mapped it
         pipeline.stats.maximum("node_shared_memory_bytes", ring_bytes)
         ring = _Ring(files, ranks.index(rank), len(ranks), head, slot, monitor, ranks)
@@ -390,6 +476,7 @@ async def _drive(
     rank = share.rank
     monitor = share.monitor
     stats = pipeline.stats
+    verify = pipeline.options.verify
     files = ring.files
     data = memoryview(ring.map)
     per_window: list[list[NodeBlock]] = [[] for _ in range(progress.windows)]
@@ -404,6 +491,7 @@ async def _drive(
     def landed(w: int) -> None:
         progress.fetch_left[w] -= 1
         progress.update()
+        monitor.progress()  # progress the node's ranks waiting on this window see
 
     tracing = log.isEnabledFor(logging.DEBUG)
 
@@ -434,6 +522,8 @@ async def _drive(
         if b.owner != node:
             stats.add(bytes_taken_over=b.nbytes)
         peers = [f for k, f in zip(b.nodes, b.fetchers) if k != node]
+        if verify:
+            post_digest(share, tag_base + b.seq, view)
         await share.transport.exchange(
             "send", peers, tag_base + b.seq, b.seq, view, files, monitor,
             f"sending bytes [{b.start}, {b.end}) of {b.name} to rank(s) {peers}",
@@ -448,6 +538,10 @@ async def _drive(
             "recv", [src], tag_base + b.seq, b.seq, view, files, monitor,
             f"waiting for bytes [{b.start}, {b.end}) of {b.name} from rank {src}",
         )  # fmt: skip
+        if verify:
+            check_digest(
+                share, tag_base + b.seq, view, src, f"bytes [{b.start}, {b.end}) of {b.name}"
+            )
         if tracing:
             dt = time.monotonic() - t0
             log.debug("trace recv rank=%d seq=%d src=%d t0=%.4f dt=%.4f",
@@ -472,10 +566,17 @@ async def _drive(
                     back.append(q.pop(0))
         return front + back
 
+    claim_waits: list[Any] = []  # the deadline of the claims' wait on a block's owner
+
     def check_idle(peers: list[int]) -> None:
         idle = monitor.idle_peer(peers)
         if idle is not None:
             monitor._give_up(idle[0], None, idle[1], idle[2], share.doing)
+        if not claim_waits or claim_waits[0].peers != peers:
+            claim_waits[:] = [
+                monitor.peer_wait(peers, f"rank(s) {peers} to claim or hand over their blocks")
+            ]
+        claim_waits[0].check()
 
     def lost(w: int) -> None:  # a block of window w this rank will not send
         progress.send_left[w] -= 1
@@ -488,6 +589,7 @@ async def _drive(
                     rank=rank, node=node, store=store, prefix=prefix, ring=ring, slots=slots,
                     read_send=read_send, receive=receive, lost=lost, written=monitor._written,
                     beat=monitor.beat, check_idle=check_idle, times=ring.times,
+                    key_name=monitor.key_name,
                 )  # fmt: skip
                 claims_task = tg.create_task(claims.run(tg))
             for w in range(progress.windows):

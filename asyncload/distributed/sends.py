@@ -282,6 +282,8 @@ class BackgroundSends:
         checked = 0.0
         ev = -1
         done: BarrierWait | None = None
+        wait = None  # the deadline of the wait on the receivers (Monitor.peer_wait)
+        pending = -1
         try:
             while True:
                 peers = self.pending_peers()
@@ -294,6 +296,12 @@ class BackgroundSends:
                         m.all_finished.set()
                         return
                 else:
+                    left = self.bytes_pending
+                    if wait is None or wait.peers != peers:
+                        wait = m.peer_wait(peers, f"rank(s) {peers} to receive what it sends")
+                    elif left < pending:
+                        wait.moved()  # a send landed
+                    pending = left
                     seen = int(m.store.add("ev", 0))  # moved by every failure posted
                     if seen != ev:
                         ev = seen
@@ -315,6 +323,7 @@ class BackgroundSends:
                             log.warning("rank %d: %s", self.rank, message)
                             self._stop(DistributedLoadError(message, rank=rank, doing=status))
                             return
+                        wait.check()
                 time.sleep(delay)
                 delay = min(longest, delay * 2)
         except (Exception, asyncio.CancelledError) as exc:

@@ -45,12 +45,18 @@ import torch.distributed as dist
 from asyncload._errors import first_error
 from asyncload._options import LoadOptions
 from asyncload._stats import _fmt_bytes
+from asyncload._version import __version__
 from asyncload.distributed.adaptive import _AdaptivePipeline
 from asyncload.distributed.claims import Claims, _unit_keys
-from asyncload.distributed.identity import _check_identities, _check_same_ending, file_identities
+from asyncload.distributed.identity import (
+    _check_identities,
+    _check_same_ending,
+    _check_settings,
+    file_identities,
+)
 from asyncload.distributed.monitor import Monitor
-from asyncload.distributed.node_phase import run_node_phase
-from asyncload.distributed.nodes import node_layout
+from asyncload.distributed.node_phase import _HEAD, RING_SLOTS, run_node_phase
+from asyncload.distributed.nodes import BLOCK_UNITS, node_layout
 from asyncload.distributed.plan import (
     _advertise,
     _check_transfers,
@@ -200,6 +206,34 @@ class _ShareSession:
         if self.sends is not None:
             self.sends.abandon()
 
+    def settings(self, options: LoadOptions) -> tuple[tuple[str, Any], ...]:
+        """What shapes the shared plan and the node rings, as ``(name, value)`` pairs: sent
+        with the first all-gather of every read phase and compared (:func:`_check_settings`);
+        docs/distributed.md, "What must match across ranks"."""
+        policy = self.policy
+        custom = policy.custom_plan
+        return (
+            ("asyncload's version", __version__),
+            ("LoadOptions.memory_budget", options.memory_budget),
+            ("LoadOptions.chunk_size", options.chunk_size),
+            ("LoadOptions.min_chunk_size", int(options.min_chunk_size or 0)),
+            ("LoadOptions.verify (peers' bytes checked)", bool(options.verify)),
+            ("ShardedLoadPlanner.unit_size", policy.unit_size),
+            ("ShardedLoadPlanner.sharing", policy.sharing),
+            ("ShardedLoadPlanner.adaptive", policy.adaptive),
+            ("ShardedLoadPlanner.wait_for_peers (returns before its peers)", policy.returns_early),
+            ("ShardedLoadPlanner.ordered", policy.ordered),
+            ("the transport (carrier, waits)", (policy.carrier, policy.transport)),
+            (
+                "ShardedLoadPlanner.plan_transfers",
+                "default" if custom is None else getattr(custom, "__qualname__", repr(custom)),
+            ),
+            (
+                "the node ring's layout (slots, head bytes a rank, units a block)",
+                (RING_SLOTS, _HEAD, BLOCK_UNITS),
+            ),
+        )
+
     def _set_doing(self, text: str) -> None:
         self.doing = text
         self.monitor.status(text)
@@ -250,6 +284,7 @@ class _ShareSession:
             estimate,
             (self.node_id, secrets.token_hex(8)),
             side_group_name(cached) if cached is not None else "",
+            self.settings(pipeline.options),
         )
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
@@ -267,9 +302,12 @@ class _ShareSession:
                 dist.all_gather_object(out, payload, group=group)
             return out
 
-        gathered = await loop.run_in_executor(None, gather)
+        # watched: a rank that arrived at the barrier and failed before its part of the
+        # all-gather (posting its failure) ends this wait too, not gloo's timeout
+        gathered = await _run_watched(loop.run_in_executor(None, gather), self.monitor)
         _check_identities([g[0] for g in gathered], self.rank)
         _check_same_ending([g[2] for g in gathered])
+        _check_settings([g[6] if len(g) > 6 else None for g in gathered])
         tag_base = ((self.monitor.seq * 2 + phase) % _TAG_LOADS) * _TAG_SPAN
         policy = self.policy
         decision = decide_sharing(
@@ -314,6 +352,7 @@ class _ShareSession:
                     unit,
                     policy.adaptive,
                     what,
+                    [g[4][1] for g in gathered],
                 ),
                 self.monitor,
             )

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from typing import Any, Protocol
 
-from asyncload._errors import first_error
+from asyncload._errors import DistributedLoadError, first_error
 from asyncload.distributed.monitor import Monitor
 from asyncload.distributed.plan import _Part
 from asyncload.distributed.sends import BackgroundSends
 from asyncload.distributed.transport import _Transport
+from asyncload.distributed.values import bad_store_value
 from asyncload.engine.assembly import assemble, track
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.pipeline import Pipeline, _DirectRun, direct_run
@@ -30,6 +32,8 @@ class Share(Protocol):
     doing: str
     #: The load's sends that may outlive it (returning before the peers), or None.
     sends: BackgroundSends | None
+    #: The node this rank says it runs on (node-aware sharing).
+    node_id: str
 
 
 class _SharedPipeline(Pipeline):
@@ -54,6 +58,14 @@ class _SharedPipeline(Pipeline):
         self.tag_base = tag_base
         self.total = total_chunks
         self.done = 0
+
+    def _post_digest(self, tag: int, view: memoryview) -> None:
+        if self.options.verify:
+            post_digest(self.session, tag, view)
+
+    def _check_digest(self, tag: int, view: memoryview, sender: int, what: str) -> None:
+        if self.options.verify:
+            check_digest(self.session, tag, view, sender, what)
 
     async def _read_and_assemble(self, chunk: Chunk) -> None:
         members: list[Chunk] | None = getattr(
@@ -108,6 +120,7 @@ class _SharedPipeline(Pipeline):
         if part.kind == "own":
             await self._read_part(chunk, part, view)
             peers = [c for c in t.consumers if c != session.rank]
+            self._post_digest(tag, view)
             state["pending"] = True
             await session.transport.exchange(
                 "send",
@@ -132,6 +145,7 @@ class _SharedPipeline(Pipeline):
                 session.monitor,
                 f"waiting for {where} from rank {t.owner}",
             )
+            self._check_digest(tag, view, t.owner, where)
             self.stats.add(bytes_received=t.nbytes)
 
     def _direct(self, chunk: Chunk, parts: list[_Part]) -> bool:
@@ -191,3 +205,43 @@ class _SharedPipeline(Pipeline):
             if pooled is not None and not state["tainted"] and (ok or not state["pending"]):
                 self._pool.put(pooled)
         self._count_assembled(chunk, t1)
+
+
+# --- verify=True: bytes from a peer are checked against the sender's CRC-32 --------------------
+
+
+def post_digest(session: Share, tag: int, view: memoryview) -> None:
+    """``LoadOptions.verify``: the CRC-32 of the bytes this rank sends under ``tag``, as it
+    read them from storage, for its receivers (one store key, set before the send)."""
+    monitor = session.monitor
+    key = f"vd/{tag}"
+    monitor.store.set(key, str(zlib.crc32(view)))
+    monitor._written.append(key)
+
+
+def check_digest(session: Share, tag: int, view: memoryview, sender: int, what: str) -> None:
+    """``LoadOptions.verify``: the bytes received under ``tag`` from ``sender`` (``what``:
+    which) are those it read; DistributedLoadError naming it otherwise."""
+    monitor = session.monitor
+    key = f"vd/{tag}"
+    raw = monitor.store.get(key)  # set before the send: there
+    text = raw.decode("utf-8", "replace")
+    if not (text.isascii() and text.isdigit() and len(text) <= 10 and int(text) < 1 << 32):
+        raise bad_store_value(
+            monitor.store.key_name(key),
+            raw,
+            "not a CRC-32",
+            writer=f"rank {sender} (it sent {what}) or an unknown writer",
+            what=f"the CRC-32 of {what}",
+        )
+    got = zlib.crc32(view)
+    if got != int(text):
+        rank = session.rank
+        raise DistributedLoadError(
+            f"rank {rank} received {what} from rank {sender}, and they are not the bytes "
+            f"rank {sender} read (CRC-32 {got:#010x} received, {int(text):#010x} as rank "
+            f"{sender} read them; LoadOptions.verify=True): damaged between the ranks, or "
+            f"rank {sender} sent other bytes than it read",
+            rank=sender,
+            doing=f"sending {what} to rank {rank}",
+        )

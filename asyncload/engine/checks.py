@@ -247,7 +247,14 @@ async def check_claims(
                 budget = options.memory_budget
                 where = f"{checkpoint}, {rec.where}"
                 _transforms.check_claim(transformed, length, claimed, budget, what=where)
-            elif chunk is not None and isinstance(smd, TensorStorageMetadata):
+            elif (
+                chunk is not None
+                and isinstance(smd, TensorStorageMetadata)
+                and getattr(info, "location", None) is None
+            ):
+                # (a tensor a format module located, a torch.save view: checked when located
+                # that its elements lie in its storage, which may be smaller than the tensor:
+                # expand()'s stride 0, overlapping strides)
                 claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
                 if claimed > length:
                     raise CheckpointFormatError(

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["MISSING_SHOWN", "alias_groups", "closest_keys", "missing_keys_message", "same_bits"]
+__all__ = [
+    "MISSING_SHOWN",
+    "alias_groups",
+    "closest_keys",
+    "missing_keys_message",
+    "prefix_fix",
+    "same_bits",
+]
 
 #: How many missing keys an error names (with their closest checkpoint keys); the rest are counted.
 MISSING_SHOWN = 20
@@ -167,9 +174,64 @@ def missing_keys_message(
     more = len(missing) - len(shown)
     listed = ", ".join(shown) + (f", and {more} more" if more > 0 else "")
     verb = "is" if len(missing) == 1 else "are"
+    if len(missing) >= n_destination:
+        # nothing would load: allow_partial_load is no answer, the keys' names are
+        what = (
+            "the destination's one key is missing from the checkpoint"
+            if n_destination == 1
+            else f"none of the destination's {n_destination} keys is in the checkpoint"
+        )
+        return f"{what}: {listed}. " + prefix_fix(missing, closest)
     return (
         f"{len(missing)} of the destination's {n_destination} keys {verb} missing from the checkpoint: {listed}. "
         "To load the keys it has and leave these as they are, "
         "pass allow_partial_load=True (to asyncload.load / aload / start_load, or to the planner); "
         "LoadStats.missing_keys then lists them"
+    )
+
+
+def prefix_fix(missing: Sequence[str], closest: Mapping[str, str]) -> str:
+    """The advice for a destination whose keys differ from the checkpoint's by a first
+    component: the prefix to nest the destination under, or to strip from its keys."""
+    add: dict[str, int] = {}
+    strip: dict[str, int] = {}
+    rename: dict[tuple[str, str], int] = {}
+    for key in missing:
+        hit = closest.get(key)
+        if hit is None:
+            continue
+        head, dot, tail = key.partition(".")
+        other, dot2, rest = hit.partition(".")
+        if dot and dot2 and rest == tail:  # another first component
+            rename[(head, other)] = rename.get((head, other), 0) + 1
+        elif hit.endswith("." + key):
+            p = hit[: -len(key) - 1]
+            add[p] = add.get(p, 0) + 1
+        elif key.endswith("." + hit):
+            p = key[: -len(hit) - 1]
+            strip[p] = strip.get(p, 0) + 1
+    if add:
+        p = max(add, key=lambda k: add[k])
+        return (
+            f"The checkpoint holds them under {p!r}: load into {{{p!r}: state_dict}} "
+            "(or save the model's state dict alone)"
+        )
+    if strip:
+        p = max(strip, key=lambda k: strip[k])
+        return (
+            f"The destination's keys carry the prefix {p + '.'!r} where the checkpoint's do not: strip it "
+            f"(torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, {p + '.'!r})), "
+            "or load the unwrapped model's state dict (model.module.state_dict()); keys then "
+            "found under one top-level name of the checkpoint load from there"
+        )
+    if rename:
+        head, other = max(rename, key=lambda k: rename[k])
+        return (
+            f"The destination's keys start with {head!r} where the checkpoint's start with {other!r}: "
+            f"rename that first component of the destination's keys (or, for a wrapper's prefix such as "
+            f"'module', load the unwrapped model's state dict: model.module.state_dict())"
+        )
+    return (
+        "Is it the right checkpoint? Compare the key names (asyncload inspect lists the "
+        "checkpoint's); where they differ by a prefix, rename the destination's keys to match"
     )

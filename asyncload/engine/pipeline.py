@@ -118,14 +118,20 @@ class Pipeline:
                     else None
                 )
                 async for chunk in chunks:
-                    t0 = time.monotonic()
-                    await self.budget.acquire(chunk.nbytes)
+                    # wall-clock waits of this one dispatcher: for the budget only when the
+                    # chunk did not fit it (try_acquire), then for a read slot (concurrency)
+                    if not self.budget.try_acquire(chunk.nbytes):
+                        t0 = time.monotonic()
+                        await self.budget.acquire(chunk.nbytes)
+                        self.stats.add(budget_wait_seconds=time.monotonic() - t0)
                     try:
-                        await self.limiter.acquire()
+                        if not self.limiter.try_acquire():
+                            t0 = time.monotonic()
+                            await self.limiter.acquire()
+                            self.stats.add(slot_wait_seconds=time.monotonic() - t0)
                     except BaseException:
                         self.budget.release(chunk.nbytes)
                         raise
-                    self.stats.add(budget_wait_seconds=time.monotonic() - t0)
                     self.stats.maximum("peak_concurrency", self.limiter.used)
                     self._dispatch(tg, chunk)
                 if tuner is not None:
@@ -410,7 +416,7 @@ class _DirectRun(_Batch):
 #: per thread for the whole run (instead of one per read, or per group of reads), every
 #: thread busy until the end, and the loop idle while they copy: on 2 cores the loop's work
 #: per hop runs beside page-cache copies that evict its caches (docs/performance.md).
-#: False: one hop per read (what ``benchmarks/profile_local_start.py`` compares).
+#: False: one hop per read (docs/performance.md compares the two).
 _DIRECT_RUNS = True
 #: The last reads of a run are cut into pieces of this size, so that the threads finish
 #: together: a thread left without work while another copies a whole chunk idles a core.

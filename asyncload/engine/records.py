@@ -204,6 +204,10 @@ def collect(
             rec.byte_items.append(item)
         else:
             smd = md.state_dict_metadata.get(item.storage_index.fqn)
+            if smd is None:  # a key the planner took from under a prefix (formats.rebase)
+                view = getattr(planner, "metadata", None)
+                if isinstance(view, Metadata):
+                    smd = view.state_dict_metadata.get(item.storage_index.fqn)
             if isinstance(smd, TensorStorageMetadata):
                 rec.dtype = smd.properties.dtype
                 idx = item.storage_index.index
@@ -277,6 +281,9 @@ def note_keys(planner: LoadPlanner, stats: LoadStats, *, strict: bool) -> None:
     tied = getattr(planner, "tied_keys", None)
     if isinstance(tied, dict):
         stats.tied_keys = dict(tied)
+    prefix = getattr(getattr(planner, "metadata", None), "prefix", "")
+    if isinstance(prefix, str):
+        stats.key_prefix = prefix
     unexpected = getattr(planner, "unexpected_keys", None)
     if isinstance(unexpected, list):
         stats.unexpected_keys = list(unexpected)

@@ -15,9 +15,8 @@ has landed, its headers are parsed and checked like a probed record's; where the
 tensor elsewhere than guessed (another pickle length, other strides), it is read again where
 they say (the load never returns before that), so a wrong guess costs one more read, never a
 wrong byte, and damaged headers are the same typed error a probed record gives. A small
-record right after a guessed one (read whole) joins its last request. Half the
-requests of a DCP load (issue 30: a round of probes per record was what kept it behind
-``curl --parallel``).
+record right after a guessed one (read whole) joins its last request. A guessed record
+saves the round of header probes a probed record waits for before its data goes out.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         FormatMetadata,
         KnownTensor,
         rebase,
+        source_of,
         split_file_url,
     )
     from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata, warm_decoders
@@ -65,6 +66,7 @@ _LAZY = {
     "FormatMetadata": "base",
     "KnownTensor": "base",
     "rebase": "base",
+    "source_of": "base",
     "split_file_url": "location",
     "may_be_a_file": "location",
     "KNOWN_DCP_VERSIONS": "dcp",
@@ -107,6 +109,7 @@ __all__ = [
     "object_bytes",
     "parse_archive",
     "rebase",
+    "source_of",
     "split_file_url",
     "warm_decoders",
 ]

@@ -88,7 +88,8 @@ class StorageLoc:
     key: str
     data_start: int
     nbytes: int
-    crc32: int
+    #: ``None`` where the archive stores no checksums (every entry's CRC-32 field 0).
+    crc32: int | None
 
 
 @dataclass
@@ -221,6 +222,10 @@ def _parse_archive(
     _walk_refs(obj, refs)
     work.charge(len(refs), where)
     storages: dict[str, StorageLoc] = {}
+    # torch.save under torch.serialization.set_crc32_options(False) writes 0 for every
+    # entry's CRC-32 (data.pkl, never empty, included): such an archive stores no checksum
+    # to check (a real archive's CRCs are all 0 with a chance of 2^-32 per entry)
+    has_crcs = any(e.crc32 for e in entries.values())
     for ref in refs:
         key = ref.storage.key
         if key in storages:
@@ -242,7 +247,9 @@ def _parse_archive(
             raise CheckpointFormatError(
                 f"{where}: storage data/{key} runs past the end of the archive"
             )
-        storages[key] = StorageLoc(key, start + dstart, entry.size, entry.crc32)
+        storages[key] = StorageLoc(
+            key, start + dstart, entry.size, entry.crc32 if has_crcs else None
+        )
     return ArchiveLayout(obj, storages, where)
 
 

@@ -19,9 +19,14 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from asyncload._errors import AsyncLoadError, CheckpointFormatError, CheckpointNotFoundError
+from asyncload._errors import (
+    AsyncLoadError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    StateDictMismatchError,
+)
 from asyncload._options import LoadOptions
 from asyncload.formats.location import TensorLocation, split_file_url
 from asyncload.storage import RetryingStorage
@@ -37,6 +42,7 @@ __all__ = [
     "TensorLocation",
     "check_weight_map",
     "rebase",
+    "source_of",
     "split_file_url",
 ]
 
@@ -181,16 +187,33 @@ def _absent(exc: AsyncLoadError) -> bool:
 OpenRoot = Callable[[str], Awaitable[RetryingStorage]]
 
 
+def source_of(md: Metadata | None) -> str:
+    """What a load's metadata was read from, for messages: the file (or files) of a
+    synthesised ``md``, a DCP checkpoint's directory; ``"the checkpoint"`` when unknown."""
+    source = getattr(md, "source", "") or getattr(md, "_asyncload_source", "")
+    return str(source) if source else "the checkpoint"
+
+
 def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | None:
-    """A view of a synthesised ``md`` with its keys taken from under one prefix, when that is
-    what the destination's keys match; ``None`` when no prefix is needed or none fits.
+    """A view of ``md`` (any format: DCP, safetensors, torch.save) with its keys taken from
+    under one prefix, when that is what the destination's keys match; ``None`` when no prefix
+    is needed or none fits.
 
     None of ``dest_keys`` is a key of ``md``, and one prefix ``P`` (``"model"``, ``"module"``,
-    ``"state_dict.model"`` ...) makes strictly more of them ``P.<key>`` keys than any other.
-    The view holds only the keys under ``P`` (without it); ``md.storage_data`` gains the
-    stripped indexes (the reader shares that dict).
+    ``"state_dict.model"`` ...) makes strictly more of them ``P.<key>`` keys than any other
+    (counting first the keys that are tensors there, so a prefix holding the same names as
+    objects, as DeepSpeed's ``param_shapes``, loses to the one holding the tensors):
+    a training checkpoint ``{"model": ..., "optim": ..., "step": ...}`` loads into
+    ``model.state_dict()``. The view holds only the keys under ``P`` (without it);
+    ``md.storage_data`` gains the stripped indexes (the reader shares that dict).
+
+    Raised: :class:`StateDictMismatchError` when two prefixes hold as many of the
+    destination's keys (``{"model": ..., "ema": ...}``): which one is meant is the caller's
+    choice (nest the destination under it).
     """
-    if not isinstance(md, FormatMetadata) or md.prefix or not dest_keys:
+    if not isinstance(md, Metadata) or not dest_keys:
+        return None
+    if getattr(md, "prefix", None):  # a view already
         return None
     saved = md.state_dict_metadata
     keys = list(dest_keys)
@@ -202,15 +225,29 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
         for k in saved:
             if k.endswith(suffix) and len(k) > len(suffix):
                 candidates.add(k[: -len(suffix)])
-    best, best_hits, tie = "", 0, False
+    # ranked by the keys that are tensors there, then by all: DeepSpeed's model-states file
+    # holds the module's keys under "module" (tensors) and "param_shapes.0" (torch.Size objects)
+    best, best_hits = "", (0, 0)
+    ties: list[str] = []
     for p in sorted(candidates):
-        hits = sum(1 for d in keys if f"{p}.{d}" in saved)
+        found = [saved[f"{p}.{d}"] for d in keys if f"{p}.{d}" in saved]
+        hits = (sum(isinstance(v, TensorStorageMetadata) for v in found), len(found))
         if hits > best_hits:
-            best, best_hits, tie = p, hits, False
+            best, best_hits = p, hits
+            ties = []
         elif hits == best_hits:
-            tie = True
-    if not best or tie:
+            ties.append(p)
+    if not best:
         return None
+    source = source_of(md)
+    if ties:
+        both = ", ".join(repr(p) for p in [best, *ties])
+        raise StateDictMismatchError(
+            f"{source}: none of the destination's {len(keys)} keys is a checkpoint key, and they are "
+            f"found under {len(ties) + 1} prefixes alike ({both}: {best_hits[1]} keys each): nest the "
+            f"destination under the one you mean ({{{best!r}: state_dict}}), or load the "
+            "checkpoint with asyncload.read_state_dict and pick the entry"
+        )
     pre = best + "."
     sdm = {k[len(pre) :]: v for k, v in saved.items() if k.startswith(pre)}
     for index, entry in list(md.storage_data.items()):
@@ -220,9 +257,9 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
             )
     log.info(
         "%s: loading the destination's keys from under %r (%d of %d destination keys found there)",
-        md.source,
+        source,
         best,
-        best_hits,
+        best_hits[1],
         len(keys),
     )
     return FormatMetadata(
@@ -231,9 +268,10 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
         storage_data=md.storage_data,
         storage_meta=md.storage_meta,
         version=md.version,
-        format=md.format,
-        source=md.source,
+        format=getattr(md, "format", "dcp"),
+        source=source if source != "the checkpoint" else "",
         prefix=best,
+        templates=list(getattr(md, "templates", ()) or ()),
     )
 
 

@@ -58,4 +58,6 @@ def decode_metadata(
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
     mark_dcp_safetensors(md)  # files saved with SerializationFormat.SAFETENSORS
+    # the checkpoint's directory, for messages of the planner (formats.source_of)
+    md._asyncload_source = url.rsplit("/", 1)[0] if url.endswith("metadata") else url  # type: ignore[attr-defined]
     return md

@@ -123,7 +123,7 @@ async def _atorchsave_files(
                 f"state dicts "
                 "(a dict of tensors, possibly nested) from torch.save files"
             )
-        for key, (path, value) in _flatten(layout.obj).items():
+        for key, (path, value) in _flatten(layout.obj, layout.where).items():
             if weight_map is not None and weight_map.get(key) != name:
                 continue
             paths[key] = path
@@ -218,21 +218,50 @@ def saved_entry(
     return BytesStorageMetadata(), MetadataIndex(key), entry
 
 
-def _flatten(obj: Mapping[Any, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
+def _flatten(obj: Mapping[Any, Any], where: str = "") -> dict[str, tuple[tuple[Any, ...], Any]]:
     """Flatten like DCP flattens a destination state dict (TensorRefs count as tensors):
-    each key's path in ``obj`` and its value."""
+    each key's path in ``obj`` and its value. ``where``: the file, for messages."""
     flat: dict[str, tuple[tuple[Any, ...], Any]] = {}
 
     def visit(path: tuple[Any, ...], value: Any) -> None:
         key = _flat_key(path)
         if key in flat:
+            first = _saved_path(obj, flat[key][0])
+            second = _saved_path(obj, path, last=True)
             raise CheckpointFormatError(
-                f"two entries of the torch.save dict flatten to the same key {key!r}"
+                f"{where or 'a torch.save file'}: two entries of its dict, {first} and {second}, "
+                f"flatten to the same key {key!r} (keys are joined with '.', as DCP flattens a "
+                "state dict): asyncload cannot tell them apart; read the file with "
+                "torch.load(weights_only=True), or save it with keys that do not collide"
             )
         flat[key] = (path, value)
 
     _traverse(obj, visit)
     return flat
+
+
+def _saved_path(obj: Any, path: tuple[Any, ...], last: bool = False) -> str:
+    """``path`` (str keys for dicts, ints for lists) as Python indexing of the saved object,
+    with the keys as saved (``['state'][0]['exp_avg']``, ``['a.b']``); where two keys of a
+    dict print alike (``0`` and ``'0'``), the first of them, or the last with ``last``."""
+    node, out = obj, []
+    for comp in path:
+        if isinstance(node, Mapping):
+            hits = [(k, v) for k, v in node.items() if str(k) == str(comp)]
+            if not hits:
+                out.append(f"[{comp!r}]")
+                node = None
+                continue
+            hit = hits[-1] if last else hits[0]
+            out.append(f"[{hit[0]!r}]")
+            node = hit[1]
+        elif isinstance(node, list) and isinstance(comp, int) and comp < len(node):
+            out.append(f"[{comp}]")
+            node = node[comp]
+        else:
+            out.append(f"[{comp!r}]")
+            node = None
+    return "".join(out)
 
 
 # --- the loaded state dict, rebuilt as torch.load gives it -------------------------------
@@ -253,7 +282,7 @@ def nest_saved(flat: Mapping[str, Any], templates: Sequence[ArchiveLayout]) -> d
     for layout in templates:
         if not isinstance(layout.obj, Mapping):
             continue
-        saved = _flatten(layout.obj)
+        saved = _flatten(layout.obj, layout.where)
         leaves = {k: v for k, (_, v) in saved.items() if isinstance(v, TensorRef)}
         everything = all(k in flat for k in saved)
         tensors = _shared_tensors(

@@ -2,8 +2,8 @@
 
 vLLM copies every weight it is given into its own parameter (the model's ``weight_loader``):
 a tensor read into fresh memory costs that memory's first-touch page faults (about 1 GiB/s
-here) on top of vLLM's copy, which made a local 424 MiB model's weights load 3x slower than
-vLLM's own safetensors loader, whose tensors are views of a memory map of the page cache.
+here) on top of vLLM's copy: a local 424 MiB model's weights load 3x slower that way than
+through vLLM's own safetensors loader, whose tensors are views of a memory map of the page cache.
 So for local files that are wholly in the page cache, the loader hands vLLM views of a mapping
 too, after asyncload has read and checked the headers (:class:`~asyncload._stream.
 CheckpointStream`'s metadata: index, hostile-header checks, the keys selected); anything else

@@ -6,19 +6,20 @@ Layers, each importing only those below it:
   remote object (:class:`VersionPins`) and the raw errors a store raises;
 - the stores beside each other, each importing only the interface: local files
   (:mod:`~asyncload.storage.local`, with :mod:`~asyncload.storage.mapped`), any fsspec
-  filesystem (:mod:`~asyncload.storage.fsspec`), obstore (:mod:`~asyncload.storage.obstore`,
-  planned by :mod:`~asyncload.storage.obstore_plan`, kept on its origin by
-  :mod:`~asyncload.storage.redirect_guard`) and asyncload's own HTTP/1.1 range reader
+  filesystem (:mod:`~asyncload.storage.fsspec`) and asyncload's own HTTP/1.1 range reader
   (:mod:`~asyncload.storage.wire`, over :mod:`~asyncload.storage.wire_http`, signing with
-  :mod:`~asyncload.storage.sigv4`);
+  :mod:`~asyncload.storage.sigv4`, its ``storage_options`` mapped by
+  :mod:`~asyncload.storage.store_options`);
 - the error boundary (:mod:`~asyncload.storage.retrying`: timeout, retries, hedging), whose
   errors are classified and translated in one place (:mod:`~asyncload.storage.classify`);
 - the factory (:mod:`~asyncload.storage.factory`): :func:`open_storage` picks the store for a
   checkpoint.
 
 The names below are the wing's interface: other wings and the tests import them from here.
-The optional backends' names (fsspec's and obstore's) are imported on first use, so
-``import asyncload.storage`` imports neither fsspec, aiohttp nor obstore.
+The optional backends' names (fsspec's and wire's) are imported on first use, so
+``import asyncload.storage`` imports neither fsspec nor aiohttp. ``ObstoreStorage`` is gone
+with obstore (``transport="obstore"`` reads as ``"auto"`` does): asking for it raises an
+``AttributeError`` that says so.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ from asyncload.storage.retrying import BATCH_INLINE, RetryingStorage, call_with_
 
 if TYPE_CHECKING:
     from asyncload.storage.fsspec import FsspecStorage, close_async_fs
-    from asyncload.storage.obstore import ObstoreStorage
-    from asyncload.storage.obstore_plan import StoreSpec, Unmappable, plan_store
+    from asyncload.storage.store_options import StoreSpec, Unmappable, plan_store
     from asyncload.storage.wire import WireStorage
 
 __all__ = [
@@ -60,7 +60,6 @@ __all__ = [
     "LocalStorage",
     "NotRegularFileError",
     "ObjectChangedError",
-    "ObstoreStorage",
     "RangeIgnoredError",
     "RangeMismatchError",
     "RetryingStorage",
@@ -85,10 +84,9 @@ __all__ = [
 _LAZY = {
     "FsspecStorage": "asyncload.storage.fsspec",
     "close_async_fs": "asyncload.storage.fsspec",
-    "ObstoreStorage": "asyncload.storage.obstore",
-    "StoreSpec": "asyncload.storage.obstore_plan",
-    "Unmappable": "asyncload.storage.obstore_plan",
-    "plan_store": "asyncload.storage.obstore_plan",
+    "StoreSpec": "asyncload.storage.store_options",
+    "Unmappable": "asyncload.storage.store_options",
+    "plan_store": "asyncload.storage.store_options",
     "WireStorage": "asyncload.storage.wire",
 }
 
@@ -97,6 +95,12 @@ def __getattr__(name: str) -> Any:
     """An optional backend's name, its module imported now (PEP 562).
 
     Raised: :class:`AttributeError` for a name the wing does not export."""
+    if name == "ObstoreStorage":
+        raise AttributeError(
+            "asyncload.storage.ObstoreStorage was removed with obstore: s3://, gs:// and "
+            "http(s):// are read by WireStorage (LoadOptions.transport='wire' or 'auto'), every "
+            "other protocol by FsspecStorage"
+        )
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

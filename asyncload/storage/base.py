@@ -3,7 +3,7 @@ the pins of a remote object's version (:class:`VersionPins`) and the raw errors 
 
 The stores sit beside this module and import only it: local files
 (:mod:`asyncload.storage.local`), fsspec filesystems (:mod:`asyncload.storage.fsspec`) and
-obstore (:mod:`asyncload.storage.obstore`); :mod:`asyncload.storage.factory` above them picks
+the wire transport (:mod:`asyncload.storage.wire`); :mod:`asyncload.storage.factory` above them picks
 one for a checkpoint URL. A store reads half-open byte ranges ``[start, end)`` of files named
 relative to the checkpoint root. A read returns exactly ``end - start`` bytes or raises; a short
 answer is :class:`ShortReadError` (retryable for remote stores, a truncated file locally).
@@ -20,20 +20,23 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-from asyncload._errors import redact_url
+from asyncload._errors import CheckpointFormatError, redact_url
 
 __all__ = [
     "REQUEST",
+    "CompressedAnswerError",
     "CrossOriginRedirectError",
     "ListedStore",
     "ListingTooLargeError",
     "NotRegularFileError",
     "ObjectChangedError",
+    "ProtocolMismatchError",
     "RangeIgnoredError",
     "RangeMismatchError",
     "ShortReadError",
     "Storage",
     "VersionPins",
+    "check_identity",
     "first_byte",
     "origin_of",
     "parse_content_range",
@@ -177,6 +180,36 @@ class ObjectChangedError(OSError):
         self.url, self.byte_range, self.seen, self.now = url, byte_range, seen, now
 
 
+class CompressedAnswerError(OSError):
+    """An answer with a ``Content-Encoding`` (gzip, br...) though ``identity`` was asked for:
+    its bytes are not the file's (a compressed body, a weak ETag of that encoding), and no
+    retry changes that. Refused before a byte of it is used."""
+
+    def __init__(self, url: str, encoding: str) -> None:
+        super().__init__(
+            f"{url}: the server answered with Content-Encoding: {encoding[:40]} though "
+            "'Accept-Encoding: identity' was asked for"
+        )
+        self.url, self.encoding = url, encoding
+
+
+class ProtocolMismatchError(OSError):
+    """The server did not answer in HTTP/1.x (an HTTP/2-only "h2c" port, or no HTTP at
+    all): ``protocol`` names what it spoke. No retry changes that."""
+
+    def __init__(self, where: str, protocol: str) -> None:
+        super().__init__(f"{where} answered in {protocol}, not HTTP/1.1")
+        self.where, self.protocol = where, protocol
+
+
+def check_identity(url: str, headers: Any) -> None:
+    """Raise :class:`CompressedAnswerError` for an answer whose ``Content-Encoding`` is not
+    ``identity`` (``headers``: a mapping, names as the client keeps them)."""
+    encoding = headers.get("content-encoding") or headers.get("Content-Encoding")
+    if encoding and encoding.strip().lower() not in ("identity", ""):
+        raise CompressedAnswerError(url, encoding.strip())
+
+
 class NotRegularFileError(OSError):
     """A checkpoint file that is a FIFO, socket or device: reading it could block an I/O
     thread for ever (a FIFO without a writer) or never end (a device)."""
@@ -214,6 +247,9 @@ class Storage:
     #: runs them once as they are and brings in its retries and translation only after an
     #: error (``RetryingStorage._stat``).
     calls_inline = False
+    #: The client that reads (``LoadStats.transport``): ``"local"``, ``"wire"``,
+    #: ``"fsspec"``; the factory adds why where ``transport="auto"`` fell back to fsspec.
+    transport = ""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -259,7 +295,7 @@ class Storage:
     async def read_prefix(self, name: str, n: int) -> tuple[memoryview, int]:
         """The first ``n`` bytes of file ``name`` (all of it when it is shorter) and its size.
         Here its size, then a read; a store whose answer to a ranged read also gives the
-        file's size (obstore: S3, GCS, HTTP) does both in one request."""
+        file's size (wire: S3, GCS, HTTP) does both in one request."""
         size = int(await self.size(name))
         if size <= 0 or n <= 0:
             return memoryview(b""), size
@@ -357,8 +393,8 @@ Listed = tuple[str, int, str | None]
 class ListedStore(VersionPins):
     """A remote store that answers sizes from a listing of the checkpoint's directory (S3,
     GCS) and lists an HTTP directory through another store (an HTML index page: the
-    factory's fsspec store, made on first use by ``lister``). The object stores (obstore,
-    wire) share it; each gives :meth:`_head` (one file's size, by a request) and
+    factory's fsspec store, made on first use by ``lister``). The wire transport's store
+    is one; each gives :meth:`_head` (one file's size, by a request) and
     :meth:`_list` (every file directly under the root), and has ``spec.kind``
     (``"s3"``, ``"gcs"`` or ``"http"``).
 
@@ -461,12 +497,19 @@ class ListedStore(VersionPins):
 
     def _take_listing_if_back(self) -> bool:
         """Take the sizes and versions of every file of the listing :meth:`prefetch_sizes`
-        started, if it is back (a failed one, e.g. without permission to list, is dropped)."""
+        started, if it is back (a failed one, e.g. without permission to list, is dropped;
+        a hostile one, e.g. declaring XML entities, fails the load: its
+        ``CheckpointFormatError`` is raised)."""
         listing = self._listing
         if listing is None or not listing.done():
             return False
         self._listing = None
-        if listing.cancelled() or listing.exception() is not None:
+        if listing.cancelled():
+            return False
+        failed = listing.exception()
+        if isinstance(failed, CheckpointFormatError):
+            raise failed
+        if failed is not None:
             return False
         self._entries = listing.result()
         for path, size, _ in listing.result():

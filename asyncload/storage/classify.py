@@ -3,7 +3,7 @@ why) and the asyncload error it becomes once retrying is over (:func:`translate`
 byte range and attempts).
 
 The raw errors come from every store: OSError and :mod:`asyncload.storage.base`'s, aiohttp,
-botocore, gcsfs, obstore; the tables below read their classes, error codes, HTTP statuses and
+botocore, gcsfs, the wire transport's; the tables below read their classes, error codes, HTTP statuses and
 words. Only the error boundary (:mod:`asyncload.storage.retrying`) calls these.
 """
 
@@ -24,10 +24,12 @@ from asyncload._errors import (
     docs_ref,
 )
 from asyncload.storage.base import (
+    CompressedAnswerError,
     CrossOriginRedirectError,
     ListingTooLargeError,
     NotRegularFileError,
     ObjectChangedError,
+    ProtocolMismatchError,
     RangeIgnoredError,
     RangeMismatchError,
     ShortReadError,
@@ -122,49 +124,6 @@ _CONNECTION_ERRORS = {
     "NewConnectionError",
     "ConnectTimeoutError",
 }
-#: obstore (Rust ``object_store``) raises typed classes for some failures and a
-#: ``GenericError`` with the HTTP status, the S3 error code or the OS error in its message
-#: for the others; these read them from the message.
-_OBSTORE_STATUS = re.compile(r"status code: (\d{3})\b")
-_OBSTORE_CODE = re.compile(r"<Code>([A-Za-z0-9.]+)</Code>")
-#: object_store's words for a 206 whose ``Content-Range`` is not the range asked for.
-_OBSTORE_RANGE_MISMATCH = re.compile(
-    r"Requested \d+\.\.\d+, got \d+\.\.\d+|Content-Range header not present|value for "
-    r"CONTENT_RANGE header"
-)
-_OBSTORE_RETRY_AFTER = re.compile(r"retry-after\W{0,3}(\d+(?:\.\d+)?)", re.IGNORECASE)
-_OBSTORE_FINAL = {
-    "PreconditionError": ("object_changed", 412),
-    "NotFoundError": ("not_found", 404),
-    "PermissionDeniedError": ("denied", 403),
-    "UnauthenticatedError": ("credentials", 401),
-    "UnknownConfigurationKeyError": ("config", None),
-    "InvalidPathError": ("config", None),
-    "NotModifiedError": ("status_304", 304),
-}
-#: Words of an obstore message without a status: a body cut short (reqwest's body errors:
-#: the answer had begun), credentials it could not get or decode, a rejected certificate,
-#: a timeout, a failed or broken connection.
-_OBSTORE_SHORT_BODY = ("IncompleteBody", "UnexpectedEof", "request or response body error")
-_OBSTORE_CREDENTIALS = ("credential error", "Credential {", "Unable to decode service account")
-_OBSTORE_TLS = (
-    "InvalidCertificate",
-    "UnknownIssuer",
-    "certificate verify failed",
-    "CertificateExpired",
-)
-_OBSTORE_TIMEOUT = ("TimedOut", "operation timed out", "deadline has elapsed")
-_OBSTORE_CONNECTION = (
-    "ConnectionReset",
-    "ConnectionRefused",
-    "ConnectionAborted",
-    "BrokenPipe",
-    "NotConnected",
-    "error sending request",
-    "request or response body error",
-    "connection closed",
-    "dns error",
-)
 #: Local paths a load cannot read, whatever it retries.
 _LOCAL_ERRNOS = {
     errno.ENOTDIR: "not_a_directory",
@@ -189,14 +148,7 @@ class Failure:
     max_attempts: int | None = None
 
 
-def _is_obstore(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("obstore")
-
-
 def _status_of(exc: BaseException) -> int | None:
-    if _is_obstore(exc):
-        m = _OBSTORE_STATUS.search(str(exc))
-        return int(m.group(1)) if m else None
     for attr in ("status", "code", "status_code"):
         v = getattr(exc, attr, None)
         if isinstance(v, int) and 100 <= v < 600:
@@ -210,9 +162,6 @@ def _status_of(exc: BaseException) -> int | None:
 
 
 def _retry_after(exc: BaseException) -> float | None:
-    if _is_obstore(exc):  # obstore keeps no headers; a message may quote the value
-        m = _OBSTORE_RETRY_AFTER.search(str(exc))
-        return float(m.group(1)) if m else None
     headers = getattr(exc, "headers", None)
     if headers is None:
         resp = getattr(exc, "response", None)
@@ -228,9 +177,6 @@ def _retry_after(exc: BaseException) -> float | None:
 
 
 def _error_code(exc: BaseException) -> str | None:
-    if _is_obstore(exc):  # the S3 error document is quoted in the message
-        m = _OBSTORE_CODE.search(str(exc))
-        return m.group(1) if m else None
     resp = getattr(exc, "response", None)
     if isinstance(resp, dict):
         code = resp.get("Error", {}).get("Code")
@@ -263,41 +209,12 @@ def _is_certificate_error(exc: BaseException) -> bool:
     return "SSLError" in _mro_names(exc) and "certificate verify failed" in str(exc).lower()
 
 
-def _classify_obstore(exc: BaseException) -> Failure | None:
-    """What an obstore exception means, where its class or words say it (``None``: an
-    HTTP status in the message, classified like any other client's, or nothing known)."""
-    name = type(exc).__name__
-    if name in _OBSTORE_FINAL:
-        cause, status = _OBSTORE_FINAL[name]
-        return Failure(False, cause, status, not_found=cause == "not_found")
-    text = str(exc)
-    if name == "NotSupportedError":
-        if "Range request not supported" in text:  # a 200 answer to a ranged GET
-            return Failure(False, "range_ignored", 200)
-        return Failure(False, "not_supported")
-    if _OBSTORE_RANGE_MISMATCH.search(text):  # object_store checked the answer's Content-Range
-        return Failure(False, "range_mismatch", 206)
-    if _OBSTORE_STATUS.search(text):
-        return None
-    for words, failure in (
-        (_OBSTORE_SHORT_BODY, Failure(True, "short_read")),
-        (_OBSTORE_CREDENTIALS, Failure(False, "credentials")),
-        (_OBSTORE_TLS, Failure(False, "tls")),
-        (_OBSTORE_TIMEOUT, Failure(True, "timeout")),
-        (_OBSTORE_CONNECTION, Failure(True, "connection")),
-    ):
-        if any(w in text for w in words):
-            return failure
-    return None
-
-
 #: Nothing answers at the endpoint (connection refused, host name not found): the address is
 #: wrong or the server is down, which retrying with backoff does not fix. One retry, for a
 #: server that restarts or a load balancer that swaps a backend at that moment; then the load
 #: fails with "could not connect to <endpoint>" (docs/errors.md, StorageReadError).
 UNREACHABLE_ATTEMPTS = 2
 UNREACHABLE = Failure(True, "unreachable", max_attempts=UNREACHABLE_ATTEMPTS)
-_OBSTORE_CONNECT = re.compile(r"kind: Connect\b")
 _URL_HOST = re.compile(r"\b(https?)://(?:[^@/\s\"]*@)?([^/\s\"?#,]+)")
 
 
@@ -310,12 +227,7 @@ def unreachable(exc: BaseException) -> tuple[str, str] | None:
         names = _mro_names(e)
         text = str(e)
         why = ""
-        if _is_obstore(e):
-            if _OBSTORE_CONNECT.search(text) and "ConnectionRefused" in text:
-                why = "connection refused"
-            elif _OBSTORE_CONNECT.search(text) and "dns error" in text:
-                why = "host name not found"
-        elif "EndpointConnectionError" in names:
+        if "EndpointConnectionError" in names:
             # botocore wraps every aiohttp connection error in it, a reset of a pooled
             # connection too: only the error it was raised from (further down the chain) says
             # whether the connection was refused or the host not found (its URL names the endpoint)
@@ -376,16 +288,16 @@ def classify(exc: BaseException) -> Failure:
             return Failure(False, "object_changed", 412 if e.now is None else None)
         if isinstance(e, NotRegularFileError):
             return Failure(False, "not_a_regular_file")
+        if isinstance(e, CompressedAnswerError):
+            return Failure(False, "compressed")
+        if isinstance(e, ProtocolMismatchError):
+            return Failure(False, "protocol")
         if _mro_names(e) & _CREDENTIAL_ERRORS:
             return Failure(False, "credentials")
         if _mro_names(e) & _CONFIG_ERRORS:
             return Failure(False, "config")
         if _is_certificate_error(e):
             return Failure(False, "tls")
-        if _is_obstore(e):
-            known = _classify_obstore(e)
-            if known is not None:
-                return known
     for e in chain:
         code = _error_code(e)
         status = _status_of(e)
@@ -450,9 +362,18 @@ HINTS = {
         " (the client configuration is wrong: check the endpoint URL and region, e.g. "
         "storage_options client_kwargs={'endpoint_url': ..., 'region_name': ...})"
     ),
-    "tls": (
-        " (the server's TLS certificate was rejected: check the endpoint URL and the CA bundle, "
-        "e.g. AWS_CA_BUNDLE or SSL_CERT_FILE)"
+    "tls": (  # translate() names the knobs of the URL's own scheme (_tls_hint)
+        " (the server's TLS certificate was rejected: check the URL's host, and give the CA "
+        "that signed it: storage_options ca_bundle='ca.pem')"
+    ),
+    "compressed": (
+        " (the server compresses what it serves, e.g. nginx with gzip on: a byte range of a "
+        "compressed body is not the file's bytes; serve checkpoint files uncompressed, e.g. "
+        "leave their type out of gzip_types)"
+    ),
+    "protocol": (
+        " (asyncload's clients speak HTTP/1.1, over TLS for https://: point the URL at the "
+        "server's HTTP/1.1 port, not an HTTP/2-only (h2c) one)"
     ),
     "not_a_regular_file": (
         " (a checkpoint file must be a regular file, not a FIFO, socket or device)"
@@ -478,6 +399,27 @@ HINTS = {
     "name_too_long": " (the path is longer than the file system allows: check the checkpoint path)",
     "symlink_loop": " (the path has a symbolic link loop: check the checkpoint path)",
 }
+
+
+def _tls_hint(url: str) -> str:
+    """What to change for a rejected certificate, in the knobs of ``url``'s own scheme."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "s3":
+        knobs = (
+            "storage_options ca_bundle='ca.pem' or client_kwargs={'verify': 'ca.pem'}, or "
+            "AWS_CA_BUNDLE"
+        )
+    elif scheme in ("gs", "gcs"):
+        knobs = "storage_options ca_bundle='ca.pem', or REQUESTS_CA_BUNDLE or SSL_CERT_FILE"
+    else:
+        knobs = (
+            "storage_options ca_bundle='ca.pem' (or verify='ca.pem'), or REQUESTS_CA_BUNDLE, "
+            "SSL_CERT_FILE or SSL_CERT_DIR"
+        )
+    return (
+        f" (the server's TLS certificate was rejected: check the URL's host, and give the CA "
+        f"that signed it: {knobs}; verify=False turns checking off)"
+    )
 
 
 def translate(
@@ -571,6 +513,8 @@ def translate(
             status=f.status,
         )
     hint = HINTS.get(f.cause, "")
+    if f.cause == "tls":
+        hint = _tls_hint(url)
     if f.retryable:
         hint = " (raise LoadOptions.retries or LoadOptions.timeout for a flaky store)"
     status = f" HTTP {f.status}" if f.status else ""

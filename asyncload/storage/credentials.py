@@ -41,6 +41,7 @@ __all__ = [
     "AwsChain",
     "CredentialSourceError",
     "GoogleToken",
+    "NoCredentialsFoundError",
     "RequestAuth",
     "botocore_available",
     "google_auth_available",
@@ -63,6 +64,20 @@ class CredentialSourceError(OSError):
     def __init__(self, store: str, source: str, why: str) -> None:
         self.store, self.source = store, source
         super().__init__(f"{store}: no credentials from {source}: {_scrub(why)}")
+
+
+class NoCredentialsFoundError(CredentialSourceError):
+    """Raised by :class:`AwsChain` when no source of botocore's chain held credentials: the
+    message says so, lists where it looked (variables, profile, SSO, web identity, container,
+    instance metadata, each with what it found) and how to give credentials."""
+
+    def __init__(self, store: str, looked: list[str]) -> None:
+        self.store, self.source, self.looked = store, "any source", list(looked)
+        OSError.__init__(
+            self,
+            f"{store}: no AWS credentials were found (give storage_options key=/secret=, "
+            f"a profile, or anon=True for a public bucket); looked in: {'; '.join(looked)}",
+        )
 
 
 def _scrub(text: str) -> str:
@@ -176,11 +191,11 @@ class AwsChain(RequestAuth):
             if self._creds is None:
                 import botocore.session
 
-                creds = botocore.session.Session(profile=self.profile).get_credentials()
+                session = botocore.session.Session(profile=self.profile)
+                imds = _ask_imds_once(session)
+                creds = session.get_credentials()
                 if creds is None:
-                    raise CredentialSourceError(
-                        self.store, self.source, "botocore's credential chain found none"
-                    )
+                    raise NoCredentialsFoundError(self.store, _looked(self.profile, imds))
                 self._creds = creds
                 self.source = _AWS_METHODS.get(str(getattr(creds, "method", "")), self.source)
             frozen = self._creds.get_frozen_credentials()
@@ -215,6 +230,78 @@ _AWS_METHODS = {
     "container-role": "the container credentials endpoint",
     "iam-role": "the instance metadata service (an instance role)",
 }
+
+
+def _ask_imds_once(session: Any) -> dict[str, Any]:
+    """Make the instance metadata service of botocore's chain in ``session`` be asked at most
+    once per retrieval: botocore asks for an IMDSv2 token, then (its answer timed out or was
+    refused) asks again without one, each time with its short default timeout (1 s); here a
+    request after one of the same retrieval that failed to connect or timed out fails at once
+    with the same error (a later refresh, which begins with a token request, asks afresh).
+    Returns what happened (``"error"``: the exception, ``"status"``: the last HTTP status), for
+    the message; an empty record when botocore's internals are not as expected (then
+    botocore's own behaviour stands)."""
+    seen: dict[str, Any] = {"asked": 0, "error": None, "status": None}
+    try:
+        provider = session.get_component("credential_provider").get_provider("iam-role")
+        http = provider._role_fetcher._session
+        send = http.send
+    except Exception:  # another botocore: leave its chain as it is
+        return seen
+
+    def once(request: Any) -> Any:
+        if str(getattr(request, "method", "")).upper() == "PUT":
+            seen["error"] = None  # a token request begins each retrieval (and each refresh)
+        elif seen["error"] is not None:
+            raise seen["error"]
+        seen["asked"] += 1
+        try:
+            answer = send(request)
+        except Exception as exc:
+            seen["error"] = exc
+            raise
+        seen["status"] = answer.status_code
+        return answer
+
+    http.send = once
+    return seen
+
+
+def _looked(profile: str | None, imds: Mapping[str, Any]) -> list[str]:
+    """Where botocore's chain looked for credentials and found none, in words."""
+    env = os.environ
+
+    def state(*names: str) -> str:
+        given = [n for n in names if env.get(n)]
+        return f"{', '.join(given)} set" if given else "unset"
+
+    name = profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
+    files = (
+        env.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials",
+        env.get("AWS_CONFIG_FILE") or "~/.aws/config",
+    )
+    where = (env.get("AWS_EC2_METADATA_SERVICE_ENDPOINT") or "http://169.254.169.254").rstrip("/")
+    if (env.get("AWS_EC2_METADATA_DISABLED") or "").lower() == "true":
+        metadata = "off (AWS_EC2_METADATA_DISABLED=true)"
+    elif imds.get("error") is not None:
+        metadata = f"no answer: {type(imds['error']).__name__}, asked once"
+    elif imds.get("status") is not None:
+        metadata = f"HTTP {imds['status']}, no instance role"
+    else:
+        metadata = "no instance role"
+    keys = state("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    web = state("AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE")
+    container = state(
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"
+    )
+    return [
+        f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY ({keys})",
+        f"profile {name!r} in {files[0]}, {files[1]} (none)",
+        "SSO (none in the profile)",
+        f"web identity (AWS_ROLE_ARN, AWS_WEB_IDENTITY_TOKEN_FILE {web})",
+        f"container (AWS_CONTAINER_CREDENTIALS_* {container})",
+        f"instance metadata at {where} ({metadata})",
+    ]
 
 
 def _aws_source(profile: str | None) -> str:

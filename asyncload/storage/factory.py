@@ -6,9 +6,9 @@ Local files are always there (:mod:`asyncload.storage.local`); the optional back
 imported only when a checkpoint needs them, as torchsnapshot's ``storage_plugin.py`` does:
 the wire transport (:mod:`asyncload.storage.wire`) for ``s3://``, ``gs://``, ``gcs://`` and
 ``http(s)://`` (credentials from another host through botocore's chain or google-auth,
-:mod:`asyncload.storage.credentials`), obstore (:mod:`asyncload.storage.obstore`) for those when
-it cannot serve them (botocore or google-auth not installed), fsspec
-(:mod:`asyncload.storage.fsspec`) when neither can and for every other protocol.
+:mod:`asyncload.storage.credentials`), fsspec (:mod:`asyncload.storage.fsspec`) where wire
+cannot honour an option (said in a log line and ``LoadStats.transport``) and for every other
+protocol.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse, urlsplit
 
-from asyncload._errors import StorageReadError, redact_url
+from asyncload._errors import StorageReadError, redact_text, redact_url
 from asyncload.storage.base import Storage
 from asyncload.storage.local import LocalStorage
 
@@ -63,17 +64,28 @@ def open_storage(
 
     ``transport`` (``LoadOptions.transport``) picks the client for ``s3://``, ``gs://``,
     ``gcs://`` and ``http(s)://``: ``"wire"`` (asyncload's own HTTP/1.1 range reader,
-    :mod:`asyncload.storage.wire`), ``"obstore"``, ``"fsspec"``, or ``"auto"`` (wire where
-    the URL and ``storage_options`` map onto it, else obstore when it is installed and they
-    map onto it, else fsspec; why not is logged at DEBUG). Every other protocol is fsspec's. ``mapped_copies``
-    (``LoadOptions.local_mapped_copies``): local files only, see :mod:`asyncload.storage.mapped`.
-    ``max_listing_size`` (``LoadOptions.max_metadata_size``): the most bytes of an HTTP
-    directory listing.
+    :mod:`asyncload.storage.wire`), ``"fsspec"``, or ``"auto"`` (wire where the URL and
+    ``storage_options`` map onto it, else fsspec: the store's ``transport`` says why, as
+    ``LoadStats.transport`` and an INFO line of the ``asyncload.storage`` logger do).
+    ``"obstore"`` is deprecated (obstore is no longer used): it warns once per call and does
+    what ``"auto"`` does. Every other protocol is fsspec's. ``mapped_copies``
+    (``LoadOptions.local_mapped_copies``): local files only, see
+    :mod:`asyncload.storage.mapped`. ``max_listing_size`` (``LoadOptions.max_metadata_size``):
+    the most bytes of a directory listing.
 
-    Raised: :class:`StorageReadError` for ``transport="obstore"`` when obstore is not
-    installed or cannot honour an option, for ``transport="wire"`` when it cannot honour an
-    option (the message names it).
+    Raised: :class:`StorageReadError` for ``transport="wire"`` when it cannot honour an
+    option (the message names it), and for a ``storage_options`` key no client of an
+    ``s3://``, ``gs://`` or ``http(s)://`` store takes (the message names the closest one).
     """
+    if transport == "obstore":
+        warnings.warn(
+            'LoadOptions.transport="obstore" is deprecated: obstore is no longer used, and '
+            '"obstore" reads as "auto" does (wire for s3://, gs:// and http(s)://, fsspec '
+            'otherwise); pass transport="auto" (or "wire" / "fsspec")',
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        transport = "auto"
     if is_local(checkpoint):
         return LocalStorage(
             str(Path(local_root(checkpoint))), executor, mapped_copies=mapped_copies
@@ -81,64 +93,27 @@ def open_storage(
     s = str(checkpoint)
     protocol = s.split("://", 1)[0]
     options = storage_options or {}
-    made = None
-    if transport in ("wire", "auto"):
-        made = _wire_storage(s, protocol, options, executor, max_listing_size)
-        if isinstance(made, Storage):
-            return made
-        if made is not None and transport == "auto":
-            log.debug("reading %s through obstore, not wire: %s", redact_url(s), made)
-            made = _obstore_storage(s, protocol, options, executor, max_listing_size)
-        elif made is not None:
-            raise StorageReadError(
-                f"{redact_url(s)} cannot be read with LoadOptions.transport='wire': {made} "
-                "(use transport='obstore' or 'fsspec', or 'auto' to choose by itself)",
-                path=redact_url(s),
-            )
-    elif transport != "fsspec":
-        made = _obstore_storage(s, protocol, options, executor, max_listing_size)
+    from asyncload.storage.store_options import unknown_key
+
+    typo = unknown_key(protocol, options)
+    if typo is not None:
+        raise StorageReadError(f"{redact_url(s)}: {typo}", path=redact_url(s))
+    if transport == "fsspec":
+        return _fsspec_storage(s, protocol, options, executor, max_listing_size)
+    made = _wire_storage(s, protocol, options, executor, max_listing_size)
     if isinstance(made, Storage):
         return made
-    if made is not None:  # why obstore cannot read it
-        reason = made
-        if transport == "obstore":
-            raise StorageReadError(
-                f"{s} cannot be read with LoadOptions.transport='obstore': {reason} "
-                "(use transport='fsspec', or 'auto' to fall back by itself)",
-                path=s,
-            )
-        log.debug("reading %s through fsspec, not obstore: %s", redact_url(s), reason)
-    return _fsspec_storage(s, protocol, options, executor, max_listing_size)
-
-
-def _obstore_storage(
-    url: str,
-    protocol: str,
-    options: Mapping[str, Any],
-    executor: concurrent.futures.Executor,
-    max_listing_size: int | None,
-) -> Storage | str | None:
-    """The obstore store for ``url``; why obstore cannot serve it (not installed, an option it
-    cannot honour); or ``None`` for a protocol obstore is not used for. Its HTTP directory
-    listings go through fsspec."""
-    from asyncload.storage.obstore_plan import (
-        OBSTORE_PROTOCOLS,
-        Unmappable,
-        obstore_available,
-        plan_store,
-    )
-
-    if protocol.lower() not in OBSTORE_PROTOCOLS:
-        return None
-    if not obstore_available():
-        return "obstore is not installed (pip install obstore)"
-    try:
-        spec = plan_store(url, options)
-    except Unmappable as exc:
-        return str(exc)
-    from asyncload.storage.obstore import ObstoreStorage
-
-    return ObstoreStorage(url, spec, lister=_lister(url, options, executor, max_listing_size))
+    if made is not None and transport == "wire":
+        raise StorageReadError(
+            f"{redact_url(s)} cannot be read with LoadOptions.transport='wire': {made} "
+            "(use transport='fsspec', or 'auto' to choose by itself)",
+            path=redact_url(s),
+        )
+    store = _fsspec_storage(s, protocol, options, executor, max_listing_size)
+    if made is not None:  # why wire cannot read it: said, never silent
+        log.info("reading %s through fsspec, not wire: %s", redact_url(s), made)
+        store.transport = f"fsspec (wire cannot honour: {made})"
+    return store
 
 
 def _wire_storage(
@@ -151,16 +126,16 @@ def _wire_storage(
     """The wire transport's store for ``url``; why it cannot serve it (an option or a source
     of credentials it does not handle); or ``None`` for a protocol it is not used for. Its
     HTTP directory listings go through fsspec."""
-    from asyncload.storage.obstore_plan import OBSTORE_PROTOCOLS, Unmappable
+    from asyncload.storage.store_options import REMOTE_PROTOCOLS, Unmappable
 
-    if protocol.lower() not in OBSTORE_PROTOCOLS:
+    if protocol.lower() not in REMOTE_PROTOCOLS:
         return None
     from asyncload.storage.wire import WireStorage, plan_wire
 
     try:
         spec = plan_wire(url, options, executor)
     except Unmappable as exc:
-        return str(exc)
+        return redact_text(str(exc))
     lister = _lister(url, options, executor, max_listing_size)
     return WireStorage(url, spec, lister=lister, max_listing_size=max_listing_size)
 

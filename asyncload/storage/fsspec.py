@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import codecs
 import concurrent.futures
+import errno
 import logging
+import os
 import posixpath
 import sys
 import types
@@ -33,6 +35,7 @@ from asyncload.storage.base import (
     RangeMismatchError,
     ShortReadError,
     VersionPins,
+    check_identity,
     first_byte,
     origin_of,
 )
@@ -55,6 +58,8 @@ class FsspecStorage(VersionPins):
     store, with its timeouts, backoff, hedging and ``LoadStats.retries`` counting. Options
     the caller gives in ``storage_options`` (e.g. ``config_kwargs={"retries": ...}``) win.
     """
+
+    transport = "fsspec"
 
     hedgeable = True
 
@@ -90,6 +95,19 @@ class FsspecStorage(VersionPins):
         opts = dict(self._options)
         if self.is_async:
             opts.setdefault("skip_instance_cache", True)
+        _tls_options(self.protocol, self._cls, opts)
+        if self.protocol in ("http", "https"):
+            # aiohttp asks for gzip by default, and a server that compresses answers a ranged
+            # GET with a compressed 200 and a weak ETag: ask for the bytes as they are stored
+            headers = dict(opts.get("headers") or {})
+            if not any(k.lower() == "accept-encoding" for k in headers):
+                headers["Accept-Encoding"] = "identity"
+            opts["headers"] = headers
+            # aiohttp ignores HTTP(S)_PROXY / NO_PROXY unless asked: honour them as requests,
+            # curl and the wire transport do (a load must not go around the proxy)
+            client = dict(opts.get("client_kwargs") or {})
+            client.setdefault("trust_env", True)
+            opts["client_kwargs"] = client
         if _is_s3(self._cls):
             config = dict(opts.get("config_kwargs") or {})
             # botocore: one attempt, no retry of its own (asyncload retries)
@@ -270,6 +288,9 @@ class FsspecStorage(VersionPins):
                     self.url(name), (start, end), seen, _http_version(r.headers)
                 )
             fs._raise_not_found_for_status(r, path)
+            if r.headers.get("Content-Encoding"):
+                r.close()  # never read: its bytes are not the file's
+                check_identity(self.url(name), r.headers)
             self._see(name, _http_version(r.headers), (start, end))
             length = r.headers.get("Content-Length")
             if r.status == 206:
@@ -315,15 +336,52 @@ class FsspecStorage(VersionPins):
                 ):
                     raise cause from None
                 raise
+            except OSError as exc:
+                if isinstance(exc, PermissionError) or (
+                    type(exc) is OSError and exc.errno == errno.EINVAL
+                ):
+                    # s3fs' HEAD answer has no body, so no error code: a wrong secret, an
+                    # unknown key, a refused one ("Forbidden"), a bad session token ("Bad
+                    # Request"). One GET of a byte says which.
+                    raise await self._s3_refusal(fs, path) or exc from exc
+                raise
         else:
             loop = asyncio.get_running_loop()
             info = await loop.run_in_executor(self._executor, fs.info, path)
         size = info.get("size")
+        if size is None and self.is_async and self.protocol in ("http", "https"):
+            await self._check_http_encoding(fs, name, path)
         if size is None:
             raise OSError(f"{self.url(name)}: the store did not report a size")
         self._see(name, self._version_of(info))
         self._totals.setdefault(name, int(size))  # what every Content-Range must give as the total
         return int(size)
+
+    async def _s3_refusal(self, fs: Any, path: str) -> BaseException | None:
+        """The error S3 gives for a GET of the first byte of ``path`` (botocore's
+        ``ClientError``, with the code its HEAD could not carry: SignatureDoesNotMatch,
+        InvalidAccessKeyId, InvalidToken, AccessDenied...); ``None`` where it is no S3 store
+        or the GET succeeds."""
+        if not _is_s3(self._cls):
+            return None
+        try:
+            bucket, key, _ = fs.split_path(path)
+            client = await fs.set_session()
+            resp = await client.get_object(Bucket=bucket, Key=key, Range="bytes=0-0")
+            resp["Body"].close()
+        except Exception as exc:
+            return exc if getattr(exc, "response", None) is not None else None
+        return None
+
+    async def _check_http_encoding(self, fs: Any, name: str, path: str) -> None:
+        """Why an HTTP server gave no size: it compresses what it serves (a compressed answer
+        has no length of the file's), raised as :class:`CompressedAnswerError`."""
+        kw = dict(fs.kwargs)
+        headers = {**dict(kw.pop("headers", None) or {}), "Range": "bytes=0-0"}
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+            r.close()  # its body is never read
+            check_identity(self.url(name), r.headers)
 
     def _version_of(self, info: Mapping[str, Any]) -> str | None:
         """The version a listing or ``info`` entry reports, in the form reads compare."""
@@ -577,6 +635,40 @@ def _shared_aio_session() -> Any:
 
         sess = _aio_sessions[loop] = aiobotocore.session.AioSession()
     return sess
+
+
+def _tls_options(protocol: str, cls: type, opts: dict[str, Any]) -> None:
+    """The TLS knobs the wire transport takes (``ca_bundle``, a plain ``verify``), in the form
+    of the fsspec filesystem: S3 ``client_kwargs={"verify": ...}`` (botocore's); HTTP(S)
+    aiohttp's ``ssl`` (a context with the bundle added to the system roots, or ``False``;
+    ``REQUESTS_CA_BUNDLE`` too, as wire reads it). gcsfs has no such knob: refused, never
+    dropped."""
+    bundle, verify = opts.pop("ca_bundle", None), opts.pop("verify", None)
+    if bundle is None and verify is None and protocol not in ("http", "https"):
+        return
+    if _is_s3(cls):
+        ck = dict(opts.get("client_kwargs") or {})
+        if verify is False:
+            ck["verify"] = False
+        elif bundle is not None or isinstance(verify, str):
+            ck["verify"] = os.fspath(bundle if bundle is not None else verify)
+        opts["client_kwargs"] = ck
+    elif protocol in ("http", "https"):
+        import ssl
+
+        path = bundle if bundle is not None else verify if isinstance(verify, str) else None
+        path = path or os.environ.get("REQUESTS_CA_BUNDLE")
+        if verify is False:
+            opts["ssl"] = False
+        elif path and "ssl" not in opts:
+            ctx = ssl.create_default_context()
+            ctx.load_verify_locations(cafile=os.fspath(path))
+            opts["ssl"] = ctx
+    else:
+        raise ValueError(
+            f"storage_options ca_bundle / verify are not taken by the fsspec filesystem of "
+            f"{protocol}:// (use transport='wire', or SSL_CERT_FILE)"
+        )
 
 
 def _is_s3(cls: type) -> bool:

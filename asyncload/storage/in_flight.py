@@ -22,7 +22,7 @@ __all__ = ["InFlight", "InFlightRequest"]
 @dataclass(frozen=True)
 class InFlightRequest:
     """One storage request that had not ended when it was looked at (an element of
-    :attr:`RankProgress.in_flight <asyncload.RankProgress.in_flight>`).
+    :attr:`RankProgress.in_flight <asyncload.distributed.RankProgress.in_flight>`).
 
     ``path``: the file's URL or local path (a password or signature shown as ``***``);
     ``byte_range``: half-open ``(start, end)``, ``None`` for a whole-file call (a size, a

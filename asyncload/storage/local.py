@@ -33,10 +33,12 @@ __all__ = ["LocalStorage"]
 class LocalStorage(Storage):
     """Positional reads (``os.preadv``) from a thread pool, straight into caller memory.
 
-    aiofiles was measured slower for this job (its ``read`` allocates a new bytes
-    object per call and it cannot read into a caller's buffer at an offset);
-    see ``docs/performance.md``.
+    Not aiofiles, which is slower for this job (its ``read`` allocates a new bytes object
+    per call and it cannot read into a caller's buffer at an offset): figures in
+    ``docs/performance.md``.
     """
+
+    transport = "local"
 
     supports_readinto = True
     calls_inline = True

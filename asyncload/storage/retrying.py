@@ -3,8 +3,7 @@ and jitter, hedging of stragglers, and the one place where storage errors become
 errors (what they mean and what they become: :mod:`asyncload.storage.classify`).
 
 The policy (the same for every store: the fsspec filesystems' own retry loops are
-turned off in :mod:`asyncload.storage.fsspec`, obstore's in
-:mod:`asyncload.storage.obstore_plan`):
+turned off in :mod:`asyncload.storage.fsspec`; the wire transport has none of its own):
 
 * **Timeout with a shared, progress-extended deadline.** An attempt fails with a
   timeout once ``LoadOptions.timeout`` seconds have passed both since it started and
@@ -26,7 +25,7 @@ turned off in :mod:`asyncload.storage.fsspec`, obstore's in
 
   - *body*: ``max(floor, hedge_factor x p90)`` of recent comparable reads (same size or
     larger, scaled to this chunk's size), the cold delay before 4 of them have finished;
-  - *first byte* (stores that tell when an answer begins: obstore): a request whose
+  - *first byte* (stores that tell when an answer begins: wire): a request whose
     answer has not begun after ``max(floor, hedge_factor x p90)`` of recent first-byte
     latencies, while requests asked for after it have had theirs (a stalled GET is
     caught after a few round trips, not after the whole chunk's time).
@@ -338,6 +337,8 @@ class RetryingStorage:
         self._hedge_policy = hedge
         self.hedge = hedge if storage.hedgeable and hedge.enabled else None
         self.stats = stats
+        if storage.transport:
+            stats.set(transport=storage.transport)
         self.executor = executor
         #: The load's clock: the timeout's progress, latencies that drive hedging.
         self.clock = clock if clock is not None else LoadClock()
@@ -453,7 +454,7 @@ class RetryingStorage:
 
     async def read_prefix(self, name: str, n: int) -> tuple[memoryview, int]:
         """The first ``n`` bytes of file ``name`` (all of it when shorter) and its size: one
-        request where the store can (obstore), a size and a read otherwise. Counted in
+        request where the store can (wire), a size and a read otherwise. Counted in
         ``bytes_read``."""
         raw = self.raw
         data, size = await self._call(

@@ -17,26 +17,31 @@ message. Timeouts, retries and hedging are the error boundary's
 (:mod:`asyncload.storage.classify`).
 
 :func:`plan_wire` maps the fsspec-style ``storage_options`` (through
-:func:`asyncload.storage.obstore_plan.plan_store`, which refuses what it cannot honour).
+:func:`asyncload.storage.store_options.plan_store`, which refuses what it cannot honour).
 Credentials that come from another host (botocore's chain: a profile, SSO, web identity, a
 container endpoint, an instance role; GCS OAuth through google-auth) are fetched and refreshed
 by :mod:`asyncload.storage.credentials`; without botocore (or google-auth) installed
-:class:`asyncload.storage.obstore_plan.Unmappable` is raised, and ``transport="auto"`` then
-uses obstore.
+:class:`asyncload.storage.store_options.Unmappable` is raised, and ``transport="auto"`` then
+reads through fsspec (and says so). With ``addressing_style="virtual"`` the bucket goes in
+the host as botocore puts it (:func:`_virtual`), never in a way that reaches another bucket.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import json
+import logging
 import os
+import re
 import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlencode, urljoin, urlsplit
+from urllib.parse import quote, urlencode, urljoin, urlsplit, urlunsplit
 
+from asyncload._errors import CheckpointFormatError, redact_url
 from asyncload.storage.base import (
     CrossOriginRedirectError,
     Listed,
@@ -47,6 +52,7 @@ from asyncload.storage.base import (
     RangeMismatchError,
     ShortReadError,
     Storage,
+    check_identity,
     first_byte,
     origin_of,
     parse_content_range,
@@ -55,9 +61,11 @@ from asyncload.storage.credentials import RequestAuth
 from asyncload.storage.sigv4 import SigV4
 from asyncload.storage.wire_http import BodyTooLongError, Pool, Response
 
-__all__ = ["WireSpec", "WireStorage", "plan_wire"]
+log = logging.getLogger("asyncload.storage")
 
-#: The first GET of a ``.metadata`` asks for at most this many bytes (as obstore's).
+__all__ = ["WireSpec", "WireStorage", "plan_wire", "requote_path", "requote_url"]
+
+#: The first GET of a ``.metadata`` asks for at most this many bytes .
 OBJECT_PREFIX = 4 << 20
 #: Redirects within the origin followed at most.
 MAX_REDIRECTS = 5
@@ -82,15 +90,21 @@ class WireSpec:
     auth: RequestAuth | None = field(default=None, repr=False)
     cadata: str | None = field(default=None, repr=False)
     verify: bool = True
+    #: the forwarding proxy requests go through (``http://[user:pass@]host:port``; never in
+    #: ``repr``) and where it was set (``HTTPS_PROXY``, ``proxies['https']``...)
+    proxy: str | None = field(default=None, repr=False)
+    proxy_source: str = ""
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix and name else (self.prefix or name)
 
     def object_url(self, name: str) -> str:
-        """The URL of file ``name`` (path URI-encoded as sent)."""
+        """The URL of file ``name`` (path URI-encoded as sent). For HTTP, ``name`` is a path
+        segment as a URL gives it: encoded as UTF-8 where it is raw (a space, ``✓``), its
+        ``%XX`` escapes kept (:func:`requote_path`); an S3 or GCS key is literal."""
         base = self.base.rstrip("/")
         if self.kind == "http":
-            return f"{base}/{quote(name, safe='/~')}" if name else base
+            return f"{base}/{requote_path(name)}" if name else base
         key = quote(self.key(name), safe="/~")
         if self.kind == "s3" and self.virtual:
             p = urlsplit(base)
@@ -133,26 +147,28 @@ def plan_wire(
     """The wire transport's plan for checkpoint ``url`` with fsspec-style ``storage_options``
     (``executor``: where credentials from another host are fetched and refreshed).
 
-    Raised: :class:`asyncload.storage.obstore_plan.Unmappable` naming what it cannot honour."""
+    Raised: :class:`asyncload.storage.store_options.Unmappable` naming what it cannot honour."""
     from asyncload.storage.credentials import (
         AwsChain,
         GoogleToken,
         botocore_available,
         google_auth_available,
     )
-    from asyncload.storage.obstore_plan import Unmappable, plan_store
+    from asyncload.storage.store_options import Unmappable, plan_store
 
-    spec = plan_store(url, storage_options, for_obstore=False)
+    spec = plan_store(url, storage_options)
     client = spec.client_options
     cadata = client.get("root_certificate")
     verify = not client.get("allow_invalid_certificates", False)
+    proxy = {"proxy": client.get("proxy"), "proxy_source": client.get("proxy_source", "")}
     if spec.kind == "http":
         return WireSpec(
             "http",
-            str(spec.url),
+            requote_url(str(spec.url)),
             headers=dict(client.get("default_headers") or {}),
             cadata=cadata,
             verify=verify,
+            **proxy,
         )
     cfg = spec.config
     auth: RequestAuth | None = None
@@ -166,15 +182,21 @@ def plan_wire(
             auth = GoogleToken(url, spec.source.get("token"), executor=executor)
         base = cfg.get("base_url") or "https://storage.googleapis.com"
         return WireSpec(
-            "gcs", base, spec.bucket, spec.prefix or "", auth=auth, cadata=cadata, verify=verify
+            "gcs",
+            base,
+            spec.bucket,
+            spec.prefix or "",
+            auth=auth,
+            cadata=cadata,
+            verify=verify,
+            **proxy,
         )
     payer = bool(cfg.get("request_payer"))
     region = str(cfg.get("region") or "us-east-1")
     endpoint = cfg.get("endpoint")
-    virtual = bool(cfg.get("virtual_hosted_style_request"))
+    virtual = _virtual(str(spec.bucket), endpoint, cfg.get("addressing_style"))
     if endpoint is None:
         endpoint = f"https://s3.{region}.amazonaws.com"
-        virtual = "." not in str(spec.bucket)  # botocore's "auto": virtual where DNS allows
     signer = None
     if not cfg.get("skip_signature"):
         key = cfg.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID")
@@ -203,7 +225,64 @@ def plan_wire(
         auth=auth,
         cadata=cadata,
         verify=verify,
+        **proxy,
     )
+
+
+#: What RFC 3986 allows unencoded in a path (``pchar`` and ``/``), and ``%`` of an escape.
+_PATH_SAFE = "/!$&'()*+,;=:@-._~"
+_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def requote_path(path: str) -> str:
+    """``path`` as a URL sends it, as curl and requests send a URL given raw: each character
+    RFC 3986 does not allow in a path percent-encoded as UTF-8 (``" "`` -> ``%20``, ``✓`` ->
+    ``%E2%9C%93``, ``ü`` -> ``%C3%BC``), a ``%XX`` escape kept as given (an encoded path stays
+    as it is), a ``%`` that starts no escape encoded (``%25``)."""
+    out = []
+    pos = 0
+    for m in _ESCAPE.finditer(path):
+        out.append(quote(path[pos : m.start()], safe=_PATH_SAFE))
+        out.append(m.group(0).upper())
+        pos = m.end()
+    out.append(quote(path[pos:], safe=_PATH_SAFE))
+    return "".join(out)
+
+
+def requote_url(url: str) -> str:
+    """``url`` with its path requoted (:func:`requote_path`) and its query's raw characters
+    encoded the same way; scheme, host and port as given."""
+    p = urlsplit(url)
+    query = quote(p.query, safe=_PATH_SAFE + "?%") if p.query else ""
+    return urlunsplit((p.scheme, p.netloc, requote_path(p.path), query, p.fragment))
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def _virtual(bucket: str, endpoint: str | None, style: str | None) -> bool:
+    """Whether the bucket goes in the host (``bucket.endpoint-host``), as botocore's S3
+    endpoint rules put it: AWS's own endpoint unless ``addressing_style="path"``; an
+    ``endpoint_url`` only with ``addressing_style="virtual"``, and not for a host that is an
+    IP address (botocore then keeps the path style). Either way a bucket whose name is not a
+    DNS label (dots under https, capitals, underscores) stays in the path: no request ever
+    goes to a host that names another bucket."""
+    if style == "path" or (endpoint is not None and style != "virtual"):
+        return False
+    if endpoint is not None:
+        host = urlsplit(endpoint).hostname or ""
+        try:
+            ipaddress.ip_address(host)
+            return False
+        except ValueError:
+            pass
+        secure = not endpoint.lower().startswith("http://")
+    else:
+        secure = True
+    labels = bucket.split(".")
+    if secure and len(labels) > 1:
+        return False
+    return 3 <= len(bucket) <= 63 and all(_DNS_LABEL.fullmatch(x) for x in labels)
 
 
 def _etag(value: str | None) -> str | None:
@@ -214,9 +293,11 @@ def _etag(value: str | None) -> str | None:
 
 class WireStorage(ListedStore):
     """S3, GCS or HTTP(S) through asyncload's own HTTP/1.1 client (one connection pool per
-    origin, dropped by :meth:`aclose`). Versions are pinned as :class:`ObstoreStorage` pins
-    them (S3: ETag; GCS: generation; HTTP: ETag, else Last-Modified). HTTP directory listings
-    go through the store ``lister()`` makes (the factory's: fsspec's)."""
+    origin, dropped by :meth:`aclose`). Versions are pinned (S3: ETag; GCS: generation; HTTP:
+    ETag, else Last-Modified). HTTP directory listings go through the store ``lister()``
+    makes (the factory's: fsspec's)."""
+
+    transport = "wire"
 
     hedgeable = True
     receives_into = True
@@ -232,6 +313,19 @@ class WireStorage(ListedStore):
     ) -> None:
         super().__init__(root, lister=lister)
         self.spec = spec
+        if spec.proxy:
+            log.debug(
+                "reading %s through the proxy %s (%s)",
+                redact_url(root),
+                redact_url(spec.proxy),
+                spec.proxy_source,
+            )
+        if not spec.verify and spec.object_url("x").startswith("https://"):
+            log.warning(
+                "TLS certificate verification is off for %s (storage_options verify=False): "
+                "any server on the way can read and change what this load reads",
+                redact_url(root),
+            )
         self._origin = origin_of(spec.object_url("x"))
         #: origin -> its pool (the checkpoint's only: nothing else is ever asked)
         self._pools: dict[str, Pool] = {}
@@ -255,11 +349,13 @@ class WireStorage(ListedStore):
             if scheme == "https" and self._ssl is None:
                 self._ssl = self.spec.ssl_context()
             port = p.port or (443 if scheme == "https" else 80)
-            pool = self._pools[origin] = Pool(scheme, p.hostname or "", port, self._ssl)
+            pool = self._pools[origin] = Pool(
+                scheme, p.hostname or "", port, self._ssl, proxy=self.spec.proxy
+            )
         return pool
 
     async def _headers(self, method: str, url: str, extra: Mapping[str, str]) -> dict[str, str]:
-        headers = dict(self.spec.headers)
+        headers = {"Accept-Encoding": "identity", **self.spec.headers}
         headers.update(extra)
         signer, auth = self.spec.signer, self.spec.auth
         p = urlsplit(url)
@@ -312,6 +408,13 @@ class WireStorage(ListedStore):
         modified = headers.get("last-modified")
         return f"last-modified {modified}" if self.spec.kind == "http" and modified else None
 
+    def _identity(self, name: str, headers: Mapping[str, str]) -> None:
+        """Refuse a compressed answer of an HTTP server (nginx with ``gzip on``): its bytes
+        are not the file's. An S3 or GCS object's ``Content-Encoding`` is metadata stored
+        with it, its bytes served as stored: not refused here."""
+        if self.spec.kind == "http":
+            check_identity(self.url(name), headers)
+
     def _see_headers(
         self, name: str, headers: Mapping[str, str], byte_range: tuple[int, int] | None
     ) -> None:
@@ -336,6 +439,7 @@ class WireStorage(ListedStore):
             if resp.status >= 300:
                 raise await resp.error()
             first_byte()  # the answer has begun: the hedge's first-byte clock
+            self._identity(name, resp.headers)
             self._see_headers(name, resp.headers, (start, end))
             if resp.status != 206:
                 # a 200: the whole file, acceptable only where it is exactly the range
@@ -388,9 +492,9 @@ class WireStorage(ListedStore):
         return memoryview(out)
 
     async def read_object(self, name: str, max_size: int) -> tuple[memoryview | None, int]:
-        """As :meth:`ObstoreStorage.read_object`: one ranged GET of the first
-        ``min(max_size, OBJECT_PREFIX)`` bytes gives the size; a larger file within
-        ``max_size`` takes one more GET of the rest, conditional on that version."""
+        """One ranged GET of the first ``min(max_size, OBJECT_PREFIX)`` bytes gives the size;
+        a larger file within ``max_size`` takes one more GET of the rest, conditional on that
+        version."""
         first, size = await self.read_prefix(name, min(max_size, OBJECT_PREFIX))
         if size > max_size:
             return None, size
@@ -418,6 +522,7 @@ class WireStorage(ListedStore):
             if resp.status >= 300:
                 raise await resp.error()
             first_byte()
+            self._identity(name, resp.headers)
             self._see_headers(name, resp.headers, (0, n))
             if resp.status == 200:
                 if resp.length is None or resp.length > n:
@@ -455,6 +560,7 @@ class WireStorage(ListedStore):
         try:
             if resp.status >= 300:
                 raise await resp.error()
+            self._identity(name, resp.headers)
             self._see_headers(name, resp.headers, None)
             length = resp.headers.get("content-length", "")
         finally:
@@ -472,9 +578,9 @@ class WireStorage(ListedStore):
         if (
             self.spec.kind == "s3"
             and self._listing is not None
-            and "xml.etree.ElementTree" not in sys.modules
+            and "defusedxml.ElementTree" not in sys.modules
         ):
-            import xml.etree.ElementTree  # noqa: F401
+            import defusedxml.ElementTree  # noqa: F401
 
     async def _list(self) -> list[Listed]:
         """``(name, size, version)`` of every file directly under the root (S3, GCS), all
@@ -496,7 +602,7 @@ class WireStorage(ListedStore):
             if self.spec.kind == "gcs":
                 page, token = _gcs_page(bytes(body), prefix)
             else:
-                page, token = _s3_page(bytes(body), prefix)
+                page, token = _s3_page(bytes(body), prefix, self.url(""))
             out.extend(page)
             if not token:
                 return out
@@ -509,12 +615,26 @@ class WireStorage(ListedStore):
             await pool.aclose()
 
 
-def _s3_page(body: bytes, prefix: str) -> tuple[list[Listed], str | None]:
-    """One ListObjectsV2 page: its files (names relative to the root) and the next token."""
+def _s3_page(body: bytes, prefix: str, url: str = "") -> tuple[list[Listed], str | None]:
+    """One ListObjectsV2 page: its files (names relative to the root) and the next token.
+
+    Parsed without a DTD, entity or external reference (defusedxml): S3 never sends one, and
+    an entity expanded in memory would turn a listing within ``max_metadata_size`` into
+    hundreds of times as much (a "billion laughs"). Raised: ``CheckpointFormatError`` for a
+    listing that declares any, ``ConnectionError`` for one that is not XML."""
     import xml.etree.ElementTree as ET
 
+    import defusedxml.ElementTree as safe_et
+    from defusedxml import DefusedXmlException
+
     try:
-        root = ET.fromstring(body)
+        root = safe_et.fromstring(body, forbid_dtd=True, forbid_entities=True)
+    except DefusedXmlException as exc:
+        raise CheckpointFormatError(
+            f"the listing of {redact_url(url) or 'the checkpoint'} declares a DTD or an entity "
+            f"({type(exc).__name__}), which no S3 listing does: refused unparsed (is the "
+            "endpoint_url an S3 store?)"
+        ) from None
     except ET.ParseError as exc:
         raise ConnectionError(f"a listing that is not XML: {exc}") from None
     ns = root.tag.partition("}")[0] + "}" if root.tag.startswith("{") else ""

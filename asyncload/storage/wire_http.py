@@ -8,6 +8,12 @@ What a connection holds at any time::
     idle --send()--> head --headers in--> body --read_into() / read() / discard()--> idle
       \\________________ any error, cancel, or a body not read to its end: aborted ____/
 
+A connection goes back to its pool only when its answer was read whole and nothing past it
+arrived; one that receives a byte while idle (a late duplicate answer, a body after a HEAD,
+204 or 304 in its own packet), or whose socket holds one when it is taken, is closed and
+never sent another request: an answer is read only from a connection whose previous answer
+was read to its end.
+
 Only as many bytes as the answer's framing says are asked of the socket while a body lands in
 caller memory (``get_buffer`` offers exactly what is left), so a body longer than promised is
 never read into it. Bytes past the head that arrived with it are copied once (at most one
@@ -19,12 +25,15 @@ receive's worth). Raw errors only (:class:`HTTPStatusError`, ``ConnectionError``
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
+import select
 import socket
 import ssl as _ssl
 from collections.abc import Callable, Sequence
+from urllib.parse import unquote, urlsplit
 
-from asyncload.storage.base import ShortReadError
+from asyncload.storage.base import ProtocolMismatchError, ShortReadError
 
 __all__ = [
     "BodyTooLongError",
@@ -32,6 +41,7 @@ __all__ = [
     "HTTPStatusError",
     "NotFoundError",
     "Pool",
+    "ProxyError",
     "Response",
 ]
 
@@ -101,6 +111,12 @@ class Connection(asyncio.BufferedProtocol):
         self.reusable = True
         #: requests sent on it (a stale keep-alive connection is retried once, if it was reused)
         self.uses = 0
+        #: where it is connected (``scheme://host:port``), for messages
+        self.where = "the server"
+        #: in its pool between answers: any byte received now is not an answer to anything
+        #: asked (a late duplicate, a body after a HEAD, 204 or 304), and the connection is
+        #: never used again
+        self.idle = False
 
     def __repr__(self) -> str:
         state = "lost" if self._lost or self._eof else "open"
@@ -128,6 +144,8 @@ class Connection(asyncio.BufferedProtocol):
                     self._wake()
             return
         self._inbox += self._scratch_view[:nbytes]
+        if self.idle:
+            self.reusable = False
         if len(self._inbox) > 4 * _SCRATCH and self.transport is not None and not self._paused:
             self._paused = True
             self.transport.pause_reading()
@@ -177,6 +195,10 @@ class Connection(asyncio.BufferedProtocol):
     def send(self, data: bytes) -> None:
         if self.transport is None or self.closed:
             raise self._ended()
+        if self._inbox or (not self.reusable and self.uses):
+            # bytes no request of this connection asked for: never read as this one's answer
+            raise ConnectionError("a connection that holds bytes it was not asked for")
+        self.idle = False
         self.uses += 1
         self.transport.write(data)
 
@@ -184,6 +206,11 @@ class Connection(asyncio.BufferedProtocol):
         """The status, reason and headers (lower-case names) of the next answer that is not
         an interim 1xx."""
         while True:
+            first = bytes(self._inbox[:9])
+            if (len(first) >= 9 or (first and self.closed)) and not (
+                first.startswith(b"HTTP/") or b"HTTP/".startswith(first)
+            ):
+                raise ProtocolMismatchError(self.where, _spoken(first))
             end = self._inbox.find(b"\r\n\r\n")
             if end < 0:
                 if len(self._inbox) > MAX_HEAD:
@@ -196,6 +223,8 @@ class Connection(asyncio.BufferedProtocol):
             del self._inbox[: end + 4]
             lines = head.split("\r\n")
             parts = lines[0].split(" ", 2)
+            if parts[0].startswith("HTTP/") and not parts[0].startswith("HTTP/1."):
+                raise ProtocolMismatchError(self.where, parts[0][:12])
             if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
                 raise ConnectionError(f"not an HTTP/1.1 answer: {lines[0][:80]!r}")
             status = int(parts[1])
@@ -397,9 +426,48 @@ class Response:
         return cls(self.url, self.status, self.reason, self.headers, body)
 
 
+def _spoken(head: bytes) -> str:
+    """What the first bytes of an answer that is not HTTP/1.x speak: an HTTP/2 frame
+    (SETTINGS or GOAWAY on stream 0: an h2c-only port answering an HTTP/1.1 request), TLS (a
+    record's header: an https port asked in plain http), or something else."""
+    if len(head) >= 9 and head[3] in (0x04, 0x07) and head[5:9] == bytes(4):
+        return "HTTP/2 (h2c: HTTP/2 without TLS)"
+    if head[:1] == b"\x15" or head[:1] == b"\x16":
+        return "TLS (an https:// port asked in plain http://)"
+    return f"something that is not HTTP ({head[:9]!r})"
+
+
+def _readable(conn: Connection) -> bool:
+    """Whether ``conn``'s socket has bytes (or an end) the loop has not delivered yet."""
+    transport = conn.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+            return bool(poller.poll(0))
+        return bool(select.select([sock.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True  # a socket that cannot be asked is not trusted with an answer
+
+
+class ProxyError(OSError):
+    """A forwarding proxy refused to carry a request (its status, e.g. 407 without or with
+    wrong credentials, 403, 502), named without the proxy's ``user:pass@``."""
+
+    def __init__(self, proxy: str, status: int, reason: str, target: str) -> None:
+        super().__init__(f"the proxy {proxy} answered {status} {reason} for {target}")
+        self.proxy, self.status, self.target = proxy, status, target
+
+
 class Pool:
     """Keep-alive connections to one origin (``scheme``, ``host``, ``port``); TLS through the
-    loop's ``ssl`` with ``ssl_context``. Mutable state: the idle connections (most recent
+    loop's ``ssl`` with ``ssl_context``; through the forwarding ``proxy``
+    (``http://[user:pass@]host:port``) where one is given: an ``http://`` origin's requests
+    are sent to it with an absolute URI, an ``https://`` origin is reached by ``CONNECT`` and
+    TLS with the origin inside the tunnel. Mutable state: the idle connections (most recent
     last) and whether it is closed."""
 
     def __init__(
@@ -410,10 +478,20 @@ class Pool:
         ssl_context: _ssl.SSLContext | None,
         *,
         max_idle: int = 256,
+        proxy: str | None = None,
     ) -> None:
         self.scheme, self.host, self.port = scheme, host, port
         self.ssl = ssl_context if scheme == "https" else None
         self.max_idle = max_idle
+        self._proxy: tuple[str, int, str | None, str] | None = None
+        if proxy:
+            p = urlsplit(proxy)
+            auth = None
+            if p.username is not None:
+                raw = f"{unquote(p.username)}:{unquote(p.password or '')}".encode()
+                auth = "Basic " + base64.b64encode(raw).decode("ascii")
+            shown = f"http://{p.hostname}:{p.port or 80}"  # never its user:pass@
+            self._proxy = (p.hostname or "", p.port or 80, auth, shown)
         self._idle: list[Connection] = []
         self._closed = False
         #: connections opened (for tests and stats)
@@ -431,20 +509,37 @@ class Pool:
         default = 443 if self.scheme == "https" else 80
         return host if self.port == default else f"{host}:{self.port}"
 
+    @property
+    def proxy(self) -> str | None:
+        """The proxy's ``http://host:port`` (without credentials), or ``None``."""
+        return self._proxy[3] if self._proxy else None
+
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
+        host, port = (self._proxy[0], self._proxy[1]) if self._proxy else (self.host, self.port)
+        direct_tls = self.ssl if self._proxy is None else None
         try:
             _, conn = await loop.create_connection(
                 Connection,
-                self.host,
-                self.port,
-                ssl=self.ssl,
-                server_hostname=self.host if self.ssl is not None else None,
+                host,
+                port,
+                ssl=direct_tls,
+                server_hostname=self.host if direct_tls is not None else None,
             )
         except (ConnectionRefusedError, socket.gaierror) as exc:  # named with the endpoint
-            where = f"{self.scheme}://{self.host_header}"
-            raise type(exc)(exc.errno, f"could not connect to {where} ({exc.strerror})") from exc
+            where = self.proxy or f"{self.scheme}://{self.host_header}"
+            what = "the proxy " if self._proxy else ""
+            raise type(exc)(
+                exc.errno, f"could not connect to {what}{where} ({exc.strerror})"
+            ) from exc
         self.opened += 1
+        conn.where = f"{self.scheme}://{self.host_header}"
+        if self._proxy is not None and self.ssl is not None:
+            try:
+                await self._tunnel(conn)
+            except BaseException:
+                conn.abort()
+                raise
         sock = conn.transport.get_extra_info("socket") if conn.transport else None
         if sock is not None:
             try:
@@ -453,7 +548,32 @@ class Pool:
                 pass
         return conn
 
+    async def _tunnel(self, conn: Connection) -> None:
+        """``CONNECT host:port`` through the proxy on ``conn``, then TLS with the origin
+        inside the tunnel (its certificate checked against the origin's name)."""
+        assert self._proxy is not None and self.ssl is not None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        authority = f"{host}:{self.port}"
+        lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
+        if self._proxy[2]:
+            lines.append(f"Proxy-Authorization: {self._proxy[2]}")
+        conn.send(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        conn.where = self._proxy[3]
+        status, reason, _ = await conn.read_head()
+        if status != 200:
+            raise ProxyError(self._proxy[3], status, reason, f"CONNECT {authority}")
+        if conn._inbox:
+            raise ConnectionError(f"the proxy {self._proxy[3]} sent bytes past its CONNECT answer")
+        loop = asyncio.get_running_loop()
+        assert conn.transport is not None
+        tls = await loop.start_tls(conn.transport, conn, self.ssl, server_hostname=self.host)
+        conn.transport = tls
+        conn.where = f"{self.scheme}://{self.host_header}"
+        conn.uses = 0  # the tunnel's CONNECT is not a request of the origin's
+
     def release(self, conn: Connection) -> None:
+        """Keep ``conn`` for the next request (its answer was read whole), unless it holds a
+        byte past that answer, was told to close, or the pool is full or closed."""
         if (
             self._closed
             or not conn.reusable
@@ -463,7 +583,20 @@ class Pool:
         ):
             conn.abort()
             return
+        conn.idle = True
         self._idle.append(conn)
+
+    def _take_idle(self) -> Connection | None:
+        """The most recent idle connection that is still clean: open, nothing received
+        while it was idle, nothing waiting in its socket (bytes the loop has not delivered
+        yet: a late answer still on its way in); the others are closed."""
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.closed or not conn.reusable or conn._inbox or _readable(conn):
+                conn.abort()
+                continue
+            return conn
+        return None
 
     async def request(
         self,
@@ -478,15 +611,14 @@ class Pool:
         answer's head."""
         if self._closed:
             raise ConnectionError("the connection pool is closed")
+        if self._proxy is not None and self.ssl is None:  # plain http through the proxy
+            target = f"http://{self.host_header}{target}"
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host_header}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
+        if self._proxy is not None and self.ssl is None and self._proxy[2]:
+            lines.append(f"Proxy-Authorization: {self._proxy[2]}")
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        conn = None
-        while self._idle and conn is None:  # one the server closed while idle is dropped
-            conn = self._idle.pop()
-            if conn.closed:
-                conn.abort()
-                conn = None
+        conn = self._take_idle()
         if conn is None:
             conn = await self._connect()
         try:

@@ -2,7 +2,7 @@
 
 * :mod:`asyncload.testing.servers` - :class:`S3Server` (moto), :class:`GCSServer`
   (fake-gcs-server), :class:`HTTPRangeServer` (aiohttp, exact ``Range``),
-  optional :class:`S3rverServer` (Node s3rver), and :func:`configure_env`
+  :class:`NginxServer` (Debian's nginx, gzip on), optional :class:`S3rverServer` (Node s3rver), and :func:`configure_env`
   (call it before importing s3fs/gcsfs).
 * :mod:`asyncload.testing.faults` - :class:`FaultProxy`, an HTTP/1.1 proxy that
   delays, fails, resets, truncates, stalls or slows chosen requests.
@@ -32,6 +32,7 @@ from asyncload.testing.faults import (
     ShiftRange,
     Stall,
     Status,
+    Trailing,
     Trickle,
     Truncate,
     delay,
@@ -40,6 +41,7 @@ from asyncload.testing.faults import (
     shift_range,
     stall,
     status,
+    trailing,
     trickle,
     truncate,
 )
@@ -49,6 +51,7 @@ from asyncload.testing.servers import (
     GCSServer,
     HTTPRangeServer,
     LoopbackServer,
+    NginxServer,
     RangeNotSatisfiable,
     S3rverServer,
     S3Server,
@@ -56,6 +59,7 @@ from asyncload.testing.servers import (
     ServerNotAvailableError,
     ServerNotRunningError,
     ServerStartError,
+    SigningS3Server,
     aclose_filesystem,
     close_filesystem,
     configure_env,
@@ -75,6 +79,7 @@ __all__ = [
     "HTTPRangeServer",
     "LogEntry",
     "LoopbackServer",
+    "NginxServer",
     "Overlong",
     "RangeNotSatisfiable",
     "Reset",
@@ -86,8 +91,10 @@ __all__ = [
     "ServerNotRunningError",
     "ServerStartError",
     "ShiftRange",
+    "SigningS3Server",
     "Stall",
     "Status",
+    "Trailing",
     "Trickle",
     "Truncate",
     "aclose_filesystem",
@@ -102,6 +109,7 @@ __all__ = [
     "shift_range",
     "stall",
     "status",
+    "trailing",
     "trickle",
     "truncate",
 ]

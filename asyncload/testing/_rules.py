@@ -1,6 +1,6 @@
 """What the fault proxy does to a request: the actions (:func:`delay`, :func:`status`,
 :func:`reset`, :func:`truncate`, :func:`stall`, :func:`trickle`, :func:`shift_range`,
-:func:`overlong`), the rules that choose requests for them (:class:`Rule`), the log of
+:func:`overlong`, :func:`trailing`), the rules that choose requests for them (:class:`Rule`), the log of
 what was done (:class:`LogEntry`), and the error answers of :func:`status` as S3, GCS or a
 plain server would write them.
 """
@@ -136,6 +136,28 @@ class Overlong(Action):
 
     def describe(self) -> str:
         return f"overlong({self.extra})"
+
+
+@dataclass(frozen=True)
+class Trailing(Action):
+    """Forward, then, ``after`` seconds later, send ``extra`` bytes in a write of their own on
+    the kept-alive connection: bytes that answer nothing the client asked (a late duplicate
+    answer, a body after a HEAD, 204 or 304). :attr:`FaultProxy.trailing_sent` counts the
+    writes done."""
+
+    extra: bytes
+    after: float = 0.05
+
+    def describe(self) -> str:
+        return f"trailing({len(self.extra)})"
+
+
+def trailing(extra: bytes, after: float = 0.05) -> Trailing:
+    """Action: forward, then send ``extra`` (bytes nothing asked for) ``after`` seconds later,
+    in a packet of its own."""
+    if not extra:
+        raise ValueError("extra must not be empty")
+    return Trailing(bytes(extra), float(after))
 
 
 def shift_range(offset: int) -> ShiftRange:

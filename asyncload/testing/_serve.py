@@ -68,7 +68,12 @@ def parse_byte_range(header: str | None, size: int) -> tuple[int, int] | None:
 
 
 def _run_http_range_server(
-    root: str, port: int, *, ignore_range: bool = False, request_log: str | None = None
+    root: str,
+    port: int,
+    *,
+    ignore_range: bool = False,
+    request_log: str | None = None,
+    gzip: str | None = None,
 ) -> None:
     """Serve ``root`` on 127.0.0.1:port until SIGTERM/SIGINT (child process)."""
     import asyncio
@@ -96,6 +101,7 @@ def _run_http_range_server(
                     "path": request.raw_path,
                     "range": request.headers.get("Range"),
                     "if_match": request.headers.get("If-Match"),
+                    "accept_encoding": request.headers.get("Accept-Encoding"),
                     "status": status,
                     "sent": sent[0],
                 }
@@ -134,6 +140,18 @@ def _run_http_range_server(
             and headers["ETag"] not in _etags(if_match)
         ):
             return web.Response(status=412, text="precondition failed\n", headers=headers)
+        asked = request.headers.get("Accept-Encoding", "")
+        if gzip == "always" or (gzip == "if-asked" and "gzip" in asked):
+            # as nginx with gzip on: the whole file compressed, a weak ETag, Range ignored
+            import gzip as gz
+
+            body = gz.compress(target.read_bytes(), compresslevel=1)
+            headers["ETag"] = "W/" + headers["ETag"]
+            del headers["Accept-Ranges"]
+            headers["Content-Encoding"] = "gzip"
+            sent[0] = len(body)
+            return web.Response(status=200, body=body if request.method == "GET" else None,
+                                headers=headers)  # fmt: skip
         try:
             byte_range = (
                 None if ignore_range else parse_byte_range(request.headers.get("Range"), size)
@@ -221,6 +239,11 @@ def _main(argv: list[str] | None = None) -> None:
         "--ignore-range", action="store_true", help="answer every GET with the whole file"
     )
     parser.add_argument("--request-log", help="append one JSON line per request served")
+    parser.add_argument(
+        "--gzip",
+        choices=("if-asked", "always"),
+        help="answer with the whole file gzip-compressed (as nginx with gzip on)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.moto_server:
@@ -229,7 +252,11 @@ def _main(argv: list[str] | None = None) -> None:
         if not args.root:
             parser.error("--http-range-server needs --root")
         _run_http_range_server(
-            args.root, args.port, ignore_range=args.ignore_range, request_log=args.request_log
+            args.root,
+            args.port,
+            ignore_range=args.ignore_range,
+            request_log=args.request_log,
+            gzip=args.gzip,
         )
 
 

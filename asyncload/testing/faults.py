@@ -37,6 +37,8 @@ request; other requests pass through byte for byte. Actions:
 * :func:`shift_range` - forward with the request's ``Range`` moved by some bytes: the
   answer (a true ``Content-Range`` for the moved range) is for another range than the
   client asked for, as from a cache that keys ranges by URL;
+* :func:`trailing` - forward, then send bytes nothing asked for in a packet of their own
+  (a late duplicate answer, a body after a HEAD, 204 or 304);
 * :func:`overlong` - forward, then send ``extra`` bytes more than the body (its
   ``Content-Length`` raised to match, its ``Content-Range`` unchanged).
 
@@ -96,6 +98,7 @@ from asyncload.testing._rules import (
     ShiftRange,
     Stall,
     Status,
+    Trailing,
     Trickle,
     Truncate,
     _error_response,
@@ -105,6 +108,7 @@ from asyncload.testing._rules import (
     shift_range,
     stall,
     status,
+    trailing,
     trickle,
     truncate,
 )
@@ -127,6 +131,7 @@ __all__ = [
     "ShiftRange",
     "Stall",
     "Status",
+    "Trailing",
     "Trickle",
     "Truncate",
     "delay",
@@ -135,6 +140,7 @@ __all__ = [
     "shift_range",
     "stall",
     "status",
+    "trailing",
     "trickle",
     "truncate",
 ]
@@ -205,6 +211,8 @@ class FaultProxy:
         self._faults_applied = 0
         #: filler bytes of :func:`overlong` answers the client took (written to its socket)
         self.extra_bytes_sent = 0
+        #: :func:`trailing` writes done (the bytes are in the client's socket once counted)
+        self.trailing_sent = 0
 
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -610,6 +618,12 @@ class FaultProxy:
             await self._filler(conn, action.extra)
             conn.close_upstream()
             return False
+        if completed and isinstance(action, Trailing) and not self._stopping:
+            await asyncio.sleep(action.after)
+            conn.writer.write(action.extra)
+            await conn.writer.drain()
+            with self._lock:
+                self.trailing_sent += 1
         if limit is not None or not completed:
             conn.close_upstream()
             if isinstance(action, Reset):

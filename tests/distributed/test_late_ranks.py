@@ -32,13 +32,8 @@ from _dist import all_ok, run_ranks
 from test_distributed import big_model, same_bits, tensor_bytes
 
 import asyncload
-from asyncload import (
-    InFlightRequest,
-    LoadOptions,
-    PipelinedLoadPlanner,
-    RankProgress,
-    ShardedLoadPlanner,
-)
+from asyncload import LoadOptions, PipelinedLoadPlanner, ShardedLoadPlanner
+from asyncload.distributed import InFlightRequest, RankProgress
 from asyncload.distributed.lateness import Rate, decode, encode, late_message
 from asyncload.testing._serve import RangeNotSatisfiable, parse_byte_range
 

@@ -27,7 +27,7 @@ import pytest
 import torch.distributed as dist
 from _dist import all_ok, run_ranks
 
-from asyncload import InFlightRequest, RankProgress
+from asyncload.distributed import InFlightRequest, RankProgress
 from asyncload.distributed.barrier import CHUNK, present, read_present
 from asyncload.distributed.lateness import digest, digest_message, late_message
 from asyncload.distributed.monitor import Monitor

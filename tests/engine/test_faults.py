@@ -290,16 +290,13 @@ def test_slow_link_with_steady_progress_does_not_time_out(
 def test_metadata_requests_are_retried_too(
     request, backend, ckpt, bucket_name, fault_proxy, transport
 ):
-    """The first requests of a load (the size of .metadata, then its bytes; under obstore one
+    """The first requests of a load (the size of .metadata, then its bytes; under wire one
     GET gives both) get the same policy."""
     import re
 
     path, sd = ckpt
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
-    if transport in (
-        "obstore",
-        "wire",
-    ):  # no HEAD: the GET of the whole .metadata fails twice, then once more
+    if transport == "wire":  # no HEAD: the GET of the whole .metadata fails twice, then once more
         info = r.proxy.add_rule(status(503), method="GET", path=".metadata", times=2)
     elif backend == "gcs":  # object info: GET .../o/<name> without ?alt=media
         info = r.proxy.add_rule(

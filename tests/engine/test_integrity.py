@@ -430,15 +430,27 @@ def test_unexpected_keys_are_reported_and_optionally_an_error(
 ) -> None:
     path, sd = fresh_ckpt
     dest = {"big": torch.zeros(512, 256), "nested": {"w": torch.zeros(40, 7, dtype=torch.float64)}}
-    stats = asyncload.load(dest, path)
+    # 'nested.step' is below a dict the destination names: not dropped silently (issue 42)
+    with pytest.raises(StateDictMismatchError, match="'nested.step'"):
+        asyncload.load(sentinel_like(dest), path)
+    with pytest.warns(UserWarning, match="'nested.step'"):
+        stats = asyncload.load(dest, path, allow_partial_load=True)
     assert torch.equal(dest["big"], sd["big"]) and torch.equal(
         dest["nested"]["w"], sd["nested"]["w"]
     )
     assert stats.unexpected_keys == ["empty", "half", "nested.step", "scalar", "small"]
 
     dest2 = sentinel_like(dest)
-    with pytest.raises(StateDictMismatchError) as err:
-        asyncload.load(dest2, path, options=LoadOptions(strict_unexpected_keys=True))
+    with (
+        pytest.raises(StateDictMismatchError) as err,
+        pytest.warns(UserWarning, match="'nested.step'"),
+    ):
+        asyncload.load(
+            dest2,
+            path,
+            options=LoadOptions(strict_unexpected_keys=True),
+            allow_partial_load=True,
+        )
     msg = str(err.value)
     assert "5 keys the destination lacks" in msg and "'half'" in msg and "'nested.step'" in msg
     assert "strict_unexpected_keys" in msg

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import pydoc
 import uuid
 from typing import ClassVar
 
@@ -343,3 +345,84 @@ def test_empty_destination_loads_nothing(model_ckpt):
     stats = asyncload.load({}, path)
     assert stats.bytes_assembled == 0
     assert sorted(stats.unexpected_keys) == sorted(sd)
+
+
+# --- help(LoadOptions): every field explained, the signature shows the effective defaults ------
+
+
+def test_help_explains_every_field():
+    """Each field has its meaning, unit and when to change it in ``help(LoadOptions)``, with
+    its default; a field added without an entry in ``OPTION_DOCS`` fails here."""
+    from asyncload._options import OPTION_DOCS
+
+    doc = pydoc.render_doc(LoadOptions, renderer=pydoc.plaintext)
+    assert "(undocumented)" not in doc
+    for f in dataclasses.fields(LoadOptions):
+        entry = OPTION_DOCS.get(f.name)
+        assert entry is not None, f"LoadOptions.{f.name} has no entry in OPTION_DOCS"
+        assert entry.meaning and entry.unit and entry.change, f.name
+        shown = repr(getattr(LoadOptions(), f.name))
+        assert f"\n |  {f.name}: {f.type} = {shown}" in doc, f.name
+    assert set(OPTION_DOCS) == {f.name for f in dataclasses.fields(LoadOptions)}
+    assert "min_chunk_size: int | None = 1048576 (1 MiB)" in doc
+
+
+def test_signature_defaults_are_the_effective_ones():
+    defaults = LoadOptions()
+    params = inspect.signature(LoadOptions).parameters
+    assert list(params) == [f.name for f in dataclasses.fields(LoadOptions)]
+    for name, p in params.items():
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert p.default == getattr(defaults, name), name
+        assert repr(p.default) == repr(getattr(defaults, name)), name
+    assert params["min_chunk_size"].default == 1 << 20
+
+
+def test_min_chunk_size_default_is_derived_from_chunk_size():
+    assert LoadOptions(chunk_size=4096).min_chunk_size == 4096
+    assert LoadOptions().replace(chunk_size=8192).min_chunk_size == 8192
+    assert LoadOptions(chunk_size=64 << 20).min_chunk_size == 1 << 20
+    assert LoadOptions(min_chunk_size=None).min_chunk_size == 1 << 20  # None still derives
+    assert (
+        LoadOptions(chunk_size=4096, min_chunk_size=512).replace(chunk_size=8192).min_chunk_size
+        == 512
+    )  # an explicit value is kept
+
+
+@pytest.mark.parametrize(
+    ("typo", "closest"),
+    [
+        ("concurency", "concurrency"),
+        ("chunksize", "chunk_size"),
+        ("memory_budgte", "memory_budget"),
+    ],
+)
+def test_an_unknown_field_names_the_closest(typo, closest):
+    msg = f"LoadOptions has no field '{typo}' (did you mean '{closest}'?); its fields are chunk_size,"
+    with pytest.raises(TypeError) as info:
+        LoadOptions(**{typo: 8})
+    assert str(info.value).startswith(msg)
+    with pytest.raises(TypeError) as info:
+        LoadOptions().replace(**{typo: 8})
+    assert str(info.value).startswith(msg)
+
+
+def test_an_unknown_field_with_nothing_close_lists_the_fields():
+    with pytest.raises(TypeError) as info:
+        LoadOptions(zzz=1)
+    assert str(info.value) == (
+        "LoadOptions has no field 'zzz'; its fields are "
+        + ", ".join(f.name for f in dataclasses.fields(LoadOptions))
+    )
+
+
+def test_obstore_transport_is_deprecated_where_it_is_asked_for() -> None:
+    # the warning points at the caller's line (shown by Python's default filters in a
+    # script), and the options read as "auto" from then on: no later warning on a loop thread
+    with pytest.warns(DeprecationWarning, match='transport="obstore" is deprecated') as rec:
+        opts = LoadOptions(transport="obstore")
+    assert opts.transport == "auto"
+    assert rec[0].filename == __file__
+    with pytest.warns(DeprecationWarning) as rec:
+        again = LoadOptions().replace(transport="obstore")
+    assert again.transport == "auto" and rec[0].filename == __file__

@@ -157,6 +157,7 @@ def test_str_is_one_readable_paragraph() -> None:
         latency_max=1.25,
         storage_wait_seconds=20.5,
         budget_wait_seconds=0.25,
+        slot_wait_seconds=0.5,
         assembly_seconds=1.75,
     )
     text = str(s)
@@ -164,8 +165,9 @@ def test_str_is_one_readable_paragraph() -> None:
     assert text == (
         "Loaded 3.00 GiB in 1.500 s (2.00 GiB/s) from 4 files: 3.00 GiB read in 192 requests, up to 16 in flight, "
         "at most 256.00 MiB buffered. Request latency p50 12.3 ms, p90 20.0 ms, p99 41.5 ms, max 1.25 s. "
-        "Time summed over requests: 20.500 s waiting for storage, 1.750 s assembling; 0.250 s waiting for memory "
-        "budget. No retries, timeouts or hedged requests."
+        "Time summed over concurrent requests: 20.500 s waiting for storage (13.7 in flight on average), 1.750 s "
+        "assembling. Wall-clock waits before a read: 0.250 s for memory budget (full), 0.500 s for a read slot "
+        "(concurrency limit). No retries, timeouts or hedged requests."
     )
 
 
@@ -378,3 +380,79 @@ def test_a_failed_load_prints_nothing(
     assert [r.getMessage() for r in caplog.records if r.exc_info] == []
     out, err = capfd.readouterr()
     assert out == "" and err == ""
+
+
+# --- help(LoadStats) and a time split that reads as true -----------------------------------
+
+
+def test_help_explains_every_field() -> None:
+    """Each field has its meaning and unit in ``help(LoadStats)``, with its default; a field
+    added without an entry in ``STATS_DOCS`` fails here."""
+    import dataclasses
+    import inspect
+    import pydoc
+
+    from asyncload._stats import STATS_DOCS
+
+    doc = pydoc.render_doc(LoadStats, renderer=pydoc.plaintext)
+    assert "(undocumented)" not in doc
+    names = [f.name for f in dataclasses.fields(LoadStats)]
+    assert set(STATS_DOCS) == set(names)
+    for f in dataclasses.fields(LoadStats):
+        assert STATS_DOCS[f.name].meaning and STATS_DOCS[f.name].unit, f.name
+        assert f"\n |  {f.name}: {f.type} = {getattr(LoadStats(), f.name)!r}" in doc, f.name
+    for name in ("storage_wait_seconds", "assembly_seconds"):
+        assert STATS_DOCS[name].unit == "seconds (summed over reads)"
+    for name in ("seconds", "budget_wait_seconds", "slot_wait_seconds"):
+        assert "summed" not in STATS_DOCS[name].unit
+    params = inspect.signature(LoadStats).parameters
+    for name in names:
+        default = params[name].default
+        assert (
+            default == getattr(LoadStats(), name) or default is dataclasses.MISSING
+        ) or default.__class__.__name__ == "_HAS_DEFAULT_FACTORY_CLASS", name
+
+
+@pytest.mark.timeout(60)
+def test_a_budget_that_never_fills_is_never_waited_for(
+    ckpt: tuple[Path, dict], s3_server, bucket_name
+) -> None:
+    """Issue 44: "49.8 s waiting for budget with at most 34 MiB of 512 buffered" (1 GiB from
+    moto). The dispatcher's waits for a read slot (concurrency 1 here: every read but the
+    first waits for one) are not waits for the budget, 1 GiB for a 3 MiB checkpoint."""
+    path, sd = ckpt
+    url = s3_server.upload_dir(path, bucket_name, "ck-budget")
+    dst = _zeros_like(sd)
+    options = LoadOptions(
+        chunk_size=64 << 10, min_chunk_size=4 << 10, concurrency=1, memory_budget=1 << 30
+    )
+    stats = asyncload.load(dst, url, options=options, storage_options=s3_server.storage_options())
+    assert _bits_equal(dst["big"], sd["big"])
+    assert stats.peak_buffered_bytes < options.memory_budget
+    assert stats.budget_wait_seconds == 0.0
+    assert stats.slot_wait_seconds > 0.0 and stats.peak_concurrency == 1
+    assert "0.000 s for memory budget (full)" in str(stats)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_budget_is_waited_for_and_slots_are_not(ckpt: tuple[Path, dict]) -> None:
+    """A budget of one chunk: every read after the first waits for the budget, never for one
+    of the 8 read slots."""
+    path, sd = ckpt
+    dst = _zeros_like(sd)
+    options = LoadOptions(
+        chunk_size=64 << 10, min_chunk_size=4 << 10, concurrency=8, memory_budget=64 << 10
+    )
+    stats = asyncload.load(dst, path, options=options)
+    assert _bits_equal(dst["big"], sd["big"]) and _bits_equal(dst["half"], sd["half"])
+    assert stats.peak_buffered_bytes == options.memory_budget
+    assert stats.budget_wait_seconds > 0.0
+    assert stats.slot_wait_seconds == 0.0
+
+
+def test_mean_concurrency_is_storage_time_over_wall_time() -> None:
+    s = LoadStats(seconds=2.0, storage_wait_seconds=30.0)
+    assert s.mean_concurrency == 15.0
+    assert LoadStats().mean_concurrency == 0.0
+    assert s.to_dict()["mean_concurrency"] == 15.0
+    assert "30.000 s waiting for storage (15.0 in flight on average)" in str(s)

@@ -347,7 +347,9 @@ def test_missing_keys_named_with_closest_and_nothing_written(tmp_path: Path, fac
     with pytest.raises(StateDictMismatchError) as err:
         run_face(face, dest, path, options=SMALL)
     msg = str(err.value)
-    assert msg.startswith("4 of the destination's 5 keys are missing from the checkpoint: "), msg
+    assert msg.startswith(
+        f"{path}: 4 of the destination's 5 keys are missing from the checkpoint: "
+    ), msg
     assert (
         "'heads.weight' (closest checkpoint key: 'head.weight')" not in msg
     )  # head.weight is loaded: not a suggestion
@@ -371,7 +373,9 @@ def test_renamed_key_suggested_and_count_over_the_cap(tmp_path: Path) -> None:
     with pytest.raises(StateDictMismatchError) as err:
         asyncload.load(dest, path)
     msg = str(err.value)
-    assert msg.startswith("31 of the destination's 31 keys are missing from the checkpoint: "), msg
+    # nothing would load: no allow_partial_load advice (issue 44)
+    assert msg.startswith(f"{path}: none of the destination's 31 keys is in the checkpoint: "), msg
+    assert "allow_partial_load" not in msg
     assert "'blocks.0.attn.weight' (closest checkpoint key: 'blocks.0.attention.weight')" in msg
     assert f", and {31 - MISSING_SHOWN} more. " in msg
     assert msg.count("'layers.") == MISSING_SHOWN - 1

@@ -618,3 +618,115 @@ def test_aload_cancelled_under_uvloop(big_ckpt):
     uvloop.run(main())
     _assert_nothing_left(path)
     assert _partly_loaded(dst["big"], sd["big"])
+
+
+# --- the commonest slips: TypeError/ValueError naming the fix, before anything is opened -------
+
+
+def _call(face, *args, **kwargs):
+    """Call ``face`` (load, aload or start_load) and return what it returns or raises."""
+    if face is asyncload.aload:
+        return asyncio.run(face(*args, **kwargs))
+    return face(*args, **kwargs)
+
+
+FACES = [asyncload.load, asyncload.aload, asyncload.start_load]
+FACE_IDS = ["load", "aload", "start_load"]
+
+
+@pytest.mark.parametrize("face", FACES, ids=FACE_IDS)
+def test_a_module_as_the_state_dict_says_pass_its_state_dict(ckpt, face):
+    path, _ = ckpt
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError) as info:
+        _call(face, model, path)
+    assert str(info.value) == (
+        f"asyncload.{face.__name__} got a Linear (a torch.nn.Module) as its state dict: pass "
+        "`model.state_dict()`, which holds the module's tensors and loads into them in place"
+    )
+    assert asyncload_threads("asyncload-start-load", ignore=THREADS_BEFORE) == []
+
+
+@pytest.mark.parametrize("face", FACES, ids=FACE_IDS)
+def test_swapped_arguments_say_so(ckpt, face):
+    path, sd = ckpt
+    with pytest.raises(TypeError) as info:
+        _call(face, str(path), fresh(sd))
+    assert str(info.value) == (
+        f"asyncload.{face.__name__} got the checkpoint {str(path)!r} as its first argument and a "
+        "dict as its second: the two arguments are swapped; call "
+        f"asyncload.{face.__name__}(state_dict, checkpoint, options=..., storage_options=...)"
+    )
+    with pytest.raises(TypeError, match="the two arguments are swapped"):
+        _call(face, path, torch.nn.Linear(2, 2))  # a PathLike and a module: swapped too
+
+
+@pytest.mark.parametrize("face", FACES, ids=FACE_IDS)
+def test_load_options_as_storage_options_says_pass_it_as_options(ckpt, face):
+    path, sd = ckpt
+    with pytest.raises(TypeError) as info:
+        _call(face, fresh(sd), path, storage_options=asyncload.LoadOptions(concurrency=2))
+    assert str(info.value) == (
+        f"asyncload.{face.__name__} got a LoadOptions as storage_options: pass it as `options=` "
+        "(storage_options is a dict for the storage client: endpoint_url, region, ...)"
+    )
+
+
+def test_a_dict_as_options_says_storage_options(ckpt):
+    path, sd = ckpt
+    with pytest.raises(TypeError) as info:
+        asyncload.load(fresh(sd), path, options={"endpoint_url": "http://127.0.0.1:1"})
+    assert "a dict for the storage client goes to `storage_options=`" in str(info.value)
+
+
+@pytest.mark.parametrize("face", FACES, ids=FACE_IDS)
+def test_an_unknown_scheme_lists_the_schemes_asyncload_reads(face):
+    from fsspec.registry import known_implementations
+
+    sd = {"w": torch.zeros(2)}
+    with pytest.raises(ValueError) as info:
+        _call(face, sd, "s4://bucket/ck")
+    text = str(info.value)
+    assert text.startswith(
+        "checkpoint 's4://bucket/ck' has the scheme 's4', which asyncload does not read: did "
+        "you mean 's3://'"
+    )
+    assert (
+        "asyncload reads local paths and the schemes file, s3, gs, gcs, http, https (its own "
+        "clients), and through fsspec abfs, " in text
+    )
+    for protocol in known_implementations:  # fsspec's, plugins' included
+        assert f" {protocol}" in text
+    assert sd["w"].count_nonzero() == 0
+
+
+@pytest.mark.parametrize("face", FACES, ids=FACE_IDS)
+@pytest.mark.parametrize(
+    ("url", "fixed"),
+    [
+        ("s3:/bucket/ck", "s3://bucket/ck"),
+        ("gs:bucket/ck", "gs://bucket/ck"),
+        ("https:/host/ck", "https://host/ck"),
+        ("file:/tmp/ck", "file:///tmp/ck"),
+    ],
+)
+def test_a_lost_slash_says_did_you_mean(face, url, fixed):
+    with pytest.raises(ValueError) as info:
+        _call(face, {"w": torch.zeros(2)}, url)
+    assert str(info.value) == (
+        f"checkpoint {url!r} is neither a local path that exists nor a URL: did you mean "
+        f"{fixed!r}? (a URL's scheme is followed by '://')"
+    )
+
+
+def test_a_local_directory_named_like_a_scheme_still_loads(ckpt, tmp_path, monkeypatch):
+    """``s3:/x`` is a relative path where a directory ``s3:`` exists: it loads as one."""
+    path, sd = ckpt
+    import shutil
+
+    (tmp_path / "s3:").mkdir()
+    shutil.copytree(path, tmp_path / "s3:" / "ck")
+    monkeypatch.chdir(tmp_path)
+    dst = fresh(sd)
+    asyncload.load(dst, "s3:/ck")
+    assert_bitwise_equal(sd, dst)

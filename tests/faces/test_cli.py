@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import signal
 import struct
 import subprocess
@@ -451,11 +452,12 @@ def test_entry_points(ckpt_path: Path) -> None:
     assert "%|" not in res.stderr and "\r" not in res.stderr  # stderr is a pipe: no progress bar
 
 
-def _run_in_pty(argv: list[str], timeout: float = 60.0) -> tuple[int, str]:
+def _run_in_pty(argv: list[str], timeout: float = 60.0, columns: int = 120) -> tuple[int, str]:
     pid, fd = pty.fork()
     if pid == 0:  # child
         try:
-            fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+            rows = 24 if columns else 0
+            fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
             os.execve(argv[0], argv, _env())
         finally:
             os._exit(127)
@@ -592,3 +594,110 @@ def test_verify_streams_within_the_budget(
     assert info["ok"] and info["verified_records"] == info["tensor_records"] == 5
     # the 256 KiB tensor is read alone; everything else within the 64 KiB budget
     assert info["stats"]["peak_buffered_bytes"] == 128 * 512 * 4
+
+
+@pytest.mark.timeout(120)
+def test_progress_lines_on_a_terminal_with_no_width(ckpt_path: Path) -> None:
+    """Issue 44: a terminal that reports 0 columns showed no progress at all (tqdm draws an
+    empty bar there); it gets lines of progress instead, the last at 100%."""
+    code, text = _run_in_pty(
+        [sys.executable, "-m", "asyncload", "load", str(ckpt_path)], columns=0
+    )
+    assert code == 0, text
+    assert "%|" not in text and "\r\r" not in text
+    lines = [
+        line for line in text.replace("\r\n", "\n").split("\n") if line.startswith("asyncload: ")
+    ]
+    progress = [line for line in lines if "% " in line]
+    assert progress, text
+    assert re.fullmatch(
+        r"asyncload: 100% 320\.53 KiB of 320\.53 KiB, [\d.]+ [KMG]?i?B/s", progress[-1]
+    ), progress
+
+
+def test_progress_lines_from_byte_progress_on_a_zero_width_pty() -> None:
+    """ByteProgress itself: lines at most every ``line_interval`` (0: every update), one more
+    when it closes only if it moved since, units of LoadStats; a bar where the width is known."""
+    from asyncload._progress import ByteProgress, terminal_width
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    with os.fdopen(slave, "w") as tty:
+        assert terminal_width(tty) == 0
+        bar = ByteProgress("load", total=3 << 20, file=tty, line_interval=0.0)
+        assert bar.lines
+        bar.update(1 << 20, 3 << 20)
+        bar.update(3 << 20, 3 << 20, retries=1)
+        bar.close()
+        keys = ByteProgress("keys", total=2, file=tty, unit="key", line_interval=3600.0)
+        keys.update(1, 2)  # the first update writes; the next ones wait for the interval
+        keys.update(2, 2)
+        keys.close()  # moved since its last line: one more
+    os.set_blocking(master, False)
+    text = os.read(master, 65536).decode()
+    os.close(master)
+    lines = text.replace("\r\n", "\n").splitlines()
+    assert len(lines) == 4, lines
+    assert re.fullmatch(r"load: 33% 1\.00 MiB of 3\.00 MiB, [\d.]+ [KMG]?i?B/s", lines[0])
+    assert re.fullmatch(
+        r"load: 100% 3\.00 MiB of 3\.00 MiB, [\d.]+ [KMG]?i?B/s, 1 retry", lines[1]
+    )
+    assert re.fullmatch(r"keys: 50% 1 key of 2 keys, [\d.]+ keys?/s", lines[2])
+    assert re.fullmatch(r"keys: 100% 2 keys of 2 keys, [\d.]+ keys?/s", lines[3])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-v", "inspect", "{ck}"],
+        ["inspect", "{ck}", "-v"],
+        ["-v", "--debug", "-o", "anon=true", "inspect", "{ck}", "--json"],
+        ["-o", "anon=true", "load", "{ck}", "--no-progress", "-c", "2"],
+    ],
+)
+def test_options_for_every_command_before_or_after_it(
+    ckpt_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    argv = [a.replace("{ck}", str(ckpt_path)) for a in argv]
+    code, _out, err = _run(argv, capsys)
+    assert code == 0, err
+    assert ("asyncload: note: --storage-option is ignored for a local path" in err) == (
+        "-o" in argv
+    )
+
+
+def test_options_before_the_command_add_to_those_after_it() -> None:
+    args = cli._merge_globals(
+        cli._parser().parse_args(
+            ["-v", "-o", "a=1", "--debug", "inspect", "URL", "-v", "-o", "b=2"]
+        )
+    )
+    assert (args.verbose, args.debug, args.storage_option) == (2, True, ["a=1", "b=2"])
+    assert not any(name.startswith("global_") for name in vars(args))
+    args = cli._merge_globals(cli._parser().parse_args(["inspect", "URL"]))
+    assert (args.verbose, args.debug, args.storage_option) == (0, False, [])
+
+
+@pytest.mark.timeout(60)
+def test_counts_of_one_are_singular(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    ck = tmp_path / "one"
+    dcp.save(
+        {"w": torch.arange(6, dtype=torch.float32), "step": 3}, checkpoint_id=ck, no_dist=True
+    )
+    code, out, err = _run(["inspect", str(ck)], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[2].startswith("tensors      1 key, 24 B")
+    assert lines[3] == "objects      1 key"
+    assert lines[4].startswith("files        2 (.metadata and 1 data file), ")
+    code, out, err = _run(["verify", str(ck), "--no-progress"], capsys)
+    assert code == 0, err
+    assert out.startswith("OK: 1 of 1 tensor record matches its stored CRC-32; 1 object decoded; ")
+    assert " in 1 file of " in err
+    code, out, err = _run(["load", str(ck), "--no-progress"], capsys)
+    assert code == 0, err
+    assert "(1 tensor, 1 object)" in err
+    assert "1 keys" not in out + err and "1 files" not in out + err

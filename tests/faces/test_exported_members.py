@@ -9,11 +9,13 @@ from __future__ import annotations
 import __future__
 
 import importlib
+import subprocess
+import sys
 import types
 
 import pytest
 
-PACKAGES = ["asyncload", "asyncload.testing"]
+PACKAGES = ["asyncload", "asyncload.testing", "asyncload.distributed"]
 
 
 def _public_attributes(module: types.ModuleType) -> set[str]:
@@ -49,3 +51,61 @@ def test_version_is_exported() -> None:
 
     assert "__version__" in asyncload.__all__
     assert isinstance(asyncload.__version__, str) and asyncload.__version__
+
+
+def test_the_public_face_stays_small() -> None:
+    import asyncload
+
+    assert len(asyncload.__all__) <= 26, sorted(asyncload.__all__)
+
+
+#: Names that moved from ``asyncload`` to ``asyncload.distributed`` (only a load on several
+#: ranks meets them); the old spelling still works, with a DeprecationWarning.
+MOVED = ["BackgroundSends", "DistributedLoadError", "InFlightRequest", "RankProgress"]
+
+
+@pytest.mark.parametrize("name", MOVED)
+def test_moved_names_warn_at_the_callers_line_and_are_the_same_objects(name: str) -> None:
+    import asyncload
+    import asyncload.distributed
+
+    assert name not in asyncload.__all__ and name in asyncload.distributed.__all__
+    with pytest.warns(DeprecationWarning, match=rf"asyncload\.distributed\.{name}") as got:
+        old = getattr(asyncload, name)
+    assert old is getattr(asyncload.distributed, name)
+    assert [w.filename for w in got] == [__file__]
+    with pytest.warns(DeprecationWarning) as again:  # not cached: every use warns
+        exec(f"from asyncload import {name} as old_again", {})
+    assert {w.filename for w in again} == {"<string>"}
+    assert name not in vars(asyncload)
+
+
+def test_wait_for_background_sends_stays_at_the_top() -> None:
+    import asyncload
+    import asyncload.distributed
+
+    assert "wait_for_background_sends" in asyncload.__all__
+    assert asyncload.wait_for_background_sends is asyncload.distributed.wait_for_background_sends
+
+
+def test_importing_the_distributed_names_package_is_cheap() -> None:
+    """``import asyncload.distributed`` imports only the package and the bottom modules; its
+    names' modules (sends, lateness, in_flight) come on first use."""
+    code = (
+        "import sys, torch; before = set(sys.modules); import asyncload.distributed; "
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith('asyncload')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == str(
+        [
+            "asyncload",
+            "asyncload._errors",
+            "asyncload._latency",
+            "asyncload._options",
+            "asyncload._stats",
+            "asyncload._version",
+            "asyncload.distributed",
+        ]
+    )

@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parents[2] / "asyncload"
 
 #: Lower number = lower layer; a module may import its own layer or any lower one.
 LAYERS = {
-    "bottom": 0,  # asyncload._errors, _options, _stats, _latency, _paths, _loop
+    "bottom": 0,  # asyncload._errors, _options, _stats, _latency, _paths, _loop, _version
     "decoding": 1,
     "storage": 1,
     "formats": 2,
@@ -30,7 +30,7 @@ LAYERS = {
     "integrations": 6,
     "testing": 6,
 }
-BOTTOM = {"_errors", "_options", "_stats", "_latency", "_paths", "_loop"}
+BOTTOM = {"_errors", "_options", "_stats", "_latency", "_paths", "_loop", "_version"}
 MAX_LINES = 800
 MAX_CLASS_LINES = 500
 WHOLE = {"asyncload.decoding.vm", "asyncload.decoding.vm.PickleVM"}  # the tuned loop stays whole

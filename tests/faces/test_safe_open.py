@@ -408,7 +408,7 @@ def test_http_matches_safetensors_and_reads_only_the_slice(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
+@pytest.mark.parametrize("transport", ["fsspec", "wire"])
 def test_s3_matches_safetensors(
     tmp_path: Path, s3_server: Any, bucket_name: str, transport: str
 ) -> None:
@@ -438,7 +438,7 @@ def test_remote_reads_retry_and_stay_on_the_version_first_seen(
     http_server.put_object(bucket_name, "v/model.safetensors", blob)
     proxy = fault_proxy(http_server)
     url = http_server.url(bucket_name, "v/model.safetensors", endpoint_url=proxy.endpoint_url)
-    opts = LoadOptions(backoff=0.01, max_backoff=0.05, transport="obstore")
+    opts = LoadOptions(backoff=0.01, max_backoff=0.05, transport="wire")
     with asyncload.safe_open(url, options=opts) as f:
         rule = proxy.add_rule(status(503), range_only=True, times=2)
         same(f.get_slice("w")[8:16], w[8:16], "rows")
@@ -494,3 +494,70 @@ print(sorted(m for m in sys.modules if m.startswith(banned)))
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=100
     ).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_backend_keyword_as_safetensors_takes_it(tmp_path: Path) -> None:
+    """``backend=`` (safetensors 0.8, keyword-only): ``"mmap"`` and ``"pread"`` give what
+    safetensors gives; another value is refused as safetensors refuses it."""
+    path = tmp_path / "model.safetensors"
+    state = file_state(3)
+    save_file(state, str(path))
+    for backend in ("mmap", "pread"):
+        with (
+            asyncload.safe_open(path, framework="pt", device="cpu", backend=backend) as f,
+            st_safe_open(str(path), framework="pt", device="cpu", backend=backend) as g,
+        ):
+            names = list(g.keys())
+            assert list(f.keys()) == names
+            for name in names:
+                same(f.get_tensor(name), g.get_tensor(name), name)
+    with pytest.raises(ValueError, match="backend='xx' is invalid"):
+        asyncload.safe_open(path, framework="pt", backend="xx")
+    with pytest.raises(Exception, match="backend"):
+        st_safe_open(str(path), framework="pt", backend="xx")
+
+
+@pytest.mark.timeout(240)
+def test_transformers_from_pretrained_through_asyncload_safe_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' ``from_pretrained`` calls ``safe_open(file, framework="pt",
+    device="cpu", backend="mmap")`` (its ``modeling_utils`` imports the name): with
+    asyncload's in its place, every call goes through asyncload and the model's logits equal
+    those of safetensors' own, bit for bit (a sharded checkpoint with tied embeddings)."""
+    import transformers
+    import transformers.modeling_utils as mu
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    src = transformers.LlamaForCausalLM(config)
+    src.save_pretrained(tmp_path / "m", max_shard_size="20KB")
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    want_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "m")
+    calls: list[dict[str, Any]] = []
+
+    def ours(file: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(dict(kwargs))
+        return asyncload.safe_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(mu, "safe_open", ours)
+    got_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "m")
+    monkeypatch.undo()
+    assert calls and any(c.get("backend") == "mmap" for c in calls), calls
+    with torch.no_grad():
+        want = want_model(ids).logits
+        got = got_model(ids).logits
+    same(got, want, "logits")
+    for (name, a), (_, b) in zip(got_model.state_dict().items(), want_model.state_dict().items()):
+        same(a, b, name)

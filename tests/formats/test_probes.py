@@ -1,5 +1,5 @@
 """The remote load's critical path before the data: ``.metadata`` in one GET where the
-store's answer gives its size and version (obstore), and each record's data read as soon
+store's answer gives its size and version (wire), and each record's data read as soon
 as its own header probes land instead of after every record's (a remote load of plain DCP
 records, each needed whole). Loopback servers behind the FaultProxy; no timing decides a test."""
 
@@ -54,7 +54,7 @@ def _streamed(caplog) -> bool:
 
 
 def _unquoted(path: str) -> str:
-    return urllib.parse.unquote(path)  # obstore's GCS client escapes every non-alphanumeric byte
+    return urllib.parse.unquote(path)  # a GCS client may escape every non-alphanumeric byte
 
 
 def _large(entry) -> bool:
@@ -62,7 +62,7 @@ def _large(entry) -> bool:
     return hi + 1 - lo >= 32 << 10
 
 
-@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
+@pytest.mark.parametrize("transport", ["fsspec", "wire"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_data_is_read_while_later_records_are_still_probed(
     request, backend, transport, one_file, bucket_name, fault_proxy, caplog
@@ -128,12 +128,12 @@ def test_streamed_load_names_a_damaged_record(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_metadata_is_one_get_under_obstore(request, backend, one_file, bucket_name, fault_proxy):
+def test_metadata_is_one_get_under_wire(request, backend, one_file, bucket_name, fault_proxy):
     path, sd = one_file
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd)
     asyncload.load(
-        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+        dst, r.url, options=OPTS.replace(transport="wire"), storage_options=r.storage_options
     )
     assert_bitwise_equal(dst, sd)
     md = [e for e in r.proxy.log if _unquoted(e.path).endswith(".metadata")]
@@ -146,15 +146,15 @@ def test_metadata_larger_than_the_first_get_takes_one_more(
 ):
     """A ``.metadata`` longer than OBJECT_PREFIX: the first GET's bytes, then one more GET of
     the rest (conditional on the version the first pinned); bit-exact."""
-    from asyncload.storage import obstore as _obstore
+    from asyncload.storage import wire as _wire
 
     path, sd = one_file
     size = (path / ".metadata").stat().st_size
-    monkeypatch.setattr(_obstore, "OBJECT_PREFIX", 1000)
+    monkeypatch.setattr(_wire, "OBJECT_PREFIX", 1000)
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd)
     asyncload.load(
-        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+        dst, r.url, options=OPTS.replace(transport="wire"), storage_options=r.storage_options
     )
     assert_bitwise_equal(dst, sd)
     md = [e for e in r.proxy.log if _unquoted(e.path).endswith(".metadata")]
@@ -171,7 +171,7 @@ def test_metadata_larger_than_the_limit_is_refused_before_its_body(
     path, sd = one_file
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     size = (path / ".metadata").stat().st_size
-    opts = OPTS.replace(transport="obstore", max_metadata_size=size - 1)
+    opts = OPTS.replace(transport="wire", max_metadata_size=size - 1)
     with pytest.raises(CheckpointFormatError, match="max_metadata_size"):
         asyncload.load(zeros_like_tree(sd), r.url, options=opts, storage_options=r.storage_options)
     # one GET of at most OBJECT_PREFIX bytes of .metadata, and no data read tried
@@ -180,7 +180,7 @@ def test_metadata_larger_than_the_limit_is_refused_before_its_body(
     assert not any(e.range is not None for e in r.proxy.log if e not in md)
     # the refused answer's connection closes when the store goes: its bounded body is read to
     # its end (a body dropped unread kept its connection open for good about once in 30 runs
-    # on a busy machine, obstore 0.12)
+    # on a busy machine)
     assert wait_closed(r.proxy.port) == []
 
 
@@ -200,7 +200,7 @@ def test_a_size_seen_once_is_not_asked_for_again(
     r = make_remote(request, backend, path, bucket_name, fault_proxy)
     dst = zeros_like_tree(sd)
     asyncload.load(
-        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+        dst, r.url, options=OPTS.replace(transport="wire"), storage_options=r.storage_options
     )
     assert_bitwise_equal(dst, sd)
     heads = [

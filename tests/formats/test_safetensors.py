@@ -180,7 +180,7 @@ def test_remote_single_file_asks_no_head(
     header_pad: int,
 ) -> None:
     """A URL naming one .safetensors file: its first 64 KiB and its size come in one ranged
-    GET (obstore), no HEAD before it; a header longer than that is read with one more GET."""
+    GET (wire), no HEAD before it; a header longer than that is read with one more GET."""
     sd = model_state(6)
     metadata = {"pad": "x" * header_pad} if header_pad else None
     blob = st_save(sd, metadata=metadata)
@@ -198,9 +198,7 @@ def test_remote_single_file_asks_no_head(
             server.storage_options(proxy.endpoint_url),
         )
     dest = zeros(sd)
-    stats = asyncload.load(
-        dest, url, storage_options=opts, options=LoadOptions(transport="obstore")
-    )
+    stats = asyncload.load(dest, url, storage_options=opts, options=LoadOptions(transport="wire"))
     assert_bitwise_equal(dest, sd, url)
     assert stats.bytes_assembled == nbytes(sd)
     log = [

@@ -451,3 +451,30 @@ def test_a_hostile_record_pickle_is_refused_every_time() -> None:
         with pytest.raises(UnsafeCheckpointError):
             _parse(raw)
     assert all(type(v).__name__ == "TensorRef" for v in torchsave._TENSOR_PICKLES.values())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("saved", "paths", "key"),
+    [
+        ({"a": {"b": torch.zeros(2)}, "a.b": torch.ones(2)}, "['a']['b'] and ['a.b']", "a.b"),
+        ({"s": {0: torch.zeros(2), "0": torch.ones(2)}}, "['s'][0] and ['s']['0']", "s.0"),
+    ],
+)
+def test_keys_that_flatten_alike_are_refused_naming_the_file_and_both_paths(
+    tmp_path: Path, saved: dict[str, Any], paths: str, key: str
+) -> None:
+    """torch.load reads such a file; asyncload's flattened names cannot tell the two entries
+    apart: every face refuses it, naming the file and both key paths."""
+    path = tmp_path / "clash.pt"
+    torch.save(saved, path)
+    torch.load(path, weights_only=True)  # the tool's own reader reads it
+    want = f"{path}: two entries of its dict, {paths}, flatten to the same key {key!r}"
+    for face in (
+        lambda: asyncload.read_state_dict(path),
+        lambda: list(asyncload.iter_tensors(path)),
+        lambda: asyncload.load({"x": torch.zeros(2)}, path),
+    ):
+        with pytest.raises(CheckpointFormatError) as info:
+            face()
+        assert str(info.value).startswith(want), str(info.value)

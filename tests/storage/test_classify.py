@@ -335,59 +335,42 @@ def test_classify(make: Callable[[], BaseException], expected: Failure) -> None:
 TRANSLATED = [r for r in ROWS if r[3] is not None]
 
 
-async def provoke_obstore(
+async def provoke_wire(
     how: str, s3_server: Any, fault_proxy: Callable[..., Any], bucket: str
 ) -> BaseException:
-    """The exception obstore raises for ``how``, provoked against moto (behind a FaultProxy
-    where the server would not fail by itself)."""
-    import obstore
-    from obstore.store import HTTPStore, S3Store
+    """The raw exception the wire transport's store raises for ``how``, provoked against moto
+    (behind a FaultProxy where the server would not fail by itself)."""
+    import concurrent.futures
 
+    from asyncload.storage import open_storage
     from asyncload.testing import free_port
 
     s3_server.put_object(bucket, "ckpt/x.bin", bytes(range(256)) * 16)
     proxy = fault_proxy(s3_server)
-    client: Any = {"allow_http": True}
-
-    def store(endpoint: str = proxy.endpoint_url, **config: Any) -> Any:
-        return S3Store(
-            bucket,
-            endpoint=endpoint,
-            region="us-east-1",
-            access_key_id="testing",
-            secret_access_key="testing",
-            client_options=client,
-            retry_config={"max_retries": 0},
-            **config,
-        )
-
     faults = {"403": status(403), "401": status(401), "500": status(500), "503": status(503, retry_after=2),
               "429": status(429), "reset": reset(), "reset-mid-body": reset(after_bytes=100), "truncated": truncate(100)}  # fmt: skip
-    options: Any = {"range": (0, 4096)}
-    try:
-        if how in faults:
-            proxy.add_rule(faults[how], times=1)
-        elif how == "missing":
-            await obstore.get_async(store(), "ckpt/nope", options=options)
-        elif how == "past-eof":
-            options = {"range": (8192, 9000)}
-        elif how == "precondition":
-            options = {"range": (0, 4096), "if_match": '"not-the-etag"'}
-        elif how == "refused":
-            await obstore.get_async(
-                store(f"http://127.0.0.1:{free_port()}"), "ckpt/x.bin", options=options
-            )
-        elif how == "unknown-key":
-            store(no_such_key="x")
-        elif how == "range-ignored":
-            await obstore.get_async(
-                HTTPStore(ignoring_range_url(), client_options=client), "x.bin", options=options
-            )
-        result = await obstore.get_async(store(), "ckpt/x.bin", options=options)
-        await result.bytes_async()
-    except Exception as exc:
-        return exc
-    raise AssertionError(f"obstore did not fail for {how}")
+    endpoint = proxy.endpoint_url
+    url, name, lo, hi = f"s3://{bucket}/ckpt", "x.bin", 0, 4096
+    if how in faults:
+        proxy.add_rule(faults[how], times=1)
+    elif how == "missing":
+        name = "nope"
+    elif how == "past-eof":
+        lo, hi = 8192, 9000
+    elif how == "refused":
+        endpoint = f"http://127.0.0.1:{free_port()}"
+    elif how == "range-ignored":
+        url = f"{ignoring_range_url()}/"
+    opts = {} if url.startswith("http") else s3_server.storage_options(endpoint_url=endpoint)
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        st = open_storage(url, opts, executor, transport="wire")
+        try:
+            await st.read(name, lo, hi)
+        except Exception as exc:
+            return exc
+        finally:
+            await st.aclose()
+    raise AssertionError(f"the wire transport did not fail for {how}")
 
 
 _ignoring: list[Any] = []
@@ -410,35 +393,33 @@ def ignoring_range_url() -> str:
     return str(_ignoring[0].endpoint_url)
 
 
-#: (id, how provoke_obstore provokes it, its Failure, the class translate makes of it)
+#: (id, how provoke_wire provokes it, its Failure, the class translate makes of it)
 # fmt: off
-OBSTORE_ROWS: list[tuple[str, str, Failure, type[AsyncLoadError]]] = [
-    ("obstore-missing", "missing", NOT_FOUND, NF),
-    ("obstore-403", "403", DENIED, SR),
-    ("obstore-401", "401", fail(False, "credentials", 401), SR),
-    ("obstore-500", "500", fail(True, "status_500", 500), SR),
-    ("obstore-503-SlowDown", "503", fail(True, "status_503", 503, throttle=True), SR),
-    ("obstore-429", "429", fail(True, "status_429", 429, throttle=True), SR),
-    ("obstore-416", "past-eof", RANGE_416, FMT),
-    ("obstore-reset-before-headers", "reset", CONNECTION, SR),
-    ("obstore-reset-mid-body", "reset-mid-body", SHORT, SR),
-    ("obstore-body-cut-short", "truncated", SHORT, SR),
-    ("obstore-connection-refused", "refused", UNREACHABLE, SR),
-    ("obstore-precondition", "precondition", fail(False, "object_changed", 412), SR),
-    ("obstore-unknown-config-key", "unknown-key", CONFIG, SR),
-    ("obstore-range-ignored", "range-ignored", fail(False, "range_ignored", 200), SR),
+WIRE_ROWS: list[tuple[str, str, Failure, type[AsyncLoadError]]] = [
+    ("wire-missing", "missing", NOT_FOUND, NF),
+    ("wire-403", "403", DENIED, SR),
+    ("wire-401", "401", fail(False, "credentials", 401), SR),
+    ("wire-500", "500", fail(True, "status_500", 500), SR),
+    ("wire-503-SlowDown", "503", fail(True, "status_503", 503, 2.0, throttle=True), SR),
+    ("wire-429", "429", fail(True, "status_429", 429, throttle=True), SR),
+    ("wire-416", "past-eof", RANGE_416, FMT),
+    ("wire-reset-before-headers", "reset", CONNECTION, SR),
+    ("wire-reset-mid-body", "reset-mid-body", SHORT, SR),
+    ("wire-body-cut-short", "truncated", SHORT, SR),
+    ("wire-connection-refused", "refused", UNREACHABLE, SR),
+    ("wire-range-ignored", "range-ignored", fail(False, "range_ignored", 200), SR),
 ]
 # fmt: on
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    "how,failure,cls", [r[1:] for r in OBSTORE_ROWS], ids=[r[0] for r in OBSTORE_ROWS]
+    "how,failure,cls", [r[1:] for r in WIRE_ROWS], ids=[r[0] for r in WIRE_ROWS]
 )
-async def test_classify_and_translate_obstore(
+async def test_classify_and_translate_wire(
     s3_server, fault_proxy, bucket_name, how, failure, cls
 ) -> None:
-    exc = await provoke_obstore(how, s3_server, fault_proxy, bucket_name)
+    exc = await provoke_wire(how, s3_server, fault_proxy, bucket_name)
     assert classify(exc) == failure, (type(exc), str(exc)[:300])
     err = translate(exc, url=URL_, byte_range=RANGE, attempts=1)
     assert type(err) is cls
@@ -563,7 +544,9 @@ def test_translate_keeps_asyncload_errors_and_bounds_the_message() -> None:
         (lambda: aiohttp.InvalidURL("http://:80/x"), "check the endpoint URL and region"),
         (
             certificate_error,
-            "TLS certificate was rejected: check the endpoint URL and the CA bundle",
+            "TLS certificate was rejected: check the URL's host, and give the CA that signed it: "
+            "storage_options ca_bundle='ca.pem' or client_kwargs={'verify': 'ca.pem'}, or "
+            "AWS_CA_BUNDLE",
         ),
         (lambda: NotRegularFileError("/c/x", stat.S_IFIFO), "must be a regular file, not a FIFO"),
         (

@@ -253,7 +253,7 @@ DATA = {"path": ".distcp", "range_only": True, "data_only": True}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["obstore", "fsspec", "wire"])
+@pytest.mark.parametrize("transport", ["fsspec", "wire"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stalled_gets_are_hedged_under_the_derived_floor(
     request, backend, transport, many_chunks, bucket_name, fault_proxy
@@ -291,7 +291,7 @@ def test_a_uniformly_slow_link_hedges_nothing(
     )
     dst = zeros_like_tree(sd)
     stats = asyncload.load(
-        dst, r.url, options=OPTS.replace(transport="obstore"), storage_options=r.storage_options
+        dst, r.url, options=OPTS.replace(transport="wire"), storage_options=r.storage_options
     )
     assert_bitwise_equal(dst, sd)
     assert stats.hedges == 0, stats

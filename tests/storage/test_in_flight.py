@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from asyncload import InFlightRequest, LoadOptions
+from asyncload import LoadOptions
 from asyncload._stats import StatsRecorder
 from asyncload.storage import RetryingStorage, Storage
-from asyncload.storage.in_flight import InFlight
+from asyncload.storage.in_flight import InFlight, InFlightRequest
 
 pytestmark = [pytest.mark.timeout(30)]
 

@@ -117,8 +117,7 @@ def test_a_redirect_to_another_host_is_refused_and_nothing_is_sent_there(
 def test_a_redirect_to_another_port_is_refused_on_fsspec_and_wire(
     request, backend, ckpt, bucket_name, fault_proxy, via
 ):
-    """fsspec and wire refuse a redirect to another origin whatever differs (obstore: another
-    host only, docs/remote.md)."""
+    """fsspec and wire refuse a redirect to another origin whatever differs (the port too)."""
     r = make_remote(request, backend, ckpt[0], bucket_name, fault_proxy)
     other = fault_proxy(
         request.getfixturevalue(f"{backend}_server")
@@ -452,33 +451,3 @@ def test_the_content_range_rule():
             match=r"asked for bytes \[0, 10\) of http://h/c/f, got HTTP 206 with",
         ):
             v._check_range("f", 0, 10, 206, bad)
-
-
-def test_which_obstore_stores_refuse_other_hosts(monkeypatch):
-    """The guard's hosts: the origin's (and a virtual-hosted bucket's); none where credentials
-    come from another host (instance metadata, token endpoints), which the guard would cut off."""
-    from asyncload.storage import plan_store
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED", raising=False)
-    keys = {"key": "k", "secret": "s"}
-    assert plan_store("http://u:p@h.example:8080/ckpt", {}).origin_hosts == ("h.example",)
-    assert plan_store(
-        "s3://b/ckpt", {"endpoint_url": "http://127.0.0.1:9000", **keys}
-    ).origin_hosts == ("127.0.0.1",)
-    virtual = {
-        "endpoint_url": "https://s3.example",
-        **keys,
-        "config_kwargs": {"s3": {"addressing_style": "virtual"}},
-    }
-    assert plan_store("s3://b/ckpt", virtual).origin_hosts == ("s3.example", "b.s3.example")
-    assert (
-        plan_store("s3://b/ckpt", {"endpoint_url": "http://127.0.0.1:9000"}).origin_hosts is None
-    )  # IMDS
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
-    assert plan_store("s3://b/ckpt", keys).origin_hosts is None  # AWS's own endpoints
-    gcs = {"endpoint_url": "http://127.0.0.1:4443", "token": "anon"}
-    assert plan_store("gs://b/ckpt", gcs).origin_hosts == ("127.0.0.1",)

@@ -1,6 +1,6 @@
 """The storage wing's interface (``asyncload.storage``): every name it exports is there, the
-optional backends (fsspec, aiohttp, obstore) are imported only when a name of theirs is first
-used, and the factory picks the store a checkpoint needs."""
+optional backends (fsspec, aiohttp) are imported only when a name of theirs is first used, and
+the factory picks the store a checkpoint needs; obstore is never imported (it is retired)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import asyncload.storage
 from asyncload.storage import (
     FsspecStorage,
     LocalStorage,
-    ObstoreStorage,
     WireStorage,
     open_storage,
 )
@@ -40,7 +39,7 @@ print(loaded())
 asyncload.storage.FsspecStorage
 print(loaded())
 asyncload.storage.plan_store
-print("obstore" in loaded())
+print("obstore" in sys.modules)
 """
 
 
@@ -59,6 +58,9 @@ def test_every_exported_name_is_there() -> None:
     assert asyncload.storage.FsspecStorage.__module__ == "asyncload.storage.fsspec"
     with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
         asyncload.storage.Nothing  # noqa: B018
+    with pytest.raises(AttributeError, match="removed with obstore: .* WireStorage"):
+        asyncload.storage.ObstoreStorage  # noqa: B018
+    assert "ObstoreStorage" not in asyncload.storage.__all__
 
 
 @pytest.fixture
@@ -76,14 +78,13 @@ async def test_the_factory_picks_the_store(tmp_path, http_server, executor) -> N
     local = open_storage(tmp_path, None, executor)
     assert type(local) is LocalStorage and await local.listdir() == ["a"]
     assert type(open_storage(f"file://{tmp_path}", None, executor)) is LocalStorage
-    assert type(open_storage("memory://x", None, executor, transport="obstore")) is FsspecStorage
+    assert type(open_storage("memory://x", None, executor, transport="wire")) is FsspecStorage
     http_server.put_object("iface", "c/a.bin", b"12")
     http_server.put_object("iface", "c/b.bin", b"345")
     url = http_server.url("iface", "c")
     for transport, cls in (
         ("auto", WireStorage),
         ("wire", WireStorage),
-        ("obstore", ObstoreStorage),
         ("fsspec", FsspecStorage),
     ):
         store = open_storage(url, {}, executor, transport=transport)

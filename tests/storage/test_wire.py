@@ -323,7 +323,7 @@ def test_wire_refuses_what_it_cannot_sign(tmp_path, monkeypatch):
         LoadOptions(transport="curl")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("transport", ["wire", "obstore"])
+@pytest.mark.parametrize("transport", ["wire", "fsspec"])
 def test_time_to_first_byte_is_reported(request, bucket_name, fault_proxy, tmp_path, transport):
     """``LoadStats.time_to_first_byte``: from the call to the first data byte, after the
     ``.metadata`` round trips (the proxy adds 20 ms to each) and before the load ends."""

@@ -36,7 +36,7 @@ pytestmark = [
 ]
 
 #: asyncload's clients for remote stores (LoadOptions.transport)
-TRANSPORTS = ["obstore", "fsspec"]
+TRANSPORTS = ["wire", "fsspec"]
 SAVE_STEP = 3
 MORE_STEPS = 3
 
