@@ -171,6 +171,19 @@ class _GuardedStore:
         return self._call("add", key, amount)
 
 
+def _idle_listed(
+    store: Any, timeout: float, peers: Sequence[int], listed: dict[int, float]
+) -> tuple[int, float, str] | None:
+    """The peer rank 0's digest lists as idle for ``timeout`` (the longest idle first), with
+    its status read now (one key)."""
+    over = [(s, r) for r in peers if (s := listed.get(r, 0.0)) >= timeout]
+    if not over:
+        return None
+    seconds, rank = max(over)
+    value = read_present(store, [f"st/{rank}"])[0]
+    return rank, seconds, value.decode("utf-8", "replace").partition("|")[2]
+
+
 class Monitor:
     """One load's view of the other ranks, through a few keys in the group's store.
 
@@ -533,7 +546,7 @@ class Monitor:
         if self.timeout is None:
             return None
         if listed is not None:
-            return self._idle_listed(peers, listed)
+            return _idle_listed(self.store, self.timeout, peers, listed)
         for r, value in zip(peers, self.statuses(peers, now)):
             seen = self._seen.get(r)
             if seen is None or seen[0] != value:
@@ -556,19 +569,6 @@ class Monitor:
             for r, value in zip(stale, read_present(self.store, [f"st/{r}" for r in stale])):
                 self._status_cache[r] = (value, now)
         return [self._status_cache[r][0] for r in peers]
-
-    def _idle_listed(
-        self, peers: Sequence[int], listed: dict[int, float]
-    ) -> tuple[int, float, str] | None:
-        """The peer the digest lists as idle for ``timeout`` (the longest idle first), with
-        its status read now (one key)."""
-        assert self.timeout is not None
-        over = [(s, r) for r in peers if (s := listed.get(r, 0.0)) >= self.timeout]
-        if not over:
-            return None
-        seconds, rank = max(over)
-        value = read_present(self.store, [f"st/{rank}"])[0]
-        return rank, seconds, value.decode("utf-8", "replace").partition("|")[2]
 
     # --- barriers -------------------------------------------------------------------------
 

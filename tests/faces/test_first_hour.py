@@ -449,3 +449,34 @@ def test_the_demo_shell_script_says_a_long_step_is_still_going(tmp_path: Path) -
     lines = res.stdout.splitlines()
     assert len(lines) == 2 and lines[0].endswith("] ... still sleeping"), res
     assert lines[1] == "status 3"
+
+
+def _install_block(page: Path, heading: str) -> list[str]:
+    """The ``pip install`` lines of the first ```bash block under ``heading``, comments removed."""
+    section = page.read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [
+        line.split(" #", 1)[0].strip() for line in block.splitlines() if line.startswith("pip ")
+    ]
+
+
+def test_first_hour_installs_what_the_readme_says() -> None:
+    """Issue 44: scripts/first_hour.sh (run by .ci/run after the tests) replays the README's
+    Install lines in a fresh venv; what it runs is those lines with ``-q``, and the quickstart
+    gives the same two."""
+    repo = Path(__file__).resolve().parents[2]
+    readme = _install_block(repo / "README.md", "## Install")
+    assert readme == ['pip install "torch==2.13.0"', 'pip install ".[s3,gcs,http,fast]"']
+    assert _install_block(repo / "docs" / "quickstart.md", "## Install") == readme
+    res = subprocess.run(
+        ["bash", str(repo / "scripts" / "first_hour.sh"), "--print-install"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert res.stdout.splitlines() == [
+        line.replace("pip install ", "pip install -q ", 1) for line in readme
+    ]
+    ci = (repo / ".ci" / "run").read_text()
+    assert ci.index("bash scripts/test.sh") < ci.index("bash scripts/first_hour.sh")
