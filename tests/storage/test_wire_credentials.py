@@ -550,7 +550,13 @@ def test_auto_uses_wire_for_every_credential_source_and_fsspec_without_the_clien
         aws_env.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))
         aws_env.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/r")
         assert type(open_storage("s3://b/ckpt", s3, executor)) is WireStorage
-        # without the clients that fetch them (the s3 and gcs extras), fsspec is asked
+        # without the clients that fetch them (the s3 and gcs extras), fsspec is asked; s3fs
+        # and gcsfs themselves imported first, as a process that has the fsspec backends would
+        # (hiding botocore before their first import makes them unimportable: the test would
+        # then depend on an earlier test having imported them)
+        import gcsfs  # noqa: F401
+        import s3fs  # noqa: F401
+
         aws_env.setitem(sys.modules, "botocore.session", None)
         aws_env.setitem(sys.modules, "google.auth.transport.requests", None)
         for url, opts in (("s3://b/ckpt", s3), ("gs://b/ckpt", gcs)):
