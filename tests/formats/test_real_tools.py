@@ -25,7 +25,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +43,6 @@ pytestmark = pytest.mark.timeout(240)
 WHERE = ["local", "s3"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture
-def publish(request: pytest.FixtureRequest) -> Callable[[Path], tuple[str, dict[str, Any] | None]]:
-    """``publish(path)`` -> (url, storage_options): the local file or directory as it is, or
-    uploaded to the loopback S3 server (``@pytest.mark.parametrize("where", WHERE)``)."""
-    if request.node.callspec.params["where"] == "local":
-        return lambda path: (str(path), None)
-    s3 = request.getfixturevalue("s3_server")
-    bucket = request.getfixturevalue("bucket_name")
-
-    def up(path: Path) -> tuple[str, dict[str, Any] | None]:
-        if path.is_dir():
-            return s3.upload_dir(path, bucket, f"tools/{path.name}"), s3.storage_options()
-        data = path.read_bytes()
-        return s3.put_object(bucket, f"tools/{path.name}", data), s3.storage_options()
-
-    return up
 
 
 @pytest.fixture

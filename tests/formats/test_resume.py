@@ -11,7 +11,6 @@ optimizer step equals the torch path's bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +27,6 @@ pytestmark = pytest.mark.timeout(180)
 
 
 WHERE = ["local", "s3"]
-
-
-@pytest.fixture
-def publish(request: pytest.FixtureRequest) -> Callable[[Path], tuple[str, dict[str, Any] | None]]:
-    """``publish(path)`` -> (url, storage_options): the local file or directory as it is, or
-    uploaded to the loopback S3 server (``@pytest.mark.parametrize("where", WHERE)``)."""
-    if request.node.callspec.params["where"] == "local":
-        return lambda path: (str(path), None)
-    s3 = request.getfixturevalue("s3_server")
-    bucket = request.getfixturevalue("bucket_name")
-
-    def up(path: Path) -> tuple[str, dict[str, Any] | None]:
-        if path.is_dir():
-            return s3.upload_dir(path, bucket, f"resume/{path.name}"), s3.storage_options()
-        data = path.read_bytes()
-        return s3.put_object(bucket, f"resume/{path.name}", data), s3.storage_options()
-
-    return up
 
 
 def _run(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:

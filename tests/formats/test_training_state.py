@@ -113,26 +113,6 @@ def test_assert_same_can_fail() -> None:
 # --- where the checkpoint is read from -----------------------------------------------------
 
 
-@pytest.fixture
-def publish(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Callable[[Path], tuple[str, dict[str, Any] | None]]:
-    """``publish(path)`` -> (url, storage_options) of a local file or directory, as it is, or
-    uploaded to the loopback S3 server (``@pytest.mark.parametrize("where", WHERE)``)."""
-    where = request.node.callspec.params["where"]
-    if where == "local":
-        return lambda path: (str(path), None)
-    s3 = request.getfixturevalue("s3_server")
-    bucket = request.getfixturevalue("bucket_name")
-
-    def up(path: Path) -> tuple[str, dict[str, Any] | None]:
-        if path.is_dir():
-            return s3.upload_dir(path, bucket, f"up/{path.name}"), s3.storage_options()
-        return s3.put_object(bucket, f"up/{path.name}", path.read_bytes()), s3.storage_options()
-
-    return up
-
-
 # --- optimizer state dicts ------------------------------------------------------------------
 
 
