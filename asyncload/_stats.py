@@ -106,7 +106,7 @@ class LoadStats:
     sharing_unit_size: int = 0
     #: Seconds from the call to the first byte of the checkpoint's data files (header probes
     #: included, the ``.metadata`` file left out): when the answer to the first such read began
-    #: (remote stores that tell: obstore, wire) or the read ended (the others). 0.0: none read.
+    #: (remote stores that tell: wire) or the read ended (the others). 0.0: none read.
     time_to_first_byte: float = 0.0
     #: Multi-rank loads: ``.metadata`` was read once, by the group's rank 0, and its bytes
     #: broadcast to the other ranks (``LoadOptions.share_metadata``); False on a rank that

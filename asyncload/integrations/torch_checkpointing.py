@@ -72,7 +72,7 @@ class AsyncloadStorageConfig(StorageConfig):
 
     ``root``: a local directory, ``file://``, ``s3://``, ``gs://``/``gcs://`` or
     ``http(s)://`` URL under which checkpoint ids are resolved. ``storage_options``: the
-    store's options (as for ``asyncload.load``: fsspec/obstore keyword arguments).
+    store's options (as for ``asyncload.load``: fsspec-style keyword arguments).
     ``options``: timeouts, retries, hedging, chunking (:class:`~asyncload.LoadOptions`).
     """
 

@@ -257,9 +257,8 @@ def unreachable(exc: BaseException) -> tuple[str, str] | None:
 
 
 def brief(exc: BaseException) -> str:
-    """``exc``'s message without the Rust client's ``Debug source:`` dump that obstore appends
-    (the first line says what failed; the dump repeats it as nested structs)."""
-    return str(exc).split("\n\nDebug source:", 1)[0].strip()
+    """``exc``'s message, stripped."""
+    return str(exc).strip()
 
 
 def classify(exc: BaseException) -> Failure:
