@@ -8,14 +8,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint._extension import ExtensionRegistry
-from torch.distributed.checkpoint.planner import LoadPlanner
 
 from asyncload._arguments import check_load_arguments
-from asyncload._dcp import PipelinedLoadPlanner
 from asyncload._errors import LoadCancelledError, LoadReentryError
 from asyncload._loop import on_library_loop
 from asyncload._options import LoadOptions
@@ -25,6 +22,10 @@ from asyncload.distributed.monitor import Monitor
 from asyncload.engine.config import resolve_config
 from asyncload.engine.driver import load_steps, run_async, run_sync
 from asyncload.engine.session import LoadSession, in_flight
+
+if TYPE_CHECKING:  # annotations only: the default planner's module is imported when made
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    from torch.distributed.checkpoint.planner import LoadPlanner
 
 __all__ = ["LoadHandle", "aload", "load", "start_load"]
 
@@ -42,10 +43,13 @@ def _prepare(
     extension_registry: ExtensionRegistry | None = None,
     allow_partial_load: bool = False,
     process_group: Any = None,
-) -> tuple[LoadSession, LoadPlanner]:
-    """The load's session and planner, with its configuration resolved once
-    (:func:`asyncload.engine.config.resolve_config`: ``options``, else an explicitly
-    configured :class:`PipelinedLoadPlanner`'s, else the defaults; both get them). With
+) -> tuple[LoadSession, LoadPlanner | None, Callable[[Any, Any], tuple[Any, Any]] | None]:
+    """The load's session and planner (or, with no ``planner`` on one rank, ``None`` and
+    the function that makes it once the metadata is read, :func:`_default_planner`: a
+    safetensors or torch.save file into plain tensors imports no DCP), with its
+    configuration resolved once (:func:`asyncload.engine.config.resolve_config`:
+    ``options``, else an explicitly configured :class:`PipelinedLoadPlanner`'s, else the
+    defaults; both get them). With
     more than one rank in ``process_group`` the session is made with the monitor that bounds
     every wait on another rank. ``extension_registry`` decodes stream transforms (``None``:
     torch's default registry). ``allow_partial_load=True`` goes to the planner (see
@@ -85,11 +89,39 @@ def _prepare(
     if monitor is not None:
         monitor.cancelled = session.cancelled  # a cancelled load stops waiting on the others
         monitor.start_reporting(lambda: in_flight(session))
+    if planner is None and monitor is None:
+        session.plain_metadata = True
+        return session, None, _default_planner(config.options, allow_partial_load)
     if planner is None:
+        from asyncload._dcp import PipelinedLoadPlanner
+
         planner = PipelinedLoadPlanner(
             options=config.options, allow_partial_load=allow_partial_load
         )
-    return session, planner
+    return session, planner, None
+
+
+def _default_planner(
+    options: LoadOptions, allow_partial_load: bool
+) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``choose(state_dict, metadata) -> (planner, metadata)``: the planner of a load made
+    with no ``planner`` on one rank, once its metadata is read. A safetensors or torch.save
+    file (metadata of :mod:`asyncload.formats.plain`'s types) into plain tensors gets a
+    :class:`~asyncload._plain_planner.PlainLoadPlanner` (no DCP imported); anything else a
+    :class:`PipelinedLoadPlanner`, with the metadata converted to DCP's types."""
+
+    def choose(state_dict: Any, md: Any) -> tuple[Any, Any]:
+        from asyncload._plain_planner import PlainLoadPlanner, fits
+
+        if fits(state_dict, md):
+            return PlainLoadPlanner(options=options, allow_partial_load=allow_partial_load), md
+        from asyncload._dcp import PipelinedLoadPlanner
+        from asyncload.formats.plain import to_dcp
+
+        planner = PipelinedLoadPlanner(options=options, allow_partial_load=allow_partial_load)
+        return planner, to_dcp(md)
+
+    return choose
 
 
 def _reporting_to(monitor: Monitor, user: ProgressCallback | None) -> ProgressCallback:
@@ -145,7 +177,7 @@ def load(
     """
     check_load_arguments(state_dict, checkpoint, options, storage_options, face="asyncload.load")
     _hint_aload_if_loop_running()
-    session, planner = _prepare(
+    session, planner, choose = _prepare(
         checkpoint,
         options,
         storage_options,
@@ -155,7 +187,7 @@ def load(
         allow_partial_load,
         process_group,
     )
-    return run_sync(load_steps(state_dict, session, planner), session)
+    return run_sync(load_steps(state_dict, session, planner, choose), session)
 
 
 _hinted = threading.Event()
@@ -196,7 +228,7 @@ async def aload(
     loop stays free. Cancelling it cancels the reads and returns once nothing of the load
     is left running (files and sessions closed)."""
     check_load_arguments(state_dict, checkpoint, options, storage_options, face="asyncload.aload")
-    session, planner = _prepare(
+    session, planner, choose = _prepare(
         checkpoint,
         options,
         storage_options,
@@ -206,7 +238,7 @@ async def aload(
         allow_partial_load,
         process_group,
     )
-    return await run_async(load_steps(state_dict, session, planner), session)
+    return await run_async(load_steps(state_dict, session, planner, choose), session)
 
 
 class LoadHandle:
@@ -357,7 +389,7 @@ def start_load(
         if progress is not None:
             progress(done, total)
 
-    session, planner = _prepare(
+    session, planner, choose = _prepare(
         checkpoint,
         options,
         storage_options,
@@ -373,7 +405,7 @@ def start_load(
     def work() -> None:
         outcome: LoadStats | BaseException
         try:
-            outcome = run_sync(load_steps(state_dict, session, planner), session)
+            outcome = run_sync(load_steps(state_dict, session, planner, choose), session)
         except BaseException as exc:  # delivered through the handle
             outcome = exc
         with handle._ending:

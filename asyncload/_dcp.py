@@ -27,6 +27,7 @@ from torch.futures import Future
 import asyncload.formats as formats
 from asyncload._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
 from asyncload._options import LoadOptions
+from asyncload._plain_planner import ties as _ties
 from asyncload._stats import LoadStats
 from asyncload.engine.config import resolve_config
 from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
@@ -34,10 +35,7 @@ from asyncload.engine.driver import read_steps, run_sync
 from asyncload.engine.fills import Fills, optimizer_ids_to_names, place_entries, unplaced_message
 from asyncload.engine.intersect import _rekey_pre_2_4, local_load_plan
 from asyncload.engine.keys import (
-    MISSING_SHOWN,
-    alias_groups,
-    closest_keys,
-    missing_keys_message,
+    check_missing_keys,
     same_bits,
 )
 from asyncload.engine.plan import check_cast
@@ -154,15 +152,14 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             # were then
             _rekey_pre_2_4(self, md)
         tied, checked = _ties(self.state_dict, md)
-        missing = [fqn for fqn in self.state_dict if fqn not in saved and fqn not in tied]
-        if missing and not self.allow_partial_load:
-            missing.sort()
-            closest = closest_keys(missing[:MISSING_SHOWN], self.state_dict, saved)
-            raise StateDictMismatchError(
-                f"{formats.source_of(md)}: "
-                + missing_keys_message(missing, len(self.state_dict), closest)
-            )
         source = formats.source_of(md)
+        missing = check_missing_keys(
+            self.state_dict,
+            saved,
+            tied,
+            allow_partial_load=self.allow_partial_load,
+            source=source,
+        )
         unplaced = self._fills.unplaced
         if unplaced:
             if not self.allow_partial_load:
@@ -321,62 +318,6 @@ class PipelinedLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def _ties(state_dict: dict[str, Any], md: Metadata) -> tuple[dict[str, str], dict[str, str]]:
-    """Tied destination keys -> the key each is loaded through (the first of its group, in
-    the destination's order, that the checkpoint holds), and those of them the checkpoint
-    holds too, under other bytes (read to be compared, not written twice). Groups the
-    checkpoint lacks entirely stay out."""
-    saved = md.state_dict_metadata
-    tied: dict[str, str] = {}
-    checked: dict[str, str] = {}
-    for keys in alias_groups(state_dict):
-        present = [k for k in keys if k in saved]
-        if not present:
-            continue
-        for k in keys:
-            if k != present[0]:
-                tied[k] = present[0]
-                if k in saved and not _same_saved_bytes(md, k, present[0]):
-                    checked[k] = present[0]
-    return tied, checked
-
-
-def _same_saved_bytes(md: Metadata, a: str, b: str) -> bool:
-    """Whether the checkpoint holds keys ``a`` and ``b`` as one and the same located tensor
-    (a ``torch.save`` of tied weights: one storage, the same offset, shape and stride), so
-    that reading one reads the other."""
-    ma, mb = md.state_dict_metadata.get(a), md.state_dict_metadata.get(b)
-    if not isinstance(ma, TensorStorageMetadata) or not isinstance(mb, TensorStorageMetadata):
-        return False
-    if (
-        ma.size != mb.size
-        or ma.properties.dtype != mb.properties.dtype
-        or len(ma.chunks) != len(mb.chunks)
-    ):
-        return False
-    data = md.storage_data or {}
-    for i, (ca, cb) in enumerate(zip(ma.chunks, mb.chunks)):
-        if ca.offsets != cb.offsets or ca.sizes != cb.sizes:
-            return False
-        ea, eb = (
-            data.get(MetadataIndex(a, ca.offsets, i)),
-            data.get(MetadataIndex(b, cb.offsets, i)),
-        )
-        if not isinstance(ea, formats.KnownTensor) or not isinstance(eb, formats.KnownTensor):
-            return False
-        la, lb = ea.location, eb.location
-        if (la.name, la.data_start, la.dtype, la.size, la.stride, la.storage_offset) != (
-            lb.name,
-            lb.data_start,
-            lb.dtype,
-            lb.size,
-            lb.stride,
-            lb.storage_offset,
-        ):
-            return False
-    return True
 
 
 def _refuse_non_tensors(state_dict: Any, metadata: Metadata) -> None:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
 
 from asyncload._arguments import check_source_arguments
 from asyncload._loop import loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats
 from asyncload._stream import CheckpointStream, KeySelection, ProgressCallback
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["aread_state_dict", "nest", "read_state_dict"]
 
@@ -33,13 +35,11 @@ def nest(flat: dict[str, Any], metadata: Metadata) -> dict[Any, Any]:
     along its ``planner_data`` path in the metadata's order (DCP saved the keys as strings;
     int path elements are list indices). Formats that carry no nesting (safetensors) keep
     their flat names."""
-    from torch.distributed.checkpoint._traverse import set_element
-
-    from asyncload.formats import FormatMetadata
     from asyncload.formats.torchsave import nest_saved
 
-    if isinstance(metadata, FormatMetadata) and metadata.templates:
-        return nest_saved(flat, metadata.templates)
+    templates = getattr(metadata, "templates", None)  # (FormatMetadata, of either kind)
+    if isinstance(templates, list) and templates:
+        return nest_saved(flat, templates)
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     out: dict[str, Any] = {}
     for key in [k for k in metadata.state_dict_metadata if k in flat] + [
@@ -49,6 +49,11 @@ def nest(flat: dict[str, Any], metadata: Metadata) -> dict[Any, Any]:
         path = mapping.get(key)
         if not isinstance(path, (tuple, list)) or not path:
             path = (key,)
+        if len(path) == 1 and type(path[0]) is str:  # a flat name: DCP's set_element's answer
+            out[path[0]] = value
+            continue
+        from torch.distributed.checkpoint._traverse import set_element
+
         set_element(out, tuple(path), value)
     return out
 
@@ -135,6 +140,8 @@ async def aread_state_dict(
         storage_options=storage_options,
         progress=progress,
     )
+    # a safetensors or torch.save file's metadata of asyncload.formats.plain's types: no DCP
+    stream.session.plain_metadata = True
     flat, _ = await aread_stream(stream)
     assert stream.metadata is not None
     return nest(flat, stream.metadata)

@@ -25,13 +25,11 @@ import logging
 import os
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from asyncload._arguments import check_source_arguments
-from asyncload._dcp import PipelinedLoadPlanner
 from asyncload._errors import StateDictMismatchError, redact_url
 from asyncload._loop import loop_thread, run_sync
 from asyncload._options import LoadOptions
@@ -40,6 +38,10 @@ from asyncload.engine.config import resolve_config
 from asyncload.engine.driver import _in_thread
 from asyncload.engine.meter import Meter
 from asyncload.engine.session import LoadSession
+from asyncload.formats import plain
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = [
     "CheckpointStream",
@@ -198,13 +200,16 @@ class CheckpointStream:
         session = self.session
         session.begin()
         md = await session.aread_metadata()
+        if plain.is_plain(md):  # (session.plain_metadata: read_state_dict)
+            from asyncload._plain_planner import whole_tensors
+
+            if not whole_tensors(md):  # chunked tensors: planned by DCP's planner
+                md = plain.to_dcp(md)
         self.metadata = md
         chosen = select_keys(md, self.keys, self.checkpoint)
         sdm = md.state_dict_metadata
-        self.tensors = sorted(
-            (k for k in chosen if isinstance(sdm[k], TensorStorageMetadata)), key=self._where
-        )
-        self.objects = [k for k in chosen if not isinstance(sdm[k], TensorStorageMetadata)]
+        self.tensors = sorted((k for k in chosen if plain.is_tensor_md(sdm[k])), key=self._where)
+        self.objects = [k for k in chosen if not plain.is_tensor_md(sdm[k])]
         self._files_at_open = session.live_stats().files
         if check:
             await self.acheck()
@@ -217,11 +222,11 @@ class CheckpointStream:
         if self.device.type != "meta":
             await self.session.acheck_claims(self.metadata, self.tensors + self.objects)
 
-    def tensor_metadata(self, fqn: str) -> TensorStorageMetadata:
+    def tensor_metadata(self, fqn: str) -> Any:
         """The saved tensor ``fqn``'s metadata (shape, dtype, chunks)."""
         assert self.metadata is not None
         smd = self.metadata.state_dict_metadata[fqn]
-        assert isinstance(smd, TensorStorageMetadata)
+        assert plain.is_tensor_md(smd)
         return smd
 
     def _where(self, fqn: str) -> tuple[str, int]:
@@ -229,7 +234,9 @@ class CheckpointStream:
         smd = self.tensor_metadata(fqn)
         assert self.metadata is not None
         if smd.chunks and self.metadata.storage_data:
-            info = self.metadata.storage_data.get(MetadataIndex(fqn, smd.chunks[0].offsets))
+            kinds = plain.plain_kinds() if plain.is_plain(self.metadata) else plain.kinds()
+            index = kinds.MetadataIndex(fqn, smd.chunks[0].offsets)
+            info = self.metadata.storage_data.get(index)
             if info is not None:
                 return str(getattr(info, "relative_path", "")), int(
                     getattr(info, "offset", 0) or 0
@@ -266,8 +273,8 @@ class CheckpointStream:
         assert self.metadata is not None
         out: dict[str, Any] = {}
         for fqn in fqns:
-            smd = self.metadata.state_dict_metadata[fqn]
-            if isinstance(smd, TensorStorageMetadata):
+            smd: Any = self.metadata.state_dict_metadata[fqn]
+            if plain.is_tensor_md(smd):
                 make = torch.zeros if self.touch else torch.empty
                 out[fqn] = make(tuple(smd.size), dtype=self.dtype_of(smd), device=self.device)
             else:
@@ -285,7 +292,15 @@ class CheckpointStream:
         session = self.session
         md = self.metadata
         assert md is not None
-        planner = PipelinedLoadPlanner(options=self.options, allow_partial_load=True)
+        planner: Any
+        if plain.is_plain(md):  # a safetensors or torch.save file: no DCP (whole tensors)
+            from asyncload._plain_planner import PlainLoadPlanner
+
+            planner = PlainLoadPlanner(options=self.options, allow_partial_load=True)
+        else:
+            from asyncload._dcp import PipelinedLoadPlanner
+
+            planner = PipelinedLoadPlanner(options=self.options, allow_partial_load=True)
         dest: dict[str, Any] = {}
 
         def prepare() -> Any:
@@ -311,7 +326,7 @@ class CheckpointStream:
         await _in_thread(self._commit, records, planner)
         return dest
 
-    def _commit(self, records: Any, planner: PipelinedLoadPlanner) -> None:
+    def _commit(self, records: Any, planner: Any) -> None:
         session = self.session
         session.commit(records, planner)
         del records, planner  # a stream hands its tensors over: it keeps no view of them

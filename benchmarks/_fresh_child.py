@@ -3,7 +3,8 @@
     python benchmarks/_fresh_child.py '<json config>'
 
 Before the clock: the imports (torch; plus asyncload or torch.distributed.checkpoint for
-the contender that needs it) and the destination (torch.zeros, so its memory is touched).
+the contender that needs it) and the destination (torch.zeros, so its memory is touched;
+``"dest"``: ``untouched`` for torch.empty, ``to_empty`` for ``module.to_empty``).
 The parent warms the page cache. Prints one line ``RESULT <json>``: seconds, peak RSS above
 the destination (the kernel's high-water mark, reset just before the call), and, when
 asked, the same call again in the same (now warm) process.
@@ -107,13 +108,31 @@ if mode in ("asyncload", "timeline"):
     from asyncload import load  # noqa: F401 - the faces import on first use: before the clock
 
     al_file = asyncload.__file__
+    # bench_local --matrix: every import a load may make, before the clock
+    if cfg.get("preimport"):
+        import torch.distributed.checkpoint
 if mode == "torch":
     import torch.distributed.checkpoint as dcp
 
 
 def destination() -> dict[str, torch.Tensor]:
+    """The destination tensors: ``cfg["dest"]`` ``touched`` (``torch.zeros``, the default),
+    ``untouched`` (``torch.empty``: pages not yet faulted in) or ``to_empty`` (a module made on
+    the meta device, then ``module.to_empty(device="cpu")``)."""
     with open(cfg["shapes"]) as f:
         shapes = json.load(f)
+    how = cfg.get("dest", "touched")
+    if how == "untouched":
+        return {k: torch.empty(s, dtype=getattr(torch, dt)) for k, (s, dt) in shapes.items()}
+    if how == "to_empty":
+        module = torch.nn.Module()
+        with torch.device("meta"):
+            for i, (s, dt) in enumerate(shapes.values()):
+                module.register_parameter(
+                    f"p{i}", torch.nn.Parameter(torch.empty(s, dtype=getattr(torch, dt)), False)
+                )
+        module.to_empty(device="cpu")
+        return {k: getattr(module, f"p{i}").data for i, k in enumerate(shapes)}
     return {k: torch.zeros(s, dtype=getattr(torch, dt)) for k, (s, dt) in shapes.items()}
 
 
@@ -176,7 +195,9 @@ if mode == "raw":
     def fn() -> Any:
         return raw_reads(raw_files, raw_mv, how)
 elif mode == "bound":
-    buf = torch.zeros(sum(os.path.getsize(f) for f in cfg["files"]), dtype=torch.uint8)
+    # "dest": "untouched": torch.empty, its pages faulted in by the reads (the default: touched)
+    make = torch.empty if cfg.get("dest") == "untouched" else torch.zeros
+    buf = make(sum(os.path.getsize(f) for f in cfg["files"]), dtype=torch.uint8)
     mv = memoryview(buf.numpy())
     files = cfg["files"]
 
@@ -220,8 +241,22 @@ if mode == "timeline":
     out["modules_imported"] = new
     out["threads_left"] = threading.active_count() - threads0
 else:
+    import resource
+
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     dt, peak = C.measure(fn)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    # CPU seconds (user, system) and minor page faults of the call, every thread
+    out["utime"], out["stime"] = ru1.ru_utime - ru0.ru_utime, ru1.ru_stime - ru0.ru_stime
+    out["minflt"] = ru1.ru_minflt - ru0.ru_minflt
     res = None
+    if mode in ("torch", "asyncload", "bound") and cfg.get("dest", "touched") != "touched":
+        # the destination's own pages became resident during the call: not above it
+        peak -= (
+            len(mv)
+            if mode == "bound"
+            else sum(t.numel() * t.element_size() for t in dest.values())
+        )
     out["seconds"], out["peak"] = dt, peak
     if cfg.get("second"):
         out["seconds2"], out["peak2"] = C.measure(fn)

@@ -30,6 +30,21 @@ round: cold raw reads into a touched
 destination-sized buffer (plain ``preadv``; with ``posix_fadvise`` SEQUENTIAL + WILLNEED;
 ``O_DIRECT`` into a page-aligned buffer), torch's ``dcp.load`` and ``asyncload.load``.
 
+``--matrix`` (issue 45, item 1) runs only first loads in fresh processes, for each layout
+of ``--layout`` (``dcp``: one ``.distcp`` file; ``dcp-many``: ``FileSystemWriter(thread_count=8)``'s
+files; ``safetensors``: 4 shards and their index; ``torchsave``: one zip) and each destination
+of ``--dest`` (``touched``: ``torch.zeros``; ``untouched``: ``torch.empty``; ``to_empty``: a meta
+module's ``to_empty``), each layout beside its own bound (its files read into a touched
+destination-sized buffer; ``--untouched-bound`` adds the same into ``torch.empty``),
+interleaved round by round, every import before the clock. ``--shape model`` is issue 45's
+checkpoint (per GiB 16 layers of a 2048x2048 and a 2048x4096 float32, a 1024x4096 bfloat16 and
+16 norms of 2048 floats: 304 keys), ``--shape bench`` (the default) this script's own. It
+prints x bound, peak RSS above the destination (the destination's own pages taken off where
+the load faults them in), CPU seconds and minor page faults per GiB::
+
+    python benchmarks/bench_local.py --matrix --shape model --layout dcp,dcp-many,safetensors,torchsave \
+        --dest touched,untouched,to_empty --untouched-bound --size-mib 1024 --rounds 3
+
 ``--verify`` adds ``verify=True`` (every tensor record's CRC-32 checked) beside
 ``asyncload.load``, on the DCP checkpoint and on the same tensors saved in one ``torch.save``
 file, and prints the median of the per-round ratios: what checking the CRC-32s costs a whole
@@ -543,6 +558,133 @@ def cold_section(
     )
 
 
+LAYOUTS = ("dcp", "dcp-many", "safetensors", "torchsave")
+DESTS = ("touched", "untouched", "to_empty")
+
+
+def model_state_dict(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Issue 45's model-shaped checkpoint: per layer a 2048x2048 and a 2048x4096 float32, a
+    1024x4096 bfloat16 and 16 norms of 2048 floats (19 keys, 56.1 MiB); 16 layers (304 keys)
+    per GiB asked for."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(max(1, total_bytes // (64 << 20))):
+        p = f"layers.{i}."
+        sd[p + "attn.weight"] = torch.randn(2048, 2048, generator=g)
+        sd[p + "mlp.weight"] = torch.randn(2048, 4096, generator=g)
+        sd[p + "proj.weight"] = torch.randn(1024, 4096, generator=g).to(torch.bfloat16)
+        for j in range(16):
+            sd[p + f"norm{j}.weight"] = torch.randn(2048, generator=g)
+    return sd
+
+
+def save_layout(sd: dict[str, torch.Tensor], layout: str, folder: str) -> tuple[str, list[str]]:
+    """``sd`` saved as ``layout`` under ``folder``: (the path to load, its data files)."""
+    if layout == "dcp":
+        dcp.save(sd, checkpoint_id=folder, no_dist=True)
+    elif layout == "dcp-many":
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder, thread_count=8), no_dist=True)
+    elif layout == "safetensors":  # 4 shards and their index, as a hub model
+        from safetensors.torch import save_file
+
+        os.makedirs(folder)
+        names = list(sd)
+        shards = [names[i::4] for i in range(4)]
+        weight_map: dict[str, str] = {}
+        for j, keys in enumerate(shards):
+            fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: sd[k] for k in keys}, os.path.join(folder, fname))
+            weight_map.update(dict.fromkeys(keys, fname))
+        index = {"metadata": {"total_size": C.nbytes(sd)}, "weight_map": weight_map}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+    elif layout == "torchsave":
+        os.makedirs(folder)
+        pt = os.path.join(folder, "model.pt")
+        torch.save(sd, pt)
+        return pt, [pt]
+    else:
+        raise SystemExit(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    data = (".distcp", ".safetensors")
+    return folder, [
+        os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(data)
+    ]
+
+
+def matrix_section(args: argparse.Namespace, tmp: str, o: dict[str, object]) -> None:
+    """First loads in fresh processes for each (layout, destination) of ``--shape``'s
+    checkpoint, each beside the bound of its own files, interleaved round by round."""
+    layouts = [x for x in args.layout.split(",") if x]
+    dests = [x for x in args.dest.split(",") if x]
+    for d in dests:
+        if d not in DESTS:
+            raise SystemExit(f"unknown --dest {d!r}: one of {', '.join(DESTS)}")
+    sd = (
+        model_state_dict(args.size_mib << 20)
+        if args.shape == "model"
+        else C.transformer_state_dict(args.size_mib << 20)
+    )
+    total = C.nbytes(sd)
+    shapes = {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
+    shapes_file = os.path.join(tmp, "matrix-shapes.json")
+    with open(shapes_file, "w") as f:
+        json.dump(shapes, f)
+    check_keys = [next(iter(sd)), list(sd)[len(sd) // 2], list(sd)[-1]]
+    checks = {k: float(sd[k].double().sum()) for k in check_keys}
+    saved = {lay: save_layout(sd, lay, os.path.join(tmp, "m-" + lay)) for lay in layouts}
+    del sd
+    contenders: dict[str, dict[str, object]] = {}
+    for lay in layouts:
+        path, files = saved[lay]
+        base = {"path": path, "files": files, "shapes": shapes_file, "check": checks}
+        contenders[f"{lay}: bound"] = {**base, "mode": "bound"}
+        if args.untouched_bound:
+            contenders[f"{lay}: bound untouched"] = {**base, "mode": "bound", "dest": "untouched"}
+        for d in dests:
+            contenders[f"{lay}: asyncload {d}"] = {
+                **base,
+                "mode": "asyncload",
+                "options": o,
+                "dest": d,
+                "preimport": True,  # imports outside the clock, as the issue's figures
+            }
+    every = sorted({f for _, files in saved.values() for f in files})
+    res = run_rounds(args, contenders, {}, checks, lambda: raw_bound(every), "matrix")
+    print(
+        f"\n== first load in a fresh process, per layout and destination (shape {args.shape!r}: "
+        f"{C.gib(total)} GiB, {len(shapes)} keys; {args.rounds} interleaved rounds, medians) =="
+    )
+    print(
+        "bound: preadv of the layout's files into a touched destination-sized buffer, fresh process;"
+        "\ntouched: torch.zeros destinations; untouched: torch.empty; to_empty: module.to_empty"
+    )
+    print(
+        f"{'layout: reader':32s} {'files':>5s} {'seconds':>8s} {'GiB/s':>7s} {'x bound':>8s} "
+        f"{'peak MiB above dest':>19s} {'CPU s/GiB':>9s} {'faults/GiB':>10s}   per round (s)"
+    )
+
+    def num(x: dict[str, object], key: str) -> float:
+        v = x[key]
+        assert isinstance(v, (int, float)), (key, v)
+        return float(v)
+
+    gib = total / (1 << 30)
+    for lay in layouts:
+        bound = C.median([num(x, "seconds") for x in res[f"{lay}: bound"]])
+        for name in [n for n in contenders if n.startswith(lay + ":")]:
+            rs = res[name]
+            t = C.median([num(x, "seconds") for x in rs])
+            peak = max(max(0.0, num(x, "peak")) for x in rs) / (1 << 20)
+            each = ", ".join(f"{num(x, 'seconds'):.3f}" for x in rs)
+            cpu = C.median([num(x, "utime") + num(x, "stime") for x in rs]) / gib
+            faults = C.median([num(x, "minflt") for x in rs]) / gib
+            print(
+                f"{name:32s} {len(saved[lay][1]):5d} {t:8.3f} {gib / t:7.2f} "
+                f"{bound / t:8.2f} {peak:19.1f} {cpu:9.3f} {faults:10.0f}   {each}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -576,6 +718,34 @@ def main() -> None:
         "--cold", action="store_true", help="also time cold page cache loads (root: drops caches)"
     )
     ap.add_argument("--cold-only", action="store_true", help="only the cold page cache section")
+    ap.add_argument(
+        "--matrix",
+        action="store_true",
+        help="only first loads in fresh processes per --layout and --dest, each beside its bound",
+    )
+    ap.add_argument(
+        "--shape",
+        choices=("bench", "model"),
+        default="bench",
+        help="--matrix's checkpoint: this script's own (67 keys per GiB) or issue 45's model "
+        "shape (16 layers of 19 keys per GiB)",
+    )
+    ap.add_argument(
+        "--layout",
+        default="dcp",
+        help=f"--matrix's layouts, comma-separated: {', '.join(LAYOUTS)} (dcp-many: "
+        "FileSystemWriter(thread_count=8); safetensors: 4 shards and an index)",
+    )
+    ap.add_argument(
+        "--untouched-bound",
+        action="store_true",
+        help="--matrix: also the bound's reads into an untouched (torch.empty) buffer",
+    )
+    ap.add_argument(
+        "--dest",
+        default="touched",
+        help=f"--matrix's destinations, comma-separated: {', '.join(DESTS)}",
+    )
     args = ap.parse_args()
 
     print(
@@ -586,6 +756,18 @@ def main() -> None:
     C.ensure_bytecode()  # fresh processes import asyncload's bytecode, as torch's
     tmp = tempfile.mkdtemp(prefix="asyncload-bench-", dir=args.dir)
     try:
+        if args.matrix:
+            matrix_section(
+                args,
+                tmp,
+                {
+                    "concurrency": args.concurrency,
+                    "chunk_size": args.chunk_mib << 20,
+                    "memory_budget": args.budget_mib << 20,
+                },
+            )
+            loadavg("end")
+            return
         sd = C.transformer_state_dict(args.size_mib << 20)
         total = C.nbytes(sd)
         path = os.path.join(tmp, "ckpt")

@@ -1,7 +1,9 @@
 """Remote loads against the peers, side by side in one run (issue 12).
 
-S3 on loopback (s3rver) behind a FaultProxy adding ``--latency`` each way (in its own
-process). Every contender runs in a fresh process per round (``_peer_child.py``: imports and
+S3 on loopback (s3rver) behind a network model (``--network``, each in its own process):
+``proxy`` (default), the FaultProxy adding ``--latency`` each way per request and per answer;
+``delay-line``, a forwarder delivering each 256 KiB piece ``--latency`` after it arrived,
+both ways (``asyncload.testing.delay_line``: a queueing delay that does not cap bandwidth). Every contender runs in a fresh process per round (``_peer_child.py``: imports and
 a touched destination before the clock), rounds interleaved; the table gives the median
 seconds, GiB/s, the ratio to the raw bound (s3fs ranged GETs of the same bytes, 8 MiB x 32,
 data discarded), CPU seconds per GiB of the loading process and its peak RSS above the
@@ -16,6 +18,7 @@ installed is skipped with a note.
 
     python benchmarks/bench_peers.py --size-mib 256 --rounds 3
     python benchmarks/bench_peers.py --layouts dcp-one-file --contenders asyncload,s3torchconnector
+    python benchmarks/bench_peers.py --network delay-line --layouts dcp-one-file,safetensors
 """
 
 from __future__ import annotations
@@ -181,6 +184,44 @@ def data_files(path: Path, layout: str) -> list[tuple[str, int]]:
     return sorted((p.name, p.stat().st_size) for p in path.glob(pattern))
 
 
+class DelayLineProc:
+    """The delay line (``asyncload.testing.delay_line``) in a child process: each 256 KiB
+    piece delivered ``delay`` seconds after it arrived, both ways (``--network delay-line``)."""
+
+    def __init__(self, upstream: str, delay: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncload.testing.delay_line", upstream, str(delay)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+#: --network -> what the header line calls it
+NETWORKS = {
+    "proxy": "the FaultProxy adding {ms} ms one-way per request and per answer",
+    "delay-line": "a delay line delivering each 256 KiB piece {ms} ms after it arrived, both ways",
+}
+
+
+def link(network: str, upstream: str, latency: float) -> Proxy | DelayLineProc:
+    """A fresh link of the chosen network model in front of ``upstream``."""
+    if network == "delay-line":
+        return DelayLineProc(upstream, latency)
+    return Proxy(upstream, latency, None)
+
+
 def run_child(
     cfg: dict[str, Any], timeout: float, pythonpath: str | None = None
 ) -> dict[str, Any] | None:
@@ -212,6 +253,13 @@ def main() -> None:
         "--latency", type=float, default=0.010, help="one-way delay added by the proxy, seconds"
     )
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--network",
+        choices=sorted(NETWORKS),
+        default="proxy",
+        help="the network model in front of s3rver: proxy (the FaultProxy: --latency per "
+        "request and per answer) or delay-line (every 256 KiB piece --latency late, both ways)",
+    )
     ap.add_argument(
         "--layouts", default="dcp-one-file,dcp-per-item,safetensors,safetensors-index,tensorizer"
     )
@@ -270,8 +318,9 @@ def main() -> None:
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     print(
-        f"{nbytes / MiB:.0f} MiB of tensors ({len(tensors)}), s3rver behind a {args.latency * 1e3:.0f} ms one-way "
-        f"delay proxy, {args.rounds} rounds interleaved, each run a fresh process; {os.cpu_count()} CPUs, "
+        f"{nbytes / MiB:.0f} MiB of tensors ({len(tensors)}), s3rver behind "
+        f"{NETWORKS[args.network].format(ms=f'{args.latency * 1e3:.0f}')}, "
+        f"{args.rounds} rounds interleaved, each run a fresh process; {os.cpu_count()} CPUs, "
         f"load average {' '.join(load_before)}"
     )
     with (
@@ -288,12 +337,13 @@ def main() -> None:
                 for c in wanted:
                     if layout not in CONTENDERS[c][0]:
                         continue
-                    proxy = Proxy(server.endpoint_url, args.latency, None)
+                    proxy = link(args.network, server.endpoint_url, args.latency)
                     try:
                         url = urls[layout] + ("/model.safetensors" if c == "runai" else "")
                         url = url + ("/model.tensors" if c == "tensorizer" else "")
                         cfg: dict[str, Any] = {
                             "mode": c,
+                            "layout": layout,
                             "url": url,
                             "endpoint": proxy.url,
                             "bucket": "peers",
@@ -363,6 +413,7 @@ def main() -> None:
     meta = {
         "bytes": nbytes,
         "latency_s": args.latency,
+        "network": args.network,
         "rounds": args.rounds,
         "load": [load_before, load_after],
     }

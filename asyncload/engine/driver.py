@@ -30,14 +30,12 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.stateful import Stateful
 
 from asyncload._errors import (
     CheckpointFormatError,
@@ -53,10 +51,17 @@ from asyncload.engine.metadata_read import (
 )
 from asyncload.engine.session import LoadSession
 
+if TYPE_CHECKING:  # DCP's types: annotations only (a load of a non-DCP file needs none)
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+
 __all__ = ["Await", "Call", "load_steps", "read_steps", "run_async", "run_sync"]
 
 log = logging.getLogger("asyncload.driver")
 T = TypeVar("T")
+
+#: The members of ``torch.distributed.checkpoint.stateful.Stateful``.
+_STATEFUL = ("state_dict", "load_state_dict")
 
 
 class Call:
@@ -182,10 +187,15 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
 
 
 def load_steps(
-    state_dict: dict[str, Any], session: LoadSession, planner: LoadPlanner
+    state_dict: dict[str, Any],
+    session: LoadSession,
+    planner: LoadPlanner | None,
+    choose: Callable[[Any, Any], tuple[Any, Any]] | None = None,
 ) -> Steps[LoadStats]:
     """The steps of one load into ``state_dict`` (in place), on every rank of the session's
-    group (a session made with a monitor: more than one rank)."""
+    group (a session made with a monitor: more than one rank). ``planner`` None (one rank):
+    ``choose(state_dict, metadata)`` makes it once the metadata is read, and may convert
+    the metadata (``(planner, metadata)``; ``asyncload._plain_planner.default_planner``)."""
     group = session.group
     use_dist = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if use_dist else 1
@@ -195,7 +205,7 @@ def load_steps(
         for k in keys
     }
     check_destinations(stateful)  # before any I/O: memory that cannot be written, meta, sparse
-    if hasattr(planner, "_destinations_checked"):  # asyncload's planners: not again
+    if planner is not None and hasattr(planner, "_destinations_checked"):  # ours: not again
         planner._destinations_checked = stateful
     log.debug(
         "loading %s into %d keys on %d rank(s)",
@@ -205,10 +215,18 @@ def load_steps(
     )
     try:
         if world > 1:
+            if planner is None:
+                raise DistributedLoadError("a load on more than one rank needs its planner")
             yield from _collective_steps(stateful, session, planner)
         else:
             session.begin()
             metadata, _ = yield Await(aread_metadata_like_dcp(session, 0))
+            if planner is None:
+                if choose is None:
+                    raise DistributedLoadError("a load needs a planner or a way to make one")
+                # (a call: it may import DCP, which aload keeps off its loop)
+                planner, metadata = yield Call(choose, stateful, metadata)
+                planner._destinations_checked = stateful  # type: ignore[union-attr]
             yield Call(planner.set_up_planner, stateful, metadata, True)
             _check_storage_table(session, metadata)
             local = yield Call(planner.create_local_plan)
@@ -239,7 +257,14 @@ def _check_storage_table(session: LoadSession, metadata: Metadata) -> None:
 def _is_stateful(value: Any) -> bool:
     """``isinstance(value, Stateful)``, skipping the protocol check (tens of microseconds a
     key) for a plain tensor or parameter, which has neither of its methods."""
-    return type(value) not in PLAIN_TENSOR_TYPES and isinstance(value, Stateful)
+    if type(value) in PLAIN_TENSOR_TYPES:
+        return False
+    stateful = sys.modules.get("torch.distributed.checkpoint.stateful")
+    if stateful is not None and isinstance(value, stateful.Stateful):
+        return True
+    # the protocol's own test (``Stateful`` is a runtime-checkable Protocol): both methods
+    # present, neither None; done here so that a load need not import DCP for it
+    return all(getattr(value, name, None) is not None for name in _STATEFUL)
 
 
 def read_steps(

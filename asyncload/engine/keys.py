@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import bisect
 import difflib
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from asyncload._errors import StateDictMismatchError
+from asyncload.formats.plain import is_tensor_md
 
 __all__ = [
     "MISSING_SHOWN",
@@ -123,15 +125,13 @@ def closest_keys(
         return {}
     by_stripped: dict[str, str] = {}
     by_shape: dict[Any, list[str]] = {}
-    # DCP's class if DCP is imported; if not, no saved entry is one (safe_open's keys: None)
-    dcp_md = sys.modules.get("torch.distributed.checkpoint.metadata")
-    tensor_md: Any = getattr(dcp_md, "TensorStorageMetadata", ())
+    # DCP's class or asyncload.formats.plain's (safe_open's keys: None, neither)
     for k in candidates:
         head, dot, rest = k.partition(".")
         if dot and head and rest and rest not in by_stripped:
             by_stripped[rest] = k
         smd = saved[k]
-        shape = smd.size if isinstance(smd, tensor_md) else None
+        shape = smd.size if is_tensor_md(smd) else None
         same = by_shape.get(shape)
         if same is None:
             by_shape[shape] = [k]
@@ -158,6 +158,26 @@ def closest_keys(
         if hit is not None:
             found[key] = hit
     return found
+
+
+def check_missing_keys(
+    state_dict: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    tied: Mapping[str, Any],
+    *,
+    allow_partial_load: bool,
+    source: str,
+) -> list[str]:
+    """The destination keys the checkpoint lacks (``saved``: its entries; ``tied``: keys
+    loaded through another), sorted; unless ``allow_partial_load``, a
+    :class:`StateDictMismatchError` naming them, each with its closest checkpoint key."""
+    missing = sorted(fqn for fqn in state_dict if fqn not in saved and fqn not in tied)
+    if missing and not allow_partial_load:
+        closest = closest_keys(missing[:MISSING_SHOWN], state_dict, saved)
+        raise StateDictMismatchError(
+            f"{source}: " + missing_keys_message(missing, len(state_dict), closest)
+        )
+    return missing
 
 
 def missing_keys_message(

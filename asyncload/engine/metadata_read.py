@@ -31,11 +31,10 @@ import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
 
 import asyncload.formats as formats
 from asyncload._errors import CheckpointNotFoundError, redact_url
@@ -43,6 +42,9 @@ from asyncload._loop import on_thread
 from asyncload.engine.session import LoadSession
 from asyncload.storage import is_local
 from asyncload.storage.base import Listed
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["aread_metadata_like_dcp", "aread_metadata_once", "exchanges_metadata"]
 

@@ -18,10 +18,12 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+
+if TYPE_CHECKING:  # annotations only (a load of a non-DCP file imports no DCP)
+    from torch.distributed.checkpoint.metadata import Metadata
 
 import asyncload.formats as formats
 from asyncload._options import ChunkPolicy, LoadOptions

@@ -17,12 +17,9 @@ import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType
 
 import asyncload.formats as formats
 from asyncload._errors import CheckpointFormatError, StateDictMismatchError
@@ -31,6 +28,7 @@ from asyncload._paths import check_relative_path
 from asyncload._stats import LoadStats
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.chunks import Piece
+from asyncload.formats.plain import is_byte_io, is_metadata, is_tensor_md
 from asyncload.formats.torchsave import (
     HEAD_PROBE,
     TAIL_PROBE,
@@ -38,6 +36,10 @@ from asyncload.formats.torchsave import (
     materialize,
     parse_archive,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "AllowListPlanner",
@@ -146,7 +148,7 @@ def collect(
     registry: Any,
 ) -> list[Record]:
     """Group the plan's read items by saved record; resolve destinations (caller's thread).
-    ``registry`` decodes stream transforms."""
+    ``registry`` decodes stream transforms (None: torch's default)."""
     storage_data = md.storage_data
     records: dict[tuple[str, int, int], Record] = {}
     checked: set[str] = set()  # file names already found to be plain relative paths
@@ -166,7 +168,7 @@ def collect(
                 item.storage_index.fqn,
                 entry=sinfo,
             )
-            if item.type == LoadItemType.BYTE_IO:
+            if is_byte_io(item):
                 rec.byte_items.append(item)
             else:
                 rec.tensor_items.append((item, planner.resolve_tensor(item).detach()))
@@ -193,6 +195,8 @@ def collect(
             found = records[key] = Record(name, offset, length, item.storage_index.fqn)
             descriptors = getattr(sinfo, "transform_descriptors", None)
             if descriptors:  # checked now: an unknown transform fails before any read
+                if registry is None:  # torch's default, made once (it imports DCP's modules)
+                    registry = _transforms.default_registry()
                 found.transforms = tuple(descriptors)
                 found.extensions = _transforms.extensions_for(
                     registry,
@@ -200,15 +204,15 @@ def collect(
                     what=f"key {found.fqn!r} in {checkpoint}, {found.where}",
                 )
         rec = found
-        if item.type == LoadItemType.BYTE_IO:
+        if is_byte_io(item):
             rec.byte_items.append(item)
         else:
-            smd = md.state_dict_metadata.get(item.storage_index.fqn)
+            smd: Any = md.state_dict_metadata.get(item.storage_index.fqn)
             if smd is None:  # a key the planner took from under a prefix (formats.rebase)
-                view = getattr(planner, "metadata", None)
-                if isinstance(view, Metadata):
+                view: Any = getattr(planner, "metadata", None)
+                if is_metadata(view):
                     smd = view.state_dict_metadata.get(item.storage_index.fqn)
-            if isinstance(smd, TensorStorageMetadata):
+            if is_tensor_md(smd):
                 rec.dtype = smd.properties.dtype
                 idx = item.storage_index.index
                 if (

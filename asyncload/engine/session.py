@@ -39,9 +39,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from torch.distributed.checkpoint import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
-
 import asyncload.formats as formats
 from asyncload._errors import (
     CheckpointFormatError,
@@ -54,7 +51,6 @@ from asyncload._loop import close_through_interrupt, loop_thread, run_sync
 from asyncload._options import LoadOptions
 from asyncload._stats import LoadStats, StatsRecorder
 from asyncload.engine import cuda as _cuda
-from asyncload.engine import transforms as _transforms
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.config import LoadConfig, open_boundary, planner_options, resolve_config
@@ -69,9 +65,13 @@ from asyncload.engine.records import (
     refuse_a_dcp_file,
     torch_casts,
 )
+from asyncload.formats import plain
 from asyncload.storage import RetryingStorage, Storage, is_local, local_root
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # DCP's types: imported where a load needs them, not for annotations
+    from torch.distributed.checkpoint import LoadPlan, LoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from asyncload.storage.in_flight import InFlight
 
 __all__ = ["LoadSession", "decode_object", "in_flight"]
@@ -137,12 +137,11 @@ class LoadSession:
         self._progress = progress
         self._now = clock
         self._copier = copier
-        self.extension_registry = (
-            extension_registry
-            if extension_registry is not None
-            else _transforms.default_registry()
-        )
+        #: None: torch's default, made when a record names a transform (importing DCP's).
+        self.extension_registry = extension_registry
         self.metadata_cache = metadata_cache
+        #: Takes metadata of :mod:`asyncload.formats.plain`'s types (else converted to DCP's).
+        self.plain_metadata = False
         # the load in progress
         self._config = self._made_with
         #: Where storage is opened when not at ``checkpoint`` (the directory of a file checkpoint).
@@ -411,6 +410,7 @@ class LoadSession:
         A checkpoint that is not a DCP directory (safetensors, a torch.save file: see
         :mod:`asyncload.formats`) gets a synthesised ``Metadata`` instead. The first error of
         this load's metadata reads is kept in :attr:`metadata_error` until one succeeds.
+        Plain types (:mod:`asyncload.formats.plain`) become DCP's unless :attr:`plain_metadata`.
         """
         try:
             md = await self._aread_metadata(rank, on_bytes)
@@ -419,7 +419,7 @@ class LoadSession:
                 self.metadata_error = exc
             raise
         self.metadata_error = None  # read (a rank-local one after a missing .metadata, say)
-        return md
+        return md if self.plain_metadata else plain.to_dcp(md)
 
     async def _aread_metadata(
         self, rank: int | None, on_bytes: Callable[[memoryview, str], Awaitable[None]] | None

@@ -17,6 +17,10 @@ they say (the load never returns before that), so a wrong guess costs one more r
 wrong byte, and damaged headers are the same typed error a probed record gives. A small
 record right after a guessed one (read whole) joins its last request. A guessed record
 saves the round of header probes a probed record waits for before its data goes out.
+Where there are more large records than read slots, neighbouring guessed records share
+requests (:class:`_Joiner`: their bytes shared out over the slots, at most ``chunk_size``),
+so that a file of many records goes out in about as many requests as slots, as a
+safetensors file does, instead of waves of one request per record.
 """
 
 from __future__ import annotations
@@ -210,6 +214,107 @@ def _join(guessed: Chunk, small: Chunk) -> Chunk:
     )
 
 
+class _Owner:
+    """A guessed record's request whose bytes went out in joined requests: its ``landed``
+    called once every joined request holding some of its bytes has landed."""
+
+    __slots__ = ("chunk", "done", "parts", "whole")
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.chunk = chunk
+        self.parts = self.done = 0
+        self.whole = False  # its last byte went out
+
+    def one_landed(self) -> None:
+        self.done += 1
+        if self.whole and self.done == self.parts:
+            assert self.chunk.landed is not None
+            self.chunk.landed()
+
+
+class _Joiner:
+    """Neighbouring guessed records' requests smaller than ``limit`` joined and cut again
+    into requests of ``limit`` bytes (:func:`join_limit`), anywhere: each piece keeps its
+    slice of its destination, each record's request counts in (its ``landed``) once all of
+    its bytes have landed. ``add`` takes a request and hands back the joined ones that are
+    full; ``flush`` the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        #: pieces not yet sent, contiguous, each with the request it belongs to
+        self.pieces: list[tuple[Piece, _Owner]] = []
+        self.held = 0
+
+    def fits(self, c: Chunk) -> bool:
+        if (
+            not self.limit
+            or c.nbytes >= self.limit  # full already: sent as it is
+            or c.landed is None
+            or c.trackers
+            or not c.tiles_into()
+        ):
+            return False
+        if not self.pieces:
+            return True
+        last = self.pieces[-1][0]
+        return last.name == c.name and last.end == c.start
+
+    def add(self, c: Chunk) -> list[Chunk]:
+        owner = _Owner(c)
+        self.pieces.extend((p, owner) for p in c.segments)
+        self.held += c.nbytes
+        out = []
+        while self.held >= self.limit:
+            out.append(self._cut(self.limit))
+        return out
+
+    def flush(self) -> list[Chunk]:
+        return [self._cut(self.held)] if self.held else []
+
+    def _cut(self, n: int) -> Chunk:
+        take: list[Piece] = []
+        owners: list[_Owner] = []
+        room = n
+        while room:
+            p, owner = self.pieces[0]
+            if p.nbytes > room:
+                assert p.into is not None  # a guessed record's pieces all have a place
+                take.append(dataclasses.replace(p, end=p.start + room, into=p.into[:room]))
+                self.pieces[0] = (
+                    dataclasses.replace(p, start=p.start + room, into=p.into[room:]),
+                    owner,
+                )
+                room = 0
+            else:
+                take.append(p)
+                self.pieces.pop(0)
+                room -= p.nbytes
+            if not owners or owners[-1] is not owner:
+                owners.append(owner)
+                owner.parts += 1
+        self.held -= n
+        for owner in owners:
+            owner.whole = not any(o is owner for _, o in self.pieces[:1])
+
+        def landed() -> None:
+            for owner in owners:
+                owner.one_landed()
+
+        return Chunk(take[0].name, take[0].start, take[-1].end, take, landed=landed)
+
+
+def join_limit(large: list[Record], chunk_size: int, slots: int) -> int:
+    """The size of a request that neighbouring guessed records are joined into: none (0)
+    where their requests all fit the read slots at once (one request per record goes out
+    together), else the records' bytes shared out over the slots, at most ``chunk_size``:
+    fewer, larger requests where they would otherwise queue for a slot (a queue refills
+    the link a round trip late, once per wave of requests)."""
+    total = sum(rec.length for rec in large)
+    if len(large) <= slots or total <= 0:
+        return 0
+    return min(chunk_size, -(-total // max(1, slots)))
+
+
 async def aread_streamed(
     reads_of: Any,
     pipeline: Pipeline,
@@ -285,6 +390,10 @@ class _Stream:
         #: guess before any record's headers are known (up to SPECULATE records)
         self.prior = own_head_len() if self.guessing else None
         self.speculated = 0
+        #: guessed records' requests joined (:meth:`_joined`); ids of requests never
+        #: joined (a learned record's)
+        self.joiner = _Joiner(0)
+        self.learning: set[int] = set()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -428,7 +537,7 @@ class _Stream:
                 self._spawn(self.confirm(rec, spot, segments, n))
 
         self.guessed += 1
-        return [
+        chunks = [
             Chunk(
                 rec.name,
                 g[0].start,
@@ -440,6 +549,9 @@ class _Stream:
             )
             for i, g in enumerate(groups)
         ]
+        if twin is not None:
+            self.learning.update(id(c) for c in chunks)
+        return chunks
 
     async def confirm(
         self, rec: Record, spot: TensorLocation, segments: list[Piece], n: int
@@ -509,27 +621,62 @@ class _Stream:
         chunks = self.guess(rec)
         return out + (chunks if chunks is not None else self.probe(rec))
 
+    def _joined(self, chunks: list[Chunk]) -> list[Chunk]:
+        """``chunks``, guessed records' requests joined by ``joiner`` where there are
+        more requests than read slots. Requests of the record whose headers are learned
+        (its probes' ranges) are never joined: later guesses wait for them."""
+        out: list[Chunk] = []
+        for d in chunks:
+            if id(d) not in self.learning and self.joiner.fits(d):
+                out.extend(self.joiner.add(d))
+            else:
+                out.extend(self.joiner.flush())
+                out.append(d)
+        return out
+
+    def _release(self) -> list[Chunk]:
+        return self.joiner.flush()
+
+    def _may_wait(self) -> bool:
+        """:meth:`one` may wait for the first record's headers (nothing held across it)."""
+        return self.guessing and self.head_len is None
+
     async def source(self, first: list[Chunk], large: list[Record]) -> AsyncIterator[Chunk]:
         """The chunks of ``first`` and of the ``large`` records, in file order, then the
         data planned after the last record went out."""
         ecs = self.chunking.chunk_size
+        self.joiner = _Joiner(join_limit(large, ecs, self.options.max_in_flight))
         i = 0
         for c in first:
             pending: Chunk | None = c
             while i < len(large) and (large[i].name, large[i].offset) < (c.name, c.start):
+                if self._may_wait():
+                    for d in self._release():
+                        yield d
                 got = await self.one(large[i])
                 i += 1
                 if pending is not None and got and _joinable(got[-1], pending, ecs):
-                    got[-1], pending = _join(got[-1], pending), None
-                for d in got:
+                    joined = _join(got[-1], pending)
+                    if id(got[-1]) in self.learning:
+                        self.learning.add(id(joined))
+                    got[-1], pending = joined, None
+                for d in self._joined(got):
+                    yield d
+            if pending is not None:
+                for d in self._release():
                     yield d
             for d in self._drain():
                 yield d
             if pending is not None:
                 yield pending
         for rec in large[i:]:
-            for d in await self.one(rec):
+            if self._may_wait():
+                for d in self._release():
+                    yield d
+            for d in self._joined(await self.one(rec)):
                 yield d
+        for d in self._release():
+            yield d
         while self.planned < self.n_large:
             for d in self._take(await self.ready.get()):
                 yield d

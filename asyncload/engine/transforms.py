@@ -21,11 +21,12 @@ import io
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from typing import TYPE_CHECKING, Any
 
 from asyncload._errors import AsyncLoadError, CheckpointFormatError, first_error
+
+if TYPE_CHECKING:  # imported when a record names a transform (only DCP records do)
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
 __all__ = [
     "ARCHIVE_SLACK",
@@ -79,14 +80,21 @@ def check_claim(
 
 def default_registry() -> ExtensionRegistry:
     """torch's default registry (``FileSystemReader``'s default: it knows ``ZStandard``)."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
     return ExtensionRegistry()
 
 
 def extensions_for(
-    registry: ExtensionRegistry, descriptors: Sequence[str], *, what: str
+    registry: ExtensionRegistry | None, descriptors: Sequence[str], *, what: str
 ) -> list[StreamTransformExtension]:
     """The stream transforms ``descriptors`` name, in the order they decode; a descriptor the
-    registry does not know (or cannot serve: ZStandard without its module) is a typed error."""
+    registry does not know (or cannot serve: ZStandard without its module) is a typed error;
+    ``registry`` None: torch's default (:func:`default_registry`)."""
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    if registry is None:
+        registry = default_registry()
     try:
         found = registry.from_descriptor_list(list(descriptors))
     except Exception as exc:

@@ -17,10 +17,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-
+import asyncload.formats.plain as plain
 from asyncload._errors import (
     AsyncLoadError,
     CheckpointFormatError,
@@ -30,6 +29,11 @@ from asyncload._errors import (
 from asyncload._options import LoadOptions
 from asyncload.formats.location import TensorLocation, split_file_url
 from asyncload.storage import RetryingStorage
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from asyncload.formats.dcp_format import FormatMetadata
 
 __all__ = [
     "HF_INDEX",
@@ -96,20 +100,14 @@ class KnownTensor(FormatEntry):
         return [e.location for e in entries]
 
 
-@dataclass
-class FormatMetadata(Metadata):
-    """DCP ``Metadata`` synthesised for a non-DCP checkpoint."""
+def __getattr__(name: str) -> Any:
+    # FormatMetadata subclasses DCP's Metadata: its module (which imports DCP) is imported on
+    # first use, not with this one (asyncload.formats.plain)
+    if name == "FormatMetadata":
+        from asyncload.formats.dcp_format import FormatMetadata
 
-    #: ``"safetensors"`` or ``"torch.save"``.
-    format: str = "dcp"
-    #: What was found, for messages (``"s3://b/model.safetensors"``).
-    source: str = ""
-    #: The key prefix the planner stripped (:func:`rebase`), or ``""``.
-    prefix: str = ""
-    #: torch.save files: each file's layout (its decoded pickle, tensors as ``TensorRef``), in
-    #: file order: the exact structure a loaded state dict is rebuilt into
-    #: (:func:`asyncload.formats.torchsave.nest_saved`).
-    templates: list[Any] = field(default_factory=list)
+        return FormatMetadata
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Fetcher:
@@ -211,8 +209,9 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
     destination's keys (``{"model": ..., "ema": ...}``): which one is meant is the caller's
     choice (nest the destination under it).
     """
-    if not isinstance(md, Metadata) or not dest_keys:
+    if not plain.is_metadata(md) or not dest_keys:
         return None
+    assert md is not None
     if getattr(md, "prefix", None):  # a view already
         return None
     saved = md.state_dict_metadata
@@ -231,7 +230,7 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
     ties: list[str] = []
     for p in sorted(candidates):
         found = [saved[f"{p}.{d}"] for d in keys if f"{p}.{d}" in saved]
-        hits = (sum(isinstance(v, TensorStorageMetadata) for v in found), len(found))
+        hits = (sum(plain.is_tensor_md(v) for v in found), len(found))
         if hits > best_hits:
             best, best_hits = p, hits
             ties = []
@@ -249,12 +248,14 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
             "checkpoint with asyncload.read_state_dict and pick the entry"
         )
     pre = best + "."
+    # the view is of md's own kind: DCP's types, or asyncload.formats.plain's
+    kinds = plain.kinds() if not plain.is_plain(md) else plain.plain_kinds()
     sdm = {k[len(pre) :]: v for k, v in saved.items() if k.startswith(pre)}
     for index, entry in list(md.storage_data.items()):
         if index.fqn.startswith(pre):
-            md.storage_data[MetadataIndex(index.fqn[len(pre) :], index.offset, index.index)] = (
-                entry
-            )
+            md.storage_data[
+                kinds.MetadataIndex(index.fqn[len(pre) :], index.offset, index.index)
+            ] = entry
     log.info(
         "%s: loading the destination's keys from under %r (%d of %d destination keys found there)",
         source,
@@ -262,7 +263,7 @@ def rebase(md: Metadata | None, dest_keys: Collection[str]) -> FormatMetadata | 
         best_hits[1],
         len(keys),
     )
-    return FormatMetadata(
+    return kinds.FormatMetadata(
         state_dict_metadata=sdm,
         planner_data=md.planner_data,
         storage_data=md.storage_data,

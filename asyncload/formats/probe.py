@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from asyncload._options import LoadOptions
@@ -20,7 +21,6 @@ from asyncload.formats.base import (
     HF_INDEX,
     HF_SINGLE,
     Fetcher,
-    FormatMetadata,
     OpenRoot,
     split_file_url,
 )
@@ -42,6 +42,9 @@ from asyncload.formats.torch_checkpointing import (
 )
 from asyncload.formats.torchsave import HEAD_PROBE, _atorchsave_files
 from asyncload.storage import RetryingStorage, is_local
+
+if TYPE_CHECKING:
+    from asyncload.formats.dcp_format import FormatMetadata
 
 __all__ = ["aprobe_fallback", "aprobe_first"]
 

@@ -16,24 +16,16 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
+import asyncload.formats.plain as plain
 from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
 from asyncload._paths import check_relative_path
 from asyncload.formats.base import (
     Fetcher,
     FormatEntry,
-    FormatMetadata,
     KnownTensor,
     TensorLocation,
     check_weight_map,
@@ -49,6 +41,16 @@ from asyncload.formats.safetensors_header import (
     looks_like_safetensors,
     parse_header,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    from asyncload.formats.dcp_format import FormatMetadata
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",
@@ -135,9 +137,10 @@ def _safetensors_metadata(
     headers: Sequence[SafetensorsHeader], weight_map: dict[str, str] | None, source: str
 ) -> FormatMetadata:
     """One chunk per (file, key); chunk offsets from ``DCP_SHARDING_INFO`` where torch wrote
-    them."""
-    sdm: dict[str, TensorStorageMetadata] = {}
-    storage: dict[MetadataIndex, Any] = {}
+    them. Of DCP's types, or :mod:`asyncload.formats.plain`'s while DCP is not imported."""
+    k = plain.kinds()
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
     seen: dict[tuple[str, tuple[int, ...]], str] = {}
     for h in headers:
         offsets = h.sharding_offsets()
@@ -154,8 +157,8 @@ def _safetensors_metadata(
             seen[(key, offs)] = h.name
             md = sdm.get(key)
             if md is None:
-                md = sdm[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=loc.dtype),
+                md = sdm[key] = k.TensorStorageMetadata(
+                    properties=k.TensorProperties(dtype=loc.dtype),
                     size=torch.Size([o + s for o, s in zip(offs, loc.size)]),
                     chunks=[],
                 )
@@ -166,15 +169,15 @@ def _safetensors_metadata(
                 )
             else:
                 md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offs, loc.size)])
-            storage[MetadataIndex(key, offs, len(md.chunks))] = KnownTensor(loc)
+            storage[k.MetadataIndex(key, offs, len(md.chunks))] = KnownTensor(loc)
             md.chunks.append(
-                ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(loc.size))
+                k.ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(loc.size))
             )
     check_weight_map(weight_map, sdm, source)
-    return FormatMetadata(
+    return k.FormatMetadata(
         state_dict_metadata=dict(sdm),
         storage_data=storage,
-        storage_meta=StorageMeta(),
+        storage_meta=k.StorageMeta(),
         format="safetensors",
         source=source,
     )
@@ -189,6 +192,9 @@ def mark_dcp_safetensors(md: Metadata) -> int:
     the safetensors blob starts) with its byte count as the length; a torch.save record of a
     tensor is always longer than the tensor's bytes (zip headers), so the two never mix up.
     """
+    # (a DCP checkpoint's metadata: DCP's types, imported with it)
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
     sd = md.storage_data
     if not isinstance(sd, dict):
         return 0

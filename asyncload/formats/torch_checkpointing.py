@@ -46,17 +46,11 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
+import asyncload.formats.plain as plain
 from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
 from asyncload._paths import check_relative_path, short_repr
 from asyncload.decoding.allowlist import (
@@ -64,7 +58,7 @@ from asyncload.decoding.allowlist import (
 )
 from asyncload.decoding.dcp_checks import _check_coverage
 from asyncload.decoding.tables import TensorRef, _is_int
-from asyncload.formats.base import Fetcher, FormatMetadata, KnownTensor
+from asyncload.formats.base import Fetcher, KnownTensor
 from asyncload.formats.dtensor_records import (
     _MAX_MESH,
     DTensorRef,
@@ -77,6 +71,11 @@ from asyncload.formats.dtensor_records import (
     decode_record,
 )
 from asyncload.formats.torchsave import ArchiveLayout, _alayout, saved_entry, tensor_location
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from asyncload.formats.dcp_format import FormatMetadata
 
 __all__ = [
     "METADATA_FILE",
@@ -414,8 +413,9 @@ def _synthesise(
     fetcher: Fetcher,
     source: str,
 ) -> FormatMetadata:
+    k = plain.kinds()  # DCP's types, or asyncload.formats.plain's while DCP is not imported
     sdm: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
+    storage: dict[Any, Any] = {}
     paths: dict[str, tuple[Any, ...]] = {}
     for item in sorted(files):
         ranks = files[item]
@@ -448,7 +448,7 @@ def _synthesise(
                     key, [(r, ranks[r], per_rank[r][key][1]) for r in rs], layouts, meta
                 )
                 for index, (offsets, loc) in enumerate(chunks):
-                    storage[MetadataIndex(key, offsets, index)] = KnownTensor(loc)
+                    storage[k.MetadataIndex(key, offsets, index)] = KnownTensor(loc)
             elif isinstance(value, TensorRef):
                 if meta is not None:
                     _check_plain(key, value, meta, fetcher)
@@ -466,11 +466,11 @@ def _synthesise(
                     f"{fetcher.url(METADATA_FILE)} describes key {key!r}, which no file of the "
                     f"checkpoint holds"
                 )
-    return FormatMetadata(
+    return k.FormatMetadata(
         state_dict_metadata=sdm,
         planner_data=paths,
         storage_data=storage,
-        storage_meta=StorageMeta(),
+        storage_meta=k.StorageMeta(),
         format="torch-checkpointing",
         source=source,
     )
@@ -505,8 +505,9 @@ def _dtensor_entry(
     its shard (``held``: each rank holding it, its file, its record), located in that file."""
     base = held[0][2]
     where0 = layouts[held[0][1]].where
+    k = plain.kinds()
     chunks: list[tuple[tuple[int, ...], Any]] = []
-    metas: list[ChunkStorageMetadata] = []
+    metas: list[Any] = []
     groups = meta.shardings.get(key) if meta is not None else None
     if meta is not None and groups is None:
         raise CheckpointFormatError(
@@ -531,11 +532,11 @@ def _dtensor_entry(
             f"of {layout.where}",
         )
         chunks.append((offsets, loc))
-        metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
+        metas.append(k.ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
     _check_coverage(metas, base.size, f"{where0.rsplit('/', 1)[0]}: DTensor {key!r}")
     return (
-        TensorStorageMetadata(
-            properties=TensorProperties(dtype=base.dtype, requires_grad=base.requires_grad),
+        k.TensorStorageMetadata(
+            properties=k.TensorProperties(dtype=base.dtype, requires_grad=base.requires_grad),
             size=torch.Size(base.size),
             chunks=metas,
         ),

@@ -16,18 +16,11 @@ import dataclasses
 import io
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
+import asyncload.formats.plain as plain
 from asyncload._errors import CheckpointFormatError
 from asyncload.decoding.allowlist import TensorRef
 from asyncload.formats.archive import (
@@ -46,7 +39,6 @@ from asyncload.formats.archive import (
 from asyncload.formats.base import (
     Fetcher,
     FormatEntry,
-    FormatMetadata,
     KnownTensor,
     check_weight_map,
 )
@@ -55,6 +47,11 @@ from asyncload.formats.zip import (
     locate_central_directory,
     parse_central_directory,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from asyncload.formats.dcp_format import FormatMetadata
 
 __all__ = [
     "HEAD_PROBE",
@@ -110,8 +107,9 @@ async def _atorchsave_files(
     source: str,
 ) -> FormatMetadata:
     layouts = await asyncio.gather(*(_alayout(fetcher, name, size) for name, size in files))
+    k = plain.kinds()  # DCP's types, or asyncload.formats.plain's while DCP is not imported
     sdm: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
+    storage: dict[Any, Any] = {}
     origin: dict[str, str] = {}
     paths: dict[
         str, tuple[Any, ...]
@@ -132,14 +130,14 @@ async def _atorchsave_files(
                     f"{source}: key {key!r} is in both {origin[key]} and {name}"
                 )
             origin[key] = name
-            sdm[key], index, entry = saved_entry(key, value, layout, name)
+            sdm[key], index, entry = saved_entry(key, value, layout, name, kinds=k)
             storage[index] = entry
     check_weight_map(weight_map, sdm, source)
-    return FormatMetadata(
+    return k.FormatMetadata(
         state_dict_metadata=sdm,
         planner_data=paths,
         storage_data=storage,
-        storage_meta=StorageMeta(),
+        storage_meta=k.StorageMeta(),
         format="torch.save",
         source=source,
         templates=list(layouts),
@@ -192,30 +190,38 @@ def _flat_key(path: tuple[Any, ...]) -> str:
 
 
 def saved_entry(
-    key: str, value: Any, layout: ArchiveLayout, name: str, refs: list[TensorRef] | None = None
+    key: str,
+    value: Any,
+    layout: ArchiveLayout,
+    name: str,
+    refs: list[TensorRef] | None = None,
+    *,
+    kinds: Any = None,
 ) -> tuple[Any, MetadataIndex, Any]:
     """The stand-in DCP metadata of one flattened value of the torch.save file ``name``:
     ``(its storage metadata, its index, its storage entry)``. A tensor is one whole chunk read
     in place; anything else is an object, with the storages its tensors need (``refs``: those
-    tensors, found by the caller's own walk; by default every :class:`TensorRef` in it)."""
+    tensors, found by the caller's own walk; by default every :class:`TensorRef` in it).
+    ``kinds``: the metadata classes (default :func:`asyncload.formats.plain.kinds`)."""
+    k = kinds if kinds is not None else plain.kinds()
     if isinstance(value, TensorRef):
         loc = dataclasses.replace(
             tensor_location(layout, name, value),
             where=f"tensor {key!r} (storage data/{value.storage.key}) of {layout.where}",
         )
         zeros = (0,) * len(loc.size)
-        md = TensorStorageMetadata(
-            properties=TensorProperties(dtype=loc.dtype, requires_grad=value.requires_grad),
+        md = k.TensorStorageMetadata(
+            properties=k.TensorProperties(dtype=loc.dtype, requires_grad=value.requires_grad),
             size=torch.Size(loc.size),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))],
+            chunks=[k.ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=torch.Size(loc.size))],
         )
-        return md, MetadataIndex(key, zeros, 0), KnownTensor(loc)
+        return md, k.MetadataIndex(key, zeros, 0), KnownTensor(loc)
     if refs is None:
         refs = []
         _walk_refs(value, refs)
     sts = {r.storage.key: layout.storages[r.storage.key] for r in refs}
     entry = KnownObject(value, name, sts, f"object {key!r} of {layout.where}")
-    return BytesStorageMetadata(), MetadataIndex(key), entry
+    return k.BytesStorageMetadata(), k.MetadataIndex(key), entry
 
 
 def _flatten(obj: Mapping[Any, Any], where: str = "") -> dict[str, tuple[tuple[Any, ...], Any]]:

@@ -20,6 +20,9 @@ or ``vllm.LLM(model=..., load_format="asyncload", model_loader_extra_config={...
     The store's options (as ``asyncload.load``'s ``storage_options``).
 ``"options"``
     :class:`~asyncload.LoadOptions` fields, e.g. ``{"concurrency": 32, "timeout": 60}``.
+    A remote source reads with ``memory_budget`` 128 MiB and ``chunk_size`` 4 MiB unless
+    they are given here (``_vllm_config.REMOTE_DEFAULTS``: vLLM copies each weight at once,
+    so the stream holds only its read-ahead); a ``LoadOptions`` object is used as it is.
 
 The loader (:class:`asyncload.integrations._vllm_loader.AsyncLoadModelLoader`) is vLLM's own
 ``DefaultModelLoader`` whose weight iterator is :func:`asyncload.iter_tensors`: the model's

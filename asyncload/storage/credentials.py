@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ __all__ = [
     "GoogleToken",
     "NoCredentialsFoundError",
     "RequestAuth",
+    "aio_credentials_or_none_found",
     "botocore_available",
     "google_auth_available",
 ]
@@ -264,6 +266,69 @@ def _ask_imds_once(session: Any) -> dict[str, Any]:
         return answer
 
     http.send = once
+    return seen
+
+
+async def aio_credentials_or_none_found(session: Any, store: str) -> None:
+    """Resolve the credentials of aiobotocore ``session`` (s3fs' session, for the fsspec
+    transport) before s3fs makes its client, asking the instance metadata service at most once
+    (as :func:`_ask_imds_once` does for botocore): found, they stay cached in ``session`` for
+    s3fs' client; none anywhere raises :class:`NoCredentialsFoundError` listing where the chain
+    looked, instead of an unsigned request failing later with botocore's bare message."""
+    imds = _aio_ask_imds_once(session)
+    try:
+        creds = await session.get_credentials()
+    except Exception as exc:  # a broken profile, an STS refusal, ...
+        raise CredentialSourceError(store, _aws_source(None), _why(exc)) from None
+    if creds is None:
+        raise NoCredentialsFoundError(store, _looked(None, imds))
+
+
+def _aio_ask_imds_once(session: Any) -> dict[str, Any]:
+    """:func:`_ask_imds_once` for an aiobotocore session: its instance metadata fetcher's HTTP
+    session answers a request after a failed one of the same retrieval with the same error at
+    once. Installed once per session; returns the record (empty when aiobotocore's internals
+    are not as expected: then its own behaviour stands)."""
+    seen: dict[str, Any] = {"asked": 0, "error": None, "status": None}
+    try:
+        provider = session.get_component("credential_provider").get_provider("iam-role")
+        fetcher = provider._role_fetcher
+        shared = fetcher._session
+        acquire = shared.acquire
+    except Exception:  # another aiobotocore: leave its chain as it is
+        return seen
+    installed = getattr(fetcher, "_asyncload_imds", None)
+    if installed is not None:
+        return installed
+    fetcher._asyncload_imds = seen
+
+    class _Once:
+        def __init__(self, http: Any) -> None:
+            self._http = http
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._http, name)
+
+        async def send(self, request: Any) -> Any:
+            if str(getattr(request, "method", "")).upper() == "PUT":
+                seen["error"] = None  # a token request begins each retrieval
+            elif seen["error"] is not None:
+                raise seen["error"]
+            seen["asked"] += 1
+            try:
+                answer = await self._http.send(request)
+            except Exception as exc:
+                seen["error"] = exc
+                raise
+            seen["status"] = getattr(answer, "status_code", None)
+            return answer
+
+    @contextlib.asynccontextmanager
+    async def once() -> Any:
+        async with acquire() as http:
+            yield _Once(http)
+
+    shared.acquire = once
     return seen
 
 

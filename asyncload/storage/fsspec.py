@@ -39,6 +39,7 @@ from asyncload.storage.base import (
     first_byte,
     origin_of,
 )
+from asyncload.storage.credentials import CredentialSourceError, aio_credentials_or_none_found
 
 __all__ = ["FsspecStorage", "close_async_fs"]
 
@@ -82,6 +83,8 @@ class FsspecStorage(VersionPins):
         self._options = dict(storage_options)
         self._fs: Any = None
         self._fs_lock: asyncio.Lock | None = None
+        #: the credential lookup that found none (raised again, never asked again)
+        self._no_credentials: CredentialSourceError | None = None
         self._root_path = self._cls._strip_protocol(root)
         self.is_async = bool(getattr(self._cls, "async_impl", False))
 
@@ -141,6 +144,17 @@ class FsspecStorage(VersionPins):
             if self._fs is None:
                 opts = self._constructor_options()
                 if self.is_async:
+                    if _resolves_own_credentials(self._cls, self._options, opts):
+                        # no key, profile or anon given: look before s3fs makes its client, so
+                        # that none anywhere is said so at once (the metadata service asked once)
+                        if self._no_credentials is not None:  # one lookup per load
+                            raise self._no_credentials
+                        bucket = self._root_path.split("/", 1)[0]
+                        try:
+                            await aio_credentials_or_none_found(opts["session"], f"s3://{bucket}")
+                        except CredentialSourceError as exc:
+                            self._no_credentials = exc
+                            raise
                     fs = self._cls(asynchronous=True, loop=asyncio.get_running_loop(), **opts)
                     self._disable_own_retries(fs)
                     try:
@@ -635,6 +649,20 @@ def _shared_aio_session() -> Any:
 
         sess = _aio_sessions[loop] = aiobotocore.session.AioSession()
     return sess
+
+
+def _resolves_own_credentials(
+    cls: type, given: Mapping[str, Any], opts: Mapping[str, Any]
+) -> bool:
+    """Whether an s3fs filesystem made with ``opts`` will find its credentials through the
+    shared session's chain: no key, secret, token, profile or ``anon`` given."""
+    if not _is_s3(cls) or given.get("anon") or "session" in given:
+        return False
+    creds = ("key", "secret", "token", "profile", "aws_access_key_id", "aws_secret_access_key")
+    if any(given.get(k) for k in creds):
+        return False
+    client = given.get("client_kwargs") or {}
+    return "session" in opts and not any(client.get(k) for k in creds[4:])
 
 
 def _tls_options(protocol: str, cls: type, opts: dict[str, Any]) -> None:

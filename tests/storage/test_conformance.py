@@ -402,6 +402,8 @@ class _Metadata:
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self._held: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
         if mode == "refuse":
             self._sock.close()
         else:
@@ -413,13 +415,28 @@ class _Metadata:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            self.accepted += 1
-            self._held.append(conn)
+            with self._lock:
+                self.accepted += 1
+                if self._closed:  # accepted from the backlog after close(): drop it
+                    conn.close()
+                else:
+                    self._held.append(conn)
 
     def close(self) -> None:
-        self._sock.close()
-        for conn in self._held:
-            conn.close()
+        with self._lock:
+            self._closed = True
+            if self._sock.fileno() >= 0:  # count what waits in the backlog, unaccepted yet
+                self._sock.setblocking(False)
+                while True:
+                    try:
+                        conn, _ = self._sock.accept()
+                    except OSError:
+                        break
+                    self.accepted += 1
+                    conn.close()
+            self._sock.close()
+            for conn in self._held:
+                conn.close()
 
 
 @pytest.fixture
@@ -433,8 +450,9 @@ def no_credentials(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["stall", "refuse"])
-def test_no_credentials_anywhere(no_credentials, moto, monkeypatch, mode) -> None:
+def test_no_credentials_anywhere(no_credentials, moto, monkeypatch, mode, transport) -> None:
     metadata = _Metadata(mode)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{metadata.port}")
     dst = {"emb.weight": torch.zeros(64, 96)}
@@ -444,7 +462,7 @@ def test_no_credentials_anywhere(no_credentials, moto, monkeypatch, mode) -> Non
             asyncload.load(
                 dst,
                 url,
-                options=OPTS.replace(transport="wire"),
+                options=OPTS.replace(transport=transport),
                 storage_options={"endpoint_url": moto.endpoint_url},
             )
     finally:

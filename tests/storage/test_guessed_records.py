@@ -13,6 +13,7 @@ first record's headers are waited for a bounded time only (a stall there is hedg
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,52 @@ def test_a_checkpoint_whose_headers_differ_reads_only_the_speculated_records_aga
     for rec in large[len(again) :]:
         assert _touching(ranges, rec) == [(rec[0], ends[rec[1]])], (rec, _touching(ranges, rec))
     assert stats.bytes_assembled == sum(v.numel() * v.element_size() for v in sd.values())
+
+
+@pytest.mark.parametrize("wrong_prior", [False, True])
+def test_more_records_than_read_slots_are_read_by_fewer_larger_requests(
+    request, tmp_path, bucket_name, fault_proxy, monkeypatch, wrong_prior
+):
+    # 12 records of 2 MiB and 2 read slots: one request per record would queue for a slot
+    # 12 times (a round trip late each), so neighbouring guessed records share requests of
+    # the records' bytes over the slots (at most chunk_size), cut anywhere; the first
+    # record's head and tail requests (its probes' ranges) stay its own. Bit for bit, no
+    # byte of a record read twice unless its guess was wrong; with a wrong prior (another
+    # torch's headers) the speculated records are read again where their headers say
+    if wrong_prior:
+        monkeypatch.setattr(streamed, "own_head_len", lambda: 704 + 64)
+    sd = _state(12)
+    _save(tmp_path / "ckpt", sd)
+    recs = _records(tmp_path / "ckpt")
+    r = make_remote(request, "s3", tmp_path / "ckpt", bucket_name, fault_proxy)
+    stats = _load(r, sd, concurrency=2)
+    ranges = _ranges(r.proxy.log)
+    large = sorted((recs[f"w{i}"] for i in range(12)), key=lambda x: x[0])
+    first = large[0]
+    head = (first[0], first[0] + 4096)
+    assert head in ranges, ranges
+    # a request spanning two records or more: fewer requests than records after the first
+    # few speculated ones
+    spanning = [
+        x for x in ranges if sum(1 for rec in large if x[0] < rec[1] and rec[0] < x[1]) > 1
+    ]
+    assert spanning, ranges
+    later = large[1 + streamed.SPECULATE :]
+    assert len(_touching(ranges, (later[0][0], later[-1][1]))) < len(later), ranges
+    if not wrong_prior:
+        # nothing read twice: the requests are disjoint
+        ordered = sorted(ranges)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered)), ordered
+    assert stats.bytes_assembled == sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def test_join_limit():
+    rec = streamed.Record.__new__(streamed.Record)  # only its length is asked
+    object.__setattr__(rec, "length", 8 << 20)
+    # as many records as slots, or fewer: one request each, none joined
+    assert streamed.join_limit([rec] * 16, 16 << 20, 16) == 0
+    # more: their bytes over the slots, at most chunk_size
+    assert streamed.join_limit([rec] * 32, 16 << 20, 16) == 16 << 20
+    assert streamed.join_limit([rec] * 32, 64 << 20, 16) == 16 << 20
+    assert streamed.join_limit([rec] * 20, 64 << 20, 16) == 10 << 20
+    assert streamed.join_limit([rec] * 32, 4 << 20, 16) == 4 << 20

@@ -28,7 +28,9 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
-from asyncload import AsyncLoadError
+from asyncload import AsyncLoadError, LoadOptions
+from asyncload._options import MiB
+from asyncload.integrations._vllm_config import REMOTE_DEFAULTS
 from asyncload.integrations.vllm import register
 from asyncload.testing import S3Server
 
@@ -105,6 +107,58 @@ def test_options_reach_load_options() -> None:
     loader = _loader({"options": {"concurrency": 3, "timeout": 7.5, "transport": "fsspec"}})
     assert (loader.extra.options.concurrency, loader.extra.options.timeout) == (3, 7.5)
     assert loader.extra.options.transport == "fsspec"
+
+
+def test_remote_sources_default_to_a_small_read_ahead() -> None:
+    """A remote stream takes ``REMOTE_DEFAULTS`` for the fields ``"options"`` leaves unset; a
+    local one, and every field given, keep theirs; a ``LoadOptions`` is used as it is."""
+    loader = _loader({"options": {"concurrency": 3}})
+    local, remote = loader.extra.options_for(True), loader.extra.options_for(False)
+    assert (local.memory_budget, local.chunk_size) == (512 * MiB, 16 * MiB)
+    assert (remote.memory_budget, remote.chunk_size) == (128 * MiB, 4 * MiB)
+    assert remote.concurrency == local.concurrency == 3
+    assert {"memory_budget": 128 * MiB, "chunk_size": 4 * MiB} == REMOTE_DEFAULTS
+    given = _loader({"options": {"memory_budget": 64 * MiB}}).extra.options_for(False)
+    assert (given.memory_budget, given.chunk_size) == (64 * MiB, 4 * MiB)
+    sized = _loader({"options": {"min_chunk_size": 8 * MiB}}).extra.options_for(False)
+    assert (sized.memory_budget, sized.chunk_size, sized.min_chunk_size) == (
+        128 * MiB,
+        16 * MiB,
+        8 * MiB,
+    )
+    mine = LoadOptions(concurrency=5)
+    ours = _loader({"options": mine}).extra
+    assert ours.options_for(False) is mine and ours.options_for(True) is mine
+
+
+def test_remote_weights_read_in_requests_of_the_remote_chunk_size(
+    tmp_path: Path, s3_server: S3Server, fault_proxy: Any
+) -> None:
+    """From S3 the weights are the file's, bit for bit, read in ranged GETs of at most
+    ``REMOTE_DEFAULTS["chunk_size"]`` bytes (a 10 MiB tensor in three or more)."""
+    g = torch.Generator().manual_seed(2)
+    want = {
+        "big.weight": torch.randn(1280, 2048, generator=g),  # 10 MiB
+        "small.bias": torch.randn(300, generator=g).to(torch.bfloat16),
+    }
+    (tmp_path / "m").mkdir()
+    save_file(want, str(tmp_path / "m" / "model.safetensors"))
+    url = s3_server.upload_dir(tmp_path / "m", "vllm-chunks", "m")
+    proxy = fault_proxy(s3_server)
+    loader = _loader(
+        {"url": url, "storage_options": s3_server.storage_options(proxy.endpoint_url)}
+    )
+    _same(_weights(loader, tmp_path / "m"), want)
+    sizes = []
+    for entry in proxy.log:
+        if entry.method == "GET" and entry.path.endswith("model.safetensors"):
+            assert entry.range is not None, entry
+            first, last = entry.range.removeprefix("bytes=").split("-")
+            sizes.append(int(last) + 1 - int(first))
+    assert sizes and max(sizes) <= REMOTE_DEFAULTS["chunk_size"], sizes
+    assert sum(s > HEADER_PROBE for s in sizes) >= 3, sizes
+    (stats,) = loader.load_stats
+    assert stats.bytes_assembled == sum(t.numel() * t.element_size() for t in want.values())
 
 
 # --- the expert-parallel filter ----------------------------------------------------------
