@@ -8,7 +8,8 @@ ranks meets (``DistributedLoadError``, ``RankProgress``...); everything else is 
 
 import typing
 
-from asyncload._errors import (
+from asyncload._version import __version__
+from asyncload.common.errors import (
     AsyncLoadError,
     CheckpointChangedError,
     CheckpointFormatError,
@@ -20,35 +21,34 @@ from asyncload._errors import (
     StorageReadError,
     UnsafeCheckpointError,
 )
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats
-from asyncload._version import __version__
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats
 
 if typing.TYPE_CHECKING:
-    from asyncload._api import LoadHandle, aload, load, start_load
-    from asyncload._dcp import PipelinedLoadPlanner, PipelinedReader
-    from asyncload._read import aread_state_dict, read_state_dict
-    from asyncload._safe_open import safe_open
-    from asyncload._sharded_planner import ShardedLoadPlanner, wait_for_background_sends
-    from asyncload._stream import aiter_tensors, iter_tensors
+    from asyncload.faces.allocating import aread_state_dict, read_state_dict
+    from asyncload.faces.api import LoadHandle, aload, load, start_load
+    from asyncload.faces.dcp_reader import PipelinedLoadPlanner, PipelinedReader
+    from asyncload.faces.safe_open import safe_open
+    from asyncload.faces.sharded_planner import ShardedLoadPlanner, wait_for_background_sends
+    from asyncload.faces.streaming import aiter_tensors, iter_tensors
 
 #: The faces, imported on first use (PEP 562): ``import asyncload`` stays cheap (no
 #: ``torch.distributed.checkpoint``, no engine), and the first ``asyncload.load`` (or
 #: ``from asyncload import load``) imports what a load needs.
 _LAZY = {
-    "LoadHandle": "asyncload._api",
-    "aload": "asyncload._api",
-    "load": "asyncload._api",
-    "start_load": "asyncload._api",
-    "PipelinedLoadPlanner": "asyncload._dcp",
-    "PipelinedReader": "asyncload._dcp",
-    "aread_state_dict": "asyncload._read",
-    "read_state_dict": "asyncload._read",
-    "safe_open": "asyncload._safe_open",
-    "ShardedLoadPlanner": "asyncload._sharded_planner",
-    "wait_for_background_sends": "asyncload._sharded_planner",
-    "aiter_tensors": "asyncload._stream",
-    "iter_tensors": "asyncload._stream",
+    "LoadHandle": "asyncload.faces.api",
+    "aload": "asyncload.faces.api",
+    "load": "asyncload.faces.api",
+    "start_load": "asyncload.faces.api",
+    "PipelinedLoadPlanner": "asyncload.faces.dcp_reader",
+    "PipelinedReader": "asyncload.faces.dcp_reader",
+    "aread_state_dict": "asyncload.faces.allocating",
+    "read_state_dict": "asyncload.faces.allocating",
+    "safe_open": "asyncload.faces.safe_open",
+    "ShardedLoadPlanner": "asyncload.faces.sharded_planner",
+    "wait_for_background_sends": "asyncload.faces.sharded_planner",
+    "aiter_tensors": "asyncload.faces.streaming",
+    "iter_tensors": "asyncload.faces.streaming",
 }
 
 #: Names that moved to :mod:`asyncload.distributed` (types a load on one rank never needs):

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.distributed as dist
 
-from asyncload.distributed import plan as sharded
-from asyncload.distributed.nodes import BLOCK_UNITS, plan_blocks
+from asyncload.distributed import BLOCK_UNITS, plan_blocks
+from asyncload.distributed import share_plan as sharded
 
 MiB = 1 << 20
 UNIT = 256 * 1024

@@ -26,7 +26,7 @@ Per rank and case (loaded on 1,024 ... 8,192 ranks, FSDP or FSDP x TP):
   ``make_chunks``' rule, checked against it on rank 0), for every rank; the pickled payload
   one rank contributes (``all_gather_object`` pickles it), the seconds to unpickle all of
   them (what every rank does after the all-gather), and what the share session then plans
-  on a rank with adaptive sharing (the default): ``asyncload.distributed.plan._rank_plan`` over the
+  on a rank with adaptive sharing (the default): ``asyncload.distributed.share_plan._rank_plan`` over the
   packed needs as gathered (its part of the global plan: the ranks it shares files with, and
   the balanced work units it reads, sends or receives), seconds (best of 3, the slowest of
   ranks 0, world/2 and world-1) and heap peak, both phases summed. The whole plan's size
@@ -74,15 +74,12 @@ from torch.distributed.checkpoint.metadata import (
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from asyncload import LoadOptions
-from asyncload.decoding.allowlist import check_metadata
+from asyncload.decoding import check_metadata
+from asyncload.distributed import UNIT_SIZE
 from asyncload.distributed import identity as identity_mod
-from asyncload.distributed import plan as sharded
-from asyncload.distributed.policy import UNIT_SIZE
-from asyncload.engine.chunks import Piece
-from asyncload.engine.intersect import read_items_for_chunks, state_dict_read_items
-from asyncload.engine.plan import make_chunks
-from asyncload.formats.dcp import decode_metadata
-from asyncload.formats.torchsave import HEAD_PROBE, TAIL_PROBE
+from asyncload.distributed import share_plan as sharded
+from asyncload.engine import Piece, make_chunks, read_items_for_chunks, state_dict_read_items
+from asyncload.formats import HEAD_PROBE, TAIL_PROBE, decode_metadata
 
 MiB = 1 << 20
 DTYPE = torch.bfloat16
@@ -306,7 +303,7 @@ def coalesce(
 
 
 def advertise(per_file: dict[int, list[tuple[int, int]]]) -> list[tuple[str, int, int]]:
-    """The session's needs from its chunks (``asyncload.distributed.plan._advertise``: sorted, overlaps dropped)."""
+    """The session's needs from its chunks (``asyncload.distributed.share_plan._advertise``: sorted, overlaps dropped)."""
     needs = []
     for f in sorted(per_file, key=lambda f: f"__{f}_0.distcp"):
         covered = -1

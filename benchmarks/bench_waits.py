@@ -200,8 +200,8 @@ def make_monitor(
 
 
 def record(done: int, total: int, path: str | None = None) -> str:
-    from asyncload.distributed.lateness import encode
-    from asyncload.storage.in_flight import InFlightRequest
+    from asyncload.distributed import encode
+    from asyncload.storage import InFlightRequest
 
     flights = [InFlightRequest(path, (0, 4096), 1, 2.0)] if path else []
     return encode(done, total, 0.0 if path else 1e6, flights)
@@ -222,7 +222,7 @@ class Waiter:
     def arrive(self) -> None:
         self.m.status(DOING)
         if self.scheme == "after":
-            from asyncload.distributed.barrier import BarrierWait
+            from asyncload.distributed import BarrierWait
 
             self.wait = BarrierWait(self.m, self.name, DOING)
             self.wait.arrive()
@@ -244,7 +244,7 @@ class Waiter:
 def arrive_plain(scheme: str, m: Any, name: str) -> None:
     m.status(DOING)
     if scheme == "after":
-        from asyncload.distributed.barrier import arrive
+        from asyncload.distributed import arrive
 
         arrive(m, name)
     else:
@@ -405,7 +405,7 @@ def _returned_wait(
     ``done``; each beat: which ranks have not finished (a check of every ``done`` key, halved
     where one is missing), then their statuses); ``after``, as it does now
     (``BarrierWait.arrived_before``, then polls)."""
-    from asyncload.distributed.barrier import BarrierWait, present
+    from asyncload.distributed import BarrierWait, present
 
     def join(m: Any) -> Any:
         w = BarrierWait(m, "done", "waiting, its load returned, for the others")
@@ -460,7 +460,7 @@ def _side_wait(
     seconds (no part ends): ``before``, as ``Monitor.wait_on(fut, others)`` does (a beat a
     second: heartbeat, then every other rank's status; the late check); ``after``, as
     ``Monitor.await_together`` does (``BarrierWait.enter``, then polls)."""
-    from asyncload.distributed.barrier import BarrierWait
+    from asyncload.distributed import BarrierWait
 
     def join(m: Any) -> Any:
         w = BarrierWait(m, "s", SIDE_DOING)
@@ -512,7 +512,7 @@ def _sends_wait(
     none): every other rank's status, and on the late check every other rank's record;
     ``after``: rank 0 posts the idle ranks once a beat (its poster's reads and write are in
     rank 0's trace) and each waiting rank reads that one key."""
-    from asyncload.distributed.idle_watch import IdlePoster, listed_after
+    from asyncload.distributed import IdlePoster, listed_after
 
     def steps(use_digest: bool) -> _Before:
         def make(mons: list[Any], mod: Any, t0: float) -> Callable[[int, float], float]:
@@ -729,7 +729,7 @@ def side_scenario(
         keys.set(f"st/{r}", f"1|{SIDE_DOING}")
         keys.set(f"pg/{r}", record(1 << 30, 2 << 30))
     if kind == "sends" and scheme == "after":  # rank 0 posted the digest as its watch began
-        from asyncload.distributed.idle_watch import IDLE_KEY, encode_idle
+        from asyncload.distributed import IDLE_KEY, encode_idle
 
         keys.set(IDLE_KEY, encode_idle(0, {}))
     if kind == "returned":  # ranks 0 .. W-2 arrived at "done" (and the first of them watches)

@@ -46,7 +46,7 @@ def corpus_table() -> list[tuple[str, str, str, str, float, float]]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from asyncload import AsyncLoadError
-    from asyncload.decoding.allowlist import (
+    from asyncload.decoding import (
         check_metadata,
         record_globals,
         safe_loads,

@@ -55,8 +55,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import asyncload
-from asyncload._progress import ByteProgress, follow_handle
-from asyncload._stats import _fmt_bytes, _plural
+from asyncload.common.stats import _fmt_bytes, _plural
+from asyncload.faces.progress import ByteProgress, follow_handle
 
 # torch warns on every single-process dcp.save / dcp.load; this script calls them on purpose
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -24,7 +24,7 @@ import torch
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload.engine.meter import Meter
+from asyncload.engine import Meter
 from asyncload.testing.interrupts import open_files_under, tasks_on_library_loops
 
 # The faces (and torch.distributed.checkpoint) are imported on first use: here, before the

@@ -51,7 +51,7 @@ class Seeds:
 
 
 def make_seeds() -> Seeds:
-    from asyncload.decoding.allowlist import StorageRef  # noqa: F401 - asyncload importable
+    from asyncload.decoding import StorageRef  # noqa: F401 - asyncload importable
 
     g = torch.Generator().manual_seed(0)
     sd = {
@@ -137,8 +137,8 @@ def mutate(
 
 def _parse_record(data: bytes, work: Any = None) -> Any:
     """A DCP record as asyncload reads it: layout, then the tensor's location or the object."""
-    from asyncload.decoding.allowlist import TensorRef
-    from asyncload.formats.torchsave import ByteWindow, materialize, parse_archive, tensor_location
+    from asyncload.decoding import TensorRef
+    from asyncload.formats import ByteWindow, materialize, parse_archive, tensor_location
 
     win = ByteWindow()
     win.add(0, data)
@@ -152,7 +152,7 @@ def _parse_record_probed(data: bytes, work: Any = None) -> Any:
     """The same through aparse_archive, fetching missing bytes like a remote load does."""
     import asyncio
 
-    from asyncload.formats.torchsave import ByteWindow, aparse_archive
+    from asyncload.formats import ByteWindow, aparse_archive
 
     async def go() -> Any:
         win = ByteWindow()
@@ -173,7 +173,7 @@ def _parse_record_probed(data: bytes, work: Any = None) -> Any:
 def _decode_metadata(data: bytes, work: Any = None) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from asyncload.decoding.allowlist import check_metadata, safe_loads
+    from asyncload.decoding import check_metadata, safe_loads
 
     md = safe_loads(data, what="fuzz/.metadata", check_structure=False, expect=Metadata, work=work)
     check_metadata(md, "fuzz/.metadata", work)
@@ -181,7 +181,7 @@ def _decode_metadata(data: bytes, work: Any = None) -> Any:
 
 
 def _decode_record_pickle(data: bytes, work: Any = None) -> Any:
-    from asyncload.decoding.allowlist import record_globals, safe_loads, storage_persistent_load
+    from asyncload.decoding import record_globals, safe_loads, storage_persistent_load
 
     return safe_loads(
         data,

@@ -18,7 +18,7 @@ Exit status (see :data:`EXIT_CODES`): 0 success, 1 the load failed (storage, tim
 mismatch, anything else), 2 usage error (bad option or value), 3 the checkpoint is
 damaged or unsafe, 4 the checkpoint (or one of its files) does not exist, 130 interrupted.
 
-``load`` and ``verify`` read through :class:`asyncload._stream.CheckpointStream`, the core of
+``load`` and ``verify`` read through :class:`asyncload.faces.streaming.CheckpointStream`, the core of
 ``read_state_dict`` and ``iter_tensors``: what the metadata claims is checked against the
 files' sizes before any tensor is allocated, and ``verify`` allocates batch by batch
 (within ``--budget``); ``convert`` streams through it too. ``--compare-torch`` uses torch's
@@ -279,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _exit_code(exc: BaseException) -> int:
-    from asyncload._errors import (
+    from asyncload.common.errors import (
         CheckpointFormatError,
         CheckpointNotFoundError,
         UnsafeCheckpointError,
@@ -295,7 +295,7 @@ def _exit_code(exc: BaseException) -> int:
 
 
 def _one_sentence(exc: BaseException) -> str:
-    from asyncload._errors import AsyncLoadError
+    from asyncload.common.errors import AsyncLoadError
 
     text = " ".join(str(exc).split()) or type(exc).__name__
     if isinstance(exc, (AsyncLoadError, UsageError)):

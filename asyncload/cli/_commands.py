@@ -8,8 +8,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from asyncload._errors import redact_url
-from asyncload._stats import _plural
 from asyncload.cli._args import EXIT_DAMAGED, EXIT_LOAD_ERROR, EXIT_OK, UsageError
 from asyncload.cli._output import (
     _bar,
@@ -25,6 +23,8 @@ from asyncload.cli._output import (
     read_metadata,
 )
 from asyncload.cli._torch import load_timed, load_with_torch, same_bits, warm_local_files
+from asyncload.common.errors import redact_url
+from asyncload.common.stats import _plural
 from asyncload.storage import is_local
 
 
@@ -179,7 +179,7 @@ def _cmd_load(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 
 
 def _damage_classes() -> tuple[type[BaseException], ...]:
-    from asyncload._errors import (
+    from asyncload.common.errors import (
         CheckpointFormatError,
         CheckpointNotFoundError,
         UnsafeCheckpointError,
@@ -193,8 +193,8 @@ def _exactly(key: str) -> Callable[[str], bool]:
 
 
 def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
-    from asyncload._read import read_stream
-    from asyncload._stream import CheckpointStream, sync_iter
+    from asyncload.faces.allocating import read_stream
+    from asyncload.faces.streaming import CheckpointStream, sync_iter
 
     options = _options(args, verify=True)
     decoded: dict[
@@ -293,7 +293,7 @@ def _cmd_verify(args: argparse.Namespace, storage_options: dict[str, Any]) -> in
 def _cmd_convert(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     from pathlib import Path
 
-    from asyncload._convert import check_destination, convert
+    from asyncload.faces.convert import check_destination, convert
 
     options = _options(args)
     try:

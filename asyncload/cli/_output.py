@@ -17,12 +17,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from asyncload._errors import redact_url
 from asyncload.cli._args import UsageError
+from asyncload.common.errors import redact_url
 
 
 def _fmt_bytes(n: float) -> str:
-    from asyncload._stats import _fmt_bytes as fmt
+    from asyncload.common.stats import _fmt_bytes as fmt
 
     return fmt(n)
 
@@ -32,7 +32,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _options(args: argparse.Namespace, **extra: Any) -> Any:
-    from asyncload._options import LoadOptions
+    from asyncload.common.options import LoadOptions
 
     changes: dict[str, Any] = {}
     for arg, field in (
@@ -76,7 +76,7 @@ def _options(args: argparse.Namespace, **extra: Any) -> Any:
 
 def read_metadata(url: str, storage_options: dict[str, Any], options: Any = None) -> Any:
     """The checkpoint's DCP ``Metadata``, decoded with asyncload's allow-list."""
-    from asyncload._dcp import PipelinedReader
+    from asyncload.faces.dcp_reader import PipelinedReader
 
     reader = PipelinedReader(url, options=options, storage_options=storage_options)
     try:
@@ -200,7 +200,7 @@ def _open_stream(
 ) -> tuple[Any, Any]:
     """A :class:`CheckpointStream` over ``args.url`` with its metadata read (claims not checked
     yet)."""
-    from asyncload._stream import CheckpointStream
+    from asyncload.faces.streaming import CheckpointStream
 
     stream = CheckpointStream(
         args.url,
@@ -222,7 +222,7 @@ def _open_stream(
 def _naming_storage_options(storage_options: dict[str, Any]) -> Iterator[None]:
     """A ``TypeError``/``ValueError`` of the client that the storage options were given to
     (a value of the wrong type: ``-o config_kwargs=[1]``) becomes a usage error naming them."""
-    from asyncload._errors import AsyncLoadError
+    from asyncload.common.errors import AsyncLoadError
 
     try:
         yield
@@ -239,12 +239,12 @@ def _naming_storage_options(storage_options: dict[str, Any]) -> Iterator[None]:
 def _run(stream: Any, coro: Any) -> Any:
     """``coro`` of ``stream`` on the library's loop thread (Ctrl-C cancels it and waits for its
     cleanup)."""
-    from asyncload._loop import loop_thread, run_sync
+    from asyncload.common.loop import loop_thread, run_sync
 
     return run_sync(coro, loop_thread(stream.options.use_uvloop))
 
 
 def _bar(args: argparse.Namespace, label: str, total: int, unit: str = "bytes") -> Any:
-    from asyncload._progress import ByteProgress
+    from asyncload.faces.progress import ByteProgress
 
     return ByteProgress(label, total=total, unit=unit, enabled=False if args.no_progress else None)

@@ -75,7 +75,7 @@ def load_timed(
 ) -> tuple[Any, float]:
     """``asyncload.load`` into ``dest`` (allocated before); its stats and the wall seconds,
     timed as :func:`load_with_torch` times torch."""
-    from asyncload._api import load
+    from asyncload.faces.api import load
 
     t0 = time.perf_counter()
     stats = load(dest, url, options=options, storage_options=storage_options, progress=progress)

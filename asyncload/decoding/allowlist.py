@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
-from asyncload._paths import check_relative_path
+from asyncload.common.errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload.common.paths import check_relative_path
 from asyncload.decoding.dcp_checks import check_metadata, check_planner_paths
 from asyncload.decoding.numpy_data import numpy_globals
 from asyncload.decoding.scan import (

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncload._errors import CheckpointFormatError
-from asyncload._paths import check_relative_path
+from asyncload.common.errors import CheckpointFormatError
+from asyncload.common.paths import check_relative_path
 from asyncload.decoding.structure import _check_structure
 from asyncload.decoding.tables import _is_int
 from asyncload.decoding.vm import short_repr
@@ -363,7 +363,7 @@ def check_planner_paths(
 ) -> None:
     """Check that the paths ``planner_data`` gives the keys of ``sdm`` nest them into one tree
     without a clash, before anything is allocated or nested. A key's path is its entry (a
-    non-empty tuple or list), else ``(fqn,)``, as :func:`asyncload._read.nest` takes it.
+    non-empty tuple or list), else ``(fqn,)``, as :func:`asyncload.faces.allocating.nest` takes it.
 
     Each step is a ``str`` (a dict key) or an ``int`` (a list index, ``0 <= i < len(sdm)``: a
     list of ``n`` saved elements holds at least ``n`` keys), the first a ``str``; the steps

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncload._errors import UnsafeCheckpointError
+from asyncload.common.errors import UnsafeCheckpointError
 from asyncload.decoding.tables import _is_int, allow_build, allow_call
 from asyncload.decoding.vm import PickleVM, short_repr
 

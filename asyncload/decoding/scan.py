@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload.common.errors import CheckpointFormatError, UnsafeCheckpointError
 from asyncload.decoding.vm import PickleVM, short_repr
 
 __all__ = ["Needed", "Scan", "Unreadable", "failing_key_path", "refusal", "scan_pickle"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload.common.errors import CheckpointFormatError, UnsafeCheckpointError
 from asyncload.decoding.vm import PickleVM, short_repr
 
 # --- the allow-lists ----------------------------------------------------------------

@@ -43,8 +43,8 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
-from asyncload._paths import short_repr
+from asyncload.common.errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload.common.paths import short_repr
 from asyncload.decoding.work import WorkBudget
 
 __all__ = ["PicklePolicy", "PickleVM", "check_structure", "collector_paused", "short_repr"]

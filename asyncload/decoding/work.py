@@ -14,7 +14,7 @@ stays an :class:`UnsafeCheckpointError`).
 
 from __future__ import annotations
 
-from asyncload._errors import CheckpointFormatError
+from asyncload.common.errors import CheckpointFormatError
 
 __all__ = ["WorkBudget"]
 

@@ -2,7 +2,7 @@
 claimed (:mod:`asyncload.distributed.claims`) by the first rank that needs it and has a free
 unit reader, read by it and sent to the other consumers; they receive it from the claimant,
 or, when it is late, read it themselves (first copy wins). Late is decided by the one
-hedging rule, :func:`asyncload._latency.hedge_delay`, over a :class:`LoadClock` of this
+hedging rule, :func:`asyncload.common.latency.hedge_delay`, over a :class:`LoadClock` of this
 rank's own unit reads: a transfer is hedged when it takes longer than reading the unit
 would.
 
@@ -23,15 +23,13 @@ import time
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from asyncload._errors import DistributedLoadError, first_error
-from asyncload._latency import LoadClock, hedge_delay
+from asyncload.common.errors import DistributedLoadError, first_error
+from asyncload.common.latency import LoadClock, hedge_delay
 from asyncload.distributed.claims import Claims
-from asyncload.distributed.plan import Transfer, _Part
 from asyncload.distributed.policy import SharingPolicy
+from asyncload.distributed.share_plan import Transfer, _Part
 from asyncload.distributed.shared import Share, _SharedPipeline
-from asyncload.engine.chunks import Chunk
-from asyncload.engine.meter import Meter
-from asyncload.engine.pipeline import Pipeline
+from asyncload.engine import Chunk, Meter, Pipeline
 
 log = logging.getLogger("asyncload.sharded")
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from asyncload._errors import DistributedLoadError
+from asyncload.common.errors import DistributedLoadError
 from asyncload.distributed.lateness import decode, digest, digest_message, late_message
 from asyncload.distributed.values import fresh_of, parse_rank
 

@@ -15,11 +15,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncload.distributed.plan import Transfer
 from asyncload.distributed.policy import SharingPolicy
+from asyncload.distributed.share_plan import Transfer
 from asyncload.distributed.shared import Share
 from asyncload.distributed.values import bad_store_value, parse_rank
-from asyncload.engine.meter import Meter, MeterStatistics
+from asyncload.engine import Meter, MeterStatistics
 
 __all__ = ["ClaimSlots", "Claims"]
 

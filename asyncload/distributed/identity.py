@@ -8,7 +8,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from asyncload._errors import DistributedLoadError
+from asyncload.common.errors import DistributedLoadError
 
 __all__ = ["checkpoint_identity", "file_identities"]
 

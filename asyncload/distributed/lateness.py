@@ -17,10 +17,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asyncload._errors import redact_text
-from asyncload._stats import _fmt_bytes
+from asyncload.common.errors import redact_text
+from asyncload.common.stats import _fmt_bytes
 from asyncload.distributed.values import bad_store_value
-from asyncload.storage.in_flight import InFlightRequest
+from asyncload.storage import InFlightRequest
 
 __all__ = [
     "RATE_WINDOW",

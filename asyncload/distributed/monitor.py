@@ -17,7 +17,7 @@ a WARNING naming the slowest of them. Barriers are waited at through
 :mod:`asyncload.distributed.barrier` (one watcher per barrier reads the missing ranks' keys;
 the others poll one key), so that their traffic grows with the ranks, not ranks squared.
 Used by the multi-rank driver (:mod:`asyncload.engine.driver`) and by byte sharing
-(:mod:`asyncload.distributed.session`).
+(:mod:`asyncload.distributed.share_session`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from asyncload._errors import DistributedLoadError
+from asyncload.common.errors import DistributedLoadError
 from asyncload.distributed.barrier import (
     BEAT_INTERVAL,
     BarrierWait,
@@ -50,7 +50,7 @@ from asyncload.distributed.lateness import (
     late_message,
 )
 from asyncload.distributed.values import fresh_of
-from asyncload.storage.in_flight import InFlight
+from asyncload.storage import InFlight
 
 __all__ = ["Monitor", "PeerWait"]
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncload._errors import DistributedLoadError
+from asyncload.common.errors import DistributedLoadError
 from asyncload.distributed.node_claims import NodeClaims
 from asyncload.distributed.nodes import (
     BLOCK_UNITS,
@@ -49,11 +49,9 @@ from asyncload.distributed.nodes import (
     _token,
     plan_blocks,
 )
-from asyncload.distributed.plan import _Part
+from asyncload.distributed.share_plan import _Part
 from asyncload.distributed.shared import Share, _SharedPipeline, check_digest, post_digest
-from asyncload.engine.assembly import copy_bytes
-from asyncload.engine.chunks import Chunk
-from asyncload.engine.pipeline import Pipeline, _aiter
+from asyncload.engine import Chunk, Pipeline, _aiter, copy_bytes
 
 __all__ = ["RING_SLOTS", "plan_windows", "run_node_phase"]
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from asyncload._errors import AsyncLoadError
+from asyncload.common.errors import AsyncLoadError
 
 __all__ = ["NodeBlock", "NodeFiles", "node_layout", "plan_blocks"]
 

@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncload._errors import AsyncLoadError
-from asyncload._latency import percentile
-from asyncload._options import HedgePolicy, LoadOptions
-from asyncload.engine.cost import (
+from asyncload.common.errors import AsyncLoadError
+from asyncload.common.latency import percentile
+from asyncload.common.options import HedgePolicy, LoadOptions
+from asyncload.engine import (
     LOCAL_BANDWIDTH,
     LOCAL_REQUEST_SECONDS,
     REMOTE_BANDWIDTH,

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncload._errors import DistributedLoadError
-from asyncload._stats import _fmt_bytes
+from asyncload.common.errors import DistributedLoadError
+from asyncload.common.stats import _fmt_bytes
 from asyncload.distributed.barrier import BarrierWait, poll_interval
 from asyncload.distributed.monitor import Monitor
-from asyncload.engine.meter import Meter, MeterStatistics
+from asyncload.engine import Meter, MeterStatistics
 
 __all__ = ["COPIES", "BackgroundSends", "wait_for_background_sends"]
 

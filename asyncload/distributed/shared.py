@@ -10,15 +10,13 @@ import time
 import zlib
 from typing import Any, Protocol
 
-from asyncload._errors import DistributedLoadError, first_error
+from asyncload.common.errors import DistributedLoadError, first_error
 from asyncload.distributed.monitor import Monitor
-from asyncload.distributed.plan import _Part
 from asyncload.distributed.sends import BackgroundSends
+from asyncload.distributed.share_plan import _Part
 from asyncload.distributed.transport import _Transport
 from asyncload.distributed.values import bad_store_value
-from asyncload.engine.assembly import assemble, track
-from asyncload.engine.chunks import Chunk
-from asyncload.engine.pipeline import Pipeline, _DirectRun, direct_run
+from asyncload.engine import Chunk, Pipeline, _DirectRun, assemble, direct_run, track
 
 
 class Share(Protocol):

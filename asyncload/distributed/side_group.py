@@ -13,7 +13,7 @@ point-to-point operations match by tag, in any order (``ShardedLoadPlanner(side_
   :meth:`~asyncload.distributed.monitor.Monitor.await_together`).
 
 The bytes stay in host memory: received into the request's staging memory, then copied once
-to the device by the CUDA staging path (:mod:`asyncload.engine.cuda`), as any chunk read from
+to the device by the CUDA staging path (:mod:`asyncload.engine.cuda_ring`), as any chunk read from
 storage is.
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from asyncload._errors import AsyncLoadError, DistributedLoadError
-from asyncload._loop import on_thread
+from asyncload.common.errors import AsyncLoadError, DistributedLoadError
+from asyncload.common.loop import on_thread
 from asyncload.distributed.monitor import Monitor
 
 __all__ = ["cached_side_group", "check_side_group", "group_ranks", "make_side_group"]

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncload._errors import AsyncLoadError, DistributedLoadError
+from asyncload.common.errors import AsyncLoadError, DistributedLoadError
 from asyncload.distributed.monitor import Monitor
-from asyncload.distributed.plan import Transfer
-from asyncload.engine.assembly import copy_bytes
+from asyncload.distributed.share_plan import Transfer
+from asyncload.engine import copy_bytes
 
 
 def _transport_kind(group: Any) -> tuple[str, torch.device]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 
-from asyncload._errors import DistributedLoadError
+from asyncload.common.errors import DistributedLoadError
 
 __all__ = ["bad_store_value", "fresh_of", "parse_rank"]
 

@@ -3,7 +3,7 @@
 A chunk's bytes land straight in a contiguous CPU destination (the read's own buffer),
 or in a reused, already-touched staging buffer (:class:`StagingPool`) and are then copied
 piece by piece (:func:`assemble`): a plain copy into ``into``, or ``deliver`` (a strided
-copy into a view, a cast, a device copy through ``asyncload.engine.cuda``). Checksums of
+copy into a view, a cast, a device copy through ``asyncload.engine.cuda_ring``). Checksums of
 ``verify=True`` are fed here too, on the same thread.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncload.engine.chunks import Chunk
-from asyncload.formats.buffers import copy_bytes, memory_of, tensor_over
+from asyncload.formats import copy_bytes, memory_of, tensor_over
 
 __all__ = ["StagingPool", "assemble", "copy_bytes", "memory_of", "tensor_over", "track"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncload._errors import CheckpointChangedError
+from asyncload.common.errors import CheckpointChangedError
 from asyncload.storage import RetryingStorage
 
 __all__ = ["check_unchanged"]

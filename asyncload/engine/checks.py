@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncload._errors import (
+from asyncload.common.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
 )
-from asyncload._options import LoadOptions
-from asyncload._paths import check_relative_path
-from asyncload._stats import StatsRecorder
+from asyncload.common.options import LoadOptions
+from asyncload.common.paths import check_relative_path
+from asyncload.common.stats import StatsRecorder
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.changes import check_unchanged
 from asyncload.engine.chunks import Piece

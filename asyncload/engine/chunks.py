@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncload.formats.location import TensorLocation
+from asyncload.formats import TensorLocation
 
 __all__ = ["Chunk", "Piece", "TensorLocation"]
 

@@ -23,9 +23,9 @@ The memory plan (``memory_budget`` = B; :class:`MemoryPlan`)::
     share       bounds                                              where
     ---------   -------------------------------------------------   ----------------------------
     reads       bytes read and not yet assembled: B                 engine.pipeline (Meter)
-    pinned      page-locked staging ring of a device load:          engine.cuda (PinnedRing)
+    pinned      page-locked staging ring of a device load:          engine.cuda_ring (PinnedRing)
                 2..8 slots of one chunk, at most B
-    streaming   tensors allocated and not yet handed over by        _stream (CheckpointStream)
+    streaming   tensors allocated and not yet handed over by        faces.streaming (CheckpointStream)
                 iter_tensors: B (batches of B / 2)
     sends       bytes queued for ranks that read after this one     distributed (sends)
                 returned (adaptive sharing): B
@@ -45,9 +45,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from asyncload._latency import LoadClock
-from asyncload._options import ChunkPolicy, HedgePolicy, LoadOptions, RetryPolicy
-from asyncload._stats import StatsRecorder
+from asyncload.common.latency import LoadClock
+from asyncload.common.options import ChunkPolicy, HedgePolicy, LoadOptions, RetryPolicy
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import RetryingStorage, Storage, open_storage
 
 __all__ = [

@@ -13,8 +13,8 @@ import bisect
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from asyncload._options import ChunkPolicy, LoadOptions
-from asyncload._stats import StatsRecorder
+from asyncload.common.options import ChunkPolicy, LoadOptions
+from asyncload.common.stats import StatsRecorder
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.plan import break_even_gap, make_chunks
 
@@ -64,7 +64,7 @@ class ReadBudget:
     def whole_records(self, records: list[Record], small: int) -> set[int]:
         """ids of the records phase A reads whole (the others with tensors are probed)."""
         from asyncload.engine.records import needed
-        from asyncload.formats.torchsave import HEAD_PROBE, TAIL_PROBE
+        from asyncload.formats import HEAD_PROBE, TAIL_PROBE
 
         whole: set[int] = set()
         candidates: list[tuple[int, Record]] = []

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from asyncload._errors import StateDictMismatchError
+from asyncload.common.errors import StateDictMismatchError
 
 __all__ = ["PLAIN_TENSOR_TYPES", "check_destinations"]
 

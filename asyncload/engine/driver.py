@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
-from asyncload._errors import (
+from asyncload.common.errors import (
     CheckpointFormatError,
     DistributedLoadError,
     redact_url,
 )
-from asyncload._stats import LoadStats
+from asyncload.common.stats import LoadStats
 from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
 from asyncload.engine.metadata_read import (
     aread_metadata_like_dcp,
@@ -195,7 +195,7 @@ def load_steps(
     """The steps of one load into ``state_dict`` (in place), on every rank of the session's
     group (a session made with a monitor: more than one rank). ``planner`` None (one rank):
     ``choose(state_dict, metadata)`` makes it once the metadata is read, and may convert
-    the metadata (``(planner, metadata)``; ``asyncload._plain_planner.default_planner``)."""
+    the metadata (``(planner, metadata)``; ``asyncload.faces.plain_planner.default_planner``)."""
     group = session.group
     use_dist = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if use_dist else 1

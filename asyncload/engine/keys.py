@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from asyncload._errors import StateDictMismatchError
-from asyncload.formats.plain import is_tensor_md
+from asyncload.common.errors import StateDictMismatchError
+from asyncload.formats import is_tensor_md
 
 __all__ = [
     "MISSING_SHOWN",

@@ -37,11 +37,10 @@ import torch
 import torch.distributed as dist
 
 import asyncload.formats as formats
-from asyncload._errors import CheckpointNotFoundError, redact_url
-from asyncload._loop import on_thread
+from asyncload.common.errors import CheckpointNotFoundError, redact_url
+from asyncload.common.loop import on_thread
 from asyncload.engine.session import LoadSession
-from asyncload.storage import is_local
-from asyncload.storage.base import Listed
+from asyncload.storage import Listed, is_local
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

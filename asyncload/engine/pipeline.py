@@ -25,9 +25,9 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-from asyncload._errors import first_error
-from asyncload._options import LoadOptions
-from asyncload._stats import StatsRecorder
+from asyncload.common.errors import first_error
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import StatsRecorder
 from asyncload.engine.assembly import StagingPool, assemble, track
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.meter import Meter

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncload._errors import CheckpointFormatError, StateDictMismatchError
+from asyncload.common.errors import CheckpointFormatError, StateDictMismatchError
 from asyncload.engine.assembly import memory_of, tensor_over
 from asyncload.engine.chunks import Chunk, Piece, TensorLocation
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # annotations only (a load of a non-DCP file imports no DCP)
     from torch.distributed.checkpoint.metadata import Metadata
 
 import asyncload.formats as formats
-from asyncload._options import ChunkPolicy, LoadOptions
-from asyncload._stats import StatsRecorder
+from asyncload.common.options import ChunkPolicy, LoadOptions
+from asyncload.common.stats import StatsRecorder
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.assembly import copy_bytes
 from asyncload.engine.checks import (
@@ -54,13 +54,7 @@ from asyncload.engine.records import (
     trim_probed,
 )
 from asyncload.engine.streamed import aread_streamed, locate, probe_pieces
-from asyncload.formats.torchsave import (
-    HEAD_PROBE,
-    TAIL_PROBE,
-    ByteWindow,
-    parse_archive,
-    tensor_location,
-)
+from asyncload.formats import HEAD_PROBE, TAIL_PROBE, ByteWindow, parse_archive, tensor_location
 from asyncload.storage import RetryingStorage
 
 __all__ = ["RecordReads"]

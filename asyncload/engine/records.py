@@ -22,17 +22,19 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 import asyncload.formats as formats
-from asyncload._errors import CheckpointFormatError, StateDictMismatchError
-from asyncload._options import LoadOptions
-from asyncload._paths import check_relative_path
-from asyncload._stats import LoadStats
+from asyncload.common.errors import CheckpointFormatError, StateDictMismatchError
+from asyncload.common.options import LoadOptions
+from asyncload.common.paths import check_relative_path
+from asyncload.common.stats import LoadStats
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.chunks import Piece
-from asyncload.formats.plain import is_byte_io, is_metadata, is_tensor_md
-from asyncload.formats.torchsave import (
+from asyncload.formats import (
     HEAD_PROBE,
     TAIL_PROBE,
     ByteWindow,
+    is_byte_io,
+    is_metadata,
+    is_tensor_md,
     materialize,
     parse_archive,
 )

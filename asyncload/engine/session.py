@@ -40,17 +40,17 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncload.formats as formats
-from asyncload._errors import (
+from asyncload.common.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     docs_ref,
     redact_url,
 )
-from asyncload._latency import LoadClock
-from asyncload._loop import close_through_interrupt, loop_thread, run_sync
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats, StatsRecorder
-from asyncload.engine import cuda as _cuda
+from asyncload.common.latency import LoadClock
+from asyncload.common.loop import close_through_interrupt, loop_thread, run_sync
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats, StatsRecorder
+from asyncload.engine import cuda_ring as _cuda
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.config import LoadConfig, open_boundary, planner_options, resolve_config
@@ -72,7 +72,7 @@ if TYPE_CHECKING:  # DCP's types: imported where a load needs them, not for anno
     from torch.distributed.checkpoint import LoadPlan, LoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from asyncload.storage.in_flight import InFlight
+    from asyncload.storage import InFlight
 
 __all__ = ["LoadSession", "decode_object", "in_flight"]
 
@@ -97,9 +97,9 @@ class LoadSession:
     loads: the process group and the :class:`~asyncload.distributed.monitor.Monitor` that
     bounds every wait on another rank), ``progress(bytes_done, bytes_total)`` (called from
     the loop and the assembly threads), ``clock`` (the time source of each load's
-    :class:`~asyncload._latency.LoadClock` and of its ``seconds``), ``copier`` (the
-    :class:`~asyncload.engine.cuda.DeviceCopier` of device destinations; ``None``: the one
-    :func:`~asyncload.engine.cuda.use_copier` installed, else CUDA's), ``extension_registry``
+    :class:`~asyncload.common.latency.LoadClock` and of its ``seconds``), ``copier`` (the
+    :class:`~asyncload.engine.cuda_ring.DeviceCopier` of device destinations; ``None``: the one
+    :func:`~asyncload.engine.cuda_ring.use_copier` installed, else CUDA's), ``extension_registry``
     (decodes stream transforms), ``metadata_cache`` (``.metadata`` decoded before, by URL and
     bytes: loads of one checkpoint key by key decode it once).
 
@@ -568,7 +568,7 @@ class LoadSession:
                     exc_info=True,
                 )
 
-    # --- loads that allocate their destinations (asyncload._stream) ----------------------
+    # --- loads that allocate their destinations (asyncload.faces.streaming) ----------------------
 
     async def acheck_claims(self, metadata: Metadata, fqns: list[str]) -> None:
         """Before destinations are allocated for ``fqns`` from ``metadata``: every saved

@@ -33,7 +33,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from asyncload._options import LoadOptions
+from asyncload.common.options import LoadOptions
 from asyncload.engine.assembly import assemble
 from asyncload.engine.checks import check_against_metadata
 from asyncload.engine.chunks import Chunk, Piece, TensorLocation
@@ -41,12 +41,12 @@ from asyncload.engine.cost import ReadBudget, unit_chunks
 from asyncload.engine.crc import CrcTracker
 from asyncload.engine.pipeline import Pipeline
 from asyncload.engine.records import Record, expected_storage, probes, store, then
-from asyncload.formats.archive import own_head_len
-from asyncload.formats.torchsave import (
+from asyncload.formats import (
     HEAD_PROBE,
     TAIL_PROBE,
     ByteWindow,
     aparse_archive,
+    own_head_len,
     tensor_location,
 )
 from asyncload.storage import RetryingStorage

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncload._errors import AsyncLoadError, CheckpointFormatError, first_error
+from asyncload.common.errors import AsyncLoadError, CheckpointFormatError, first_error
 
 if TYPE_CHECKING:  # imported when a record names a transform (only DCP records do)
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension

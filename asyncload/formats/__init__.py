@@ -13,7 +13,7 @@ asyncload reads four layouts through the same pipeline:
     ``HuggingFaceStorageWriter(save_distributed=True)`` shards carry their chunk offsets).
 ``torch.save`` (:mod:`.torchsave`, zip container in :mod:`.zip`)
     one zip-format ``torch.save`` file (or HF ``pytorch_model.bin.index.json`` shards of them).
-``torch-checkpointing`` (:mod:`.torch_checkpointing`)
+``torch-checkpointing`` (:mod:`.dcpv2`)
     a directory of ``<item>_<rank>.pt`` files (+ ``metadata.pkl``), what torch-checkpointing's
     ``CheckpointManager`` writes; pickled DTensors are assembled from every rank's shard.
 
@@ -36,8 +36,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncload.formats.archive import ByteWindow, parse_archive
-    from asyncload.formats.base import (
+    from asyncload.formats.archive import ByteWindow, own_head_len, parse_archive
+    from asyncload.formats.buffers import copy_bytes, memory_of, tensor_over
+    from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata, warm_decoders
+    from asyncload.formats.entries import (
         HF_INDEX,
         HF_SINGLE,
         Fetcher,
@@ -48,25 +50,66 @@ if TYPE_CHECKING:
         source_of,
         split_file_url,
     )
-    from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata, warm_decoders
-    from asyncload.formats.location import may_be_a_file
+    from asyncload.formats.location import TensorLocation, may_be_a_file
+    from asyncload.formats.plain import is_byte_io, is_metadata, is_tensor_md, to_dcp
     from asyncload.formats.probe import aprobe_fallback, aprobe_first
-    from asyncload.formats.safetensors import BlobTensor, mark_dcp_safetensors
-    from asyncload.formats.torchsave import KnownObject, object_bytes
+    from asyncload.formats.safetensors import (
+        BlobTensor,
+        header_length,
+        mark_dcp_safetensors,
+        parse_header,
+    )
+    from asyncload.formats.safetensors_header import (
+        HEADER_PROBE,
+        SAFETENSORS_DTYPES,
+        SafetensorsHeader,
+        aread_header,
+    )
+    from asyncload.formats.torchsave import (
+        HEAD_PROBE,
+        TAIL_PROBE,
+        KnownObject,
+        aparse_archive,
+        materialize,
+        nest_saved,
+        object_bytes,
+        tensor_location,
+    )
 
 #: The wing's names, imported on first use (PEP 562): a module that needs one format
 #: (``asyncload.safe_open``: :mod:`.safetensors_header`, :mod:`.location`) imports only it.
 _LAZY = {
+    "HEADER_PROBE": "safetensors_header",
+    "HEAD_PROBE": "torchsave",
+    "SAFETENSORS_DTYPES": "safetensors_header",
+    "SafetensorsHeader": "safetensors_header",
+    "TAIL_PROBE": "torchsave",
+    "TensorLocation": "location",
+    "aparse_archive": "torchsave",
+    "aread_header": "safetensors_header",
+    "copy_bytes": "buffers",
+    "header_length": "safetensors",
+    "is_byte_io": "plain",
+    "is_metadata": "plain",
+    "is_tensor_md": "plain",
+    "materialize": "torchsave",
+    "memory_of": "buffers",
+    "nest_saved": "torchsave",
+    "own_head_len": "archive",
+    "parse_header": "safetensors",
+    "tensor_location": "torchsave",
+    "tensor_over": "buffers",
+    "to_dcp": "plain",
     "ByteWindow": "archive",
     "parse_archive": "archive",
-    "HF_INDEX": "base",
-    "HF_SINGLE": "base",
-    "Fetcher": "base",
-    "FormatEntry": "base",
-    "FormatMetadata": "base",
-    "KnownTensor": "base",
-    "rebase": "base",
-    "source_of": "base",
+    "HF_INDEX": "entries",
+    "HF_SINGLE": "entries",
+    "Fetcher": "entries",
+    "FormatEntry": "entries",
+    "FormatMetadata": "entries",
+    "KnownTensor": "entries",
+    "rebase": "entries",
+    "source_of": "entries",
     "split_file_url": "location",
     "may_be_a_file": "location",
     "KNOWN_DCP_VERSIONS": "dcp",
@@ -91,9 +134,13 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "HEADER_PROBE",
+    "HEAD_PROBE",
     "HF_INDEX",
     "HF_SINGLE",
     "KNOWN_DCP_VERSIONS",
+    "SAFETENSORS_DTYPES",
+    "TAIL_PROBE",
     "BlobTensor",
     "ByteWindow",
     "Fetcher",
@@ -101,15 +148,32 @@ __all__ = [
     "FormatMetadata",
     "KnownObject",
     "KnownTensor",
+    "SafetensorsHeader",
+    "TensorLocation",
+    "aparse_archive",
     "aprobe_fallback",
     "aprobe_first",
+    "aread_header",
+    "copy_bytes",
     "decode_metadata",
+    "header_length",
+    "is_byte_io",
+    "is_metadata",
+    "is_tensor_md",
     "mark_dcp_safetensors",
+    "materialize",
     "may_be_a_file",
+    "memory_of",
+    "nest_saved",
     "object_bytes",
+    "own_head_len",
     "parse_archive",
+    "parse_header",
     "rebase",
     "source_of",
     "split_file_url",
+    "tensor_location",
+    "tensor_over",
+    "to_dcp",
     "warm_decoders",
 ]

@@ -19,18 +19,18 @@ from typing import Any
 
 import torch
 
-from asyncload._errors import CheckpointFormatError
-from asyncload.decoding.allowlist import (
+from asyncload.common.errors import CheckpointFormatError
+from asyncload.decoding import (
     TensorRef,
+    WorkBudget,
     record_globals,
     safe_loads,
     storage_persistent_load,
 )
-from asyncload.decoding.work import WorkBudget
-from asyncload.formats.base import (
+from asyncload.formats.buffers import tensor_over
+from asyncload.formats.entries import (
     TensorLocation,
 )
-from asyncload.formats.buffers import tensor_over
 from asyncload.formats.zip import (
     EOCD_SEARCH,
     LOCAL_HEADER_SIZE,

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from asyncload._errors import CheckpointFormatError
-from asyncload._paths import short_repr
-from asyncload.decoding.allowlist import check_metadata, record_globals, safe_loads
-from asyncload.decoding.work import WorkBudget
+from asyncload.common.errors import CheckpointFormatError
+from asyncload.common.paths import short_repr
+from asyncload.decoding import WorkBudget, check_metadata, record_globals, safe_loads
 from asyncload.formats.safetensors import mark_dcp_safetensors
 
 __all__ = ["KNOWN_DCP_VERSIONS", "decode_metadata", "warm_decoders"]

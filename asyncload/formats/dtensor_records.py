@@ -16,16 +16,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from asyncload._errors import CheckpointFormatError, UnsafeCheckpointError
-from asyncload._paths import short_repr
-from asyncload.decoding.allowlist import (
+from asyncload.common.errors import CheckpointFormatError, UnsafeCheckpointError
+from asyncload.common.paths import short_repr
+from asyncload.decoding import (
     MAX_DEPTH,
+    PickleVM,
+    TensorRef,
+    _check_structure,
     _CheckpointPolicy,
+    _is_int,
     record_globals,
+    storage_persistent_load,
 )
-from asyncload.decoding.structure import _check_structure
-from asyncload.decoding.tables import TensorRef, _is_int, storage_persistent_load
-from asyncload.decoding.vm import PickleVM
 
 # --- the records a DTensor pickle decodes to ------------------------------------------
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncload._errors import CheckpointFormatError
+from asyncload.common.errors import CheckpointFormatError
 from asyncload.storage import is_local, local_root
 
 __all__ = ["TensorLocation", "may_be_a_file", "split_file_url"]

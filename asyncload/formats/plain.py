@@ -6,7 +6,7 @@ costs half a second of a fresh process (issue 45, item 4). Its metadata is synth
 the small dataclasses here, field for field DCP's (``Metadata``, ``TensorStorageMetadata``,
 ``TensorProperties``, ``ChunkStorageMetadata``, ``BytesStorageMetadata``, ``MetadataIndex``,
 ``ReadItem``, ``LoadPlan``, ``LoadItemType``), and planned by
-:class:`asyncload._plain_planner.PlainLoadPlanner`.
+:class:`asyncload.faces.plain_planner.PlainLoadPlanner`.
 
 Which kind a format module builds (:func:`kinds`): these while DCP is not imported, DCP's own
 once it is (a process that imported it, every DCP face, a test run), so that whatever meets
@@ -125,7 +125,7 @@ class Metadata:
 
 @dataclass
 class PlainFormatMetadata(Metadata):
-    """:class:`asyncload.formats.base.FormatMetadata` of these types (same fields)."""
+    """:class:`asyncload.formats.entries.FormatMetadata` of these types (same fields)."""
 
     format: str = "dcp"
     source: str = ""

@@ -3,7 +3,7 @@ directory or index, a zip-format torch.save file or an index of them.
 
 :func:`aprobe_first` runs before ``.metadata`` is looked for (a URL that names a file),
 :func:`aprobe_fallback` when it is missing (a Hugging Face directory). Both answer with a
-synthesised :class:`~asyncload.formats.base.FormatMetadata`, or ``None``.
+synthesised :class:`~asyncload.formats.entries.FormatMetadata`, or ``None``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,20 @@ import os
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from asyncload._options import LoadOptions
-from asyncload._paths import check_relative_path
-from asyncload.formats.base import (
+from asyncload.common.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
+from asyncload.common.options import LoadOptions
+from asyncload.common.paths import check_relative_path
+from asyncload.formats.dcpv2 import (
+    METADATA_FILE,
+    adirectory_metadata,
+    is_torch_checkpointing,
+    item_file_hint,
+)
+from asyncload.formats.entries import (
     HF_INDEX,
     HF_SINGLE,
     Fetcher,
@@ -34,12 +44,6 @@ from asyncload.formats.safetensors import (
     looks_like_safetensors,
 )
 from asyncload.formats.safetensors_header import _no_duplicates
-from asyncload.formats.torch_checkpointing import (
-    METADATA_FILE,
-    adirectory_metadata,
-    is_torch_checkpointing,
-    item_file_hint,
-)
 from asyncload.formats.torchsave import HEAD_PROBE, _atorchsave_files
 from asyncload.storage import RetryingStorage, is_local
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import asyncload.formats.plain as plain
-from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
-from asyncload._paths import check_relative_path
-from asyncload.formats.base import (
+from asyncload.common.errors import CheckpointFormatError, CheckpointNotFoundError
+from asyncload.common.paths import check_relative_path
+from asyncload.formats.entries import (
     Fetcher,
     FormatEntry,
     KnownTensor,

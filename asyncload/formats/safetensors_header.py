@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from asyncload._errors import CheckpointFormatError
+from asyncload.common.errors import CheckpointFormatError
 from asyncload.formats.location import TensorLocation
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Plain ``torch.save`` files as a checkpoint format: a synthesised DCP ``Metadata`` of
-their tensors (:class:`~asyncload.formats.base.KnownTensor`) and objects
+their tensors (:class:`~asyncload.formats.entries.KnownTensor`) and objects
 (:class:`KnownObject`), the flattened keys and the saved nesting given back
 (:func:`nest_saved`: int and tuple keys, ``OrderedDict``, tied storages). Each file is one
 torch.save archive, parsed by :mod:`asyncload.formats.archive` (whose names are also
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 import asyncload.formats.plain as plain
-from asyncload._errors import CheckpointFormatError
-from asyncload.decoding.allowlist import TensorRef
+from asyncload.common.errors import CheckpointFormatError
+from asyncload.decoding import TensorRef
 from asyncload.formats.archive import (
     HEAD_PROBE,
     TAIL_PROBE,
@@ -36,7 +36,7 @@ from asyncload.formats.archive import (
     parse_archive,
     tensor_location,
 )
-from asyncload.formats.base import (
+from asyncload.formats.entries import (
     Fetcher,
     FormatEntry,
     KnownTensor,

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from asyncload._errors import CheckpointFormatError
+from asyncload.common.errors import CheckpointFormatError
 
 __all__ = [
     "EOCD_SEARCH",

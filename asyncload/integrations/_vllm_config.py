@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncload._options import LoadOptions, MiB
+from asyncload.common.options import LoadOptions, MiB
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",

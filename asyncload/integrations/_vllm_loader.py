@@ -35,14 +35,13 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-from asyncload._errors import AsyncLoadError, redact_url
-from asyncload._loop import loop_thread, run_sync
-from asyncload._stats import LoadStats
-from asyncload._stream import CheckpointStream, _astream, select_keys, sync_iter
+from asyncload.common.errors import AsyncLoadError, redact_url
+from asyncload.common.loop import loop_thread, run_sync
+from asyncload.common.stats import LoadStats
+from asyncload.faces.streaming import CheckpointStream, _astream, select_keys, sync_iter
 from asyncload.integrations._vllm_config import LOAD_FORMAT, parse_extra_config
 from asyncload.integrations._vllm_mapped import map_weights
-from asyncload.storage import is_local, local_root
-from asyncload.storage.mapped import mapped_copies_available
+from asyncload.storage import is_local, local_root, mapped_copies_available
 
 __all__ = ["AsyncLoadModelLoader", "weight_filter"]
 

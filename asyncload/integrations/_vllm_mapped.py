@@ -5,7 +5,7 @@ a tensor read into fresh memory costs that memory's first-touch page faults (abo
 here) on top of vLLM's copy: a local 424 MiB model's weights load 3x slower that way than
 through vLLM's own safetensors loader, whose tensors are views of a memory map of the page cache.
 So for local files that are wholly in the page cache, the loader hands vLLM views of a mapping
-too, after asyncload has read and checked the headers (:class:`~asyncload._stream.
+too, after asyncload has read and checked the headers (:class:`~asyncload.faces.streaming.
 CheckpointStream`'s metadata: index, hostile-header checks, the keys selected); anything else
 (a remote store, a file that cannot be leased or brought into the page cache, a tensor saved in
 several chunks) is read through the stream.
@@ -43,8 +43,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from asyncload.formats.base import KnownTensor, TensorLocation
-from asyncload.formats.safetensors import header_length, parse_header
+from asyncload.formats import KnownTensor, TensorLocation, header_length, parse_header
 from asyncload.storage import mapped
 
 __all__ = ["map_weights"]

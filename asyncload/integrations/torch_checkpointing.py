@@ -44,12 +44,12 @@ from typing import Any, TypeVar
 
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
-from asyncload._errors import AsyncLoadError, CheckpointNotFoundError
-from asyncload._latency import LoadClock
-from asyncload._loop import loop_thread, run_sync
-from asyncload._options import LoadOptions
-from asyncload._paths import check_relative_path
-from asyncload._stats import LoadStats, StatsRecorder
+from asyncload.common.errors import AsyncLoadError, CheckpointNotFoundError
+from asyncload.common.latency import LoadClock
+from asyncload.common.loop import loop_thread, run_sync
+from asyncload.common.options import LoadOptions
+from asyncload.common.paths import check_relative_path
+from asyncload.common.stats import LoadStats, StatsRecorder
 from asyncload.storage import RetryingStorage, is_local, local_root, open_storage
 
 __all__ = ["AsyncloadStorage", "AsyncloadStorageConfig"]

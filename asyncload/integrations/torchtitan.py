@@ -46,9 +46,9 @@ except ModuleNotFoundError as exc:
         name="torchtitan",
     ) from exc
 
-from asyncload._api import load
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats
+from asyncload.faces.api import load
 
 __all__ = ["AsyncLoadCheckpointManager"]
 

@@ -45,7 +45,10 @@ from asyncload.storage.local import INLINE_READ, LocalStorage
 from asyncload.storage.retrying import BATCH_INLINE, RetryingStorage, call_with_retry
 
 if TYPE_CHECKING:
+    from asyncload.storage.base import Listed
     from asyncload.storage.fsspec import FsspecStorage, close_async_fs
+    from asyncload.storage.in_flight import InFlight, InFlightRequest
+    from asyncload.storage.mapped import mapped_copies_available
     from asyncload.storage.store_options import StoreSpec, Unmappable, plan_store
     from asyncload.storage.wire import WireStorage
 
@@ -56,6 +59,9 @@ __all__ = [
     "CrossOriginRedirectError",
     "Failure",
     "FsspecStorage",
+    "InFlight",
+    "InFlightRequest",
+    "Listed",
     "ListingTooLargeError",
     "LocalStorage",
     "NotRegularFileError",
@@ -75,6 +81,7 @@ __all__ = [
     "first_byte",
     "is_local",
     "local_root",
+    "mapped_copies_available",
     "open_storage",
     "plan_store",
     "translate",
@@ -82,6 +89,10 @@ __all__ = [
 
 #: The optional backends' names and their modules, imported on first use (:func:`__getattr__`).
 _LAZY = {
+    "InFlight": "asyncload.storage.in_flight",
+    "InFlightRequest": "asyncload.storage.in_flight",
+    "Listed": "asyncload.storage.base",
+    "mapped_copies_available": "asyncload.storage.mapped",
     "FsspecStorage": "asyncload.storage.fsspec",
     "close_async_fs": "asyncload.storage.fsspec",
     "StoreSpec": "asyncload.storage.store_options",

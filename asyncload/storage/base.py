@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-from asyncload._errors import CheckpointFormatError, redact_url
+from asyncload.common.errors import CheckpointFormatError, redact_url
 
 __all__ = [
     "REQUEST",
@@ -51,7 +51,7 @@ REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncload_request
 def first_byte() -> None:
     """Called by a store once the answer to the current request has begun (its status and
     headers are in, the body not yet read): the hedge's first-byte clock
-    (:class:`asyncload._latency.LoadClock`). A store that cannot tell never calls it."""
+    (:class:`asyncload.common.latency.LoadClock`). A store that cannot tell never calls it."""
     req = REQUEST.get()
     if req is not None:
         req.answered()
@@ -257,7 +257,7 @@ class Storage:
     def url(self, name: str) -> str:
         """The full location of file ``name`` of the checkpoint, for messages and logs: a
         password in the URL and a signed URL's signature shown as ``***``
-        (:func:`asyncload._errors.redact_url`)."""
+        (:func:`asyncload.common.errors.redact_url`)."""
         return redact_url(f"{self.root.rstrip('/')}/{name}" if name else self.root)
 
     async def read(self, name: str, start: int, end: int) -> bytes | bytearray | memoryview:

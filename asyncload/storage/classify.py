@@ -14,7 +14,7 @@ import errno
 import re
 from dataclasses import dataclass
 
-from asyncload._errors import (
+from asyncload.common.errors import (
     AsyncLoadError,
     CheckpointChangedError,
     CheckpointFormatError,

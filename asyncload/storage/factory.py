@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse, urlsplit
 
-from asyncload._errors import StorageReadError, redact_text, redact_url
+from asyncload.common.errors import StorageReadError, redact_text, redact_url
 from asyncload.storage.base import Storage
 from asyncload.storage.local import LocalStorage
 

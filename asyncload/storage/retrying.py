@@ -52,10 +52,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from asyncload._errors import AsyncLoadError, CheckpointFormatError, redact_text
-from asyncload._latency import HEDGE_POLL, LoadClock, hedge_delay
-from asyncload._options import HedgePolicy, LoadOptions, RetryPolicy
-from asyncload._stats import StatsRecorder
+from asyncload.common.errors import AsyncLoadError, CheckpointFormatError, redact_text
+from asyncload.common.latency import HEDGE_POLL, LoadClock, hedge_delay
+from asyncload.common.options import HedgePolicy, LoadOptions, RetryPolicy
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage.base import REQUEST, Listed, Storage
 from asyncload.storage.classify import classify, translate
 from asyncload.storage.in_flight import InFlight

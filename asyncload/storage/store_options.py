@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from asyncload._errors import redact_url
+from asyncload.common.errors import redact_url
 
 __all__ = [
     "ACCEPTED_KEYS",

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode, urljoin, urlsplit, urlunsplit
 
-from asyncload._errors import CheckpointFormatError, redact_url
+from asyncload.common.errors import CheckpointFormatError, redact_url
 from asyncload.storage.base import (
     CrossOriginRedirectError,
     Listed,

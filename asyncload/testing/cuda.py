@@ -1,7 +1,7 @@
 """A fake CUDA device for CPU-only machines: the device path without a GPU.
 
 :func:`fake_device` makes chosen CPU tensors take exactly the path CUDA destinations
-take in :mod:`asyncload.engine.cuda` (pinned ring, staging, deliverers, events, the pipeline
+take in :mod:`asyncload.engine.cuda_ring` (pinned ring, staging, deliverers, events, the pipeline
 hook) with a :class:`FakeCopier` whose "stream" is a worker thread that runs each copy
 later (after ``delay`` seconds), and whose "pinned" memory is tracked, so tests can check
 that every copy's source was a ring slot or a bounce buffer, that the bytes are exact,
@@ -13,7 +13,7 @@ and that nothing stays pinned::
         asyncload.load(dest, checkpoint)   # every CPU destination is "on the device"
     assert fake.pageable_sources == 0 and fake.pinned_bytes == 0
 
-It plugs into the library through :func:`asyncload.engine.cuda.use_copier`, the one
+It plugs into the library through :func:`asyncload.engine.cuda_ring.use_copier`, the one
 injection point for a device copier other than CUDA's.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from asyncload.engine.cuda import DeviceCopier, use_copier
+from asyncload.engine import DeviceCopier, use_copier
 
 __all__ = ["FakeCopier", "fake_device"]
 

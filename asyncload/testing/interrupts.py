@@ -69,7 +69,7 @@ def interrupted(
 
 def tasks_on_library_loops() -> int:
     """Tasks pending on asyncload's loop threads (a load left nothing running: as before)."""
-    from asyncload import _loop
+    from asyncload.common import loop as _loop
 
     async def count() -> int:
         return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])

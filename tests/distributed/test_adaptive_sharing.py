@@ -29,8 +29,8 @@ import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
 from asyncload.distributed.claims import ClaimSlots, _unit_keys
 from asyncload.distributed.identity import _check_identities, checkpoint_identity, file_identities
-from asyncload.distributed.plan import Transfer, _pack, _unpack, plan_transfers, split_units
 from asyncload.distributed.policy import sharing_policy
+from asyncload.distributed.share_plan import Transfer, _pack, _unpack, plan_transfers, split_units
 from asyncload.formats import decode_metadata
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.distributed]
@@ -430,9 +430,9 @@ def test_sharing_policy_resolves_the_knobs_once() -> None:
 
 
 def test_a_late_transfer_is_hedged_by_the_storage_reads_rule() -> None:
-    """Cross-rank transfers are hedged by ``asyncload._latency.hedge_delay`` over this rank's
+    """Cross-rank transfers are hedged by ``asyncload.common.latency.hedge_delay`` over this rank's
     own unit reads: four times the floor before four reads, then factor x their p90."""
-    from asyncload._latency import LoadClock, hedge_delay
+    from asyncload.common.latency import LoadClock, hedge_delay
 
     hedge = _policy().hedge
     clock = LoadClock()

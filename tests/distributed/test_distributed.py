@@ -21,7 +21,7 @@ from _dist import all_ok, run_ranks
 
 import asyncload
 from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader, ShardedLoadPlanner
-from asyncload.distributed.plan import plan_transfers
+from asyncload.distributed.share_plan import plan_transfers
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.distributed]
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _dist import free_port, run_ranks
 from test_waits import _count_store, _wait_for
 
-from asyncload._errors import DistributedLoadError
+from asyncload.common.errors import DistributedLoadError
 from asyncload.distributed.idle_watch import (
     IDLE_KEY,
     STALE_BEATS,

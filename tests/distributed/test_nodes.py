@@ -26,7 +26,7 @@ import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
 from asyncload.distributed.node_phase import RING_SLOTS, plan_windows, ring_geometry
 from asyncload.distributed.nodes import NodeFiles, node_layout, plan_blocks, shm_dir
-from asyncload.distributed.plan import _pack
+from asyncload.distributed.share_plan import _pack
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 

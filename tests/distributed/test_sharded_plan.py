@@ -26,7 +26,7 @@ from test_distributed import same_bits, stats_dict, tensor_bytes
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload.distributed.plan import (
+from asyncload.distributed.share_plan import (
     Transfer,
     _pack,
     _rank_plan,

@@ -118,7 +118,7 @@ def test_the_unit_follows_latency_and_rate_within_its_bounds() -> None:
 def test_needs_are_pieces_and_gaps_others_need_are_not_read() -> None:
     """A chunk that reads through a gap announces only its pieces; its reads leave out the
     gap when another rank needs those bytes, and keep it when nobody does."""
-    from asyncload.distributed.plan import Chunk, Piece, _advertise, _needs, _parts_for
+    from asyncload.distributed.share_plan import Chunk, Piece, _advertise, _needs, _parts_for
 
     k = 64 * KiB  # gaps larger than HEADER_GAP (smaller ones are headers: announced too)
     c = Chunk("f", 0, 300 * k, [Piece("f", 0, 100 * k), Piece("f", 200 * k, 300 * k)])

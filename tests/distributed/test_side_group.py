@@ -37,8 +37,8 @@ from test_distributed import (
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload.distributed.plan import plan_transfers
 from asyncload.distributed.policy import sharing_policy
+from asyncload.distributed.share_plan import plan_transfers
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 

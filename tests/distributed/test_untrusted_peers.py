@@ -25,7 +25,7 @@ from test_distributed import big_model, same_bits
 
 import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
-from asyncload._errors import DistributedLoadError
+from asyncload.common.errors import DistributedLoadError
 from asyncload.distributed import nodes
 from asyncload.distributed.claims import _parse_claim
 from asyncload.distributed.identity import _check_settings

@@ -13,7 +13,7 @@ from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, zeros_li
 import asyncload
 from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader
 from asyncload.engine.config import MemoryPlan, resolve_config, ring_geometry
-from asyncload.engine.cuda import PinnedRing
+from asyncload.engine.cuda_ring import PinnedRing
 from asyncload.engine.session import LoadSession
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,7 +105,7 @@ def test_a_plain_dcp_load_switches_config_once_when_the_planner_arrives(tmp_path
 
 
 def test_pinned_ring_counts_its_bytes_on_a_meter() -> None:
-    from asyncload.engine.cuda import DeviceCopier
+    from asyncload.engine.cuda_ring import DeviceCopier
 
     class HostCopier(DeviceCopier):
         def claims(self, t: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ from _ckpt import assert_bitwise_equal
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import RetryingStorage, Storage
 
 pytestmark = [

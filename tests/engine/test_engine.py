@@ -224,7 +224,7 @@ def test_local_loads_run_on_uvloop_once_the_program_imported_it(ckpt):
 def test_a_module_still_being_imported_is_not_used():
     """A module another thread (or a thread a fork left behind) is still importing does not
     count as imported: using it would wait on its import's lock."""
-    from asyncload._loop import _imported
+    from asyncload.common.loop import _imported
 
     class Spec:
         _initializing = True
@@ -244,7 +244,7 @@ def test_a_module_still_being_imported_is_not_used():
 def test_a_session_keeps_its_loop_for_the_whole_load(ckpt):
     """Every step of one sync load runs on the loop its first step chose, even when the
     process's choice changes meanwhile (its storage's clients belong to that loop)."""
-    from asyncload import _loop
+    from asyncload.common import loop as _loop
 
     path, _sd = ckpt
     reader = PipelinedReader(path)
@@ -328,7 +328,7 @@ def test_waiting_on_a_background_load_from_the_loop_thread_raises_reentry_error(
 
 def test_blocking_api_from_a_coroutine_on_the_library_loop_raises():
     """The guard itself: ``run_sync`` on the loop it would wait on."""
-    from asyncload._loop import loop_thread, run_sync
+    from asyncload.common.loop import loop_thread, run_sync
 
     loop = loop_thread(False)
 

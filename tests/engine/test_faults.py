@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.pipeline import Pipeline
 from asyncload.storage import open_storage

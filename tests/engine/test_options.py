@@ -353,7 +353,7 @@ def test_empty_destination_loads_nothing(model_ckpt):
 def test_help_explains_every_field():
     """Each field has its meaning, unit and when to change it in ``help(LoadOptions)``, with
     its default; a field added without an entry in ``OPTION_DOCS`` fails here."""
-    from asyncload._options import OPTION_DOCS
+    from asyncload.common.options import OPTION_DOCS
 
     doc = pydoc.render_doc(LoadOptions, renderer=pydoc.plaintext)
     assert "(undocumented)" not in doc

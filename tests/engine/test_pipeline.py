@@ -13,7 +13,7 @@ import pytest
 from _ckpt import open_fds_under
 
 from asyncload import AsyncLoadError, LoadOptions
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.meter import Meter, MeterStatistics
 from asyncload.engine.pipeline import Pipeline

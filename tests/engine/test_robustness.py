@@ -131,7 +131,7 @@ def test_a_ctrl_c_at_every_line_of_the_sync_driver_leaves_nothing_behind(
     budget in use, no I/O thread; the next load is bit-exact. CI once hit one such line
     (between queueing the task and the ``try`` that cancels it): the task ran on unwatched,
     and ``.metadata`` stayed open."""
-    from asyncload import _loop
+    from asyncload.common import loop as _loop
     from asyncload.engine import driver
     from asyncload.engine.session import LoadSession
 
@@ -196,21 +196,21 @@ def test_a_ctrl_c_at_every_line_of_the_sync_driver_leaves_nothing_behind(
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 def test_a_ctrl_c_at_every_line_of_safe_open_leaves_nothing_behind(tmp_path: Path) -> None:
     """``asyncload.safe_open`` runs on the calling thread but for its reads: a Ctrl-C raised
-    before each line in turn of ``asyncload/_safe_open.py`` and of the wait on the loop thread
+    before each line in turn of ``asyncload/faces/safe_open.py`` and of the wait on the loop thread
     (opening, ``get_tensor``, ``get_slice``, closing at the ``with``'s end), each time in a
     new use: it raises KeyboardInterrupt (or the tensors came back bit-exact) and leaves no
     open file and no task on the library's loop. A file that the interrupt kept from its
     ``with`` (it landed in ``__enter__``) is closed once dropped, as Python's own files are."""
     from safetensors.torch import save_file
 
-    from asyncload import _loop
+    from asyncload.common import loop as _loop
 
     want = {f"t{i}": torch.full((64, 64), float(i)) for i in range(4)}
     save_file(want, str(tmp_path / "m.safetensors"))
     tasks_before = tasks_on_library_loops()
 
     def traced(code: Any) -> bool:
-        return code.co_filename.endswith("_safe_open.py") or code is _loop.run_sync.__code__
+        return code.co_filename.endswith("faces/safe_open.py") or code is _loop.run_sync.__code__
 
     def use(n: int) -> tuple[int, str | None, dict[str, torch.Tensor]]:
         got: dict[str, torch.Tensor] = {}

@@ -15,7 +15,7 @@ import torch
 
 import asyncload
 from asyncload import LoadOptions, LoadStats
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.testing import status
 
 
@@ -392,7 +392,7 @@ def test_help_explains_every_field() -> None:
     import inspect
     import pydoc
 
-    from asyncload._stats import STATS_DOCS
+    from asyncload.common.stats import STATS_DOCS
 
     doc = pydoc.render_doc(LoadStats, renderer=pydoc.plaintext)
     assert "(undocumented)" not in doc

@@ -618,7 +618,7 @@ def test_progress_lines_on_a_terminal_with_no_width(ckpt_path: Path) -> None:
 def test_progress_lines_from_byte_progress_on_a_zero_width_pty() -> None:
     """ByteProgress itself: lines at most every ``line_interval`` (0: every update), one more
     when it closes only if it moved since, units of LoadStats; a bar where the width is known."""
-    from asyncload._progress import ByteProgress, terminal_width
+    from asyncload.faces.progress import ByteProgress, terminal_width
 
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))

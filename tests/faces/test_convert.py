@@ -22,8 +22,8 @@ from _ckpt import (
 from _corrupt import flip_byte, record_of
 
 from asyncload import CheckpointFormatError, LoadOptions
-from asyncload._convert import convert
 from asyncload.cli import main
+from asyncload.faces.convert import convert
 
 pytestmark = pytest.mark.timeout(120)
 

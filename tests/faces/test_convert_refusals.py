@@ -22,9 +22,9 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncload import _convert
-from asyncload._convert import SAFETENSORS_MAX_HEADER, convert
 from asyncload.cli import EXIT_LOAD_ERROR, EXIT_USAGE, main
+from asyncload.faces import convert as _convert
+from asyncload.faces.convert import SAFETENSORS_MAX_HEADER, convert
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -101,11 +101,12 @@ def test_importing_the_distributed_names_package_is_cheap() -> None:
     assert out.stdout.strip() == str(
         [
             "asyncload",
-            "asyncload._errors",
-            "asyncload._latency",
-            "asyncload._options",
-            "asyncload._stats",
             "asyncload._version",
+            "asyncload.common",
+            "asyncload.common.errors",
+            "asyncload.common.latency",
+            "asyncload.common.options",
+            "asyncload.common.stats",
             "asyncload.distributed",
         ]
     )

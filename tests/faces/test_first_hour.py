@@ -310,7 +310,7 @@ def test_handle_progress_total_is_none_until_known_and_repr(
 
 @pytest.mark.timeout(60)
 def test_load_on_a_running_loop_logs_one_hint(small_ckpt, caplog, monkeypatch) -> None:
-    from asyncload import _api
+    from asyncload.faces import api as _api
 
     monkeypatch.setattr(_api, "_hinted", threading.Event())  # as in a fresh process
     root, sd = small_ckpt
@@ -384,7 +384,7 @@ def test_the_readme_layout_names_every_module() -> None:
     layout = (repo / "README.md").read_text().split("## Layout", 1)[1]
     modules = {p.stem for p in (repo / "asyncload").glob("*.py")} - {"__init__", "__main__"}
     assert sorted(m for m in modules if m not in layout) == []
-    for wing in ("engine", "storage", "distributed", "decoding", "formats"):
+    for wing in ("engine", "storage", "distributed", "decoding", "formats", "faces", "common"):
         names = {p.stem for p in (repo / "asyncload" / wing).glob("*.py")} - {"__init__"}
         assert sorted(m for m in names if m not in layout) == [], wing
     for folder in (
@@ -393,6 +393,8 @@ def test_the_readme_layout_names_every_module() -> None:
         "distributed/",
         "decoding/",
         "formats/",
+        "faces/",
+        "common/",
         "testing/",
         "tests/",
         "benchmarks/",

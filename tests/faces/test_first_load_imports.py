@@ -2,7 +2,7 @@
 
 A safetensors or torch.save file loaded with ``asyncload.load`` / ``aload`` / ``start_load`` /
 ``read_state_dict`` into plain tensors never imports ``torch.distributed.checkpoint``
-(:mod:`asyncload._plain_planner`, :mod:`asyncload.formats.plain`); a DCP checkpoint still
+(:mod:`asyncload.faces.plain_planner`, :mod:`asyncload.formats.plain`); a DCP checkpoint still
 loads in the same kind of process. Each child runs the same loads twice over: in a process
 that never imports DCP, and in one that imports it first (every load then planned by
 ``PipelinedLoadPlanner`` with DCP's types, as before); both must give the same bytes, the

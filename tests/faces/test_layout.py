@@ -20,17 +20,18 @@ PKG = Path(__file__).resolve().parents[2] / "asyncload"
 
 #: Lower number = lower layer; a module may import its own layer or any lower one.
 LAYERS = {
-    "bottom": 0,  # asyncload._errors, _options, _stats, _latency, _paths, _loop, _version
+    "common": 0,  # asyncload.common (errors, options, stats, latency, paths, loop), _version
     "decoding": 1,
     "storage": 1,
     "formats": 2,
     "engine": 3,
     "distributed": 4,
-    "faces": 5,  # _api, _dcp, _read, _stream, cli, _convert, _progress, __init__
+    "faces": 5,  # asyncload.faces, asyncload.cli, __init__, __main__
     "integrations": 6,
     "testing": 6,
 }
-BOTTOM = {"_errors", "_options", "_stats", "_latency", "_paths", "_loop", "_version"}
+#: The package root holds only its doors.
+DOORS = {"__init__", "__main__", "_version"}
 MAX_LINES = 800
 MAX_CLASS_LINES = 500
 WHOLE = {"asyncload.decoding.vm", "asyncload.decoding.vm.PickleVM"}  # the tuned loop stays whole
@@ -51,9 +52,25 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "faces"
-    if parts[1] in LAYERS and parts[1] not in ("bottom", "faces"):
-        return parts[1]
-    return "bottom" if parts[1] in BOTTOM else "faces"
+    if parts[1] in ("common", "_version"):
+        return "common"
+    return parts[1] if parts[1] in LAYERS else "faces"  # faces, cli, __main__
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of ``tree`` outside ``if TYPE_CHECKING:`` blocks (imports only a type checker
+    makes)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+    return out
 
 
 def _imports(module: str, path: Path, known: set[str]) -> set[str]:
@@ -61,7 +78,7 @@ def _imports(module: str, path: Path, known: set[str]) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -72,7 +89,10 @@ def _imports(module: str, path: Path, known: set[str]) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            subs = [f"{mod}.{a.name}" for a in node.names]
+            # "from a package import its module" runs the package's __init__, whose interface
+            # is lazy (PEP 562): an edge to the module only
+            names = subs if all(s in known for s in subs) else [mod, *subs]
         for name in names:
             while name and name not in known:
                 name = name.rpartition(".")[0]
@@ -155,6 +175,61 @@ def test_arrows_point_down() -> None:
     assert sorted(upward) == [], sorted(upward)
 
 
+def test_package_root_holds_only_its_doors() -> None:
+    """The root holds ``__init__``, ``__main__`` and ``_version``; the shared core lives in
+    ``asyncload.common``, the faces in ``asyncload.faces`` (and ``asyncload.cli``)."""
+    assert sorted(p.stem for p in PKG.glob("*.py")) == sorted(DOORS)
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """One name, one module: a name read in a traceback or an import says which file it is."""
+    seen: dict[str, list[str]] = {}
+    for module in _modules():
+        if PKG.joinpath(*module.split(".")[1:], "__init__.py").exists():
+            continue  # a package
+        seen.setdefault(module.rsplit(".", 1)[-1], []).append(module)
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+#: Modules entered past the front door on purpose: the vLLM mapped loader shares the page
+#: lease machinery of storage.mapped, whose module state (signal numbers found at run time)
+#: a name imported once would copy stale.
+SHARED_STATE = [("asyncload.integrations._vllm_mapped", ["mapped"])]
+#: Modules imported whole through their wing's package, used qualified on purpose:
+#: formats.plain holds asyncload's twins of DCP's plan types (``plain.ReadItem`` beside DCP's
+#: ``ReadItem``), which a bare name would confuse.
+QUALIFIED = {"formats": ["plain"]}
+
+
+def test_wings_are_entered_by_their_front_door() -> None:
+    """Outside a wing (engine, distributed, storage, formats, decoding), its names come from
+    its package, whose ``__init__`` is its interface, never from one of its modules."""
+    offenders = []
+    for module, path in _modules().items():
+        own = module.split(".")[1] if "." in module else ""
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                parts = node.module.split(".")
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                parts, names = [], []
+                for a in node.names:
+                    if a.name.count(".") >= 2:
+                        parts = a.name.split(".")
+            else:
+                continue
+            if parts[:1] != ["asyncload"] or len(parts) < 2 or parts[1] not in WINGS:
+                continue
+            if parts[1] == own or (module, names) in SHARED_STATE:
+                continue
+            if len(parts) == 2 and names and set(names) <= set(QUALIFIED.get(parts[1], [])):
+                continue
+            wing_dir = PKG / parts[1]
+            if len(parts) > 2 or any((wing_dir / f"{n}.py").exists() for n in names):
+                offenders.append(f"{module}:{node.lineno} {'.'.join(parts)} {names}")
+    assert sorted(offenders) == [], sorted(offenders)
+
+
 def test_module_and_class_sizes() -> None:
     too_long = []
     for module, path in _modules().items():
@@ -230,11 +305,12 @@ def test_import_is_cheap() -> None:
     assert first == str(
         [
             "asyncload",
-            "asyncload._errors",
-            "asyncload._latency",
-            "asyncload._options",
-            "asyncload._stats",
             "asyncload._version",
+            "asyncload.common",
+            "asyncload.common.errors",
+            "asyncload.common.latency",
+            "asyncload.common.options",
+            "asyncload.common.stats",
         ]
     )
     # the face needs no DCP either (a safetensors or torch.save load imports none: issue 45,

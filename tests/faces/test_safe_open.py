@@ -487,7 +487,7 @@ with asyncload.safe_open({str(path)!r}) as f:
     except KeyError:
         pass
 banned = ("torch.distributed.checkpoint", "asyncload.engine.session", "asyncload.engine.records",
-          "asyncload.formats.base", "asyncload.formats.torchsave", "asyncload.decoding")
+          "asyncload.formats.entries", "asyncload.formats.torchsave", "asyncload.decoding")
 print(sorted(m for m in sys.modules if m.startswith(banned)))
 """
     out = subprocess.run(

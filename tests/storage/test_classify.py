@@ -40,7 +40,7 @@ from asyncload import (
     LoadOptions,
     StorageReadError,
 )
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import (
     HINTS,
     Failure,

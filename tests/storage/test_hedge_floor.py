@@ -15,8 +15,8 @@ from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_cl
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._latency import HEDGE_COLD_FACTOR, HEDGE_DERIVED_FLOOR, LoadClock, hedge_delay
-from asyncload._stats import StatsRecorder
+from asyncload.common.latency import HEDGE_COLD_FACTOR, HEDGE_DERIVED_FLOOR, LoadClock, hedge_delay
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import call_with_retry, first_byte
 from asyncload.testing import stall
 

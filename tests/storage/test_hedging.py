@@ -14,7 +14,7 @@ from _remote import BACKENDS, make_remote, no_unclosed_session_warnings, wait_cl
 
 import asyncload
 from asyncload import LoadOptions
-from asyncload._latency import LoadClock, hedge_delay
+from asyncload.common.latency import LoadClock, hedge_delay
 from asyncload.testing import stall, status
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport_options")]

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 import asyncload
 from asyncload import CheckpointFormatError, LoadOptions, StorageReadError
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import FsspecStorage, RangeIgnoredError, RetryingStorage
 from asyncload.testing import faults
 from asyncload.testing.servers import HTTPRangeServer

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from asyncload import LoadOptions
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import RetryingStorage, Storage
 from asyncload.storage.in_flight import InFlight, InFlightRequest
 

@@ -26,7 +26,7 @@ from _ckpt import assert_bitwise_equal, evict_pages, resident_pages
 
 import asyncload
 from asyncload import CheckpointFormatError, CheckpointNotFoundError, LoadOptions
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import (
     BATCH_INLINE,
     INLINE_READ,

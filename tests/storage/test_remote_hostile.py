@@ -240,7 +240,7 @@ def _without_basic_auth(matches: Any, user: str, password: str) -> Any:
 
 
 def test_redaction_rule():
-    from asyncload._errors import redact_text, redact_url
+    from asyncload.common.errors import redact_text, redact_url
 
     assert redact_url("http://u:pw@h:1/p?a=1") == "http://u:***@h:1/p?a=1"
     assert redact_url(

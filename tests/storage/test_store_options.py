@@ -22,7 +22,7 @@ from _remote import BACKENDS, wait_closed
 
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
-from asyncload._stats import StatsRecorder
+from asyncload.common.stats import StatsRecorder
 from asyncload.storage import (
     FsspecStorage,
     LocalStorage,

@@ -29,7 +29,7 @@ from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expe
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
 from asyncload import AsyncLoadError, LoadOptions
-from asyncload._options import MiB
+from asyncload.common.options import MiB
 from asyncload.integrations._vllm_config import REMOTE_DEFAULTS
 from asyncload.integrations.vllm import register
 from asyncload.testing import S3Server

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from asyncload._errors import LoadReentryError
+from asyncload.common.errors import LoadReentryError
 
 __all__ = [
     "close_through_interrupt",

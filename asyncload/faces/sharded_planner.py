@@ -1,7 +1,7 @@
 """The sharing planner: :class:`ShardedLoadPlanner`, a :class:`PipelinedLoadPlanner` for
 multi-rank loads that reads every byte once and shares it over the process group. Its knobs
 become one :class:`~asyncload.distributed.policy.SharingPolicy` when a load starts
-(:func:`asyncload.distributed.session.open_share`); the sharing itself is
+(:func:`asyncload.distributed.share_session.open_share`); the sharing itself is
 :mod:`asyncload.distributed`."""
 
 from __future__ import annotations
@@ -12,13 +12,19 @@ from typing import Any
 
 from torch.distributed import ProcessGroup
 
-from asyncload._dcp import PipelinedLoadPlanner
-from asyncload._options import LoadOptions
-from asyncload.distributed.plan import Transfer, plan_transfers
-from asyncload.distributed.policy import SHARING_MODES, SIDE_GROUP_AUTO
-from asyncload.distributed.sends import BackgroundSends, wait_for_background_sends
-from asyncload.distributed.session import _ShareSession, open_share
-from asyncload.engine.session import LoadSession
+from asyncload.common.options import LoadOptions
+from asyncload.distributed import (
+    SHARING_MODES,
+    SIDE_GROUP_AUTO,
+    BackgroundSends,
+    Transfer,
+    _ShareSession,
+    open_share,
+    plan_transfers,
+    wait_for_background_sends,
+)
+from asyncload.engine import LoadSession
+from asyncload.faces.dcp_reader import PipelinedLoadPlanner
 
 __all__ = ["BackgroundSends", "ShardedLoadPlanner", "wait_for_background_sends"]
 

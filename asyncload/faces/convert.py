@@ -7,7 +7,7 @@ most ``max_shard_size`` bytes (a tensor larger than that gets a shard of its own
 
 The shards are planned from the checkpoint's metadata (names, shapes, dtypes), so each
 shard's header is written first and each tensor's bytes as
-:class:`~asyncload._stream.CheckpointStream`
+:class:`~asyncload.faces.streaming.CheckpointStream`
 hands them over: memory stays within the stream's ``memory_budget``, never a shard's size.
 Everything is written into a temporary directory beside the destination, which takes the
 destination's name only once complete. Objects (non-tensor entries) have no place in
@@ -28,12 +28,11 @@ from typing import Any
 
 import torch
 
-from asyncload._loop import loop_thread, run_sync
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats
-from asyncload._stream import CheckpointStream, KeySelection, sync_iter
-from asyncload.formats import HF_INDEX, HF_SINGLE
-from asyncload.formats.safetensors import SAFETENSORS_DTYPES
+from asyncload.common.loop import loop_thread, run_sync
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats
+from asyncload.faces.streaming import CheckpointStream, KeySelection, sync_iter
+from asyncload.formats import HF_INDEX, HF_SINGLE, SAFETENSORS_DTYPES
 from asyncload.storage import is_local, local_root
 
 __all__ = [

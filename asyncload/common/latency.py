@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from asyncload._options import HedgePolicy
+from asyncload.common.options import HedgePolicy
 
 __all__ = [
     "HEDGE_COLD_FACTOR",

@@ -7,8 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from asyncload._latency import percentile
-from asyncload._options import FieldDoc, FieldsDoc
+from asyncload.common.latency import percentile
+from asyncload.common.options import FieldDoc, FieldsDoc
 
 __all__ = ["LoadStats"]
 

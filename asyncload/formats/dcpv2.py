@@ -19,7 +19,7 @@ the checkpoint is constructed and none of their code runs. The mesh shape, the s
 coordinate in it and the placements are used only to compute which global slice each saved
 local shard holds (torch's own pure ``_compute_local_shape_and_global_offset``, given
 placement objects built here from checked integers). The result is a synthesised DCP
-``Metadata`` (:class:`~asyncload.formats.base.FormatMetadata`): one chunk per saved shard,
+``Metadata`` (:class:`~asyncload.formats.entries.FormatMetadata`): one chunk per saved shard,
 checked to tile each tensor exactly (no overlap, no gap), so that every destination layout
 (plain tensors, DTensors split differently) is planned by DCP and reads only its bytes.
 
@@ -51,14 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import asyncload.formats.plain as plain
-from asyncload._errors import CheckpointFormatError, CheckpointNotFoundError
-from asyncload._paths import check_relative_path, short_repr
-from asyncload.decoding.allowlist import (
-    safe_loads,
-)
-from asyncload.decoding.dcp_checks import _check_coverage
-from asyncload.decoding.tables import TensorRef, _is_int
-from asyncload.formats.base import Fetcher, KnownTensor
+from asyncload.common.errors import CheckpointFormatError, CheckpointNotFoundError
+from asyncload.common.paths import check_relative_path, short_repr
+from asyncload.decoding import TensorRef, _check_coverage, _is_int, safe_loads
 from asyncload.formats.dtensor_records import (
     _MAX_MESH,
     DTensorRef,
@@ -70,6 +65,7 @@ from asyncload.formats.dtensor_records import (
     _StridedShardRecord,
     decode_record,
 )
+from asyncload.formats.entries import Fetcher, KnownTensor
 from asyncload.formats.torchsave import ArchiveLayout, _alayout, saved_entry, tensor_location
 
 if TYPE_CHECKING:

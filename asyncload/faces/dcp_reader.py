@@ -25,21 +25,28 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 import asyncload.formats as formats
-from asyncload._errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
-from asyncload._options import LoadOptions
-from asyncload._plain_planner import ties as _ties
-from asyncload._stats import LoadStats
-from asyncload.engine.config import resolve_config
-from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
-from asyncload.engine.driver import read_steps, run_sync
-from asyncload.engine.fills import Fills, optimizer_ids_to_names, place_entries, unplaced_message
-from asyncload.engine.intersect import _rekey_pre_2_4, local_load_plan
-from asyncload.engine.keys import (
+from asyncload.common.errors import AsyncLoadError, CheckpointFormatError, StateDictMismatchError
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats
+from asyncload.engine import (
+    PLAIN_TENSOR_TYPES,
+    Fills,
+    LoadSession,
+    _rekey_pre_2_4,
+    check_cast,
+    check_destinations,
     check_missing_keys,
+    decode_object,
+    local_load_plan,
+    optimizer_ids_to_names,
+    place_entries,
+    read_steps,
+    resolve_config,
+    run_sync,
     same_bits,
+    unplaced_message,
 )
-from asyncload.engine.plan import check_cast
-from asyncload.engine.session import LoadSession, decode_object
+from asyncload.faces.plain_planner import ties as _ties
 from asyncload.formats import KNOWN_DCP_VERSIONS
 
 __all__ = [

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import asyncload.formats.plain as plain
-from asyncload._errors import (
+from asyncload.common.errors import (
     AsyncLoadError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     StateDictMismatchError,
 )
-from asyncload._options import LoadOptions
+from asyncload.common.options import LoadOptions
 from asyncload.formats.location import TensorLocation, split_file_url
 from asyncload.storage import RetryingStorage
 

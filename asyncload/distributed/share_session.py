@@ -12,7 +12,7 @@ driver is :mod:`asyncload.engine.driver`)::
        PipelinedLoadPlanner: each rank reads the byte ranges its own shards need
        ShardedLoadPlanner:   per phase (record headers, then tensor data):
            all_gather(needed byte ranges)  -> the same plan on every rank
-           (asyncload.distributed.plan): a range two or more ranks need is read by one of
+           (asyncload.distributed.share_plan): a range two or more ranks need is read by one of
            them (bytes balanced) and sent to the others point to point, chunk by chunk, as
            reads land (asyncload.distributed.shared), or claimed unit by unit as ranks get
            to it (asyncload.distributed.adaptive, the default)
@@ -42,10 +42,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from asyncload._errors import first_error
-from asyncload._options import LoadOptions
-from asyncload._stats import _fmt_bytes
 from asyncload._version import __version__
+from asyncload.common.errors import first_error
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import _fmt_bytes
 from asyncload.distributed.adaptive import _AdaptivePipeline
 from asyncload.distributed.claims import Claims, _unit_keys
 from asyncload.distributed.identity import (
@@ -57,7 +57,15 @@ from asyncload.distributed.identity import (
 from asyncload.distributed.monitor import Monitor
 from asyncload.distributed.node_phase import _HEAD, RING_SLOTS, run_node_phase
 from asyncload.distributed.nodes import BLOCK_UNITS, node_layout
-from asyncload.distributed.plan import (
+from asyncload.distributed.policy import (
+    PlanFn,
+    RankEstimate,
+    SharingPolicy,
+    decide_sharing,
+    sharing_policy,
+)
+from asyncload.distributed.sends import BackgroundSends
+from asyncload.distributed.share_plan import (
     _advertise,
     _check_transfers,
     _needs,
@@ -67,14 +75,6 @@ from asyncload.distributed.plan import (
     _unpack,
     split_units,
 )
-from asyncload.distributed.policy import (
-    PlanFn,
-    RankEstimate,
-    SharingPolicy,
-    decide_sharing,
-    sharing_policy,
-)
-from asyncload.distributed.sends import BackgroundSends
 from asyncload.distributed.shared import _SharedPipeline
 from asyncload.distributed.side_group import (
     cached_side_group,
@@ -83,9 +83,7 @@ from asyncload.distributed.side_group import (
     side_group_name,
 )
 from asyncload.distributed.transport import _nullcontext, _Transport, _transport_kind
-from asyncload.engine.chunks import Chunk
-from asyncload.engine.pipeline import Pipeline
-from asyncload.engine.session import LoadSession
+from asyncload.engine import Chunk, LoadSession, Pipeline
 
 __all__ = ["open_share"]
 

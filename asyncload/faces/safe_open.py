@@ -12,7 +12,7 @@ joins them), large ranges split at ``chunk_size`` and read concurrently, at most
 Every read goes through the file's storage boundary (:class:`asyncload.storage.RetryingStorage`,
 made from the options resolved once, as a load's: timeouts, retries, hedging, the object's
 version pinned at first sight, typed errors naming the file, range and attempts), on the
-library's loop thread (:mod:`asyncload._loop`); a local file changed while it is read is a
+library's loop thread (:mod:`asyncload.common.loop`); a local file changed while it is read is a
 :class:`~asyncload.CheckpointChangedError`.
 
 What it imports is what it needs: the storage wing, the header parser
@@ -42,26 +42,32 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncload._arguments import check_source_arguments
-from asyncload._errors import StateDictMismatchError, redact_url
-from asyncload._latency import LoadClock
-from asyncload._loop import close_through_interrupt, loop_thread, run_sync
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats, StatsRecorder
-from asyncload.engine.changes import check_unchanged
-from asyncload.engine.chunks import Chunk, Piece
-from asyncload.engine.config import LoadConfig, open_boundary, resolve_config
-from asyncload.engine.cost import ReadBudget
-from asyncload.engine.keys import closest_keys
-from asyncload.engine.meter import Meter
-from asyncload.engine.plan import make_chunks
-from asyncload.formats.buffers import memory_of
-from asyncload.formats.location import TensorLocation, split_file_url
-from asyncload.formats.safetensors_header import (
+from asyncload.common.errors import StateDictMismatchError, redact_url
+from asyncload.common.latency import LoadClock
+from asyncload.common.loop import close_through_interrupt, loop_thread, run_sync
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats, StatsRecorder
+from asyncload.engine import (
+    Chunk,
+    LoadConfig,
+    Meter,
+    Piece,
+    ReadBudget,
+    check_unchanged,
+    closest_keys,
+    make_chunks,
+    open_boundary,
+    resolve_config,
+)
+from asyncload.faces.arguments import check_source_arguments
+from asyncload.formats import (
     HEADER_PROBE,
     SAFETENSORS_DTYPES,
     SafetensorsHeader,
+    TensorLocation,
     aread_header,
+    memory_of,
+    split_file_url,
 )
 from asyncload.storage import BATCH_INLINE, RetryingStorage, Storage, is_local
 
@@ -241,7 +247,7 @@ class _FileStore:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def run(self, coro: Coroutine[Any, Any, T], *, shield: bool = False) -> T:
-        """Run ``coro`` on the store's loop and wait (:func:`asyncload._loop.run_sync`; a
+        """Run ``coro`` on the store's loop and wait (:func:`asyncload.common.loop.run_sync`; a
         Ctrl-C does not cancel it when ``shield``); the loop is chosen again in a forked
         child, or once it has stopped (as a session's)."""
         return run_sync(coro, self._current_loop, shield=shield)
@@ -451,7 +457,7 @@ async def _read_chunks(
 class SafetensorsSlice:
     """One tensor of an open file, read when indexed (safetensors' ``PySafeSlice``):
     ``get_shape()``, ``get_dtype()`` and ``slice[...]``, which reads only the bytes of the
-    result (see :mod:`asyncload._safe_open`)."""
+    result (see :mod:`asyncload.faces.safe_open`)."""
 
     def __init__(self, file: SafetensorsFile, name: str, loc: TensorLocation) -> None:
         self._file = file

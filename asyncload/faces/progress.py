@@ -117,7 +117,7 @@ class ByteProgress:
 
     def _write_line(self, now: float) -> None:
         """One line of progress (lines mode), under the lock."""
-        from asyncload._stats import _fmt_bytes
+        from asyncload.common.stats import _fmt_bytes
 
         self._last_line, self._last_done = now, self._done
         if self._unit == "bytes":

@@ -12,16 +12,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from asyncload._arguments import check_load_arguments
-from asyncload._errors import LoadCancelledError, LoadReentryError
-from asyncload._loop import on_library_loop
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats, _fmt_bytes
-from asyncload.distributed.lateness import SHOWN_IN_FLIGHT, RankProgress, Rate
-from asyncload.distributed.monitor import Monitor
-from asyncload.engine.config import resolve_config
-from asyncload.engine.driver import load_steps, run_async, run_sync
-from asyncload.engine.session import LoadSession, in_flight
+from asyncload.common.errors import LoadCancelledError, LoadReentryError
+from asyncload.common.loop import on_library_loop
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats, _fmt_bytes
+from asyncload.distributed import SHOWN_IN_FLIGHT, Monitor, RankProgress, Rate
+from asyncload.engine import (
+    LoadSession,
+    in_flight,
+    load_steps,
+    resolve_config,
+    run_async,
+    run_sync,
+)
+from asyncload.faces.arguments import check_load_arguments
 
 if TYPE_CHECKING:  # annotations only: the default planner's module is imported when made
     from torch.distributed.checkpoint._extension import ExtensionRegistry
@@ -93,7 +97,7 @@ def _prepare(
         session.plain_metadata = True
         return session, None, _default_planner(config.options, allow_partial_load)
     if planner is None:
-        from asyncload._dcp import PipelinedLoadPlanner
+        from asyncload.faces.dcp_reader import PipelinedLoadPlanner
 
         planner = PipelinedLoadPlanner(
             options=config.options, allow_partial_load=allow_partial_load
@@ -107,16 +111,16 @@ def _default_planner(
     """``choose(state_dict, metadata) -> (planner, metadata)``: the planner of a load made
     with no ``planner`` on one rank, once its metadata is read. A safetensors or torch.save
     file (metadata of :mod:`asyncload.formats.plain`'s types) into plain tensors gets a
-    :class:`~asyncload._plain_planner.PlainLoadPlanner` (no DCP imported); anything else a
+    :class:`~asyncload.faces.plain_planner.PlainLoadPlanner` (no DCP imported); anything else a
     :class:`PipelinedLoadPlanner`, with the metadata converted to DCP's types."""
 
     def choose(state_dict: Any, md: Any) -> tuple[Any, Any]:
-        from asyncload._plain_planner import PlainLoadPlanner, fits
+        from asyncload.faces.plain_planner import PlainLoadPlanner, fits
 
         if fits(state_dict, md):
             return PlainLoadPlanner(options=options, allow_partial_load=allow_partial_load), md
-        from asyncload._dcp import PipelinedLoadPlanner
-        from asyncload.formats.plain import to_dcp
+        from asyncload.faces.dcp_reader import PipelinedLoadPlanner
+        from asyncload.formats import to_dcp
 
         planner = PipelinedLoadPlanner(options=options, allow_partial_load=allow_partial_load)
         return planner, to_dcp(md)

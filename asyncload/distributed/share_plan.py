@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncload._errors import AsyncLoadError
-from asyncload.engine.chunks import Chunk, Piece
+from asyncload.common.errors import AsyncLoadError
+from asyncload.engine import Chunk, Piece
 
 #: ``Chunk`` and ``Piece``: the engine's reads this plan takes in (named here for the wing's
 #: tests).

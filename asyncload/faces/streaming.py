@@ -1,6 +1,6 @@
 """Loads without a prebuilt state dict: :func:`iter_tensors` and :func:`aiter_tensors`.
 
-:class:`CheckpointStream` is the core that :mod:`asyncload._read` (``read_state_dict``) and
+:class:`CheckpointStream` is the core that :mod:`asyncload.faces.allocating` (``read_state_dict``) and
 the CLI share. It reads the checkpoint's metadata once, selects keys, checks what the
 metadata claims against the files' real sizes (:meth:`LoadSession.acheck_claims`) before
 anything is allocated, then allocates destinations batch by batch and loads each batch
@@ -29,15 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncload._arguments import check_source_arguments
-from asyncload._errors import StateDictMismatchError, redact_url
-from asyncload._loop import loop_thread, run_sync
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats
-from asyncload.engine.config import resolve_config
-from asyncload.engine.driver import _in_thread
-from asyncload.engine.meter import Meter
-from asyncload.engine.session import LoadSession
+from asyncload.common.errors import StateDictMismatchError, redact_url
+from asyncload.common.loop import loop_thread, run_sync
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats
+from asyncload.engine import LoadSession, Meter, _in_thread, resolve_config
+from asyncload.faces.arguments import check_source_arguments
 from asyncload.formats import plain
 
 if TYPE_CHECKING:
@@ -201,7 +198,7 @@ class CheckpointStream:
         session.begin()
         md = await session.aread_metadata()
         if plain.is_plain(md):  # (session.plain_metadata: read_state_dict)
-            from asyncload._plain_planner import whole_tensors
+            from asyncload.faces.plain_planner import whole_tensors
 
             if not whole_tensors(md):  # chunked tensors: planned by DCP's planner
                 md = plain.to_dcp(md)
@@ -294,11 +291,11 @@ class CheckpointStream:
         assert md is not None
         planner: Any
         if plain.is_plain(md):  # a safetensors or torch.save file: no DCP (whole tensors)
-            from asyncload._plain_planner import PlainLoadPlanner
+            from asyncload.faces.plain_planner import PlainLoadPlanner
 
             planner = PlainLoadPlanner(options=self.options, allow_partial_load=True)
         else:
-            from asyncload._dcp import PipelinedLoadPlanner
+            from asyncload.faces.dcp_reader import PipelinedLoadPlanner
 
             planner = PipelinedLoadPlanner(options=self.options, allow_partial_load=True)
         dest: dict[str, Any] = {}

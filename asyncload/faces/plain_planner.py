@@ -1,7 +1,7 @@
 """The default planner of a load that needs no ``torch.distributed.checkpoint`` (issue 45, item 4).
 
 ``asyncload.load`` / ``aload`` / ``start_load`` with no ``planner``, on one rank, make their
-planner once the checkpoint's metadata is read (``_api._default_planner``): a safetensors or
+planner once the checkpoint's metadata is read (``faces.api._default_planner``): a safetensors or
 torch.save file (metadata of :mod:`asyncload.formats.plain`'s types, every tensor saved
 whole) loaded into a flat dict of plain tensors gets :class:`PlainLoadPlanner`, which plans
 exactly what :class:`asyncload.PipelinedLoadPlanner` plans for it (the same checks and
@@ -17,15 +17,15 @@ from typing import Any
 import torch
 
 import asyncload.formats as formats
-from asyncload._errors import StateDictMismatchError
-from asyncload._options import LoadOptions
-from asyncload.engine.destinations import PLAIN_TENSOR_TYPES
-from asyncload.engine.keys import (
+from asyncload.common.errors import StateDictMismatchError
+from asyncload.common.options import LoadOptions
+from asyncload.engine import (
+    PLAIN_TENSOR_TYPES,
     alias_groups,
+    check_cast,
     check_missing_keys,
     same_bits,
 )
-from asyncload.engine.plan import check_cast
 from asyncload.formats import plain
 
 __all__ = ["PlainLoadPlanner", "fits", "same_saved_bytes", "ties", "whole_tensors"]

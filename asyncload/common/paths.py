@@ -8,7 +8,7 @@ import re
 import reprlib
 from typing import Any
 
-from asyncload._errors import CheckpointFormatError
+from asyncload.common.errors import CheckpointFormatError
 
 __all__ = ["check_relative_path", "short_repr"]
 

@@ -2,7 +2,7 @@
 
 The destinations are allocated from the checkpoint's metadata (after its claims were
 checked against the files) and loaded in one pass through
-:class:`~asyncload._stream.CheckpointStream`; the result is nested again the way it was saved.
+:class:`~asyncload.faces.streaming.CheckpointStream`; the result is nested again the way it was saved.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncload._arguments import check_source_arguments
-from asyncload._loop import loop_thread, run_sync
-from asyncload._options import LoadOptions
-from asyncload._stats import LoadStats
-from asyncload._stream import CheckpointStream, KeySelection, ProgressCallback
+from asyncload.common.loop import loop_thread, run_sync
+from asyncload.common.options import LoadOptions
+from asyncload.common.stats import LoadStats
+from asyncload.faces.arguments import check_source_arguments
+from asyncload.faces.streaming import CheckpointStream, KeySelection, ProgressCallback
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -35,7 +35,7 @@ def nest(flat: dict[str, Any], metadata: Metadata) -> dict[Any, Any]:
     along its ``planner_data`` path in the metadata's order (DCP saved the keys as strings;
     int path elements are list indices). Formats that carry no nesting (safetensors) keep
     their flat names."""
-    from asyncload.formats.torchsave import nest_saved
+    from asyncload.formats import nest_saved
 
     templates = getattr(metadata, "templates", None)  # (FormatMetadata, of either kind)
     if isinstance(templates, list) and templates:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from asyncload._options import LoadOptions
+from asyncload.common.options import LoadOptions
 
 __all__ = [
     "check_checkpoint_url",
