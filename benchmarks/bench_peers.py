@@ -3,8 +3,14 @@
 S3 on loopback (s3rver) behind a network model (``--network``, each in its own process):
 ``proxy`` (default), the FaultProxy adding ``--latency`` each way per request and per answer;
 ``delay-line``, a forwarder delivering each 256 KiB piece ``--latency`` after it arrived,
-both ways (``asyncload.testing.delay_line``: a queueing delay that does not cap bandwidth). Every contender runs in a fresh process per round (``_peer_child.py``: imports and
-a touched destination before the clock), rounds interleaved; the table gives the median
+both ways (``asyncload.testing.delay_line``: a queueing delay that does not cap bandwidth);
+``tbf``, a rate-capped link: s3rver in a network namespace of its own and every contender in
+another (``asyncload.testing.netns``), the two joined through a bridge by veth links capped at
+``--rate-mbit`` by ``tc qdisc ... tbf`` both ways, with the delay line (``--latency``, default 0
+for this model: none) in front inside the contenders' namespace (netem does not exist on this
+kernel). The namespaces are deleted on every exit path. Every contender runs in a fresh
+process per round (``_peer_child.py``: imports and a touched destination before the clock),
+rounds interleaved; the table gives the median
 seconds, GiB/s, the ratio to the raw bound (s3fs ranged GETs of the same bytes, 8 MiB x 32,
 data discarded), CPU seconds per GiB of the loading process and its peak RSS above the
 destination. ``curl --parallel`` with the same ranged GETs and obstore's ranged GETs are
@@ -19,19 +25,23 @@ installed is skipped with a note.
     python benchmarks/bench_peers.py --size-mib 256 --rounds 3
     python benchmarks/bench_peers.py --layouts dcp-one-file --contenders asyncload,s3torchconnector
     python benchmarks/bench_peers.py --network delay-line --layouts dcp-one-file,safetensors
+    python benchmarks/bench_peers.py --network tbf --rate-mbit 800 --layouts dcp-one-file,safetensors
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -188,15 +198,22 @@ class DelayLineProc:
     """The delay line (``asyncload.testing.delay_line``) in a child process: each 256 KiB
     piece delivered ``delay`` seconds after it arrived, both ways (``--network delay-line``)."""
 
-    def __init__(self, upstream: str, delay: float) -> None:
+    def __init__(self, upstream: str, delay: float, prefix: list[str] | None = None) -> None:
+        # prefix: e.g. ``ip netns exec NS`` (the tbf model runs it beside the contenders)
+        argv = [sys.executable, "-m", "asyncload.testing.delay_line", upstream, str(delay)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncload.testing.delay_line", upstream, str(delay)],
+            [*(prefix or []), *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         assert self.proc.stdout is not None
-        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+        try:
+            self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+        except BaseException:  # e.g. SIGTERM while it starts: it goes too
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -212,23 +229,113 @@ class DelayLineProc:
 NETWORKS = {
     "proxy": "the FaultProxy adding {ms} ms one-way per request and per answer",
     "delay-line": "a delay line delivering each 256 KiB piece {ms} ms after it arrived, both ways",
+    "tbf": "a link capped at {rate} Mbit/s both ways (tc tbf, queues 50 ms) between two network "
+    "namespaces, {delay}",
 }
 
+#: where s3rver listens inside its namespace (the namespace is private: any port will do)
+TBF_PORT = 9000
 
-def link(network: str, upstream: str, latency: float) -> Proxy | DelayLineProc:
+
+class Direct:
+    """No link process: the contenders reach ``url`` as it is (``--network tbf --latency 0``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def close(self) -> None:
+        pass
+
+
+class TbfLink:
+    """``--network tbf``: s3rver (serving ``data``, the loopback server's folder) in the
+    ``storage`` namespace of :func:`asyncload.testing.netns.hosts`, the contenders in ``n0``,
+    both links capped at ``rate_mbit``. A ``with`` block; the namespaces and the server go on
+    every exit path."""
+
+    def __init__(self, exe: str, data: Path, rate_mbit: float) -> None:
+        self.exe, self.data, self.rate_mbit = exe, data, rate_mbit
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> TbfLink:
+        import time
+
+        from asyncload.testing.netns import available, hosts
+
+        why = available()
+        if why is not None:
+            sys.exit(f"--network tbf needs network namespaces: {why}")
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM too unwinds the with-blocks (the server, then the namespaces)
+            old = signal.signal(signal.SIGTERM, _terminated)
+            self._stack.callback(signal.signal, signal.SIGTERM, old)
+        try:
+            self.net = self._stack.enter_context(hosts(1, rate_mbit=self.rate_mbit))
+            addr = self.net.addr("storage")
+            argv = [self.exe, "-d", str(self.data), "-a", addr, "-p", str(TBF_PORT), "--silent"]
+            proc = self.net.popen("storage", argv, stdout=subprocess.DEVNULL)
+            self._stack.callback(_stop, proc)
+            self.url = f"http://{addr}:{TBF_PORT}"
+            probe = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", self.url + "/"]
+            deadline = time.monotonic() + 30
+            while True:
+                out = self.net.run("n0", probe, capture_output=True, text=True, check=False)
+                if out.stdout.strip() not in ("", "000"):
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"s3rver did not start in its namespace ({out.stdout})")
+                time.sleep(0.1)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    @property
+    def prefix(self) -> list[str]:
+        """argv prefix running a command in the contenders' namespace."""
+        return self.net.argv("n0", [])
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def link(
+    network: str, upstream: str, latency: float, tbf: TbfLink | None = None
+) -> Proxy | DelayLineProc | Direct:
     """A fresh link of the chosen network model in front of ``upstream``."""
+    if network == "tbf":
+        assert tbf is not None
+        if latency <= 0:
+            return Direct(tbf.url)
+        return DelayLineProc(tbf.url, latency, tbf.prefix)
     if network == "delay-line":
         return DelayLineProc(upstream, latency)
     return Proxy(upstream, latency, None)
 
 
 def run_child(
-    cfg: dict[str, Any], timeout: float, pythonpath: str | None = None
+    cfg: dict[str, Any],
+    timeout: float,
+    pythonpath: str | None = None,
+    prefix: list[str] | None = None,
 ) -> dict[str, Any] | None:
     env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
     try:
         out = subprocess.run(
-            [sys.executable, CHILD, json.dumps(cfg)],
+            [*(prefix or []), sys.executable, CHILD, json.dumps(cfg)],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -250,7 +357,17 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument(
-        "--latency", type=float, default=0.010, help="one-way delay added by the proxy, seconds"
+        "--latency",
+        type=float,
+        default=None,
+        help="one-way delay added by the proxy or the delay line, seconds (default 0.010; "
+        "with --network tbf 0: no delay line)",
+    )
+    ap.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=800.0,
+        help="--network tbf: the links' cap, Mbit/s (tc tbf, both ways)",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
@@ -258,7 +375,8 @@ def main() -> None:
         choices=sorted(NETWORKS),
         default="proxy",
         help="the network model in front of s3rver: proxy (the FaultProxy: --latency per "
-        "request and per answer) or delay-line (every 256 KiB piece --latency late, both ways)",
+        "request and per answer), delay-line (every 256 KiB piece --latency late, both ways) or "
+        "tbf (s3rver in a network namespace behind links capped at --rate-mbit)",
     )
     ap.add_argument(
         "--layouts", default="dcp-one-file,dcp-per-item,safetensors,safetensors-index,tensorizer"
@@ -294,6 +412,8 @@ def main() -> None:
     ensure_bytecode()  # each contender's fresh process imports installed-like bytecode
     if args.baseline:
         ensure_bytecode(os.path.join(args.baseline, "asyncload"))
+    if args.latency is None:
+        args.latency = 0.0 if args.network == "tbf" else 0.010
     layouts = args.layouts.split(",")
     wanted = args.contenders.split(",")
     exe = find_s3rver()
@@ -319,17 +439,21 @@ def main() -> None:
         load_before = f.read().split()[:3]
     print(
         f"{nbytes / MiB:.0f} MiB of tensors ({len(tensors)}), s3rver behind "
-        f"{NETWORKS[args.network].format(ms=f'{args.latency * 1e3:.0f}')}, "
+        f"{NETWORKS[args.network].format(ms=f'{args.latency * 1e3:.0f}', rate=f'{args.rate_mbit:g}', delay=f'a {args.latency * 1e3:.0f} ms delay line in front' if args.latency > 0 else 'no delay line')}, "
         f"{args.rounds} rounds interleaved, each run a fresh process; {os.cpu_count()} CPUs, "
         f"load average {' '.join(load_before)}"
     )
     with (
         tempfile.TemporaryDirectory(prefix="asyncload-bench-peers-") as tmp,
         S3rverServer(executable=exe) as server,
+        contextlib.ExitStack() as stack,
     ):
         paths = write_layouts(tensors, Path(tmp), layouts)
         del tensors
         urls = {layout: server.upload_dir(p, "peers", layout) for layout, p in paths.items()}
+        tbf = None
+        if args.network == "tbf":  # a second s3rver on the same (now read-only) folder
+            tbf = stack.enter_context(TbfLink(exe, server.workdir / "data", args.rate_mbit))
         results: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for _ in range(args.rounds):
             for layout, path in paths.items():
@@ -337,7 +461,7 @@ def main() -> None:
                 for c in wanted:
                     if layout not in CONTENDERS[c][0]:
                         continue
-                    proxy = link(args.network, server.endpoint_url, args.latency)
+                    proxy = link(args.network, server.endpoint_url, args.latency, tbf)
                     try:
                         url = urls[layout] + ("/model.safetensors" if c == "runai" else "")
                         url = url + ("/model.tensors" if c == "tensorizer" else "")
@@ -368,7 +492,8 @@ def main() -> None:
                             cfg["options"] = {"transport": "obstore"}
                         pythonpath = args.baseline if c == "asyncload_baseline" else None
                         results.setdefault((layout, c), []).append(
-                            run_child(cfg, args.timeout, pythonpath) or {}
+                            run_child(cfg, args.timeout, pythonpath, tbf.prefix if tbf else None)
+                            or {}
                         )
                     finally:
                         proxy.close()
@@ -414,6 +539,7 @@ def main() -> None:
         "bytes": nbytes,
         "latency_s": args.latency,
         "network": args.network,
+        "rate_mbit": args.rate_mbit if args.network == "tbf" else None,
         "rounds": args.rounds,
         "load": [load_before, load_after],
     }
@@ -446,8 +572,9 @@ def plot(
     )
     ax.set_ylabel("GiB/s (median, fresh process per run)")
     ax.set_title(
-        f"{nbytes / MiB:.0f} MiB from S3 (s3rver) behind {meta['latency_s'] * 1e3:.0f} ms one-way delay, "
-        f"{meta['rounds']} rounds; load average {' '.join(meta['load'][0])}"
+        f"{nbytes / MiB:.0f} MiB from S3 (s3rver) behind {meta['latency_s'] * 1e3:.0f} ms one-way delay"
+        + (f", {meta['rate_mbit']:g} Mbit/s tc tbf link, " if meta.get("rate_mbit") else ", ")
+        + f"{meta['rounds']} rounds; load average {' '.join(meta['load'][0])}"
     )
     ax.legend(
         ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False

@@ -6,8 +6,10 @@
   (call it before importing s3fs/gcsfs).
 * :mod:`asyncload.testing.faults` - :class:`FaultProxy`, an HTTP/1.1 proxy that
   delays, fails, resets, truncates, stalls or slows chosen requests.
-* :mod:`asyncload.testing.delay_line` - :class:`DelayLine`, a TCP forwarder that delivers
-  each piece a fixed delay after it arrived, both ways (a queueing delay, bandwidth uncapped).
+* :mod:`asyncload.testing.delay_line` - :class:`~asyncload.testing.delay_line.DelayLine`, a
+  TCP forwarder that delivers each piece a fixed delay after it arrived, both ways (a queueing
+  delay, bandwidth uncapped); also ``python -m asyncload.testing.delay_line``, so not
+  imported by this package.
 * :mod:`asyncload.testing.cuda` - :func:`fake_device` and its :class:`FakeCopier`: CPU
   tensors take the CUDA destinations' device path (pinned ring, side stream, events).
 * :mod:`asyncload.testing.interrupts` - :func:`interrupted`: a KeyboardInterrupt raised
@@ -22,7 +24,6 @@ Nothing here talks to anything but 127.0.0.1, and the library never imports this
 from __future__ import annotations
 
 from asyncload.testing.cuda import FakeCopier, fake_device
-from asyncload.testing.delay_line import DelayLine
 from asyncload.testing.faults import (
     Action,
     Delay,
@@ -75,7 +76,6 @@ __all__ = [
     "TEST_ENV",
     "Action",
     "Delay",
-    "DelayLine",
     "FakeCopier",
     "FaultProxy",
     "FaultProxyError",
