@@ -57,6 +57,7 @@ __all__ = [
     "poll_interval",
     "present",
     "read_present",
+    "silent_after",
 ]
 
 log = logging.getLogger("asyncload.monitor")
@@ -94,6 +95,13 @@ def first_poll(world: int) -> float:
 def beat_interval(world: int) -> float:
     """Seconds between a waiting rank's heartbeats in a group of ``world``."""
     return max(BEAT_INTERVAL, world / BEATS_PER_SECOND)
+
+
+def silent_after(world: int, timeout: float) -> float:
+    """How long a rank's status must stand still before the stall rule gives up on it:
+    ``timeout`` (``collective_timeout``), and at least two of its heartbeats, so that a rank
+    that beats while it waits is never taken for a silent one, whatever the timeout."""
+    return max(timeout, 2 * beat_interval(world))
 
 
 def present(store: Any, keys: Sequence[str]) -> list[bool]:
@@ -320,7 +328,7 @@ class BarrierWait:
                     host._seen[r] = (value, now)
                     continue
                 idle = now - seen[1]
-                if idle >= host.timeout:
+                if idle >= silent_after(host.world, host.timeout):
                     status = value.decode("utf-8", "replace").partition("|")[2]
                     host._give_up(r, self.name, idle, status, self.doing)
         if host.late_after is None:

@@ -39,6 +39,7 @@ from asyncload.distributed.barrier import (
     arrive,
     poll_interval,
     read_present,
+    silent_after,
 )
 from asyncload.distributed.idle_watch import IDLE_KEY, IdlePoster, IdleView, listed_after
 from asyncload.distributed.lateness import (
@@ -172,11 +173,11 @@ class _GuardedStore:
 
 
 def _idle_listed(
-    store: Any, timeout: float, peers: Sequence[int], listed: dict[int, float]
+    store: Any, world: int, timeout: float, peers: Sequence[int], listed: dict[int, float]
 ) -> tuple[int, float, str] | None:
-    """The peer rank 0's digest lists as idle for ``timeout`` (the longest idle first), with
-    its status read now (one key)."""
-    over = [(s, r) for r in peers if (s := listed.get(r, 0.0)) >= timeout]
+    """The peer rank 0's digest lists as idle for ``timeout`` (:func:`silent_after`; the
+    longest idle first), with its status read now (one key)."""
+    over = [(s, r) for r in peers if (s := listed.get(r, 0.0)) >= silent_after(world, timeout)]
     if not over:
         return None
     seconds, rank = max(over)
@@ -546,14 +547,14 @@ class Monitor:
         if self.timeout is None:
             return None
         if listed is not None:
-            return _idle_listed(self.store, self.timeout, peers, listed)
+            return _idle_listed(self.store, self.world, self.timeout, peers, listed)
         for r, value in zip(peers, self.statuses(peers, now)):
             seen = self._seen.get(r)
             if seen is None or seen[0] != value:
                 self._seen[r] = (value, now)
                 continue
             idle = now - seen[1]
-            if idle >= self.timeout:
+            if idle >= silent_after(self.world, self.timeout):
                 return r, idle, value.decode("utf-8", "replace").partition("|")[2]
         return None
 
