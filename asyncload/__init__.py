@@ -21,6 +21,7 @@ from asyncload.common.errors import (
     StorageReadError,
     UnsafeCheckpointError,
 )
+from asyncload.common.lazy import lazy_names
 from asyncload.common.options import LoadOptions
 from asyncload.common.stats import LoadStats
 
@@ -61,30 +62,22 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> object:
-    import importlib
-
+def _moved(name: str) -> object:
+    """A name that moved (:data:`_MOVED`), from its new place, with a ``DeprecationWarning``
+    each time (not cached); else ``NotImplemented``."""
     moved = _MOVED.get(name)
-    if moved is not None:
-        import warnings
+    if moved is None:
+        return NotImplemented
+    import importlib
+    import warnings
 
-        warnings.warn(
-            f"asyncload.{name} moved to {moved}.{name}: import it from there "
-            f"(from {moved} import {name}); the old name is deprecated",
-            DeprecationWarning,
-            stacklevel=2,  # the caller's line (importlib's frames are skipped)
-        )
-        return getattr(importlib.import_module(moved), name)  # not cached: warns each time
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncload' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    warnings.warn(
+        f"asyncload.{name} moved to {moved}.{name}: import it from there "
+        f"(from {moved} import {name}); the old name is deprecated",
+        DeprecationWarning,
+        stacklevel=3,  # the caller's line (this function's and __getattr__'s frames skipped)
+    )
+    return getattr(importlib.import_module(moved), name)
 
 
 __all__ = [
@@ -115,3 +108,6 @@ __all__ = [
     "start_load",
     "wait_for_background_sends",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, __all__, fallback=_moved)
+del lazy_names  # (not a name of the package)

@@ -9,8 +9,9 @@ stops it at its budget. Importing this package imports none of its modules.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from asyncload.common.lazy import lazy_names
 
 if TYPE_CHECKING:
     from asyncload.decoding.allowlist import (
@@ -46,20 +47,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    """A name of the wing's interface, its module imported now (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
 __all__ = [
     "MAX_DEPTH",
     "PickleVM",
@@ -75,3 +62,6 @@ __all__ = [
     "safe_loads",
     "storage_persistent_load",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, __all__)
+del lazy_names  # (not a name of the package)

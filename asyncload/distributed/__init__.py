@@ -22,6 +22,7 @@ package imports no ``torch.distributed`` until one is asked for):
 import typing
 
 from asyncload.common.errors import DistributedLoadError
+from asyncload.common.lazy import lazy_names
 
 if typing.TYPE_CHECKING:
     from asyncload.distributed.barrier import BarrierWait, arrive, present
@@ -63,21 +64,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncload.distributed' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
 __all__ = [
     "BLOCK_UNITS",
     "IDLE_KEY",
@@ -105,3 +91,6 @@ __all__ = [
     "present",
     "wait_for_background_sends",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, __all__)
+del lazy_names  # (not a name of the package)

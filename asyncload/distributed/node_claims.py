@@ -44,10 +44,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncload.distributed.nodes import NodeBlock
 from asyncload.distributed.values import parse_rank
+
+if TYPE_CHECKING:
+    from asyncload.engine import Meter
 
 __all__ = ["BEHIND", "CLAIM_AHEAD", "HORIZON", "MIN_AHEAD", "STEAL_AHEAD", "NodeClaims"]
 
@@ -91,7 +94,7 @@ class NodeClaims:
         store: Any,
         prefix: str,
         ring: Any,
-        slots: asyncio.Semaphore,
+        slots: Meter,
         read_send: _Task,
         receive: _Task,
         lost: Callable[[int], None],

@@ -51,7 +51,7 @@ from asyncload.distributed.nodes import (
 )
 from asyncload.distributed.share_plan import _Part
 from asyncload.distributed.shared import Share, _SharedPipeline, check_digest, post_digest
-from asyncload.engine import Chunk, Pipeline, _aiter, copy_bytes
+from asyncload.engine import Chunk, Meter, Pipeline, _aiter, copy_bytes
 
 __all__ = ["RING_SLOTS", "plan_windows", "run_node_phase"]
 
@@ -481,7 +481,9 @@ async def _drive(
     for i, b in enumerate(blocks):
         if b.fetcher(node) == rank:
             per_window[window_of[i]].append(b)
-    slots = asyncio.Semaphore(max(2, min(16, pipeline.options.initial_concurrency)))
+    slots = Meter(
+        max(2, min(16, pipeline.options.initial_concurrency)), name="node reads", unit="reads"
+    )
     prefix = f"nb/{phase}/"
     store = monitor.store
     claims: NodeClaims | None = None

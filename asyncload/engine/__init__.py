@@ -5,20 +5,28 @@ policies and the memory plan); ``session`` is the load (:class:`LoadSession`, ma
 collaborators) with ``records``, ``reads``, ``checks`` and ``cost`` as its jobs; ``driver``
 runs the planner sequence over a session for 1..N ranks; ``plan`` and ``chunks`` say what to
 read; ``pipeline`` reads it under the meters (``meter``: the one :class:`Meter`);
+``read_loop`` reads chunks into memory their caller owns (``safe_open``, integrations);
 ``assembly``, ``cuda_ring``, ``transforms`` and ``crc`` put the bytes in place and check them.
 Importing this package imports none of its modules.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from asyncload.common.lazy import lazy_names
 
 if TYPE_CHECKING:
     from asyncload.engine.assembly import assemble, copy_bytes, track
     from asyncload.engine.changes import check_unchanged
     from asyncload.engine.chunks import Chunk, Piece
-    from asyncload.engine.config import LoadConfig, open_boundary, resolve_config
+    from asyncload.engine.config import (
+        LoadConfig,
+        PlannerTerms,
+        PlanReport,
+        open_boundary,
+        resolve_config,
+    )
     from asyncload.engine.cost import (
         LOCAL_BANDWIDTH,
         LOCAL_REQUEST_SECONDS,
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
     from asyncload.engine.meter import Meter, MeterStatistics
     from asyncload.engine.pipeline import Pipeline, _aiter, _DirectRun, direct_run
     from asyncload.engine.plan import check_cast, make_chunks
+    from asyncload.engine.read_loop import read_chunks
     from asyncload.engine.session import LoadSession, decode_object, in_flight
 
 #: The wing's interface: each name the other wings use, and its module, imported on
@@ -56,6 +65,8 @@ _LAZY = {
     "LOCAL_BANDWIDTH": "asyncload.engine.cost",
     "LOCAL_REQUEST_SECONDS": "asyncload.engine.cost",
     "LoadConfig": "asyncload.engine.config",
+    "PlanReport": "asyncload.engine.config",
+    "PlannerTerms": "asyncload.engine.config",
     "LoadSession": "asyncload.engine.session",
     "Meter": "asyncload.engine.meter",
     "MeterStatistics": "asyncload.engine.meter",
@@ -86,6 +97,7 @@ _LAZY = {
     "open_boundary": "asyncload.engine.config",
     "optimizer_ids_to_names": "asyncload.engine.fills",
     "place_entries": "asyncload.engine.fills",
+    "read_chunks": "asyncload.engine.read_loop",
     "read_items_for_chunks": "asyncload.engine.intersect",
     "read_steps": "asyncload.engine.driver",
     "resolve_config": "asyncload.engine.config",
@@ -97,20 +109,6 @@ _LAZY = {
     "unplaced_message": "asyncload.engine.fills",
     "use_copier": "asyncload.engine.cuda_ring",
 }
-
-
-def __getattr__(name: str) -> object:
-    """A name of the wing's interface, its module imported now (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [
@@ -128,6 +126,8 @@ __all__ = [
     "MeterStatistics",
     "Piece",
     "Pipeline",
+    "PlanReport",
+    "PlannerTerms",
     "ReadBudget",
     "_DirectRun",
     "_aiter",
@@ -150,6 +150,7 @@ __all__ = [
     "open_boundary",
     "optimizer_ids_to_names",
     "place_entries",
+    "read_chunks",
     "read_items_for_chunks",
     "read_steps",
     "resolve_config",
@@ -161,3 +162,6 @@ __all__ = [
     "unplaced_message",
     "use_copier",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, __all__)
+del lazy_names  # (not a name of the package)

@@ -1,11 +1,19 @@
 """The load's configuration, resolved once: :func:`resolve_config`.
 
-One function turns :class:`~asyncload.LoadOptions` (and the knobs a planner carries) into a
-frozen :class:`LoadConfig`: the narrow policies every stage reads (retry, hedge, chunking,
-the I/O threads, the collective timeout) and the :class:`MemoryPlan`. The config travels
-with the work: the session is made with it, the storage boundary is made from it
-(:class:`asyncload.storage.retrying.RetryingStorage`), the pipeline reads with it; nothing
-resolves an option again downstream.
+One function turns :class:`~asyncload.LoadOptions` (and what the planner brings,
+:class:`PlannerTerms`) into a frozen :class:`LoadConfig`: the narrow policies every stage
+reads (retry, hedge, chunking, the I/O threads, the collective timeout) and the
+:class:`MemoryPlan`. The config travels with the work: the session is made with it, the
+storage boundary is made from it (:class:`asyncload.storage.retrying.RetryingStorage`), the
+pipeline reads with it; nothing resolves an option again downstream.
+
+What the planner brings reaches the engine through one explicit object,
+:class:`PlannerTerms`, made at the face by :func:`asyncload.faces.terms.planner_terms`
+(the faces know their planners) and resolved into the config (:attr:`LoadConfig.planner`):
+its options when they were set explicitly, its collective timeout, the share session that
+takes over the reads (``ShardedLoadPlanner``), the note that the destinations were
+checked, and the report of what it planned (its view of the metadata; the missing, tied
+and unexpected keys). The engine never inspects a planner for asyncload's own behaviour.
 
 Which options govern a load:
 
@@ -15,8 +23,24 @@ Which options govern a load:
 - a plain ``dcp.load(storage_reader=PipelinedReader(...), planner=...)``: torch reads
   ``.metadata`` (``read_metadata``, then ``set_up_storage_reader``) before it hands the
   reader the planner, so the reader's options govern the metadata read; once the planner
-  arrives (:meth:`asyncload.engine.session.LoadSession.planner_arrived`, the one step
-  where a load's config changes), a planner with options of its own governs the rest.
+  arrives, a planner with options of its own governs the rest.
+
+When the config can change: only in
+:meth:`asyncload.engine.session.LoadSession.planner_arrived`, which a face calls with the
+terms of a planner that arrives after the session was made: ``PipelinedReader.read_data``
+(``dcp.load`` hands the reader its planner there), the driver of a ``load`` made with no
+planner (its planner is chosen once the metadata is read) and a stream (one planner per
+batch). It always sets :attr:`LoadConfig.planner`; the options, and every policy resolved
+from them, change only where the planner's were set explicitly and are not the config's
+already, which only the ``dcp.load`` path can meet (the other two make their planners with
+the config's own options). That call comes after ``.metadata`` (or a rank's
+``__{rank}.metadata``) was read and before any read of tensor data: before the plan's
+records are collected, the data files' sizes checked, a record's header probed or a data
+byte requested; the storage boundary is then made anew for the new options (the store that
+read the metadata was closed after that read: a store's policy never changes). From there to the end of
+the load the config is fixed; a session's next load
+(:meth:`~asyncload.engine.session.LoadSession.begin`) starts again from the config it was
+made with.
 
 The memory plan (``memory_budget`` = B; :class:`MemoryPlan`)::
 
@@ -40,10 +64,11 @@ multi-rank load that returns before its peers ``reads`` and ``sends``.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from asyncload.common.latency import LoadClock
 from asyncload.common.options import ChunkPolicy, HedgePolicy, LoadOptions, RetryPolicy
@@ -51,11 +76,12 @@ from asyncload.common.stats import StatsRecorder
 from asyncload.storage import RetryingStorage, Storage, open_storage
 
 __all__ = [
-    "CarriesOptions",
     "LoadConfig",
     "MemoryPlan",
+    "PlanReport",
+    "PlannerTerms",
+    "ReadShare",
     "open_boundary",
-    "planner_options",
     "resolve_config",
     "ring_geometry",
 ]
@@ -67,20 +93,53 @@ MIN_SLOTS = 2
 MIN_SLOT_SIZE = 32 * 1024
 
 
-@runtime_checkable
-class CarriesOptions(Protocol):
-    """A planner that carries load options (:class:`asyncload.PipelinedLoadPlanner`):
-    ``has_options`` says whether they were set explicitly (only then do they govern)."""
+class ReadShare(Protocol):
+    """A share session that takes over one rank's reads of a load (``ShardedLoadPlanner``:
+    :class:`asyncload.distributed.share_session._ShareSession`): :meth:`run` replaces
+    ``Pipeline.run`` for each read phase, :meth:`fail` tells the other ranks."""
 
-    options: LoadOptions
-    has_options: bool
+    async def run(self, pipeline: Any, chunks: Any, /) -> None: ...
+
+    def fail(self, exc: BaseException, /) -> None: ...
 
 
-def planner_options(planner: object) -> LoadOptions | None:
-    """The options ``planner`` carries when they were set explicitly, else None."""
-    if isinstance(planner, CarriesOptions) and planner.has_options:
-        return planner.options
-    return None
+@dataclass(frozen=True)
+class PlanReport:
+    """What a planner of asyncload's planned, read once its plan is final: its view of the
+    metadata (under a key prefix it loads from: :func:`asyncload.formats.rebase`) and the
+    keys it found missing, tied and unexpected (:class:`~asyncload.LoadStats`)."""
+
+    metadata: Any
+    missing_keys: list[str]
+    tied_keys: dict[str, str]
+    unexpected_keys: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerTerms:
+    """What a load's planner brings to it, said by the face that knows the planner
+    (:func:`asyncload.faces.terms.planner_terms`); the engine learns nothing else from a
+    planner. A planner that is not asyncload's (torch's ``DefaultLoadPlanner``), or none,
+    brings nothing: ``PlannerTerms()``."""
+
+    #: The planner's options when they were set explicitly (they then govern a load given
+    #: no ``options``), else None.
+    options: LoadOptions | None = None
+    #: ``collective_timeout(options)``: the planner's collective timeout for the load's
+    #: options (``ShardedLoadPlanner(collective_timeout=...)``); None: the options' own.
+    collective_timeout: Callable[[LoadOptions], float | None] | None = None
+    #: ``share(session, options)``: the share session that takes over this rank's reads of
+    #: the load ``session``, or None when there is nobody to share with (``ShardedLoadPlanner``).
+    share: Callable[[Any, LoadOptions], ReadShare | None] | None = None
+    #: ``destinations_checked(state_dict)``: the load checked ``state_dict`` before its first
+    #: request; the planner need not check it again when it is set up with it.
+    destinations_checked: Callable[[Any], None] | None = None
+    #: ``report()``: what the planner planned, once its plan is final (:class:`PlanReport`).
+    report: Callable[[], PlanReport] | None = None
+
+    def planned(self) -> PlanReport | None:
+        """:attr:`report`'s answer (None: the planner reports nothing)."""
+        return self.report() if self.report is not None else None
 
 
 def ring_geometry(options: LoadOptions) -> tuple[int, int]:
@@ -140,6 +199,13 @@ class LoadConfig:
     #: Multi-rank loads: seconds a rank may go without progress (the planner's own when it
     #: has one: ``ShardedLoadPlanner(collective_timeout=...)``).
     collective_timeout: float | None
+    #: What the load's planner brings to it (:class:`PlannerTerms`; none by default).
+    planner: PlannerTerms = PlannerTerms()
+
+    def with_planner(self, terms: PlannerTerms) -> LoadConfig:
+        """This config for a planner that brings ``terms`` and no other options (none of
+        its own, or these): the options and policies stand."""
+        return dataclasses.replace(self, planner=terms)
 
     def __repr__(self) -> str:
         c = self.chunking
@@ -151,15 +217,25 @@ class LoadConfig:
         )
 
 
-def resolve_config(options: LoadOptions | None = None, planner: Any = None) -> LoadConfig:
+def resolve_config(
+    options: LoadOptions | None = None, terms: PlannerTerms | None = None
+) -> LoadConfig:
     """The load's :class:`LoadConfig`: from ``options`` when given, else from the options
-    ``planner`` carries when they were set explicitly, else from the defaults. A planner
-    with ``collective_timeout_for(options)`` (``ShardedLoadPlanner``) sets the collective
+    the planner brings (``terms.options``: set explicitly), else from the defaults. The
+    planner's ``terms.collective_timeout`` (``ShardedLoadPlanner``) sets the collective
     timeout.
 
-    Raised: ``TypeError`` when ``options`` is not a :class:`LoadOptions`."""
+    Raised: ``TypeError`` when ``options`` is not a :class:`LoadOptions` or ``terms`` not
+    a :class:`PlannerTerms`."""
+    if terms is None:
+        terms = PlannerTerms()
+    elif not isinstance(terms, PlannerTerms):
+        raise TypeError(
+            f"terms must be a PlannerTerms (asyncload.faces.terms.planner_terms makes them "
+            f"from a planner), not {type(terms).__name__}"
+        )
     if options is None:
-        options = planner_options(planner) or LoadOptions()
+        options = terms.options or LoadOptions()
     elif not isinstance(options, LoadOptions):
         raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
     memory = MemoryPlan.for_options(options)
@@ -170,8 +246,8 @@ def resolve_config(options: LoadOptions | None = None, planner: Any = None) -> L
         staged = options.replace(
             chunk_size=memory.slot_size, min_chunk_size=min(min_chunk, memory.slot_size)
         )
-    timeout_for = getattr(planner, "collective_timeout_for", None)
-    collective = timeout_for(options) if callable(timeout_for) else options.collective_timeout
+    timeout_for = terms.collective_timeout
+    collective = options.collective_timeout if timeout_for is None else timeout_for(options)
     if options.io_threads is not None:
         threads = options.io_threads
     else:
@@ -187,6 +263,7 @@ def resolve_config(options: LoadOptions | None = None, planner: Any = None) -> L
         staged=staged,
         io_threads=threads,
         collective_timeout=collective,
+        planner=terms,
     )
 
 

@@ -43,6 +43,7 @@ from asyncload.common.errors import (
     redact_url,
 )
 from asyncload.common.stats import LoadStats
+from asyncload.engine.config import PlannerTerms
 from asyncload.engine.destinations import PLAIN_TENSOR_TYPES, check_destinations
 from asyncload.engine.metadata_read import (
     aread_metadata_like_dcp,
@@ -190,12 +191,14 @@ def load_steps(
     state_dict: dict[str, Any],
     session: LoadSession,
     planner: LoadPlanner | None,
-    choose: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+    choose: Callable[[Any, Any], tuple[Any, Any, PlannerTerms]] | None = None,
 ) -> Steps[LoadStats]:
     """The steps of one load into ``state_dict`` (in place), on every rank of the session's
-    group (a session made with a monitor: more than one rank). ``planner`` None (one rank):
-    ``choose(state_dict, metadata)`` makes it once the metadata is read, and may convert
-    the metadata (``(planner, metadata)``; ``asyncload.faces.plain_planner.default_planner``)."""
+    group (a session made with a monitor: more than one rank). What ``planner`` brings
+    comes from the session's config (``config.planner``: the face resolved it). ``planner``
+    None (one rank): ``choose(state_dict, metadata)`` makes it once the metadata is read,
+    and may convert the metadata: ``(planner, metadata, terms)``, the terms handed to
+    :meth:`LoadSession.planner_arrived` (``asyncload.faces.api._default_planner``)."""
     group = session.group
     use_dist = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if use_dist else 1
@@ -205,8 +208,8 @@ def load_steps(
         for k in keys
     }
     check_destinations(stateful)  # before any I/O: memory that cannot be written, meta, sparse
-    if planner is not None and hasattr(planner, "_destinations_checked"):  # ours: not again
-        planner._destinations_checked = stateful
+    if planner is not None:
+        _checked(session, stateful)  # the planner need not check them again
     log.debug(
         "loading %s into %d keys on %d rank(s)",
         redact_url(str(session.checkpoint)),
@@ -225,8 +228,9 @@ def load_steps(
                 if choose is None:
                     raise DistributedLoadError("a load needs a planner or a way to make one")
                 # (a call: it may import DCP, which aload keeps off its loop)
-                planner, metadata = yield Call(choose, stateful, metadata)
-                planner._destinations_checked = stateful  # type: ignore[union-attr]
+                planner, metadata, terms = yield Call(choose, stateful, metadata)
+                session.planner_arrived(terms)
+                _checked(session, stateful)
             yield Call(planner.set_up_planner, stateful, metadata, True)
             _check_storage_table(session, metadata)
             local = yield Call(planner.create_local_plan)
@@ -246,6 +250,13 @@ def load_steps(
         raise DistributedLoadError("the load ended without statistics")
     log.info("loaded %s: %s", redact_url(str(session.checkpoint)), stats)
     return stats
+
+
+def _checked(session: LoadSession, state_dict: dict[str, Any]) -> None:
+    """Tell the load's planner (its terms) that ``state_dict`` was checked before any I/O."""
+    note = session.config.planner.destinations_checked
+    if note is not None:
+        note(state_dict)
 
 
 def _check_storage_table(session: LoadSession, metadata: Metadata) -> None:
@@ -275,10 +286,11 @@ def read_steps(
     awaited, the reads' end (device copies finished, storage closed) on every path.
 
     A planner that shares bytes across ranks (``ShardedLoadPlanner``) takes over the reads
-    through its ``share_session(session, options)`` hook: ``share.run`` replaces
-    ``Pipeline.run``, ``share.fail`` tells the other ranks."""
-    hook = getattr(planner, "share_session", None)
-    share = hook(session, session.options) if callable(hook) else None
+    through the share session its terms make (``session.config.planner.share``:
+    :class:`~asyncload.engine.config.PlannerTerms`): ``share.run`` replaces ``Pipeline.run``,
+    ``share.fail`` tells the other ranks."""
+    make_share = session.config.planner.share
+    share = make_share(session, session.options) if make_share is not None else None
     try:
         records = yield Call(session.prepare_reads, plan, planner, metadata)
         yield Await(session.aread(records, share.run if share is not None else None))

@@ -47,6 +47,7 @@ from asyncload.engine.cost import ForeignBytes, ReadBudget, unit_chunks
 from asyncload.engine.crc import CrcTracker, gaps
 from asyncload.engine.pipeline import Pipeline
 from asyncload.engine.plan import make_chunks, plan_tensor
+from asyncload.engine.read_loop import probe_slots
 from asyncload.engine.records import (
     Record,
     dense,
@@ -394,7 +395,7 @@ class RecordReads:
         kinds: dict[type[formats.FormatEntry], list[Record]] = {}
         for r in located:
             kinds.setdefault(type(r.entry), []).append(r)
-        fetcher = formats.Fetcher(storage, options)
+        fetcher = formats.Fetcher(storage, options, slots=probe_slots(options))
         for kind, recs in kinds.items():
             found = await kind.resolve([r.entry for r in recs], fetcher)
             for r, value in zip(recs, found):

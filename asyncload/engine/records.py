@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from asyncload.engine.config import PlanReport
+
 __all__ = [
     "AllowListPlanner",
     "Record",
@@ -148,9 +150,13 @@ def collect(
     md: Metadata,
     checkpoint: object,
     registry: Any,
+    report: PlanReport | None = None,
 ) -> list[Record]:
     """Group the plan's read items by saved record; resolve destinations (caller's thread).
-    ``registry`` decodes stream transforms (None: torch's default)."""
+    ``registry`` decodes stream transforms (None: torch's default). ``report``: what the
+    planner planned (:class:`~asyncload.engine.config.PlanReport`), its view of ``md``
+    where it loads keys from under a prefix (:func:`asyncload.formats.rebase`)."""
+    view: Any = report.metadata if report is not None else None
     storage_data = md.storage_data
     records: dict[tuple[str, int, int], Record] = {}
     checked: set[str] = set()  # file names already found to be plain relative paths
@@ -210,10 +216,9 @@ def collect(
             rec.byte_items.append(item)
         else:
             smd: Any = md.state_dict_metadata.get(item.storage_index.fqn)
-            if smd is None:  # a key the planner took from under a prefix (formats.rebase)
-                view: Any = getattr(planner, "metadata", None)
-                if is_metadata(view):
-                    smd = view.state_dict_metadata.get(item.storage_index.fqn)
+            if smd is None and is_metadata(view):  # a key the planner took from under a
+                # prefix (formats.rebase)
+                smd = view.state_dict_metadata.get(item.storage_index.fqn)
             if is_tensor_md(smd):
                 rec.dtype = smd.properties.dtype
                 idx = item.storage_index.index
@@ -276,28 +281,26 @@ def commit(records: list[Record], planner: LoadPlanner, options: LoadOptions) ->
                 planner.load_bytes(item, io.BytesIO(rec.raw))
 
 
-def note_keys(planner: LoadPlanner, stats: LoadStats, *, strict: bool) -> None:
-    """The planner's missing, tied and unexpected keys into ``stats``.
+def note_keys(report: PlanReport | None, stats: LoadStats, *, strict: bool) -> None:
+    """The missing, tied and unexpected keys the planner reports (asyncload's planners:
+    :class:`~asyncload.engine.config.PlanReport`; any other reports none) into ``stats``.
 
     Raised: :class:`StateDictMismatchError` for unexpected keys under ``strict``
     (``LoadOptions.strict_unexpected_keys``)."""
-    missing = getattr(planner, "missing_keys", None)
-    if isinstance(missing, list):
-        stats.missing_keys = list(missing)
-    tied = getattr(planner, "tied_keys", None)
-    if isinstance(tied, dict):
-        stats.tied_keys = dict(tied)
-    prefix = getattr(getattr(planner, "metadata", None), "prefix", "")
+    if report is None:
+        return
+    stats.missing_keys = list(report.missing_keys)
+    stats.tied_keys = dict(report.tied_keys)
+    prefix = getattr(report.metadata, "prefix", "")
     if isinstance(prefix, str):
         stats.key_prefix = prefix
-    unexpected = getattr(planner, "unexpected_keys", None)
-    if isinstance(unexpected, list):
-        stats.unexpected_keys = list(unexpected)
-        if unexpected and strict:
-            raise StateDictMismatchError(
-                f"the checkpoint holds {len(unexpected)} keys the destination lacks: "
-                f"{unexpected[:10]} (LoadOptions.strict_unexpected_keys=True)"
-            )
+    unexpected = report.unexpected_keys
+    stats.unexpected_keys = list(unexpected)
+    if unexpected and strict:
+        raise StateDictMismatchError(
+            f"the checkpoint holds {len(unexpected)} keys the destination lacks: "
+            f"{unexpected[:10]} (LoadOptions.strict_unexpected_keys=True)"
+        )
 
 
 def torch_casts(planner: LoadPlanner) -> bool:

@@ -23,8 +23,9 @@ the caller's loop for ``aload``); :meth:`LoadSession.prepare_reads` and
 thread for ``aload``); copies run on the I/O threads.
 
 Configuration: the session is made with a :class:`~asyncload.engine.config.LoadConfig`
-(:func:`~asyncload.engine.config.resolve_config`), which governs every call it makes.
-Under a plain ``dcp.load`` the planner arrives after ``.metadata`` was read:
+(:func:`~asyncload.engine.config.resolve_config`), which governs every call it makes (with
+what the planner brings, its ``planner`` terms). Under a plain ``dcp.load`` the planner
+arrives after ``.metadata`` was read:
 :meth:`LoadSession.planner_arrived` is that one step (see :mod:`asyncload.engine.config`).
 """
 
@@ -53,8 +54,9 @@ from asyncload.common.stats import LoadStats, StatsRecorder
 from asyncload.engine import cuda_ring as _cuda
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
-from asyncload.engine.config import LoadConfig, open_boundary, planner_options, resolve_config
+from asyncload.engine.config import LoadConfig, PlannerTerms, open_boundary, resolve_config
 from asyncload.engine.pipeline import Pipeline
+from asyncload.engine.read_loop import probe_slots
 from asyncload.engine.reads import RecordReads
 from asyncload.engine.records import (
     Record,
@@ -219,16 +221,16 @@ class LoadSession:
         """``progress(bytes_done, bytes_total)``, or ``None``."""
         return self._progress
 
-    def planner_arrived(self, planner: object) -> None:
-        """``dcp.load`` hands the reader its planner only after reading ``.metadata`` (under
-        the config the session was made with): a planner that carries options of its own
-        (set explicitly) governs the rest of this load. The one step where a load's config
-        changes: resolved again from the planner (:func:`resolve_config`); the storage
-        boundary is made anew for it (the open store's policy is never changed)."""
-        own = planner_options(planner)
-        if own is not None and own is not self._config.options:
-            self._config = resolve_config(own, planner)
-            self._boundary = None
+    def planner_arrived(self, terms: PlannerTerms) -> None:
+        """The load's planner arrived late (``dcp.load``'s after ``.metadata`` was read) with
+        ``terms``: the one step where a load's config can change, before any read of tensor
+        data (:mod:`asyncload.engine.config`); options of the planner's own are resolved and
+        the storage boundary made anew for them (the open store's policy never changes)."""
+        own = terms.options
+        if own is None or own is self._config.options:
+            self._config = self._config.with_planner(terms)
+            return
+        self._config, self._boundary = resolve_config(own, terms), None
 
     # --- one load's clock and statistics -------------------------------------------------
 
@@ -430,7 +432,9 @@ class LoadSession:
             if self._storage_root is not None:
                 await self.open_root(None)  # back to the checkpoint itself
             if formats.may_be_a_file(self.checkpoint):  # else: the probing formats not imported
-                found = await formats.aprobe_first(self.checkpoint, self.open_root, options)
+                found = await formats.aprobe_first(
+                    self.checkpoint, self.open_root, options, slots=probe_slots(options)
+                )
                 if found is not None:
                     return found
                 await self.open_root(None)  # probing may have opened a would-be file's directory
@@ -501,16 +505,15 @@ class LoadSession:
     ) -> list[Record]:
         """The plan's reads grouped by saved record, destinations resolved through the
         planner (its hooks: call on the caller's thread), the device path set up, the
-        unexpected-keys rule applied."""
+        unexpected-keys rule applied to what the planner reports (``config.planner``)."""
         self.metadata = metadata
-        records = collect(plan, planner, metadata, self.checkpoint, self.extension_registry)
+        rep = self._config.planner.planned()  # what the planner reports, or None
+        records = collect(plan, planner, metadata, self.checkpoint, self.extension_registry, rep)
         self._torch_casts = torch_casts(planner)
         # CUDA destinations: pinned staging ring + side stream (caller's thread: stream order)
         dests = (d for r in records for _, d in r.tensor_items)
         self._stager = _cuda.stager_for(dests, self._config.memory, self._copier)
-        note_keys(
-            planner, self._recorder.stats, strict=self._config.options.strict_unexpected_keys
-        )
+        note_keys(rep, self._recorder.stats, strict=self._config.options.strict_unexpected_keys)
         return records
 
     async def aread(
@@ -610,7 +613,11 @@ async def _not_found(
         ) from None  # the .metadata it looked for adds nothing
     if rank is None:
         found = await formats.aprobe_fallback(
-            checkpoint, storage, session.open_root, session.options
+            checkpoint,
+            storage,
+            session.open_root,
+            session.options,
+            slots=probe_slots(session.options),
         )
         if found is not None:
             return found

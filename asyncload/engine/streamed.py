@@ -9,12 +9,16 @@ into its destination, the tail into scratch. Before any record's headers are kno
 guess is what this process's own ``torch.save`` writes (``own_head_len``): the first large
 record is read by it, its first and last requests cut at its head and tail probes' ranges
 (its headers, parsed from them a round trip in, are what later records are guessed by), and
-up to ``SPECULATE`` records go out by it without waiting; where no guess can be made a record is probed and its data read once the
+every record that goes out before they are parsed is read by it too, without waiting; where no guess can be made a record is probed and its data read once the
 probes have landed and said where the tensor starts. Once every request of it
-has landed, its headers are parsed and checked like a probed record's; where they put the
-tensor elsewhere than guessed (another pickle length, other strides), it is read again where
-they say (the load never returns before that), so a wrong guess costs one more read, never a
-wrong byte, and damaged headers are the same typed error a probed record gives. A small
+has landed, its headers are parsed and checked like a probed record's. Where they put the
+tensor elsewhere than guessed, nothing is handed over until it is right: where only its
+start differs (another pickle length; another torch's headers), its bytes are all in memory
+already (the requests covered the whole record: headers and tail in scratch, the rest in the
+destination) and are moved into place (:func:`_shift`), no byte read again; where its strides
+or dtype differ it is read again where they say (the load never returns before that). So a
+wrong guess costs a move in memory or one more read, never a wrong byte, and damaged
+headers are the same typed error a probed record gives. A small
 record right after a guessed one (read whole) joins its last request. A guessed record
 saves the round of header probes a probed record waits for before its data goes out.
 Where there are more large records than read slots, neighbouring guessed records share
@@ -59,9 +63,13 @@ log = logging.getLogger("asyncload.session")
 GUESS = True
 #: Large records read by the prior guess (the header length this process's ``torch.save``
 #: writes) before any record's headers are known: the first one (its headers, parsed from
-#: its first and last requests, are what the later guesses go by) and the next ones. A checkpoint whose headers differ
-#: (another torch) reads at most these again.
-SPECULATE = 4
+#: its first and last requests, are what the later guesses go by) and up to this many in
+#: all. A checkpoint whose headers differ only in length (another torch) moves those
+#: records' bytes in memory (:func:`_shift`), reading nothing again, so every record that
+#: goes out before the first headers are parsed is read by the prior: the link is filled in
+#: the first round trip, as for a safetensors file, instead of waiting for one record's
+#: headers (a round trip and the first record's bytes) before the rest go out.
+SPECULATE = 1 << 30
 
 
 def probe_pieces(
@@ -128,6 +136,53 @@ def _same_place(a: TensorLocation, b: TensorLocation) -> bool:
         and tuple(a.stride) == tuple(b.stride)
         and a.storage_offset == b.storage_offset
     )
+
+
+def _shifted(a: TensorLocation, b: TensorLocation, rec: Record) -> bool:
+    """``a`` puts the tensor where ``b`` does but for its start, inside record ``rec``: its
+    bytes are all among the pieces a guessed read of ``rec`` by ``b`` landed in."""
+    return (
+        a.data_start != b.data_start
+        and rec.offset <= a.data_start
+        and a.data_start + b.storage_nbytes <= rec.end
+        and a.storage_nbytes == b.storage_nbytes
+        and a.dtype == b.dtype
+        and tuple(a.size) == tuple(b.size)
+        and tuple(a.stride) == tuple(b.stride)
+        and a.storage_offset == b.storage_offset
+    )
+
+
+#: Bytes moved at a time by :func:`_shift` (the memory it takes beside the destination).
+SHIFT_WINDOW = 4 << 20
+
+
+def _copy(segments: list[Piece], lo: int, buf: memoryview, *, out: bool) -> None:
+    """Bytes ``[lo, lo + len(buf))`` of a file copied from the pieces that hold them into
+    ``buf``, or (``out``) from ``buf`` into those pieces."""
+    hi = lo + len(buf)
+    for p in segments:
+        a, b = max(lo, p.start), min(hi, p.end)
+        if a < b and p.into is not None:
+            if out:
+                p.into[a - p.start : b - p.start] = buf[a - lo : b - lo]
+            else:
+                buf[a - lo : b - lo] = p.into[a - p.start : b - p.start]
+
+
+def _shift(segments: list[Piece], guessed: int, true: int, n: int) -> None:
+    """A guessed read's tensor put where its headers say: the ``n`` bytes at file offset
+    ``true`` moved to the pieces that received the file's bytes at ``guessed`` (the
+    destination), from the pieces they landed in (the destination itself, the head's or
+    the tail's scratch), a window at a time through one buffer, in the order that reads
+    every byte before it is overwritten (up when the tensor starts later than guessed,
+    down when earlier)."""
+    window = memoryview(bytearray(min(SHIFT_WINDOW, n)))
+    starts = range(0, n, SHIFT_WINDOW)
+    for k in starts if true > guessed else reversed(starts):
+        buf = window[: min(SHIFT_WINDOW, n - k)]
+        _copy(segments, true + k, buf, out=False)
+        _copy(segments, guessed + k, buf, out=True)
 
 
 def _gather(segments: list[Piece], lo: int, hi: int) -> bytes:
@@ -339,9 +394,10 @@ async def aread_streamed(
         if stream.guessed:
             log.debug(
                 "%d records read by guessing where their tensor starts, %d guessed wrong, "
-                "read again",
+                "read again, %d at another start, moved into place",
                 stream.guessed,
                 stream.wrong,
+                stream.shifted,
             )
 
 
@@ -356,7 +412,8 @@ class _Stream:
     first record whose headers were parsed), ``known`` (set once a probed record was planned
     or failed to be), ``probed`` / ``waited`` (a record was probed; the wait for the first
     headers is over), ``planned`` (large records whose outcome was taken from ``ready``),
-    ``guessed`` / ``wrong`` (records read by a guess; those guessed wrong), ``measured``
+    ``guessed`` / ``wrong`` / ``shifted`` (records read by a guess; those guessed wrong and
+    read again; those whose tensor started elsewhere, moved into place), ``measured``
     (the budget's latency and rate taken, at the first record planned)."""
 
     def __init__(
@@ -385,7 +442,7 @@ class _Stream:
         self.known = asyncio.Event()
         self.probed = self.waited = self.measured = False
         self.planned = 0
-        self.guessed = self.wrong = 0
+        self.guessed = self.wrong = self.shifted = 0
         #: bytes before a record's tensor as this process's torch.save writes them: the
         #: guess before any record's headers are known (up to SPECULATE records)
         self.prior = own_head_len() if self.guessing else None
@@ -556,8 +613,9 @@ class _Stream:
     async def confirm(
         self, rec: Record, spot: TensorLocation, segments: list[Piece], n: int
     ) -> None:
-        """A guessed record's headers parsed and checked; its tensor read again where they
-        put it elsewhere. ``segments``: the record's bytes as they landed, in order: they are
+        """A guessed record's headers parsed and checked; its tensor moved into place where
+        they put it at another start (:func:`_shift`), read again where they put it with
+        other strides or another dtype. ``segments``: the record's bytes as they landed, in order: they are
         the file's bytes whatever the guess, so the probes' ranges are taken from them."""
         r = self.reads_of
         try:
@@ -565,7 +623,18 @@ class _Stream:
             for lo, hi in probes(rec):
                 rec.window.add(lo, _gather(segments, lo, hi))
             loc = await locate(rec, self.storage, self.options)
-            if _same_place(loc, spot):
+            moved = _shifted(loc, spot, rec)
+            if moved:
+                # its bytes all landed, at another offset: moved into place, none read again
+                log.debug(
+                    "%s: the tensor is at %d, not at the guessed %d: moved into place",
+                    rec.where,
+                    loc.data_start,
+                    spot.data_start,
+                )
+                _shift(segments, spot.data_start, loc.data_start, n)
+                self.shifted += 1
+            if moved or _same_place(loc, spot):
                 rec.window = ByteWindow()
                 r._recorder.add(bytes_assembled=n)  # progress was reported as they landed
                 self.ready.put_nowait([])
@@ -605,7 +674,7 @@ class _Stream:
         bounded wait for the first headers."""
         if self.guessing and self.head_len is None and self.prior is not None:
             first = not self.probed
-            if first or (0 < self.speculated < SPECULATE and not self.known.is_set()):
+            if first or (self.speculated and self._speculating()):
                 chunks = self.guess(rec, self.prior, learn=first)
                 if chunks is not None:
                     self.speculated += 1
@@ -637,9 +706,14 @@ class _Stream:
     def _release(self) -> list[Chunk]:
         return self.joiner.flush()
 
+    def _speculating(self) -> bool:
+        """The next record goes out by the prior guess (no record's headers known yet)."""
+        return self.prior is not None and self.speculated < SPECULATE and not self.known.is_set()
+
     def _may_wait(self) -> bool:
-        """:meth:`one` may wait for the first record's headers (nothing held across it)."""
-        return self.guessing and self.head_len is None
+        """:meth:`one` may wait for the first record's headers (nothing held across it):
+        not while records go out by the prior, which are joined as they go."""
+        return self.guessing and self.head_len is None and not self._speculating()
 
     async def source(self, first: list[Chunk], large: list[Record]) -> AsyncIterator[Chunk]:
         """The chunks of ``first`` and of the ``large`` records, in file order, then the

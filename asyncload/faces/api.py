@@ -26,6 +26,7 @@ from asyncload.engine import (
     run_sync,
 )
 from asyncload.faces.arguments import check_load_arguments
+from asyncload.faces.terms import planner_terms
 
 if TYPE_CHECKING:  # annotations only: the default planner's module is imported when made
     from torch.distributed.checkpoint._extension import ExtensionRegistry
@@ -47,13 +48,13 @@ def _prepare(
     extension_registry: ExtensionRegistry | None = None,
     allow_partial_load: bool = False,
     process_group: Any = None,
-) -> tuple[LoadSession, LoadPlanner | None, Callable[[Any, Any], tuple[Any, Any]] | None]:
+) -> tuple[LoadSession, LoadPlanner | None, Callable[[Any, Any], tuple[Any, Any, Any]] | None]:
     """The load's session and planner (or, with no ``planner`` on one rank, ``None`` and
     the function that makes it once the metadata is read, :func:`_default_planner`: a
     safetensors or torch.save file into plain tensors imports no DCP), with its
     configuration resolved once (:func:`asyncload.engine.config.resolve_config`:
     ``options``, else an explicitly configured :class:`PipelinedLoadPlanner`'s, else the
-    defaults; both get them). With
+    defaults; both get them) with what the planner brings (:func:`planner_terms`). With
     more than one rank in ``process_group`` the session is made with the monitor that bounds
     every wait on another rank. ``extension_registry`` decodes stream transforms (``None``:
     torch's default registry). ``allow_partial_load=True`` goes to the planner (see
@@ -72,7 +73,7 @@ def _prepare(
                 "one): make the planner skip missing keys itself, or pass no planner"
             )
         planner.allow_partial_load = True
-    config = resolve_config(options, planner)
+    config = resolve_config(options, planner_terms(planner))
     monitor: Monitor | None = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         monitor = Monitor(
@@ -81,6 +82,13 @@ def _prepare(
             late_after=config.options.late_rank_log_after,
         )
         progress = _reporting_to(monitor, progress)
+    if planner is None and monitor is not None:
+        from asyncload.faces.dcp_reader import PipelinedLoadPlanner
+
+        planner = PipelinedLoadPlanner(
+            options=config.options, allow_partial_load=allow_partial_load
+        )
+        config = config.with_planner(planner_terms(planner))  # its options are the config's
     session = LoadSession(
         checkpoint,
         config=config,
@@ -93,37 +101,33 @@ def _prepare(
     if monitor is not None:
         monitor.cancelled = session.cancelled  # a cancelled load stops waiting on the others
         monitor.start_reporting(lambda: in_flight(session))
-    if planner is None and monitor is None:
+    if planner is None:
         session.plain_metadata = True
         return session, None, _default_planner(config.options, allow_partial_load)
-    if planner is None:
-        from asyncload.faces.dcp_reader import PipelinedLoadPlanner
-
-        planner = PipelinedLoadPlanner(
-            options=config.options, allow_partial_load=allow_partial_load
-        )
     return session, planner, None
 
 
 def _default_planner(
     options: LoadOptions, allow_partial_load: bool
-) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """``choose(state_dict, metadata) -> (planner, metadata)``: the planner of a load made
-    with no ``planner`` on one rank, once its metadata is read. A safetensors or torch.save
-    file (metadata of :mod:`asyncload.formats.plain`'s types) into plain tensors gets a
+) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
+    """``choose(state_dict, metadata) -> (planner, metadata, terms)``: the planner of a load
+    made with no ``planner`` on one rank, once its metadata is read, and what it brings
+    (:func:`planner_terms`). A safetensors or torch.save file (metadata of
+    :mod:`asyncload.formats.plain`'s types) into plain tensors gets a
     :class:`~asyncload.faces.plain_planner.PlainLoadPlanner` (no DCP imported); anything else a
     :class:`PipelinedLoadPlanner`, with the metadata converted to DCP's types."""
 
-    def choose(state_dict: Any, md: Any) -> tuple[Any, Any]:
+    def choose(state_dict: Any, md: Any) -> tuple[Any, Any, Any]:
         from asyncload.faces.plain_planner import PlainLoadPlanner, fits
 
         if fits(state_dict, md):
-            return PlainLoadPlanner(options=options, allow_partial_load=allow_partial_load), md
+            plain = PlainLoadPlanner(options=options, allow_partial_load=allow_partial_load)
+            return plain, md, planner_terms(plain)
         from asyncload.faces.dcp_reader import PipelinedLoadPlanner
         from asyncload.formats import to_dcp
 
         planner = PipelinedLoadPlanner(options=options, allow_partial_load=allow_partial_load)
-        return planner, to_dcp(md)
+        return planner, to_dcp(md), planner_terms(planner)
 
     return choose
 

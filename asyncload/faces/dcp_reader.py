@@ -47,6 +47,7 @@ from asyncload.engine import (
     unplaced_message,
 )
 from asyncload.faces.plain_planner import ties as _ties
+from asyncload.faces.terms import TermsPlanner, planner_terms
 from asyncload.formats import KNOWN_DCP_VERSIONS
 
 __all__ = [
@@ -60,7 +61,7 @@ __all__ = [
 _UNSET: Any = object()
 
 
-class PipelinedLoadPlanner(DefaultLoadPlanner):
+class PipelinedLoadPlanner(DefaultLoadPlanner, TermsPlanner):
     """A ``DefaultLoadPlanner`` that carries the load's knobs, checks the destination
     against the checkpoint with clear errors, and decodes objects with the allow-list.
 
@@ -488,8 +489,9 @@ class PipelinedReader(StorageReader):
             raise CheckpointFormatError(
                 f"{self.checkpoint}: read_data before set_up_storage_reader"
             )
-        # dcp.load hands the planner over only now: its own options govern the rest of the load
-        session.planner_arrived(planner)
+        # dcp.load hands the planner over only now: its own options govern the rest of the
+        # load (set before any read of tensor data)
+        session.planner_arrived(planner_terms(planner))
         if not isinstance(planner, PipelinedLoadPlanner):  # checked when ours was set up
             check_destinations(getattr(planner, "state_dict", None))
         run_sync(read_steps(session, self.metadata, plan, planner), session)

@@ -26,6 +26,7 @@ from asyncload.engine import (
     check_missing_keys,
     same_bits,
 )
+from asyncload.faces.terms import TermsPlanner
 from asyncload.formats import plain
 
 __all__ = ["PlainLoadPlanner", "fits", "same_saved_bytes", "ties", "whole_tensors"]
@@ -120,7 +121,7 @@ def fits(state_dict: Any, md: Any) -> bool:
     return True
 
 
-class PlainLoadPlanner:
+class PlainLoadPlanner(TermsPlanner):
     """What :class:`asyncload.PipelinedLoadPlanner` does for a load that :func:`fits`, with
     :mod:`asyncload.formats.plain`'s types: the destination checked against the checkpoint
     (missing keys, shapes, dtypes, tied keys, a key prefix), one read item per tensor, tied

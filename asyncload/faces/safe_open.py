@@ -16,7 +16,8 @@ library's loop thread (:mod:`asyncload.common.loop`); a local file changed while
 :class:`~asyncload.CheckpointChangedError`.
 
 What it imports is what it needs: the storage wing, the header parser
-(:mod:`asyncload.formats.safetensors_header`) and the engine's chunking, never
+(:mod:`asyncload.formats.safetensors_header`) and the engine's chunking and read loop
+(:mod:`asyncload.engine.read_loop`), never
 ``torch.distributed.checkpoint`` or a load's planning (a fresh process's first ``safe_open``
 paid 0.76 s for them).
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import math
 import operator
@@ -48,15 +48,14 @@ from asyncload.common.loop import close_through_interrupt, loop_thread, run_sync
 from asyncload.common.options import LoadOptions
 from asyncload.common.stats import LoadStats, StatsRecorder
 from asyncload.engine import (
-    Chunk,
     LoadConfig,
-    Meter,
     Piece,
     ReadBudget,
     check_unchanged,
     closest_keys,
     make_chunks,
     open_boundary,
+    read_chunks,
     resolve_config,
 )
 from asyncload.faces.arguments import check_source_arguments
@@ -69,7 +68,7 @@ from asyncload.formats import (
     memory_of,
     split_file_url,
 )
-from asyncload.storage import BATCH_INLINE, RetryingStorage, Storage, is_local
+from asyncload.storage import RetryingStorage, Storage, is_local
 
 __all__ = ["SafetensorsFile", "SafetensorsSlice", "TensorNotFoundError", "safe_open"]
 
@@ -83,9 +82,6 @@ _BACKENDS = ("mmap", "pread")
 _TORCH = ("pt", "torch", "pytorch")
 #: The dtype names safetensors writes, by torch dtype (``get_dtype()``).
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-#: Chunks of a store that reads into caller memory (a local file) at most this large are
-#: read in batches (one thread hop for many: a column slice's rows).
-_SMALL_READ = 64 * 1024
 
 
 class TensorNotFoundError(StateDictMismatchError, KeyError):
@@ -369,89 +365,16 @@ class _Reader:
             min_chunk_size=budget.join_gap(chunking.min_chunk_size),
             max_over_read=budget.gap_allowance(0, pieces),
         )
-        await _read_chunks(storage, chunks, options)
+        await read_chunks(
+            storage,
+            chunks,
+            memory_budget=options.memory_budget,
+            max_in_flight=options.max_in_flight,
+        )
         if self.fingerprints:
             await check_unchanged(storage, self.fingerprints)
         storage.stats.add(bytes_assembled=pos, chunks=len(chunks))
         return out
-
-
-def _groups(storage: RetryingStorage, chunks: list[Chunk], budget: int) -> list[list[Chunk]]:
-    """Chunks to read one by one, and (a store that reads into caller memory) runs of small
-    ones read together in one thread hop (:meth:`RetryingStorage.read_batch`)."""
-    if not storage.supports_readinto:
-        return [[c] for c in chunks]
-    groups: list[list[Chunk]] = []
-    batch: list[Chunk] = []
-    held = 0
-    for c in chunks:
-        if c.nbytes > _SMALL_READ:
-            groups.append([c])
-            continue
-        if batch and held + c.nbytes > min(BATCH_INLINE, budget):
-            groups.append(batch)
-            batch, held = [], 0
-        batch.append(c)
-        held += c.nbytes
-    if batch:
-        groups.append(batch)
-    return groups
-
-
-def _deliver(chunk: Chunk, data: memoryview) -> None:
-    for seg in chunk.segments:
-        assert seg.into is not None
-        seg.into[:] = data[seg.start - chunk.start : seg.end - chunk.start]
-
-
-async def _read_group(storage: RetryingStorage, group: list[Chunk]) -> None:
-    if len(group) > 1:
-        await storage.read_batch(
-            [(c.name, c.start, c.end, functools.partial(_deliver, c)) for c in group]
-        )
-        return
-    (chunk,) = group
-    if chunk.tiles_into():
-        into = [s.into for s in chunk.segments if s.into is not None]
-        await storage.readinto(chunk.name, chunk.start, into)
-    else:
-        _deliver(chunk, await storage.read(chunk.name, chunk.start, chunk.end))
-
-
-async def _read_chunks(
-    storage: RetryingStorage, chunks: list[Chunk], options: LoadOptions
-) -> None:
-    """Read ``chunks`` into their pieces' memory: at most ``max_in_flight`` requests at once
-    and ``memory_budget`` bytes in flight (one larger chunk alone)."""
-    groups = _groups(storage, chunks, options.memory_budget)
-    if not groups:
-        return
-    held = Meter(options.memory_budget, name="reads", oversize="alone", unit="bytes")
-    todo = iter(groups)
-    stats = storage.stats
-    flying = [0]
-
-    async def worker() -> None:
-        for group in todo:
-            n = sum(c.nbytes for c in group)
-            async with held.hold(n):
-                flying[0] += 1
-                stats.maximum("peak_concurrency", flying[0])
-                stats.maximum("peak_buffered_bytes", held.used)
-                try:
-                    await _read_group(storage, group)
-                finally:
-                    flying[0] -= 1
-
-    tasks = [
-        asyncio.ensure_future(worker()) for _ in range(min(options.max_in_flight, len(groups)))
-    ]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class SafetensorsSlice:

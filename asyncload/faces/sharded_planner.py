@@ -23,7 +23,7 @@ from asyncload.distributed import (
     plan_transfers,
     wait_for_background_sends,
 )
-from asyncload.engine import LoadSession
+from asyncload.engine import LoadSession, PlannerTerms
 from asyncload.faces.dcp_reader import PipelinedLoadPlanner
 
 __all__ = ["BackgroundSends", "ShardedLoadPlanner", "wait_for_background_sends"]
@@ -204,6 +204,15 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         """A subclass chose its own owners (``plan_transfers`` overridden): keep them, unless
         it asked for ``adaptive=True`` (then they are only where each rank starts)."""
         return type(self).plan_transfers is not ShardedLoadPlanner.plan_transfers
+
+    def _load_terms(self) -> PlannerTerms:
+        """:class:`PipelinedLoadPlanner`'s, with this planner's collective timeout and its
+        sharing (:meth:`share_session`)."""
+        return dataclasses.replace(
+            super()._load_terms(),
+            collective_timeout=self.collective_timeout_for,
+            share=self.share_session,
+        )
 
     def share_session(self, session: LoadSession, options: LoadOptions) -> _ShareSession | None:
         """The reading hook: a share session that takes over this rank's reads of the load

@@ -35,6 +35,7 @@ from asyncload.common.options import LoadOptions
 from asyncload.common.stats import LoadStats
 from asyncload.engine import LoadSession, Meter, _in_thread, resolve_config
 from asyncload.faces.arguments import check_source_arguments
+from asyncload.faces.terms import planner_terms
 from asyncload.formats import plain
 
 if TYPE_CHECKING:
@@ -306,6 +307,8 @@ class CheckpointStream:
             local = planner.create_local_plan()
             planner.unexpected_keys = []  # the other keys are other batches', or not selected
             final = planner.finish_plan(planner.create_global_plan([local])[0])
+            # this batch's planner (it carries the stream's options: the config stands)
+            session.planner_arrived(planner_terms(planner))
             return session.prepare_reads(final, planner, md)
 
         records = await _in_thread(prepare)

@@ -32,8 +32,9 @@ the planner loads from under that prefix (:func:`rebase`).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from asyncload.common.lazy import lazy_names
 
 if TYPE_CHECKING:
     from asyncload.formats.archive import ByteWindow, own_head_len, parse_archive
@@ -124,15 +125,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncload.formats' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"asyncload.formats.{module}"), name)
-    globals()[name] = value
-    return value
-
-
 __all__ = [
     "HEADER_PROBE",
     "HEAD_PROBE",
@@ -177,3 +169,8 @@ __all__ = [
     "to_dcp",
     "warm_decoders",
 ]
+
+__getattr__, __dir__ = lazy_names(
+    __name__, globals(), {k: f".{m}" for k, m in _LAZY.items()}, __all__
+)
+del lazy_names  # (not a name of the package)

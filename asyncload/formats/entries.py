@@ -13,11 +13,11 @@ it never asks which kind an entry is.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import asyncload.formats.plain as plain
 from asyncload.common.errors import (
@@ -43,6 +43,7 @@ __all__ = [
     "FormatMetadata",
     "KnownTensor",
     "OpenRoot",
+    "ReadSlots",
     "TensorLocation",
     "check_weight_map",
     "rebase",
@@ -110,15 +111,24 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class ReadSlots(Protocol):
+    """Where a :class:`Fetcher` takes its read slots: the engine's ``Meter`` of reads
+    (``Meter(n, name=..., unit="reads")``), made by the fetcher's caller."""
+
+    def hold(self, n: int = 1) -> AbstractAsyncContextManager[None]: ...
+
+
 class Fetcher:
     """Reads for format probing over the load's :class:`RetryingStorage` (its retry policy,
-    counted in the load's stats), at most ``options.max_in_flight`` at once; a missing file
-    is ``None`` rather than an error."""
+    counted in the load's stats), each under one of ``slots`` (the caller's meter of reads:
+    ``options.max_in_flight`` of them); a missing file is ``None`` rather than an error."""
 
-    def __init__(self, storage: RetryingStorage, options: LoadOptions) -> None:
+    def __init__(
+        self, storage: RetryingStorage, options: LoadOptions, *, slots: ReadSlots
+    ) -> None:
         self.storage = storage
         self.options = options
-        self._sem = asyncio.Semaphore(max(1, options.max_in_flight))
+        self._slots = slots
 
     def url(self, name: str) -> str:
         return self.storage.url(name)
@@ -126,7 +136,7 @@ class Fetcher:
     async def read(self, name: str, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        async with self._sem:
+        async with self._slots.hold():
             return bytes(await self.storage.read(name, start, end))
 
     async def read_view(self, name: str, start: int, end: int) -> bytes | memoryview:
@@ -134,7 +144,7 @@ class Fetcher:
         (a zip directory): the store's own buffer, as bytes or a view of it."""
         if end <= start:
             return b""
-        async with self._sem:
+        async with self._slots.hold():
             data = await self.storage.read(name, start, end)
         return data if isinstance(data, bytes) else memoryview(data)
 
@@ -149,7 +159,7 @@ class Fetcher:
     async def size(self, name: str) -> int | None:
         """The file's size, or ``None`` when it does not exist (or is a directory)."""
         try:
-            async with self._sem:
+            async with self._slots.hold():
                 size = await self.storage.size(name)
         except AsyncLoadError as exc:
             if _absent(exc):
@@ -161,7 +171,7 @@ class Fetcher:
         """The file's first ``n`` bytes (all of it when shorter) and its size, in one request
         where the store can; ``None`` when it does not exist or is empty (as :meth:`size`)."""
         try:
-            async with self._sem:
+            async with self._slots.hold():
                 data, size = await self.storage.read_prefix(name, n)
         except AsyncLoadError as exc:
             if _absent(exc):

@@ -32,6 +32,7 @@ from asyncload.formats.entries import (
     HF_SINGLE,
     Fetcher,
     OpenRoot,
+    ReadSlots,
     split_file_url,
 )
 from asyncload.formats.location import may_be_a_file
@@ -58,21 +59,28 @@ _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
 
 
 async def aprobe_first(
-    checkpoint: str | os.PathLike[str], open_root: OpenRoot, options: LoadOptions
+    checkpoint: str | os.PathLike[str],
+    open_root: OpenRoot,
+    options: LoadOptions,
+    *,
+    slots: ReadSlots,
 ) -> FormatMetadata | None:
     """Before looking for ``.metadata``: a checkpoint that is a file (a local file, or a URL
-    whose name ends in ``.safetensors``, ``.json``, ``.pt``, ``.bin`` ...). ``None`` otherwise."""
+    whose name ends in ``.safetensors``, ``.json``, ``.pt``, ``.bin`` ...). ``None`` otherwise.
+    Every read holds one of ``slots`` (the caller's meter of reads)."""
     if not may_be_a_file(checkpoint):  # one stat where local: cheaper than a hop
         return None
     if is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
-        fetcher = Fetcher(await open_root(parent), options)
+        fetcher = Fetcher(await open_root(parent), options, slots=slots)
         size = await fetcher.size(name)
         if size is None:
             raise CheckpointFormatError(f"{checkpoint} is an empty file, not a checkpoint")
         return await _afile(fetcher, name, size, str(checkpoint))
     parent, name = split_file_url(checkpoint)
-    return await _aremote_file(Fetcher(await open_root(parent), options), name, str(checkpoint))
+    return await _aremote_file(
+        Fetcher(await open_root(parent), options, slots=slots), name, str(checkpoint)
+    )
 
 
 async def aprobe_fallback(
@@ -80,12 +88,16 @@ async def aprobe_fallback(
     storage: RetryingStorage,
     open_root: OpenRoot,
     options: LoadOptions,
+    *,
+    slots: ReadSlots,
 ) -> FormatMetadata | None:
     """``.metadata`` is missing: a Hugging Face directory, or the URL itself is a file.
 
     ``storage`` is opened at ``checkpoint``. Returns ``None`` when nothing readable is there.
+    Every read holds one of ``slots`` (the caller's meter of reads; the fetchers of the
+    probe, used one after the other, share it).
     """
-    fetcher = Fetcher(storage, options)
+    fetcher = Fetcher(storage, options, slots=slots)
     size = await fetcher.size(HF_INDEX)
     if size is not None:
         return await _aindex(fetcher, HF_INDEX, size, str(checkpoint))
@@ -104,12 +116,12 @@ async def aprobe_fallback(
         parent, name = split_file_url(checkpoint)
         if name:
             md = await _aremote_file(
-                Fetcher(await open_root(parent), options), name, str(checkpoint)
+                Fetcher(await open_root(parent), options, slots=slots), name, str(checkpoint)
             )
             if md is not None:
                 return md
             storage = await open_root(str(checkpoint))
-            fetcher = Fetcher(storage, options)
+            fetcher = Fetcher(storage, options, slots=slots)
     names = await fetcher.listdir()
     if is_torch_checkpointing(names):
         return await adirectory_metadata(fetcher, names, str(checkpoint))

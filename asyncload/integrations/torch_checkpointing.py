@@ -31,7 +31,6 @@ torch-checkpointing's own storage.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import io
 import os
@@ -50,6 +49,7 @@ from asyncload.common.loop import loop_thread, run_sync
 from asyncload.common.options import LoadOptions
 from asyncload.common.paths import check_relative_path
 from asyncload.common.stats import LoadStats, StatsRecorder
+from asyncload.engine import Chunk, Piece, read_chunks
 from asyncload.storage import RetryingStorage, is_local, local_root, open_storage
 
 __all__ = ["AsyncloadStorage", "AsyncloadStorageConfig"]
@@ -299,21 +299,15 @@ class _RangedStream(io.RawIOBase):
         step = max(1, opts.effective_chunk_size)
         if end - start <= step:
             return await self._store.read(self._name, start, end)
-        sem = asyncio.Semaphore(max(1, opts.max_in_flight))
         buf = bytearray(end - start)
-
-        async def one(lo: int) -> None:
+        view = memoryview(buf)
+        chunks = []
+        for lo in range(start, end, step):
             hi = min(end, lo + step)
-            async with sem:
-                data = await self._store.read(self._name, lo, hi)
-            buf[lo - start : hi - start] = data
-
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for lo in range(start, end, step):
-                    tg.create_task(one(lo))
-        except (
-            BaseExceptionGroup
-        ) as group:  # the first failure, as the caller would see one read's
-            raise group.exceptions[0] from None
+            piece = Piece(self._name, lo, hi, into=view[lo - start : hi - start])
+            chunks.append(Chunk(self._name, lo, hi, [piece]))
+        # the engine's read loop: the first failure raised as one read's, the others cancelled
+        await read_chunks(
+            self._store, chunks, memory_budget=opts.memory_budget, max_in_flight=opts.max_in_flight
+        )
         return buf

@@ -24,9 +24,9 @@ with obstore (``transport="obstore"`` reads as ``"auto"`` does): asking for it r
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from asyncload.common.lazy import lazy_names
 from asyncload.storage.base import (
     CrossOriginRedirectError,
     ListingTooLargeError,
@@ -87,7 +87,7 @@ __all__ = [
     "translate",
 ]
 
-#: The optional backends' names and their modules, imported on first use (:func:`__getattr__`).
+#: The optional backends' names and their modules, imported on first use (``__getattr__``).
 _LAZY = {
     "InFlight": "asyncload.storage.in_flight",
     "InFlightRequest": "asyncload.storage.in_flight",
@@ -102,19 +102,17 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """An optional backend's name, its module imported now (PEP 562).
-
-    Raised: :class:`AttributeError` for a name the wing does not export."""
+def _removed(name: str) -> Any:
+    """A name the wing no longer has, with where its job went (else ``NotImplemented``)."""
     if name == "ObstoreStorage":
         raise AttributeError(
             "asyncload.storage.ObstoreStorage was removed with obstore: s3://, gs:// and "
             "http(s):// are read by WireStorage (LoadOptions.transport='wire' or 'auto'), every "
             "other protocol by FsspecStorage"
         )
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return NotImplemented
+
+
+#: An optional backend's name, its module imported on first use (PEP 562).
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, __all__, fallback=_removed)
+del lazy_names  # (not a name of the package)

@@ -11,10 +11,11 @@ import torch
 from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, zeros_like_tree
 
 import asyncload
-from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader
-from asyncload.engine.config import MemoryPlan, resolve_config, ring_geometry
+from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader, ShardedLoadPlanner
+from asyncload.engine.config import MemoryPlan, PlannerTerms, resolve_config, ring_geometry
 from asyncload.engine.cuda_ring import PinnedRing
 from asyncload.engine.session import LoadSession
+from asyncload.faces.terms import planner_terms
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,12 +26,33 @@ MiB = 1 << 20
 def test_options_given_govern_else_the_planners_own_else_the_defaults() -> None:
     mine = LoadOptions(chunk_size=64 * KiB)
     knobs = PipelinedLoadPlanner(chunk_size=4096)
-    assert resolve_config(mine, knobs).options is mine
-    assert resolve_config(None, knobs).options is knobs.options
-    assert resolve_config(None, PipelinedLoadPlanner()).options == LoadOptions()
+    assert resolve_config(mine, planner_terms(knobs)).options is mine
+    assert resolve_config(None, planner_terms(knobs)).options is knobs.options
+    assert resolve_config(None, planner_terms(PipelinedLoadPlanner())).options == LoadOptions()
     assert resolve_config().options == LoadOptions()
     with pytest.raises(TypeError, match="options must be a LoadOptions, not dict"):
         resolve_config({"chunk_size": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="terms must be a PlannerTerms"):
+        resolve_config(None, knobs)  # type: ignore[arg-type]  # a planner: made into terms first
+
+
+def test_a_planner_brings_only_what_the_face_says() -> None:
+    """planner_terms: asyncload's planners say what they bring; any other planner, or none,
+    brings nothing (the engine never inspects a planner for it)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    assert planner_terms(None) == PlannerTerms()
+    assert planner_terms(DefaultLoadPlanner()) == PlannerTerms()
+    own = PipelinedLoadPlanner(chunk_size=4096)
+    terms = planner_terms(own)
+    assert terms.options is own.options
+    assert terms.share is None and terms.collective_timeout is None
+    assert planner_terms(PipelinedLoadPlanner()).options is None  # not set explicitly
+    terms.destinations_checked(d := {"w": torch.zeros(1)})  # type: ignore[misc]
+    assert own._destinations_checked is d
+    assert terms.report is not None and terms.report().missing_keys is own.missing_keys
+    sharded = planner_terms(ShardedLoadPlanner())
+    assert sharded.share is not None and sharded.collective_timeout is not None
 
 
 def test_config_holds_the_narrow_policies() -> None:
@@ -44,11 +66,15 @@ def test_config_holds_the_narrow_policies() -> None:
 
 
 def test_a_planners_collective_timeout_is_resolved_into_the_config() -> None:
-    class Planner(PipelinedLoadPlanner):
+    class Planner(ShardedLoadPlanner):
         def collective_timeout_for(self, options: LoadOptions) -> float | None:
             return 12.5
 
-    assert resolve_config(LoadOptions(), Planner()).collective_timeout == 12.5
+    assert resolve_config(LoadOptions(), planner_terms(Planner())).collective_timeout == 12.5
+    given = planner_terms(ShardedLoadPlanner(collective_timeout=3.0))
+    assert resolve_config(LoadOptions(collective_timeout=9.0), given).collective_timeout == 3.0
+    unset = planner_terms(ShardedLoadPlanner())
+    assert resolve_config(LoadOptions(collective_timeout=9.0), unset).collective_timeout == 9.0
 
 
 @pytest.mark.parametrize(
@@ -96,12 +122,36 @@ def test_a_plain_dcp_load_switches_config_once_when_the_planner_arrives(tmp_path
     reader = PipelinedReader(tmp_path, options=a)
     session = reader.session
     assert session.options is a
-    session.planner_arrived(PipelinedLoadPlanner())  # no options of its own: nothing changes
+    session.planner_arrived(planner_terms(PipelinedLoadPlanner()))  # no options of its own
     assert session.options is a
-    session.planner_arrived(PipelinedLoadPlanner(options=b))
+    terms = planner_terms(PipelinedLoadPlanner(options=b))
+    session.planner_arrived(terms)
     assert session.options is b and session.config.chunking.chunk_size == 4096
-    session.begin()  # the reader's next load starts under the reader's options again
-    assert session.options is a
+    assert session.config.planner is terms
+    session.begin()  # the reader's next load starts under the reader's config again
+    assert session.options is a and session.config.planner == PlannerTerms()
+    sharded = planner_terms(ShardedLoadPlanner())  # no options of its own: only its terms
+    session.planner_arrived(sharded)
+    assert session.options is a and session.config.planner is sharded
+
+
+def test_the_engine_never_inspects_a_planner() -> None:
+    """What a planner brings reaches the engine through PlannerTerms only (issue 46, item 4):
+    no module of asyncload/engine looks a planner's attributes up by name."""
+    import re
+    from pathlib import Path
+
+    import asyncload.engine
+
+    engine = Path(asyncload.engine.__file__).parent
+    probe = re.compile(r"\b(getattr|hasattr)\(\s*planner\b")
+    found = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(engine.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert found == []
 
 
 def test_pinned_ring_counts_its_bytes_on_a_meter() -> None:

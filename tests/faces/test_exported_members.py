@@ -105,6 +105,7 @@ def test_importing_the_distributed_names_package_is_cheap() -> None:
             "asyncload.common",
             "asyncload.common.errors",
             "asyncload.common.latency",
+            "asyncload.common.lazy",
             "asyncload.common.options",
             "asyncload.common.stats",
             "asyncload.distributed",

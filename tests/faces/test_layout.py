@@ -309,6 +309,7 @@ def test_import_is_cheap() -> None:
             "asyncload.common",
             "asyncload.common.errors",
             "asyncload.common.latency",
+            "asyncload.common.lazy",
             "asyncload.common.options",
             "asyncload.common.stats",
         ]
@@ -316,6 +317,24 @@ def test_import_is_cheap() -> None:
     # the face needs no DCP either (a safetensors or torch.save load imports none: issue 45,
     # item 4, tests/faces/test_first_load_imports.py)
     assert second == "False"
+
+
+#: The one module that makes semaphores: the engine's meter (issue 46, item 3).
+SEMAPHORE_MAKERS = {"asyncload.engine.meter"}
+
+
+def test_read_slots_come_from_the_meter() -> None:
+    """No ``asyncio.Semaphore(`` (or ``BoundedSemaphore(``) is made in the package outside
+    ``asyncload/engine/meter.py``: read slots are a ``Meter(n, unit="reads")``, so a change of
+    read policy is made in one place."""
+    made = []
+    for module, path in _modules().items():
+        if module in SEMAPHORE_MAKERS:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "asyncio.Semaphore(" in line or "asyncio.BoundedSemaphore(" in line:
+                made.append(f"{module}:{n} {line.strip()}")
+    assert made == [], made
 
 
 if __name__ == "__main__":  # python tests/faces/test_layout.py: list every violation

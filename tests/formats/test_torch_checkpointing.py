@@ -808,3 +808,46 @@ def test_one_item_file_alone_says_load_the_directory(two_ranks: Path) -> None:
         match=r"model_1\.pt is named like one item file .* load the checkpoint's directory",
     ):
         asyncload.read_state_dict(two_ranks / "model_1.pt")
+
+
+def test_storage_backend_large_reads_go_through_the_engines_read_loop(
+    s3_server: Any, bucket_name: str, fault_proxy: Any, tmp_path: Path
+) -> None:
+    """A stream read larger than ``chunk_size`` is read by the engine's read loop (one request
+    per ``chunk_size`` piece, at most ``max_in_flight`` at once): the bytes exact; a piece that
+    fails (403, not retried) is raised as that one read's typed error, never a group."""
+    from torch_checkpointing.storage.base_storage import ReadArgs
+
+    from asyncload.integrations.torch_checkpointing import AsyncloadStorageConfig
+    from asyncload.testing.faults import status
+
+    data = os.urandom(3 << 20)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob.bin").write_bytes(data)
+    s3_server.upload_dir(src, bucket_name, "run")
+    proxy = fault_proxy(s3_server)
+    opts = LoadOptions(chunk_size=256 << 10, min_chunk_size=64 << 10, concurrency=3)
+    config = AsyncloadStorageConfig(
+        root=f"s3://{bucket_name}/run",
+        storage_options=s3_server.storage_options(proxy.endpoint_url),
+        options=opts,
+    )
+    storage = config.create_storage()
+    stream_args = ReadArgs(pre_read_full_file=False)
+    try:
+        with storage.stream_read(Path("blob.bin"), stream_args) as f:
+            f.seek(1000)
+            got = f.read((2 << 20) + 12345)
+        assert got == data[1000 : 1000 + (2 << 20) + 12345]
+        stats = storage.stats()
+        assert 1 <= stats.peak_concurrency <= 3
+        assert 0 < stats.peak_buffered_bytes <= opts.memory_budget
+        rule = proxy.add_rule(status(403), data_only=True, times=None)
+        f = storage.stream_read(Path("blob.bin"), stream_args)
+        with f, pytest.raises(asyncload.AsyncLoadError) as ei:
+            f.read(2 << 20)
+        assert not isinstance(ei.value, BaseExceptionGroup)
+        assert "blob.bin" in str(ei.value) and rule.fired >= 1
+    finally:
+        storage.close()

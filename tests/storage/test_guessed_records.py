@@ -4,8 +4,9 @@
 torch.save writes the same headers before every tensor, so the engine probes the first large
 record only and reads each later one whole by a guess of where its tensor starts (headers
 into scratch, the tensor into its destination, the tail into scratch), then checks the
-guess against the record's parsed headers. A wrong guess is read again where the headers
-say, never handed over; damaged headers are the typed error a probed record gives; the
+guess against the record's parsed headers. A wrong guess is never handed over: moved into
+place in memory where only the tensor's start differs, read again where the headers say
+otherwise; damaged headers are the typed error a probed record gives; the
 first record's headers are waited for a bounded time only (a stall there is hedged:
 ``test_hedge_floor.py``). The requests come from the fault proxy's log in front of moto
 (S3) and the HTTP range server; bytes are compared bit for bit; nothing is timed.
@@ -123,7 +124,7 @@ def test_after_the_first_record_each_is_one_request(
     assert stats.bytes_assembled == sum(v.numel() * v.element_size() for v in sd.values())
 
 
-def test_a_wrong_guess_is_read_again_where_the_headers_say(
+def test_a_wrong_guess_is_moved_into_place_or_read_again_where_the_headers_say(
     request, tmp_path, bucket_name, fault_proxy
 ):
     g = torch.Generator().manual_seed(31)
@@ -140,10 +141,12 @@ def test_a_wrong_guess_is_read_again_where_the_headers_say(
     r = make_remote(request, "s3", tmp_path / "ckpt", bucket_name, fault_proxy)
     stats = _load(r, sd)
     ranges = _ranges(r.proxy.log)
-    for key in ("b", "c"):
-        # the guessed read, then its tensor again where its headers say
-        got = _within(ranges, recs[key])
-        assert len(got) == 2 and got[0] == recs[key], (key, got)
+    # b's tensor starts later than guessed: every byte of it landed (in the destination
+    # and the tail's scratch) and is moved into place, nothing read again
+    assert _touching(ranges, recs["b"]) == [recs["b"]], _touching(ranges, recs["b"])
+    # c's strides differ: the guessed read, then its tensor again where its headers say
+    got = _within(ranges, recs["c"])
+    assert len(got) == 2 and got[0] == recs["c"], got
     assert _touching(ranges, recs["d"]) == [recs["d"]]
     # the guessed bytes of b and c were not counted: only what the load handed over
     assert stats.bytes_assembled == sum(v.numel() * v.element_size() for v in sd.values())
@@ -187,15 +190,22 @@ def test_verify_probes_every_record(request, tmp_path, bucket_name, fault_proxy)
     assert stats.verified_records >= 3
 
 
-def test_a_checkpoint_whose_headers_differ_reads_only_the_speculated_records_again(
+def test_a_checkpoint_whose_headers_differ_is_moved_into_place_not_read_again(
     request, tmp_path, bucket_name, fault_proxy, monkeypatch
 ):
-    # another torch wrote headers 64 bytes longer than this process's torch.save does: the
-    # records read by that prior before the first record's headers were parsed (the first
-    # and up to SPECULATE - 1 more) are read again where their headers say; every later one
-    # is guessed by the first record's parsed headers, one request each
+    # another torch wrote headers 64 bytes shorter than this process's torch.save does (the
+    # prior): the records read by that prior before the first record's headers were parsed
+    # land 64 bytes off and are moved into place in memory; every later one is guessed by
+    # the first record's parsed headers, one request each; no byte is read twice
     monkeypatch.setattr(streamed, "own_head_len", lambda: 704 + 64)
-    monkeypatch.setattr(streamed, "SPECULATE", 3)
+    moves: list[tuple[int, int, int]] = []
+    real_shift = streamed._shift
+
+    def shift(segments, guessed, true, n):
+        moves.append((guessed, true, n))
+        real_shift(segments, guessed, true, n)
+
+    monkeypatch.setattr(streamed, "_shift", shift)
     sd = _state(8)
     _save(tmp_path / "ckpt", sd)
     recs = _records(tmp_path / "ckpt")
@@ -203,12 +213,29 @@ def test_a_checkpoint_whose_headers_differ_reads_only_the_speculated_records_aga
     stats = _load(r, sd)
     ranges = _ranges(r.proxy.log)
     large = sorted((recs[f"w{i}"] for i in range(8)), key=lambda x: x[0])
-    ends = dict(recs.values())
-    # the first: head, body and tail requests (3), then its tensor again
-    again = [rec for rec in large if len(_within(ranges, rec)) > (2 if rec == large[0] else 0)]
-    assert large[0] in again and 1 <= len(again) <= 3, again
-    for rec in large[len(again) :]:
-        assert _touching(ranges, rec) == [(rec[0], ends[rec[1]])], (rec, _touching(ranges, rec))
+    ordered = sorted(ranges)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered)), ordered
+    # the first record at least went out by the prior: moved 64 bytes down
+    assert moves and all(true == guessed - 64 for guessed, true, _ in moves), moves
+    assert large[0][0] + 704 + 64 in {guessed for guessed, _, _ in moves}, (moves, large[0])
+    assert stats.bytes_assembled == sum(v.numel() * v.element_size() for v in sd.values())
+
+
+@pytest.mark.parametrize(("off", "window"), [(37, 4096 + 5), (-37, 16)])
+def test_a_tensor_moved_into_place_is_bit_for_bit_whichever_way_and_window(
+    request, tmp_path, bucket_name, fault_proxy, monkeypatch, off, window
+):
+    # the prior is off by a few bytes either way (the tensor starts earlier or later than
+    # guessed), and the move goes a window at a time (windows larger than the shift and
+    # smaller): bit for bit, nothing read twice
+    monkeypatch.setattr(streamed, "own_head_len", lambda: 704 + off)
+    monkeypatch.setattr(streamed, "SHIFT_WINDOW", window)
+    sd = _state(3)
+    _save(tmp_path / "ckpt", sd)
+    r = make_remote(request, "s3", tmp_path / "ckpt", bucket_name, fault_proxy)
+    stats = _load(r, sd)
+    ordered = sorted(_ranges(r.proxy.log))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered)), ordered
     assert stats.bytes_assembled == sum(v.numel() * v.element_size() for v in sd.values())
 
 
@@ -220,8 +247,8 @@ def test_more_records_than_read_slots_are_read_by_fewer_larger_requests(
     # 12 times (a round trip late each), so neighbouring guessed records share requests of
     # the records' bytes over the slots (at most chunk_size), cut anywhere; the first
     # record's head and tail requests (its probes' ranges) stay its own. Bit for bit, no
-    # byte of a record read twice unless its guess was wrong; with a wrong prior (another
-    # torch's headers) the speculated records are read again where their headers say
+    # byte of a record read twice; with a wrong prior (another torch's headers) the records
+    # read by it are moved into place in memory
     if wrong_prior:
         monkeypatch.setattr(streamed, "own_head_len", lambda: 704 + 64)
     sd = _state(12)
@@ -240,12 +267,11 @@ def test_more_records_than_read_slots_are_read_by_fewer_larger_requests(
         x for x in ranges if sum(1 for rec in large if x[0] < rec[1] and rec[0] < x[1]) > 1
     ]
     assert spanning, ranges
-    later = large[1 + streamed.SPECULATE :]
+    later = large[1:]
     assert len(_touching(ranges, (later[0][0], later[-1][1]))) < len(later), ranges
-    if not wrong_prior:
-        # nothing read twice: the requests are disjoint
-        ordered = sorted(ranges)
-        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered)), ordered
+    # nothing read twice, whatever the prior: the requests are disjoint
+    ordered = sorted(ranges)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered)), ordered
     assert stats.bytes_assembled == sum(v.numel() * v.element_size() for v in sd.values())
 
 
