@@ -35,9 +35,10 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncload.formats as formats
@@ -51,7 +52,6 @@ from asyncload.common.latency import LoadClock
 from asyncload.common.loop import close_through_interrupt, loop_thread, run_sync
 from asyncload.common.options import LoadOptions
 from asyncload.common.stats import LoadStats, StatsRecorder
-from asyncload.engine import cuda_ring as _cuda
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.config import LoadConfig, PlannerTerms, open_boundary, resolve_config
@@ -71,14 +71,35 @@ from asyncload.formats import plain
 from asyncload.storage import RetryingStorage, Storage, is_local, local_root
 
 if TYPE_CHECKING:  # DCP's types: imported where a load needs them, not for annotations
+    import torch
     from torch.distributed.checkpoint import LoadPlan, LoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from asyncload.engine.config import MemoryPlan
+    from asyncload.engine.cuda_ring import DeviceCopier, DeviceStager
     from asyncload.storage import InFlight
 
 __all__ = ["LoadSession", "decode_object", "in_flight"]
 
 log = logging.getLogger("asyncload.session")
+
+
+def _stager_for(
+    dests: Iterable[torch.Tensor], memory: MemoryPlan, copier: DeviceCopier | None
+) -> DeviceStager | None:
+    """The device path of a load (``cuda_ring.stager_for``), its module imported only where
+    it can have one: a copier given or set (``use_copier`` imported it), or a CUDA
+    destination. A load into CPU memory imports none of it."""
+    dests = list(dests)
+    if (
+        copier is None
+        and "asyncload.engine.cuda_ring" not in sys.modules
+        and not any(t.device.type == "cuda" for t in dests)
+    ):
+        return None
+    from asyncload.engine import cuda_ring
+
+    return cuda_ring.stager_for(dests, memory, copier)
 
 
 def _warm() -> None:
@@ -126,7 +147,7 @@ class LoadSession:
         monitor: Any = None,
         progress: ProgressCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
-        copier: _cuda.DeviceCopier | None = None,
+        copier: DeviceCopier | None = None,
         extension_registry: Any = None,
         metadata_cache: dict[tuple[str, bytes], Metadata] | None = None,
     ) -> None:
@@ -165,8 +186,8 @@ class LoadSession:
         self._fingerprints: dict[str, object] = {}
         #: The plan comes from a planner that is not asyncload's (torch's DefaultLoadPlanner).
         self._torch_casts = False
-        #: The device path of the load in progress (``_cuda.DeviceStager``), if any.
-        self._stager: _cuda.DeviceStager | None = None
+        #: The device path of the load in progress (``cuda_ring.DeviceStager``), if any.
+        self._stager: DeviceStager | None = None
         # what is open
         self._raw: Storage | None = None
         self._boundary: RetryingStorage | None = None
@@ -512,7 +533,7 @@ class LoadSession:
         self._torch_casts = torch_casts(planner)
         # CUDA destinations: pinned staging ring + side stream (caller's thread: stream order)
         dests = (d for r in records for _, d in r.tensor_items)
-        self._stager = _cuda.stager_for(dests, self._config.memory, self._copier)
+        self._stager = _stager_for(dests, self._config.memory, self._copier)
         note_keys(rep, self._recorder.stats, strict=self._config.options.strict_unexpected_keys)
         return records
 

@@ -198,3 +198,24 @@ def test_plain_loads_import_no_dcp_and_match_dcp_planned_ones(folder: Path) -> N
     saved = {"model": ref, "step": "7", "note": "'first'"}
     assert plain["read_state_dict torch.save"][1] == saved
     assert plain["read_state_dict keys"][1] == {"model": {"w": ref["w"]}, "step": "7"}
+
+
+def test_a_load_into_cpu_memory_imports_no_device_path(tmp_path: Path) -> None:
+    """The device path (``engine/cuda_ring``: pinned ring, side stream) is imported only where
+    a load can use it (a CUDA destination, a copier given or set): a load of a safetensors
+    file into CPU tensors in a fresh process imports none of it, and loads bit for bit."""
+    ref = {"w": torch.randn(33, 17), "b": torch.arange(7, dtype=torch.int64)}
+    save_file(ref, str(tmp_path / "model.safetensors"))
+    code = (
+        "import sys, torch, asyncload; "
+        f"ref = torch.load({str(tmp_path / 'ref.pt')!r}, weights_only=True); "
+        "d = {k: torch.zeros_like(v) for k, v in ref.items()}; "
+        f"asyncload.load(d, {str(tmp_path / 'model.safetensors')!r}); "
+        "print(all(torch.equal(d[k].view(torch.uint8), ref[k].view(torch.uint8)) for k in ref), "
+        "'asyncload.engine.cuda_ring' in sys.modules)"
+    )
+    torch.save(ref, str(tmp_path / "ref.pt"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["True", "False"], (out.stdout, out.stderr)
