@@ -145,11 +145,7 @@ def _shifted(a: TensorLocation, b: TensorLocation, rec: Record) -> bool:
         a.data_start != b.data_start
         and rec.offset <= a.data_start
         and a.data_start + b.storage_nbytes <= rec.end
-        and a.storage_nbytes == b.storage_nbytes
-        and a.dtype == b.dtype
-        and tuple(a.size) == tuple(b.size)
-        and tuple(a.stride) == tuple(b.stride)
-        and a.storage_offset == b.storage_offset
+        and _same_place(dataclasses.replace(a, data_start=b.data_start), b)
     )
 
 
@@ -157,10 +153,10 @@ def _shifted(a: TensorLocation, b: TensorLocation, rec: Record) -> bool:
 SHIFT_WINDOW = 4 << 20
 
 
-def _copy(segments: list[Piece], lo: int, buf: memoryview, *, out: bool) -> None:
+def _copy(segments: list[Piece], lo: int, buf: memoryview, *, out: bool) -> int:
     """Bytes ``[lo, lo + len(buf))`` of a file copied from the pieces that hold them into
-    ``buf``, or (``out``) from ``buf`` into those pieces."""
-    hi = lo + len(buf)
+    ``buf``, or (``out``) from ``buf`` into those pieces; how many the pieces held."""
+    hi, done = lo + len(buf), 0
     for p in segments:
         a, b = max(lo, p.start), min(hi, p.end)
         if a < b and p.into is not None:
@@ -168,6 +164,8 @@ def _copy(segments: list[Piece], lo: int, buf: memoryview, *, out: bool) -> None
                 p.into[a - p.start : b - p.start] = buf[a - lo : b - lo]
             else:
                 buf[a - lo : b - lo] = p.into[a - p.start : b - p.start]
+            done += b - a
+    return done
 
 
 def _shift(segments: list[Piece], guessed: int, true: int, n: int) -> None:
@@ -187,12 +185,8 @@ def _shift(segments: list[Piece], guessed: int, true: int, n: int) -> None:
 
 def _gather(segments: list[Piece], lo: int, hi: int) -> bytes:
     """Bytes ``[lo, hi)`` of a file from the pieces they landed in (sorted, contiguous)."""
-    out = bytearray()
-    for p in segments:
-        a, b = max(lo, p.start), min(hi, p.end)
-        if a < b and p.into is not None:
-            out += p.into[a - p.start : b - p.start]
-    if len(out) != hi - lo:  # pragma: no cover - the pieces tile the record
+    out = bytearray(hi - lo)
+    if _copy(segments, lo, memoryview(out), out=False) != hi - lo:  # pragma: no cover
         raise AssertionError(f"[{lo}, {hi}) is not covered by the record's pieces")
     return bytes(out)
 
