@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import re
+import select
 import signal
 import struct
 import subprocess
@@ -615,6 +616,28 @@ def test_progress_lines_on_a_terminal_with_no_width(ckpt_path: Path) -> None:
     ), progress
 
 
+def _drain_pty(master: int, timeout: float = 10.0) -> bytes:
+    """Everything the closed slave side wrote: the kernel hands a pty's output to the master
+    through a work queue, so one read may see only part of it; read until the master reports
+    the slave gone (EIO), with a deadline so a lost byte fails the test instead of hanging it."""
+    data = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([master], [], [], left)[0]:
+                break
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the slave is closed and all it wrote has been read
+                break
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(master)
+    return bytes(data)
+
+
 def test_progress_lines_from_byte_progress_on_a_zero_width_pty() -> None:
     """ByteProgress itself: lines at most every ``line_interval`` (0: every update), one more
     when it closes only if it moved since, units of LoadStats; a bar where the width is known."""
@@ -633,9 +656,7 @@ def test_progress_lines_from_byte_progress_on_a_zero_width_pty() -> None:
         keys.update(1, 2)  # the first update writes; the next ones wait for the interval
         keys.update(2, 2)
         keys.close()  # moved since its last line: one more
-    os.set_blocking(master, False)
-    text = os.read(master, 65536).decode()
-    os.close(master)
+    text = _drain_pty(master).decode()
     lines = text.replace("\r\n", "\n").splitlines()
     assert len(lines) == 4, lines
     assert re.fullmatch(r"load: 33% 1\.00 MiB of 3\.00 MiB, [\d.]+ [KMG]?i?B/s", lines[0])
