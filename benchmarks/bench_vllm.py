@@ -30,7 +30,8 @@ method, the same for every loader; the download's seconds added for ``download+s
 the whole fetch for curl); ``first token``: from before ``LLM(...)`` (and before the download)
 to the first generated token, imports outside the clock; ``peak``: the most RSS the
 ``load_weights`` call added above the RSS it started at (``VmHWM`` reset just before; the
-model's parameters are allocated before), and the process's peak RSS. After the clock each
+model's parameters are allocated before), and the process's peak RSS; ``CPU s``: the process's
+CPU seconds (user + system) during ``load_weights``, then split by thread name. After the clock each
 vLLM child generates 8 greedy tokens; the run prints whether every run of every contender
 produced the same ones.
 """
@@ -109,7 +110,41 @@ def _curl(spec: dict[str, Any]) -> dict[str, Any]:
     return {"weights": seconds, "seconds": float("nan"), "peak": 0, "peak_process": 0}
 
 
-def _timed_load_weights() -> dict[str, float]:
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of each of this process's live threads, by thread id, with
+    the thread's name (Python's for its threads, else the kernel's: ``/proc/self/task/*/stat``)."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    named = {t.native_id: t.name for t in threading.enumerate()}  # Python's names
+    out: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended since the listing
+            continue
+        name = named.get(int(tid)) or stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _cpu_by_thread(before: dict[int, tuple[str, float]], cpu_before: float) -> dict[str, float]:
+    """CPU seconds spent since ``before`` by thread name (digits dropped, so a pool is one
+    row), with ``(all)``: the whole process's, ended threads included."""
+    rows: dict[str, float] = {}
+    for tid, (name, cpu) in _thread_cpu().items():
+        spent = cpu - before.get(tid, (name, 0.0))[1]
+        if spent > 0:
+            key = name.rstrip("0123456789_-") or name
+            rows[key] = rows.get(key, 0.0) + spent
+    t = os.times()
+    rows["(all)"] = t.user + t.system - cpu_before
+    return rows
+
+
+def _timed_load_weights() -> dict[str, Any]:
     """Time every loader's ``load_weights`` (vLLM's method, wrapped on each loader class: the
     default loader, asyncload's, which inherits it, and runai_streamer's) and the RSS it adds."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -117,7 +152,7 @@ def _timed_load_weights() -> dict[str, float]:
         RunaiModelStreamerLoader,
     )
 
-    got: dict[str, float] = {}
+    got: dict[str, Any] = {}
     for cls in (DefaultModelLoader, RunaiModelStreamerLoader):
         orig = cls.__dict__["load_weights"]
 
@@ -125,10 +160,12 @@ def _timed_load_weights() -> dict[str, float]:
             got["hwm_before"] = max(got.get("hwm_before", 0), _status("VmHWM"))
             base = _status("VmRSS")
             _reset_peak()
+            threads, t = _thread_cpu(), os.times()
             t0 = time.perf_counter()
             _orig(self, model, model_config)
             got["weights"] = got.get("weights", 0.0) + time.perf_counter() - t0
             got["peak"] = max(got.get("peak", 0), _status("VmHWM") - base)
+            got["cpu"] = _cpu_by_thread(threads, t.user + t.system)
 
         cls.load_weights = load_weights  # type: ignore[method-assign]
     return got
@@ -177,6 +214,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         "download": download,
         "peak": got.get("peak", 0),
         "peak_process": max(got.get("hwm_before", 0), _status("VmHWM")),
+        "cpu": got.get("cpu", {}),
         "tokens": list(out[0].outputs[0].token_ids),
     }
 
@@ -207,18 +245,27 @@ def _report(title: str, results: dict[str, list[dict[str, Any]]], nbytes: int) -
     print(title)
     print(
         f"  {'contender':22s} {'weights s':>9s} {'MiB/s':>7s} {'first token s':>13s} "
-        f"{'peak +MiB':>9s} {'process MiB':>11s}  asyncload's weights vs it"
+        f"{'peak +MiB':>9s} {'process MiB':>11s} {'CPU s':>6s}  asyncload's weights vs it"
     )
     med = {c: statistics.median(r["weights"] for r in rs) for c, rs in results.items()}
     for c, rs in results.items():
         ttft = statistics.median(r["seconds"] for r in rs)
         peak = max(r["peak"] for r in rs) / MiB
         proc = max(r["peak_process"] for r in rs) / MiB
+        cpus = [r["cpu"]["(all)"] for r in rs if r.get("cpu")]
+        cpu = f"{statistics.median(cpus):6.2f}" if cpus else f"{'-':>6s}"
         ratio = f"{med[c] / med['asyncload']:5.2f}x" if "asyncload" in med else "-"
         print(
             f"  {c:22s} {med[c]:9.2f} {nbytes / MiB / med[c]:7.0f} {ttft:13.2f} "
-            f"{peak:9.0f} {proc:11.0f}  {ratio}"
+            f"{peak:9.0f} {proc:11.0f} {cpu}  {ratio}"
         )
+    print("  CPU s of the weights by thread (the median run's; a pool's threads summed):")
+    for c, rs in results.items():
+        runs = sorted((r for r in rs if r.get("cpu")), key=lambda r: r["weights"])
+        if runs:
+            rows = runs[len(runs) // 2]["cpu"]
+            top = sorted(rows.items(), key=lambda kv: -kv[1])
+            print(f"    {c}: " + ", ".join(f"{k} {v:.2f}" for k, v in top if v >= 0.01))
 
 
 def _tokens(results: dict[str, list[dict[str, Any]]]) -> None:

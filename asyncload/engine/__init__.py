@@ -2,7 +2,8 @@
 
 ``config`` resolves the options once (:func:`~asyncload.engine.config.resolve_config`:
 policies and the memory plan); ``session`` is the load (:class:`LoadSession`, made with its
-collaborators) with ``records``, ``reads``, ``checks`` and ``cost`` as its jobs; ``driver``
+collaborators) with ``records``, ``reads``, ``checks`` and ``cost`` as its jobs and ``tally``
+(statistics and clock) and ``cancellation`` (tasks, the library loop) as its parts; ``driver``
 runs the planner sequence over a session for 1..N ranks; ``plan`` and ``chunks`` say what to
 read; ``pipeline`` reads it under the meters (``meter``: the one :class:`Meter`);
 ``read_loop`` reads chunks into memory their caller owns (``safe_open``, integrations);

@@ -38,7 +38,11 @@ the config's own options). That call comes after ``.metadata`` (or a rank's
 records are collected, the data files' sizes checked, a record's header probed or a data
 byte requested; the storage boundary is then made anew for the new options (the store that
 read the metadata was closed after that read: a store's policy never changes). From there to the end of
-the load the config is fixed; a session's next load
+the load the config is fixed, and the session holds it so: once the load has begun reading
+tensor data (``prepare_reads``, or ``acheck_claims`` for a stream), ``planner_arrived``
+with options that differ from the config's raises ``RuntimeError`` naming them (terms
+without options, or with the config's own, still set :attr:`LoadConfig.planner`: a
+stream's next batch). A session's next load
 (:meth:`~asyncload.engine.session.LoadSession.begin`) starts again from the config it was
 made with.
 
@@ -204,8 +208,12 @@ class LoadConfig:
 
     def with_planner(self, terms: PlannerTerms) -> LoadConfig:
         """This config for a planner that brings ``terms`` and no other options (none of
-        its own, or these): the options and policies stand."""
-        return dataclasses.replace(self, planner=terms)
+        its own, or these): the options and policies stand; the planner's own collective
+        timeout (``ShardedLoadPlanner(collective_timeout=...)``), when it has one, is the
+        load's."""
+        timeout_for = terms.collective_timeout
+        collective = self.collective_timeout if timeout_for is None else timeout_for(self.options)
+        return dataclasses.replace(self, planner=terms, collective_timeout=collective)
 
     def __repr__(self) -> str:
         c = self.chunking

@@ -54,8 +54,7 @@ from asyncload.engine.records import (
     expected_storage,
     trim_probed,
 )
-from asyncload.engine.streamed import aread_streamed, locate, probe_pieces
-from asyncload.formats import HEAD_PROBE, TAIL_PROBE, ByteWindow, parse_archive, tensor_location
+from asyncload.formats import HEAD_PROBE, TAIL_PROBE, ByteWindow
 from asyncload.storage import RetryingStorage
 
 __all__ = ["RecordReads"]
@@ -195,9 +194,13 @@ class RecordReads:
                 large.append(rec)
                 if streamed:  # probed (or read by a guess) as they go out: engine.streamed
                     continue
+                from asyncload.engine.streamed import probe_pieces  # DCP records only
+
                 pieces.extend(probe_pieces(rec))
         chunks = unit_chunks(pieces, chunking, reads)
         if streamed:
+            from asyncload.engine.streamed import aread_streamed
+
             await aread_streamed(self, pipeline, storage, options, chunks, large, reads, trackers)
             check_written(records, assembled_before, total, self._recorder, self.checkpoint)
             log.debug(
@@ -279,7 +282,12 @@ class RecordReads:
         location, the rest of it being headers. ``shared``: reads planned by
         ShardedLoadPlanner, whose plan of who reads what counts every range."""
         chunking = options.chunk_policy
-        loc = rec.known if rec.known is not None else await locate(rec, storage, options)
+        if rec.known is not None:
+            loc = rec.known
+        else:  # a DCP record (a torch.save archive): located from its probes
+            from asyncload.engine.streamed import locate
+
+            loc = await locate(rec, storage, options)
         tracker = None
         if options.verify and loc.crc32 is not None:
             tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
@@ -423,7 +431,7 @@ class RecordReads:
                 if rec.transforms
                 else rec.where
             )
-            layout = parse_archive(
+            layout = formats.parse_archive(
                 win,
                 base,
                 len(data),
@@ -431,7 +439,7 @@ class RecordReads:
                 max_pickle=options.max_metadata_size,
                 safe_globals=options.safe_globals,
             )
-            loc = tensor_location(layout, rec.name)
+            loc = formats.tensor_location(layout, rec.name)
             check_against_metadata(rec, loc)
             if rec.transforms:
                 check_decoded_storage(rec, loc)

@@ -28,16 +28,7 @@ from asyncload.common.paths import check_relative_path
 from asyncload.common.stats import LoadStats
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.chunks import Piece
-from asyncload.formats import (
-    HEAD_PROBE,
-    TAIL_PROBE,
-    ByteWindow,
-    is_byte_io,
-    is_metadata,
-    is_tensor_md,
-    materialize,
-    parse_archive,
-)
+from asyncload.formats import ByteWindow, is_byte_io, is_metadata, is_tensor_md
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
@@ -75,10 +66,10 @@ def decode_object(
     (and the globals the user trusts: ``LoadOptions.safe_globals``)."""
     win = ByteWindow()
     win.add(0, raw)
-    layout = parse_archive(
+    layout = formats.parse_archive(  # the archive parser: imported by the first DCP object
         win, 0, len(raw), what, max_pickle=max_pickle, safe_globals=safe_globals
     )
-    return materialize(layout, win)
+    return formats.materialize(layout, win)
 
 
 @runtime_checkable
@@ -331,8 +322,9 @@ def needed(rec: Record) -> int:
 
 def probes(rec: Record) -> tuple[tuple[int, int], tuple[int, int]]:
     """The head and tail probes of a record: the byte ranges whose layout they hold."""
-    return (rec.offset, rec.offset + min(HEAD_PROBE, rec.length)), (
-        rec.end - min(TAIL_PROBE, rec.length),
+    head, tail = formats.HEAD_PROBE, formats.TAIL_PROBE  # DCP records only: torchsave
+    return (rec.offset, rec.offset + min(head, rec.length)), (
+        rec.end - min(tail, rec.length),
         rec.end,
     )
 

@@ -6,6 +6,10 @@ the statistics and the load's clock, file fingerprints, cancellation and the met
 (format probing included). The rest is done by one module per job, which the session calls
 with what it holds:
 
+- :mod:`asyncload.engine.tally`: the load's statistics and clock (:class:`LoadTally`, one
+  per load from :meth:`LoadSession.begin`);
+- :mod:`asyncload.engine.cancellation`: the load's tasks, their cancellation from any thread
+  and the library loop the sync faces run them on (:class:`LoadTasks`);
 - :mod:`asyncload.engine.records`: the plan's items grouped by saved record, destinations
   resolved, tensors and objects handed back to the planner (:func:`~.records.commit`);
 - :mod:`asyncload.engine.reads`: the read phases (probes and small records, then tensor data);
@@ -26,13 +30,16 @@ Configuration: the session is made with a :class:`~asyncload.engine.config.LoadC
 (:func:`~asyncload.engine.config.resolve_config`), which governs every call it makes (with
 what the planner brings, its ``planner`` terms). Under a plain ``dcp.load`` the planner
 arrives after ``.metadata`` was read:
-:meth:`LoadSession.planner_arrived` is that one step (see :mod:`asyncload.engine.config`).
+:meth:`LoadSession.planner_arrived` is that one step (see :mod:`asyncload.engine.config`);
+once the load has begun reading tensor data (:meth:`LoadSession.prepare_reads`,
+:meth:`LoadSession.acheck_claims`) it refuses to change the config (``RuntimeError``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import sys
@@ -48,10 +55,10 @@ from asyncload.common.errors import (
     docs_ref,
     redact_url,
 )
-from asyncload.common.latency import LoadClock
-from asyncload.common.loop import close_through_interrupt, loop_thread, run_sync
+from asyncload.common.loop import close_through_interrupt
 from asyncload.common.options import LoadOptions
-from asyncload.common.stats import LoadStats, StatsRecorder
+from asyncload.common.stats import LoadStats
+from asyncload.engine.cancellation import LoadTasks
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.config import LoadConfig, PlannerTerms, open_boundary, resolve_config
@@ -67,6 +74,7 @@ from asyncload.engine.records import (
     refuse_a_dcp_file,
     torch_casts,
 )
+from asyncload.engine.tally import LoadTally
 from asyncload.formats import plain
 from asyncload.storage import RetryingStorage, Storage, is_local, local_root
 
@@ -130,11 +138,11 @@ class LoadSession:
     :meth:`begin` starts each one's statistics and clock.
 
     Mutable state, all of it (nothing outside the session sets any): the load in progress
-    (``checkpoint`` and ``_storage_root``, ``_config``, ``_recorder``, ``_clock``, ``_t0``,
-    ``stats``, ``metadata``, ``metadata_error``, ``checkpoint_missing``, ``_fingerprints``,
+    (``checkpoint`` and ``_storage_root``, ``_config``, ``_tally``: its statistics and clock,
+    ``_reading``, ``metadata``, ``metadata_error``, ``checkpoint_missing``, ``_fingerprints``,
     ``_torch_casts``, ``_stager``); what is open (``_raw``: the store, ``_boundary``: the
-    retrying boundary over it for this load's config, ``_executor``, ``_pinned_loop``);
-    cancellation (``_cancelled``, ``_tasks`` under ``_lock``).
+    retrying boundary over it for this load's config, ``_executor``); the tasks, their
+    cancellation and the library loop (``_tasks``).
     """
 
     def __init__(
@@ -158,7 +166,6 @@ class LoadSession:
         self._group = group
         self._monitor = monitor
         self._progress = progress
-        self._now = clock
         self._copier = copier
         #: None: torch's default, made when a record names a transform (importing DCP's).
         self.extension_registry = extension_registry
@@ -169,11 +176,11 @@ class LoadSession:
         self._config = self._made_with
         #: Where storage is opened when not at ``checkpoint`` (the directory of a file checkpoint).
         self._storage_root: str | None = None
-        self._recorder = StatsRecorder()
-        self._clock = LoadClock(clock)
-        self._t0: float | None = None
-        #: The final statistics of the last load, once it has finished.
-        self.stats: LoadStats | None = None
+        #: The load's statistics and clock (:class:`~asyncload.engine.tally.LoadTally`).
+        self._tally = LoadTally(clock)
+        #: This load has begun reading tensor data (:meth:`prepare_reads`,
+        #: :meth:`acheck_claims`): its config is fixed (:meth:`planner_arrived`).
+        self._reading = False
         #: The metadata the reads are planned from (set by :meth:`prepare_reads`).
         self.metadata: Metadata | None = None
         #: The first error of the metadata read in this load (``dcp.load`` hides it behind an
@@ -192,18 +199,14 @@ class LoadSession:
         self._raw: Storage | None = None
         self._boundary: RetryingStorage | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        #: (pid, loop) of the library loop thread the sync faces chose (:meth:`_library_loop`).
-        self._pinned_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
         # cancellation
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._cancelled = threading.Event()
-        self._lock = threading.Lock()
+        self._tasks = LoadTasks()  # and the library loop (:mod:`asyncload.engine.cancellation`)
 
     def __repr__(self) -> str:
         if self.stats is not None:
             state = "done"
-        elif self._t0 is not None:
-            state = "cancelled" if self._cancelled.is_set() else "started"
+        elif self._tally.started:
+            state = "cancelled" if self._tasks.cancelled.is_set() else "started"
         else:
             state = "not started"
         opened = [
@@ -246,11 +249,28 @@ class LoadSession:
         """The load's planner arrived late (``dcp.load``'s after ``.metadata`` was read) with
         ``terms``: the one step where a load's config can change, before any read of tensor
         data (:mod:`asyncload.engine.config`); options of the planner's own are resolved and
-        the storage boundary made anew for them (the open store's policy never changes)."""
-        own = terms.options
-        if own is None or own is self._config.options:
+        the storage boundary made anew for them (the open store's policy never changes).
+
+        Once this load has begun reading tensor data (:meth:`prepare_reads`,
+        :meth:`acheck_claims`) its config is fixed: terms with options that differ from the
+        config's raise ``RuntimeError`` naming the options that would change (terms without
+        options, or with the config's own, still set :attr:`LoadConfig.planner`: a stream's
+        next batch). :meth:`begin` starts the next load free again."""
+        own, current = terms.options, self._config.options
+        if own is None or own is current:
             self._config = self._config.with_planner(terms)
             return
+        if self._reading:
+            changed = _changed_fields(current, own)
+            if not changed:  # equal options: nothing would change
+                self._config = self._config.with_planner(terms)
+                return
+            raise RuntimeError(
+                f"LoadSession.planner_arrived: a planner's options would change "
+                f"{', '.join(changed)} of the load of {redact_url(str(self.checkpoint))} "
+                "after it began reading tensor data; a load's configuration is fixed from "
+                "then on (give the options when the load starts, or start another load)"
+            )
         self._config, self._boundary = resolve_config(own, terms), None
 
     # --- one load's clock and statistics -------------------------------------------------
@@ -262,91 +282,57 @@ class LoadSession:
             self.checkpoint = checkpoint
             self._storage_root = None
         self._config = self._made_with
-        self._recorder = StatsRecorder()
-        self._clock = LoadClock(self._now)
+        self._tally.begin()
         self._boundary = None  # made again for this load's statistics and clock
-        self._t0 = self._now()
-        self._recorder.started = self._t0
-        self.stats = None
+        self._reading = False
         self.metadata_error = None
         self._fingerprints = {}
 
     def record(self, **fields: Any) -> None:
         """Set fields of this load's statistics: what a step decided (``metadata_shared``)."""
-        self._recorder.set(**fields)
+        self._tally.record(**fields)
 
     @property
     def started(self) -> bool:
-        return self._t0 is not None
+        return self._tally.started
+
+    @property
+    def stats(self) -> LoadStats | None:
+        """The final statistics of the last load, once it has finished."""
+        return self._tally.stats
 
     def live_stats(self) -> LoadStats:
         """The statistics so far (``seconds``: since the load started); final once done."""
-        if self.stats is not None:
-            return self.stats
-        snap = self._recorder.snapshot()
-        if self._t0 is not None:
-            snap.seconds = self._now() - self._t0
-        return snap
+        return self._tally.live()
 
     def finish(self) -> LoadStats:
         """The load has succeeded: freeze and return its statistics."""
-        if self._t0 is not None:
-            self._recorder.stats.seconds = self._now() - self._t0
-        self.stats = self._recorder.snapshot()
-        return self.stats
+        return self._tally.finish()
 
     # --- the sync face and cancellation ------------------------------------------------
 
     def run(self, coro: Coroutine[Any, Any, T], *, cleanup: bool = False) -> T:
         """Run ``coro`` on the session's loop from another thread and wait (the sync faces).
         A cancelled session runs nothing more but ``cleanup`` coroutines (closing: shielded)."""
-        if self._cancelled.is_set() and not cleanup:
-            coro.close()
-            raise asyncio.CancelledError()
-        track = None if cleanup else self._track_task
-        return run_sync(coro, self._library_loop, on_task=track, shield=cleanup)
+        return self._tasks.run(coro, self._library_loop, cleanup=cleanup)
 
     def _library_loop(self) -> asyncio.AbstractEventLoop:
-        """The library loop thread this session runs on: chosen once (its storage's clients
-        belong to that loop), again in a forked child or once that loop has stopped."""
-        pinned = self._pinned_loop
-        if pinned is None or pinned[0] != os.getpid() or not pinned[1].is_running():
-            loop = loop_thread(self._config.options.use_uvloop, local=is_local(self.checkpoint))
-            pinned = self._pinned_loop = (os.getpid(), loop)
-        return pinned[1]
-
-    def _track_task(self, task: asyncio.Task[Any]) -> None:
-        with self._lock:
-            self._tasks.add(task)
-        task.add_done_callback(self._untrack)
-        if self._cancelled.is_set():
-            task.cancel()
-
-    def _untrack(self, task: asyncio.Task[Any]) -> None:
-        with self._lock:
-            self._tasks.discard(task)
+        """The library loop thread this session runs on (:meth:`LoadTasks.library_loop`)."""
+        local = is_local(self.checkpoint)
+        return self._tasks.library_loop(self._config.options.use_uvloop, local=local)
 
     async def guard(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on the running loop as a task :meth:`cancel` can reach (``aload``)."""
-        if self._cancelled.is_set():
-            coro.close()
-            raise asyncio.CancelledError()
-        task = asyncio.ensure_future(coro)
-        self._track_task(task)
-        return await task
+        return await self._tasks.guard(coro)
 
     @property
     def cancelled(self) -> threading.Event:
         """Set once :meth:`cancel` was called."""
-        return self._cancelled
+        return self._tasks.cancelled
 
     def cancel(self) -> None:
         """Cancel the load in progress (from any thread); it raises CancelledError."""
-        self._cancelled.set()
-        with self._lock:
-            tasks = list(self._tasks)
-        for t in tasks:
-            t.get_loop().call_soon_threadsafe(t.cancel)
+        self._tasks.cancel()
 
     # --- storage -----------------------------------------------------------------------
 
@@ -373,8 +359,8 @@ class LoadSession:
                 root,
                 self.storage_options,
                 self.executor,
-                self._recorder,
-                self._clock,
+                self._tally.recorder,
+                self._tally.clock,
                 raw=self._raw,
             )
             self._raw = boundary.raw
@@ -516,7 +502,7 @@ class LoadSession:
             if cache is not None:
                 cache.clear()  # the last one only
                 cache[(url, bytes(raw))] = md
-        self._recorder.add(files=1)
+        self._tally.recorder.add(files=1)
         return md
 
     # --- reading -------------------------------------------------------------------------
@@ -528,13 +514,16 @@ class LoadSession:
         planner (its hooks: call on the caller's thread), the device path set up, the
         unexpected-keys rule applied to what the planner reports (``config.planner``)."""
         self.metadata = metadata
+        self._reading = True  # the reads are planned with this config: it is fixed from here
         rep = self._config.planner.planned()  # what the planner reports, or None
         records = collect(plan, planner, metadata, self.checkpoint, self.extension_registry, rep)
         self._torch_casts = torch_casts(planner)
         # CUDA destinations: pinned staging ring + side stream (caller's thread: stream order)
         dests = (d for r in records for _, d in r.tensor_items)
         self._stager = _stager_for(dests, self._config.memory, self._copier)
-        note_keys(rep, self._recorder.stats, strict=self._config.options.strict_unexpected_keys)
+        note_keys(
+            rep, self._tally.recorder.stats, strict=self._config.options.strict_unexpected_keys
+        )
         return records
 
     async def aread(
@@ -551,7 +540,7 @@ class LoadSession:
             storage,
             self.executor,
             self._config,
-            self._recorder,
+            self._tally.recorder,
             checkpoint=self.checkpoint,
             metadata=self.metadata,
             fingerprints=self._fingerprints,
@@ -598,10 +587,17 @@ class LoadSession:
         """Before destinations are allocated for ``fqns`` from ``metadata``: every saved
         chunk of their tensors fits in its record, and every record in its file
         (:func:`asyncload.engine.checks.check_claims`)."""
+        self._reading = True  # the data files are read from here: the config is fixed
         storage = await self.storage()
         options = self._config.options
         await check_claims(
-            storage, metadata, fqns, options, self._fingerprints, self._recorder, self.checkpoint
+            storage,
+            metadata,
+            fqns,
+            options,
+            self._fingerprints,
+            self._tally.recorder,
+            self.checkpoint,
         )
 
     async def afinish_device_copies(self) -> None:
@@ -650,6 +646,15 @@ async def _not_found(
         path=url,
         status=404,
     ) from exc.__cause__ or exc  # the client's own error: the translated one says the same
+
+
+def _changed_fields(current: LoadOptions, new: LoadOptions) -> list[str]:
+    """The names of the fields whose values differ between ``current`` and ``new``."""
+    return [
+        f.name
+        for f in dataclasses.fields(LoadOptions)
+        if getattr(current, f.name) != getattr(new, f.name)
+    ]
 
 
 def in_flight(session: LoadSession) -> InFlight | None:

@@ -35,10 +35,10 @@ def nest(flat: dict[str, Any], metadata: Metadata) -> dict[Any, Any]:
     along its ``planner_data`` path in the metadata's order (DCP saved the keys as strings;
     int path elements are list indices). Formats that carry no nesting (safetensors) keep
     their flat names."""
-    from asyncload.formats import nest_saved
-
     templates = getattr(metadata, "templates", None)  # (FormatMetadata, of either kind)
-    if isinstance(templates, list) and templates:
+    if isinstance(templates, list) and templates:  # a torch.save file's
+        from asyncload.formats import nest_saved
+
         return nest_saved(flat, templates)
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     out: dict[str, Any] = {}

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from asyncload.common.lazy import lazy_names
 
 if TYPE_CHECKING:
-    from asyncload.formats.archive import ByteWindow, own_head_len, parse_archive
+    from asyncload.formats.archive import own_head_len, parse_archive
     from asyncload.formats.buffers import copy_bytes, memory_of, tensor_over
     from asyncload.formats.dcp import KNOWN_DCP_VERSIONS, decode_metadata, warm_decoders
     from asyncload.formats.entries import (
@@ -67,8 +67,6 @@ if TYPE_CHECKING:
         aread_header,
     )
     from asyncload.formats.torchsave import (
-        HEAD_PROBE,
-        TAIL_PROBE,
         KnownObject,
         aparse_archive,
         materialize,
@@ -76,15 +74,16 @@ if TYPE_CHECKING:
         object_bytes,
         tensor_location,
     )
+    from asyncload.formats.window import HEAD_PROBE, TAIL_PROBE, ByteWindow
 
 #: The wing's names, imported on first use (PEP 562): a module that needs one format
 #: (``asyncload.safe_open``: :mod:`.safetensors_header`, :mod:`.location`) imports only it.
 _LAZY = {
     "HEADER_PROBE": "safetensors_header",
-    "HEAD_PROBE": "torchsave",
+    "HEAD_PROBE": "window",
     "SAFETENSORS_DTYPES": "safetensors_header",
     "SafetensorsHeader": "safetensors_header",
-    "TAIL_PROBE": "torchsave",
+    "TAIL_PROBE": "window",
     "TensorLocation": "location",
     "aparse_archive": "torchsave",
     "aread_header": "safetensors_header",
@@ -101,7 +100,7 @@ _LAZY = {
     "tensor_location": "torchsave",
     "tensor_over": "buffers",
     "to_dcp": "plain",
-    "ByteWindow": "archive",
+    "ByteWindow": "window",
     "parse_archive": "archive",
     "HF_INDEX": "entries",
     "HF_SINGLE": "entries",

@@ -31,18 +31,13 @@ from asyncload.formats.buffers import tensor_over
 from asyncload.formats.entries import (
     TensorLocation,
 )
+from asyncload.formats.window import HEAD_PROBE, TAIL_PROBE, ByteWindow, NeedBytes
 from asyncload.formats.zip import (
-    EOCD_SEARCH,
     LOCAL_HEADER_SIZE,
     local_data_start,
     locate_central_directory,
     parse_central_directory,
 )
-
-#: Bytes read at a large record's start and end to find its layout (one request each,
-#: and the tail of one record is read together with the head of the next).
-HEAD_PROBE = 4096
-TAIL_PROBE = EOCD_SEARCH
 
 __all__ = [
     "HEAD_PROBE",
@@ -57,30 +52,6 @@ __all__ = [
     "parse_archive",
     "tensor_location",
 ]
-
-
-class NeedBytes(Exception):
-    """The parser needs file bytes ``[start, end)`` it does not have yet."""
-
-    def __init__(self, start: int, end: int) -> None:
-        super().__init__(start, end)
-        self.start, self.end = start, end
-
-
-class ByteWindow:
-    """Known byte ranges of one file; ``get`` returns a range or raises NeedBytes."""
-
-    def __init__(self) -> None:
-        self._parts: list[tuple[int, bytes | memoryview]] = []
-
-    def add(self, start: int, data: bytes | memoryview) -> None:
-        self._parts.append((start, data))
-
-    def get(self, start: int, end: int) -> memoryview:
-        for s, d in self._parts:
-            if s <= start and end <= s + len(d):
-                return memoryview(d)[start - s : end - s]
-        raise NeedBytes(start, end)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -54,6 +53,12 @@ import asyncload.formats.plain as plain
 from asyncload.common.errors import CheckpointFormatError, CheckpointNotFoundError
 from asyncload.common.paths import check_relative_path, short_repr
 from asyncload.decoding import TensorRef, _check_coverage, _is_int, safe_loads
+from asyncload.formats.dcpv2_names import ITEM_FILE as _ITEM_FILE
+from asyncload.formats.dcpv2_names import (
+    METADATA_FILE,
+    is_torch_checkpointing,
+    item_file_hint,
+)
 from asyncload.formats.dtensor_records import (
     _MAX_MESH,
     DTensorRef,
@@ -82,37 +87,8 @@ __all__ = [
     "item_file_hint",
 ]
 
-#: The file torch-checkpointing writes when an item declares a resharder.
-METADATA_FILE = "metadata.pkl"
-
-#: ``<item>_<rank>.pt``: torch-checkpointing's default layout (``default_torch_layout_info``).
-_ITEM_FILE = re.compile(r"^(?P<item>[A-Za-z0-9_.\-]+?)_(?P<rank>0|[1-9][0-9]{0,6})\.pt$")
-
 #: The metadata versions read (``DistributedMetadata.to_dict`` of torch-checkpointing 0.1).
 _VERSIONS = ("2.0",)
-
-
-def is_torch_checkpointing(names: Sequence[str]) -> bool:
-    """Whether a directory listing is a torch-checkpointing checkpoint: a ``metadata.pkl``
-    or rank-0 item files (``<item>_0.pt``), and no ``.pt`` file of another name (a
-    ``metadata.pkl`` alone is one whose item files are missing: it says which)."""
-    pts = [n for n in names if n.endswith(".pt")]
-    if not all(_ITEM_FILE.match(n) for n in pts):
-        return False
-    return METADATA_FILE in names or any(n.endswith("_0.pt") for n in pts)
-
-
-def item_file_hint(name: str) -> str | None:
-    """What to say when a file named like one torch-checkpointing item file cannot be read
-    alone (an int item, a DTensor shard): load its directory."""
-    base = name.rsplit("/", 1)[-1]
-    if not _ITEM_FILE.match(base):
-        return None
-    return (
-        f"{base} is named like one item file of a torch-checkpointing checkpoint "
-        f"(<item>_<rank>.pt): "
-        "load the checkpoint's directory instead, which asyncload reads whole"
-    )
 
 
 # --- metadata.pkl ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING
 
 from asyncload.common.errors import (
@@ -21,12 +21,7 @@ from asyncload.common.errors import (
 )
 from asyncload.common.options import LoadOptions
 from asyncload.common.paths import check_relative_path
-from asyncload.formats.dcpv2 import (
-    METADATA_FILE,
-    adirectory_metadata,
-    is_torch_checkpointing,
-    item_file_hint,
-)
+from asyncload.formats.dcpv2_names import METADATA_FILE, is_torch_checkpointing, item_file_hint
 from asyncload.formats.entries import (
     HF_INDEX,
     HF_SINGLE,
@@ -45,7 +40,7 @@ from asyncload.formats.safetensors import (
     looks_like_safetensors,
 )
 from asyncload.formats.safetensors_header import _no_duplicates
-from asyncload.formats.torchsave import HEAD_PROBE, _atorchsave_files
+from asyncload.formats.window import HEAD_PROBE
 from asyncload.storage import RetryingStorage, is_local
 
 if TYPE_CHECKING:
@@ -111,7 +106,7 @@ async def aprobe_fallback(
         # directory's URL answers with its index page, which is no checkpoint file
         names = await fetcher.listdir()
         if is_torch_checkpointing(names):
-            return await adirectory_metadata(fetcher, names, str(checkpoint))
+            return await _adirectory(fetcher, names, str(checkpoint))
     if not is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
         if name:
@@ -124,7 +119,7 @@ async def aprobe_fallback(
             fetcher = Fetcher(storage, options, slots=slots)
     names = await fetcher.listdir()
     if is_torch_checkpointing(names):
-        return await adirectory_metadata(fetcher, names, str(checkpoint))
+        return await _adirectory(fetcher, names, str(checkpoint))
     shards = [n for n in names if n.endswith(".safetensors")]
     if shards:
         return await _asafetensors_files(fetcher, shards, None, str(checkpoint))
@@ -166,7 +161,7 @@ async def _afile(
         head = await fetcher.read(name, 0, min(size, _probe_size(name)))
     if head.startswith(b"PK\x03\x04"):
         try:
-            md = await _atorchsave_files(fetcher, [(name, size)], None, source)
+            md = await _atorchsave(fetcher, [(name, size)], None, source)
         except (CheckpointFormatError, UnsafeCheckpointError) as exc:
             hint = item_file_hint(name)
             if hint is None:
@@ -242,9 +237,28 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
         *(fetcher.read(f, 0, min(s or 0, 4)) for f, s in zip(files, sizes))
     )
     if all(h.startswith(b"PK\x03\x04") for h in heads):
-        return await _atorchsave_files(
+        return await _atorchsave(
             fetcher, list(zip(files, [s or 0 for s in sizes])), weight_map, source
         )
     raise CheckpointFormatError(
         f"{url} names shards that are neither all safetensors nor all zip-format torch.save files"
     )
+
+
+async def _adirectory(fetcher: Fetcher, names: Sequence[str], source: str) -> FormatMetadata:
+    """A torch-checkpointing directory's metadata (:mod:`.dcpv2`, imported by the first)."""
+    from asyncload.formats.dcpv2 import adirectory_metadata
+
+    return await adirectory_metadata(fetcher, names, source)
+
+
+async def _atorchsave(
+    fetcher: Fetcher,
+    files: Sequence[tuple[str, int]],
+    weight_map: dict[str, str] | None,
+    source: str,
+) -> FormatMetadata:
+    """Zip-format torch.save files' metadata (:mod:`.torchsave`, imported by the first)."""
+    from asyncload.formats.torchsave import _atorchsave_files
+
+    return await _atorchsave_files(fetcher, files, weight_map, source)

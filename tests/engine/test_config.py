@@ -75,6 +75,12 @@ def test_a_planners_collective_timeout_is_resolved_into_the_config() -> None:
     assert resolve_config(LoadOptions(collective_timeout=9.0), given).collective_timeout == 3.0
     unset = planner_terms(ShardedLoadPlanner())
     assert resolve_config(LoadOptions(collective_timeout=9.0), unset).collective_timeout == 9.0
+    # a planner arriving late (dcp.load) with no options of its own: its timeout still counts
+    late = resolve_config(LoadOptions(collective_timeout=9.0))
+    assert given.options is None
+    assert late.with_planner(given).collective_timeout == 3.0
+    assert late.with_planner(unset).collective_timeout == 9.0
+    assert late.with_planner(given).planner is given
 
 
 @pytest.mark.parametrize(
@@ -197,3 +203,81 @@ def test_the_smallest_budget_loads_and_streams_whole(tmp_path) -> None:
     dst = zeros_like_tree(sd)
     stats = asyncload.load(dst, path, options=opts)
     assert stats.peak_buffered_bytes <= 64 * KiB
+
+
+def test_the_config_is_fixed_once_tensor_data_is_read(tmp_path) -> None:
+    """Nothing changes a load's configuration mid-load (issue 46, item 4): a planner's
+    options re-resolve it before the load reads tensor data, and raise once it has begun
+    (asked from the planner's own hooks, inside ``dcp.load``); the next load is free again."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {f"t{i}": random_tensor((32, 32), torch.float32, i) for i in range(3)}
+    path = make_checkpoint(tmp_path / "ckpt", sd)
+    a, b = LoadOptions(chunk_size=32 * KiB), LoadOptions(chunk_size=4096)
+    c = LoadOptions(chunk_size=8192, retries=1)
+    reader = PipelinedReader(path, options=a)
+    session = reader.session
+    seen: list[str] = []
+
+    class Asking(PipelinedLoadPlanner):
+        """Asks for other options from its hooks: at planning, before any read (allowed),
+        and at each destination (asked while the reads are being set up: refused)."""
+
+        def create_local_plan(self):  # type: ignore[no-untyped-def]
+            session.planner_arrived(planner_terms(PipelinedLoadPlanner(options=c)))
+            seen.append(f"planning: chunks of {session.config.chunking.chunk_size}")
+            return super().create_local_plan()
+
+        def resolve_tensor(self, read_item):  # type: ignore[no-untyped-def]
+            try:
+                session.planner_arrived(planner_terms(PipelinedLoadPlanner(options=c)))
+            except RuntimeError as exc:
+                seen.append(str(exc))
+            return super().resolve_tensor(read_item)
+
+    dst = zeros_like_tree(sd)
+    dcp.load(dst, storage_reader=reader, planner=Asking(options=b))
+    assert_bitwise_equal(dst, sd)
+    # before the reads: c governed planning; read_data's planner (b) took over before reading
+    assert seen[0] == "planning: chunks of 8192"
+    assert session.options is b and session.config.chunking.chunk_size == 4096
+    assert len(seen) == 1 + 3  # one refusal per tensor
+    assert set(seen[1:]) == {
+        f"LoadSession.planner_arrived: a planner's options would change chunk_size, "
+        f"min_chunk_size, retries of the load of {path} after it began reading tensor data; "
+        "a load's configuration is fixed from then on (give the options when the load "
+        "starts, or start another load)"
+    }
+    # after the reads, still refused; terms that change no option still set config.planner
+    with pytest.raises(RuntimeError, match="would change chunk_size, min_chunk_size, retries"):
+        session.planner_arrived(planner_terms(PipelinedLoadPlanner(options=c)))
+    assert session.options is b
+    for same in (None, b, LoadOptions(chunk_size=4096)):  # none, the config's, equal ones
+        terms = planner_terms(PipelinedLoadPlanner(options=same) if same else None)
+        session.planner_arrived(terms)
+        assert session.options is b and session.config.planner is terms
+    session.begin()  # the next load: free again until it reads
+    session.planner_arrived(planner_terms(PipelinedLoadPlanner(options=c)))
+    assert session.options is c and session.config.retry.retries == 1
+
+
+def test_a_plain_dcp_load_with_a_planners_options_still_works(tmp_path) -> None:
+    """The guard leaves the one legitimate switch alone: ``dcp.load`` hands the reader a
+    planner made with options after ``.metadata`` was read; those options govern the reads,
+    and a reader reused for a second load switches again."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {f"t{i}": random_tensor((64, 64), torch.float32, i) for i in range(4)}
+    path = make_checkpoint(tmp_path / "ckpt", sd)
+    reader = PipelinedReader(path, options=LoadOptions(chunk_size=32 * KiB))
+    for chunk in (4096, 8192):
+        dst = zeros_like_tree(sd)
+        dcp.load(
+            dst,
+            storage_reader=reader,
+            planner=PipelinedLoadPlanner(options=LoadOptions(chunk_size=chunk)),
+        )
+        assert_bitwise_equal(dst, sd)
+        assert reader.session.config.chunking.chunk_size == chunk
+        assert reader.session.stats is not None
+        assert reader.session.stats.bytes_assembled == 4 * 64 * 64 * 4

@@ -219,3 +219,62 @@ def test_a_load_into_cpu_memory_imports_no_device_path(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.split() == ["True", "False"], (out.stdout, out.stderr)
+
+
+ARCHIVE_CHILD = r"""
+import hashlib, json, sys
+import torch
+import asyncload
+folder = sys.argv[1]
+HEAVY = ["asyncload.formats.archive", "asyncload.formats.torchsave", "asyncload.formats.dcpv2",
+         "asyncload.decoding", "asyncload.engine.streamed", "torch.distributed.checkpoint"]
+ref = torch.load(f"{folder}/reference.pt", weights_only=True)
+seen, digests = {}, {}
+def digest(v):
+    raw = bytes(v.contiguous().view(-1).view(torch.uint8).numpy()) if v.numel() else b""
+    return [str(v.dtype), list(v.shape), hashlib.sha256(raw).hexdigest()]
+def step(name, fn):
+    got = fn()
+    digests[name] = {k: digest(v) for k, v in got.items() if isinstance(v, torch.Tensor)}
+    seen[name] = [m for m in HEAVY if m in sys.modules]
+st = f"{folder}/model.safetensors"
+def load():
+    dest = {k: torch.zeros_like(v) for k, v in ref.items()}
+    asyncload.load(dest, st)
+    return dest
+step("load", load)
+step("read_state_dict", lambda: asyncload.read_state_dict(st))
+def opened():
+    with asyncload.safe_open(st, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+step("safe_open", opened)
+step("iter_tensors", lambda: dict(asyncload.iter_tensors(st)))
+step("torch.save", lambda: asyncload.read_state_dict(f"{folder}/train.pt")["model"])
+print("RESULT " + json.dumps([seen, digests]))
+"""
+
+
+def test_a_safetensors_load_imports_no_archive_parser(folder: Path) -> None:
+    """A safetensors file loaded by each face in a fresh process imports neither DCP nor
+    the torch.save archive parser (formats.archive/torchsave/dcpv2, the pickle decoder,
+    engine.streamed): a first load's imports are its format's own. A torch.save file
+    afterwards imports the parser (not DCP); every face gives the saved tensors bit for bit."""
+    out = subprocess.run(
+        [sys.executable, "-c", ARCHIVE_CHILD, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    seen, digests = json.loads(line.removeprefix("RESULT "))
+    for face in ("load", "read_state_dict", "safe_open", "iter_tensors"):
+        assert seen[face] == [], face
+    assert seen["torch.save"] == [
+        "asyncload.formats.archive",
+        "asyncload.formats.torchsave",
+        "asyncload.decoding",
+    ]
+    want = _digest(torch.load(folder / "reference.pt", weights_only=True))
+    for face in ("load", "read_state_dict", "safe_open", "iter_tensors", "torch.save"):
+        assert digests[face] == want, face

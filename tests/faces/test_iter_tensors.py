@@ -92,6 +92,56 @@ def _nothing_left(path: Path) -> None:
     assert open_fds_under(path) == []
 
 
+def test_batch_limits_start_small_and_double() -> None:
+    """The first batches start at two chunks (or a sixteenth of the budget) and double up to
+    half the budget; a budget whose half is below two chunks gives half-budget batches."""
+    from asyncload.faces.streaming import batch_limits
+
+    mib = 1 << 20
+    got = batch_limits(32 * mib, mib)
+    assert [next(got) for _ in range(6)] == [
+        2 * mib,
+        4 * mib,
+        8 * mib,
+        16 * mib,
+        16 * mib,
+        16 * mib,
+    ]
+    got = batch_limits(512 * mib, 16 * mib)
+    assert [next(got) for _ in range(5)] == [32 * mib, 64 * mib, 128 * mib, 256 * mib, 256 * mib]
+    got = batch_limits(BUDGET, 16 * mib)  # chunks larger than the budget: half of it throughout
+    assert [next(got) for _ in range(3)] == [BUDGET // 2] * 3
+
+
+def test_the_first_tensor_comes_from_a_small_first_batch(tmp_path: Path, reads: ReadLog) -> None:
+    """16 tensors of 64 KiB under a 2 MiB budget in 64 KiB chunks: batches of 2, 4, 8 and 2
+    tensors (a first batch of half the budget would hold all 16). A consumer that holds the
+    first tensor has caused the reads of the first two batches only; every tensor arrives
+    bit for bit, in file order."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {f"w{i:02d}": random_tensor((128, 128), torch.float32, 100 + i) for i in range(16)}
+    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    opts = LoadOptions(memory_budget=2 << 20, chunk_size=TENSOR)
+    from asyncload.faces.streaming import CheckpointStream
+
+    stream = CheckpointStream(tmp_path, options=opts)
+    try:
+        asyncio.run(stream.aopen())
+        assert [len(b) for b in stream.batches()] == [2, 4, 8, 2]
+    finally:
+        asyncio.run(stream.aclose())
+    it = asyncload.iter_tensors(tmp_path, options=opts)
+    name, first = next(it)
+    time.sleep(0.3)  # the consumer holds the first tensor: batch 2 may be read, no further
+    # each record read whole: the tensor's bytes and torch.save's header (under 4 KiB)
+    assert 2 * TENSOR <= reads.bytes <= 6 * (TENSOR + 4096)
+    got = {name: first, **dict(it)}
+    assert list(got) == list(saved)
+    for k, v in saved.items():
+        assert_bitwise_equal(got[k], v)
+
+
 def test_every_tensor_bit_for_bit(
     ckpt: tuple[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
