@@ -28,7 +28,14 @@ from asyncload.common.paths import check_relative_path
 from asyncload.common.stats import LoadStats
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.chunks import Piece
-from asyncload.formats import ByteWindow, is_byte_io, is_metadata, is_tensor_md
+from asyncload.formats import (
+    HEAD_PROBE,
+    TAIL_PROBE,
+    ByteWindow,
+    is_byte_io,
+    is_metadata,
+    is_tensor_md,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem
@@ -322,9 +329,8 @@ def needed(rec: Record) -> int:
 
 def probes(rec: Record) -> tuple[tuple[int, int], tuple[int, int]]:
     """The head and tail probes of a record: the byte ranges whose layout they hold."""
-    head, tail = formats.HEAD_PROBE, formats.TAIL_PROBE  # DCP records only: torchsave
-    return (rec.offset, rec.offset + min(head, rec.length)), (
-        rec.end - min(tail, rec.length),
+    return (rec.offset, rec.offset + min(HEAD_PROBE, rec.length)), (
+        rec.end - min(TAIL_PROBE, rec.length),
         rec.end,
     )
 
