@@ -287,6 +287,36 @@ class StatsRecorder:
         return s
 
 
+class SharedRecorder(StatsRecorder):
+    """A view of ``inner`` for one of several reads of a load that run at once: whatever it
+    records lands in ``inner`` (the same statistics, lock, latencies and causes), and the
+    bytes this read assembled are also counted apart (:attr:`assembled`), for its own check
+    that every destination byte it was given was written."""
+
+    def __init__(self, inner: StatsRecorder) -> None:  # shares inner's state: no super()
+        self._inner = inner
+        self._lock = inner._lock
+        self.stats = inner.stats
+        self._latencies = inner._latencies
+        self._causes = inner._causes
+        #: ``bytes_assembled`` recorded through this view.
+        self.assembled = 0
+
+    @property
+    def started(self) -> float | None:
+        return self._inner.started
+
+    @started.setter
+    def started(self, value: float | None) -> None:
+        self._inner.started = value
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+            self.assembled += int(deltas.get("bytes_assembled", 0))
+
+
 STATS_DOCS: dict[str, FieldDoc] = {
     "bytes_read": FieldDoc(
         "Bytes storage delivered to the load (each successful read once; failed attempts, the "

@@ -141,10 +141,15 @@ def check_written(
     total: int,
     recorder: StatsRecorder,
     checkpoint: object,
+    *,
+    written: int | None = None,
 ) -> None:
     """Every destination byte the plan asked for was written: counted per assembled chunk
-    (data) and per whole record (small records), against the destinations' sizes."""
-    written = recorder.stats.bytes_assembled - assembled_before
+    (data) and per whole record (small records), against the destinations' sizes.
+    ``written``: the bytes this read assembled, counted apart (where other reads of the same
+    session ran at once), instead of the recorder's count since ``assembled_before``."""
+    if written is None:
+        written = recorder.stats.bytes_assembled - assembled_before
     if written != total:
         keys = sorted({item.dest_index.fqn for r in records for item, _ in r.tensor_items})
         raise CheckpointFormatError(

@@ -51,6 +51,7 @@ class Pipeline:
         *,
         staging: Any = None,
         on_progress: Callable[[int], None] | None = None,
+        limiter: Meter | None = None,
     ) -> None:
         if not isinstance(storage, RetryingStorage):  # a bare store: give it the load's policy
             storage = RetryingStorage.for_options(storage, options, stats, executor)
@@ -62,7 +63,14 @@ class Pipeline:
         #: Bytes read but not yet assembled (``memory_budget``: the read share of the memory
         #: plan, :mod:`asyncload.engine.config`), and reads in flight (``concurrency``).
         self.budget = budget or Meter(options.memory_budget, name="read budget", unit="bytes")
-        self.limiter = Meter(options.initial_concurrency, name="reads in flight", unit="reads")
+        #: ``budget`` and ``limiter`` may be shared by pipelines that run at once (a
+        #: stream's batches read ahead: :class:`asyncload.faces.streaming.CheckpointStream`),
+        #: which then stay within one budget and one ``concurrency`` together.
+        self.limiter = (
+            limiter
+            if limiter is not None
+            else Meter(options.initial_concurrency, name="reads in flight", unit="reads")
+        )
         self._pool = StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
         self._throttled = 0
         #: ``concurrency="auto"``: (time, new limit, why) for every change.

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # annotations only (a load of a non-DCP file imports no DCP)
 
 import asyncload.formats as formats
 from asyncload.common.options import ChunkPolicy, LoadOptions
-from asyncload.common.stats import StatsRecorder
+from asyncload.common.stats import SharedRecorder, StatsRecorder
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.assembly import copy_bytes
 from asyncload.engine.checks import (
@@ -45,6 +45,7 @@ from asyncload.engine.chunks import Chunk, Piece, TensorLocation
 from asyncload.engine.config import LoadConfig
 from asyncload.engine.cost import ForeignBytes, ReadBudget, unit_chunks
 from asyncload.engine.crc import CrcTracker, gaps
+from asyncload.engine.meter import Meter
 from asyncload.engine.pipeline import Pipeline
 from asyncload.engine.plan import make_chunks, plan_tensor
 from asyncload.engine.read_loop import probe_slots
@@ -83,8 +84,16 @@ class RecordReads:
         stager: Any = None,
         progress: Callable[[int, int], None] | None = None,
         torch_casts: bool = False,
+        shared: tuple[Meter, Meter] | None = None,
     ) -> None:
         self.storage = storage
+        #: The (read budget, reads in flight) meters shared with other reads running at once
+        #: (``Pipeline``'s ``budget`` and ``limiter``), or ``None``: the pipeline's own.
+        self._shared = shared
+        #: Reads that run at once count their own assembled bytes (their completeness check).
+        self._tally = SharedRecorder(recorder) if shared is not None else None
+        if self._tally is not None:
+            recorder = self._tally
         self._executor = executor
         self.config = config
         self._recorder = recorder
@@ -95,6 +104,17 @@ class RecordReads:
         self._progress = progress
         self._torch_casts = torch_casts
         self._report: Callable[[int], None] | None = None
+
+    def _check_written(self, records: list[Record], assembled_before: int, total: int) -> None:
+        tally = self._tally
+        check_written(
+            records,
+            assembled_before,
+            total,
+            self._recorder,
+            self.checkpoint,
+            written=None if tally is None else tally.assembled,
+        )
 
     async def run(
         self,
@@ -137,6 +157,8 @@ class RecordReads:
             self._executor,
             staging=stager,
             on_progress=self._report,
+            budget=None if self._shared is None else self._shared[0],
+            limiter=None if self._shared is None else self._shared[1],
         )
         t_start = time.monotonic()
         assembled_before = self._recorder.stats.bytes_assembled
@@ -202,7 +224,7 @@ class RecordReads:
             from asyncload.engine.streamed import aread_streamed
 
             await aread_streamed(self, pipeline, storage, options, chunks, large, reads, trackers)
-            check_written(records, assembled_before, total, self._recorder, self.checkpoint)
+            self._check_written(records, assembled_before, total)
             log.debug(
                 "read %d records streamed (each record's data once its probes landed): %.4f s",
                 len(records),
@@ -247,7 +269,7 @@ class RecordReads:
             chunks = [*chunks, *unit_chunks(deferred, chunking, reads)]
         t_planned = time.monotonic()
         await run(pipeline, chunks)
-        check_written(records, assembled_before, total, self._recorder, self.checkpoint)
+        self._check_written(records, assembled_before, total)
         log.debug(
             "read %d records: files checked in %.4f s, probes and small records %.4f s, "
             "layouts and planning %.4f s (%d chunks), data %.4f s",

@@ -62,6 +62,7 @@ from asyncload.engine.cancellation import LoadTasks
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.config import LoadConfig, PlannerTerms, open_boundary, resolve_config
+from asyncload.engine.meter import Meter
 from asyncload.engine.pipeline import Pipeline
 from asyncload.engine.read_loop import probe_slots
 from asyncload.engine.reads import RecordReads
@@ -530,11 +531,12 @@ class LoadSession:
         self,
         records: list[Record],
         run_chunks: Callable[[Pipeline, list[Chunk]], Awaitable[None]] | None = None,
+        shared: tuple[Meter, Meter] | None = None,  # (budget, limiter) of reads run at once
     ) -> None:
         """Read and assemble every record's bytes (:class:`~asyncload.engine.reads.RecordReads`):
         probes and small records, then each large record's data; checksums and changed
         files checked at the end. ``run_chunks`` replaces ``Pipeline.run`` (a planner that
-        shares reads across ranks: ``ShardedLoadPlanner``)."""
+        shares reads across ranks: ``ShardedLoadPlanner``); ``shared``: Pipeline meters."""
         storage = await self.storage()
         reads = RecordReads(
             storage,
@@ -547,6 +549,7 @@ class LoadSession:
             stager=self._stager,
             progress=self._progress,
             torch_casts=self._torch_casts,
+            shared=shared,
         )
         await reads.run(records, run_chunks)
 

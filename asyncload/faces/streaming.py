@@ -15,11 +15,22 @@ batch ``k`` is being yielded, batch ``k + 1`` is read, as long as the tensors he
 yet yielded, and the one yielded last until the consumer asks for the next) stay within
 ``memory_budget``; a batch larger than the budget is read only once nothing is held, and yielded
 alone. A consumer that does not ask for the next tensor stops the reads there.
+
+Read-ahead overlaps the batches: into CPU destinations with a fixed ``concurrency`` and no
+progress callback, up to two batches are read at once, batch ``k + 1`` starting as soon as the
+tensors held leave room for it (batch ``k`` may still be reading), so the link does not idle
+between two batches (no round trip, no ramp-up). The batches read at once share one read
+budget (``memory_budget``) and one ``concurrency`` limit, and their tensors are still yielded
+in order: a batch's error is raised where its first tensor would have been yielded.
+Elsewhere (CUDA destinations, whose pinned staging ring a session keeps one of; ``"auto"``
+concurrency, whose tuner works on one pipeline; a progress callback, which counts one batch at
+a time) one batch is read at a time, the next one starting when the previous one has landed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import fnmatch
@@ -189,8 +200,14 @@ class CheckpointStream:
         #: Files read by the batches, and those counted when the metadata was read.
         self._files: set[str] = set()
         self._files_at_open = 0
-        #: The batch being read (ahead of the consumer), if any.
-        self._pending: asyncio.Task[dict[str, Any]] | None = None
+        #: The batches being read (ahead of the consumer), oldest first.
+        self._pending: collections.deque[asyncio.Task[dict[str, Any]]] = collections.deque()
+        #: The read budget and reads-in-flight meters that the batches read at once share
+        #: (set by :meth:`abatches` while it reads more than one batch at once).
+        self._read_meters: tuple[Meter, Meter] | None = None
+        #: For each batch started by :meth:`abatches`, in order: how many earlier batches
+        #: were still being read when it started (0: none, the link was idle).
+        self.overlaps: list[int] = []
 
     @property
     def held_bytes(self) -> int:
@@ -336,8 +353,12 @@ class CheckpointStream:
         if self.progress is not None:  # the session counts one batch: report over the whole stream
             self._progress_base = self._progress_done
             self._progress_total = sum(self.nbytes(k) for k in self.tensors)
+        meters = self._read_meters
         try:
-            await session.aread(records)
+            if meters is None:
+                await session.aread(records)
+            else:
+                await session.aread(records, shared=meters)
         finally:
             await session.afinish_device_copies()
         self._progress_done += sum(
@@ -362,21 +383,30 @@ class CheckpointStream:
         todo = self.batches()
         sizes = [sum(self.nbytes(f) for f in b) for b in todo]
         following = 0  # the index of the next batch to start
+        ahead = self.read_ahead()
+        pending = self._pending
+        if ahead > 1:
+            options = self.options
+            self._read_meters = (
+                Meter(options.memory_budget, name="read budget", unit="bytes"),
+                Meter(options.initial_concurrency, name="reads in flight", unit="reads"),
+            )
 
         def start_if_room() -> None:
             nonlocal following
-            if self._pending is None and following < len(todo):
+            while len(pending) < ahead and following < len(todo):
                 # nothing held, or the batch fits with what is held (a larger one: alone)
                 if not held.try_acquire(sizes[following]):
                     return
-                self._pending = asyncio.ensure_future(self.aload(todo[following]))
+                self.overlaps.append(sum(1 for t in pending if not t.done()))
+                pending.append(asyncio.ensure_future(self.aload(todo[following])))
                 following += 1
 
         try:
             start_if_room()
-            while self._pending is not None:
-                loaded = await self._pending
-                self._pending = None
+            while pending:
+                loaded = await pending[0]
+                pending.popleft()
                 names = list(loaded)
                 start_if_room()
                 for fqn in names:
@@ -391,11 +421,21 @@ class CheckpointStream:
         finally:
             await self._astop()
 
+    def read_ahead(self) -> int:
+        """How many batches :meth:`abatches` reads at once: 2 into CPU destinations with a
+        fixed ``concurrency`` and no progress callback, else 1 (the module docstring)."""
+        if self.device.type != "cpu" or self.progress is not None:
+            return 1
+        return 1 if self.options.concurrency == "auto" else 2
+
     async def _astop(self) -> None:
-        """Cancel the batch being read ahead, if any, and wait until it has stopped."""
-        task, self._pending = self._pending, None
-        if task is not None:
+        """Cancel the batches being read ahead, if any, and wait until they have stopped."""
+        pending = self._pending
+        tasks = list(pending)
+        pending.clear()
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             try:
                 await task
             except BaseException:  # cancelled, or failed: the stream is ending anyway

@@ -456,3 +456,23 @@ def test_mean_concurrency_is_storage_time_over_wall_time() -> None:
     assert LoadStats().mean_concurrency == 0.0
     assert s.to_dict()["mean_concurrency"] == 15.0
     assert "30.000 s waiting for storage (15.0 in flight on average)" in str(s)
+
+
+def test_a_shared_recorder_records_into_its_inner_one_and_counts_its_own_bytes() -> None:
+    from asyncload.common.stats import SharedRecorder, StatsRecorder
+
+    inner = StatsRecorder()
+    inner.started = 5.0
+    a, b = SharedRecorder(inner), SharedRecorder(inner)
+    a.add(bytes_assembled=100, bytes_read=120)
+    b.add(bytes_assembled=7)
+    a.retry("timeout")
+    b.latency(0.25)
+    a.maximum("peak_buffered_bytes", 64)
+    b.started = 6.0
+    assert (a.assembled, b.assembled) == (100, 7)
+    s = inner.snapshot()
+    assert (s.bytes_assembled, s.bytes_read, s.retries, s.timeouts) == (107, 120, 1, 1)
+    assert (s.latency_max, s.peak_buffered_bytes) == (0.25, 64)
+    assert inner.started == a.started == 6.0
+    assert a.snapshot() == s

@@ -116,7 +116,8 @@ def test_batch_limits_start_small_and_double() -> None:
 def test_the_first_tensor_comes_from_a_small_first_batch(tmp_path: Path, reads: ReadLog) -> None:
     """16 tensors of 64 KiB under a 2 MiB budget in 64 KiB chunks: batches of 2, 4, 8 and 2
     tensors (a first batch of half the budget would hold all 16). A consumer that holds the
-    first tensor has caused the reads of the first two batches only; every tensor arrives
+    first tensor has caused the reads of the first batch and of the two read ahead of it
+    (two batches at once into CPU destinations), never of the fourth; every tensor arrives
     bit for bit, in file order."""
     import torch.distributed.checkpoint as dcp
 
@@ -133,9 +134,9 @@ def test_the_first_tensor_comes_from_a_small_first_batch(tmp_path: Path, reads: 
         asyncio.run(stream.aclose())
     it = asyncload.iter_tensors(tmp_path, options=opts)
     name, first = next(it)
-    time.sleep(0.3)  # the consumer holds the first tensor: batch 2 may be read, no further
+    time.sleep(0.3)  # the consumer holds the first tensor: batches 2 and 3 may be read
     # each record read whole: the tensor's bytes and torch.save's header (under 4 KiB)
-    assert 2 * TENSOR <= reads.bytes <= 6 * (TENSOR + 4096)
+    assert 2 * TENSOR <= reads.bytes <= 14 * (TENSOR + 4096)
     got = {name: first, **dict(it)}
     assert list(got) == list(saved)
     for k, v in saved.items():
