@@ -205,6 +205,10 @@ class CheckpointStream:
         #: The read budget and reads-in-flight meters that the batches read at once share
         #: (set by :meth:`abatches` while it reads more than one batch at once).
         self._read_meters: tuple[Meter, Meter] | None = None
+        #: Held while a batch's planner is set up and its reads prepared: the session keeps
+        #: the terms of one planner at a time (:meth:`LoadSession.planner_arrived`), so two
+        #: batches read at once prepare one after the other.
+        self._preparing = asyncio.Lock()
         #: For each batch started by :meth:`abatches`, in order: how many earlier batches
         #: were still being read when it started (0: none, the link was idle).
         self.overlaps: list[int] = []
@@ -348,7 +352,8 @@ class CheckpointStream:
             session.planner_arrived(planner_terms(planner))
             return session.prepare_reads(final, planner, md)
 
-        records = await _in_thread(prepare)
+        async with self._preparing:
+            records = await _in_thread(prepare)
         self._files.update(r.name for r in records)
         if self.progress is not None:  # the session counts one batch: report over the whole stream
             self._progress_base = self._progress_done

@@ -124,3 +124,104 @@ def test_one_batch_at_a_time_where_it_cannot_overlap() -> None:
     assert CheckpointStream("x", device="meta").read_ahead() == 1
     assert CheckpointStream("x", progress=lambda done, total: None).read_ahead() == 1
     assert CheckpointStream("x").read_ahead() == 2
+
+
+async def _until_error(
+    url: str, storage_options: dict[str, Any], proxy: Any
+) -> tuple[dict[str, torch.Tensor], BaseException | None, CheckpointStream]:
+    """Take the first tensor, then make every later data request fail for good (403): the
+    batches read ahead meanwhile may have landed, the later ones fail."""
+    from asyncload.testing import status
+
+    stream = CheckpointStream(
+        url,
+        options=LoadOptions(memory_budget=BUDGET, retries=1, backoff=0.01),
+        storage_options=storage_options,
+    )
+    got: dict[str, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        await stream.aopen()
+        async with contextlib.aclosing(stream.abatches()) as tensors:
+            try:
+                async for name, tensor in tensors:
+                    if not got:
+                        proxy.add_rule(status(403), range_only=True, times=None)
+                    got[name] = tensor.clone()
+                    del tensor
+            except Exception as exc:
+                error = exc
+        assert not stream._pending  # every batch read ahead has stopped
+    finally:
+        await stream.aclose()
+    return got, error, stream
+
+
+def test_a_batch_read_ahead_that_fails_raises_after_the_tensors_before_it(
+    model_url: str, s3_server: Any, fault_proxy: Any
+) -> None:
+    from asyncload import StorageReadError
+
+    proxy = fault_proxy(s3_server)
+    got, error, stream = asyncio.run(
+        _until_error(model_url, s3_server.storage_options(proxy.endpoint_url), proxy)
+    )
+    saved = _saved()
+    # the tensors that came out are a prefix of the file's, each bit for bit
+    assert list(got) == sorted(saved)[: len(got)]
+    assert 1 <= len(got) < COUNT
+    for name, tensor in got.items():
+        assert torch.equal(tensor.view(torch.int32), saved[name].view(torch.int32)), name
+    # the failed batch's error, typed and naming the file and the answer
+    assert isinstance(error, StorageReadError), repr(error)
+    assert "model.safetensors" in str(error) and "403" in str(error)
+    # the batches after the error never started: at most two were being read at once
+    started = len(stream.overlaps)
+    assert started <= -(-len(got) // 2) + 2
+
+
+def test_closing_a_stream_while_a_batch_read_ahead_stalls_stops_it(
+    model_url: str, s3_server: Any, fault_proxy: Any
+) -> None:
+    """The consumer takes the first batch, then every later data request stalls at the proxy
+    (for good): the batch read ahead after it is stuck on the wire when the consumer stops.
+    Closing the stream cancels it and returns (a guard of 20 s against a hang, not a
+    clock); nothing is left running, and what came out is bit for bit."""
+    from asyncload.testing import stall
+
+    proxy = fault_proxy(s3_server)
+
+    async def run() -> tuple[dict[str, torch.Tensor], CheckpointStream]:
+        stream = CheckpointStream(
+            model_url,
+            options=LoadOptions(memory_budget=BUDGET),
+            storage_options=s3_server.storage_options(proxy.endpoint_url),
+        )
+        got: dict[str, torch.Tensor] = {}
+        try:
+            await stream.aopen()
+            async with contextlib.aclosing(stream.abatches()) as tensors:
+                async for name, tensor in tensors:
+                    got[name] = tensor.clone()
+                    del tensor
+                    if len(got) == 2:  # the first batch taken: what is read next stalls
+                        # (once the second batch, read ahead from the start, has landed)
+                        assert await _until(
+                            lambda: bool(stream._pending) and stream._pending[0].done()
+                        )
+                        proxy.add_rule(stall(), range_only=True, times=None)
+                    if len(got) == 3:
+                        # a batch after the second has started, and its requests stall
+                        assert await _until(lambda: proxy.faults_applied >= 1)
+                        break
+        finally:
+            await asyncio.wait_for(stream.aclose(), 20)
+        return got, stream
+
+    got, stream = asyncio.run(run())
+    assert not stream._pending
+    assert len(stream.overlaps) >= 3
+    saved = _saved()
+    assert list(got) == sorted(saved)[:3]
+    for name, tensor in got.items():
+        assert torch.equal(tensor.view(torch.int32), saved[name].view(torch.int32)), name
