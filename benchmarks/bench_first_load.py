@@ -5,7 +5,9 @@ state dict, ``read_state_dict``, and ``safe_open`` for safetensors), each round 
 fresh Python process that imports torch before the clock, then times ``import asyncload``
 plus the face's first call; a second, identical call in the same process gives the
 warm cost of the same load, and ``first - second`` is what the first call pays beyond it
-(imports, first-use tables, threads). Also reported: whether the call imported
+(imports, first-use tables, threads). Also reported: the part of the first call spent
+making asyncload's dataclasses (Python compiles each one's generated methods when its module
+is imported; ``dataclasses`` column, with their count), whether the call imported
 ``torch.distributed.checkpoint``, and, once per round, what importing
 ``torch.distributed.checkpoint`` alone costs after torch. The checkpoint is small (a few
 MiB, page cache warm) so that the data's share is small. Rounds are interleaved; medians.
@@ -37,6 +39,20 @@ def _gc(phase, info):
     else:
         gc_seconds[0] += time.perf_counter() - gc_began[0]
 gc.callbacks.append(_gc)
+# seconds spent making asyncload's dataclasses (the class bodies' @dataclass: Python
+# compiles __init__, __repr__, __eq__, ... for each), counted while the first call imports
+import dataclasses
+dc_seconds, dc_count = [0.0], [0]
+_process_class = dataclasses._process_class
+def _timed_process_class(cls, *args, **kwargs):
+    t = time.perf_counter()
+    try:
+        return _process_class(cls, *args, **kwargs)
+    finally:
+        if cls.__module__.startswith("asyncload"):
+            dc_seconds[0] += time.perf_counter() - t
+            dc_count[0] += 1
+dataclasses._process_class = _timed_process_class
 t0 = time.perf_counter()
 if cfg["face"] == "dcp-import":
     import torch.distributed.checkpoint  # noqa: F401
@@ -68,6 +84,7 @@ t = call()
 second = time.perf_counter() - t
 print("RESULT " + json.dumps({
     "first": first, "second": second, "first_gc": first_gc, "second_gc": gc_seconds[0],
+    "dataclasses": dc_seconds[0], "dataclass_count": dc_count[0],
     "dcp": "torch.distributed.checkpoint" in sys.modules,
 }))
 """
@@ -87,7 +104,7 @@ def _make(folder: str) -> dict[str, tuple[str, dict[str, tuple[list[int], str]]]
     pt = os.path.join(folder, "model.pt")
     torch.save(sd, pt)
     ck = os.path.join(folder, "dcp")
-    dcp.save(sd, checkpoint_id=ck)
+    dcp.save(sd, checkpoint_id=ck, no_dist=True)
     return {"safetensors": (st, shapes), "torch.save": (pt, shapes), "dcp": (ck, shapes)}
 
 
@@ -133,7 +150,8 @@ def main() -> None:
     print(f"uptime: {os.popen('uptime').read().strip()}")
     print(
         f"{'format':12} {'face':16} {'first call':>11} {'(in gc)':>9} {'same call again':>16} "
-        f"{'(in gc)':>9} {'first - again':>14}  imports torch.distributed.checkpoint"
+        f"{'(in gc)':>9} {'first - again':>14} {'dataclasses':>16}  "
+        "imports torch.distributed.checkpoint"
     )
     for (fmt, face), runs in got.items():
         first = statistics.median(r["first"] for r in runs) * 1e3
@@ -144,9 +162,11 @@ def main() -> None:
         first_gc = statistics.median(r["first_gc"] for r in runs) * 1e3
         again_gc = statistics.median(r["second_gc"] for r in runs) * 1e3
         dcp = {bool(r["dcp"]) for r in runs}
+        made = statistics.median(r["dataclasses"] for r in runs) * 1e3
+        count = max(int(r["dataclass_count"]) for r in runs)
         print(
             f"{fmt:12} {face:16} {first:9.1f} ms {first_gc:6.1f} ms {again:14.1f} ms "
-            f"{again_gc:6.1f} ms {first - again:12.1f} ms  "
+            f"{again_gc:6.1f} ms {first - again:12.1f} ms {made:6.1f} ms ({count:3d})  "
             f"{'yes' if dcp == {True} else 'no' if dcp == {False} else 'sometimes'}"
         )
 
