@@ -45,8 +45,9 @@ byte requested; the storage boundary is then made anew for the new options (the 
 read the metadata was closed after that read: a store's policy never changes). From there to the end of
 the load the config is fixed, and the session holds it so: once the load has begun reading
 tensor data (``prepare_reads``, or ``acheck_claims`` for a stream), ``planner_arrived``
-with options that differ from the config's raises ``RuntimeError`` naming them (terms
-without options, or with the config's own, still set :attr:`LoadConfig.planner`: a
+with options that resolve to other settings than the config's (:func:`settings`) raises
+``RuntimeError`` naming them (terms without options, or with options that resolve alike,
+still set :attr:`LoadConfig.planner`: a
 stream's next batch). A session's next load
 (:meth:`~asyncload.engine.session.LoadSession.begin`) starts again from the config it was
 made with.

@@ -263,9 +263,10 @@ class LoadSession:
         the storage boundary made anew for them (the open store's policy never changes).
 
         Once this load has begun reading tensor data (:meth:`prepare_reads`,
-        :meth:`acheck_claims`) its config is fixed: terms with options that differ from the
-        config's raise ``RuntimeError`` naming the options that would change (terms without
-        options, or with the config's own, still set :attr:`LoadConfig.planner`: a stream's
+        :meth:`acheck_claims`) its config is fixed: terms with options that resolve to other
+        settings than the config's (:func:`~asyncload.engine.config.settings`) raise
+        ``RuntimeError`` naming the options that would change (terms without options, or
+        with options that resolve alike, still set :attr:`LoadConfig.planner`: a stream's
         next batch). :meth:`begin` starts the next load free again."""
         own = terms.options
         if own is None or own is self._options:
