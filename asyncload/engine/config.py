@@ -163,6 +163,10 @@ class PlannerTerms:
         return self.report() if self.report is not None else None
 
 
+#: What a planner that brings nothing brings.
+_NO_TERMS = PlannerTerms()
+
+
 def ring_geometry(memory_budget: int, chunk_size: int) -> tuple[int, int]:
     """``(slots, slot_size)`` of the pinned ring for chunks of ``chunk_size`` (clamped to
     the budget already): slots of one chunk, 2 to 8 of them, all within ``memory_budget``."""
@@ -263,7 +267,7 @@ class LoadConfig:
     #: has one: ``ShardedLoadPlanner(collective_timeout=...)``).
     collective_timeout: float | None
     #: What the load's planner brings to it (:class:`PlannerTerms`; none by default).
-    planner: PlannerTerms = PlannerTerms()
+    planner: PlannerTerms = _NO_TERMS
 
     def with_planner(self, terms: PlannerTerms) -> LoadConfig:
         """This config for a planner that brings ``terms`` and no other options (none of
@@ -274,6 +278,13 @@ class LoadConfig:
         own = self.ranks.collective_timeout
         collective = own if timeout_for is None else timeout_for(own)
         return dataclasses.replace(self, planner=terms, collective_timeout=collective)
+
+    def without_planner(self) -> LoadConfig:
+        """This config bringing no planner's terms (``planner=PlannerTerms()``), for a holder
+        that must not keep the planner alive."""
+        if self.planner is _NO_TERMS:
+            return self
+        return dataclasses.replace(self, planner=_NO_TERMS)
 
     def __repr__(self) -> str:
         c = self.chunking

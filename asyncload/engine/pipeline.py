@@ -62,7 +62,10 @@ class Pipeline:
             )
         # the same store and policy, telling this pipeline when the store asks to slow down
         self.storage = storage.with_throttle(self._note_throttle)
-        self.config = config
+        #: The load's config without its planner's terms: the store's throttle callback
+        #: makes a reference cycle of the pipeline, which must not keep the planner (and the
+        #: destinations it holds) alive until a garbage collection.
+        self.config = config.without_planner()
         #: How this pipeline's chunks were cut (``config.staged`` for a load into device
         #: tensors, else ``config.chunking``).
         self.chunking = chunking if chunking is not None else config.chunking

@@ -387,3 +387,25 @@ def test_the_config_holds_resolved_fields_and_no_load_options() -> None:
     assert config_module.settings(resolve_config(LoadOptions(chunk_size=4096))) == (
         config_module.settings(resolve_config(LoadOptions(chunk_size=4096)))
     )
+
+
+def test_a_pipeline_keeps_no_planner_alive() -> None:
+    """The pipeline's config brings no planner's terms (the store's throttle callback makes a
+    reference cycle of the pipeline: a planner kept there would keep a stream's tensors
+    alive until a garbage collection; tests/faces/test_iter_tensors.py measures it)."""
+    import concurrent.futures
+
+    from asyncload.common.stats import StatsRecorder
+    from asyncload.engine import Pipeline
+    from asyncload.storage import LocalStorage
+
+    terms = planner_terms(PipelinedLoadPlanner(chunk_size=4096))
+    config = resolve_config(None, terms)
+    assert config.planner is terms
+    bare = config.without_planner()
+    assert bare.planner == PlannerTerms() and bare.chunking == config.chunking
+    assert bare.without_planner() is bare
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        pipe = Pipeline(LocalStorage(".", ex), config, StatsRecorder(), ex)
+        assert pipe.config.planner == PlannerTerms()
+        assert pipe.config.chunking == pipe.chunking == config.chunking
