@@ -12,7 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["ChunkPolicy", "GiB", "HedgePolicy", "KiB", "LoadOptions", "MiB", "RetryPolicy"]
+__all__ = [
+    "CheckPolicy",
+    "ChunkPolicy",
+    "GiB",
+    "HedgePolicy",
+    "KiB",
+    "LoadOptions",
+    "MiB",
+    "RetryPolicy",
+]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -113,6 +122,21 @@ class ChunkPolicy:
 
     chunk_size: int
     min_chunk_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckPolicy:
+    """What a load checks of the checkpoint and refuses (``LoadOptions``' fields of the same
+    names): the CRC-32 of each tensor record, lossy casts, unexpected keys, the size of a
+    header or object, the bytes read per byte needed, the globals an object may name."""
+
+    verify: bool
+    allow_dtype_cast: bool
+    strict_unexpected_keys: bool
+    #: Largest ``.metadata`` / header / object accepted, bytes.
+    max_metadata_size: int
+    max_over_read_ratio: float | None
+    safe_globals: tuple[type | Callable[..., Any] | str, ...]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -370,7 +370,7 @@ async def run_node_phase(
     monitor = share.monitor
     node = next(k for k, ranks in enumerate(nodes) if rank in ranks)
     ranks = nodes[node]
-    budget = pipeline.options.memory_budget
+    budget = pipeline.config.memory.budget
     # blocks of a provisional size give each node's total; the real ones follow from the
     # largest, the same on every rank (block numbers name tags and claim keys across nodes:
     # a node that sized its blocks from its own total would number them differently)
@@ -474,7 +474,7 @@ async def _drive(
     rank = share.rank
     monitor = share.monitor
     stats = pipeline.stats
-    verify = pipeline.options.verify
+    verify = pipeline.config.checks.verify
     files = ring.files
     data = memoryview(ring.map)
     per_window: list[list[NodeBlock]] = [[] for _ in range(progress.windows)]
@@ -482,7 +482,7 @@ async def _drive(
         if b.fetcher(node) == rank:
             per_window[window_of[i]].append(b)
     slots = Meter(
-        max(2, min(16, pipeline.options.initial_concurrency)), name="node reads", unit="reads"
+        max(2, min(16, pipeline.config.concurrency.initial)), name="node reads", unit="reads"
     )
     prefix = f"nb/{phase}/"
     store = monitor.store

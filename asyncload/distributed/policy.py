@@ -12,12 +12,13 @@ from typing import Any
 
 from asyncload.common.errors import AsyncLoadError
 from asyncload.common.latency import percentile
-from asyncload.common.options import HedgePolicy, LoadOptions
+from asyncload.common.options import HedgePolicy
 from asyncload.engine import (
     LOCAL_BANDWIDTH,
     LOCAL_REQUEST_SECONDS,
     REMOTE_BANDWIDTH,
     REMOTE_REQUEST_SECONDS,
+    LoadConfig,
 )
 
 __all__ = [
@@ -89,7 +90,7 @@ class SharingPolicy:
 
 
 def sharing_policy(
-    options: LoadOptions,
+    config: LoadConfig,
     *,
     transport: str,
     ordered: bool | None,
@@ -161,9 +162,9 @@ def sharing_policy(
         and not (wait_for_peers if wait_for_peers is not None else made_side),
         collective_timeout=collective_timeout,
         custom_plan=custom_plan,
-        hedge=dataclasses.replace(options.hedge_policy, derived=False),
-        claim_slots=max(2, min(16, options.initial_concurrency // 2)),
-        send_budget=options.memory_budget if send_budget is None else send_budget,
+        hedge=dataclasses.replace(config.hedge, derived=False),
+        claim_slots=max(2, min(16, config.concurrency.initial // 2)),
+        send_budget=config.memory.budget if send_budget is None else send_budget,
         sharing=sharing,
         carrier=carrier,
         side_group=side_given,

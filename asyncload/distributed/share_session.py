@@ -44,7 +44,6 @@ import torch.distributed as dist
 
 from asyncload._version import __version__
 from asyncload.common.errors import first_error
-from asyncload.common.options import LoadOptions
 from asyncload.common.stats import _fmt_bytes
 from asyncload.distributed.adaptive import _AdaptivePipeline
 from asyncload.distributed.claims import Claims, _unit_keys
@@ -98,7 +97,6 @@ _TAG_LOADS = 1000
 
 def open_share(
     load_session: LoadSession,
-    options: LoadOptions,
     *,
     process_group: Any,
     collective_timeout: float | None,
@@ -126,13 +124,14 @@ def open_share(
         return None
     if dist.get_world_size(group) <= 1:
         return None
+    config = load_session.config
     monitor = load_session.monitor
     if monitor is None or monitor.group is not group:
-        monitor = Monitor(group, collective_timeout, options.late_rank_log_after)
+        monitor = Monitor(group, collective_timeout, config.ranks.late_rank_log_after)
     if side_group is not None and not isinstance(side_group, str):
         check_side_group(side_group, group)
     policy = sharing_policy(
-        options,
+        config,
         transport=_transport_kind(group)[0],
         ordered=ordered,
         adaptive=adaptive,
@@ -140,7 +139,7 @@ def open_share(
         wait_for_peers=wait_for_peers,
         collective_timeout=collective_timeout,
         custom_plan=custom_plan,
-        send_budget=load_session.config.memory.sends,
+        send_budget=config.memory.sends,
         sharing=sharing,
         side_group=side_group,
         backend=str(dist.get_backend(group)),
@@ -204,18 +203,19 @@ class _ShareSession:
         if self.sends is not None:
             self.sends.abandon()
 
-    def settings(self, options: LoadOptions) -> tuple[tuple[str, Any], ...]:
+    def settings(self, pipeline: Pipeline) -> tuple[tuple[str, Any], ...]:
         """What shapes the shared plan and the node rings, as ``(name, value)`` pairs: sent
         with the first all-gather of every read phase and compared (:func:`_check_settings`);
         docs/distributed.md, "What must match across ranks"."""
         policy = self.policy
         custom = policy.custom_plan
+        config, chunking = pipeline.config, pipeline.chunking
         return (
             ("asyncload's version", __version__),
-            ("LoadOptions.memory_budget", options.memory_budget),
-            ("LoadOptions.chunk_size", options.chunk_size),
-            ("LoadOptions.min_chunk_size", int(options.min_chunk_size or 0)),
-            ("LoadOptions.verify (peers' bytes checked)", bool(options.verify)),
+            ("LoadOptions.memory_budget", config.memory.budget),
+            ("LoadOptions.chunk_size", chunking.chunk_size),
+            ("LoadOptions.min_chunk_size", chunking.min_chunk_size),
+            ("LoadOptions.verify (peers' bytes checked)", config.checks.verify),
             ("ShardedLoadPlanner.unit_size", policy.unit_size),
             ("ShardedLoadPlanner.sharing", policy.sharing),
             ("ShardedLoadPlanner.adaptive", policy.adaptive),
@@ -282,7 +282,7 @@ class _ShareSession:
             estimate,
             (self.node_id, secrets.token_hex(8)),
             side_group_name(cached) if cached is not None else "",
-            self.settings(pipeline.options),
+            self.settings(pipeline),
         )
         t0 = time.monotonic()
         self._set_doing(f"exchanging which {what} it needs")
@@ -311,7 +311,7 @@ class _ShareSession:
         decision = decide_sharing(
             policy,
             [g[3] for g in gathered],
-            pipeline.options.effective_chunk_size,
+            pipeline.chunking.chunk_size,
             share=self.sharing,
             why=self._why,
         )

@@ -46,7 +46,14 @@ class _SharedPipeline(Pipeline):
         tag_base: int,
         total_chunks: int,
     ) -> None:
-        super().__init__(base.storage, base.options, base.stats, base.executor, budget=base.budget)
+        super().__init__(
+            base.storage,
+            base.config,
+            base.stats,
+            base.executor,
+            budget=base.budget,
+            chunking=base.chunking,
+        )
         self.on_progress = base.on_progress
         # chunks for CUDA destinations: unshared ones go through the pinned ring as usual;
         # shared ones are assembled from host memory (the stager bounces them into pinned memory)
@@ -58,11 +65,11 @@ class _SharedPipeline(Pipeline):
         self.done = 0
 
     def _post_digest(self, tag: int, view: memoryview) -> None:
-        if self.options.verify:
+        if self.config.checks.verify:
             post_digest(self.session, tag, view)
 
     def _check_digest(self, tag: int, view: memoryview, sender: int, what: str) -> None:
-        if self.options.verify:
+        if self.config.checks.verify:
             check_digest(self.session, tag, view, sender, what)
 
     async def _read_and_assemble(self, chunk: Chunk) -> None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         LoadConfig,
         PlannerTerms,
         PlanReport,
+        governing_options,
         open_boundary,
         resolve_config,
     )
@@ -96,6 +97,7 @@ _LAZY = {
     "local_load_plan": "asyncload.engine.intersect",
     "make_chunks": "asyncload.engine.plan",
     "open_boundary": "asyncload.engine.config",
+    "governing_options": "asyncload.engine.config",
     "optimizer_ids_to_names": "asyncload.engine.fills",
     "place_entries": "asyncload.engine.fills",
     "read_chunks": "asyncload.engine.read_loop",
@@ -144,6 +146,7 @@ __all__ = [
     "copy_bytes",
     "decode_object",
     "direct_run",
+    "governing_options",
     "in_flight",
     "load_steps",
     "local_load_plan",

@@ -24,7 +24,7 @@ from asyncload.common.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
 )
-from asyncload.common.options import LoadOptions
+from asyncload.common.options import CheckPolicy
 from asyncload.common.paths import check_relative_path
 from asyncload.common.stats import StatsRecorder
 from asyncload.engine import transforms as _transforms
@@ -38,6 +38,8 @@ from asyncload.storage import RetryingStorage
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import ReadItem
     from torch.distributed.checkpoint.metadata import Metadata
+
+    from asyncload.engine.config import LoadConfig
 
 __all__ = [
     "check_against_metadata",
@@ -78,19 +80,19 @@ def raise_on_bad_crc(tracker: CrcTracker, rec: Record, url: str) -> None:
         )
 
 
-def check_object_claims(records: list[Record], options: LoadOptions, checkpoint: object) -> None:
+def check_object_claims(records: list[Record], checks: CheckPolicy, checkpoint: object) -> None:
     """Objects are read whole and kept until the planner decodes them: what the metadata
     claims for them, together, must fit ``LoadOptions.max_metadata_size`` (checked before
     any is read, so a forged length cannot make the load allocate it)."""
     objects = [r for r in records if r.entry is None and r.byte_items and not r.tensor_items]
     claimed = sum(r.length for r in objects)
-    if claimed > options.max_metadata_size:
+    if claimed > checks.max_metadata_size:
         big = max(objects, key=lambda r: r.length)
         raise CheckpointFormatError(
             f"{checkpoint}: the checkpoint's objects claim {claimed} bytes in all (the largest, "
             f"{big.fqn!r}, "
             f"{big.length} bytes at [{big.offset}, {big.end}) of {big.name}), more than "
-            f"LoadOptions.max_metadata_size={options.max_metadata_size}: objects are read whole "
+            f"LoadOptions.max_metadata_size={checks.max_metadata_size}: objects are read whole "
             "before they are "
             "decoded; raise max_metadata_size if the checkpoint is trusted to hold objects that "
             "large"
@@ -211,7 +213,7 @@ async def check_claims(
     storage: RetryingStorage,
     metadata: Metadata,
     fqns: list[str],
-    options: LoadOptions,
+    config: LoadConfig,
     fingerprints: dict[str, object],
     recorder: StatsRecorder,
     checkpoint: object,
@@ -255,7 +257,7 @@ async def check_claims(
             transformed = getattr(info, "transform_descriptors", None)
             if chunk is not None and tensor and transformed:
                 claimed = torch.Size(chunk.sizes).numel() * smd.properties.dtype.itemsize
-                budget = options.memory_budget
+                budget = config.memory.budget
                 where = f"{checkpoint}, {rec.where}"
                 _transforms.check_claim(transformed, length, claimed, budget, what=where)
             elif chunk is not None and tensor and getattr(info, "location", None) is None:

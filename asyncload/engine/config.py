@@ -5,7 +5,12 @@ One function turns :class:`~asyncload.LoadOptions` (and what the planner brings,
 reads (retry, hedge, chunking, the I/O threads, the collective timeout) and the
 :class:`MemoryPlan`. The config travels with the work: the session is made with it, the
 storage boundary is made from it (:class:`asyncload.storage.retrying.RetryingStorage`), the
-pipeline reads with it; nothing resolves an option again downstream.
+pipeline reads with it; nothing resolves an option again downstream. The config holds
+resolved fields only, no ``LoadOptions``: the policies above, the staged chunking of a load
+into device tensors, the reads in flight (:class:`Concurrency`), the checks
+(:class:`~asyncload.common.options.CheckPolicy`), how storage is opened
+(:class:`StoragePolicy`) and the multi-rank options (:class:`RankPolicy`); each reader takes
+the field it needs. :func:`settings` names what each option resolved to.
 
 What the planner brings reaches the engine through one explicit object,
 :class:`PlannerTerms`, made at the face by :func:`asyncload.faces.terms.planner_terms`
@@ -40,8 +45,9 @@ byte requested; the storage boundary is then made anew for the new options (the 
 read the metadata was closed after that read: a store's policy never changes). From there to the end of
 the load the config is fixed, and the session holds it so: once the load has begun reading
 tensor data (``prepare_reads``, or ``acheck_claims`` for a stream), ``planner_arrived``
-with options that differ from the config's raises ``RuntimeError`` naming them (terms
-without options, or with the config's own, still set :attr:`LoadConfig.planner`: a
+with options that resolve to other settings than the config's (:func:`settings`) raises
+``RuntimeError`` naming them (terms without options, or with options that resolve alike,
+still set :attr:`LoadConfig.planner`: a
 stream's next batch). A session's next load
 (:meth:`~asyncload.engine.session.LoadSession.begin`) starts again from the config it was
 made with.
@@ -72,22 +78,33 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from asyncload.common.latency import LoadClock
-from asyncload.common.options import ChunkPolicy, HedgePolicy, LoadOptions, RetryPolicy
+from asyncload.common.options import (
+    CheckPolicy,
+    ChunkPolicy,
+    HedgePolicy,
+    LoadOptions,
+    RetryPolicy,
+)
 from asyncload.common.stats import StatsRecorder
 from asyncload.storage import RetryingStorage, Storage, open_storage
 
 __all__ = [
+    "Concurrency",
     "LoadConfig",
     "MemoryPlan",
     "PlanReport",
     "PlannerTerms",
+    "RankPolicy",
     "ReadShare",
+    "StoragePolicy",
+    "governing_options",
     "open_boundary",
     "resolve_config",
     "ring_geometry",
+    "settings",
 ]
 
 #: The most slots a pinned ring gets, and the fewest.
@@ -129,12 +146,12 @@ class PlannerTerms:
     #: The planner's options when they were set explicitly (they then govern a load given
     #: no ``options``), else None.
     options: LoadOptions | None = None
-    #: ``collective_timeout(options)``: the planner's collective timeout for the load's
-    #: options (``ShardedLoadPlanner(collective_timeout=...)``); None: the options' own.
-    collective_timeout: Callable[[LoadOptions], float | None] | None = None
-    #: ``share(session, options)``: the share session that takes over this rank's reads of
-    #: the load ``session``, or None when there is nobody to share with (``ShardedLoadPlanner``).
-    share: Callable[[Any, LoadOptions], ReadShare | None] | None = None
+    #: ``collective_timeout(own)``: the planner's collective timeout for a load whose
+    #: options say ``own`` (``ShardedLoadPlanner(collective_timeout=...)``); None: ``own``.
+    collective_timeout: Callable[[float | None], float | None] | None = None
+    #: ``share(session)``: the share session that takes over this rank's reads of the load
+    #: ``session``, or None when there is nobody to share with (``ShardedLoadPlanner``).
+    share: Callable[[Any], ReadShare | None] | None = None
     #: ``destinations_checked(state_dict)``: the load checked ``state_dict`` before its first
     #: request; the planner need not check it again when it is set up with it.
     destinations_checked: Callable[[Any], None] | None = None
@@ -146,13 +163,15 @@ class PlannerTerms:
         return self.report() if self.report is not None else None
 
 
-def ring_geometry(options: LoadOptions) -> tuple[int, int]:
-    """``(slots, slot_size)`` of the pinned ring for ``options``: slots of one chunk,
-    2 to 8 of them, all within ``memory_budget``."""
-    slot = min(
-        options.effective_chunk_size, max(MIN_SLOT_SIZE, options.memory_budget // MIN_SLOTS)
-    )
-    slots = max(MIN_SLOTS, min(MAX_SLOTS, options.memory_budget // slot))
+#: What a planner that brings nothing brings.
+_NO_TERMS = PlannerTerms()
+
+
+def ring_geometry(memory_budget: int, chunk_size: int) -> tuple[int, int]:
+    """``(slots, slot_size)`` of the pinned ring for chunks of ``chunk_size`` (clamped to
+    the budget already): slots of one chunk, 2 to 8 of them, all within ``memory_budget``."""
+    slot = min(chunk_size, max(MIN_SLOT_SIZE, memory_budget // MIN_SLOTS))
+    slots = max(MIN_SLOTS, min(MAX_SLOTS, memory_budget // slot))
     return slots, slot
 
 
@@ -180,31 +199,75 @@ class MemoryPlan:
         return self.reads + self.pinned + self.streaming + self.sends
 
     @classmethod
-    def for_options(cls, options: LoadOptions) -> MemoryPlan:
-        budget = options.memory_budget
-        slots, slot = ring_geometry(options)
+    def for_budget(cls, budget: int, chunk_size: int) -> MemoryPlan:
+        """The plan of ``budget`` for a load read in chunks of ``chunk_size`` (clamped)."""
+        slots, slot = ring_geometry(budget, chunk_size)
         return cls(budget, budget, slots * slot, slots, slot, budget, budget)
 
 
-@dataclass(frozen=True)
-class LoadConfig:
-    """One load's resolved configuration (:func:`resolve_config`); frozen."""
+@dataclass(frozen=True, kw_only=True)
+class StoragePolicy:
+    """How the storage under the error boundary is opened (:func:`open_boundary`): the
+    remote client (``LoadOptions.transport``), local mapped copies
+    (``local_mapped_copies``) and the bound on a listing (``max_metadata_size``)."""
 
-    options: LoadOptions
+    transport: Literal["auto", "obstore", "fsspec", "wire"]
+    mapped_copies: bool
+    max_listing_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Concurrency:
+    """Reads in flight (``LoadOptions.concurrency``): a fixed number, or ``auto`` (the
+    pipeline finds its level from ``initial`` up to ``max_in_flight``)."""
+
+    auto: bool
+    #: The reads in flight a pipeline starts with (the fixed number when not ``auto``).
+    initial: int
+    #: The most reads in flight.
+    max_in_flight: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPolicy:
+    """The options of a multi-rank load as given (``LoadOptions``' fields of the same
+    names); :attr:`LoadConfig.collective_timeout` is the load's, its planner's when it has
+    one."""
+
+    collective_timeout: float | None
+    late_rank_log_after: float | None
+    share_metadata: bool | Literal["auto"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    """One load's resolved configuration (:func:`resolve_config`); frozen. Every stage reads
+    the field it needs: no :class:`~asyncload.LoadOptions` travels inside it."""
+
     retry: RetryPolicy
     hedge: HedgePolicy
     chunking: ChunkPolicy
     memory: MemoryPlan
-    #: The options the reads of a load into device tensors use: chunks no larger than one
-    #: pinned slot (``options`` itself when its chunks fit).
-    staged: LoadOptions
+    #: The chunking of the reads of a load into device tensors: chunks no larger than one
+    #: pinned slot (``chunking`` itself when its chunks fit).
+    staged: ChunkPolicy
+    #: Reads in flight.
+    concurrency: Concurrency
+    #: What is checked and refused (``verify``, ``max_metadata_size``, ``safe_globals``...).
+    checks: CheckPolicy
+    #: How the storage is opened.
+    storage: StoragePolicy
     #: Threads for local reads and assembly copies.
     io_threads: int
+    #: Run the library's event loop on uvloop when it is installed.
+    use_uvloop: bool
+    #: The multi-rank options as given.
+    ranks: RankPolicy
     #: Multi-rank loads: seconds a rank may go without progress (the planner's own when it
     #: has one: ``ShardedLoadPlanner(collective_timeout=...)``).
     collective_timeout: float | None
     #: What the load's planner brings to it (:class:`PlannerTerms`; none by default).
-    planner: PlannerTerms = PlannerTerms()
+    planner: PlannerTerms = _NO_TERMS
 
     def with_planner(self, terms: PlannerTerms) -> LoadConfig:
         """This config for a planner that brings ``terms`` and no other options (none of
@@ -212,8 +275,16 @@ class LoadConfig:
         timeout (``ShardedLoadPlanner(collective_timeout=...)``), when it has one, is the
         load's."""
         timeout_for = terms.collective_timeout
-        collective = self.collective_timeout if timeout_for is None else timeout_for(self.options)
+        own = self.ranks.collective_timeout
+        collective = own if timeout_for is None else timeout_for(own)
         return dataclasses.replace(self, planner=terms, collective_timeout=collective)
+
+    def without_planner(self) -> LoadConfig:
+        """This config bringing no planner's terms (``planner=PlannerTerms()``), for a holder
+        that must not keep the planner alive."""
+        if self.planner is _NO_TERMS:
+            return self
+        return dataclasses.replace(self, planner=_NO_TERMS)
 
     def __repr__(self) -> str:
         c = self.chunking
@@ -223,6 +294,26 @@ class LoadConfig:
             f"memory_budget={self.memory.budget}, "
             f"io_threads={self.io_threads})"
         )
+
+
+def governing_options(options: LoadOptions | None, terms: PlannerTerms) -> LoadOptions:
+    """The options that govern a load given ``options`` and a planner that brings
+    ``terms``: ``options`` when given, else the planner's own (set explicitly), else the
+    defaults (what :func:`resolve_config` resolves; a face that hands the options on to a
+    planner of its own asks here).
+
+    Raised: ``TypeError`` when ``options`` is not a :class:`LoadOptions` or ``terms`` not
+    a :class:`PlannerTerms`."""
+    if not isinstance(terms, PlannerTerms):
+        raise TypeError(
+            f"terms must be a PlannerTerms (asyncload.faces.terms.planner_terms makes them "
+            f"from a planner), not {type(terms).__name__}"
+        )
+    if options is None:
+        return terms.options or LoadOptions()
+    if not isinstance(options, LoadOptions):
+        raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
+    return options
 
 
 def resolve_config(
@@ -237,25 +328,18 @@ def resolve_config(
     a :class:`PlannerTerms`."""
     if terms is None:
         terms = PlannerTerms()
-    elif not isinstance(terms, PlannerTerms):
-        raise TypeError(
-            f"terms must be a PlannerTerms (asyncload.faces.terms.planner_terms makes them "
-            f"from a planner), not {type(terms).__name__}"
-        )
-    if options is None:
-        options = terms.options or LoadOptions()
-    elif not isinstance(options, LoadOptions):
-        raise TypeError(f"options must be a LoadOptions, not {type(options).__name__}")
-    memory = MemoryPlan.for_options(options)
-    staged = options
-    if options.effective_chunk_size > memory.slot_size:
-        min_chunk = options.min_chunk_size
-        assert min_chunk is not None  # derived from chunk_size when not given
-        staged = options.replace(
-            chunk_size=memory.slot_size, min_chunk_size=min(min_chunk, memory.slot_size)
+    options = governing_options(options, terms)
+    chunking = options.chunk_policy
+    memory = MemoryPlan.for_budget(options.memory_budget, chunking.chunk_size)
+    staged = chunking
+    if chunking.chunk_size > memory.slot_size:
+        staged = ChunkPolicy(
+            chunk_size=memory.slot_size,
+            min_chunk_size=min(chunking.min_chunk_size, memory.slot_size),
         )
     timeout_for = terms.collective_timeout
-    collective = options.collective_timeout if timeout_for is None else timeout_for(options)
+    own = options.collective_timeout
+    collective = own if timeout_for is None else timeout_for(own)
     if options.io_threads is not None:
         threads = options.io_threads
     else:
@@ -263,16 +347,75 @@ def resolve_config(
         # measured slower here (docs/performance.md)
         threads = max(2, min(16, options.max_in_flight, os.cpu_count() or 2))
     return LoadConfig(
-        options=options,
         retry=options.retry_policy,
         hedge=options.hedge_policy,
-        chunking=options.chunk_policy,
+        chunking=chunking,
         memory=memory,
         staged=staged,
+        concurrency=Concurrency(
+            auto=options.concurrency == "auto",
+            initial=options.initial_concurrency,
+            max_in_flight=options.max_in_flight,
+        ),
+        checks=CheckPolicy(
+            verify=options.verify,
+            allow_dtype_cast=options.allow_dtype_cast,
+            strict_unexpected_keys=options.strict_unexpected_keys,
+            max_metadata_size=options.max_metadata_size,
+            max_over_read_ratio=options.max_over_read_ratio,
+            safe_globals=options.safe_globals,
+        ),
+        storage=StoragePolicy(
+            transport=options.transport,
+            mapped_copies=options.local_mapped_copies,
+            max_listing_size=options.max_metadata_size,
+        ),
         io_threads=threads,
+        use_uvloop=options.use_uvloop,
+        ranks=RankPolicy(
+            collective_timeout=own,
+            late_rank_log_after=options.late_rank_log_after,
+            share_metadata=options.share_metadata,
+        ),
         collective_timeout=collective,
         planner=terms,
     )
+
+
+#: Each option's resolved value in a config (:func:`settings`), in ``LoadOptions``' order.
+_SETTINGS: tuple[tuple[str, Callable[[LoadConfig], object]], ...] = (
+    ("chunk_size", lambda c: c.chunking.chunk_size),
+    ("min_chunk_size", lambda c: c.chunking.min_chunk_size),
+    ("timeout", lambda c: c.retry.timeout),
+    ("collective_timeout", lambda c: c.ranks.collective_timeout),
+    ("retries", lambda c: c.retry.retries),
+    ("backoff", lambda c: c.retry.backoff),
+    ("max_backoff", lambda c: c.retry.max_backoff),
+    ("concurrency", lambda c: c.concurrency),
+    ("memory_budget", lambda c: c.memory.budget),
+    ("verify", lambda c: c.checks.verify),
+    ("hedge", lambda c: c.hedge.enabled),
+    ("hedge_factor", lambda c: c.hedge.factor),
+    ("hedge_min_delay", lambda c: (c.hedge.min_delay, c.hedge.derived)),
+    ("allow_dtype_cast", lambda c: c.checks.allow_dtype_cast),
+    ("strict_unexpected_keys", lambda c: c.checks.strict_unexpected_keys),
+    ("use_uvloop", lambda c: c.use_uvloop),
+    ("io_threads", lambda c: c.io_threads),
+    ("local_mapped_copies", lambda c: c.storage.mapped_copies),
+    ("max_metadata_size", lambda c: c.checks.max_metadata_size),
+    ("transport", lambda c: c.storage.transport),
+    ("max_over_read_ratio", lambda c: c.checks.max_over_read_ratio),
+    ("safe_globals", lambda c: c.checks.safe_globals),
+    ("late_rank_log_after", lambda c: c.ranks.late_rank_log_after),
+    ("share_metadata", lambda c: c.ranks.share_metadata),
+)
+
+
+def settings(config: LoadConfig) -> dict[str, object]:
+    """What ``config`` resolved each ``LoadOptions`` field to, by the field's name (a
+    chunk size clamped to the budget, the I/O threads derived...): two configs that read
+    alike have equal settings."""
+    return {name: get(config) for name, get in _SETTINGS}
 
 
 def open_boundary(
@@ -288,15 +431,15 @@ def open_boundary(
     boundary, both made from ``config``: its transport, local mapped copies and listing
     bound, its retry and hedge policies. A load's session and ``safe_open``'s store open
     their storage here."""
-    options = config.options
     if raw is None:
+        store = config.storage
         raw = open_storage(
             root,
             storage_options,
             executor,
-            transport=options.transport,
-            mapped_copies=options.local_mapped_copies,
-            max_listing_size=options.max_metadata_size,
+            transport=store.transport,
+            mapped_copies=store.mapped_copies,
+            max_listing_size=store.max_listing_size,
         )
     return RetryingStorage(
         raw,

@@ -13,7 +13,7 @@ import bisect
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from asyncload.common.options import ChunkPolicy, LoadOptions
+from asyncload.common.options import CheckPolicy, ChunkPolicy
 from asyncload.common.stats import StatsRecorder
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.plan import break_even_gap, make_chunks
@@ -54,11 +54,11 @@ class ReadBudget:
 
     @classmethod
     def for_load(
-        cls, options: LoadOptions, remote: bool, records: list[Record], read_before: int
+        cls, checks: CheckPolicy, remote: bool, records: list[Record], read_before: int
     ) -> ReadBudget:
         from asyncload.engine.records import needed
 
-        ratio = None if options.verify else options.max_over_read_ratio
+        ratio = None if checks.verify else checks.max_over_read_ratio
         return cls(ratio, remote, sum(needed(r) for r in records if not r.transforms), read_before)
 
     def whole_records(self, records: list[Record], small: int) -> set[int]:

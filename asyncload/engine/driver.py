@@ -290,7 +290,7 @@ def read_steps(
     :class:`~asyncload.engine.config.PlannerTerms`): ``share.run`` replaces ``Pipeline.run``,
     ``share.fail`` tells the other ranks."""
     make_share = session.config.planner.share
-    share = make_share(session, session.options) if make_share is not None else None
+    share = make_share(session) if make_share is not None else None
     try:
         records = yield Call(session.prepare_reads, plan, planner, metadata)
         yield Await(session.aread(records, share.run if share is not None else None))

@@ -103,7 +103,7 @@ def exchanges_metadata(session: LoadSession, world: int) -> bool:
 def _wants_shared(session: LoadSession) -> bool:
     """This rank's ``LoadOptions.share_metadata``: ``"auto"`` for a remote directory,
     ``True`` for any checkpoint, ``False`` never (it reads its own, and rank 0 sends none)."""
-    choice = session.options.share_metadata
+    choice = session.config.ranks.share_metadata
     if choice == "auto":
         checkpoint = session.checkpoint
         return not is_local(checkpoint) and not formats.may_be_a_file(checkpoint)
@@ -201,7 +201,7 @@ async def _read_and_send(session: LoadSession, monitor: Any, src: int, group: An
         listing = None
         if raw is not None:  # the data files' listing too, once back (its own bound)
             storage = await session.storage()
-            listing = await storage.listing_for_peers(session.options.timeout)
+            listing = await storage.listing_for_peers(session.config.retry.timeout)
         await _broadcast_part(session, src, group, _message(raw, url, listing), doing)
 
     failed: Exception | None = None

@@ -23,15 +23,18 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncload.common.errors import first_error
-from asyncload.common.options import LoadOptions
+from asyncload.common.options import ChunkPolicy
 from asyncload.common.stats import StatsRecorder
 from asyncload.engine.assembly import StagingPool, assemble, track
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.meter import Meter
 from asyncload.storage import RetryingStorage, Storage
+
+if TYPE_CHECKING:
+    from asyncload.engine.config import LoadConfig
 
 __all__ = ["Pipeline"]
 
@@ -44,34 +47,43 @@ class Pipeline:
     def __init__(
         self,
         storage: RetryingStorage | Storage,
-        options: LoadOptions,
+        config: LoadConfig,
         stats: StatsRecorder,
         executor: concurrent.futures.Executor,
         budget: Meter | None = None,
         *,
+        chunking: ChunkPolicy | None = None,
         staging: Any = None,
         on_progress: Callable[[int], None] | None = None,
         limiter: Meter | None = None,
     ) -> None:
         if not isinstance(storage, RetryingStorage):  # a bare store: give it the load's policy
-            storage = RetryingStorage.for_options(storage, options, stats, executor)
+            storage = RetryingStorage(
+                storage, retry=config.retry, hedge=config.hedge, stats=stats, executor=executor
+            )
         # the same store and policy, telling this pipeline when the store asks to slow down
         self.storage = storage.with_throttle(self._note_throttle)
-        self.options = options
+        #: The load's config without its planner's terms: the store's throttle callback
+        #: makes a reference cycle of the pipeline, which must not keep the planner (and the
+        #: destinations it holds) alive until a garbage collection.
+        self.config = config.without_planner()
+        #: How this pipeline's chunks were cut (``config.staged`` for a load into device
+        #: tensors, else ``config.chunking``).
+        self.chunking = chunking if chunking is not None else config.chunking
         self.stats = stats
         self.executor = executor
         #: Bytes read but not yet assembled (``memory_budget``: the read share of the memory
         #: plan, :mod:`asyncload.engine.config`), and reads in flight (``concurrency``).
-        self.budget = budget or Meter(options.memory_budget, name="read budget", unit="bytes")
+        self.budget = budget or Meter(config.memory.budget, name="read budget", unit="bytes")
         #: ``budget`` and ``limiter`` may be shared by pipelines that run at once (a
         #: stream's batches read ahead: :class:`asyncload.faces.streaming.CheckpointStream`),
         #: which then stay within one budget and one ``concurrency`` together.
         self.limiter = (
             limiter
             if limiter is not None
-            else Meter(options.initial_concurrency, name="reads in flight", unit="reads")
+            else Meter(config.concurrency.initial, name="reads in flight", unit="reads")
         )
-        self._pool = StagingPool(min(options.memory_budget, 4 * options.effective_chunk_size))
+        self._pool = StagingPool(min(config.memory.budget, 4 * self.chunking.chunk_size))
         self._throttled = 0
         #: ``concurrency="auto"``: (time, new limit, why) for every change.
         self.limit_history: list[tuple[float, int, str]] = []
@@ -120,11 +132,7 @@ class Pipeline:
         error: BaseException | None = None
         try:
             async with asyncio.TaskGroup() as tg:
-                tuner = (
-                    tg.create_task(self._autotune())
-                    if self.options.concurrency == "auto"
-                    else None
-                )
+                tuner = tg.create_task(self._autotune()) if self.config.concurrency.auto else None
                 async for chunk in chunks:
                     # wall-clock waits of this one dispatcher: for the budget only when the
                     # chunk did not fit it (try_acquire), then for a read slot (concurrency)
@@ -374,7 +382,8 @@ class _AutoTuner:
         if self.prev_rate is None or rate >= self.prev_rate * 1.10:
             new = limit * 2 if self.slow_start else limit + max(1, limit // 4)
             p._set_limit(
-                min(p.options.max_in_flight, new), f"throughput {rate / 2**20:.1f} MiB/s rising"
+                min(p.config.concurrency.max_in_flight, new),
+                f"throughput {rate / 2**20:.1f} MiB/s rising",
             )
         else:
             self.slow_start = False

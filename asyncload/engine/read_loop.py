@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import TYPE_CHECKING
 
-from asyncload.common.options import LoadOptions
 from asyncload.engine.chunks import Chunk
 from asyncload.engine.meter import Meter
 from asyncload.storage import BATCH_INLINE, RetryingStorage
+
+if TYPE_CHECKING:
+    from asyncload.engine.config import LoadConfig
 
 __all__ = ["SMALL_READ", "group_chunks", "probe_slots", "read_chunks"]
 
@@ -118,7 +121,7 @@ async def read_chunks(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def probe_slots(options: LoadOptions) -> Meter:
+def probe_slots(config: LoadConfig) -> Meter:
     """The read slots of a format probe's fetchers (:class:`asyncload.formats.Fetcher`):
     ``max_in_flight`` reads at once."""
-    return Meter(max(1, options.max_in_flight), name="format reads", unit="reads")
+    return Meter(max(1, config.concurrency.max_in_flight), name="format reads", unit="reads")

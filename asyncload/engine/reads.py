@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only (a load of a non-DCP file imports no DCP)
     from torch.distributed.checkpoint.metadata import Metadata
 
 import asyncload.formats as formats
-from asyncload.common.options import ChunkPolicy, LoadOptions
+from asyncload.common.options import ChunkPolicy
 from asyncload.common.stats import SharedRecorder, StatsRecorder
 from asyncload.engine import transforms as _transforms
 from asyncload.engine.assembly import copy_bytes
@@ -126,8 +126,8 @@ class RecordReads:
         replaces ``Pipeline.run`` (a planner that shares reads across ranks)."""
         stager = self._stager
         # CUDA destinations: chunks fit the pinned ring's slots
-        options = self.config.staged if stager is not None else self.config.options
-        chunking = options.chunk_policy
+        chunking = self.config.staged if stager is not None else self.config.chunking
+        checks = self.config.checks
         run = (
             run_chunks or Pipeline.run
         )  # (pipeline, chunks): ShardedLoadPlanner's session shares reads
@@ -152,9 +152,10 @@ class RecordReads:
             self._report = on_progress
         pipeline = Pipeline(
             storage,
-            options,
+            self.config,
             self._recorder,
             self._executor,
+            chunking=chunking,
             staging=stager,
             on_progress=self._report,
             budget=None if self._shared is None else self._shared[0],
@@ -166,20 +167,20 @@ class RecordReads:
         # A remote load of plain DCP records, each needed whole (one process loading its
         # checkpoint): each record's data is read as soon as its own probes land (:mod:`asyncload.engine.streamed`).
         streamed = run_chunks is None and stager is None and storage.hedgeable and dense(records)
-        located = [] if streamed else await self._locate(storage, records, options)
+        located = [] if streamed else await self._locate(storage, records, chunking)
         t_checked = time.monotonic()
-        await self._aread_transformed(pipeline, [r for r in records if r.transforms], options)
+        await self._aread_transformed(pipeline, [r for r in records if r.transforms])
         # Records up to min_chunk_size (plus the probes' size) are read whole: cheaper than
         # two round trips, and it guarantees that a large record's head and tail probes are
         # more than min_chunk_size apart, so coalescing never reads through its data. Under
         # max_over_read_ratio a record of which this rank needs a slice is read whole only
         # where the bound (and the cost model) allow it, else probed like a large one.
         small = chunking.min_chunk_size + HEAD_PROBE + TAIL_PROBE
-        check_object_claims(records, options, self.checkpoint)
+        check_object_claims(records, checks, self.checkpoint)
         trackers: list[tuple[CrcTracker, Record]] = []
         ecs = chunking.chunk_size
         reads = ReadBudget.for_load(
-            options, storage.hedgeable, records, self._recorder.stats.bytes_read
+            checks, storage.hedgeable, records, self._recorder.stats.bytes_read
         )
         whole = reads.whole_records(records, min(small, ecs))
         # Phase A: whole small records and objects; head and tail probes of large records
@@ -206,9 +207,7 @@ class RecordReads:
                         )
                     )
             elif id(rec) in whole:
-                whole_piece = Piece(
-                    rec.name, rec.offset, rec.end, deliver=self._whole_record(rec, options)
-                )
+                whole_piece = Piece(rec.name, rec.offset, rec.end, deliver=self._whole_record(rec))
                 # sharing: a small tensor record is read with the data (phase B), so that a rank
                 # whose assembly is slow does not hold up every rank's start of phase B
                 (deferred if shared_tensor_record(rec) else pieces).append(whole_piece)
@@ -223,7 +222,9 @@ class RecordReads:
         if streamed:
             from asyncload.engine.streamed import aread_streamed
 
-            await aread_streamed(self, pipeline, storage, options, chunks, large, reads, trackers)
+            await aread_streamed(
+                self, pipeline, storage, self.config, chunks, large, reads, trackers
+            )
             self._check_written(records, assembled_before, total)
             log.debug(
                 "read %d records streamed (each record's data once its probes landed): %.4f s",
@@ -253,7 +254,7 @@ class RecordReads:
                 await self._record_pieces(
                     rec,
                     storage,
-                    options,
+                    chunking,
                     stager,
                     reads,
                     trackers,
@@ -288,7 +289,7 @@ class RecordReads:
         self,
         rec: Record,
         storage: RetryingStorage,
-        options: LoadOptions,
+        chunking: ChunkPolicy,
         stager: Any,
         reads: ReadBudget,
         trackers: list[tuple[CrcTracker, Record]],
@@ -303,15 +304,15 @@ class RecordReads:
         checksum tracker under ``verify`` (``trackers``); ``headers``: the record's tensor
         location, the rest of it being headers. ``shared``: reads planned by
         ShardedLoadPlanner, whose plan of who reads what counts every range."""
-        chunking = options.chunk_policy
+        checks = self.config.checks
         if rec.known is not None:
             loc = rec.known
         else:  # a DCP record (a torch.save archive): located from its probes
             from asyncload.engine.streamed import locate
 
-            loc = await locate(rec, storage, options)
+            loc = await locate(rec, storage, checks)
         tracker = None
-        if options.verify and loc.crc32 is not None:
+        if checks.verify and loc.crc32 is not None:
             tracker = CrcTracker(loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32)
             trackers.append((tracker, rec))
         rec_pieces = [
@@ -319,7 +320,6 @@ class RecordReads:
             for _, item_pieces in self._plan_items(
                 rec,
                 loc,
-                options,
                 chunking.chunk_size,
                 chunking.min_chunk_size,
                 stager,
@@ -387,7 +387,6 @@ class RecordReads:
         self,
         rec: Record,
         loc: TensorLocation,
-        options: LoadOptions,
         chunk_size: int,
         min_chunk_size: int,
         stager: Any,
@@ -406,7 +405,7 @@ class RecordReads:
                 dest,
                 chunk_size=chunk_size,
                 min_chunk_size=min_chunk_size,
-                allow_cast=options.allow_dtype_cast or self._torch_casts,
+                allow_cast=self.config.checks.allow_dtype_cast or self._torch_casts,
                 key=item.dest_index.fqn,
                 stager=stager,
                 max_gap=max_gap,
@@ -416,7 +415,7 @@ class RecordReads:
         return planned
 
     async def _locate(
-        self, storage: RetryingStorage, records: list[Record], options: LoadOptions
+        self, storage: RetryingStorage, records: list[Record], chunking: ChunkPolicy
     ) -> list[Record]:
         """Records of already located formats: tensors' locations (safetensors blobs in DCP
         files: their headers are read now), objects decoded (tensors inside them read)."""
@@ -425,7 +424,9 @@ class RecordReads:
         kinds: dict[type[formats.FormatEntry], list[Record]] = {}
         for r in located:
             kinds.setdefault(type(r.entry), []).append(r)
-        fetcher = formats.Fetcher(storage, options, slots=probe_slots(options))
+        fetcher = formats.Fetcher(
+            storage, self.config.checks, chunking, slots=probe_slots(self.config)
+        )
         for kind, recs in kinds.items():
             found = await kind.resolve([r.entry for r in recs], fetcher)
             for r, value in zip(recs, found):
@@ -435,10 +436,11 @@ class RecordReads:
                     r.known = value
         return [r for r in located if r.known is not None]
 
-    def _whole_record(self, rec: Record, options: LoadOptions) -> Callable[[memoryview], None]:
+    def _whole_record(self, rec: Record) -> Callable[[memoryview], None]:
         """Assembly of a record read whole: its bytes as stored, or (a record saved with
         stream transforms) the archive its transforms decoded."""
         recorder = self._recorder
+        checks = self.config.checks
         base = 0 if rec.transforms else rec.offset
 
         def deliver(data: memoryview) -> None:
@@ -458,8 +460,8 @@ class RecordReads:
                 base,
                 len(data),
                 where,
-                max_pickle=options.max_metadata_size,
-                safe_globals=options.safe_globals,
+                max_pickle=checks.max_metadata_size,
+                safe_globals=checks.safe_globals,
             )
             loc = formats.tensor_location(layout, rec.name)
             check_against_metadata(rec, loc)
@@ -467,7 +469,7 @@ class RecordReads:
                 check_decoded_storage(rec, loc)
             # a decoded record is always checked: a damaged compressed stream may decode to
             # other bytes without an error of its own (zstd frames carry no checksum by default)
-            if (options.verify or rec.transforms) and loc.crc32 is not None:
+            if (checks.verify or rec.transforms) and loc.crc32 is not None:
                 tracker = CrcTracker(
                     loc.data_start, loc.data_start + loc.storage_nbytes, loc.crc32
                 )
@@ -475,7 +477,7 @@ class RecordReads:
                 raise_on_bad_crc(tracker, rec, rec.name)
                 recorder.add(verified_records=1)
             n = 0
-            planned = self._plan_items(rec, loc, options, 1 << 62, 1 << 62, self._stager)
+            planned = self._plan_items(rec, loc, 1 << 62, 1 << 62, self._stager)
             for dest, item_pieces in planned:  # every item planned before any is written
                 for p in item_pieces:
                     part = data[p.start - base : p.end - base]
@@ -491,9 +493,7 @@ class RecordReads:
 
         return deliver
 
-    async def _aread_transformed(
-        self, pipeline: Pipeline, records: list[Record], options: LoadOptions
-    ) -> None:
+    async def _aread_transformed(self, pipeline: Pipeline, records: list[Record]) -> None:
         """Records saved with stream transforms: fetched whole, decoded, assembled
         (:mod:`asyncload.engine.transforms`)."""
         if not records:
@@ -509,11 +509,11 @@ class RecordReads:
                     expected + _transforms.ARCHIVE_SLACK
                 )  # the tensor's bytes and its archive's headers
             else:  # an object: the metadata does not say how large; most are small
-                retry = min(room, options.max_metadata_size)
+                retry = min(room, self.config.checks.max_metadata_size)
                 limit = min(retry, max(4 * rec.length, 1 << 20))
             url = storage.url(rec.name)
             what = f"key {rec.fqn!r}, {url} {rec.where} (transforms {list(rec.transforms)})"
-            deliver = self._whole_record(rec, options)
+            deliver = self._whole_record(rec)
             reads.append(
                 _transforms.TransformedRead(
                     rec.name, rec.offset, rec.end, rec.extensions, limit, what, deliver, retry

@@ -23,7 +23,7 @@ import torch
 
 import asyncload.formats as formats
 from asyncload.common.errors import CheckpointFormatError, StateDictMismatchError
-from asyncload.common.options import LoadOptions
+from asyncload.common.options import CheckPolicy
 from asyncload.common.paths import check_relative_path
 from asyncload.common.stats import LoadStats
 from asyncload.engine import transforms as _transforms
@@ -235,7 +235,7 @@ def collect(
     return sorted(records.values(), key=lambda r: (r.name, r.offset)) + located
 
 
-def commit(records: list[Record], planner: LoadPlanner, options: LoadOptions) -> None:
+def commit(records: list[Record], planner: LoadPlanner, checks: CheckPolicy) -> None:
     """Hand every tensor and decoded object to the planner (its hooks: caller's thread).
 
     Objects: asyncload's own planners (:class:`AllowListPlanner`) get them decoded by the
@@ -248,7 +248,7 @@ def commit(records: list[Record], planner: LoadPlanner, options: LoadOptions) ->
     again with ``torch.save``."""
     ours = planner if isinstance(planner, AllowListPlanner) else None
     raw_bytes = ours is not None and ours.raw_objects
-    safe_globals = options.safe_globals
+    safe_globals = checks.safe_globals
     for rec in records:
         for item, dest in rec.tensor_items:
             planner.commit_tensor(item, dest)
@@ -270,7 +270,7 @@ def commit(records: list[Record], planner: LoadPlanner, options: LoadOptions) ->
             obj = decode_object(
                 rec.raw,
                 what=f"object {rec.fqn!r} in {rec.where}",
-                max_pickle=options.max_metadata_size,
+                max_pickle=checks.max_metadata_size,
                 safe_globals=safe_globals,
             )
             if ours is not None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import sys
@@ -61,7 +60,13 @@ from asyncload.common.stats import LoadStats
 from asyncload.engine.cancellation import LoadTasks
 from asyncload.engine.checks import check_claims
 from asyncload.engine.chunks import Chunk
-from asyncload.engine.config import LoadConfig, PlannerTerms, open_boundary, resolve_config
+from asyncload.engine.config import (
+    LoadConfig,
+    PlannerTerms,
+    open_boundary,
+    resolve_config,
+    settings,
+)
 from asyncload.engine.meter import Meter
 from asyncload.engine.pipeline import Pipeline
 from asyncload.engine.read_loop import probe_slots
@@ -151,6 +156,7 @@ class LoadSession:
         checkpoint: str | os.PathLike[str],
         *,
         config: LoadConfig | None = None,
+        options: LoadOptions | None = None,
         storage_options: Mapping[str, Any] | None = None,
         group: Any = None,
         monitor: Any = None,
@@ -163,7 +169,9 @@ class LoadSession:
         self.checkpoint = checkpoint
         self.storage_options = dict(storage_options or {})
         # collaborators (read-only)
-        self._made_with = config if config is not None else resolve_config()
+        self._made_with = config if config is not None else resolve_config(options)
+        #: The options the config was resolved from, when the face gave them (:attr:`options`).
+        self._made_with_options = options
         self._group = group
         self._monitor = monitor
         self._progress = progress
@@ -175,6 +183,7 @@ class LoadSession:
         self.plain_metadata = False
         # the load in progress
         self._config = self._made_with
+        self._options = options
         #: Where storage is opened when not at ``checkpoint`` (the directory of a file checkpoint).
         self._storage_root: str | None = None
         #: The load's statistics and clock (:class:`~asyncload.engine.tally.LoadTally`).
@@ -227,9 +236,11 @@ class LoadSession:
         return self._config
 
     @property
-    def options(self) -> LoadOptions:
-        """The options of :attr:`config`."""
-        return self._config.options
+    def options(self) -> LoadOptions | None:
+        """The options :attr:`config` was resolved from (None: the face gave none), for the
+        faces that hand them to a public hook (``ShardedLoadPlanner.share_session``); the
+        engine reads :attr:`config`."""
+        return self._options
 
     @property
     def group(self) -> Any:
@@ -253,16 +264,18 @@ class LoadSession:
         the storage boundary made anew for them (the open store's policy never changes).
 
         Once this load has begun reading tensor data (:meth:`prepare_reads`,
-        :meth:`acheck_claims`) its config is fixed: terms with options that differ from the
-        config's raise ``RuntimeError`` naming the options that would change (terms without
-        options, or with the config's own, still set :attr:`LoadConfig.planner`: a stream's
+        :meth:`acheck_claims`) its config is fixed: terms with options that resolve to other
+        settings than the config's (:func:`~asyncload.engine.config.settings`) raise
+        ``RuntimeError`` naming the options that would change (terms without options, or
+        with options that resolve alike, still set :attr:`LoadConfig.planner`: a stream's
         next batch). :meth:`begin` starts the next load free again."""
-        own, current = terms.options, self._config.options
-        if own is None or own is current:
+        own = terms.options
+        if own is None or own is self._options:
             self._config = self._config.with_planner(terms)
             return
+        new = resolve_config(own, terms)
         if self._reading:
-            changed = _changed_fields(current, own)
+            changed = _changed_settings(self._config, new)
             if not changed:  # equal options: nothing would change
                 self._config = self._config.with_planner(terms)
                 return
@@ -272,7 +285,7 @@ class LoadSession:
                 "after it began reading tensor data; a load's configuration is fixed from "
                 "then on (give the options when the load starts, or start another load)"
             )
-        self._config, self._boundary = resolve_config(own, terms), None
+        self._config, self._options, self._boundary = new, own, None
 
     # --- one load's clock and statistics -------------------------------------------------
 
@@ -282,7 +295,7 @@ class LoadSession:
         if checkpoint:
             self.checkpoint = checkpoint
             self._storage_root = None
-        self._config = self._made_with
+        self._config, self._options = self._made_with, self._made_with_options
         self._tally.begin()
         self._boundary = None  # made again for this load's statistics and clock
         self._reading = False
@@ -320,7 +333,7 @@ class LoadSession:
     def _library_loop(self) -> asyncio.AbstractEventLoop:
         """The library loop thread this session runs on (:meth:`LoadTasks.library_loop`)."""
         local = is_local(self.checkpoint)
-        return self._tasks.library_loop(self._config.options.use_uvloop, local=local)
+        return self._tasks.library_loop(self._config.use_uvloop, local=local)
 
     async def guard(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on the running loop as a task :meth:`cancel` can reach (``aload``)."""
@@ -434,14 +447,19 @@ class LoadSession:
     async def _aread_metadata(
         self, rank: int | None, on_bytes: Callable[[memoryview, str], Awaitable[None]] | None
     ) -> Metadata:
-        options = self._config.options
+        config = self._config
+        limit = config.checks.max_metadata_size
         refuse_a_dcp_file(self.checkpoint)
         if rank is None:
             if self._storage_root is not None:
                 await self.open_root(None)  # back to the checkpoint itself
             if formats.may_be_a_file(self.checkpoint):  # else: the probing formats not imported
                 found = await formats.aprobe_first(
-                    self.checkpoint, self.open_root, options, slots=probe_slots(options)
+                    self.checkpoint,
+                    self.open_root,
+                    config.checks,
+                    config.chunking,
+                    slots=probe_slots(config),
                 )
                 if found is not None:
                     return found
@@ -452,7 +470,7 @@ class LoadSession:
         raw: memoryview | None = None
         try:  # retried like any read: a 503 on this first request must not fail the load
             if storage.supports_read_object:  # one GET: its answer gives the size and version
-                first = asyncio.ensure_future(storage.read_object(name, options.max_metadata_size))
+                first = asyncio.ensure_future(storage.read_object(name, limit))
                 if rank is None:
                     self.start_listing(requests=1)  # the data files' sizes, while it is read
                 raw, size = await first
@@ -460,10 +478,9 @@ class LoadSession:
                 size = await storage.size(name)
         except CheckpointNotFoundError as exc:
             return await _not_found(self, storage, exc, url, rank)
-        if size > options.max_metadata_size:
+        if size > limit:
             raise CheckpointFormatError(
-                f"{url} is {size} bytes, more than "
-                f"LoadOptions.max_metadata_size={options.max_metadata_size}"
+                f"{url} is {size} bytes, more than LoadOptions.max_metadata_size={limit}"
             )
         if size == 0:
             raise CheckpointFormatError(f"{url} is empty: the checkpoint is incomplete or damaged")
@@ -499,7 +516,7 @@ class LoadSession:
         if cache is not None:
             md = cache.get((url, bytes(raw)))
         if md is None:
-            md = formats.decode_metadata(raw, url, max_size=self._config.options.max_metadata_size)
+            md = formats.decode_metadata(raw, url, max_size=self._config.checks.max_metadata_size)
             if cache is not None:
                 cache.clear()  # the last one only
                 cache[(url, bytes(raw))] = md
@@ -523,7 +540,7 @@ class LoadSession:
         dests = (d for r in records for _, d in r.tensor_items)
         self._stager = _stager_for(dests, self._config.memory, self._copier)
         note_keys(
-            rep, self._tally.recorder.stats, strict=self._config.options.strict_unexpected_keys
+            rep, self._tally.recorder.stats, strict=self._config.checks.strict_unexpected_keys
         )
         return records
 
@@ -556,7 +573,7 @@ class LoadSession:
     def commit(self, records: list[Record], planner: LoadPlanner) -> None:
         """Hand every tensor and decoded object to the planner (its hooks: caller's thread;
         :func:`asyncload.engine.records.commit`)."""
-        commit(records, planner, self._config.options)
+        commit(records, planner, self._config.checks)
 
     def end_reads(self) -> None:
         """The reads are over (done, failed or cancelled): every device copy has finished
@@ -592,12 +609,11 @@ class LoadSession:
         (:func:`asyncload.engine.checks.check_claims`)."""
         self._reading = True  # the data files are read from here: the config is fixed
         storage = await self.storage()
-        options = self._config.options
         await check_claims(
             storage,
             metadata,
             fqns,
-            options,
+            self._config,
             self._fingerprints,
             self._tally.recorder,
             self.checkpoint,
@@ -636,8 +652,9 @@ async def _not_found(
             checkpoint,
             storage,
             session.open_root,
-            session.options,
-            slots=probe_slots(session.options),
+            session.config.checks,
+            session.config.chunking,
+            slots=probe_slots(session.config),
         )
         if found is not None:
             return found
@@ -651,13 +668,11 @@ async def _not_found(
     ) from exc.__cause__ or exc  # the client's own error: the translated one says the same
 
 
-def _changed_fields(current: LoadOptions, new: LoadOptions) -> list[str]:
-    """The names of the fields whose values differ between ``current`` and ``new``."""
-    return [
-        f.name
-        for f in dataclasses.fields(LoadOptions)
-        if getattr(current, f.name) != getattr(new, f.name)
-    ]
+def _changed_settings(current: LoadConfig, new: LoadConfig) -> list[str]:
+    """The names of the options whose resolved values differ between ``current`` and
+    ``new`` (:func:`asyncload.engine.config.settings`)."""
+    old, now = settings(current), settings(new)
+    return [name for name in old if old[name] != now[name]]
 
 
 def in_flight(session: LoadSession) -> InFlight | None:

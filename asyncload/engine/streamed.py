@@ -35,9 +35,9 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncload.common.options import LoadOptions
+from asyncload.common.options import CheckPolicy
 from asyncload.engine.assembly import assemble
 from asyncload.engine.checks import check_against_metadata
 from asyncload.engine.chunks import Chunk, Piece, TensorLocation
@@ -54,6 +54,9 @@ from asyncload.formats import (
     tensor_location,
 )
 from asyncload.storage import RetryingStorage
+
+if TYPE_CHECKING:
+    from asyncload.engine.config import LoadConfig
 
 __all__ = ["aread_streamed", "locate", "probe_pieces"]
 
@@ -88,7 +91,7 @@ def probe_pieces(
     return out
 
 
-async def locate(rec: Record, storage: RetryingStorage, options: LoadOptions) -> TensorLocation:
+async def locate(rec: Record, storage: RetryingStorage, checks: CheckPolicy) -> TensorLocation:
     """Where ``rec``'s tensor is, from its headers: the bytes its window holds (its probes),
     more of them fetched where they fall short; checked against the metadata."""
 
@@ -102,8 +105,8 @@ async def locate(rec: Record, storage: RetryingStorage, options: LoadOptions) ->
         rec.length,
         f"{storage.url(rec.name)} {rec.where}",
         fetch,
-        max_pickle=options.max_metadata_size,
-        safe_globals=options.safe_globals,
+        max_pickle=checks.max_metadata_size,
+        safe_globals=checks.safe_globals,
     )
     loc = tensor_location(layout, rec.name)
     check_against_metadata(rec, loc)
@@ -368,7 +371,7 @@ async def aread_streamed(
     reads_of: Any,
     pipeline: Pipeline,
     storage: RetryingStorage,
-    options: LoadOptions,
+    config: LoadConfig,
     first: list[Chunk],
     large: list[Record],
     reads: ReadBudget,
@@ -378,7 +381,7 @@ async def aread_streamed(
     (both in file order) in one pipeline run, as the module says. ``reads_of``: the load's
     :class:`~asyncload.engine.reads.RecordReads` (its planning of a record's data, its
     counters)."""
-    stream = _Stream(reads_of, storage, options, reads, trackers, len(large))
+    stream = _Stream(reads_of, storage, config, reads, trackers, len(large))
     try:
         await pipeline.run_stream(stream.source(first, large))
     finally:
@@ -414,21 +417,22 @@ class _Stream:
         self,
         reads_of: Any,
         storage: RetryingStorage,
-        options: LoadOptions,
+        config: LoadConfig,
         reads: ReadBudget,
         trackers: list[tuple[CrcTracker, Record]],
         n_large: int,
     ) -> None:
         self.reads_of = reads_of
         self.storage = storage
-        self.options = options
-        self.chunking = options.chunk_policy
+        self.checks = config.checks
+        self.chunking = config.chunking
+        self.max_in_flight = config.concurrency.max_in_flight
         self.reads = reads
         self.trackers = trackers
         self.n_large = n_large
         self.loop = asyncio.get_running_loop()
         # verify=True: every record probed, each tensor's bytes checked as they land
-        self.guessing = GUESS and not options.verify
+        self.guessing = GUESS and not config.checks.verify
         self.ready: asyncio.Queue[list[Chunk] | BaseException] = asyncio.Queue()
         self.planning: set[asyncio.Task[None]] = set()
         self.waiting: dict[int, int] = {}
@@ -463,7 +467,7 @@ class _Stream:
             pieces = await r._record_pieces(
                 rec,
                 self.storage,
-                self.options,
+                self.chunking,
                 None,
                 self.reads,
                 self.trackers,
@@ -494,7 +498,7 @@ class _Stream:
 
     async def _learned(self, twin: Record) -> None:
         try:
-            loc = await locate(twin, self.storage, self.options)
+            loc = await locate(twin, self.storage, self.checks)
             if self.head_len is None:
                 self.head_len = loc.data_start - twin.offset
         except Exception:  # the guessed read of the same bytes raises it, when checked
@@ -527,7 +531,6 @@ class _Stream:
             planned = self.reads_of._plan_items(
                 rec,
                 spot,
-                self.options,
                 ecs,
                 self.chunking.min_chunk_size,
                 None,
@@ -616,7 +619,7 @@ class _Stream:
             rec.window = ByteWindow()
             for lo, hi in probes(rec):
                 rec.window.add(lo, _gather(segments, lo, hi))
-            loc = await locate(rec, self.storage, self.options)
+            loc = await locate(rec, self.storage, self.checks)
             moved = _shifted(loc, spot, rec)
             if moved:
                 # its bytes all landed, at another offset: moved into place, none read again
@@ -713,7 +716,7 @@ class _Stream:
         """The chunks of ``first`` and of the ``large`` records, in file order, then the
         data planned after the last record went out."""
         ecs = self.chunking.chunk_size
-        self.joiner = _Joiner(join_limit(large, ecs, self.options.max_in_flight))
+        self.joiner = _Joiner(join_limit(large, ecs, self.max_in_flight))
         i = 0
         for c in first:
             pending: Chunk | None = c

@@ -19,6 +19,7 @@ from asyncload.common.stats import LoadStats, _fmt_bytes
 from asyncload.distributed import SHOWN_IN_FLIGHT, Monitor, RankProgress, Rate
 from asyncload.engine import (
     LoadSession,
+    governing_options,
     in_flight,
     load_steps,
     resolve_config,
@@ -73,25 +74,26 @@ def _prepare(
                 "one): make the planner skip missing keys itself, or pass no planner"
             )
         planner.allow_partial_load = True
-    config = resolve_config(options, planner_terms(planner))
+    terms = planner_terms(planner)
+    options = governing_options(options, terms)  # handed on to the planners made here
+    config = resolve_config(options, terms)
     monitor: Monitor | None = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         monitor = Monitor(
             process_group,
             config.collective_timeout,
-            late_after=config.options.late_rank_log_after,
+            late_after=config.ranks.late_rank_log_after,
         )
         progress = _reporting_to(monitor, progress)
     if planner is None and monitor is not None:
         from asyncload.faces.dcp_reader import PipelinedLoadPlanner
 
-        planner = PipelinedLoadPlanner(
-            options=config.options, allow_partial_load=allow_partial_load
-        )
+        planner = PipelinedLoadPlanner(options=options, allow_partial_load=allow_partial_load)
         config = config.with_planner(planner_terms(planner))  # its options are the config's
     session = LoadSession(
         checkpoint,
         config=config,
+        options=options,
         storage_options=dict(storage_options or {}),
         group=process_group,
         monitor=monitor,
@@ -103,7 +105,7 @@ def _prepare(
         monitor.start_reporting(lambda: in_flight(session))
     if planner is None:
         session.plain_metadata = True
-        return session, None, _default_planner(config.options, allow_partial_load)
+        return session, None, _default_planner(options, allow_partial_load)
     return session, planner, None
 
 

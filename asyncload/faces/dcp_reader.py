@@ -379,6 +379,7 @@ class PipelinedReader(StorageReader):
         self.session = LoadSession(
             checkpoint,
             config=resolve_config(self.options),
+            options=self.options,
             storage_options=storage_options,
             progress=self._report_progress,
             extension_registry=_extension_registry,

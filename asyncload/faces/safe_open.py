@@ -236,7 +236,7 @@ class _FileStore:
         self._clock = LoadClock(time.monotonic)
         self._t0 = time.monotonic()
         self._recorder.started = self._t0
-        self._loop = loop_thread(config.options.use_uvloop, local=is_local(parent))
+        self._loop = loop_thread(config.use_uvloop, local=is_local(parent))
         self._pid = os.getpid()
         self._raw: Storage | None = None
         self._boundary: RetryingStorage | None = None
@@ -250,9 +250,7 @@ class _FileStore:
 
     def _current_loop(self) -> asyncio.AbstractEventLoop:
         if self._pid != os.getpid() or not self._loop.is_running():
-            self._loop = loop_thread(
-                self._config.options.use_uvloop, local=is_local(self.checkpoint)
-            )
+            self._loop = loop_thread(self._config.use_uvloop, local=is_local(self.checkpoint))
             self._pid = os.getpid()
         return self._loop
 
@@ -310,10 +308,10 @@ class _Reader:
     """The async core of one open file: its store (storage, threads, statistics), its
     header, and the reads of boxes of its tensors. Runs on the store's loop."""
 
-    def __init__(self, session: _FileStore, name: str, options: LoadOptions) -> None:
+    def __init__(self, session: _FileStore, name: str, config: LoadConfig) -> None:
         self.session = session
         self.name = name
-        self.options = options
+        self.config = config
         self.header: SafetensorsHeader | None = None
         #: The file's fingerprint when its header was read (a local file: a changed file is
         #: an error, not a torn tensor); remote objects are pinned by the store itself.
@@ -329,7 +327,7 @@ class _Reader:
             base=0,
             blob_size=size,
             where=storage.url(name),
-            max_header_size=self.options.max_metadata_size,
+            max_header_size=self.config.checks.max_metadata_size,
             head=head,
         )
         if storage.raw.calls_inline:
@@ -346,8 +344,8 @@ class _Reader:
         if out.numel() == 0:
             return out
         storage = await self.session.storage()
-        options = self.options
-        chunking = options.chunk_policy
+        config = self.config
+        chunking = config.chunking
         dest = memory_of(out)
         pieces: list[Piece] = []
         pos = 0
@@ -357,7 +355,7 @@ class _Reader:
                 pieces.append(Piece(self.name, start + a, start + a + m, into=dest[pos : pos + m]))
                 pos += m
         assert pos == len(dest)
-        ratio = None if options.verify else options.max_over_read_ratio
+        ratio = None if config.checks.verify else config.checks.max_over_read_ratio
         budget = ReadBudget(ratio, not is_local(self.session.checkpoint), pos, 0)
         chunks = make_chunks(
             pieces,
@@ -368,8 +366,8 @@ class _Reader:
         await read_chunks(
             storage,
             chunks,
-            memory_budget=options.memory_budget,
-            max_in_flight=options.max_in_flight,
+            memory_budget=config.memory.budget,
+            max_in_flight=config.concurrency.max_in_flight,
         )
         if self.fingerprints:
             await check_unchanged(storage, self.fingerprints)
@@ -435,7 +433,7 @@ class SafetensorsFile:
         self.url = url
         parent, name = split_file_url(url)
         self._session = _FileStore(parent, config, storage_options)
-        self._reader = _Reader(self._session, name, config.options)
+        self._reader = _Reader(self._session, name, config)
         self._closed = False
         try:
             self._header = self._session.run(self._reader.aopen())

@@ -210,9 +210,20 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         sharing (:meth:`share_session`)."""
         return dataclasses.replace(
             super()._load_terms(),
-            collective_timeout=self.collective_timeout_for,
-            share=self.share_session,
+            collective_timeout=self._load_collective_timeout,
+            share=self._share_for,
         )
+
+    def _load_collective_timeout(self, own: float | None) -> float | None:
+        """:meth:`collective_timeout_for` a load whose options say ``own``."""
+        return self.collective_timeout_for(
+            dataclasses.replace(self.options, collective_timeout=own)
+        )
+
+    def _share_for(self, session: LoadSession) -> _ShareSession | None:
+        """:meth:`share_session` with the options the load's config was resolved from (the
+        face gave them to the session; this planner's own where it gave none)."""
+        return self.share_session(session, session.options or self.options)
 
     def share_session(self, session: LoadSession, options: LoadOptions) -> _ShareSession | None:
         """The reading hook: a share session that takes over this rank's reads of the load
@@ -220,7 +231,6 @@ class ShardedLoadPlanner(PipelinedLoadPlanner):
         group of one). ``session`` was made with its process group and monitor."""
         share = open_share(
             session,
-            options,
             process_group=self.process_group,
             collective_timeout=self.collective_timeout_for(options),
             ordered=self.ordered,

@@ -175,6 +175,7 @@ class CheckpointStream:
         self.session = LoadSession(
             checkpoint,
             config=config,
+            options=self.options,
             storage_options=storage_options,
             progress=self._batch_progress,
             metadata_cache=metadata_cache,

@@ -300,7 +300,7 @@ async def adirectory_metadata(
 ) -> FormatMetadata:
     """The synthesised metadata of the torch-checkpointing directory ``fetcher`` is opened at
     (``names``: its listing)."""
-    opts = fetcher.options
+    checks = fetcher.checks
     meta: _TcMetadata | None = None
     if METADATA_FILE in names:
         size = await fetcher.size(METADATA_FILE)
@@ -309,13 +309,13 @@ async def adirectory_metadata(
             raise CheckpointFormatError(
                 f"{url} is empty: the torch-checkpointing save did not finish"
             )
-        if size > opts.max_metadata_size:
+        if size > checks.max_metadata_size:
             raise CheckpointFormatError(
                 f"{url} is {size} bytes, more than "
-                f"LoadOptions.max_metadata_size={opts.max_metadata_size}"
+                f"LoadOptions.max_metadata_size={checks.max_metadata_size}"
             )
         meta = decode_metadata_pkl(
-            await fetcher.read(METADATA_FILE, 0, size), url, max_size=opts.max_metadata_size
+            await fetcher.read(METADATA_FILE, 0, size), url, max_size=checks.max_metadata_size
         )
     files = _item_files(names, fetcher.url)
     if meta is not None:  # metadata.pkl is authoritative for the items it describes

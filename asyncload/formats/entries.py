@@ -26,7 +26,7 @@ from asyncload.common.errors import (
     CheckpointNotFoundError,
     StateDictMismatchError,
 )
-from asyncload.common.options import LoadOptions
+from asyncload.common.options import CheckPolicy, ChunkPolicy
 from asyncload.formats.location import TensorLocation, split_file_url
 from asyncload.storage import RetryingStorage
 
@@ -121,13 +121,20 @@ class ReadSlots(Protocol):
 class Fetcher:
     """Reads for format probing over the load's :class:`RetryingStorage` (its retry policy,
     counted in the load's stats), each under one of ``slots`` (the caller's meter of reads:
-    ``options.max_in_flight`` of them); a missing file is ``None`` rather than an error."""
+    ``max_in_flight`` of them); a missing file is ``None`` rather than an error. ``checks``
+    bound what a header or pickle may claim; ``chunking`` how a layout's reads are joined."""
 
     def __init__(
-        self, storage: RetryingStorage, options: LoadOptions, *, slots: ReadSlots
+        self,
+        storage: RetryingStorage,
+        checks: CheckPolicy,
+        chunking: ChunkPolicy,
+        *,
+        slots: ReadSlots,
     ) -> None:
         self.storage = storage
-        self.options = options
+        self.checks = checks
+        self.chunking = chunking
         self._slots = slots
 
     def url(self, name: str) -> str:

@@ -19,7 +19,7 @@ from asyncload.common.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from asyncload.common.options import LoadOptions
+from asyncload.common.options import CheckPolicy, ChunkPolicy
 from asyncload.common.paths import check_relative_path
 from asyncload.formats.dcpv2_names import METADATA_FILE, is_torch_checkpointing, item_file_hint
 from asyncload.formats.entries import (
@@ -56,7 +56,8 @@ _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
 async def aprobe_first(
     checkpoint: str | os.PathLike[str],
     open_root: OpenRoot,
-    options: LoadOptions,
+    checks: CheckPolicy,
+    chunking: ChunkPolicy,
     *,
     slots: ReadSlots,
 ) -> FormatMetadata | None:
@@ -67,14 +68,14 @@ async def aprobe_first(
         return None
     if is_local(checkpoint):
         parent, name = split_file_url(checkpoint)
-        fetcher = Fetcher(await open_root(parent), options, slots=slots)
+        fetcher = Fetcher(await open_root(parent), checks, chunking, slots=slots)
         size = await fetcher.size(name)
         if size is None:
             raise CheckpointFormatError(f"{checkpoint} is an empty file, not a checkpoint")
         return await _afile(fetcher, name, size, str(checkpoint))
     parent, name = split_file_url(checkpoint)
     return await _aremote_file(
-        Fetcher(await open_root(parent), options, slots=slots), name, str(checkpoint)
+        Fetcher(await open_root(parent), checks, chunking, slots=slots), name, str(checkpoint)
     )
 
 
@@ -82,7 +83,8 @@ async def aprobe_fallback(
     checkpoint: str | os.PathLike[str],
     storage: RetryingStorage,
     open_root: OpenRoot,
-    options: LoadOptions,
+    checks: CheckPolicy,
+    chunking: ChunkPolicy,
     *,
     slots: ReadSlots,
 ) -> FormatMetadata | None:
@@ -92,7 +94,7 @@ async def aprobe_fallback(
     Every read holds one of ``slots`` (the caller's meter of reads; the fetchers of the
     probe, used one after the other, share it).
     """
-    fetcher = Fetcher(storage, options, slots=slots)
+    fetcher = Fetcher(storage, checks, chunking, slots=slots)
     size = await fetcher.size(HF_INDEX)
     if size is not None:
         return await _aindex(fetcher, HF_INDEX, size, str(checkpoint))
@@ -111,12 +113,14 @@ async def aprobe_fallback(
         parent, name = split_file_url(checkpoint)
         if name:
             md = await _aremote_file(
-                Fetcher(await open_root(parent), options, slots=slots), name, str(checkpoint)
+                Fetcher(await open_root(parent), checks, chunking, slots=slots),
+                name,
+                str(checkpoint),
             )
             if md is not None:
                 return md
             storage = await open_root(str(checkpoint))
-            fetcher = Fetcher(storage, options, slots=slots)
+            fetcher = Fetcher(storage, checks, chunking, slots=slots)
     names = await fetcher.listdir()
     if is_torch_checkpointing(names):
         return await _adirectory(fetcher, names, str(checkpoint))
@@ -176,7 +180,7 @@ async def _afile(
             base=0,
             blob_size=size,
             where=url,
-            max_header_size=fetcher.options.max_metadata_size,
+            max_header_size=fetcher.checks.max_metadata_size,
             head=head,
         )
 
@@ -201,7 +205,7 @@ async def _aindex(fetcher: Fetcher, name: str, size: int, source: str) -> Format
     """A Hugging Face index (``{"weight_map": {key: file}}``) of safetensors or torch.save
     shards."""
     url = fetcher.url(name)
-    limit = min(fetcher.options.max_metadata_size, 256 << 20)
+    limit = min(fetcher.checks.max_metadata_size, 256 << 20)
     if size > limit:
         raise CheckpointFormatError(
             f"{url} is {size} bytes, more than the {limit} allowed for an index "

@@ -100,7 +100,7 @@ class BlobTensor(FormatEntry):
             fetcher.read,
             size_of,
             url=fetcher.url,
-            max_header_size=fetcher.options.max_metadata_size,
+            max_header_size=fetcher.checks.max_metadata_size,
         )
         return [found[e] for e in entries]
 
@@ -125,7 +125,7 @@ async def _asafetensors_files(
                 base=0,
                 blob_size=s or 0,
                 where=fetcher.url(f),
-                max_header_size=fetcher.options.max_metadata_size,
+                max_header_size=fetcher.checks.max_metadata_size,
             )
             for f, s in zip(files, sizes)
         )

@@ -464,7 +464,7 @@ async def _alayout(
     """Parse a torch.save zip file without reading its tensor data: the directory at its
     tail, the pickle and each entry's local header (fetched concurrently, neighbours joined)."""
     url = fetcher.url(name)
-    opts = fetcher.options
+    checks, chunking = fetcher.checks, fetcher.chunking
     if size < 22:
         raise CheckpointFormatError(f"{url}: {size} bytes is too small to be a torch.save archive")
     win = ByteWindow()
@@ -472,7 +472,7 @@ async def _alayout(
     tail = await fetcher.read(name, tail_start, size)
     win.add(tail_start, tail)
     cd_off, cd_size, n = locate_central_directory(tail, size, url)
-    if cd_size > opts.max_metadata_size:
+    if cd_size > checks.max_metadata_size:
         raise CheckpointFormatError(
             f"{url}: zip directory of {cd_size} bytes exceeds LoadOptions.max_metadata_size"
         )
@@ -480,10 +480,10 @@ async def _alayout(
         win.add(cd_off, await fetcher.read_view(name, cd_off, min(cd_off + cd_size, size)))
     entries = parse_central_directory(win.get(cd_off, cd_off + cd_size), n, size, url).entries
     pkl = [e for k, e in entries.items() if k.endswith("/data.pkl") or k == "data.pkl"]
-    if len(pkl) == 1 and pkl[0].size > opts.max_metadata_size:
+    if len(pkl) == 1 and pkl[0].size > checks.max_metadata_size:
         raise CheckpointFormatError(
             f"{url}: data.pkl of {pkl[0].size} bytes exceeds "
-            f"LoadOptions.max_metadata_size={opts.max_metadata_size}"
+            f"LoadOptions.max_metadata_size={checks.max_metadata_size}"
         )
     # data.pkl and byteorder whole; of each storage only its local header's fixed part and name
     # (the data start follows from the extra field's length, which that part holds)
@@ -497,9 +497,7 @@ async def _alayout(
         if whole:
             hi += _LOCAL_EXTRA_GUESS + e.size
         ranges.append((e.header_offset, min(size, hi)))
-    await _afill(
-        fetcher, name, win, ranges, max_gap=min(opts.chunk_policy.min_chunk_size, _LAYOUT_MAX_GAP)
-    )
+    await _afill(fetcher, name, win, ranges, max_gap=min(chunking.min_chunk_size, _LAYOUT_MAX_GAP))
     for _ in range(16):
         try:
             return parse_archive(
@@ -507,8 +505,8 @@ async def _alayout(
                 0,
                 size,
                 url,
-                max_pickle=opts.max_metadata_size,
-                safe_globals=opts.safe_globals,
+                max_pickle=checks.max_metadata_size,
+                safe_globals=checks.safe_globals,
                 decode=decode,
             )
         except NeedBytes as need:
@@ -528,13 +526,13 @@ async def _afill(
 ) -> None:
     """Fetch ``ranges`` into ``win``: sorted, neighbours within ``max_gap`` joined (up to
     ``chunk_size`` per request), all requests concurrently."""
-    opts = fetcher.options
+    chunking = fetcher.chunking
     merged: list[list[int]] = []
     for lo, hi in sorted(ranges):
         if (
             merged
             and lo - merged[-1][1] <= max_gap
-            and max(hi, merged[-1][1]) - merged[-1][0] <= max(opts.effective_chunk_size, hi - lo)
+            and max(hi, merged[-1][1]) - merged[-1][0] <= max(chunking.chunk_size, hi - lo)
         ):
             merged[-1][1] = max(merged[-1][1], hi)
         else:

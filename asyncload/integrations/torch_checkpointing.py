@@ -49,7 +49,7 @@ from asyncload.common.loop import loop_thread, run_sync
 from asyncload.common.options import LoadOptions
 from asyncload.common.paths import check_relative_path
 from asyncload.common.stats import LoadStats, StatsRecorder
-from asyncload.engine import Chunk, Piece, read_chunks
+from asyncload.engine import Chunk, Piece, read_chunks, resolve_config
 from asyncload.storage import RetryingStorage, is_local, local_root, open_storage
 
 __all__ = ["AsyncloadStorage", "AsyncloadStorageConfig"]
@@ -107,6 +107,8 @@ class AsyncloadStorage(Storage):
 
     def __init__(self, config: AsyncloadStorageConfig) -> None:
         self._config = config
+        #: ``config.options`` resolved once (:func:`asyncload.engine.resolve_config`).
+        self._load_config = resolve_config(config.options)
         self._root = (
             str(local_root(config.root)) if is_local(config.root) else str(config.root).rstrip("/")
         )
@@ -147,7 +149,7 @@ class AsyncloadStorage(Storage):
     # --- the engine ------------------------------------------------------------------------
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return run_sync(coro, loop_thread(self._config.options.use_uvloop))
+        return run_sync(coro, loop_thread(self._load_config.use_uvloop))
 
     def _store(self, directory: str) -> RetryingStorage:
         with self._lock:
@@ -157,16 +159,22 @@ class AsyncloadStorage(Storage):
                     self._executor = concurrent.futures.ThreadPoolExecutor(
                         4, thread_name_prefix="asyncload-tc"
                     )
-                opts = self._config.options
+                cfg = self._load_config
                 raw = open_storage(
                     self._url(directory),
                     self._config.storage_options,
                     self._executor,
-                    transport=opts.transport,
+                    transport=cfg.storage.transport,
                     mapped_copies=False,
                 )
-                rec, pool = self._recorder, self._executor
-                store = RetryingStorage.for_options(raw, opts, rec, pool, clock=self._clock)
+                store = RetryingStorage(
+                    raw,
+                    retry=cfg.retry,
+                    hedge=cfg.hedge,
+                    stats=self._recorder,
+                    executor=self._executor,
+                    clock=self._clock,
+                )
                 self._stores[directory] = store
             return store
 
@@ -295,8 +303,8 @@ class _RangedStream(io.RawIOBase):
         return n
 
     async def _aread(self, start: int, end: int) -> bytes | bytearray | memoryview:
-        opts = self._owner._config.options
-        step = max(1, opts.effective_chunk_size)
+        cfg = self._owner._load_config
+        step = max(1, cfg.chunking.chunk_size)
         if end - start <= step:
             return await self._store.read(self._name, start, end)
         buf = bytearray(end - start)
@@ -308,6 +316,9 @@ class _RangedStream(io.RawIOBase):
             chunks.append(Chunk(self._name, lo, hi, [piece]))
         # the engine's read loop: the first failure raised as one read's, the others cancelled
         await read_chunks(
-            self._store, chunks, memory_budget=opts.memory_budget, max_in_flight=opts.max_in_flight
+            self._store,
+            chunks,
+            memory_budget=cfg.memory.budget,
+            max_in_flight=cfg.concurrency.max_in_flight,
         )
         return buf

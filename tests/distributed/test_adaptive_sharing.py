@@ -31,6 +31,7 @@ from asyncload.distributed.claims import ClaimSlots, _unit_keys
 from asyncload.distributed.identity import _check_identities, checkpoint_identity, file_identities
 from asyncload.distributed.policy import sharing_policy
 from asyncload.distributed.share_plan import Transfer, _pack, _unpack, plan_transfers, split_units
+from asyncload.engine import resolve_config
 from asyncload.formats import decode_metadata
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.distributed]
@@ -410,7 +411,7 @@ def _policy(**kw: Any) -> Any:
     }
     args.update(kw)
     options = args.pop("options", LoadOptions(hedge_min_delay=None))
-    return sharing_policy(options, **args)
+    return sharing_policy(resolve_config(options), **args)
 
 
 def test_sharing_policy_resolves_the_knobs_once() -> None:

@@ -31,6 +31,7 @@ from asyncload.distributed.policy import (
     decide_sharing,
     sharing_policy,
 )
+from asyncload.engine import resolve_config
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 
@@ -51,7 +52,7 @@ def _policy(**kw: Any) -> Any:
         "collective_timeout": None,
     }
     knobs.update(kw)
-    return sharing_policy(asyncload.LoadOptions(), **knobs)
+    return sharing_policy(resolve_config(asyncload.LoadOptions()), **knobs)
 
 
 def _est(remote: bool, need: int, latency: float | None = None, rate: float | None = None) -> Any:

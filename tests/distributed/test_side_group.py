@@ -39,6 +39,7 @@ import asyncload
 from asyncload import LoadOptions, ShardedLoadPlanner
 from asyncload.distributed.policy import sharing_policy
 from asyncload.distributed.share_plan import plan_transfers
+from asyncload.engine import resolve_config
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 
@@ -464,7 +465,7 @@ def _policy(**kw: Any) -> Any:
         "backend": "nccl",
     }
     args.update(kw)
-    return sharing_policy(LoadOptions(), **args)
+    return sharing_policy(resolve_config(LoadOptions()), **args)
 
 
 def test_the_side_group_is_chosen_when_the_group_matches_by_order() -> None:

@@ -12,7 +12,13 @@ from _ckpt import assert_bitwise_equal, make_checkpoint, random_tensor, zeros_li
 
 import asyncload
 from asyncload import LoadOptions, PipelinedLoadPlanner, PipelinedReader, ShardedLoadPlanner
-from asyncload.engine.config import MemoryPlan, PlannerTerms, resolve_config, ring_geometry
+from asyncload.engine.config import (
+    MemoryPlan,
+    PlannerTerms,
+    governing_options,
+    resolve_config,
+    ring_geometry,
+)
 from asyncload.engine.cuda_ring import PinnedRing
 from asyncload.engine.session import LoadSession
 from asyncload.faces.terms import planner_terms
@@ -26,10 +32,12 @@ MiB = 1 << 20
 def test_options_given_govern_else_the_planners_own_else_the_defaults() -> None:
     mine = LoadOptions(chunk_size=64 * KiB)
     knobs = PipelinedLoadPlanner(chunk_size=4096)
-    assert resolve_config(mine, planner_terms(knobs)).options is mine
-    assert resolve_config(None, planner_terms(knobs)).options is knobs.options
-    assert resolve_config(None, planner_terms(PipelinedLoadPlanner())).options == LoadOptions()
-    assert resolve_config().options == LoadOptions()
+    assert governing_options(mine, planner_terms(knobs)) is mine
+    assert governing_options(None, planner_terms(knobs)) is knobs.options
+    assert governing_options(None, planner_terms(PipelinedLoadPlanner())) == LoadOptions()
+    assert resolve_config(mine, planner_terms(knobs)).chunking.chunk_size == 64 * KiB
+    assert resolve_config(None, planner_terms(knobs)).chunking.chunk_size == 4096
+    assert resolve_config() == resolve_config(LoadOptions())
     with pytest.raises(TypeError, match="options must be a LoadOptions, not dict"):
         resolve_config({"chunk_size": 1})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="terms must be a PlannerTerms"):
@@ -62,7 +70,7 @@ def test_config_holds_the_narrow_policies() -> None:
     assert (c.retry.timeout, c.retry.retries, c.hedge.enabled, c.io_threads) == (7.0, 2, False, 3)
     assert c.collective_timeout == o.collective_timeout
     with pytest.raises(AttributeError):
-        c.options = LoadOptions()  # type: ignore[misc]  # frozen
+        c.io_threads = 4  # type: ignore[misc]  # frozen
 
 
 def test_a_planners_collective_timeout_is_resolved_into_the_config() -> None:
@@ -89,7 +97,7 @@ def test_a_planners_collective_timeout_is_resolved_into_the_config() -> None:
 def test_memory_plan_states_every_share_of_the_budget(budget: int, chunk: int) -> None:
     o = LoadOptions(memory_budget=budget, chunk_size=chunk)
     plan = resolve_config(o).memory
-    slots, slot = ring_geometry(o)
+    slots, slot = ring_geometry(budget, min(chunk, budget))
     assert plan == MemoryPlan(budget, budget, slots * slot, slots, slot, budget, budget)
     assert (
         plan.pinned <= budget
@@ -97,21 +105,24 @@ def test_memory_plan_states_every_share_of_the_budget(budget: int, chunk: int) -
     )
     # a load into device tensors reads chunks of at most one slot
     staged = resolve_config(o).staged
-    assert staged.effective_chunk_size <= slot
-    assert staged.min_chunk_size is not None and staged.min_chunk_size <= slot
+    assert staged.chunk_size <= slot and staged.min_chunk_size <= slot
+    if o.effective_chunk_size <= slot:  # the chunks fit a slot: the load's own chunking
+        assert staged == o.chunk_policy
 
 
 def test_the_session_is_made_with_its_collaborators_and_says_so(tmp_path) -> None:
     seen: list[tuple[int, int]] = []
     ticks = iter(range(1000))
-    config = resolve_config(LoadOptions(chunk_size=64 * KiB))
+    options = LoadOptions(chunk_size=64 * KiB)
+    config = resolve_config(options)
     session = LoadSession(
         tmp_path / "ckpt",
         config=config,
+        options=options,
         progress=lambda done, total: seen.append((done, total)),
         clock=lambda: float(next(ticks)),
     )
-    assert session.config is config and session.options is config.options
+    assert session.config is config and session.options is options
     assert session.group is None and session.monitor is None and session.progress is not None
     with pytest.raises(AttributeError):
         session.monitor = object()  # type: ignore[misc]  # given when made, never replaced
@@ -281,3 +292,120 @@ def test_a_plain_dcp_load_with_a_planners_options_still_works(tmp_path) -> None:
         assert reader.session.config.chunking.chunk_size == chunk
         assert reader.session.stats is not None
         assert reader.session.stats.bytes_assembled == 4 * 64 * 64 * 4
+
+
+def _types_in(hint: object) -> set[object]:
+    """``hint`` and every type inside it (``X | None``, ``tuple[X, ...]``)."""
+    import typing
+
+    found = {hint}
+    for arg in typing.get_args(hint):
+        found |= _types_in(arg)
+    return found
+
+
+def test_the_config_holds_resolved_fields_and_no_load_options() -> None:
+    """One configuration channel (issue 46, item 4): LoadConfig holds what the options
+    resolve to, field by field; no LoadOptions travels inside it (nor inside its groups)."""
+    import dataclasses
+    import typing
+
+    from asyncload.engine import config as config_module
+
+    def fields_of(cls: type) -> dict[str, object]:
+        hints = typing.get_type_hints(cls, vars(config_module))
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+    top = fields_of(config_module.LoadConfig)
+    assert "options" not in top
+    for name, hint in top.items():
+        assert LoadOptions not in _types_in(hint), name
+        if name != "planner" and dataclasses.is_dataclass(hint):  # a group of fields
+            for inner, inner_hint in fields_of(hint).items():  # type: ignore[arg-type]
+                assert LoadOptions not in _types_in(inner_hint), f"{name}.{inner}"
+
+    def probe(obj: object) -> None:  # and no LoadOptions value, at any depth
+        assert not isinstance(obj, LoadOptions)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, PlannerTerms):
+            for f in dataclasses.fields(obj):
+                probe(getattr(obj, f.name))
+
+    o = LoadOptions(
+        chunk_size=256 * KiB,
+        min_chunk_size=64 * KiB,
+        memory_budget=256 * KiB,
+        concurrency="auto",
+        timeout=9.0,
+        retries=2,
+        verify=True,
+        allow_dtype_cast=True,
+        strict_unexpected_keys=True,
+        max_metadata_size=5 * MiB,
+        max_over_read_ratio=2.0,
+        safe_globals=("collections.OrderedDict",),
+        transport="fsspec",
+        local_mapped_copies=False,
+        use_uvloop=False,
+        late_rank_log_after=7.0,
+        share_metadata=True,
+        collective_timeout=11.0,
+    )
+    c = resolve_config(o)
+    probe(c)
+    assert (c.chunking.chunk_size, c.chunking.min_chunk_size) == (256 * KiB, 64 * KiB)
+    # a 256 KiB budget: two slots of 128 KiB, a device load's chunks cut to one slot
+    assert (c.memory.pinned_slots, c.memory.slot_size) == (2, 128 * KiB)
+    assert (c.staged.chunk_size, c.staged.min_chunk_size) == (128 * KiB, 64 * KiB)
+    assert (c.concurrency.auto, c.concurrency.initial, c.concurrency.max_in_flight) == (
+        True,
+        8,
+        64,
+    )
+    assert (c.retry.timeout, c.retry.retries) == (9.0, 2)
+    assert c.checks == config_module.CheckPolicy(
+        verify=True,
+        allow_dtype_cast=True,
+        strict_unexpected_keys=True,
+        max_metadata_size=5 * MiB,
+        max_over_read_ratio=2.0,
+        safe_globals=("collections.OrderedDict",),
+    )
+    assert c.storage == config_module.StoragePolicy(
+        transport="fsspec", mapped_copies=False, max_listing_size=5 * MiB
+    )
+    assert c.ranks == config_module.RankPolicy(
+        collective_timeout=11.0, late_rank_log_after=7.0, share_metadata=True
+    )
+    assert (c.use_uvloop, c.collective_timeout, c.memory.budget) == (False, 11.0, 256 * KiB)
+    fixed = resolve_config(LoadOptions(concurrency=5, io_threads=3))
+    assert fixed.concurrency == config_module.Concurrency(auto=False, initial=5, max_in_flight=5)
+    assert fixed.io_threads == 3
+    # settings name every option, in LoadOptions' order: what planner_arrived compares
+    names = [f.name for f in dataclasses.fields(LoadOptions)]
+    assert list(config_module.settings(c)) == names
+    assert config_module.settings(c)["memory_budget"] == 256 * KiB
+    assert config_module.settings(resolve_config(LoadOptions(chunk_size=4096))) == (
+        config_module.settings(resolve_config(LoadOptions(chunk_size=4096)))
+    )
+
+
+def test_a_pipeline_keeps_no_planner_alive() -> None:
+    """The pipeline's config brings no planner's terms (the store's throttle callback makes a
+    reference cycle of the pipeline: a planner kept there would keep a stream's tensors
+    alive until a garbage collection; tests/faces/test_iter_tensors.py measures it)."""
+    import concurrent.futures
+
+    from asyncload.common.stats import StatsRecorder
+    from asyncload.engine import Pipeline
+    from asyncload.storage import LocalStorage
+
+    terms = planner_terms(PipelinedLoadPlanner(chunk_size=4096))
+    config = resolve_config(None, terms)
+    assert config.planner is terms
+    bare = config.without_planner()
+    assert bare.planner == PlannerTerms() and bare.chunking == config.chunking
+    assert bare.without_planner() is bare
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        pipe = Pipeline(LocalStorage(".", ex), config, StatsRecorder(), ex)
+        assert pipe.config.planner == PlannerTerms()
+        assert pipe.config.chunking == pipe.chunking == config.chunking

@@ -89,8 +89,9 @@ def test_device_destinations_bit_exact(
         assert fake.begun == 1 and fake.synchronized >= 1
         assert fake.copies >= 6
         assert fake.bytes_copied >= sum(v.numel() * v.element_size() for v in sd.values())
-        budget = (options or LoadOptions()).memory_budget
-        slots, slot = ring_geometry(options or LoadOptions())
+        o = options or LoadOptions()
+        budget = o.memory_budget
+        slots, slot = ring_geometry(budget, o.effective_chunk_size)
         assert slots * slot <= budget
         if fmt != "dcp":  # everything through the ring, nothing bounced
             assert fake.peak_pinned_bytes == slots * slot
@@ -107,7 +108,7 @@ def test_slots_are_reused_only_after_their_copies_ran(tmp_path: Path) -> None:
     opts = LoadOptions(
         chunk_size=32 << 10, min_chunk_size=1 << 10, memory_budget=64 << 10, concurrency=16
     )
-    assert ring_geometry(opts) == (2, 32 << 10)
+    assert ring_geometry(opts.memory_budget, opts.effective_chunk_size) == (2, 32 << 10)
     with fake_device(delay=0.005) as fake:
         dest = zeros(sd)
         asyncload.load(dest, path, options=opts)
@@ -249,6 +250,6 @@ def test_ring_geometry_stays_within_the_budget(
     budget: int, chunk: int, expect: tuple[int, int]
 ) -> None:
     opts = LoadOptions(memory_budget=budget, chunk_size=chunk, min_chunk_size=min(chunk, 1 << 20))
-    slots, slot = ring_geometry(opts)
+    slots, slot = ring_geometry(budget, opts.effective_chunk_size)
     assert (slots, slot) == expect
     assert 2 <= slots <= 8 and slots * slot <= budget and slot <= opts.effective_chunk_size

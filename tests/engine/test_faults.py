@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import asyncload
 from asyncload import ChunkTimeoutError, LoadOptions, StorageReadError
 from asyncload.common.stats import StatsRecorder
+from asyncload.engine import resolve_config
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.pipeline import Pipeline
 from asyncload.storage import open_storage
@@ -188,7 +189,7 @@ async def test_pipeline_state_after_dead_chunk_and_after_cancel(
             r.proxy.clear()
             rule = r.proxy.add_rule(stall(None), times=None, skip=3, **DATA)
             storage = open_storage(r.url, r.storage_options, ex, transport=OPTS.transport)
-            pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+            pipe = Pipeline(storage, resolve_config(opts), StatsRecorder(), ex)
             dest = bytearray(size)
             mv = memoryview(dest)
             step = 32 << 10

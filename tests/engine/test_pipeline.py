@@ -14,6 +14,7 @@ from _ckpt import open_fds_under
 
 from asyncload import AsyncLoadError, LoadOptions
 from asyncload.common.stats import StatsRecorder
+from asyncload.engine import resolve_config
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.meter import Meter, MeterStatistics
 from asyncload.engine.pipeline import Pipeline
@@ -260,7 +261,7 @@ async def test_pipeline_reads_everything_within_budget(data_file, concurrency):
     with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-io") as ex:
         storage = LocalStorage(str(root), ex)
         rec = StatsRecorder()
-        pipe = Pipeline(storage, opts, rec, ex)
+        pipe = Pipeline(storage, resolve_config(opts), rec, ex)
         dest = bytearray(len(data))
         await pipe.run(_chunks_into(dest, "f.bin", len(data), 4096, staged_every=3))
         await storage.aclose()
@@ -282,7 +283,7 @@ async def test_pipeline_error_leaves_budget_and_limiter_whole(data_file):
     )
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         storage = LocalStorage(str(root), ex)
-        pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+        pipe = Pipeline(storage, resolve_config(opts), StatsRecorder(), ex)
         dest = bytearray(len(data) + 4096)
         chunks = _chunks_into(
             dest, "f.bin", len(data) + 4096, 4096
@@ -303,7 +304,7 @@ async def test_pipeline_missing_file_is_checkpoint_not_found(data_file):
     opts = LoadOptions(retries=0)
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         storage = LocalStorage(str(root), ex)
-        pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+        pipe = Pipeline(storage, resolve_config(opts), StatsRecorder(), ex)
         with pytest.raises(CheckpointNotFoundError, match="nope.bin"):
             await pipe.run(_chunks_into(bytearray(100), "nope.bin", 100, 100))
         assert pipe.budget.used == 0
@@ -332,7 +333,7 @@ async def test_pipeline_cancelled_mid_run_leaves_budget_and_limiter_whole(data_f
     try:
         storage = LocalStorage(str(root), ex)
         rec = StatsRecorder()
-        pipe = Pipeline(storage, opts, rec, ex)
+        pipe = Pipeline(storage, resolve_config(opts), rec, ex)
         task = asyncio.create_task(pipe.run(chunks))
         assert await asyncio.to_thread(entered.wait, 10)
         assert not task.done()
@@ -513,7 +514,7 @@ async def test_large_local_chunks_read_in_one_run_are_bit_exact_and_counted(tmp_
         rec = StatsRecorder()
         dest = bytearray(len(data))
         chunks = _chunks_into(dest, "f.bin", len(data), 128 << 10)
-        await Pipeline(storage, opts, rec, ex).run(chunks)
+        await Pipeline(storage, resolve_config(opts), rec, ex).run(chunks)
         await storage.aclose()
     assert bytes(dest) == data
     s = rec.snapshot()
@@ -534,7 +535,7 @@ async def test_a_run_that_reads_past_the_end_of_its_file_names_the_file_and_the_
     opts = LoadOptions(chunk_size=128 << 10, memory_budget=8 << 20, concurrency=4, retries=1)
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         storage = LocalStorage(str(tmp_path), ex)
-        pipe = Pipeline(storage, opts, StatsRecorder(), ex)
+        pipe = Pipeline(storage, resolve_config(opts), StatsRecorder(), ex)
         dest = bytearray(len(data))
         with pytest.raises(CheckpointFormatError) as ei:
             await pipe.run(_chunks_into(dest, "f.bin", len(data), 128 << 10))

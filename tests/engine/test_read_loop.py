@@ -15,7 +15,7 @@ from _ckpt import open_fds_under
 
 from asyncload import CheckpointFormatError, LoadOptions
 from asyncload.common.stats import StatsRecorder
-from asyncload.engine import Meter, read_chunks
+from asyncload.engine import Meter, read_chunks, resolve_config
 from asyncload.engine.chunks import Chunk, Piece
 from asyncload.engine.read_loop import SMALL_READ, group_chunks, probe_slots
 from asyncload.storage import LocalStorage, RetryingStorage, open_storage
@@ -147,8 +147,8 @@ async def test_remote_chunks_are_read_one_by_one_bit_exact(http_server: Any) -> 
 
 
 def test_probe_slots_are_a_meter_of_max_in_flight_reads() -> None:
-    slots = probe_slots(LoadOptions(concurrency=5))
+    slots = probe_slots(resolve_config(LoadOptions(concurrency=5)))
     assert isinstance(slots, Meter)
     assert (slots.capacity, slots.unit, slots.used) == (5, "reads", 0)
-    assert probe_slots(LoadOptions(concurrency="auto")).capacity == 64
+    assert probe_slots(resolve_config(LoadOptions(concurrency="auto"))).capacity == 64
     assert SMALL_READ == 64 * 1024
